@@ -55,9 +55,10 @@ def _rms_norm_fwd_kernel(
 
 @triton.jit
 def _rms_norm_bwd_kernel(
-    X, W, DY, RSTD, DX, DW_PARTIAL,
+    X, W, DY, RSTD, DX, DW_PARTIAL, DW, COUNTERS,
     n_rows, n_cols, stride_x, stride_dy, stride_dx,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, COMPUTE_DW: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, COMPUTE_DW: tl.constexpr, STAGES: tl.constexpr,
+    FINISHERS: tl.constexpr, FINISH_BLOCK: tl.constexpr, PARTIAL_BLOCK: tl.constexpr,
 ):
     # A persistent grid: program p handles row blocks p, p + P, p + 2P, ... and accumulates its part of dW in
     # registers, so dW costs one [P, hidden] float32 write at the end instead of a [rows, hidden] buffer.
@@ -69,7 +70,8 @@ def _rms_norm_bwd_kernel(
     dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
 
     n_blocks = tl.cdiv(n_rows, ROWS)
-    for block in range(pid, n_blocks, n_programs):
+    # STAGES > 1 lets the compiler fetch the next block's x and dy while this one is being computed.
+    for block in tl.range(pid, n_blocks, n_programs, num_stages=STAGES):
         rows = (block * ROWS + tl.arange(0, ROWS)).to(tl.int64)
         row_ok = rows < n_rows
         ok = row_ok[:, None] & col_ok[None, :]
@@ -92,19 +94,40 @@ def _rms_norm_bwd_kernel(
 
     if COMPUTE_DW:
         tl.store(DW_PARTIAL + pid.to(tl.int64) * n_cols + cols, dw_acc, mask=col_ok)
+        _finish_dw(DW_PARTIAL, DW, COUNTERS, n_programs, n_cols, FINISHERS, FINISH_BLOCK, PARTIAL_BLOCK)
 
 
 @triton.jit
-def _sum_partials_kernel(PARTIAL, OUT, n_partials, n_cols, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    # Column sums of a small [n_partials, n_cols] float32 matrix, cast to the weight's dtype on the way out.
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < n_cols
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for start in range(0, n_partials, BLOCK_P):
-        parts = start + tl.arange(0, BLOCK_P)
-        ok = (parts < n_partials)[:, None] & col_ok[None, :]
-        acc += tl.sum(tl.load(PARTIAL + parts[:, None].to(tl.int64) * n_cols + cols[None, :], mask=ok, other=0.0), 0)
-    tl.store(OUT + cols, cast_to(acc, OUT.dtype.element_ty), mask=col_ok)
+def _finish_dw(PARTIAL, DW, COUNTERS, n_partials, n_cols,
+               FINISHERS: tl.constexpr, FINISH_BLOCK: tl.constexpr, PARTIAL_BLOCK: tl.constexpr):
+    # Sum the [P, hidden] float32 partials into dW inside the same launch, so backward is one kernel.
+    # Every program takes a ticket once its partial is stored; the last FINISHERS tickets each sum a strided share of
+    # the columns over all P partials in a fixed order, so the result is the same on every run (no float atomics).
+    # At most FINISHERS programs ever wait, and they wait only for programs that are still working on rows; with a
+    # grid no larger than the GPU holds at once (one program per SM) those are all running, so the wait ends.
+    tl.debug_barrier()  # the whole program's partial is stored before the ticket publishes it
+    ticket = tl.atomic_add(COUNTERS, 1, sem="acq_rel")
+    slot = ticket - (n_partials - FINISHERS)
+    if slot >= 0:
+        arrived = tl.atomic_add(COUNTERS, 0, sem="acquire")
+        while arrived < n_partials:
+            arrived = tl.atomic_add(COUNTERS, 0, sem="acquire")
+        parts = tl.arange(0, PARTIAL_BLOCK)
+        for start in range(slot * FINISH_BLOCK, n_cols, FINISHERS * FINISH_BLOCK):
+            cols = start + tl.arange(0, FINISH_BLOCK)
+            col_ok = cols < n_cols
+            acc = tl.zeros((FINISH_BLOCK,), dtype=tl.float32)
+            for p0 in range(0, n_partials, PARTIAL_BLOCK):
+                p = (p0 + parts).to(tl.int64)
+                ok = (p < n_partials)[:, None] & col_ok[None, :]
+                tile = tl.load(PARTIAL + p[:, None] * n_cols + cols[None, :], mask=ok, other=0.0, cache_modifier=".cg")
+                acc += tl.sum(tile, axis=0)
+            tl.store(DW + cols, cast_to(acc, DW.dtype.element_ty), mask=col_ok)
+        # The last finisher to leave resets both counters, leaving the workspace ready for the next launch.
+        left = tl.atomic_add(COUNTERS + 1, 1, sem="acq_rel")
+        if left == FINISHERS - 1:
+            tl.atomic_xchg(COUNTERS + 1, 0, sem="relaxed")
+            tl.atomic_xchg(COUNTERS, 0, sem="release")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -126,6 +149,8 @@ class BackwardConfig:
     rows: int  # rows per loop iteration of a program
     programs: int  # size of the persistent grid
     num_warps: int
+    stages: int = 1  # software-pipelining depth of the row loop
+    finishers: int = 1  # programs that sum the dW partials at the end of the launch
 
 
 def _block_n(n_cols: int) -> int:
@@ -137,21 +162,26 @@ def forward_config(n_rows: int, n_cols: int) -> ForwardConfig:
     if runtime.INTERPRET:
         rows = min(triton.next_power_of_2(n_rows), max(1, _INTERPRETER_MAX_TILE // block_n))
         return ForwardConfig(rows=rows, num_warps=4)
-    # Aim for ~4K elements (8 KB of bf16) per program: enough bytes in flight per SM without spilling registers.
-    rows = max(1, min(16, 4096 // block_n))
-    num_warps = 4 if block_n * rows <= 2048 else 8 if block_n * rows <= 8192 else 16
-    return ForwardConfig(rows=rows, num_warps=num_warps)
+    # ~8K elements (16 KB of bf16) per program keeps enough bytes in flight per SM; measured on an H200
+    # (assets/notes/rmsnorm.md), tiles of 4K-16K elements with 4-16 warps all land within 3% of each other.
+    rows = max(1, min(16, 8192 // block_n))
+    tile = rows * block_n
+    return ForwardConfig(rows=rows, num_warps=4 if tile <= 2048 else 8)
 
 
 def backward_config(n_rows: int, n_cols: int) -> BackwardConfig:
     block_n = _block_n(n_cols)
     if runtime.INTERPRET:
+        # The interpreter runs programs one after another, so exactly one finisher (the last program) sums dW.
         rows = min(triton.next_power_of_2(n_rows), max(1, _INTERPRETER_MAX_TILE // block_n))
         return BackwardConfig(rows=rows, programs=max(1, min(4, triton.cdiv(n_rows, rows))), num_warps=4)
-    rows = max(1, min(16, 4096 // block_n))
-    num_warps = 4 if block_n * rows <= 2048 else 8 if block_n * rows <= 8192 else 16
-    programs = min(runtime.num_sms() * 2, triton.cdiv(n_rows, rows))
-    return BackwardConfig(rows=rows, programs=max(1, programs), num_warps=num_warps)
+    # One program per SM, each loading a 16K-element tile of x and of dy per iteration: a persistent program
+    # must keep many bytes in flight on its own, and one program per SM also keeps the dW partials small.
+    rows = max(1, min(16, 16384 // block_n))
+    tile = rows * block_n
+    num_warps = 16 if tile >= 16384 else 8 if tile >= 4096 else 4
+    programs = max(1, min(runtime.num_sms(), triton.cdiv(n_rows, rows)))
+    return BackwardConfig(rows=rows, programs=programs, num_warps=num_warps, stages=1, finishers=min(8, programs))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -205,11 +235,31 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, c
     return y.view(x.shape), rstd, x_rows
 
 
+_COUNTERS: dict = {}
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """Two int32 counters the backward kernel uses to hand dW to its finishers; the kernel leaves them at zero.
+
+    One pair per (device, stream), created once: kernels queued on one stream never overlap, so they never share a
+    pair mid-flight. Under CUDA-graph capture a fresh pair is made so the graph owns its own.
+    """
+    if device.type != "cuda":
+        return torch.zeros(2, dtype=torch.int32, device=device)
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(2, dtype=torch.int32, device=device)
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    counters = _COUNTERS.get(key)
+    if counters is None:
+        counters = _COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    return counters
+
+
 def rms_norm_backward(
     dy: torch.Tensor, x_rows: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
     compute_dw: bool = True, config: BackwardConfig | None = None,
 ):
-    """Launch the backward kernels. Returns ``(dx as [rows, hidden], dw or None)``."""
+    """Launch the backward kernel. Returns ``(dx as [rows, hidden], dw or None)``."""
     n_rows, n_cols = x_rows.shape
     dy_rows = _as_rows(dy)
     dx = torch.empty((n_rows, n_cols), dtype=x_rows.dtype, device=x_rows.device)
@@ -217,20 +267,21 @@ def rms_norm_backward(
         return dx, (torch.zeros_like(weight) if compute_dw else None)
     cfg = config or backward_config(n_rows, n_cols)
     block_n = _block_n(n_cols)
-    partial = torch.empty((cfg.programs, n_cols), dtype=torch.float32, device=x_rows.device) if compute_dw else dx
-    _rms_norm_bwd_kernel[(cfg.programs,)](
-        x_rows, weight, dy_rows, rstd, dx, partial,
-        n_rows, n_cols, x_rows.stride(0), dy_rows.stride(0), dx.stride(0),
-        ROWS=cfg.rows, BLOCK_N=block_n, COMPUTE_DW=compute_dw, num_warps=cfg.num_warps,
-    )
-    dw = None
+    dw = partial = counters = dx  # placeholders: the kernel never touches them without COMPUTE_DW
     if compute_dw:
+        partial = torch.empty((cfg.programs, n_cols), dtype=torch.float32, device=x_rows.device)
         dw = torch.empty_like(weight)
-        block = min(block_n, 256 if runtime.INTERPRET else 128)
-        _sum_partials_kernel[(triton.cdiv(n_cols, block),)](
-            partial, dw, cfg.programs, n_cols, BLOCK_P=min(32, triton.next_power_of_2(cfg.programs)), BLOCK_N=block,
-        )
-    return dx, dw
+        counters = _counters(x_rows.device)
+    finishers = max(1, min(cfg.finishers, cfg.programs))
+    finish_block = block_n if runtime.INTERPRET else min(block_n, 256)
+    _rms_norm_bwd_kernel[(cfg.programs,)](
+        x_rows, weight, dy_rows, rstd, dx, partial, dw, counters,
+        n_rows, n_cols, x_rows.stride(0), dy_rows.stride(0), dx.stride(0),
+        ROWS=cfg.rows, BLOCK_N=block_n, COMPUTE_DW=compute_dw, STAGES=cfg.stages,
+        FINISHERS=finishers, FINISH_BLOCK=finish_block,
+        PARTIAL_BLOCK=min(16, triton.next_power_of_2(cfg.programs)), num_warps=cfg.num_warps,
+    )
+    return dx, (dw if compute_dw else None)
 
 
 class RMSNormFunction(torch.autograd.Function):

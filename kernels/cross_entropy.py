@@ -69,7 +69,7 @@ def _cross_entropy_fwd_kernel(
     in_range = (target >= 0) & (target < n_cols)
     # A counted target outside [0, V) is an error that nothing may have caught (check_targets=False). Never read
     # outside the row; make that row's loss and gradient NaN instead, so the error shows.
-    bad = counted & (in_range == 0)
+    bad = counted & ((target < 0) | (target >= n_cols))
     target_logit = tl.load(LOGITS + row_start + target, mask=counted & in_range, other=0.0).to(tl.float32)
 
     # Sweep 1: running max and rescaled running sum, chunk by chunk.
@@ -292,27 +292,30 @@ def _normalizer_tensor(normalizer, device) -> torch.Tensor:
     return torch.full((), float(normalizer), dtype=torch.float32, device=device)
 
 
-def _gradient_scale(target_rows, ignore_index, reduction, normalizer, device) -> torch.Tensor:
-    """The factor the kernel multiplies each counted row's gradient by, as a 0-d float32 tensor on ``device``.
+def _divisor(target_rows, ignore_index, reduction, normalizer, device) -> torch.Tensor | None:
+    """What the summed loss is divided by, as a 0-d float32 tensor on ``device`` (None: nothing).
 
-    Computed with device ops only (no host sync): mean → 1 / n_valid (infinite when every target is ignored; the
-    kernel still writes a zero gradient, as ignored rows get scale 0), sum → 1 / normalizer or 1, none → 1.
+    Device ops only, no host sync: mean → n_valid, the number of targets that are not ignored (0 when all are:
+    the loss is then 0 / 0 = NaN, as in F.cross_entropy); sum → the normalizer, if any.
     """
     if reduction == "mean":
-        return 1.0 / (target_rows != ignore_index).sum().to(torch.float32)
-    if normalizer is None:
-        return torch.ones((), dtype=torch.float32, device=device)
-    return 1.0 / _normalizer_tensor(normalizer, device)
+        return (target_rows != ignore_index).sum().to(torch.float32)
+    if reduction == "sum" and normalizer is not None:
+        return _normalizer_tensor(normalizer, device)
+    return None
 
 
-def _reduce(loss_rows, target_rows, ignore_index, reduction, normalizer, lead_shape):
+def _gradient_scale(divisor, device) -> torch.Tensor:
+    # The factor the kernel multiplies each counted row's gradient by. 1 / 0 = inf for an all-ignored mean is
+    # harmless: every row is ignored, and ignored rows get scale 0.
+    return torch.ones((), dtype=torch.float32, device=device) if divisor is None else 1.0 / divisor
+
+
+def _reduce(loss_rows, reduction, divisor, lead_shape):
     if reduction == "none":
         return loss_rows.view(lead_shape)
     total = loss_rows.sum()
-    if reduction == "mean":
-        # 0 / 0 = NaN when every target is ignored, exactly as F.cross_entropy.
-        return total / (target_rows != ignore_index).sum()
-    return total if normalizer is None else total / _normalizer_tensor(normalizer, total.device)
+    return total if divisor is None else total / divisor
 
 
 def _launch_two_sweep(layout, target_rows, loss_rows, lse, grad_layout, scale, ignore_index, cfg):
@@ -359,11 +362,12 @@ def cross_entropy_forward(
             grad_layout = layout
         else:
             grad_layout = _row_layout(torch.empty(logits.shape, dtype=logits.dtype, device=device), for_writing=True)
+    divisor = _divisor(target_rows, ignore_index, reduction, normalizer, device)
     if layout.n_rows:
-        scale = _gradient_scale(target_rows, ignore_index, reduction, normalizer, device)
+        scale = _gradient_scale(divisor, device)
         cfg = config or forward_config(layout.n_rows, layout.n_cols)
         _FORWARD_VARIANTS[cfg.variant](layout, target_rows, loss_rows, lse, grad_layout, scale, ignore_index, cfg)
-    loss = _reduce(loss_rows, target_rows, ignore_index, reduction, normalizer, logits.shape[:-1])
+    loss = _reduce(loss_rows, reduction, divisor, logits.shape[:-1])
     return loss, lse, (grad_layout.tensor if compute_grad else None)
 
 

@@ -57,6 +57,8 @@ def _cross_entropy_fwd_kernel(
     ignore_index,
     ROWS: tl.constexpr, BLOCK_V: tl.constexpr, COMPUTE_GRAD: tl.constexpr,
 ):
+    # Row r of the logits is element (r // inner_rows, r % inner_rows) of two strided levels; the gradient buffer
+    # uses the same decomposition with its own strides.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
     # Lanes past the last row re-read the last row instead of loading nothing: every lane then sees real logits and
@@ -360,8 +362,10 @@ def cross_entropy_forward(
     if compute_grad:
         if inplace:
             grad_layout = layout
-        else:
-            grad_layout = _row_layout(torch.empty(logits.shape, dtype=logits.dtype, device=device), for_writing=True)
+        else:  # a contiguous buffer, addressed with the logits' row decomposition (the kernel has one inner_rows)
+            grad = torch.empty(logits.shape, dtype=logits.dtype, device=device)
+            grad_layout = _RowLayout(grad, layout.n_rows, layout.n_cols, layout.inner_rows,
+                                     layout.inner_rows * layout.n_cols, layout.n_cols)
     divisor = _divisor(target_rows, ignore_index, reduction, normalizer, device)
     if layout.n_rows:
         scale = _gradient_scale(divisor, device)

@@ -246,6 +246,19 @@ def test_without_inplace_the_logits_survive(device, gen):
     assert torch.equal(xk.detach(), logits) and xk.grad.data_ptr() != xk.data_ptr()
 
 
+def test_shifted_view_without_inplace(device, gen):
+    # logits[:, :-1, :] is read in place; the separate, contiguous gradient must still get every row in its place.
+    base = (torch.randn(3, 9, 500, generator=gen) * 3).to(device)
+    labels = torch.randint(0, 500, (3, 9), generator=gen).to(device)
+    leaf = base.clone().requires_grad_()
+    loss = cross_entropy(leaf[:, :-1, :], labels[:, 1:])  # a strided view, as a causal LM's shifted logits
+    loss.backward()
+    loss64, grad64 = reference(base[:, :-1, :], labels[:, 1:])
+    assert relative_error(loss, loss64) < 1e-6
+    assert relative_error(leaf.grad[:, :-1], grad64) < TOL[torch.float32]
+    assert torch.equal(leaf.grad[:, -1], torch.zeros_like(leaf.grad[:, -1]))
+
+
 def test_shifted_view_inplace_without_copy(device, gen):
     # A causal LM scores token s with the logits at s-1: logits[:, :-1, :] is a view whose rows are not evenly
     # spaced across the batch dimension. It must be used in place, and the gradient must land in the view's memory.

@@ -509,7 +509,8 @@ class TritonCrossEntropyLoss(torch.nn.Module):
         )
 
     def extra_repr(self) -> str:
-        return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, inplace_backward={self.inplace_backward}"
+        return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+                f"inplace_backward={self.inplace_backward}")
 
 
 # --------------------------------------------------------------------------------------------------------------------

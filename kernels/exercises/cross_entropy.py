@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from .. import runtime
+
 _OK = "✓ "
 _WRONG = "✗ "
 
@@ -52,8 +54,9 @@ def _update_mistakes(m, s, x):
                         "was exp(x − m) and must become exp(x − m_new), so multiply s by exp(m − m_new)"),
         (s * torch.exp(m_new - m) + chunk_sum, "the rescale factor is upside down: use exp(m − m_new) (≤ 1), "
                                                "not exp(m_new − m)"),
-        (s * torch.exp(m - m_new) + torch.exp(x - m).sum(), "the new chunk's terms are taken relative to the old "
-                                                             "max m; take them relative to m_new: Σ exp(chunk − m_new)"),
+        (s * torch.exp(m - m_new) + torch.exp(x - m).sum(),
+         "the new chunk's terms are taken relative to the old max m; take them relative to m_new: "
+         "Σ exp(chunk − m_new)"),
         (s + torch.exp(x).sum(), "no max is subtracted: exp(x) overflows float32 once x > 88.7; keep every term "
                                  "as exp(x − m_new)"),
         (s * torch.exp(m - m_new) + torch.exp(x).sum(), "the chunk's terms are exp(chunk) without subtracting "
@@ -133,8 +136,11 @@ def _gradient_mistakes(p, onehot, counted, n_valid, n_rows):
 
 
 def check_ce_gradient(fn, device=None) -> bool:
-    """Check ``fn(logits, target, ignore_index) -> grad``: the gradient of the *mean* cross-entropy."""
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    """Check ``fn(logits, target, ignore_index) -> grad``: the gradient of the *mean* cross-entropy.
+
+    The inputs live on ``device`` (default: where the kernels run, ``runtime.device()``).
+    """
+    device = device or runtime.device()
     logits, target, ignore_index = _gradient_case(device)
     try:
         got = fn(logits.clone(), target.clone(), ignore_index)

@@ -19,3 +19,16 @@ __all__ = [
     "RMSNormFunction",
     "TritonRMSNorm",
 ]
+
+# Cross-entropy (chapters 05 and 06)
+from .reference import cross_entropy_hf, online_logsumexp, online_softmax_steps  # noqa: E402
+from .cross_entropy import CrossEntropyFunction, TritonCrossEntropyLoss, cross_entropy  # noqa: E402
+
+__all__ += [
+    "cross_entropy_hf",
+    "online_logsumexp",
+    "online_softmax_steps",
+    "cross_entropy",
+    "CrossEntropyFunction",
+    "TritonCrossEntropyLoss",
+]

@@ -7,7 +7,11 @@ tests measure relative errors against.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -34,3 +38,78 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     denom = expected.norm().item()
     diff = (actual - expected).norm().item()
     return diff / denom if denom > 0 else diff
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Cross-entropy and the online softmax (chapters 05 and 06)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def cross_entropy_hf(
+    logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, reduction: str = "mean"
+) -> torch.Tensor:
+    """The loss a Hugging Face causal LM computes: logits upcast to float32, then ``F.cross_entropy``.
+
+    ``logits`` is ``[..., V]`` and ``target`` holds one class index per row (shape ``logits.shape[:-1]``, or flat).
+    float64 logits stay float64 (that is the ground truth the tests use). With ``reduction="none"`` the loss has the
+    shape ``logits.shape[:-1]``.
+    """
+    upcast = logits.to(torch.float32) if logits.dtype != torch.float64 else logits
+    rows = upcast.reshape(-1, upcast.shape[-1])
+    loss = F.cross_entropy(rows, target.reshape(-1), ignore_index=ignore_index, reduction=reduction)
+    return loss.view(logits.shape[:-1]) if reduction == "none" else loss
+
+
+@dataclass(frozen=True)
+class OnlineSoftmaxStep:
+    """The state of the online softmax after one chunk of a row (all floats, in the row's precision)."""
+
+    chunk: int  # which chunk (0, 1, ...)
+    start: int  # the chunk covers row[start:stop]
+    stop: int
+    chunk_max: float  # max of this chunk alone
+    max_before: float  # running max m before the chunk (-inf before the first)
+    max_after: float  # m after: max(max_before, chunk_max)
+    rescale: float  # exp(max_before - max_after): what the old running sum is multiplied by
+    running_sum: float  # s after the chunk: Σ exp(x - max_after) over everything seen so far
+    logsumexp: float  # max_after + log(running_sum): the logsumexp of the row so far (of the whole row at the end)
+
+
+def _compute_dtype(row: torch.Tensor) -> torch.dtype:
+    return torch.float64 if row.dtype == torch.float64 else torch.float32
+
+
+def online_softmax_steps(row: torch.Tensor, chunk: int) -> list[OnlineSoftmaxStep]:
+    """Walk a 1-D ``row`` ``chunk`` values at a time with the online-softmax update; return every state.
+
+    After each chunk:  m' = max(m, max(chunk)),  s' = s · exp(m − m') + Σ exp(chunk − m').
+    At the end logsumexp(row) = m + log(s). Arithmetic is float32 (float64 for a float64 row), as in the kernel.
+    """
+    if row.dim() != 1 or row.numel() == 0:
+        raise ValueError(f"row must be a non-empty 1-D tensor, got shape {tuple(row.shape)}")
+    if chunk < 1:
+        raise ValueError(f"chunk must be a positive number of elements, got {chunk}")
+    x = row.detach().to(_compute_dtype(row)).cpu()
+    m = torch.tensor(-math.inf, dtype=x.dtype)
+    s = torch.tensor(0.0, dtype=x.dtype)
+    steps = []
+    for index, start in enumerate(range(0, x.numel(), chunk)):
+        block = x[start : start + chunk]
+        block_max = block.max()
+        m_new = torch.maximum(m, block_max)
+        rescale = torch.exp(m - m_new)  # exp(-inf) = 0 on the first chunk: the empty sum contributes nothing
+        s = s * rescale + torch.exp(block - m_new).sum()
+        steps.append(
+            OnlineSoftmaxStep(
+                chunk=index, start=start, stop=start + block.numel(), chunk_max=block_max.item(),
+                max_before=m.item(), max_after=m_new.item(), rescale=rescale.item(), running_sum=s.item(),
+                logsumexp=(m_new + torch.log(s)).item(),
+            )
+        )
+        m = m_new
+    return steps
+
+
+def online_logsumexp(row: torch.Tensor, chunk: int) -> torch.Tensor:
+    """logsumexp of a 1-D ``row`` computed chunk by chunk (one pass, running max and rescaled sum), as a 0-d tensor."""
+    return torch.tensor(online_softmax_steps(row, chunk)[-1].logsumexp, dtype=_compute_dtype(row))

@@ -1,0 +1,542 @@
+"""Fused cross-entropy in Triton: one kernel gives the loss, the logsumexp and the gradient, without ever holding
+the softmax in memory.
+
+For one row of logits x (length V, e.g. V = 128,256 for Llama 3) and its target class t:
+
+    loss = logsumexp(x) − x[t]              grad = (softmax(x) − onehot(t)) · scale
+
+The forward kernel streams the row in chunks of ``BLOCK_V`` logits and keeps only two float32 numbers per row, the
+running max m and the running sum s of exp(x − m) (the online softmax, Milakov & Gimelshein 2018):
+
+    m' = max(m, max(chunk))        s' = s · exp(m − m') + Σ exp(chunk − m')        logsumexp = m + log(s)
+
+Once the logsumexp is known, a second sweep over the same row computes the gradient chunk by chunk and writes it,
+*during the forward pass*. The backward pass then only has to multiply by the incoming gradient, and it skips even
+that, on the device, when the incoming gradient is 1.0 (a loss that is not scaled further).
+
+Memory. With ``inplace_backward=True`` the gradient overwrites the logits: no [rows, V] buffer is allocated at all.
+Otherwise a gradient buffer in the logits' dtype is allocated. When the logits do not require a gradient (evaluation)
+the gradient sweep is compiled out and the kernel reads the logits exactly once.
+
+All arithmetic is float32 whatever the storage dtype; the loss is returned in float32, as Hugging Face's (which
+upcasts the logits to float32 before ``F.cross_entropy``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from numbers import Real
+
+import torch
+import triton
+import triton.language as tl
+
+from . import runtime
+from .triton_utils import cast_to
+
+REDUCTIONS = ("mean", "sum", "none")
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# --------------------------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _row_offsets(rows, inner_rows, stride_outer, stride_inner):
+    # The rows may come from a two-level view such as logits[:, :-1, :] (shape [B, S-1, V], strides [S·V, V, 1]),
+    # which no single row stride describes. Row r is element (r // inner_rows, r % inner_rows) of the leading dims.
+    # ``rows`` is int64, so offsets never wrap past 2**31.
+    return (rows // inner_rows) * stride_outer + (rows % inner_rows) * stride_inner
+
+
+@triton.jit
+def _cross_entropy_fwd_kernel(
+    LOGITS, TARGET, LOSS, LSE, GRAD, SCALE,
+    n_rows, n_cols, inner_rows, stride_outer, stride_inner, grad_stride_outer, grad_stride_inner,
+    ignore_index,
+    ROWS: tl.constexpr, BLOCK_V: tl.constexpr, COMPUTE_GRAD: tl.constexpr,
+):
+    # Row r of the logits is element (r // inner_rows, r % inner_rows) of two strided levels; the gradient buffer
+    # uses the same decomposition with its own strides.
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < n_rows
+    # Lanes past the last row re-read the last row instead of loading nothing: every lane then sees real logits and
+    # the running max never stays at -inf (exp(-inf − (-inf)) would be NaN). Their results are never stored.
+    rows_in = tl.minimum(rows, n_rows - 1)
+    row_start = _row_offsets(rows_in, inner_rows, stride_outer, stride_inner)
+
+    target = tl.load(TARGET + rows_in).to(tl.int64)
+    counted = target != ignore_index
+    in_range = (target >= 0) & (target < n_cols)
+    # A counted target outside [0, V) is an error that nothing may have caught (check_targets=False). Never read
+    # outside the row; make that row's loss and gradient NaN instead, so the error shows.
+    bad = counted & ((target < 0) | (target >= n_cols))
+    target_logit = tl.load(LOGITS + row_start + target, mask=counted & in_range, other=0.0).to(tl.float32)
+
+    # Sweep 1: running max and rescaled running sum, chunk by chunk.
+    m = tl.full((ROWS,), float("-inf"), tl.float32)
+    s = tl.zeros((ROWS,), tl.float32)
+    for start in range(0, n_cols, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        x = tl.load(
+            LOGITS + row_start[:, None] + cols[None, :], mask=(cols < n_cols)[None, :], other=float("-inf")
+        ).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=1))
+        # exp(m − m_new) is 0 on the first chunk (m = -inf) and ≤ 1 after; padding lanes (-inf) add exp(-inf) = 0.
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1)
+        m = m_new
+    log_s = tl.log(s)
+
+    # loss = logsumexp − x[t] = (m − x[t]) + log(s): subtracting the large numbers first keeps float32 exact
+    # for logits of size 1e4, where m + log(s) alone would round to a multiple of 2**-10.
+    loss = tl.where(counted, (m - target_logit) + log_s, 0.0)
+    loss = tl.where(bad, float("nan"), loss)
+    tl.store(LOSS + rows, loss, mask=row_ok)
+    tl.store(LSE + rows, m + log_s, mask=row_ok)
+
+    if COMPUTE_GRAD:
+        # Sweep 2: grad = (softmax − onehot) · scale, with scale = 1 / n_valid (mean), 1 / normalizer or 1 (sum, none),
+        # read from device memory so the host never has to know n_valid. Ignored rows get scale 0: a zero gradient
+        # row, written like any other (the buffer may be the logits themselves, which must not survive).
+        scale = tl.load(SCALE).to(tl.float32)
+        row_scale = tl.where(counted, scale, 0.0)
+        row_scale = tl.where(bad, float("nan"), row_scale)
+        grad_start = _row_offsets(rows_in, inner_rows, grad_stride_outer, grad_stride_inner)
+        for start in range(0, n_cols, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            col_ok = cols < n_cols
+            x = tl.load(LOGITS + row_start[:, None] + cols[None, :], mask=col_ok[None, :], other=0.0).to(tl.float32)
+            p = tl.exp((x - m[:, None]) - log_s[:, None])  # softmax; (x − m) first, for the reason above
+            onehot = tl.where(cols[None, :] == target[:, None], 1.0, 0.0)
+            g = (p - onehot) * row_scale[:, None]
+            tl.store(
+                GRAD + grad_start[:, None] + cols[None, :], cast_to(g, GRAD.dtype.element_ty),
+                mask=row_ok[:, None] & col_ok[None, :],
+            )
+
+
+@triton.jit
+def _scale_grad_kernel(
+    GRAD, GRAD_OUT, n_rows, n_cols, inner_rows, stride_outer, stride_inner, stride_go,
+    ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    # grad *= grad_output, in place. grad_output is a scalar (stride_go = 0: every row reads the same element) or one
+    # value per row (reduction="none"). Programs whose factors are all exactly 1.0 return without touching the
+    # gradient: the common case (loss.backward() on an unscaled loss) costs one 4-byte load per program.
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < n_rows
+    go = tl.load(GRAD_OUT + rows * stride_go, mask=row_ok, other=1.0).to(tl.float32)
+    n_to_scale = tl.sum(tl.where(go != 1.0, 1, 0))  # NaN != 1.0, so a NaN factor is applied too
+    if n_to_scale > 0:
+        row_start = _row_offsets(tl.minimum(rows, n_rows - 1), inner_rows, stride_outer, stride_inner)
+        for start in range(0, n_cols, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            ok = row_ok[:, None] & (cols < n_cols)[None, :]
+            ptrs = GRAD + row_start[:, None] + cols[None, :]
+            g = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+            tl.store(ptrs, cast_to(g * go[:, None], GRAD.dtype.element_ty), mask=ok)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Launch configuration: one function per kernel
+# --------------------------------------------------------------------------------------------------------------------
+
+# The interpreter pays ~1-3 ms of Python per program but runs each tile as NumPy: few programs with big tiles.
+_INTERPRETER_MAX_TILE = 1 << 18
+_INTERPRETER_BLOCK_V = 4096  # small enough that a row of a few thousand logits still spans several chunks
+
+
+@dataclass(frozen=True)
+class CrossEntropyConfig:
+    """How a cross-entropy kernel is launched.
+
+    ``variant`` names the forward kernel (see ``_FORWARD_VARIANTS``): the place where another implementation, for
+    example a GPU-only one that keeps a row on chip across programs, can be chosen by ``forward_config``.
+    """
+
+    block_v: int  # logits per chunk of a row
+    rows: int  # rows per program
+    num_warps: int
+    variant: str = "two_sweep"
+
+
+def forward_config(n_rows: int, n_cols: int) -> CrossEntropyConfig:
+    """Launch configuration of the forward kernel for ``n_rows`` rows of ``n_cols`` logits."""
+    if runtime.INTERPRET:
+        block_v = min(triton.next_power_of_2(n_cols), _INTERPRETER_BLOCK_V)
+        rows = min(triton.next_power_of_2(max(n_rows, 1)), max(1, _INTERPRETER_MAX_TILE // block_v))
+        return CrossEntropyConfig(block_v=block_v, rows=rows, num_warps=4)
+    # GPU: one row per program. A chunk of 32K logits (64 KB of bf16) spread over 32 warps is 32 values per thread:
+    # many bytes in flight per SM without spilling registers. Narrower rows get a chunk the size of the row.
+    block_v = min(triton.next_power_of_2(n_cols), 32768)
+    num_warps = 32 if block_v >= 32768 else 16 if block_v >= 8192 else 8 if block_v >= 2048 else 4
+    return CrossEntropyConfig(block_v=block_v, rows=1, num_warps=num_warps)
+
+
+def backward_config(n_rows: int, n_cols: int) -> CrossEntropyConfig:
+    """Launch configuration of the backward scaling kernel."""
+    if runtime.INTERPRET:
+        return forward_config(n_rows, n_cols)
+    # One row per program, as in the forward: when grad_output is 1.0 each program is a single load, then exits.
+    block_v = min(triton.next_power_of_2(n_cols), 8192)
+    return CrossEntropyConfig(block_v=block_v, rows=1, num_warps=8 if block_v >= 4096 else 4)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Host side: checks, row layout, launches
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _check_inputs(logits, target, ignore_index, reduction, normalizer) -> None:
+    if not isinstance(logits, torch.Tensor) or not isinstance(target, torch.Tensor):
+        raise TypeError(f"logits and target must be tensors, got {type(logits).__name__} and {type(target).__name__}")
+    if not logits.is_floating_point():
+        raise TypeError(f"logits must be a floating-point tensor, got dtype {logits.dtype}")
+    if logits.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"logits must be float32, bfloat16 or float16, got dtype {logits.dtype}")
+    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
+        raise TypeError(f"target must hold integer class indices (e.g. torch.int64), got dtype {target.dtype}")
+    if logits.dim() == 0 or logits.shape[-1] == 0:
+        raise ValueError(f"logits must have a last dimension of at least one class, got shape {tuple(logits.shape)}")
+    lead = tuple(logits.shape[:-1])
+    n_rows = logits.numel() // logits.shape[-1]
+    if tuple(target.shape) != lead and not (target.dim() == 1 and target.numel() == n_rows):
+        raise ValueError(
+            f"target must have shape {lead} (one class index per row of logits {tuple(logits.shape)}) "
+            f"or be 1-D with {n_rows} entries, got shape {tuple(target.shape)}"
+        )
+    if target.device != logits.device:
+        raise ValueError(f"logits and target must be on the same device, got {logits.device} and {target.device}")
+    if not runtime.INTERPRET and logits.device.type != "cuda":
+        raise ValueError(f"in gpu mode the inputs must be CUDA tensors, got logits on {logits.device}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if normalizer is not None:
+        if reduction != "sum":
+            raise ValueError(f'normalizer divides a summed loss: use it with reduction="sum", not {reduction!r}')
+        is_number = isinstance(normalizer, Real) and not isinstance(normalizer, bool)
+        is_scalar_tensor = isinstance(normalizer, torch.Tensor) and normalizer.numel() == 1 and normalizer.dim() <= 1
+        if not (is_number or is_scalar_tensor):
+            raise TypeError(f"normalizer must be a number or a one-element tensor, got {normalizer!r}")
+
+
+def _check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int) -> None:
+    # One device-to-host transfer: the price of a clear error for a bad label. Callers under CUDA graphs or
+    # torch.compile pass check_targets=False; the kernel then makes such rows NaN instead of reading out of bounds.
+    bad = (target != ignore_index) & ((target < 0) | (target >= n_classes))
+    if bad.any().item():
+        position = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"target holds a class index outside [0, {n_classes}) that is not ignore_index={ignore_index}: "
+            f"target{list(position)} = {int(target[position])}"
+        )
+
+
+@dataclass(frozen=True)
+class _RowLayout:
+    """Where row r of ``tensor`` lives: (r // inner_rows) · stride_outer + (r % inner_rows) · stride_inner."""
+
+    tensor: torch.Tensor  # what the kernel reads (and writes): the caller's tensor, or a contiguous copy of it
+    n_rows: int
+    n_cols: int
+    inner_rows: int
+    stride_outer: int
+    stride_inner: int
+
+
+def _merged_leading_dims(t: torch.Tensor) -> list[tuple[int, int]]:
+    """(size, stride) of the leading dimensions of ``t``, merging neighbours that a single stride can walk."""
+    merged: list[tuple[int, int]] = []
+    for size, stride in zip(reversed(t.shape[:-1]), reversed(t.stride()[:-1])):
+        if size == 1:
+            continue
+        if merged and stride == merged[-1][0] * merged[-1][1]:
+            merged[-1] = (merged[-1][0] * size, merged[-1][1])
+        else:
+            merged.append((size, stride))
+    return merged[::-1]
+
+
+def _rows_in_place(t: torch.Tensor, for_writing: bool) -> _RowLayout | None:
+    """The kernels' view of the rows of ``t``, or None when they cannot address them without a copy.
+
+    Addressable: a contiguous last dimension and leading dimensions that collapse to at most two strided levels
+    (any contiguous tensor, and sliced views such as ``logits[:, :-1, :]``). Rows that overlap in memory (a stride
+    of 0, from ``expand``) can be read but not written: two rows' gradients would land in the same place.
+    """
+    dims = _merged_leading_dims(t)
+    if t.stride(-1) != 1 or len(dims) > 2 or (for_writing and any(stride == 0 for _, stride in dims)):
+        return None
+    n_cols = t.shape[-1]
+    n_rows = t.numel() // n_cols
+    if len(dims) == 0:
+        inner, stride_outer, stride_inner = max(n_rows, 1), 0, n_cols
+    elif len(dims) == 1:
+        inner, stride_outer, stride_inner = dims[0][0], 0, dims[0][1]
+    else:
+        (_, stride_outer), (inner, stride_inner) = dims
+    return _RowLayout(t, n_rows, n_cols, inner, stride_outer, stride_inner)
+
+
+def _row_layout(t: torch.Tensor, for_writing: bool) -> _RowLayout:
+    """The rows of ``t`` in place when possible, else those of a contiguous copy (``layout.tensor``)."""
+    return _rows_in_place(t, for_writing) or _rows_in_place(t.contiguous(), for_writing)
+
+
+def _normalizer_tensor(normalizer, device) -> torch.Tensor:
+    # A number becomes a 0-d tensor through a fill kernel (no host-to-device copy to wait for); a tensor is used
+    # where it lives (a CPU tensor with GPU logits costs a small copy: keep it on the GPU).
+    if isinstance(normalizer, torch.Tensor):
+        return normalizer.detach().reshape(()).to(device=device, dtype=torch.float32)
+    return torch.full((), float(normalizer), dtype=torch.float32, device=device)
+
+
+def _divisor(target_rows, ignore_index, reduction, normalizer, device) -> torch.Tensor | None:
+    """What the summed loss is divided by, as a 0-d float32 tensor on ``device`` (None: nothing).
+
+    Device ops only, no host sync: mean → n_valid, the number of targets that are not ignored (0 when all are:
+    the loss is then 0 / 0 = NaN, as in F.cross_entropy); sum → the normalizer, if any.
+    """
+    if reduction == "mean":
+        return (target_rows != ignore_index).sum().to(torch.float32)
+    if reduction == "sum" and normalizer is not None:
+        return _normalizer_tensor(normalizer, device)
+    return None
+
+
+def _gradient_scale(divisor, device) -> torch.Tensor:
+    # The factor the kernel multiplies each counted row's gradient by. 1 / 0 = inf for an all-ignored mean is
+    # harmless: every row is ignored, and ignored rows get scale 0.
+    return torch.ones((), dtype=torch.float32, device=device) if divisor is None else 1.0 / divisor
+
+
+def _reduce(loss_rows, reduction, divisor, lead_shape):
+    if reduction == "none":
+        return loss_rows.view(lead_shape)
+    total = loss_rows.sum()
+    return total if divisor is None else total / divisor
+
+
+def _launch_two_sweep(layout, target_rows, loss_rows, lse, grad_layout, scale, ignore_index, cfg):
+    compute_grad = grad_layout is not None
+    if not compute_grad:  # the pointers are never dereferenced: COMPUTE_GRAD compiles the gradient sweep out
+        grad_layout = layout
+    _cross_entropy_fwd_kernel[(triton.cdiv(layout.n_rows, cfg.rows),)](
+        layout.tensor, target_rows, loss_rows, lse, grad_layout.tensor, scale,
+        layout.n_rows, layout.n_cols, layout.inner_rows, layout.stride_outer, layout.stride_inner,
+        grad_layout.stride_outer, grad_layout.stride_inner, ignore_index,
+        ROWS=cfg.rows, BLOCK_V=cfg.block_v, COMPUTE_GRAD=compute_grad, num_warps=cfg.num_warps,
+    )
+
+
+# Forward kernels by name; forward_config picks one. A new variant takes the same arguments as _launch_two_sweep.
+_FORWARD_VARIANTS = {"two_sweep": _launch_two_sweep}
+
+
+def cross_entropy_forward(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    normalizer=None,
+    compute_grad: bool = True,
+    inplace: bool = False,
+    config: CrossEntropyConfig | None = None,
+):
+    """Run the forward kernel on already-checked inputs. Returns ``(loss, lse, grad)``.
+
+    ``loss`` is reduced as asked (float32); ``lse`` is the float32 logsumexp of every row, shape ``[rows]``;
+    ``grad`` is d(loss)/d(logits) in the shape and dtype of ``logits``, or ``None`` when ``compute_grad`` is false.
+    With ``inplace`` the gradient is written over the logits' memory and ``grad`` is ``logits`` itself (or, when
+    the logits had to be copied, see ``_row_layout``, that copy).
+    """
+    layout = _row_layout(logits, for_writing=compute_grad and inplace)
+    device = logits.device
+    target_rows = target.reshape(-1).contiguous()
+    loss_rows = torch.empty(layout.n_rows, dtype=torch.float32, device=device)
+    lse = torch.empty(layout.n_rows, dtype=torch.float32, device=device)
+    grad_layout = None
+    if compute_grad:
+        if inplace:
+            grad_layout = layout
+        else:  # a contiguous buffer, addressed with the logits' row decomposition (the kernel has one inner_rows)
+            grad = torch.empty(logits.shape, dtype=logits.dtype, device=device)
+            grad_layout = _RowLayout(grad, layout.n_rows, layout.n_cols, layout.inner_rows,
+                                     layout.inner_rows * layout.n_cols, layout.n_cols)
+    divisor = _divisor(target_rows, ignore_index, reduction, normalizer, device)
+    if layout.n_rows:
+        scale = _gradient_scale(divisor, device)
+        cfg = config or forward_config(layout.n_rows, layout.n_cols)
+        _FORWARD_VARIANTS[cfg.variant](layout, target_rows, loss_rows, lse, grad_layout, scale, ignore_index, cfg)
+    loss = _reduce(loss_rows, reduction, divisor, logits.shape[:-1])
+    return loss, lse, (grad_layout.tensor if compute_grad else None)
+
+
+def scale_gradient_(grad: torch.Tensor, grad_output: torch.Tensor, config: CrossEntropyConfig | None = None):
+    """Multiply ``grad`` ([..., V], written by the forward kernel) in place by ``grad_output`` and return it.
+
+    ``grad_output`` is a scalar (reductions "mean" and "sum") or one value per row ("none"). Rows whose factor is
+    exactly 1.0 are skipped on the device: no host sync, and no pass over the gradient in the common case.
+    """
+    layout = _rows_in_place(grad, for_writing=True)
+    if layout is None:  # never the case for a buffer the forward kernel wrote
+        raise ValueError("scale_gradient_ needs a gradient whose rows the kernel can address in place")
+    if layout.n_rows == 0:
+        return grad
+    go = grad_output.detach().reshape(-1)
+    if go.numel() not in (1, layout.n_rows):
+        raise ValueError(f"grad_output must be a scalar or have one value per row ({layout.n_rows}), got {go.numel()}")
+    stride_go = 0 if go.numel() == 1 else go.stride(0)  # an expanded gradient (loss.sum() of "none") has stride 0
+    cfg = config or backward_config(layout.n_rows, layout.n_cols)
+    _scale_grad_kernel[(triton.cdiv(layout.n_rows, cfg.rows),)](
+        grad, go, layout.n_rows, layout.n_cols, layout.inner_rows, layout.stride_outer, layout.stride_inner,
+        stride_go, ROWS=cfg.rows, BLOCK_V=cfg.block_v, num_warps=cfg.num_warps,
+    )
+    return grad
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# autograd, function, module
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class CrossEntropyFunction(torch.autograd.Function):
+    """autograd glue. The forward computes the gradient already; backward multiplies it by grad_output.
+
+    Nothing but the gradient is saved (the logsumexp is not needed again). The gradient is scaled in place, so
+    backward may run only once per forward (``retain_graph=True`` and a second backward raise).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, reduction, normalizer, inplace_backward, config):
+        loss, _, grad = cross_entropy_forward(
+            logits, target, ignore_index, reduction, normalizer, True, inplace_backward, config
+        )
+        if grad is logits:
+            # The logits now hold the gradient. Bump their version counter so that any autograd node that saved them
+            # for its own backward fails loudly ("modified by an inplace operation") instead of using the gradient.
+            torch.autograd.graph.increment_version(logits)
+        ctx.save_for_backward(grad.detach())
+        ctx.backward_done = False
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output):
+        if ctx.backward_done:
+            raise RuntimeError(
+                "cross_entropy's gradient was computed in the forward pass and scaled in place by the first backward; "
+                "a second backward through the same loss is not supported: compute the loss again"
+            )
+        ctx.backward_done = True
+        (grad,) = ctx.saved_tensors
+        return scale_gradient_(grad, grad_output), None, None, None, None, None, None
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    *,
+    normalizer=None,
+    inplace_backward: bool = False,
+    check_targets: bool = True,
+) -> torch.Tensor:
+    """Cross-entropy of ``logits`` ([..., V]) against class indices ``target`` ([...]), as ``F.cross_entropy``.
+
+    Returns a float32 loss (like Hugging Face, which upcasts the logits): a scalar for ``reduction="mean"`` or
+    ``"sum"``, shape ``logits.shape[:-1]`` for ``"none"``. Targets equal to ``ignore_index`` contribute 0 to the loss
+    and a zero gradient row; ``"mean"`` divides by the number of targets that are not ignored, so a batch in which
+    every target is ignored gives NaN (0 / 0), exactly like ``F.cross_entropy``, and an all-zero gradient.
+
+    ``normalizer`` (``reduction="sum"`` only; a number or a one-element tensor, which may live on the GPU): the loss
+    is ``sum / normalizer`` and the gradient is scaled inside the kernel. This is Hugging Face's
+    ``num_items_in_batch`` under gradient accumulation, and it keeps the backward pass at grad_output == 1.
+
+    ``inplace_backward=True`` — READ THIS: the caller promises not to use ``logits`` after this call. The gradient
+    is computed during the forward pass and written over the logits' memory, so no [rows, V] buffer is allocated.
+    **After the call, the logits tensor holds the gradient, not the logits.** A training loop that only needs the
+    logits for the loss (the usual case) saves rows × V × itemsize bytes of peak memory. When the logits need a copy
+    first (last-dimension stride ≠ 1, see below) the gradient goes into the copy and the logits are left as they were.
+
+    Layout: any leading dimensions; rows may be strided (e.g. ``logits[:, :-1, :]`` of a causal LM is read and,
+    in place, written without a copy). A last dimension with stride ≠ 1 is copied first. (Shifting the *labels*,
+    as Hugging Face does, is still better than slicing the logits: autograd's backward of a slice allocates a full
+    zero gradient for the unsliced tensor.)
+
+    ``check_targets`` (default True): raise a ValueError for a target outside [0, V) that is not ``ignore_index``.
+    That check costs one device-to-host synchronisation per call (a ``.item()``: some microseconds, and it stalls
+    the CPU until the GPU has caught up); code under CUDA graphs or ``torch.compile`` must pass
+    ``check_targets=False``. Without the check the kernel still never reads out of bounds: such a row's loss (and
+    gradient) is NaN, so the error shows in the loss instead of being silently wrong.
+
+    When the logits do not require a gradient, or autograd is off, the gradient is not computed at all and the
+    kernel reads the logits once.
+    """
+    _check_inputs(logits, target, ignore_index, reduction, normalizer)
+    if check_targets:
+        _check_target_range(target, logits.shape[-1], ignore_index)
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return CrossEntropyFunction.apply(logits, target, ignore_index, reduction, normalizer, inplace_backward, None)
+    loss, _, _ = cross_entropy_forward(logits, target, ignore_index, reduction, normalizer, compute_grad=False)
+    return loss
+
+
+class TritonCrossEntropyLoss(torch.nn.Module):
+    """``nn.CrossEntropyLoss`` for [..., V] logits and [...] class indices, computed by the fused kernel.
+
+    See ``cross_entropy`` for the semantics, and for what ``inplace_backward=True`` does to the logits you pass.
+    """
+
+    def __init__(self, ignore_index: int = -100, reduction: str = "mean", inplace_backward: bool = False,
+                 check_targets: bool = True):
+        super().__init__()
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.inplace_backward = inplace_backward
+        self.check_targets = check_targets
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor, normalizer=None) -> torch.Tensor:
+        return cross_entropy(
+            logits, target, self.ignore_index, self.reduction, normalizer=normalizer,
+            inplace_backward=self.inplace_backward, check_targets=self.check_targets,
+        )
+
+    def extra_repr(self) -> str:
+        return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+                f"inplace_backward={self.inplace_backward}")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Memory: what the loss costs
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def loss_memory_bytes(n_tokens: int, vocab: int) -> dict[str, int]:
+    """Sizes of the [tokens, V] tensors a language-model loss can create, in bytes (computed, not measured)."""
+    n = n_tokens * vocab
+    return {
+        "bf16 logits": 2 * n,
+        "fp32 upcast of the logits": 4 * n,
+        "fp32 softmax (log-softmax) kept for backward": 4 * n,
+        "fp32 gradient of the logits": 4 * n,
+        "bf16 gradient of the logits": 2 * n,
+    }
+
+
+def peak_extra_bytes(fn) -> int:
+    """GPU only: peak memory allocated while ``fn()`` runs, beyond what was allocated before it."""
+    if runtime.MODE != "gpu":
+        raise RuntimeError("peak memory is measured with torch.cuda statistics and needs a GPU")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before

@@ -1,0 +1,348 @@
+"""The benchmark: byte accounting, speed-ups and targets from a results dict, the check-before-timing path (a planted
+wrong implementation is never timed), the command line end to end (tiny sizes on the CPU), and on a GPU the CUDA-
+graph device times."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import bench, runtime
+from kernels.bench import (
+    Impl,
+    cross_entropy_bytes,
+    floor_ms,
+    format_table,
+    load_results,
+    rmsnorm_bytes,
+    run_benchmark,
+    save_results,
+    speedups,
+    summarize,
+    targets,
+)
+
+# --------------------------------------------------------------------------------------------------------------------
+# Bytes
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_rmsnorm_bytes_count_each_tensor_once():
+    m, n = 16384, 4096
+    assert rmsnorm_bytes(m, n, 2, "fwd") == 2 * m * n * 2  # read x, write y
+    assert rmsnorm_bytes(m, n, 2, "fwd+bwd") == 5 * m * n * 2  # + read x, dy, write dx
+    assert rmsnorm_bytes(m, n, 4, "fwd+bwd") == 2 * rmsnorm_bytes(m, n, 2, "fwd+bwd")
+    # The floor at 16384 × 4096 bf16: 671 MB, ≈ 158 µs at 4,250 GB/s.
+    assert rmsnorm_bytes(m, n) == 671_088_640
+    assert floor_ms(rmsnorm_bytes(m, n), 4250) == pytest.approx(0.1579, rel=1e-3)
+    with pytest.raises(ValueError, match="pass_"):
+        rmsnorm_bytes(m, n, 2, "backward")
+
+
+def test_cross_entropy_bytes_two_read_design_and_single_read_floor():
+    t, v = 16384, 128_256
+    assert cross_entropy_bytes(t, v, 2, "two_read") == 6 * t * v  # 6 bytes per bf16 logit
+    assert cross_entropy_bytes(t, v, 2, "single_read") == 4 * t * v
+    assert cross_entropy_bytes(t, v, 4, "two_read") == 12 * t * v
+    assert floor_ms(cross_entropy_bytes(t, v), 4250) == pytest.approx(2.967, rel=1e-3)  # ANCHORS: ≈ 2.96 ms
+    with pytest.raises(ValueError, match="design"):
+        cross_entropy_bytes(t, v, 2, "three_read")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Speed-ups and targets from a results dict (synthetic numbers, so the arithmetic is checked exactly)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _row(impl, role, tokens, eager, device, status="ok", pass_="fwd+bwd", width=4096):
+    return {"kernel": "rmsnorm", "impl": impl, "label": impl.upper(), "role": role, "tokens": tokens, "width": width,
+            "shape": f"{tokens}×{width}", "pass": pass_, "status": status, "note": "", "eager_ms": eager,
+            "device_ms": device, "device_note": None, "gbps": None, "frac_copy": 0.8 if role == "ours" else None,
+            "peak_extra_mib": 1.0}
+
+
+def _synthetic_results():
+    rows = [
+        # 1024 tokens: ours fastest on the device, but the native op wins in eager mode (host-bound).
+        _row("ours", "ours", 1024, eager=0.30, device=0.05),
+        _row("native", "peer", 1024, eager=0.12, device=0.06),
+        _row("liger", "peer", 1024, eager=0.31, device=0.10),
+        _row("compile", "peer", 1024, eager=0.55, device=None),  # graph capture failed: no device time
+        # 16384 tokens: liger beats ours on the device; a failed peer must not count.
+        _row("ours", "ours", 16384, eager=0.40, device=0.30),
+        _row("native", "peer", 16384, eager=0.31, device=0.31),
+        _row("liger", "peer", 16384, eager=0.29, device=0.24),
+        _row("hf", "peer", 16384, eager=None, device=None, status="check failed"),
+        _row("variant", "variant", 16384, eager=0.01, device=0.01),  # a variant is never a peer
+    ]
+    impls = {k: {"label": k.upper(), "role": r} for k, r in
+             [("ours", "ours"), ("native", "peer"), ("liger", "peer"), ("compile", "peer"), ("hf", "peer"),
+              ("variant", "variant")]}
+    return {"kernel": "rmsnorm", "mode": "gpu", "device": "Test GPU", "date": "2026-01-01", "rows": rows,
+            "implementations": impls, "settings": {"passes": ["fwd+bwd"]}, "ceilings": {"copy_gbps": 4000.0}}
+
+
+def test_speedups_per_peer_and_fastest_peer():
+    results = _synthetic_results()
+    by_tokens = {e["tokens"]: e for e in speedups(results, "device")}
+    small, large = by_tokens[1024], by_tokens[16384]
+    assert small["speedup"] == pytest.approx({"native": 0.06 / 0.05, "liger": 0.10 / 0.05})  # compile: no time
+    assert small["fastest_peer"] == "native" and small["vs_fastest"] == pytest.approx(1.2)
+    assert large["fastest_peer"] == "liger" and large["vs_fastest"] == pytest.approx(0.24 / 0.30)
+    assert "hf" not in large["peers"] and "variant" not in large["peers"]
+    eager_small = {e["tokens"]: e for e in speedups(results, "eager")}[1024]
+    assert eager_small["fastest_peer"] == "native" and eager_small["vs_fastest"] == pytest.approx(0.12 / 0.30)
+    with pytest.raises(ValueError, match="basis"):
+        speedups(results, "wall")
+
+
+def test_targets_say_where_ours_beats_the_fastest_peer():
+    found = {(t["tokens"], t["basis"]): t for t in targets(_synthetic_results(), min_speedup=1.0)}
+    assert found[(1024, "device")]["met"] is True and found[(1024, "device")]["fastest_peer"] == "NATIVE"
+    assert found[(16384, "device")]["met"] is False
+    assert found[(1024, "eager")]["met"] is False
+    assert found[(1024, "device")]["frac_copy"] == 0.8 and found[(1024, "eager")]["frac_copy"] is None
+    strict = {(t["tokens"], t["basis"]): t for t in targets(_synthetic_results(), min_speedup=1.5)}
+    assert strict[(1024, "device")]["met"] is False
+
+
+def test_targets_without_ours_or_without_peers_are_undecided():
+    results = _synthetic_results()
+    results["rows"] = [r for r in results["rows"] if r["impl"] in ("ours", "hf")]
+    assert all(t["met"] is None for t in targets(results))
+
+
+def test_summary_and_table_name_the_failed_row():
+    results = _synthetic_results()
+    text = summarize(results)
+    assert "at 1 of 2 shapes" in text and "CHECK FAILED: HF" in text
+    table = format_table(results)
+    assert "check failed" in table and "1.2" in table  # native at 1024: 0.06 / 0.05
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Check before timing: a wrong implementation is recorded, never timed
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _wrong_rmsnorm_forward(case):
+    weight = torch.nn.Parameter(case.weight.detach().clone())
+
+    def fn(x):  # forgets the rsqrt: y = x * w
+        return x * weight
+
+    return fn, [weight]
+
+
+def _wrong_rmsnorm_backward(case):
+    weight = torch.nn.Parameter(case.weight.detach().clone())
+
+    class HalfGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, y):
+            return y.clone()
+
+        @staticmethod
+        def backward(ctx, dy):
+            return dy * 0.5
+
+    def fn(x):  # right forward, gradients scaled by 1/2
+        return HalfGrad.apply(F.rms_norm(x, (x.shape[-1],), weight, case.eps))
+
+    return fn, [weight]
+
+
+def _raising(case):
+    def fn(x):
+        raise RuntimeError("boom")
+
+    return fn, []
+
+
+def test_wrong_implementations_are_marked_and_not_timed(device):
+    impls = ["ours", Impl("wrong-fwd", "planted: no rsqrt", "peer", _wrong_rmsnorm_forward),
+             Impl("wrong-bwd", "planted: half gradient", "peer", _wrong_rmsnorm_backward),
+             Impl("raises", "planted: raises", "peer", _raising)]
+    results = run_benchmark("rmsnorm", [6], 40, impls=impls, progress=False, rep=1)
+    rows = {(r["impl"], r["pass"]): r for r in results["rows"]}
+    for key in [("wrong-fwd", "fwd"), ("wrong-fwd", "fwd+bwd"), ("wrong-bwd", "fwd+bwd")]:
+        row = rows[key]
+        assert row["status"] == "check failed" and row["check"]["ok"] is False, key
+        assert row["eager_ms"] is None and row["device_ms"] is None and "not timed" in row["note"]
+    assert rows[("wrong-bwd", "fwd+bwd")]["check"]["errors"]["dx"] > 0.3  # half the gradient: 50% error
+    assert rows[("wrong-bwd", "fwd+bwd")]["check"]["errors"]["y"] < 1.5e-2
+    assert rows[("wrong-bwd", "fwd")]["status"] == "ok" and rows[("wrong-bwd", "fwd")]["eager_ms"] > 0
+    assert rows[("raises", "fwd")]["status"] == "error" and "boom" in rows[("raises", "fwd")]["note"]
+    for p in ("fwd", "fwd+bwd"):
+        ours = rows[("ours", p)]
+        assert ours["status"] == "ok" and ours["check"]["ok"] and ours["eager_ms"] > 0
+        assert all(0 <= e < 1.5e-2 for e in ours["check"]["errors"].values())
+    assert "CHECK FAILED" in summarize(results)
+
+
+def _wrong_ce_gradient(case):
+    class NoGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, logits, target):
+            return F.cross_entropy(logits.float(), target)
+
+        @staticmethod
+        def backward(ctx, g):
+            return None, None  # no gradient at all
+
+    return (lambda logits, target: NoGrad.apply(logits, target)), []
+
+
+def test_cross_entropy_wrong_gradient_is_caught(device):
+    impls = ["ours", "fp32", Impl("nograd", "planted: no gradient", "peer", _wrong_ce_gradient)]
+    results = run_benchmark("cross_entropy", [20], 300, impls=impls, progress=False, rep=1)
+    rows = {r["impl"]: r for r in results["rows"]}
+    assert rows["nograd"]["status"] == "check failed" and rows["nograd"]["eager_ms"] is None
+    assert rows["nograd"]["check"]["errors"]["loss"] < 1e-5  # the loss is right; only the gradient is missing
+    assert rows["nograd"]["check"]["errors"]["grad (sampled rows)"] is None  # inf: no gradient
+    for key in ("ours", "fp32"):
+        assert rows[key]["status"] == "ok" and rows[key]["check"]["ok"] and rows[key]["eager_ms"] > 0
+
+
+def test_cross_entropy_case_reference_includes_an_ignored_row(device):
+    case = bench.CrossEntropyCase(10, 50, seed=3)
+    ref = case.reference()
+    assert int(ref["rows"][0]) == 3 and case.target[3] == case.IGNORE_INDEX
+    assert torch.all(ref["grad_rows"][0] == 0)
+    x64 = case.logits.detach().double()
+    expected = F.cross_entropy(x64, case.target, ignore_index=case.IGNORE_INDEX)
+    assert ref["loss"].item() == pytest.approx(expected.item(), rel=1e-12)
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="kernel"):
+        run_benchmark("layernorm", [4], 8, progress=False)
+    with pytest.raises(ValueError, match="unknown implementation"):
+        run_benchmark("rmsnorm", [4], 8, impls=["nope"], progress=False)
+    with pytest.raises(ValueError, match="passes"):
+        run_benchmark("cross_entropy", [4], 8, passes=["fwd"], progress=False)
+    with pytest.raises(ValueError, match="positive"):
+        bench.sweep_shapes([0], 8)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The command line, end to end, and the results files
+# --------------------------------------------------------------------------------------------------------------------
+
+ROW_KEYS = {"kernel", "impl", "label", "role", "tokens", "width", "shape", "pass", "dtype", "status", "note",
+            "eager_ms", "device_ms", "device_note", "bytes", "bytes_floor", "gbps", "frac_copy", "gbps_floor",
+            "frac_copy_floor", "peak_extra_mib", "check"}
+
+
+@pytest.mark.skipif(runtime.MODE == "gpu", reason="the CPU run of the command line; the GPU test below covers GPUs")
+def test_command_line_writes_json_and_png(tmp_path, capsys):
+    argv = ["--kernel", "all", "--tokens", "5,12", "--hidden", "48", "--hidden-sweep", "24,48",
+            "--hidden-sweep-tokens", "12", "--vocab", "300", "--out", str(tmp_path), "--no-progress"]
+    assert bench.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "mode=interpreter" in printed and "wall ms*" in printed
+
+    rms = json.loads((tmp_path / "rmsnorm_cpu-interpreter.json").read_text())
+    ce = json.loads((tmp_path / "cross_entropy_cpu-interpreter.json").read_text())
+    assert (tmp_path / "rmsnorm_cpu-interpreter.png").stat().st_size > 10_000
+    assert (tmp_path / "cross_entropy_cpu-interpreter.png").stat().st_size > 10_000
+    for results, n_shapes, n_impls, n_passes in ((rms, 3, 5, 2), (ce, 2, 6, 1)):
+        assert results["schema"] == bench.SCHEMA_VERSION and results["mode"] == "interpreter"
+        assert {"device", "date", "versions", "git_commit", "ceilings", "settings", "time_basis", "rows"} <= set(results)
+        assert results["ceilings"] is None and "meaningless" in results["time_basis"]["eager_ms"]
+        assert len(results["rows"]) == n_shapes * n_impls * n_passes  # 5×48 and 12×48 run once for both sweeps
+        for row in results["rows"]:
+            assert set(row) == ROW_KEYS
+            if row["impl"] in ("compile", "liger"):
+                assert row["status"] == "skipped" and row["note"]
+                continue
+            assert row["status"] == "ok", row
+            assert row["check"]["ok"] and all(e < 1.5e-2 for e in row["check"]["errors"].values())
+            assert row["eager_ms"] > 0 and row["device_ms"] is None and "interpreter" in row["device_note"]
+    assert {r["shape"] for r in rms["rows"]} == {"5×48", "12×48", "12×24"}
+    assert rms["implementations"]["compile"]["skipped"]
+
+
+def test_module_entry_point_help():
+    out = subprocess.run([sys.executable, "-m", "kernels.bench", "--help"], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    for flag in ("--kernel", "--tokens", "--hidden", "--vocab", "--out", "--quick"):
+        assert flag in out
+
+
+def test_load_results_picks_the_newest_gpu_run(tmp_path):
+    base = {"kernel": "rmsnorm", "rows": []}
+    save_results(dict(base, mode="gpu", device_slug="nvidia-h100", date="2026-01-01T00:00:00"), tmp_path)
+    save_results(dict(base, mode="gpu", device_slug="nvidia-h200", date="2026-02-01T00:00:00"), tmp_path)
+    save_results(dict(base, mode="interpreter", device_slug="cpu-interpreter", date="2026-03-01T00:00:00"), tmp_path)
+    assert load_results("rmsnorm", tmp_path)["device_slug"] == "nvidia-h200"
+    assert load_results("rmsnorm", tmp_path, include_interpreter=True)["device_slug"] == "cpu-interpreter"
+    assert load_results("cross_entropy", tmp_path) is None
+
+
+def test_plots_draw_gpu_like_and_interpreter_results():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from kernels import plots
+
+    results = _synthetic_results()
+    results["settings"] = {"passes": ["fwd+bwd"], "width": 4096, "tokens": [1024, 16384], "width_sweep": [],
+                           "width_sweep_tokens": None}
+    for row in results["rows"]:
+        row["gbps"] = 1000.0 if row["device_ms"] else None
+    fig = plots.summary_figure(results)
+    assert len(fig.axes) == 4
+    ax = plots.plot_speedups(results, "fwd+bwd", "tokens", "device")
+    assert len(ax.patches) == 4  # native and liger at both sizes (compile has no device time at all)
+    results["mode"] = "interpreter"
+    for row in results["rows"]:
+        row["device_ms"] = row["gbps"] = None
+    assert len(plots.summary_figure(results).axes) == 4  # says "nothing to show" instead of failing
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# GPU: device times from CUDA graphs, memory, every peer
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _syncs_the_host(case):
+    def fn(x):
+        scale = float(x.float().abs().max().item())  # a host synchronisation: CUDA graphs cannot capture it
+        return F.rms_norm(x, (x.shape[-1],), None, case.eps) * case.weight * (scale / scale)
+
+    return fn, []
+
+
+@pytest.mark.gpu
+def test_gpu_rmsnorm_device_times_and_capture_failure_is_recorded():
+    impls = ["ours", "hf", "native", "compile", "liger", Impl("sync", "planted: .item()", "peer", _syncs_the_host)]
+    results = run_benchmark("rmsnorm", [2048], 4096, impls=impls, passes=["fwd"], progress=False, rep=20)
+    rows = {r["impl"]: r for r in results["rows"]}
+    assert results["ceilings"]["copy_gbps"] > 100
+    for key in ("ours", "hf", "native", "compile", "liger"):
+        row = rows[key]
+        if row["status"] == "skipped":
+            continue
+        assert row["status"] == "ok" and row["device_ms"] > 0 and row["eager_ms"] > 0, row
+        assert row["gbps"] > 0 and 0 < row["frac_copy"] < 1.2 and row["peak_extra_mib"] >= 0
+    assert rows["sync"]["status"] == "ok" and rows["sync"]["device_ms"] is None
+    assert "capture failed" in rows["sync"]["device_note"]
+
+
+@pytest.mark.gpu
+def test_gpu_cross_entropy_memory_in_place_vs_upcast():
+    results = run_benchmark("cross_entropy", [1024], 128_256, impls=["ours", "ours-buffer", "fp32"], progress=False,
+                            rep=20)
+    rows = {r["impl"]: r for r in results["rows"]}
+    for row in rows.values():
+        assert row["status"] == "ok" and row["device_ms"] is not None, row
+    logits_mib = 1024 * 128_256 * 2 / 2**20
+    assert rows["ours"]["peak_extra_mib"] < 0.05 * logits_mib  # the gradient lives in the logits
+    assert rows["ours-buffer"]["peak_extra_mib"] == pytest.approx(logits_mib, rel=0.1)  # one bf16 gradient
+    assert rows["fp32"]["peak_extra_mib"] > 3 * logits_mib  # fp32 copy, fp32 softmax, fp32 and bf16 gradients
+    assert math.isfinite(rows["ours"]["gbps"])

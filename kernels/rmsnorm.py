@@ -181,7 +181,7 @@ def backward_config(n_rows: int, n_cols: int) -> BackwardConfig:
     tile = rows * block_n
     num_warps = 16 if tile >= 16384 else 8 if tile >= 4096 else 4
     programs = max(1, min(runtime.num_sms(), triton.cdiv(n_rows, rows)))
-    return BackwardConfig(rows=rows, programs=programs, num_warps=num_warps, stages=1, finishers=min(8, programs))
+    return BackwardConfig(rows=rows, programs=programs, num_warps=num_warps, stages=1, finishers=min(64, programs))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -235,6 +235,18 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, c
     return y.view(x.shape), rstd, x_rows
 
 
+def _finish_tiles(n_cols: int, programs: int, finishers: int) -> tuple[int, int]:
+    """Tile of the dW finish: (columns per finisher step, partials per load), at most 16K float32 values.
+
+    Each finisher should sum its columns over all partials with as few dependent loads as possible: the finish runs
+    after the last row is done, so nothing hides its latency.
+    """
+    cols = triton.next_power_of_2(triton.cdiv(n_cols, finishers))
+    parts = min(triton.next_power_of_2(programs), 256)
+    cols = max(1, min(cols, (1 << 14) // parts))
+    return cols, parts
+
+
 _COUNTERS: dict = {}
 
 
@@ -273,13 +285,12 @@ def rms_norm_backward(
         dw = torch.empty_like(weight)
         counters = _counters(x_rows.device)
     finishers = max(1, min(cfg.finishers, cfg.programs))
-    finish_block = block_n if runtime.INTERPRET else min(block_n, 256)
+    finish_block, partial_block = _finish_tiles(n_cols, cfg.programs, finishers)
     _rms_norm_bwd_kernel[(cfg.programs,)](
         x_rows, weight, dy_rows, rstd, dx, partial, dw, counters,
         n_rows, n_cols, x_rows.stride(0), dy_rows.stride(0), dx.stride(0),
         ROWS=cfg.rows, BLOCK_N=block_n, COMPUTE_DW=compute_dw, STAGES=cfg.stages,
-        FINISHERS=finishers, FINISH_BLOCK=finish_block,
-        PARTIAL_BLOCK=min(16, triton.next_power_of_2(cfg.programs)), num_warps=cfg.num_warps,
+        FINISHERS=finishers, FINISH_BLOCK=finish_block, PARTIAL_BLOCK=partial_block, num_warps=cfg.num_warps,
     )
     return dx, (dw if compute_dw else None)
 

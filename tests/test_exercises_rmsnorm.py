@@ -83,7 +83,7 @@ PLANTED_FORWARD = {
     "stub-zeros": (lambda x, w, eps: torch.zeros_like(x), "every value of y is 0: is the exercise line still the placeholder"),
     "divide-by-BLOCK_N": (
         lambda x, w, eps: forward(x, w, eps, divisor=triton.next_power_of_2),
-        "5 × 100, row 0 of y differs (column 0: got",
+        "on a float32 input of 5 × 100, row 0 of y differs (column",
     ),
     "sum-not-mean": (lambda x, w, eps: forward(x, w, eps, divisor=lambda n: 1), "did not divide by n_cols"),
     "sqrt-not-rsqrt": (lambda x, w, eps: forward(x, w, eps, power=0.5), "instead of dividing by it"),
@@ -186,7 +186,7 @@ PLANTED_BACKWARD = {
     "x-for-x_hat": (lambda *a: dx(*a, "x-for-x_hat"), "you used x where x̂ belongs"),
     "divide-by-BLOCK_N": (
         lambda *a: dx(*a, divisor=triton.next_power_of_2(a[1].shape[-1])),
-        "5 × 100, row 0 of dx differs (column 0: got",
+        "on a float32 input of 5 × 100, row",  # which row shows it first depends on the draw
     ),
     "BLOCK_N-too-small": (lambda *a: dx(*a, short=True), "only the first 64 columns were used"),
     "ignores-row-stride": (lambda *a: dx(*a, contiguous_rows=True), "offset each row by the tensor's row stride"),

@@ -91,16 +91,16 @@ def check_rms_norm_forward(fn: Callable, seed: int | None = None, verbose: bool 
     same_bits = []
     for case in FORWARD_CASES:
         x, w = _matrix(case, gen, tiny=True), _weight(case, gen)
+        ref = _forward64(x, w, case.eps)
         out, problem = _call(fn, (x, w, case.eps), case, expect_like=x)
         if problem is None:
-            ref = _forward64(x, w, case.eps)
             problem = _compare(out, ref, case, "y", _forward_suspects(x, w, case))
         if problem is None and case.dtype == torch.bfloat16:
             problem, fraction = _bf16_cast_order(out, x, w, case)
             same_bits.append(1 - fraction)
         if problem is not None:
             return _report(False, problem, verbose)
-        worst[case.dtype] = max(worst.get(case.dtype, 0.0), relative_error(out, _forward64(x, w, case.eps)))
+        worst[case.dtype] = max(worst.get(case.dtype, 0.0), relative_error(out, ref))
     summary = (
         f"forward correct on {len(FORWARD_CASES)} inputs (widths {_widths(FORWARD_CASES)}, float32 and bfloat16, "
         f"tiny values, a strided view). Largest relative errors: {_format_errors(worst)}; bfloat16 outputs "
@@ -120,10 +120,9 @@ def check_rms_norm_backward(fn: Callable, seed: int | None = None, verbose: bool
     for case in BACKWARD_CASES:
         x, w, dy = _matrix(case, gen), _weight(case, gen), _matrix(case, gen)
         rstd = torch.rsqrt(x.float().pow(2).mean(-1) + case.eps)
+        ref, suspects = _backward_suspects(x, w, dy, rstd, case)
         out, problem = _call(fn, (dy, x, w, rstd), case, expect_like=x)
         if problem is None:
-            suspects = _backward_suspects(x, w, dy, rstd, case)
-            ref = suspects.pop(0)[1]
             problem = _compare(out, ref, case, "dx", suspects)
         if problem is not None:
             return _report(False, problem, verbose)
@@ -230,6 +229,10 @@ def _forward_suspects(x, w, case: Case) -> list[tuple[str, torch.Tensor]]:
             "of squares is right, but the mean is over the row's real width",
             _forward64(x, w, case.eps, divisor=block_n),
         ))
+        # BLOCK_N too small (the power of two below n_cols): only the first columns enter the sum, and the rest of
+        # the row is never written, so only those first columns can be compared.
+        short = block_n // 2
+        suspects.append((_short_block_hint(short, n), _first_columns(_forward64(x, w, case.eps, columns=short), short)))
     suspects += [
         ("you summed the squares but did not divide by n_cols: rstd needs the mean of x², not the sum",
          _forward64(x, w, case.eps, divisor=1)),
@@ -244,11 +247,6 @@ def _forward_suspects(x, w, case: Case) -> list[tuple[str, torch.Tensor]]:
             f"you used eps = 1e-6, not the eps passed in ({case.eps:g}): take it from the argument",
             _forward64(x, w, 1e-6),
         ))
-    if block_n != n:
-        # BLOCK_N too small (the power of two below n_cols): only the first columns enter the sum, and the rest of
-        # the row is never written, so only those first columns can be compared.
-        short = block_n // 2
-        suspects.append((_short_block_hint(short, n), _first_columns(_forward64(x, w, case.eps, columns=short), short)))
     if case.row_stride:
         suspects.append(_stride_suspect(case, _forward64(_as_if_contiguous(x), w, case.eps)))
     if case.dtype == torch.bfloat16:
@@ -256,8 +254,8 @@ def _forward_suspects(x, w, case: Case) -> list[tuple[str, torch.Tensor]]:
     return suspects
 
 
-def _backward_suspects(x, w, dy, rstd, case: Case) -> list[tuple[str, torch.Tensor]]:
-    """The right dx first, then the usual mistakes in writing dx = rstd · (g − x̂ · mean(g ⊙ x̂)), g = dy ⊙ w."""
+def _backward_suspects(x, w, dy, rstd, case: Case) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]:
+    """The right dx, and the usual mistakes in writing dx = rstd · (g − x̂ · mean(g ⊙ x̂)) with g = dy ⊙ w."""
 
     def dx64(x, dy, divisor=None, columns=None):
         x, w64, dy, r = _f64(x), _f64(w), _f64(dy), _f64(rstd)[:, None]
@@ -280,9 +278,8 @@ def _backward_suspects(x, w, dy, rstd, case: Case) -> list[tuple[str, torch.Tens
     n = case.cols
     block_n = triton.next_power_of_2(n)
     v = dx64(x, dy)
-    x_hat = "x̂ = x · rstd"
+    x_hat_is = "x̂ = x · rstd"
     suspects = [
-        ("right", v["right"]),
         ("the leading rstd factor is missing: dx = rstd · (g − x̂ · mean(g ⊙ x̂))", v["no rstd"]),
         (f"you summed g ⊙ x̂ over the row instead of taking its mean: divide the sum by n_cols ({n})", v["sum"]),
         ("the sign of the correction is wrong: dx = rstd · (g − x̂ · mean(g ⊙ x̂)), a minus", v["sign"]),
@@ -291,8 +288,8 @@ def _backward_suspects(x, w, dy, rstd, case: Case) -> list[tuple[str, torch.Tens
         ("the weight is missing: g = dy ⊙ w is the gradient that reaches x̂, in both places", v["no weight"]),
         ("inside the mean use g = dy ⊙ w, not dy: mean(g ⊙ x̂)", v["dy in mean"]),
         ("wrong mean: it is mean(g ⊙ x̂), not mean(g)", v["mean of g"]),
-        (f"you used x where x̂ belongs: the correction is x̂ · mean(g ⊙ x̂) with {x_hat}", v["x for x_hat"]),
-        (f"you used x where x̂ belongs (in the product and in the mean): {x_hat}", v["x for x_hat twice"]),
+        (f"you used x where x̂ belongs: the correction is x̂ · mean(g ⊙ x̂) with {x_hat_is}", v["x for x_hat"]),
+        (f"you used x where x̂ belongs (in the product and in the mean): {x_hat_is}", v["x for x_hat twice"]),
     ]
     if block_n != n:
         suspects.append((
@@ -300,7 +297,7 @@ def _backward_suspects(x, w, dy, rstd, case: Case) -> list[tuple[str, torch.Tens
             "to the sum; the mean is over the row's real width",
             dx64(x, dy, divisor=block_n)["right"],
         ))
-    if block_n != n:
+        # BLOCK_N too small: only the first columns are computed (with either divisor); only they can be compared.
         short = block_n // 2
         for divisor in (short, n):
             dx_short = torch.full(v["right"].shape, float("nan"), dtype=torch.float64)
@@ -308,7 +305,7 @@ def _backward_suspects(x, w, dy, rstd, case: Case) -> list[tuple[str, torch.Tens
             suspects.append((_short_block_hint(short, n), dx_short))
     if case.row_stride:
         suspects.append(_stride_suspect(case, dx64(_as_if_contiguous(x), _as_if_contiguous(dy))["right"]))
-    return suspects
+    return v["right"], suspects
 
 
 def _as_if_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -397,7 +394,10 @@ def _compare(out, ref, case: Case, name: str, suspects) -> str | None:
 
 
 def _first_difference(out64, ref, bad, name) -> str:
-    row, col = (int(i) for i in bad.nonzero()[0])
+    if bad.any():
+        row, col = (int(i) for i in bad.nonzero()[0])
+    else:  # every element within tolerance, yet the whole is not: point at the largest difference
+        row, col = divmod(int((out64 - ref).abs().argmax()), ref.shape[1])
     return f"row {row} of {name} differs (column {col}: got {out64[row, col].item():.5g}, expected {ref[row, col].item():.5g})"
 
 

@@ -19,3 +19,14 @@ __all__ = [
     "RMSNormFunction",
     "TritonRMSNorm",
 ]
+
+# Chapter 01, profiling a fine-tuning step: Llama presets with random weights, an SFT batch stream, the profiler.
+from .models import PRESETS, build_model, full_finetune_memory, llama_config, load_pretrained, pick_preset_for_gpu
+from .data import get_tokenizer, make_sft_batches
+from .profiling import amdahl, classify, profile_training_step
+
+__all__ += [
+    "PRESETS", "build_model", "full_finetune_memory", "llama_config", "load_pretrained", "pick_preset_for_gpu",
+    "get_tokenizer", "make_sft_batches",
+    "amdahl", "classify", "profile_training_step",
+]

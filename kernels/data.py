@@ -438,6 +438,7 @@ def plot_label_mask(batch: dict[str, torch.Tensor], ax=None, max_rows: int = 16)
     ax.imshow(image, aspect="auto", interpolation="nearest", cmap=ListedColormap(colors), vmin=0, vmax=2)
     ax.set_xlabel("position in the row")
     ax.set_ylabel("row")
+    ax.set_yticks(range(image.shape[0]))
     labels = ["padding (label -100, attention 0)", "prompt (label -100)", "response (trained)"]
     ax.legend(handles=[Patch(color=c, label=l) for c, l in zip(colors, labels)], loc="upper center",
               bbox_to_anchor=(0.5, -0.25), ncol=3, frameon=False)

@@ -275,16 +275,24 @@ def _fmt_bytes(n: float) -> str:
     return f"{n / 1024:,.1f} KiB"
 
 
+# The moments of a step at which memory can peak, and the parts alive at each (see MemoryBudget).
+HIGH_POINTS: dict[str, tuple[str, ...]] = {
+    "loss, forward": ("weights", "optimizer_states", "activations", "logits", "logits_fp32", "log_softmax_fp32"),
+    "loss, backward": ("weights", "optimizer_states", "activations", "log_softmax_fp32", "logit_grads_fp32"),
+    "optimizer step": ("weights", "gradients", "optimizer_states", "optimizer_temporaries"),
+}
+
+
 @dataclass
 class MemoryBudget:
-    """Bytes a full fine-tuning step needs, part by part, and at its two high points.
+    """Bytes a full fine-tuning step needs, part by part, and at the three moments where it can peak.
 
-    Memory peaks at one of two moments of a step:
-
-    * ``loss_peak``, while the loss is computed at the end of the forward pass: weights, optimizer states, every
-      activation saved for the backward pass, the bf16 logits, the fp32 copy of the logits that Hugging Face's loss
-      makes (``logits.float()``), and the fp32 log-softmax that ``F.cross_entropy`` keeps for its backward pass;
-    * ``step_peak``, inside ``optimizer.step()``: weights, gradients, optimizer states and the optimizer's
+    * ``"loss, forward"``, while Hugging Face's loss runs at the end of the forward pass: weights, optimizer states,
+      every activation saved for the backward pass, the bf16 logits, their fp32 copy (``logits.float()``) and the
+      fp32 log-softmax that ``F.cross_entropy`` keeps for its backward pass (10 bytes per logit);
+    * ``"loss, backward"``, the first nodes of the backward pass: all activations are still alive, next to the saved
+      log-softmax and two fp32 gradients of the logits, nll_loss's and log_softmax's (12 bytes per logit);
+    * ``"optimizer step"``, inside ``optimizer.step()``: weights, gradients, optimizer states and the optimizer's
       temporaries. (Activations are gone by then: the backward pass freed them.)
 
     From ``full_finetune_memory`` every field is computed from the configuration (``measured`` is False and
@@ -300,33 +308,30 @@ class MemoryBudget:
     logits: int
     logits_fp32: int
     log_softmax_fp32: int
+    logit_grads_fp32: int
     measured: bool = False
     measured_peak: int | None = None
     phase_peaks: dict[str, int] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)
 
-    @property
-    def loss_peak(self) -> int:
-        return (
-            self.weights + self.optimizer_states + self.activations
-            + self.logits + self.logits_fp32 + self.log_softmax_fp32
-        )
-
-    @property
-    def step_peak(self) -> int:
-        return self.weights + self.gradients + self.optimizer_states + self.optimizer_temporaries
+    def high_points(self) -> dict[str, int]:
+        """Bytes alive at each moment of ``HIGH_POINTS``, from the parts."""
+        parts = self.parts()
+        return {moment: sum(parts[name] for name in names) for moment, names in HIGH_POINTS.items()}
 
     @property
     def peak(self) -> int:
-        """The measured peak where there is one, otherwise the larger of the two computed high points."""
+        """The measured peak where there is one, otherwise the largest computed high point."""
         if self.measured_peak is not None:
             return self.measured_peak
-        return max(self.loss_peak, self.step_peak)
+        return max(self.high_points().values())
 
     @property
     def loss_bytes(self) -> int:
-        """What the loss adds on top of the model: bf16 logits, their fp32 copy, the fp32 log-softmax."""
-        return self.logits + self.logits_fp32 + self.log_softmax_fp32
+        """The most the loss's [tokens, vocab] buffers take at once (forward or backward) on top of the model."""
+        forward = self.logits + self.logits_fp32 + self.log_softmax_fp32
+        backward = self.log_softmax_fp32 + self.logit_grads_fp32
+        return max(forward, backward)
 
     def parts(self) -> dict[str, int]:
         return {
@@ -338,15 +343,17 @@ class MemoryBudget:
             "logits": self.logits,
             "logits_fp32": self.logits_fp32,
             "log_softmax_fp32": self.log_softmax_fp32,
+            "logit_grads_fp32": self.logit_grads_fp32,
         }
 
     def table(self) -> str:
-        """A plain-text table of every part, with the note that says how it was obtained."""
+        """A plain-text table of every part, with the note that says how it was obtained, and the high points."""
         lines = [f"{'part':<24}{'bytes':>14}  how"]
         for name, value in self.parts().items():
             lines.append(f"{name:<24}{_fmt_bytes(value):>14}  {self.notes.get(name, '')}")
-        lines.append(f"{'high point: loss':<24}{_fmt_bytes(self.loss_peak):>14}  weights+states+activations+loss")
-        lines.append(f"{'high point: step':<24}{_fmt_bytes(self.step_peak):>14}  weights+grads+states+temporaries")
+        for moment, value in self.high_points().items():
+            alive = ", ".join(name.replace("optimizer_", "").replace("_", " ") for name in HIGH_POINTS[moment])
+            lines.append(f"{'at ' + moment:<24}{_fmt_bytes(value):>14}  {alive}")
         kind = "measured (torch.cuda.max_memory_allocated)" if self.measured_peak is not None else "computed"
         lines.append(f"{'peak':<24}{_fmt_bytes(self.peak):>14}  {kind}")
         return "\n".join(lines)
@@ -390,7 +397,7 @@ def full_finetune_memory(config: "LlamaConfig", batch_size: int, seq_len: int, d
     * the default ("foreach") AdamW on a GPU computes ``sqrt(exp_avg_sq)`` for all parameters at once: one
       parameter-sized temporary during ``optimizer.step()``;
     * the loss is Hugging Face's: bf16 logits [B·S, V], an fp32 copy of them, and ``F.cross_entropy``'s fp32
-      log-softmax kept for the backward pass;
+      log-softmax kept for the backward pass, whose first nodes then hold two fp32 gradients of the logits;
     * activations: ``activation_bytes_per_token_layer`` × layers × tokens, plus the final norm and one attention
       mask [B, 1, S, S] per layer. This part is an estimate.
     """
@@ -417,6 +424,7 @@ def full_finetune_memory(config: "LlamaConfig", batch_size: int, seq_len: int, d
         "logits": f"[{tokens:,}, {vocab:,}] in {dtype}",
         "logits_fp32": "the fp32 copy Hugging Face's loss makes (logits.float())",
         "log_softmax_fp32": "F.cross_entropy keeps its fp32 log-softmax for backward",
+        "logit_grads_fp32": "backward of the loss: nll_loss's and log_softmax's fp32 gradients",
     }
     return MemoryBudget(
         weights=n_params * size,
@@ -427,6 +435,7 @@ def full_finetune_memory(config: "LlamaConfig", batch_size: int, seq_len: int, d
         logits=tokens * vocab * size,
         logits_fp32=tokens * vocab * 4,
         log_softmax_fp32=tokens * vocab * 4,
+        logit_grads_fp32=tokens * vocab * 8,
         notes=notes,
     )
 

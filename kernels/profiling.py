@@ -50,7 +50,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from .bench import ASSETS
-from .models import GiB, MemoryBudget, full_finetune_memory
+from .models import HIGH_POINTS, GiB, MemoryBudget, full_finetune_memory
 
 TRACES = ASSETS / "traces"
 FAMILIES = ("matmul", "attention", "rmsnorm", "cross_entropy", "elementwise", "optimizer", "other")
@@ -295,6 +295,7 @@ def measure_step_memory(model, batch, optimizer, compute_loss=hf_loss) -> Memory
         logits=tokens * vocab * size,
         logits_fp32=tokens * vocab * 4,
         log_softmax_fp32=log_softmax,
+        logit_grads_fp32=2 * log_softmax,
         measured=True,
         measured_peak=max(peak_forward, peak_backward, peak_step),
         phase_peaks={"forward": peak_forward, "backward": peak_backward, "optimizer step": peak_step},
@@ -307,6 +308,7 @@ def measure_step_memory(model, batch, optimizer, compute_loss=hf_loss) -> Memory
             "logits": f"computed: [{tokens:,}, {vocab:,}] in {dtype}",
             "logits_fp32": "computed: the fp32 copy in Hugging Face's loss",
             "log_softmax_fp32": "computed: kept by F.cross_entropy for backward",
+            "logit_grads_fp32": "computed: the fp32 gradients in the loss's backward",
         },
     )
 
@@ -626,9 +628,9 @@ class AmdahlEstimate:
         return (
             f"{parts} = {self.share:.1%} of the step's measured time. If they cost nothing, the step could be at "
             f"most {self.max_speedup:.2f}× faster ({self.step_ms:.1f} → {self.best_step_ms:.1f} ms): Amdahl's law, "
-            f"1 / (1 - {self.share:.3f}). Memory: the loss's logits (bf16, their fp32 copy, the fp32 log-softmax) "
-            f"take {self.loss_bytes / GiB:.2f} GiB at their high point, {self.loss_bytes / self.peak_bytes:.1%} of "
-            f"the step's peak of {self.peak_bytes / GiB:.2f} GiB."
+            f"1 / (1 - {self.share:.3f}). Memory: the loss's [tokens, vocab] buffers (bf16 logits, their fp32 copy, "
+            f"the fp32 log-softmax, fp32 gradients) take up to {self.loss_bytes / GiB:.2f} GiB at once, "
+            f"{self.loss_bytes / self.peak_bytes:.1%} of the step's peak of {self.peak_bytes / GiB:.2f} GiB."
         )
 
 
@@ -684,36 +686,35 @@ def plot_family_times(profile: StepProfile, ax=None):
 
 
 def plot_memory(memory: MemoryBudget, ax=None, capacity: int | None = None):
-    """Stacked bars of the two high points of a step (the loss, the optimizer step), with measured peaks if any."""
+    """Stacked bars of the three moments a step can peak at (``HIGH_POINTS``), with the measured peak if any."""
     import matplotlib.pyplot as plt
 
-    stacks = {
-        "loss\n(end of forward)": ["weights", "optimizer_states", "activations", "logits", "logits_fp32", "log_softmax_fp32"],
-        "optimizer step": ["weights", "gradients", "optimizer_states", "optimizer_temporaries"],
-    }
     colors = {
         "weights": "#4c72b0", "gradients": "#64b5cd", "optimizer_states": "#55a868", "optimizer_temporaries": "#8fd19e",
         "activations": "#8172b3", "logits": "#c44e52", "logits_fp32": "#e17c7e", "log_softmax_fp32": "#f2b5b6",
+        "logit_grads_fp32": "#fbe0e0",
     }
     parts = memory.parts()
+    largest = max(max(memory.high_points().values()), memory.measured_peak or 0, capacity or 0)
+    unit, scale = ("GiB", GiB) if largest >= GiB else ("MiB", 1024**2)
     if ax is None:
-        _, ax = plt.subplots(figsize=(9, 3.2))
+        _, ax = plt.subplots(figsize=(9, 3.6))
     labelled = set()
-    for y, (label, names) in enumerate(stacks.items()):
+    for y, names in enumerate(HIGH_POINTS.values()):
         left = 0.0
         for name in names:
-            width = parts[name] / GiB
+            width = parts[name] / scale
             ax.barh(y, width, left=left, color=colors[name], label=None if name in labelled else name.replace("_", " "))
             labelled.add(name)
             left += width
     if memory.measured_peak is not None:
-        ax.axvline(memory.measured_peak / GiB, color="black", linestyle="--", label="measured peak")
+        ax.axvline(memory.measured_peak / scale, color="black", linestyle="--", label="measured peak")
     if capacity:
-        ax.axvline(capacity / GiB, color="grey", linestyle=":", label="GPU memory")
-    ax.set_yticks(range(len(stacks)), list(stacks))
+        ax.axvline(capacity / scale, color="grey", linestyle=":", label="GPU memory")
+    ax.set_yticks(range(len(HIGH_POINTS)), list(HIGH_POINTS))
     ax.invert_yaxis()
-    ax.set_xlabel("GiB")
+    ax.set_xlabel(unit)
     kind = "measured on the GPU" if memory.measured else "computed estimate"
-    ax.set_title(f"Memory at the two high points of a step ({kind})")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=4, frameon=False, fontsize=8)
+    ax.set_title(f"Memory at the moments a step can peak ({kind})")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=4, frameon=False, fontsize=8)
     return ax

@@ -271,8 +271,15 @@ def get_tokenizer(name_or_path=None) -> "PreTrainedTokenizerBase":
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=8)
-def _encoded_examples(tokenizer, n_examples: int) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+def _encoded_examples(tokenizer, n_examples: int):
+    """The dataset tokenized once per (tokenizer, size): cached where the tokenizer can be a cache key."""
+    try:
+        return _encoded_examples_cached(tokenizer, n_examples)
+    except TypeError:  # an unhashable tokenizer: encode afresh
+        return _encode_examples(tokenizer, n_examples)
+
+
+def _encode_examples(tokenizer, n_examples: int) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
     """(prompt ids, response ids + end id) per example. Prompt and response are tokenized separately, so the
     boundary between what is masked and what is trained falls exactly between two tokens."""
     examples = make_examples(n_examples)
@@ -280,6 +287,9 @@ def _encoded_examples(tokenizer, n_examples: int) -> tuple[tuple[tuple[int, ...]
     responses = tokenizer([ex.response for ex in examples], add_special_tokens=False)["input_ids"]
     eos = tokenizer.eos_token_id
     return tuple((tuple(p), tuple(r) + (eos,)) for p, r in zip(prompts, responses))
+
+
+_encoded_examples_cached = functools.lru_cache(maxsize=8)(_encode_examples)
 
 
 def _example_order(n_examples: int, seed: int) -> Iterator[int]:

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.autograd import DeviceType
 
+from kernels import runtime
 from kernels.data import get_tokenizer, make_sft_batches
 from kernels.models import build_model, full_finetune_memory, llama_config
 from kernels.profiling import FAMILIES, amdahl, attribute_events, classify, plot_family_times, plot_memory, profile_training_step, short_name
@@ -209,16 +210,21 @@ def test_profiled_step_has_every_family_and_a_trace(tiny_profile):
     assert "ui.perfetto.dev" in p.trace_note
     assert "RMSNorm" in p.family_table() and "total (CPU self time)" in p.family_table()
     assert len(p.top_table(10).splitlines()) == 11
-    assert "tokens/s" in p.summary() and "computed estimate" in p.summary()
+    assert "tokens/s" in p.summary()
 
 
-def test_backward_of_rmsnorm_and_loss_is_attributed_to_them(tiny_profile):
-    rows = {(r.name, r.family) for r in tiny_profile.top_ops}
-    assert ("autograd::engine::evaluate_function: ToCopyBackward0", "rmsnorm") in rows
-    assert ("autograd::engine::evaluate_function: MulBackward0", "rmsnorm") in rows
-    assert ("autograd::engine::evaluate_function: MulBackward0", "elementwise") in rows  # SwiGLU and RoPE muls
-    assert ("autograd::engine::evaluate_function: NllLossBackward0", "cross_entropy") in rows
+def test_backward_of_rmsnorm_and_loss_is_attributed_to_them(tiny_setup, tiny_profile):
+    model, _, _ = tiny_setup
+    rows = {(r.name, r.family): r for r in tiny_profile.top_ops}
+    # Forward: 2 multiplies per RMSNorm call, 2 norms per layer and the final one. More means its backward counted.
+    n_norms = 2 * model.config.num_hidden_layers + 1
+    assert rows[("aten::mul", "rmsnorm")].calls > 2 * n_norms
+    assert ("aten::mul", "elementwise") in rows  # SwiGLU's and RoPE's multiplies stay elementwise
     assert ("aten::copy_", "cross_entropy") in rows  # the fp32 upcast of the logits
+    assert ("aten::_log_softmax_backward_data", "cross_entropy") in rows
+    if runtime.MODE != "gpu":  # on the CPU the autograd nodes' own time shows up too
+        assert ("autograd::engine::evaluate_function: ToCopyBackward0", "rmsnorm") in rows
+        assert ("autograd::engine::evaluate_function: NllLossBackward0", "cross_entropy") in rows
 
 
 def test_labels_are_removed_after_profiling(tiny_setup, tiny_profile):
@@ -235,6 +241,8 @@ def test_without_labels_names_still_find_rmsnorm_pieces(tiny_setup):
 
 
 def test_cpu_memory_is_the_computed_estimate(tiny_setup, tiny_profile):
+    if runtime.MODE == "gpu":
+        pytest.skip("on a GPU the memory is measured (see the gpu test)")
     model, _, batch = tiny_setup
     assert not tiny_profile.memory.measured
     assert tiny_profile.memory.peak == full_finetune_memory(model.config, 2, 64).peak

@@ -12,6 +12,7 @@ All arithmetic is float32 whatever the storage dtype; values are cast only when 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -157,6 +158,7 @@ def _block_n(n_cols: int) -> int:
     return triton.next_power_of_2(n_cols)
 
 
+@functools.lru_cache(maxsize=512)
 def forward_config(n_rows: int, n_cols: int) -> ForwardConfig:
     block_n = _block_n(n_cols)
     if runtime.INTERPRET:
@@ -169,6 +171,7 @@ def forward_config(n_rows: int, n_cols: int) -> ForwardConfig:
     return ForwardConfig(rows=rows, num_warps=4 if tile <= 2048 else 8)
 
 
+@functools.lru_cache(maxsize=512)
 def backward_config(n_rows: int, n_cols: int) -> BackwardConfig:
     block_n = _block_n(n_cols)
     if runtime.INTERPRET:
@@ -181,7 +184,7 @@ def backward_config(n_rows: int, n_cols: int) -> BackwardConfig:
     tile = rows * block_n
     num_warps = 16 if tile >= 16384 else 8 if tile >= 4096 else 4
     programs = max(1, min(runtime.num_sms(), triton.cdiv(n_rows, rows)))
-    return BackwardConfig(rows=rows, programs=programs, num_warps=num_warps, stages=1, finishers=min(8, programs))
+    return BackwardConfig(rows=rows, programs=programs, num_warps=num_warps, stages=1, finishers=min(64, programs))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -224,15 +227,27 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, c
     x_rows = _as_rows(x)
     n_rows, n_cols = x_rows.shape
     out_dtype = torch.result_type(weight, x)  # what `weight * x_hat.to(x.dtype)` gives in PyTorch
-    y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)  # contiguous: row r starts at r * n_cols
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if n_rows:
         cfg = config or forward_config(n_rows, n_cols)
         _rms_norm_fwd_kernel[(triton.cdiv(n_rows, cfg.rows),)](
-            x_rows, weight, y, rstd, n_rows, n_cols, x_rows.stride(0), y.stride(0), eps,
+            x_rows, weight, y, rstd, n_rows, n_cols, x_rows.stride(0), n_cols, eps,
             ROWS=cfg.rows, BLOCK_N=_block_n(n_cols), num_warps=cfg.num_warps,
         )
-    return y.view(x.shape), rstd, x_rows
+    return y, rstd, x_rows
+
+
+def _finish_tiles(n_cols: int, programs: int, finishers: int) -> tuple[int, int]:
+    """Tile of the dW finish: (columns per finisher step, partials per load), at most 16K float32 values.
+
+    Each finisher should sum its columns over all partials with as few dependent loads as possible: the finish runs
+    after the last row is done, so nothing hides its latency.
+    """
+    cols = triton.next_power_of_2(triton.cdiv(n_cols, finishers))
+    parts = min(triton.next_power_of_2(programs), 256)
+    cols = max(1, min(cols, (1 << 14) // parts))
+    return cols, parts
 
 
 _COUNTERS: dict = {}
@@ -257,12 +272,12 @@ def _counters(device: torch.device) -> torch.Tensor:
 
 def rms_norm_backward(
     dy: torch.Tensor, x_rows: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-    compute_dw: bool = True, config: BackwardConfig | None = None,
+    compute_dw: bool = True, config: BackwardConfig | None = None, dx_shape: torch.Size | None = None,
 ):
-    """Launch the backward kernel. Returns ``(dx as [rows, hidden], dw or None)``."""
+    """Launch the backward kernel. Returns ``(dx, dw or None)``; dx has ``dx_shape`` (default [rows, hidden])."""
     n_rows, n_cols = x_rows.shape
     dy_rows = _as_rows(dy)
-    dx = torch.empty((n_rows, n_cols), dtype=x_rows.dtype, device=x_rows.device)
+    dx = torch.empty(dx_shape or (n_rows, n_cols), dtype=x_rows.dtype, device=x_rows.device)
     if n_rows == 0:
         return dx, (torch.zeros_like(weight) if compute_dw else None)
     cfg = config or backward_config(n_rows, n_cols)
@@ -273,13 +288,12 @@ def rms_norm_backward(
         dw = torch.empty_like(weight)
         counters = _counters(x_rows.device)
     finishers = max(1, min(cfg.finishers, cfg.programs))
-    finish_block = block_n if runtime.INTERPRET else min(block_n, 256)
+    finish_block, partial_block = _finish_tiles(n_cols, cfg.programs, finishers)
     _rms_norm_bwd_kernel[(cfg.programs,)](
         x_rows, weight, dy_rows, rstd, dx, partial, dw, counters,
-        n_rows, n_cols, x_rows.stride(0), dy_rows.stride(0), dx.stride(0),
+        n_rows, n_cols, x_rows.stride(0), dy_rows.stride(0), n_cols,
         ROWS=cfg.rows, BLOCK_N=block_n, COMPUTE_DW=compute_dw, STAGES=cfg.stages,
-        FINISHERS=finishers, FINISH_BLOCK=finish_block,
-        PARTIAL_BLOCK=min(16, triton.next_power_of_2(cfg.programs)), num_warps=cfg.num_warps,
+        FINISHERS=finishers, FINISH_BLOCK=finish_block, PARTIAL_BLOCK=partial_block, num_warps=cfg.num_warps,
     )
     return dx, (dw if compute_dw else None)
 
@@ -297,8 +311,8 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x_rows, weight, rstd = ctx.saved_tensors
-        dx, dw = rms_norm_backward(dy, x_rows, weight, rstd, compute_dw=ctx.needs_input_grad[1])
-        return dx.view(ctx.x_shape), dw, None
+        dx, dw = rms_norm_backward(dy, x_rows, weight, rstd, ctx.needs_input_grad[1], dx_shape=ctx.x_shape)
+        return dx, dw, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

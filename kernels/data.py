@@ -1,0 +1,456 @@
+"""A real supervised fine-tuning (SFT) batch stream, made offline and deterministically.
+
+The data: a few thousand instruction/response pairs generated from a seed, each with a computed, correct answer:
+arithmetic word problems, string manipulations (reverse, count, sort, capitalise) and short Python tasks (what does
+this print, write this function). Answers run from one token to a few dozen, so sequences have different lengths.
+
+The template, as instruction tuning uses it::
+
+    <|begin|>### Instruction:
+    {prompt}
+
+    ### Response:
+    {response}<|end|>
+
+Labels are the input ids on the response and its end token, and ``-100`` on the prompt, the begin token and the
+padding, so the loss trains only on what the model should answer (Hugging Face shifts labels by one inside its
+loss). ``attention_mask`` is 0 on padding.
+
+Long rows (seq 2048 on a GPU) hold a *conversation*: exchange after exchange is appended while the next one fits,
+then the rest of the row is padded. Every response in the row is trained on and every prompt is masked, which is how
+multi-turn chat data is fine-tuned; attending to the earlier exchanges of the row is then correct, not a leak
+between unrelated examples. It also keeps a real fraction of the labels at ``-100`` (prompts, padding) and a real
+fraction trained, at any sequence length, without wasting most of a 2,048-token row on padding.
+
+Tokenizer: a real one when given (a local directory or an id already in the Hugging Face cache, never downloaded),
+otherwise a byte-level BPE tokenizer trained here on the generated text with the ``tokenizers`` library (under a
+second, deterministic, 2,048 ids at most, the vocabulary of the ``"tiny"`` model preset).
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterator
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from transformers import PreTrainedTokenizerBase
+
+IGNORE_INDEX = -100
+PROMPT_TEMPLATE = "### Instruction:\n{prompt}\n\n### Response:\n"
+SPECIAL_TOKENS = {"bos_token": "<|begin|>", "eos_token": "<|end|>", "pad_token": "<|pad|>"}
+DEFAULT_VOCAB_SIZE = 2048
+DATASET_SEED = 0  # the dataset is fixed; the seed given to make_sft_batches shuffles it
+DEFAULT_EXAMPLES = 2000
+
+# Token roles in a packed row (make_sft_batches(..., with_roles=True) returns them).
+PAD, PROMPT, RESPONSE = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Example:
+    task: str
+    prompt: str
+    response: str
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The generated dataset: every answer is computed, so it is correct
+# ---------------------------------------------------------------------------------------------------------------
+
+NAMES = [
+    "Ada", "Ben", "Chen", "Dara", "Eli", "Farah", "Goran", "Hana", "Ivo", "Jun", "Kemi", "Luca", "Mira",
+    "Noor", "Omar", "Priya", "Quinn", "Rosa", "Sven", "Tariq", "Uma", "Viktor", "Wen", "Yara", "Zoe",
+]
+OBJECTS = ["apples", "pencils", "marbles", "stickers", "books", "coins", "cards", "shells", "stamps", "cookies", "bolts"]
+WORDS = [
+    "kernel", "tensor", "gradient", "softmax", "profiler", "warp", "register", "memory", "bandwidth", "matrix",
+    "vector", "pointer", "thread", "block", "cache", "latency", "compiler", "buffer", "token", "layer", "attention",
+    "python", "triton", "reduce", "scatter", "gather", "launch", "stream", "device", "shape", "norm", "logits",
+]
+
+
+def _add_problem(rng: random.Random) -> Example:
+    name, obj = rng.choice(NAMES), rng.choice(OBJECTS)
+    a, b = rng.randint(2, 500), rng.randint(2, 500)
+    return Example(
+        "arithmetic",
+        f"{name} has {a} {obj} and gets {b} more. How many {obj} does {name} have now?",
+        f"{a} + {b} = {a + b}. {name} has {a + b} {obj}.",
+    )
+
+
+def _subtract_problem(rng: random.Random) -> Example:
+    name, other, obj = rng.choice(NAMES), rng.choice(NAMES), rng.choice(OBJECTS)
+    a = rng.randint(20, 900)
+    b = rng.randint(1, a - 1)
+    return Example(
+        "arithmetic",
+        f"{name} had {a} {obj} and gave {b} of them to {other}. How many {obj} does {name} have left?",
+        f"{a} - {b} = {a - b}. {name} has {a - b} {obj} left.",
+    )
+
+
+def _multiply_problem(rng: random.Random) -> Example:
+    obj = rng.choice(OBJECTS)
+    per_box, boxes = rng.randint(2, 48), rng.randint(2, 60)
+    return Example(
+        "arithmetic",
+        f"A shop packs {per_box} {obj} in each box. How many {obj} are in {boxes} boxes?",
+        f"{boxes} * {per_box} = {boxes * per_box}. There are {boxes * per_box} {obj} in {boxes} boxes.",
+    )
+
+
+def _divide_problem(rng: random.Random) -> Example:
+    name, obj = rng.choice(NAMES), rng.choice(OBJECTS)
+    friends, total = rng.randint(2, 12), rng.randint(13, 400)
+    each, left = divmod(total, friends)
+    return Example(
+        "arithmetic",
+        f"{name} shares {total} {obj} equally among {friends} friends. How many does each friend get, "
+        "and how many are left over?",
+        f"{total} // {friends} = {each} remainder {left}. Each friend gets {each} {obj} and {left} are left over.",
+    )
+
+
+def _reverse_word(rng: random.Random) -> Example:
+    word = rng.choice(WORDS)
+    return Example("string", f'Reverse the letters of the word "{word}".', word[::-1])
+
+
+def _capitalise(rng: random.Random) -> Example:
+    phrase = " ".join(rng.sample(WORDS, rng.randint(2, 5)))
+    return Example("string", f'Write "{phrase}" in capital letters.', phrase.upper())
+
+
+def _count_letter(rng: random.Random) -> Example:
+    word = rng.choice(WORDS)
+    letter = rng.choice(sorted(set(word)))
+    n = word.count(letter)
+    times = "time" if n == 1 else "times"
+    return Example(
+        "string",
+        f'How many times does the letter "{letter}" appear in "{word}"?',
+        f'The letter "{letter}" appears {n} {times} in "{word}".',
+    )
+
+
+def _sort_numbers(rng: random.Random) -> Example:
+    numbers = [rng.randint(0, 999) for _ in range(rng.randint(3, 12))]
+    return Example(
+        "string",
+        "Sort these numbers from smallest to largest: " + ", ".join(map(str, numbers)) + ".",
+        ", ".join(map(str, sorted(numbers))),
+    )
+
+
+def _sort_words(rng: random.Random) -> Example:
+    words = rng.sample(WORDS, rng.randint(3, 8))
+    return Example(
+        "string",
+        "Put these words in alphabetical order: " + ", ".join(words) + ".",
+        ", ".join(sorted(words)),
+    )
+
+
+def _python_print(rng: random.Random) -> Example:
+    x, y, z = rng.randint(2, 30), rng.randint(2, 30), rng.randint(0, 50)
+    return Example(
+        "code",
+        f"What does this Python code print?\n\nx = {x}\ny = {y}\nprint(x * y - {z})",
+        str(x * y - z),
+    )
+
+
+def _python_list(rng: random.Random) -> Example:
+    k, n = rng.randint(2, 9), rng.randint(3, 12)
+    return Example(
+        "code",
+        f"What does this Python code print?\n\nprint([i * {k} for i in range({n})])",
+        str([i * k for i in range(n)]),
+    )
+
+
+def _python_function(rng: random.Random) -> Example:
+    k = rng.randint(2, 20)
+    kind = rng.randrange(3)
+    if kind == 0:
+        prompt = f"Write a Python function scale_by_{k}(values) that returns a list of every value multiplied by {k}."
+        response = f"def scale_by_{k}(values):\n    return [v * {k} for v in values]"
+    elif kind == 1:
+        prompt = f"Write a Python function count_above_{k}(values) that counts the values greater than {k}."
+        response = f"def count_above_{k}(values):\n    return sum(1 for v in values if v > {k})"
+    else:
+        prompt = f"Write a Python function add_{k}(x) that returns x plus {k}."
+        response = f"def add_{k}(x):\n    return x + {k}"
+    return Example("code", prompt, response)
+
+
+GENERATORS: tuple[Callable[[random.Random], Example], ...] = (
+    _add_problem, _subtract_problem, _multiply_problem, _divide_problem,
+    _reverse_word, _capitalise, _count_letter, _sort_numbers, _sort_words,
+    _python_print, _python_list, _python_function,
+)
+
+
+def make_examples(n: int = DEFAULT_EXAMPLES, seed: int = DATASET_SEED) -> list[Example]:
+    """``n`` instruction/response pairs drawn from ``seed``: the same arguments give the same list."""
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be a positive int, got {n!r}")
+    rng = random.Random(seed)
+    return [rng.choice(GENERATORS)(rng) for _ in range(n)]
+
+
+def format_prompt(prompt: str) -> str:
+    return PROMPT_TEMPLATE.format(prompt=prompt)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tokenizers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def train_default_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE) -> "PreTrainedTokenizerFast":  # noqa: F821
+    """Train a byte-level BPE tokenizer on the generated dataset (deterministic; well under a second).
+
+    Byte-level means any text can be encoded (unknown characters fall back to bytes) and decoding gives the text
+    back exactly. The special tokens are ``<|begin|>``, ``<|end|>`` and ``<|pad|>``.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS.values()),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = [format_prompt(ex.prompt) + ex.response for ex in make_examples()]
+    tok.train_from_iterator(corpus, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS)
+
+
+@functools.lru_cache(maxsize=1)
+def _default_tokenizer():
+    return train_default_tokenizer()
+
+
+def get_tokenizer(name_or_path=None) -> "PreTrainedTokenizerBase":
+    """A tokenizer: the workbook's own (trained once per process, then cached) or a local Hugging Face one.
+
+    ``name_or_path`` may be a directory holding a saved tokenizer or a hub id already in the Hugging Face cache
+    (e.g. the Llama 3 tokenizer, whose 128,256 ids match the full-size presets); nothing is downloaded.
+    """
+    if name_or_path is None:
+        return _default_tokenizer()
+    if not isinstance(name_or_path, (str, Path)):
+        raise TypeError(f"name_or_path must be None, a directory or a hub id, got {type(name_or_path).__name__}")
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(name_or_path), local_files_only=True)
+    except OSError as err:
+        raise FileNotFoundError(
+            f"No tokenizer found for {str(name_or_path)!r} locally (a directory or an id already in the Hugging "
+            "Face cache; nothing is downloaded). Call get_tokenizer() without arguments for the workbook's own."
+        ) from err
+    if tok.eos_token_id is None:
+        raise ValueError(f"the tokenizer {str(name_or_path)!r} has no eos_token: responses must end with one")
+    return tok
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Packing rows and batches
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _encoded_examples(tokenizer, n_examples: int):
+    """The dataset tokenized once per (tokenizer, size): cached where the tokenizer can be a cache key."""
+    try:
+        return _encoded_examples_cached(tokenizer, n_examples)
+    except TypeError:  # an unhashable tokenizer: encode afresh
+        return _encode_examples(tokenizer, n_examples)
+
+
+def _encode_examples(tokenizer, n_examples: int) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+    """(prompt ids, response ids + end id) per example. Prompt and response are tokenized separately, so the
+    boundary between what is masked and what is trained falls exactly between two tokens."""
+    examples = make_examples(n_examples)
+    prompts = tokenizer([format_prompt(ex.prompt) for ex in examples], add_special_tokens=False)["input_ids"]
+    responses = tokenizer([ex.response for ex in examples], add_special_tokens=False)["input_ids"]
+    eos = tokenizer.eos_token_id
+    return tuple((tuple(p), tuple(r) + (eos,)) for p, r in zip(prompts, responses))
+
+
+_encoded_examples_cached = functools.lru_cache(maxsize=8)(_encode_examples)
+
+
+def _example_order(n_examples: int, seed: int) -> Iterator[int]:
+    """Example indices forever: every epoch a fresh permutation drawn from (seed, epoch)."""
+    epoch = 0
+    while True:
+        order = list(range(n_examples))
+        random.Random(f"{seed}/{epoch}").shuffle(order)
+        yield from order
+        epoch += 1
+
+
+def _pack_rows(encoded, order: Iterator[int], seq_len: int, bos: int | None) -> Iterator[tuple[list[int], list[int]]]:
+    """Rows of (ids, roles) of length <= seq_len: exchanges appended while the next one fits."""
+    start = [bos] if bos is not None else []
+    ids, roles = list(start), [PROMPT] * len(start)
+    skipped_in_a_row = 0
+    for index in order:
+        prompt, response = encoded[index]
+        if len(ids) + len(prompt) + len(response) <= seq_len:
+            ids += prompt + response
+            roles += [PROMPT] * len(prompt) + [RESPONSE] * len(response)
+            skipped_in_a_row = 0
+            continue
+        if len(ids) > len(start):  # the row has exchanges: close it, the next row starts with this exchange
+            yield ids, roles
+            ids, roles = list(start), [PROMPT] * len(start)
+            if len(ids) + len(prompt) + len(response) <= seq_len:
+                ids += prompt + response
+                roles += [PROMPT] * len(prompt) + [RESPONSE] * len(response)
+                continue
+        # One exchange longer than a whole row: keep its prompt and as much of the response as fits, as SFT
+        # truncation does; an exchange whose prompt alone fills the row is skipped.
+        room = seq_len - len(ids) - len(prompt)
+        if room >= 1:
+            yield ids + list(prompt) + list(response[:room]), roles + [PROMPT] * len(prompt) + [RESPONSE] * room
+            skipped_in_a_row = 0
+        else:
+            skipped_in_a_row += 1
+            if skipped_in_a_row > len(encoded):
+                raise ValueError(f"seq_len={seq_len} is too short for any prompt of this dataset; use at least 64")
+
+
+def _check_positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def make_sft_batches(
+    tokenizer,
+    batch_size: int,
+    seq_len: int,
+    n_batches: int,
+    seed: int = 0,
+    *,
+    vocab_size: int | None = None,
+    n_examples: int = DEFAULT_EXAMPLES,
+    with_roles: bool = False,
+) -> list[dict[str, torch.Tensor]]:
+    """``n_batches`` SFT batches: dicts of ``input_ids``, ``attention_mask`` and ``labels``, each [batch_size, seq_len].
+
+    ``seed`` shuffles the dataset (a new permutation every epoch), so the same seed gives the same batches and
+    successive batches hold different examples. ``vocab_size``, when given (the model's), is checked against every
+    token id. ``with_roles=True`` adds ``roles`` (0 padding, 1 prompt, 2 response) for inspection; leave it off for
+    batches that go into ``model(**batch)``.
+    """
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("n_batches", n_batches), ("n_examples", n_examples)):
+        _check_positive_int(name, value)
+    if tokenizer is None or not hasattr(tokenizer, "eos_token_id"):
+        raise TypeError(f"tokenizer must be a Hugging Face tokenizer (see get_tokenizer), got {type(tokenizer).__name__}")
+    if tokenizer.eos_token_id is None:
+        raise ValueError("tokenizer has no eos_token_id: every response must end with one")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    encoded = _encoded_examples(tokenizer, n_examples)
+    rows = _pack_rows(encoded, _example_order(n_examples, seed), seq_len, tokenizer.bos_token_id)
+
+    n_rows = batch_size * n_batches
+    ids = torch.full((n_rows, seq_len), pad, dtype=torch.long)
+    roles = torch.full((n_rows, seq_len), PAD, dtype=torch.long)
+    for i in range(n_rows):
+        row_ids, row_roles = next(rows)
+        ids[i, : len(row_ids)] = torch.tensor(row_ids, dtype=torch.long)
+        roles[i, : len(row_roles)] = torch.tensor(row_roles, dtype=torch.long)
+    if vocab_size is not None:
+        _check_positive_int("vocab_size", vocab_size)
+        top = int(ids.max())
+        if top >= vocab_size:
+            raise ValueError(
+                f"token id {top} is not below vocab_size={vocab_size}: build the model with a vocabulary that covers "
+                f"the tokenizer, e.g. llama_config('tiny', vocab_size={len(tokenizer)})"
+            )
+    labels = torch.where(roles == RESPONSE, ids, torch.full_like(ids, IGNORE_INDEX))
+    attention_mask = (roles != PAD).long()
+
+    batches = []
+    for b in range(n_batches):
+        rows_b = slice(b * batch_size, (b + 1) * batch_size)
+        batch = {"input_ids": ids[rows_b], "attention_mask": attention_mask[rows_b], "labels": labels[rows_b]}
+        if with_roles:
+            batch["roles"] = roles[rows_b]
+        batches.append(batch)
+    return batches
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Looking at a batch
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def label_stats(batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Fractions of the batch's positions that are padding, masked prompt tokens, and trained (label != -100)."""
+    mask = batch["attention_mask"].bool()
+    trained = batch["labels"] != IGNORE_INDEX
+    total = mask.numel()
+    return {
+        "tokens": total,
+        "padding": float((~mask).sum()) / total,
+        "prompt (label -100)": float((mask & ~trained).sum()) / total,
+        "trained (label = input id)": float(trained.sum()) / total,
+    }
+
+
+def render_row(tokenizer, batch: dict[str, torch.Tensor], row: int = 0, max_chars: int | None = 1500) -> str:
+    """One row as text: masked tokens as they are, trained tokens inside «…», padding summarised at the end."""
+    ids = batch["input_ids"][row].tolist()
+    trained = (batch["labels"][row] != IGNORE_INDEX).tolist()
+    real = batch["attention_mask"][row].bool().tolist()
+    pieces, start = [], 0
+    n_real = sum(real)
+    while start < n_real:
+        end = start
+        while end < n_real and trained[end] == trained[start]:
+            end += 1
+        text = tokenizer.decode(ids[start:end])
+        pieces.append(f"«{text}»" if trained[start] else text)
+        start = end
+    out = "".join(pieces)
+    if max_chars is not None and len(out) > max_chars:
+        out = out[:max_chars] + f" … [{len(out) - max_chars:,} more characters]"
+    n_pad = len(ids) - n_real
+    return out + (f"\n[{n_pad} padding tokens]" if n_pad else "\n[no padding]")
+
+
+def plot_label_mask(batch: dict[str, torch.Tensor], ax=None, max_rows: int = 16):
+    """Each row of the batch as a strip: padding, masked prompt tokens, trained response tokens."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    mask = batch["attention_mask"][:max_rows].bool()
+    trained = batch["labels"][:max_rows] != IGNORE_INDEX
+    image = torch.where(trained, 2, torch.where(mask, 1, 0)).numpy()
+    colors = ["#dddddd", "#9ecae1", "#e6550d"]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 0.35 * image.shape[0] + 1.2))
+    ax.imshow(image, aspect="auto", interpolation="nearest", cmap=ListedColormap(colors), vmin=0, vmax=2)
+    ax.set_xlabel("position in the row")
+    ax.set_ylabel("row")
+    ax.set_yticks(range(image.shape[0]))
+    labels = ["padding (label -100, attention 0)", "prompt (label -100)", "response (trained)"]
+    ax.legend(handles=[Patch(color=c, label=l) for c, l in zip(colors, labels)], loc="upper center",
+              bbox_to_anchor=(0.5, -0.25), ncol=3, frameon=False)
+    ax.set_title("Which tokens the loss trains on")
+    return ax

@@ -1,0 +1,268 @@
+"""The RMSNorm exercise checks: they pass right answers and name each planted mistake precisely, without raising.
+
+The planted mistakes are written in plain PyTorch (fast, and exactly the arithmetic a wrong kernel would do); two
+are Triton kernels, to show the checks also report on a kernel as the reader finds it in the notebook.
+"""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from kernels.exercises.rmsnorm import check_rms_norm_backward, check_rms_norm_forward
+from kernels.reference import rms_norm_reference
+from kernels.rmsnorm import rms_norm, rms_norm_backward
+from kernels.triton_utils import cast_to
+
+
+def truncate_bf16(t):
+    return (t.float().contiguous().view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Forward
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def forward(x, w, eps, *, divisor=None, eps_used=None, power=-0.5, weight=True, weight_first=False, truncate=False,
+            columns=None, contiguous_rows=False):
+    """RMSNorm as Hugging Face computes it, or with one planted mistake chosen by a keyword."""
+    if contiguous_rows:  # step between rows by the width, ignoring the view's row stride
+        x = torch.as_strided(x, x.shape, (x.shape[-1], 1))
+    x32 = x.float()
+    used = x32[:, :columns]
+    mean_square = used.pow(2).sum(-1, keepdim=True) / (divisor(x.shape[-1]) if divisor else used.shape[-1])
+    x_hat = x32 * (mean_square + (eps if eps_used is None else eps_used)) ** power
+    if not weight:
+        return x_hat.to(x.dtype)
+    if weight_first:
+        return (x_hat * w.float()).to(x.dtype)
+    if truncate:
+        return truncate_bf16(truncate_bf16(x_hat).float() * w.float()) if x.dtype == torch.bfloat16 else x_hat * w
+    return w * x_hat.to(x.dtype)
+
+
+def forward_leaving(x, w, eps, *, columns=None, rows=None):
+    """A right forward that leaves columns (or rows) from an index on unwritten (zero)."""
+    y = forward(x, w, eps)
+    if columns is not None:
+        y[:, columns:] = 0
+    if rows is not None:
+        y[rows:] = 0
+    return y
+
+
+def short_block(n):
+    """The power of two at or below n: what BLOCK_N is when it is rounded the wrong way."""
+    return n if triton.next_power_of_2(n) == n else triton.next_power_of_2(n) // 2
+
+
+def forward_short_block(x, w, eps):
+    """BLOCK_N rounded down: only the first BLOCK_N columns are summed, and only they are written."""
+    block = short_block(x.shape[-1])
+    y = forward(x, w, eps, columns=block)
+    y[:, block:] = 0
+    return y
+
+
+def forward_with_nan(x, w, eps):
+    y = forward(x, w, eps)
+    y[2, 3] = float("nan")
+    return y
+
+
+def raise_error(*args):
+    raise ValueError("boom: the reader's kernel failed")
+
+
+def returns_float32(x, w, eps):
+    return forward(x, w, eps).float()
+
+
+PLANTED_FORWARD = {
+    "stub-zeros": (lambda x, w, eps: torch.zeros_like(x), "every value of y is 0: is the exercise line still the placeholder"),
+    "divide-by-BLOCK_N": (
+        lambda x, w, eps: forward(x, w, eps, divisor=triton.next_power_of_2),
+        "on a float32 input of 5 × 100, row 0 of y differs (column",
+    ),
+    "sum-not-mean": (lambda x, w, eps: forward(x, w, eps, divisor=lambda n: 1), "did not divide by n_cols"),
+    "sqrt-not-rsqrt": (lambda x, w, eps: forward(x, w, eps, power=0.5), "instead of dividing by it"),
+    "no-weight": (lambda x, w, eps: forward(x, w, eps, weight=False), "the weight is never applied"),
+    "no-eps": (lambda x, w, eps: forward(x, w, eps, eps_used=0.0), "eps is missing"),
+    "default-eps": (lambda x, w, eps: forward(x, w, eps, eps_used=1e-6), "not the eps passed in (1e-05)"),
+    "weight-before-cast": (
+        lambda x, w, eps: forward(x, w, eps, weight_first=True),
+        "output not cast like Hugging Face: you multiplied by the weight before casting",
+    ),
+    "truncated-bf16": (lambda x, w, eps: forward(x, w, eps, truncate=True), "truncated to bfloat16 instead of rounded"),
+    "BLOCK_N-too-small": (
+        forward_short_block,
+        "only the first 64 columns were used: BLOCK_N must be a power of two at least n_cols "
+        "(triton.next_power_of_2(100) = 128)",
+    ),
+    "tail-not-written": (
+        lambda x, w, eps: forward_leaving(x, w, eps, columns=64),
+        "columns 64–99 of y are wrong while columns 0–63 are right: tail columns not written: check your mask",
+    ),
+    "rows-not-written": (
+        lambda x, w, eps: forward_leaving(x, w, eps, rows=4),
+        "rows 4–6 of y are wrong while rows 0–3 are right",
+    ),
+    "ignores-row-stride": (
+        lambda x, w, eps: forward(x, w, eps, contiguous_rows=True),
+        "in this view they are 128 apart: offset each row by the tensor's row stride (x.stride(0))",
+    ),
+    "nan": (forward_with_nan, "y holds NaN or infinity. Masked-off lanes must load other=0.0"),
+    "raises": (raise_error, "your function raised ValueError: boom: the reader's kernel failed"),
+    "returns-none": (lambda x, w, eps: None, "your function returned NoneType, expected a tensor shaped like x"),
+    "wrong-shape": (lambda x, w, eps: forward(x, w, eps)[:, :-1], "the output has shape (7, 63), expected (7, 64)"),
+    "wrong-dtype": (returns_float32, "bfloat16 input of 6 × 300, the output has dtype torch.float32, expected torch.bfloat16"),
+    "unrecognised": (lambda x, w, eps: forward(x, w, eps) * 1.01, "None of the usual mistakes reproduces this output"),
+}
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [lambda x, w, eps: rms_norm(x, w, eps), rms_norm_reference, forward],
+    ids=["package-kernel", "hugging-face-reference", "plain-pytorch"],
+)
+def test_forward_check_passes_right_answers(fn):
+    report = check_rms_norm_forward(fn, verbose=False)
+    assert report.passed and report, report.message
+    assert report.message.startswith("✓ forward correct on 5 inputs")
+
+
+@pytest.mark.parametrize("name", list(PLANTED_FORWARD))
+def test_forward_check_names_each_planted_mistake(name, capsys):
+    fn, expected = PLANTED_FORWARD[name]
+    report = check_rms_norm_forward(fn)
+    assert not report.passed and not report
+    assert report.message.startswith("✗ ")
+    assert expected in report.message, report.message
+    assert capsys.readouterr().out.strip() == report.message  # the verdict is printed, not raised
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Backward
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def dx(dy, x, w, rstd, variant="right", divisor=None, short=False, contiguous_rows=False):
+    """dx = rstd · (g − x̂ · mean(g ⊙ x̂)) with g = dy ⊙ w in float32, or one planted mistake (``variant``)."""
+    if contiguous_rows:
+        x = torch.as_strided(x, x.shape, (x.shape[-1], 1))
+        dy = torch.as_strided(dy, dy.shape, (dy.shape[-1], 1))
+    columns = short_block(x.shape[-1]) if short else None
+    x32, dy32, w32 = x.float()[:, :columns], dy.float()[:, :columns], w.float()[:columns]
+    r = rstd[:, None]
+    x_hat, g = x32 * r, dy32 * w32
+    n = divisor or x32.shape[-1]
+    mean = lambda t: t.sum(-1, keepdim=True) / n  # noqa: E731
+    result = {
+        "right": lambda: r * (g - x_hat * mean(g * x_hat)),
+        "no-rstd": lambda: g - x_hat * mean(g * x_hat),
+        "sum": lambda: r * (g - x_hat * (g * x_hat).sum(-1, keepdim=True)),
+        "sign": lambda: r * (g + x_hat * mean(g * x_hat)),
+        "no-correction": lambda: r * g,
+        "no-weight": lambda: r * (dy32 - x_hat * mean(dy32 * x_hat)),
+        "dy-in-mean": lambda: r * (g - x_hat * mean(dy32 * x_hat)),
+        "mean-of-g": lambda: r * (g - x_hat * mean(g)),
+        "x-for-x_hat": lambda: r * (g - x32 * mean(g * x_hat)),
+    }[variant]()
+    if columns is not None:
+        result = torch.cat([result, torch.zeros(x.shape[0], x.shape[1] - columns, device=x.device)], dim=1)
+    return result.to(x.dtype)
+
+
+PLANTED_BACKWARD = {
+    "stub-zeros": (lambda dy, x, w, r: torch.zeros_like(x), "every value of dx is 0: is the exercise line still"),
+    "no-rstd": (lambda *a: dx(*a, "no-rstd"), "the leading rstd factor is missing"),
+    "sum-not-mean": (lambda *a: dx(*a, "sum"), "you summed g ⊙ x̂ over the row instead of taking its mean"),
+    "sign": (lambda *a: dx(*a, "sign"), "the sign of the correction is wrong"),
+    "no-correction": (lambda *a: dx(*a, "no-correction"), "the correction term − x̂ · mean(g ⊙ x̂) is missing"),
+    "no-weight": (lambda *a: dx(*a, "no-weight"), "the weight is missing: g = dy ⊙ w"),
+    "dy-in-mean": (lambda *a: dx(*a, "dy-in-mean"), "inside the mean use g = dy ⊙ w, not dy"),
+    "mean-of-g": (lambda *a: dx(*a, "mean-of-g"), "wrong mean: it is mean(g ⊙ x̂), not mean(g)"),
+    "x-for-x_hat": (lambda *a: dx(*a, "x-for-x_hat"), "you used x where x̂ belongs"),
+    "divide-by-BLOCK_N": (
+        lambda *a: dx(*a, divisor=triton.next_power_of_2(a[1].shape[-1])),
+        "on a float32 input of 5 × 100, row",  # which row shows it first depends on the draw
+    ),
+    "BLOCK_N-too-small": (lambda *a: dx(*a, short=True), "only the first 64 columns were used"),
+    "ignores-row-stride": (lambda *a: dx(*a, contiguous_rows=True), "offset each row by the tensor's row stride"),
+    "raises": (raise_error, "your function raised ValueError"),
+}
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [lambda dy, x, w, rstd: rms_norm_backward(dy, x, w, rstd, compute_dw=False)[0], dx],
+    ids=["package-kernel", "plain-pytorch"],
+)
+def test_backward_check_passes_right_answers(fn):
+    report = check_rms_norm_backward(fn, verbose=False)
+    assert report.passed, report.message
+    assert report.message.startswith("✓ backward (dx) correct on 4 inputs")
+
+
+@pytest.mark.parametrize("name", list(PLANTED_BACKWARD))
+def test_backward_check_names_each_planted_mistake(name):
+    fn, expected = PLANTED_BACKWARD[name]
+    report = check_rms_norm_backward(fn, verbose=False)
+    assert not report.passed
+    assert expected in report.message, report.message
+
+
+def test_divide_by_block_n_message_names_both_widths():
+    report = check_rms_norm_backward(lambda *a: dx(*a, divisor=triton.next_power_of_2(a[1].shape[-1])), verbose=False)
+    assert "did you divide by BLOCK_N (128) instead of n_cols (100)?" in report.message, report.message
+    report = check_rms_norm_forward(lambda x, w, eps: forward(x, w, eps, divisor=triton.next_power_of_2), verbose=False)
+    assert "did you divide by BLOCK_N (128) instead of n_cols (100)?" in report.message, report.message
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A Triton kernel as the reader finds it in chapter 02, and with one mistake
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rows_kernel(X, W, Y, n_cols, stride_x, stride_y, eps, BLOCK_N: tl.constexpr, MISTAKE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < n_cols
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    if MISTAKE == "stub":
+        rstd = 0.0
+    elif MISTAKE == "block":
+        rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / BLOCK_N + eps)
+    else:
+        rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    x_hat = cast_to(x * rstd, X.dtype.element_ty).to(tl.float32)
+    tl.store(Y + row * stride_y + cols, cast_to(x_hat * w, Y.dtype.element_ty), mask=mask)
+
+
+def triton_forward(mistake):
+    def run(x, w, eps):
+        y = torch.empty_like(x)
+        _rows_kernel[(x.shape[0],)](
+            x, w, y, x.shape[1], x.stride(0), y.stride(0), eps, BLOCK_N=triton.next_power_of_2(x.shape[1]),
+            MISTAKE=mistake,
+        )
+        return y
+
+    return run
+
+
+@pytest.mark.parametrize(
+    "mistake, expected",
+    [
+        ("stub", "every value of y is 0"),
+        ("block", "did you divide by BLOCK_N (128) instead of n_cols (100)?"),
+        ("none", "✓ forward correct"),
+    ],
+)
+def test_forward_check_on_triton_kernels(mistake, expected):
+    report = check_rms_norm_forward(triton_forward(mistake), verbose=False)
+    assert report.passed == (mistake == "none")
+    assert expected in report.message, report.message

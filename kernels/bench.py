@@ -987,12 +987,56 @@ def targets(results: dict, min_speedup: float = 1.0, bases=BASES) -> list[dict]:
     return out
 
 
+def crossovers(results: dict, basis: str = "device", pass_: str = "fwd+bwd") -> dict[str, int | None]:
+    """Per peer: the smallest token count of the token sweep from which ours is faster at every larger size.
+
+    None means ours is not faster at the largest size measured. Only the token sweep (the fixed width) is read.
+    """
+    width = results["settings"]["width"]
+    entries = sorted((e for e in speedups(results, basis) if e["pass"] == pass_ and e["width"] == width),
+                     key=lambda e: e["tokens"])
+    peers = sorted({k for e in entries for k in e["speedup"]})
+    out = {}
+    for peer in peers:
+        points = [(e["tokens"], e["speedup"][peer]) for e in entries if peer in e["speedup"]]
+        start = None
+        for tokens, ratio in reversed(points):
+            if ratio < 1.0:
+                break
+            start = tokens
+        out[peer] = start
+    return out
+
+
+def tokens_that_fit(results: dict, budget_bytes: float, pass_: str = "fwd+bwd") -> dict[str, dict]:
+    """How many tokens' worth of this kernel fit in ``budget_bytes``, per implementation, from measured peaks.
+
+    A token costs its input row (a row of logits, [V] in the logits' dtype: it exists whatever the loss) plus the
+    extra peak memory per token measured at the largest token count. Implementations without a measured peak
+    (interpreter runs, failed rows) are left out.
+    """
+    best: dict[str, dict] = {}
+    for row in results["rows"]:
+        if row["pass"] != pass_ or row["status"] != "ok" or row["peak_extra_mib"] is None:
+            continue
+        if row["impl"] not in best or row["tokens"] > best[row["impl"]]["tokens"]:
+            best[row["impl"]] = row
+    out = {}
+    for impl, row in best.items():
+        input_per_token = row["width"] * DTYPES[row["dtype"]].itemsize
+        extra_per_token = max(row["peak_extra_mib"], 0.0) * MIB / row["tokens"]
+        per_token = input_per_token + extra_per_token
+        out[impl] = {"label": row["label"], "bytes_per_token": per_token, "extra_bytes_per_token": extra_per_token,
+                     "measured_at_tokens": row["tokens"], "tokens": int(budget_bytes // per_token)}
+    return out
+
+
 def summarize(results: dict, min_speedup: float = 1.0) -> str:
     """A few lines: where ours beats the fastest peer, by how much, and how close it gets to the copy ceiling."""
     lines = [f"{results['kernel']} on {results['device']} ({results['mode']}), {results['date']}"]
     if results["mode"] != "gpu":
-        lines.append("  interpreter run: wall-clock times of the CPU, which say nothing about GPU speed")
-    for basis in BASES:
+        lines.append("  interpreter run: wall-clock times of the CPU say nothing about GPU speed; no comparison drawn")
+    for basis in BASES if results["mode"] == "gpu" else ():
         for pass_ in results["settings"]["passes"]:
             entries = [t for t in targets(results, min_speedup, (basis,)) if t["pass"] == pass_ and t["met"] is not None]
             if not entries:

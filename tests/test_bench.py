@@ -346,3 +346,43 @@ def test_gpu_cross_entropy_memory_in_place_vs_upcast():
     assert rows["ours-buffer"]["peak_extra_mib"] == pytest.approx(logits_mib, rel=0.1)  # one bf16 gradient
     assert rows["fp32"]["peak_extra_mib"] > 3 * logits_mib  # fp32 copy, fp32 softmax, fp32 and bf16 gradients
     assert math.isfinite(rows["ours"]["gbps"])
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Crossovers and memory budgets (chapter 07)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _ce_results(points):
+    """Synthetic cross-entropy results: points are (impl, role, tokens, device_ms, peak_mib)."""
+    rows = []
+    for impl, role, tokens, ms, peak in points:
+        row = _row(impl, role, tokens, eager=ms, device=ms, width=1000)
+        row.update(kernel="cross_entropy", dtype="bfloat16", peak_extra_mib=peak)
+        rows.append(row)
+    return {"kernel": "cross_entropy", "mode": "gpu", "rows": rows, "settings": {"width": 1000},
+            "implementations": {}}
+
+
+def test_crossovers_need_ours_faster_at_every_larger_size():
+    results = _ce_results([
+        ("ours", "ours", 256, 1.0, 0), ("ours", "ours", 1024, 2.0, 0), ("ours", "ours", 4096, 4.0, 0),
+        ("a", "peer", 256, 0.5, 0), ("a", "peer", 1024, 2.5, 0), ("a", "peer", 4096, 5.0, 0),  # from 1024 on
+        ("b", "peer", 256, 2.0, 0), ("b", "peer", 1024, 1.0, 0), ("b", "peer", 4096, 8.0, 0),  # dips at 1024
+        ("c", "peer", 256, 0.1, 0), ("c", "peer", 1024, 0.1, 0), ("c", "peer", 4096, 0.1, 0),  # never
+    ])
+    assert bench.crossovers(results, "device") == {"a": 1024, "b": 4096, "c": None}
+
+
+def test_tokens_that_fit_count_the_logits_and_the_measured_extra():
+    mib = 2**20
+    results = _ce_results([
+        ("ours", "ours", 1024, 1.0, 0.25), ("ours", "ours", 4096, 1.0, 1.0),  # the largest measurement is used
+        ("fp32", "peer", 4096, 1.0, 4096 * 1000 * 12 / mib),  # 12 extra bytes per logit
+    ])
+    fit = bench.tokens_that_fit(results, budget_bytes=1e9)
+    assert fit["ours"]["measured_at_tokens"] == 4096
+    assert fit["ours"]["bytes_per_token"] == pytest.approx(2000 + mib / 4096)
+    assert fit["fp32"]["bytes_per_token"] == pytest.approx(2000 + 12_000)
+    assert fit["fp32"]["tokens"] == int(1e9 // 14_000)
+    assert fit["ours"]["tokens"] > 6 * fit["fp32"]["tokens"]

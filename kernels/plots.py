@@ -90,6 +90,21 @@ def _nothing_to_show(ax, text: str):
     return ax
 
 
+def _finish_line_plot(ax, results: dict, sweep: str, xs, ylabel: str, what: str, log_y: bool = True, legend: int = 8):
+    """Axes, labels, title, grid and legend shared by the line plots."""
+    _log2_x(ax, xs)
+    if log_y:
+        ax.set_yscale("log")
+    else:
+        ax.set_ylim(bottom=0)
+    ax.set_xlabel(_xlabel(results, sweep))
+    ax.set_ylabel(ylabel)
+    ax.set_title(_title(results, what), fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=legend)
+    return ax
+
+
 def plot_bandwidth(results: dict, pass_: str = "fwd+bwd", sweep: str = "tokens", ax=None, floor_bytes: bool = False):
     """Achieved GB/s (minimal bytes / device time) per implementation, with the measured copy bandwidth as a line.
 
@@ -109,14 +124,8 @@ def plot_bandwidth(results: dict, pass_: str = "fwd+bwd", sweep: str = "tokens",
     copy = (results.get("ceilings") or {}).get("copy_gbps")
     if copy:
         ax.axhline(copy, color="black", ls="--", lw=1, label=f"measured copy {copy:,.0f} GB/s")
-    _log2_x(ax, xs)
-    ax.set_xlabel(_xlabel(results, sweep))
-    ax.set_ylabel("GB/s (minimal bytes / device time)")
-    ax.set_ylim(bottom=0)
-    ax.set_title(_title(results, f"bandwidth, {pass_}"), fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return ax
+    return _finish_line_plot(ax, results, sweep, xs, "GB/s (minimal bytes / device time)", f"bandwidth, {pass_}",
+                             log_y=False)
 
 
 def plot_times(results: dict, pass_: str = "fwd+bwd", sweep: str = "tokens", basis: str = "device", ax=None):
@@ -137,16 +146,11 @@ def plot_times(results: dict, pass_: str = "fwd+bwd", sweep: str = "tokens", bas
             xs += [p[0] for p in pts]
     if not xs:
         return _nothing_to_show(ax, "no times to plot")
-    _log2_x(ax, xs)
-    ax.set_yscale("log")
-    ax.set_xlabel(_xlabel(results, sweep))
+    gpu = results["mode"] == "gpu"
     what = {"device": "device time (CUDA graph)", "eager": "eager time (host included)", "both": "device and eager"}
-    ax.set_ylabel("ms per call" if results["mode"] == "gpu" else "ms, interpreter wall-clock")
-    ax.set_title(_title(results, f"{pass_}, {what.get(basis, basis) if results['mode'] == 'gpu' else 'wall-clock'}"),
-                 fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7 if len(bases) > 1 else 8)
-    return ax
+    return _finish_line_plot(ax, results, sweep, xs, "ms per call" if gpu else "ms, interpreter wall-clock",
+                             f"{pass_}, {what.get(basis, basis) if gpu else 'wall-clock'}",
+                             legend=7 if len(bases) > 1 else 8)
 
 
 def plot_speedups(results: dict, pass_: str = "fwd+bwd", sweep: str = "tokens", basis: str = "device", ax=None):
@@ -192,14 +196,7 @@ def plot_peak_memory(results: dict, pass_: str = "fwd+bwd", sweep: str = "tokens
             xs += [p[0] for p in pts]
     if not xs:
         return _nothing_to_show(ax, "no memory measurements in these results (the CPU keeps no allocator statistics)")
-    _log2_x(ax, xs)
-    ax.set_yscale("log")
-    ax.set_xlabel(_xlabel(results, sweep))
-    ax.set_ylabel("extra peak memory, MiB (log)")
-    ax.set_title(_title(results, f"extra peak memory, {pass_}"), fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return ax
+    return _finish_line_plot(ax, results, sweep, xs, "extra peak memory, MiB (log)", f"extra peak memory, {pass_}")
 
 
 def summary_figure(results: dict):

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from . import runtime
-from .triton_utils import cast_to
+from .triton_utils import cast_to, workspace_counters
 
 # --------------------------------------------------------------------------------------------------------------------
 # Kernels
@@ -252,26 +252,6 @@ def _finish_tiles(n_cols: int, programs: int, finishers: int) -> tuple[int, int]
     return cols, parts
 
 
-_COUNTERS: dict = {}
-
-
-def _counters(device: torch.device) -> torch.Tensor:
-    """Two int32 counters the backward kernel uses to hand dW to its finishers; the kernel leaves them at zero.
-
-    One pair per (device, stream), created once: kernels queued on one stream never overlap, so they never share a
-    pair mid-flight. Under CUDA-graph capture a fresh pair is made so the graph owns its own.
-    """
-    if device.type != "cuda":
-        return torch.zeros(2, dtype=torch.int32, device=device)
-    if torch.cuda.is_current_stream_capturing():
-        return torch.zeros(2, dtype=torch.int32, device=device)
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
-    counters = _COUNTERS.get(key)
-    if counters is None:
-        counters = _COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
-    return counters
-
-
 def rms_norm_backward(
     dy: torch.Tensor, x_rows: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
     compute_dw: bool = True, config: BackwardConfig | None = None, dx_shape: torch.Size | None = None,
@@ -288,7 +268,7 @@ def rms_norm_backward(
     if compute_dw:
         partial = torch.empty((cfg.programs, n_cols), dtype=torch.float32, device=x_rows.device)
         dw = torch.empty_like(weight)
-        counters = _counters(x_rows.device)
+        counters = workspace_counters(x_rows.device)
     finishers = max(1, min(cfg.finishers, cfg.programs))
     finish_block, partial_block = _finish_tiles(n_cols, cfg.programs, finishers)
     _rms_norm_bwd_kernel[(cfg.programs,)](

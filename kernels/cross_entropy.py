@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from . import runtime
-from .triton_utils import cast_to
+from .triton_utils import cast_to, workspace_counters
 
 REDUCTIONS = ("mean", "sum", "none")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -52,10 +52,11 @@ def _row_offsets(rows, inner_rows, stride_outer, stride_inner):
 
 @triton.jit
 def _cross_entropy_fwd_kernel(
-    LOGITS, TARGET, LOSS, LSE, GRAD, SCALE,
+    LOGITS, TARGET, LOSS, LSE, GRAD, SCALE, OUT, COUNTERS,
     n_rows, n_cols, inner_rows, stride_outer, stride_inner, grad_stride_outer, grad_stride_inner,
     ignore_index,
-    ROWS: tl.constexpr, BLOCK_V: tl.constexpr, COMPUTE_GRAD: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_V: tl.constexpr, COMPUTE_GRAD: tl.constexpr, REDUCE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     # Row r of the logits is element (r // inner_rows, r % inner_rows) of two strided levels; the gradient buffer
     # uses the same decomposition with its own strides.
@@ -114,6 +115,50 @@ def _cross_entropy_fwd_kernel(
                 GRAD + grad_start[:, None] + cols[None, :], cast_to(g, GRAD.dtype.element_ty),
                 mask=row_ok[:, None] & col_ok[None, :],
             )
+
+    if REDUCE:
+        _reduce_loss(LOSS, SCALE, OUT, COUNTERS, n_rows, BLOCK_R)
+
+
+@triton.jit
+def _reduce_loss(LOSS, SCALE, OUT, COUNTERS, n_rows, BLOCK_R: tl.constexpr):
+    # The reduction to one number happens in the same launch: every program draws a ticket once its rows' losses
+    # are stored, and the program with the last ticket (all others are done) sums all rows in a fixed order, so the
+    # loss is the same on every run. SCALE[1] is the divisor: n_valid for "mean" (0 when every target is ignored:
+    # 0 / 0 = NaN, as F.cross_entropy), the normalizer, or 1.
+    tl.debug_barrier()  # all of this program's loss stores happen before its ticket publishes them
+    ticket = tl.atomic_add(COUNTERS, 1, sem="acq_rel")
+    if ticket == tl.num_programs(0) - 1:
+        acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for start in range(0, n_rows, BLOCK_R):
+            idx = start + tl.arange(0, BLOCK_R)
+            acc += tl.load(LOSS + idx, mask=idx < n_rows, other=0.0, cache_modifier=".cg")
+        tl.store(OUT, tl.sum(acc, axis=0) / tl.load(SCALE + 1))
+        tl.atomic_xchg(COUNTERS, 0, sem="release")  # leave the workspace as it was found
+
+
+@triton.jit
+def _cross_entropy_setup_kernel(TARGET, NORMALIZER, SCALE, n_rows, ignore_index, normalizer_value,
+                                MODE: tl.constexpr, BLOCK: tl.constexpr):
+    # One program writes SCALE = [gradient factor, divisor] on the device, so the host never needs n_valid.
+    # MODE 0: mean (divisor = number of targets that are not ignored); 1: divisor read from NORMALIZER (a tensor);
+    # 2: divisor = normalizer_value (a number); 3: no divisor.
+    if MODE == 0:
+        count = tl.zeros((BLOCK,), dtype=tl.int32)
+        for start in range(0, n_rows, BLOCK):
+            idx = start + tl.arange(0, BLOCK)
+            t = tl.load(TARGET + idx, mask=idx < n_rows, other=ignore_index)
+            count += tl.where(t != ignore_index, 1, 0)
+        divisor = tl.sum(count, axis=0).to(tl.float32)
+    elif MODE == 1:
+        divisor = tl.load(NORMALIZER).to(tl.float32)
+    elif MODE == 2:
+        divisor = normalizer_value + 0.0  # a float32 argument on the GPU, a Python float in the interpreter
+    else:
+        divisor = 1.0
+    # 1 / 0 = inf for an all-ignored mean is harmless: every row is ignored, and ignored rows get factor 0.
+    tl.store(SCALE, 1.0 / divisor)
+    tl.store(SCALE + 1, divisor)
 
 
 @triton.jit
@@ -287,49 +332,38 @@ def _row_layout(t: torch.Tensor, for_writing: bool) -> _RowLayout:
     return _rows_in_place(t, for_writing) or _rows_in_place(t.contiguous(), for_writing)
 
 
-def _normalizer_tensor(normalizer, device) -> torch.Tensor:
-    # A number becomes a 0-d tensor through a fill kernel (no host-to-device copy to wait for); a tensor is used
-    # where it lives (a CPU tensor with GPU logits costs a small copy: keep it on the GPU).
-    if isinstance(normalizer, torch.Tensor):
-        return normalizer.detach().reshape(()).to(device=device, dtype=torch.float32)
-    return torch.full((), float(normalizer), dtype=torch.float32, device=device)
+def _gradient_scale(target_rows, ignore_index, reduction, normalizer, device) -> torch.Tensor:
+    """[gradient factor, divisor] as a float32 tensor on ``device``, computed by one small kernel: no host sync.
 
-
-def _divisor(target_rows, ignore_index, reduction, normalizer, device) -> torch.Tensor | None:
-    """What the summed loss is divided by, as a 0-d float32 tensor on ``device`` (None: nothing).
-
-    Device ops only, no host sync: mean → n_valid, the number of targets that are not ignored (0 when all are:
-    the loss is then 0 / 0 = NaN, as in F.cross_entropy); sum → the normalizer, if any.
+    mean → divisor n_valid, the number of targets that are not ignored; sum → the normalizer, if any; else 1.
     """
+    scale = torch.empty(2, dtype=torch.float32, device=device)
+    norm_ptr, norm_value, mode = scale, 1.0, 3
     if reduction == "mean":
-        return (target_rows != ignore_index).sum().to(torch.float32)
-    if reduction == "sum" and normalizer is not None:
-        return _normalizer_tensor(normalizer, device)
-    return None
+        mode = 0
+    elif reduction == "sum" and isinstance(normalizer, torch.Tensor):
+        # A tensor is read where it lives (a CPU tensor with GPU logits costs a small copy: keep it on the GPU).
+        norm_ptr, mode = normalizer.detach().reshape(1).to(device=device, dtype=torch.float32), 1
+    elif reduction == "sum" and normalizer is not None:
+        norm_value, mode = float(normalizer), 2
+    block = min(triton.next_power_of_2(max(target_rows.numel(), 1)), 4096)
+    _cross_entropy_setup_kernel[(1,)](target_rows, norm_ptr, scale, target_rows.numel(), ignore_index, norm_value,
+                                      MODE=mode, BLOCK=block)
+    return scale
 
 
-def _gradient_scale(divisor, device) -> torch.Tensor:
-    # The factor the kernel multiplies each counted row's gradient by. 1 / 0 = inf for an all-ignored mean is
-    # harmless: every row is ignored, and ignored rows get scale 0.
-    return torch.ones((), dtype=torch.float32, device=device) if divisor is None else 1.0 / divisor
-
-
-def _reduce(loss_rows, reduction, divisor, lead_shape):
-    if reduction == "none":
-        return loss_rows.view(lead_shape)
-    total = loss_rows.sum()
-    return total if divisor is None else total / divisor
-
-
-def _launch_two_sweep(layout, target_rows, loss_rows, lse, grad_layout, scale, ignore_index, cfg):
+def _launch_two_sweep(layout, target_rows, loss_rows, lse, grad_layout, scale, out, ignore_index, cfg):
     compute_grad = grad_layout is not None
     if not compute_grad:  # the pointers are never dereferenced: COMPUTE_GRAD compiles the gradient sweep out
         grad_layout = layout
+    reduce = out is not None
+    counters = workspace_counters(loss_rows.device) if reduce else scale
     _cross_entropy_fwd_kernel[(triton.cdiv(layout.n_rows, cfg.rows),)](
-        layout.tensor, target_rows, loss_rows, lse, grad_layout.tensor, scale,
+        layout.tensor, target_rows, loss_rows, lse, grad_layout.tensor, scale, out if reduce else scale, counters,
         layout.n_rows, layout.n_cols, layout.inner_rows, layout.stride_outer, layout.stride_inner,
         grad_layout.stride_outer, grad_layout.stride_inner, ignore_index,
-        ROWS=cfg.rows, BLOCK_V=cfg.block_v, COMPUTE_GRAD=compute_grad, num_warps=cfg.num_warps,
+        ROWS=cfg.rows, BLOCK_V=cfg.block_v, COMPUTE_GRAD=compute_grad, REDUCE=reduce,
+        BLOCK_R=min(triton.next_power_of_2(layout.n_rows), 4096), num_warps=cfg.num_warps,
     )
 
 
@@ -367,12 +401,15 @@ def cross_entropy_forward(
             grad = torch.empty(logits.shape, dtype=logits.dtype, device=device)
             grad_layout = _RowLayout(grad, layout.n_rows, layout.n_cols, layout.inner_rows,
                                      layout.inner_rows * layout.n_cols, layout.n_cols)
-    divisor = _divisor(target_rows, ignore_index, reduction, normalizer, device)
+    reduce = reduction != "none"
+    out = torch.empty((), dtype=torch.float32, device=device) if reduce else None
     if layout.n_rows:
-        scale = _gradient_scale(divisor, device)
+        scale = _gradient_scale(target_rows, ignore_index, reduction, normalizer, device)
         cfg = config or forward_config(layout.n_rows, layout.n_cols)
-        _FORWARD_VARIANTS[cfg.variant](layout, target_rows, loss_rows, lse, grad_layout, scale, ignore_index, cfg)
-    loss = _reduce(loss_rows, reduction, divisor, logits.shape[:-1])
+        _FORWARD_VARIANTS[cfg.variant](layout, target_rows, loss_rows, lse, grad_layout, scale, out, ignore_index, cfg)
+    elif reduce:  # no rows: the sum is 0, and a mean over no targets is 0 / 0
+        out.fill_(float("nan") if reduction == "mean" else 0.0)
+    loss = out if reduce else loss_rows.view(logits.shape[:-1])
     return loss, lse, (grad_layout.tensor if compute_grad else None)
 
 

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from . import runtime
-from .triton_utils import cast_to
+from .triton_utils import cast_to, workspace_counters
 
 # --------------------------------------------------------------------------------------------------------------------
 # Kernels
@@ -178,13 +178,15 @@ def backward_config(n_rows: int, n_cols: int) -> BackwardConfig:
         # The interpreter runs programs one after another, so exactly one finisher (the last program) sums dW.
         rows = min(triton.next_power_of_2(n_rows), max(1, _INTERPRETER_MAX_TILE // block_n))
         return BackwardConfig(rows=rows, programs=max(1, min(4, triton.cdiv(n_rows, rows))), num_warps=4)
-    # One program per SM, each loading a 16K-element tile of x and of dy per iteration: a persistent program
-    # must keep many bytes in flight on its own, and one program per SM also keeps the dW partials small.
-    rows = max(1, min(16, 16384 // block_n))
-    tile = rows * block_n
-    num_warps = 16 if tile >= 16384 else 8 if tile >= 4096 else 4
+    # One program per SM (persistent), 8K-element tiles of x and dy per iteration, and for narrow tiles a 3-stage
+    # software pipeline so the next tiles' loads are in flight while this one is computed; the dW finish is spread
+    # over up to 64 finishers. Measured on an H200 (assets/notes/rmsnorm.md): 107 µs at 16,384 × 4,096 bf16, 88%
+    # of the copy bandwidth; 16K-element tiles without pipelining were 15% slower.
+    rows = max(1, min(16, 8192 // block_n))
+    num_warps = 8
+    stages = 3 if rows <= 2 else 1
     programs = max(1, min(runtime.num_sms(), triton.cdiv(n_rows, rows)))
-    return BackwardConfig(rows=rows, programs=programs, num_warps=num_warps, stages=1, finishers=min(64, programs))
+    return BackwardConfig(rows=rows, programs=programs, num_warps=num_warps, stages=stages, finishers=min(64, programs))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -250,26 +252,6 @@ def _finish_tiles(n_cols: int, programs: int, finishers: int) -> tuple[int, int]
     return cols, parts
 
 
-_COUNTERS: dict = {}
-
-
-def _counters(device: torch.device) -> torch.Tensor:
-    """Two int32 counters the backward kernel uses to hand dW to its finishers; the kernel leaves them at zero.
-
-    One pair per (device, stream), created once: kernels queued on one stream never overlap, so they never share a
-    pair mid-flight. Under CUDA-graph capture a fresh pair is made so the graph owns its own.
-    """
-    if device.type != "cuda":
-        return torch.zeros(2, dtype=torch.int32, device=device)
-    if torch.cuda.is_current_stream_capturing():
-        return torch.zeros(2, dtype=torch.int32, device=device)
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
-    counters = _COUNTERS.get(key)
-    if counters is None:
-        counters = _COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
-    return counters
-
-
 def rms_norm_backward(
     dy: torch.Tensor, x_rows: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
     compute_dw: bool = True, config: BackwardConfig | None = None, dx_shape: torch.Size | None = None,
@@ -286,7 +268,7 @@ def rms_norm_backward(
     if compute_dw:
         partial = torch.empty((cfg.programs, n_cols), dtype=torch.float32, device=x_rows.device)
         dw = torch.empty_like(weight)
-        counters = _counters(x_rows.device)
+        counters = workspace_counters(x_rows.device)
     finishers = max(1, min(cfg.finishers, cfg.programs))
     finish_block, partial_block = _finish_tiles(n_cols, cfg.programs, finishers)
     _rms_norm_bwd_kernel[(cfg.programs,)](

@@ -208,7 +208,8 @@ def test_profiled_step_has_every_family_and_a_trace(tiny_profile):
     names = {e.get("name") for e in trace["traceEvents"]}
     assert {"region::rmsnorm", "region::loss", "aten::mm"} <= names
     assert "ui.perfetto.dev" in p.trace_note
-    assert "RMSNorm" in p.family_table() and "total (CPU self time)" in p.family_table()
+    assert "RMSNorm" in p.family_table() and f"total ({p.time_kind})" in p.family_table()
+    assert p.time_kind == ("GPU kernel time" if runtime.MODE == "gpu" else "CPU self time")
     assert len(p.top_table(10).splitlines()) == 11
     assert "tokens/s" in p.summary()
 

@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -310,18 +311,10 @@ def test_plots_draw_gpu_like_and_interpreter_results():
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _syncs_the_host(case):
-    def fn(x):
-        scale = float(x.float().abs().max().item())  # a host synchronisation: CUDA graphs cannot capture it
-        return F.rms_norm(x, (x.shape[-1],), None, case.eps) * case.weight * (scale / scale)
-
-    return fn, []
-
-
 @pytest.mark.gpu
-def test_gpu_rmsnorm_device_times_and_capture_failure_is_recorded():
-    impls = ["ours", "hf", "native", "compile", "liger", Impl("sync", "planted: .item()", "peer", _syncs_the_host)]
-    results = run_benchmark("rmsnorm", [2048], 4096, impls=impls, passes=["fwd"], progress=False, rep=20)
+def test_gpu_rmsnorm_device_times():
+    results = run_benchmark("rmsnorm", [2048], 4096, impls=["ours", "hf", "native", "compile", "liger"],
+                            passes=["fwd"], progress=False, rep=20)
     rows = {r["impl"]: r for r in results["rows"]}
     assert results["ceilings"]["copy_gbps"] > 100
     for key in ("ours", "hf", "native", "compile", "liger"):
@@ -330,8 +323,36 @@ def test_gpu_rmsnorm_device_times_and_capture_failure_is_recorded():
             continue
         assert row["status"] == "ok" and row["device_ms"] > 0 and row["eager_ms"] > 0, row
         assert row["gbps"] > 0 and 0 < row["frac_copy"] < 1.2 and row["peak_extra_mib"] >= 0
-    assert rows["sync"]["status"] == "ok" and rows["sync"]["device_ms"] is None
-    assert "capture failed" in rows["sync"]["device_note"]
+
+
+_PLANTED_SYNC = textwrap.dedent(
+    """
+    import json
+    import torch.nn.functional as F
+    from kernels.bench import Impl, run_benchmark
+
+    def syncs_the_host(case):
+        def fn(x):
+            scale = float(x.float().abs().max().item())  # a host synchronisation: CUDA graphs cannot capture it
+            return F.rms_norm(x, (x.shape[-1],), None, case.eps) * case.weight * (scale / scale)
+        return fn, []
+
+    impls = ["ours", Impl("sync", "planted: .item()", "peer", syncs_the_host)]
+    results = run_benchmark("rmsnorm", [2048], 4096, impls=impls, passes=["fwd"], progress=False, rep=20)
+    print(json.dumps([r for r in results["rows"] if r["impl"] == "sync"][0]))
+    """
+)
+
+
+@pytest.mark.gpu
+def test_gpu_capture_failure_is_recorded_not_raised():
+    # In its own process: a capture that fails part-way can leave CUDA's random-number generator unusable for the
+    # rest of the process, which would fail every later GPU test for a reason that is not theirs.
+    done = subprocess.run([sys.executable, "-c", _PLANTED_SYNC], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    assert row["status"] == "ok" and row["device_ms"] is None and row["eager_ms"] > 0
+    assert "capture failed" in row["device_note"]
 
 
 @pytest.mark.gpu

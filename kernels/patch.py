@@ -24,10 +24,11 @@
   separate gradient buffer, as any loss does, and the logits are returned).
 
 Why surgery on one model rather than editing Hugging Face's source or replacing ``LlamaRMSNorm.forward`` on the
-class for the whole process: the change is scoped to the model you pass (a reference copy next to it stays
-untouched,
-which is how the workbook compares the two), it can be undone exactly, and it keeps every Parameter where it was.
-The handle's ``undo()`` puts the original modules, loss function and forward back.
+class for the whole process: the change is scoped to the model you pass (a reference model next to it stays
+untouched, which is how the workbook compares the two), it can be undone exactly, and it keeps every Parameter
+where it was. The handle's ``undo()`` puts the original modules, loss function and forward back (``with
+patch_llama(model): ...`` undoes on leaving the block). Do not ``copy.deepcopy`` a patched model: the copy's
+patched forward would still call the original model; undo, copy, and patch each.
 """
 
 from __future__ import annotations
@@ -166,6 +167,7 @@ def _without_consumed_logits(output, consumed: torch.Tensor):
 
 @dataclass
 class _Swap:
+    where: str  # the module's qualified name, e.g. "model.layers.0.input_layernorm"
     parent: torch.nn.Module
     name: str
     original: torch.nn.Module
@@ -195,6 +197,11 @@ class LlamaPatch:
         state = "" if self.active else " [undone]"
         return f"TritonRMSNorm replaces {norms}; loss: {loss}{state}"
 
+    @property
+    def replaced(self) -> list[str]:
+        """Qualified names of the replaced norm modules, in model order."""
+        return [swap.where for swap in self.swaps]
+
     def undo(self) -> None:
         """Put back the original norm modules, loss function and forward. A second call does nothing."""
         if not self.active:
@@ -203,8 +210,7 @@ class LlamaPatch:
         for swap in reversed(self.swaps):
             if getattr(swap.parent, swap.name) is not swap.replacement:
                 raise RuntimeError(
-                    f"cannot undo: {type(swap.parent).__name__}.{swap.name} was replaced by something else after the "
-                    "patch; undo that first"
+                    f"cannot undo: {swap.where} was replaced by something else after the patch; undo that first"
                 )
             setattr(swap.parent, swap.name, swap.original)
         if self.loss is not None:
@@ -226,17 +232,17 @@ class LlamaPatch:
         self.undo()
 
 
-def _find_norms(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Module]]:
-    """(parent, attribute name, module) of every norm to replace; raises before anything is changed."""
+def _find_norms(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str, torch.nn.Module]]:
+    """(qualified name, parent, attribute name, module) of every norm to replace; raises before anything changes."""
     accepted = set(supported_norm_classes().values())
     found = []
     for parent_name, parent in model.named_modules():
         for name, child in parent.named_children():
             cls = type(child)
-            if cls in accepted:
-                found.append((parent, name, child))
-                continue
             where = f"{parent_name + '.' if parent_name else ''}{name}"
+            if cls in accepted:
+                found.append((where, parent, name, child))
+                continue
             if cls.__name__ in DIFFERENT_FORMULA:
                 raise ValueError(
                     f"cannot replace {where} ({cls.__name__}): {DIFFERENT_FORMULA[cls.__name__]}. patch_llama "
@@ -309,10 +315,10 @@ def patch_llama(
     norms = _find_norms(model) if rms_norm else []  # every check before the first change
 
     patch = LlamaPatch(model)
-    for parent, name, module in norms:
+    for where, parent, name, module in norms:
         replacement = TritonRMSNorm.from_hf(module)
         setattr(parent, name, replacement)
-        patch.swaps.append(_Swap(parent, name, module, replacement))
+        patch.swaps.append(_Swap(where, parent, name, module, replacement))
     if cross_entropy:
         patch._had_own_loss = "_loss_function" in model.__dict__
         patch._previous_loss = model.__dict__.get("_loss_function")

@@ -417,11 +417,13 @@ def compare(
     warmup_steps: int = WARMUP_STEPS,
     progress: bool = True,
     tokenizer=None,
+    patch_options: dict | None = None,
 ) -> Comparison:
     """Train the baseline, then the patched model, from the same initial weights on the same batches.
 
     Each model is built with ``build_model(preset, dtype, device, seed)`` (same seed, same device: the same weights)
     and freed before the next one is built, so the two never share the GPU. ``lr`` defaults to ``default_lr``.
+    ``patch_options`` go to ``patch_llama`` (e.g. ``dict(rms_norm=False)`` to patch the loss alone).
     """
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
@@ -430,12 +432,13 @@ def compare(
     settings = {
         "preset": preset, "steps": steps, "seq_len": seq_len, "batch_size": batch_size, "grad_accum": grad_accum,
         "lr": lr, "seed": seed, "dtype": str(dtype).replace("torch.", ""), "warmup_steps": warmup_steps,
+        "patch_options": dict(patch_options or {}),
     }
     runs = {}
     for variant in VARIANTS:
         free_memory()
         model = build_model(preset, dtype=dtype, device=device, seed=seed)
-        handle = patch_llama(model) if variant == "patched" else None
+        handle = patch_llama(model, **(patch_options or {})) if variant == "patched" else None
         runs[variant] = train(model, batches, grad_accum=grad_accum, lr=lr, label=variant,
                               warmup_steps=warmup_steps, progress=progress)
         if handle is not None:
@@ -443,6 +446,119 @@ def compare(
         del model, handle
         free_memory()
     return Comparison(settings, runs["baseline"], runs["patched"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One batch, three ways: the float32 truth, Hugging Face in bf16, patched in bf16
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _relative_error_on_device(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """‖actual − expected‖ / ‖expected‖ computed where the tensors live (no copy of a large gradient to the host)."""
+    actual, expected = actual.detach().float(), expected.detach().float()
+    if not torch.isfinite(actual).all():
+        return float("inf")
+    denom = float(torch.linalg.vector_norm(expected))
+    diff = float(torch.linalg.vector_norm(actual - expected))
+    return diff / denom if denom > 0 else diff
+
+
+PARAMETER_KINDS = ("embed_tokens", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                   "input_layernorm", "post_attention_layernorm", "q_norm", "k_norm", "norm", "lm_head")
+
+
+def parameter_kind(name: str) -> str:
+    """The kind of a parameter from its name: ``model.layers.3.mlp.up_proj.weight`` -> ``up_proj``."""
+    parts = name.split(".")
+    for part in reversed(parts):
+        if part in PARAMETER_KINDS:
+            return part
+    return parts[-2] if len(parts) > 1 else name
+
+
+@dataclass
+class GradientCheck:
+    """Loss and per-parameter gradient errors of Hugging Face's bf16 model and the patched bf16 model, each against
+    the same model computed in float32 (the reference), and of the patched model against Hugging Face's."""
+
+    losses: dict[str, float]  # "float32", "baseline", "patched"
+    errors: dict[str, dict[str, float]]  # parameter -> {"baseline", "patched", "patched_vs_baseline"}
+
+    def by_kind(self) -> dict[str, dict[str, float]]:
+        """The largest error of each kind of parameter (over layers), for each comparison."""
+        out: dict[str, dict[str, float]] = {}
+        for name, errs in self.errors.items():
+            row = out.setdefault(parameter_kind(name), {k: 0.0 for k in errs} | {"count": 0})
+            for k, v in errs.items():
+                row[k] = max(row[k], v)
+            row["count"] += 1
+        return out
+
+    def worst(self, which: str) -> float:
+        return max(e[which] for e in self.errors.values())
+
+    def table(self) -> str:
+        lines = [f"{'parameter kind':<26}{'count':>6}{'HF bf16 vs fp32':>18}{'patched vs fp32':>18}{'patched vs HF':>16}"]
+        for kind, row in self.by_kind().items():
+            lines.append(f"{kind:<26}{row['count']:>6}{row['baseline']:>18.2e}{row['patched']:>18.2e}"
+                         f"{row['patched_vs_baseline']:>16.2e}")
+        lines.append("(largest relative error ‖g − g_ref‖ / ‖g_ref‖ over the parameters of each kind)")
+        loss = self.losses
+        lines.append(f"loss: float32 {loss['float32']:.6f}, HF bf16 {loss['baseline']:.6f}, patched bf16 {loss['patched']:.6f}")
+        return "\n".join(lines)
+
+    def plot(self, ax=None):
+        """Each parameter's error against float32: Hugging Face's (x) against the patched model's (y)."""
+        import matplotlib.pyplot as plt
+
+        if ax is None:
+            _, ax = plt.subplots(figsize=(5.5, 5))
+        x = [e["baseline"] for e in self.errors.values()]
+        y = [e["patched"] for e in self.errors.values()]
+        ax.scatter(x, y, s=14, alpha=0.7)
+        top = max(x + y) * 1.15
+        ax.plot([0, top], [0, top], color="grey", linestyle="--", label="equally accurate")
+        ax.set_xlim(0, top)
+        ax.set_ylim(0, top)
+        ax.set_xlabel("Hugging Face bf16: relative error vs float32")
+        ax.set_ylabel("patched bf16: relative error vs float32")
+        ax.set_title("Every parameter's gradient, one batch")
+        ax.legend()
+        return ax
+
+
+def _loss_and_grads(model, batch, n_items):
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch, num_items_in_batch=n_items).loss
+    loss.backward()
+    return float(loss.detach()), {name: p.grad for name, p in model.named_parameters()}
+
+
+def gradient_check(preset_or_config="tiny", batch: dict | None = None, seed: int = 0, device=None) -> GradientCheck:
+    """One forward and backward pass on one batch, three ways, from the same weights: in float32 (the reference),
+    in bf16 as Hugging Face computes it, and in bf16 patched. The model is built once in float32 and cast to bf16,
+    so all three start from the same values (up to the bf16 rounding of the weights)."""
+    model = build_model(preset_or_config, dtype=torch.float32, device=device, seed=seed)
+    device = next(model.parameters()).device
+    if batch is None:
+        batch = make_sft_batches(get_tokenizer(), 1, 128, 1, seed, vocab_size=model.config.vocab_size)[0]
+    n_items = count_trained_labels(batch)
+    batch = _micro_batches_on([batch], device)[0]
+    losses = {}
+    losses["float32"], reference = _loss_and_grads(model, batch, n_items)
+    reference = {k: g.detach().clone() for k, g in reference.items()}
+    model.to(torch.bfloat16)
+    losses["baseline"], grads = _loss_and_grads(model, batch, n_items)
+    baseline = {k: g.detach().clone() for k, g in grads.items()}
+    errors = {k: {"baseline": _relative_error_on_device(baseline[k], reference[k])} for k in reference}
+    with patch_llama(model):
+        losses["patched"], grads = _loss_and_grads(model, batch, n_items)
+        for k in reference:
+            errors[k]["patched"] = _relative_error_on_device(grads[k], reference[k])
+            errors[k]["patched_vs_baseline"] = _relative_error_on_device(grads[k], baseline[k])
+    del model, grads, baseline, reference
+    free_memory()
+    return GradientCheck(losses, errors)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -684,5 +800,5 @@ def logits_bytes_per_token(vocab: int, dtype: torch.dtype = torch.bfloat16) -> d
 __all__ = [
     "WARMUP_STEPS", "StepRecord", "RunResult", "Comparison", "FitResult", "Probe", "train", "compare",
     "max_seq_len_that_fits", "fit_both", "search_longest", "count_trained_labels", "describe_model", "default_lr",
-    "make_run_batches", "logits_bytes_per_token", "free_memory",
+    "make_run_batches", "logits_bytes_per_token", "free_memory", "gradient_check", "GradientCheck", "parameter_kind",
 ]

@@ -11,8 +11,8 @@ from kernels.data import get_tokenizer, make_sft_batches
 from kernels.models import build_model, llama_config
 from kernels.patch import patch_llama
 from kernels.reference import relative_error
-from kernels.train import (Comparison, Probe, compare, count_trained_labels, logits_bytes_per_token,
-                           max_seq_len_that_fits, search_longest, train)
+from kernels.train import (Comparison, Probe, compare, count_trained_labels, gradient_check, logits_bytes_per_token,
+                           max_seq_len_that_fits, parameter_kind, search_longest, train)
 
 matplotlib.use("Agg")
 
@@ -106,6 +106,27 @@ def test_compare_table_json_and_plot(tmp_path, gen):
     assert {"device", "versions", "settings", "summary", "baseline", "patched"} <= set(data)
     assert len(data["patched"]["steps"]) == 2 and data["settings"]["preset"] == "tiny"
     assert png_path.stat().st_size > 10_000
+
+
+def test_gradient_check_bf16_as_accurate_as_hugging_face(device, gen):
+    seed = seed_from(gen)
+    batch = make_sft_batches(get_tokenizer(), 2, 64, 1, seed=seed)[0]
+    check = gradient_check("tiny", batch, seed=seed, device=device)
+    assert len(check.errors) == 2 + 4 * 9 + 1  # embeddings, lm_head, 4 layers of 9 tensors, the final norm
+    assert abs(check.losses["patched"] - check.losses["float32"]) < 1e-2 * check.losses["float32"]
+    # bf16 rounding, not a zero or wrong gradient: small, and no larger than Hugging Face's own bf16 error
+    assert 0 < check.worst("patched") <= 1.5 * check.worst("baseline") < 0.05
+    assert 0 < check.worst("patched_vs_baseline") < 0.05
+    kinds = check.by_kind()
+    assert kinds["q_proj"]["count"] == 4 and kinds["norm"]["count"] == 1
+    assert "patched vs fp32" in check.table()
+
+
+def test_parameter_kind():
+    assert parameter_kind("model.layers.3.mlp.up_proj.weight") == "up_proj"
+    assert parameter_kind("model.layers.0.self_attn.q_norm.weight") == "q_norm"
+    assert parameter_kind("model.norm.weight") == "norm"
+    assert parameter_kind("lm_head.weight") == "lm_head"
 
 
 # ---------------------------------------------------------------------------------------------------------------

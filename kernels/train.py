@@ -536,8 +536,8 @@ def _loss_and_grads(model, batch, n_items):
 
 def gradient_check(preset_or_config="tiny", batch: dict | None = None, seed: int = 0, device=None) -> GradientCheck:
     """One forward and backward pass on one batch, three ways, from the same weights: in float32 (the reference),
-    in bf16 as Hugging Face computes it, and in bf16 patched. The model is built once in float32 and cast to bf16,
-    so all three start from the same values (up to the bf16 rounding of the weights)."""
+    in bf16 as Hugging Face computes it, and in bf16 patched. The model is built once in float32 and its parameters
+    are cast to bf16, so all three start from the same values (up to the bf16 rounding of the weights)."""
     model = build_model(preset_or_config, dtype=torch.float32, device=device, seed=seed)
     device = next(model.parameters()).device
     if batch is None:
@@ -547,7 +547,12 @@ def gradient_check(preset_or_config="tiny", batch: dict | None = None, seed: int
     losses = {}
     losses["float32"], reference = _loss_and_grads(model, batch, n_items)
     reference = {k: g.detach().clone() for k, g in reference.items()}
-    model.to(torch.bfloat16)
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        # Parameters only: model.to(torch.bfloat16) would also round the rotary frequencies (a float32 buffer that
+        # a bf16 model built directly keeps in float32), and the bf16 runs would then test RoPE's rounding.
+        for param in model.parameters():
+            param.data = param.data.to(torch.bfloat16)
     losses["baseline"], grads = _loss_and_grads(model, batch, n_items)
     baseline = {k: g.detach().clone() for k, g in grads.items()}
     errors = {k: {"baseline": _relative_error_on_device(baseline[k], reference[k])} for k in reference}
@@ -607,6 +612,14 @@ class FitResult:
             head = f"at least {self.longest:,} fits ({upper}; out of probes)"
         return f"{head}  [probes: {tried}]"
 
+    def measured_bytes_per_token(self) -> float | None:
+        """How much the step's peak grew per extra token of sequence between the two longest lengths that fitted."""
+        fitted = sorted((p for p in self.probes if p.fits and p.peak is not None), key=lambda p: p.seq_len)
+        if len(fitted) < 2:
+            return None
+        a, b = fitted[-2], fitted[-1]
+        return (b.peak - a.peak) / (b.seq_len - a.seq_len)
+
     def to_dict(self) -> dict:
         return {"longest": self.longest, "shortest_failing": self.shortest_failing, "exact": self.exact,
                 "step": self.step, "hi": self.hi, "probes": [asdict(p) for p in self.probes]}
@@ -638,9 +651,10 @@ def _next_length(probes: list[Probe], lo: int, hi: int, step: int, budget: int |
     last = probes[-1]
     predicted = _predict(probes, budget, step)
     if predicted is not None and not (last.how == "prediction" and not last.fits):
-        # A long jump aims 10% short: memory grows slightly faster than linearly (the attention mask is S × S), so a
-        # far extrapolation overshoots, and a probe just below the limit makes the next extrapolation short and exact.
-        if predicted - good > max(2 * step, 0.05 * good):
+        # A long jump (more than half the length that fitted) aims 10% short: memory grows slightly faster than
+        # linearly (the attention mask is S × S), so a far extrapolation overshoots, and a probe just below the
+        # limit makes the next extrapolation short and exact.
+        if predicted - good > max(2 * step, 0.5 * good):
             predicted = _round_down(good + 0.9 * (predicted - good), step)
         candidate = min(max(predicted, good + step), upper)
         if candidate not in tried:
@@ -747,9 +761,9 @@ def max_seq_len_that_fits(
     """GPU only: the longest sequence (a multiple of ``step``) at which one full training step (forward, backward,
     AdamW step) of ``preset`` fits in memory, Hugging Face's model (``patched=False``) or the patched one.
 
-    The model and AdamW (with its states, created by the first step) stay on the GPU across probes; each probe runs
-    one step on a real SFT batch of that length; ``torch.cuda.OutOfMemoryError`` means it does not fit, and
-    everything the step allocated is freed before the next probe. ``margin`` (2%) is left free when predicting.
+    The model and AdamW stay on the GPU across probes (a first step at ``step`` tokens creates AdamW's states); each
+    probe runs one step on a real SFT batch of that length; ``torch.cuda.OutOfMemoryError`` means it does not fit,
+    and everything the step allocated is freed before the next probe. ``margin`` (2%) is left free when predicting.
     On the CPU there is no memory limit to find: prints so and returns None.
     """
     if runtime.MODE != "gpu" or not torch.cuda.is_available():
@@ -767,6 +781,12 @@ def max_seq_len_that_fits(
         free_memory()
         budget = int((torch.cuda.memory_allocated(device) + torch.cuda.mem_get_info(device)[0]) * (1 - margin))
         probe = _gpu_probe(model, optimizer, tokenizer or get_tokenizer(), batch_size, seed)
+        # One short step first, not counted as a probe: it creates AdamW's states, so that every probe starts from
+        # the same memory (weights and states) and the peaks of different probes can be compared.
+        warm = probe(step)
+        if not warm.fits:
+            warm.how = "warm-up"
+            return FitResult(None, step, step, hi, [warm])
         return search_longest(probe, lo, hi, step=step, max_probes=max_probes, budget=budget)
     finally:
         if handle is not None:
@@ -785,6 +805,34 @@ def fit_both(preset: str, batch_size: int = 1, lo: int = 4096, hi: int = 65536, 
                                            seed=seed) for variant in VARIANTS}
 
 
+def growth_bytes_per_token(config, dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
+    """Computed bytes that one more token of sequence adds at a step's forward/backward high point, Hugging Face's
+    model against the patched one: what decides the longest sequence that fits once the weights, gradients and
+    optimizer states are paid for.
+
+    * activations saved for backward: ``models.activation_bytes_per_token_layer`` per layer, plus the final norm;
+    * the patched norms save less: Hugging Face's keeps the float32 copy of its input (4·h bytes) and the normalised
+      values before the weight multiply; the kernel keeps the bf16 input and one float32 rstd. 4·h bytes fewer per
+      norm, 2·layers + 1 norms;
+    * the loss at its high point: ``logits_bytes_per_token``.
+    """
+    from .models import activation_bytes_per_token_layer
+
+    h, layers = config.hidden_size, config.num_hidden_layers
+    size = torch.empty((), dtype=dtype).element_size()
+    activations = layers * activation_bytes_per_token_layer(config, dtype) + 4 * h + 4 + 2 * size * h
+    norm_saving = (2 * layers + 1) * 4 * h
+    loss = logits_bytes_per_token(config.vocab_size, dtype)
+    return {
+        "baseline": activations + loss["baseline"],
+        "patched": activations - norm_saving + loss["patched"],
+        "activations": activations,
+        "norm_saving": norm_saving,
+        "loss_baseline": loss["baseline"],
+        "loss_patched": loss["patched"],
+    }
+
+
 def logits_bytes_per_token(vocab: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
     """Computed bytes per token that the loss keeps alive at its high point, Hugging Face's loss against the patch.
 
@@ -800,5 +848,5 @@ def logits_bytes_per_token(vocab: int, dtype: torch.dtype = torch.bfloat16) -> d
 __all__ = [
     "WARMUP_STEPS", "StepRecord", "RunResult", "Comparison", "FitResult", "Probe", "train", "compare",
     "max_seq_len_that_fits", "fit_both", "search_longest", "count_trained_labels", "describe_model", "default_lr",
-    "make_run_batches", "logits_bytes_per_token", "free_memory", "gradient_check", "GradientCheck", "parameter_kind",
+    "make_run_batches", "logits_bytes_per_token", "growth_bytes_per_token", "free_memory", "gradient_check", "GradientCheck", "parameter_kind",
 ]

@@ -11,8 +11,8 @@ from kernels.data import get_tokenizer, make_sft_batches
 from kernels.models import build_model, llama_config
 from kernels.patch import patch_llama
 from kernels.reference import relative_error
-from kernels.train import (Comparison, Probe, compare, count_trained_labels, gradient_check, logits_bytes_per_token,
-                           max_seq_len_that_fits, parameter_kind, search_longest, train)
+from kernels.train import (Comparison, Probe, compare, count_trained_labels, gradient_check, growth_bytes_per_token,
+                           logits_bytes_per_token, max_seq_len_that_fits, parameter_kind, search_longest, train)
 
 matplotlib.use("Agg")
 
@@ -199,9 +199,19 @@ def test_fit_is_gpu_only_on_the_cpu(capsys):
     assert "GPU-only" in capsys.readouterr().out
 
 
-def test_logits_bytes_per_token():
-    vocab = llama_config("llama-3.1-8b").vocab_size
+def test_logits_and_growth_bytes_per_token():
+    config = llama_config("llama-3.1-8b")
+    vocab, h, layers = config.vocab_size, config.hidden_size, config.num_hidden_layers
     assert logits_bytes_per_token(vocab) == {"baseline": 12 * vocab, "patched": 2 * vocab}
+    growth = growth_bytes_per_token(config)
+    assert growth["baseline"] - growth["patched"] == 10 * vocab + (2 * layers + 1) * 4 * h
+    assert 5e6 < growth["activations"] < 1e7  # about 6.7 MB per token for the 8B shape in bf16
+
+
+def test_measured_bytes_per_token_from_probes():
+    probe, _ = fake_probe(10_000 + 7 * 20_100)
+    result = search_longest(probe, lo=4096, hi=65536, budget=10_000 + 7 * 20_100)
+    assert result.measured_bytes_per_token() == pytest.approx(7)
 
 
 @pytest.mark.gpu

@@ -174,7 +174,7 @@ class _Swap:
     replacement: torch.nn.Module
 
 
-@dataclass
+@dataclass(repr=False)
 class LlamaPatch:
     """What ``patch_llama`` changed, and how to change it back (``undo()``; also a context manager)."""
 
@@ -224,6 +224,9 @@ class LlamaPatch:
                 del model.forward
         model.__dict__.pop("_kernels_patch", None)
         self.active = False
+
+    def __repr__(self) -> str:
+        return f"LlamaPatch({self.summary()})"
 
     def __enter__(self) -> "LlamaPatch":
         return self

@@ -144,10 +144,10 @@ def test_patched_model_matches_original(family, device, gen):
     per_layer = 4 if family == "qwen3" else 2  # Qwen3 adds a q_norm and a k_norm over head_dim in every layer
     assert n_norms == per_layer * TINY["num_hidden_layers"] + 1
     loss, grads = loss_and_grads(model, batch)
-    assert relative_error(loss, ref_loss) < 1e-6
+    assert relative_error(loss, ref_loss) < 1e-5
     assert_grads_close(grads, ref_grads, 1e-5)
     loss_n, grads_n = loss_and_grads(model, batch, num_items_in_batch=29)
-    assert relative_error(loss_n, ref_loss_n) < 1e-6
+    assert relative_error(loss_n, ref_loss_n) < 1e-5
     assert_grads_close(grads_n, ref_grads_n, 1e-5)
     patch.undo()
 
@@ -195,17 +195,17 @@ def test_logits_are_none_only_when_overwritten(device, gen):
         as_tuple = model(**batch, return_dict=False)
         assert as_tuple[1] is None
         with torch.no_grad():
-            assert relative_error(model(**batch).logits, expected) < 1e-6
+            assert relative_error(model(**batch).logits, expected) < 1e-5
         model.eval()
-        assert relative_error(model(**batch).logits, expected) < 1e-6
+        assert relative_error(model(**batch).logits, expected) < 1e-5
         model.train()
         assert relative_error(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
-                              expected) < 1e-6  # no labels, no loss: nothing overwritten
+                              expected) < 1e-5  # no labels, no loss: nothing overwritten
     with patch_llama(model, inplace_logits=False):
         kept = model(**batch)
-        assert relative_error(kept.logits, expected) < 1e-6
+        assert relative_error(kept.logits, expected) < 1e-5
         kept.loss.backward()  # a separate gradient buffer: the logits stay valid after backward too
-        assert relative_error(kept.logits, expected) < 1e-6
+        assert relative_error(kept.logits, expected) < 1e-5
 
 
 def test_undo_restores_the_model(device, gen):

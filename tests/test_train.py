@@ -192,6 +192,44 @@ def test_search_edges():
         search_longest(probe, lo=1000, hi=16384)
 
 
+def test_fit_search_code_path_with_a_simulated_gpu(monkeypatch, gen):
+    """The GPU path of max_seq_len_that_fits, run on the CPU: CUDA's memory functions are replaced by a fake device
+    whose steps run out of memory above 1,024 tokens, the model is the tiny one. Real training steps, real patch."""
+    if runtime.MODE == "gpu":
+        pytest.skip("a GPU runs the real thing: see test_fit_on_gpu")
+    import kernels.train as train_module
+
+    limit, state = 1024, {"seq": 0, "built": []}
+
+    def fake_build(preset, dtype, seed):
+        model = build_model(preset, dtype=torch.float32, device="cpu", seed=seed)
+
+        def pre_hook(module, args, kwargs):
+            state["seq"] = kwargs["input_ids"].shape[1]
+            if state["seq"] > limit:
+                raise torch.cuda.OutOfMemoryError("simulated: CUDA out of memory")
+
+        model.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        state["built"].append(model)
+        return model
+
+    fake_cuda = {
+        "is_available": lambda: True, "synchronize": lambda *a: None, "empty_cache": lambda: None,
+        "reset_peak_memory_stats": lambda *a: None, "memory_allocated": lambda *a: 10_000,
+        "max_memory_allocated": lambda *a: 10_000 + 100 * state["seq"], "mem_get_info": lambda *a: (95_000, 200_000),
+    }
+    for name, fn in fake_cuda.items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+    monkeypatch.setattr(runtime, "MODE", "gpu")
+    monkeypatch.setattr(train_module, "build_model", fake_build)
+    result = max_seq_len_that_fits("tiny", patched=True, lo=256, hi=2048, max_probes=6, seed=seed_from(gen))
+    assert result.longest == limit and result.shortest_failing == limit + 256 and result.exact
+    assert [p.fits for p in result.probes].count(False) >= 1 and len(result.probes) <= 6
+    assert result.measured_bytes_per_token() == pytest.approx(100)
+    model = state["built"][0]
+    assert type(model.model.norm).__name__ == "LlamaRMSNorm" and "forward" not in model.__dict__  # undone
+
+
 def test_fit_is_gpu_only_on_the_cpu(capsys):
     if runtime.MODE == "gpu":
         pytest.skip("runs the real search on a GPU: see test_fit_on_gpu")

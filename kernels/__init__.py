@@ -20,6 +20,11 @@ from .models import PRESETS, build_model, full_finetune_memory, llama_config, lo
 from .data import get_tokenizer, make_sft_batches
 from .profiling import amdahl, classify, profile_training_step
 
+# Chapter 08, the kernels in a real fine-tuning loop: the patch, baseline against patched. (The loop itself is
+# kernels.train.train: a top-level `train` would hide the module of that name.)
+from .patch import LlamaPatch, causal_lm_loss, patch_llama
+from .train import compare, max_seq_len_that_fits
+
 __all__ = [
     "runtime", "describe",
     "relative_error", "rms_norm_reference", "cross_entropy_hf", "online_logsumexp", "online_softmax_steps",
@@ -28,4 +33,5 @@ __all__ = [
     "PRESETS", "build_model", "full_finetune_memory", "llama_config", "load_pretrained", "pick_preset_for_gpu",
     "get_tokenizer", "make_sft_batches",
     "amdahl", "classify", "profile_training_step",
+    "patch_llama", "LlamaPatch", "causal_lm_loss", "compare", "max_seq_len_that_fits",
 ]

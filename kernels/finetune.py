@@ -1,0 +1,151 @@
+"""Fine-tune a Llama preset with the workbook's kernels, optionally against Hugging Face's model as it is.
+
+    python -m kernels.finetune --compare            # baseline and patched, table, JSON and loss-curve PNG
+    python -m kernels.finetune --compare --fit      # also the longest sequence that fits, each way (GPU)
+    python -m kernels.finetune                      # the patched run alone
+
+Defaults: on a GPU, the largest preset that fits (``pick_preset_for_gpu``), 20 steps of one 2,048-token sequence;
+on the CPU, the tiny preset, 6 steps of 2 × 256 tokens with 2 micro-batches per step (about a minute or less in
+Triton's interpreter). Results go to ``assets/results/finetune_<preset>.json`` and ``.png`` unless ``--out`` says
+otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from . import runtime
+from .bench import RESULTS
+from .models import GiB, llama_config, pick_preset_for_gpu
+from .train import (WARMUP_STEPS, Comparison, compare, default_lr, fit_both, logits_bytes_per_token, make_run_batches,
+                    train)
+
+GPU_DEFAULTS = dict(steps=20, seq_len=2048, batch_size=1, grad_accum=1)
+CPU_DEFAULTS = dict(steps=6, seq_len=256, batch_size=2, grad_accum=2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = GPU_DEFAULTS if runtime.MODE == "gpu" else CPU_DEFAULTS
+    p = argparse.ArgumentParser(
+        prog="python -m kernels.finetune",
+        description="Fine-tune a Llama preset (random weights, the workbook's SFT data) with the Triton RMSNorm and "
+                    "cross-entropy patched in; with --compare, also Hugging Face's model as it is, from the same "
+                    "weights on the same batches.",
+    )
+    p.add_argument("--preset", default=None,
+                   help="tiny, llama-3.2-1b or llama-3.1-8b (default: the largest that fits this GPU; tiny on the CPU)")
+    p.add_argument("--steps", type=int, default=defaults["steps"], help=f"optimizer steps (default {defaults['steps']})")
+    p.add_argument("--seq-len", type=int, default=defaults["seq_len"], help=f"tokens per row (default {defaults['seq_len']})")
+    p.add_argument("--batch-size", type=int, default=defaults["batch_size"],
+                   help=f"rows per micro-batch (default {defaults['batch_size']})")
+    p.add_argument("--grad-accum", type=int, default=defaults["grad_accum"],
+                   help=f"micro-batches per optimizer step (default {defaults['grad_accum']})")
+    p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default: 1e-3 for tiny, 1e-4 otherwise)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and of the data order (default 0)")
+    p.add_argument("--compare", action="store_true", help="run Hugging Face's model first, then the patched one")
+    p.add_argument("--fit", action="store_true",
+                   help="also search the longest sequence at which a training step fits, baseline and patched (GPU)")
+    p.add_argument("--fit-lo", type=int, default=4096, help="first length the fit search tries (default 4096)")
+    p.add_argument("--fit-hi", type=int, default=65536, help="longest length the fit search tries (default 65536)")
+    p.add_argument("--fit-probes", type=int, default=8, help="most steps the fit search runs per variant (default 8)")
+    p.add_argument("--out", type=Path, default=RESULTS, help=f"folder for the JSON and PNG (default {RESULTS})")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def _choose_preset(args) -> tuple[str, str]:
+    if args.preset is not None:
+        llama_config(args.preset)  # a clear error for an unknown name
+        return args.preset, "chosen on the command line"
+    if runtime.MODE == "gpu":
+        return pick_preset_for_gpu(seq_len=args.seq_len, batch_size=args.batch_size)
+    return "tiny", "no GPU: the tiny preset in Triton's interpreter"
+
+
+def _fit(args, preset: str) -> dict:
+    if runtime.MODE != "gpu":
+        per_token = logits_bytes_per_token(llama_config(preset).vocab_size)
+        print("--fit is GPU-only (the CPU has no device memory limit). Computed loss memory per token at V = "
+              f"{llama_config(preset).vocab_size:,}: Hugging Face {per_token['baseline']:,} B, "
+              f"patched {per_token['patched']:,} B.")
+        return {}
+    results = fit_both(preset, args.batch_size, args.fit_lo, args.fit_hi, args.fit_probes, args.seed)
+    for variant, result in results.items():
+        print(f"longest sequence that fits, {variant}: {result.summary()}")
+    return {variant: result.to_dict() for variant, result in results.items()}
+
+
+def _single_run(args, preset: str, lr: float) -> None:
+    """The patched run alone: its numbers, a JSON and a loss-curve PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .models import build_model
+    from .patch import patch_llama
+
+    batches = make_run_batches(preset, args.steps, args.seq_len, args.batch_size, args.grad_accum, args.seed)
+    model = build_model(preset, seed=args.seed)
+    patch = patch_llama(model)
+    run = train(model, batches, grad_accum=args.grad_accum, lr=lr, label="patched", progress=not args.no_progress)
+    patch.undo()
+    peak = f"{run.peak_memory / GiB:.2f} GiB" if run.peak_memory is not None else "n/a (CPU)"
+    print(f"patched: {run.tokens_per_s:,.0f} tokens/s (all tokens; {run.real_tokens_per_s:,.0f} non-padding), "
+          f"{run.step_time_s * 1e3:,.1f} ms per step (first {run.warmup_steps} steps excluded), peak memory {peak}, "
+          f"final loss {run.losses[-1]:.4f}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    data = {"device": runtime.device_name(), "mode": runtime.MODE, "versions": runtime.versions(),
+            "settings": _settings(args, preset, lr), "patched": run.to_dict(), "fit": _fit(args, preset) if args.fit else {}}
+    json_path = out / f"finetune_{preset}_patched.json"
+    json_path.write_text(json.dumps(data, indent=1) + "\n")
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.plot([r.step + 1 for r in run.records], run.losses, "x--", color="#c44e52", label="patched")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / f"finetune_{preset}_patched.png", dpi=120)
+    plt.close(fig)
+    print(f"wrote {json_path} and its .png")
+
+
+def _settings(args, preset: str, lr: float) -> dict:
+    return {"preset": preset, "steps": args.steps, "seq_len": args.seq_len, "batch_size": args.batch_size,
+            "grad_accum": args.grad_accum, "lr": lr, "seed": args.seed, "dtype": "bfloat16", "warmup_steps": WARMUP_STEPS}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    for name in ("steps", "seq_len", "batch_size", "grad_accum", "fit_probes"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    preset, why = _choose_preset(args)
+    lr = args.lr if args.lr is not None else default_lr(preset)
+    print(runtime.describe())
+    print(f"preset {preset} ({why}); {args.steps} steps of {args.grad_accum} × {args.batch_size} × {args.seq_len} "
+          f"tokens, AdamW lr {lr:g}, bf16")
+    if not args.compare:
+        _single_run(args, preset, lr)
+        return 0
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    result: Comparison = compare(preset, args.steps, args.seq_len, args.batch_size, args.grad_accum, lr, args.seed,
+                                 progress=not args.no_progress)
+    if args.fit:
+        result.fit = _fit(args, preset)
+    print()
+    print(result.table())
+    json_path, png_path = result.save(args.out)
+    print(f"wrote {json_path} and {png_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,334 @@
+"""Put the workbook's kernels into a Hugging Face model: module surgery on one model, undoable.
+
+``patch_llama(model)`` changes one model object, and nothing else:
+
+* **RMSNorm.** Every norm module whose formula is Llama's, ``weight * (x / rms(x)).to(x.dtype)``, is replaced by a
+  ``TritonRMSNorm`` that shares its weight ``Parameter``. First every norm is found (parent module, attribute name,
+  module) and checked, then each is swapped with ``setattr(parent, name, new)``. Because the Parameter is the same
+  object, the optimizer (even one created before the patch), weight tying and the ``state_dict`` keys are unchanged.
+  Accepted classes: ``LlamaRMSNorm``, ``MistralRMSNorm``, ``Qwen2RMSNorm``, ``Qwen3RMSNorm`` (including Qwen3's
+  per-head ``q_norm``/``k_norm``, which normalise over head_dim on [batch, seq, heads, head_dim] tensors). Gemma's
+  norms compute ``x / rms(x) * (1 + weight)`` in float32 and are refused, as is any other class whose name contains
+  "RMSNorm": a kernel that computes a slightly different formula would train a slightly different model.
+* **The loss.** ``model.loss_function`` (Hugging Face's ``ForCausalLMLoss``) is replaced, through the setter
+  ``PreTrainedModel`` provides, by ``causal_lm_loss``: the same label shift (labels padded with ``ignore_index`` on
+  the right and their first position dropped), the same ``ignore_index=-100``, the same ``num_items_in_batch`` rule
+  (a sum divided by it under gradient accumulation, else a mean), computed by the fused Triton cross-entropy without
+  the float32 copy of the logits and without a host synchronisation (``check_targets=False``: a label outside the
+  vocabulary gives a NaN loss instead of an exception).
+* **The logits, in training.** While the model is in train mode with autograd on, the loss writes the gradient of
+  the logits over the logits themselves (``inplace_backward=True``): no [tokens, vocab] gradient buffer is ever
+  allocated. The logits tensor then holds the gradient, so the patched ``forward`` returns ``logits=None`` rather
+  than hand out a tensor that no longer holds logits. To get logits: call the model in eval mode
+  (``model.eval()``) or under ``torch.no_grad()``, or patch with ``inplace_logits=False`` (the loss then allocates a
+  separate gradient buffer, as any loss does, and the logits are returned).
+
+Why surgery on one model rather than editing Hugging Face's source or replacing ``LlamaRMSNorm.forward`` on the
+class for the whole process: the change is scoped to the model you pass (a reference model next to it stays
+untouched, which is how the workbook compares the two), it can be undone exactly, and it keeps every Parameter
+where it was. The handle's ``undo()`` puts the original modules, loss function and forward back (``with
+patch_llama(model): ...`` undoes on leaving the block). Do not ``copy.deepcopy`` a patched model: the copy's
+patched forward would still call the original model; undo, copy, and patch each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .cross_entropy import cross_entropy
+from .rmsnorm import TritonRMSNorm
+
+IGNORE_INDEX = -100
+
+# (module path, class name) of the norms whose formula is Llama's: x · rsqrt(mean(x²) + eps) in float32, cast to the
+# input dtype, then multiplied by the weight. Classes the installed transformers lacks are skipped.
+SAME_FORMULA = (
+    ("transformers.models.llama.modeling_llama", "LlamaRMSNorm"),
+    ("transformers.models.mistral.modeling_mistral", "MistralRMSNorm"),
+    ("transformers.models.qwen2.modeling_qwen2", "Qwen2RMSNorm"),
+    ("transformers.models.qwen3.modeling_qwen3", "Qwen3RMSNorm"),
+)
+
+# Norms that look alike but compute something else, by class name, with what differs.
+_GEMMA = (
+    "it computes (x / rms(x)) · (1 + weight) in float32 and casts the product, whereas Llama's norm computes "
+    "weight · (x / rms(x)) cast to the input dtype first; its weight is stored as an offset from 1 (zeros at "
+    "initialisation), so TritonRMSNorm would scale by w instead of 1 + w"
+)
+DIFFERENT_FORMULA = {"GemmaRMSNorm": _GEMMA, "Gemma2RMSNorm": _GEMMA, "Gemma3RMSNorm": _GEMMA}
+
+
+def supported_norm_classes() -> dict[str, type]:
+    """The RMSNorm classes ``patch_llama`` replaces, by name, among those the installed transformers has."""
+    found = {}
+    for module_path, name in SAME_FORMULA:
+        try:
+            found[name] = getattr(importlib.import_module(module_path), name)
+        except (ImportError, AttributeError):  # a transformers version without this model family
+            continue
+    return found
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The loss
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def shift_labels_like_hf(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Position t predicts token t + 1: pad the labels with ``ignore_index`` on the right, drop the first position.
+
+    The result has the labels' shape, so it lines up with the logits row for row and the logits are never sliced
+    (a slice of the logits would make autograd allocate a full-size zero gradient for them).
+    """
+    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+def causal_lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor | None,
+    vocab_size: int,
+    num_items_in_batch=None,
+    ignore_index: int = IGNORE_INDEX,
+    shift_labels: torch.Tensor | None = None,
+    *,
+    inplace_backward: bool = False,
+    **kwargs,
+) -> torch.Tensor:
+    """Hugging Face's ``ForCausalLMLoss``, computed by the fused Triton cross-entropy.
+
+    Same arguments and meaning: ``labels`` are shifted here unless ``shift_labels`` is given; targets equal to
+    ``ignore_index`` do not count; with ``num_items_in_batch`` (gradient accumulation: the number of counted labels
+    over all micro-batches of the step) the loss is the sum divided by it, else the mean over counted labels.
+    Differences: the logits are not copied to float32 (the kernel computes in float32 anyway), labels are not
+    range-checked on the host (an out-of-range label gives NaN), and with ``inplace_backward=True`` the logits are
+    overwritten by their gradient (see ``kernels.cross_entropy.cross_entropy``). Other keyword arguments Hugging
+    Face passes along (attention flags and the like) are ignored, as ``ForCausalLMLoss`` ignores them.
+    """
+    if logits.shape[-1] != vocab_size:
+        raise ValueError(f"logits must have vocab_size={vocab_size} classes in their last dimension, got shape {tuple(logits.shape)}")
+    if shift_labels is None:
+        if labels is None:
+            raise ValueError("causal_lm_loss needs labels or shift_labels, got neither")
+        shift_labels = shift_labels_like_hf(labels, ignore_index)
+    shift_labels = shift_labels.to(logits.device)
+    if num_items_in_batch is not None:
+        reduction, normalizer = "sum", num_items_in_batch
+    else:
+        reduction, normalizer = "mean", None
+    # No reshape of the logits: the kernel reads any leading dimensions in place, so a [batch, seq, vocab] tensor is
+    # never copied (and, in place, its own memory receives the gradient).
+    target = shift_labels.reshape(logits.shape[:-1])
+    return cross_entropy(
+        logits, target, ignore_index, reduction, normalizer=normalizer,
+        inplace_backward=inplace_backward, check_targets=False,
+    )
+
+
+class _PatchedLoss:
+    """``model.loss_function`` while patched: ``causal_lm_loss``, in place exactly when that is safe and useful."""
+
+    def __init__(self, model: torch.nn.Module, inplace_logits: bool):
+        self.model = model
+        self.inplace_logits = inplace_logits
+        self.consumed: torch.Tensor | None = None  # the logits tensor the last in-place call overwrote
+
+    def __call__(self, logits, labels, vocab_size, **kwargs):
+        # In place only in training with autograd on: then the logits exist for the loss alone and nothing reads
+        # them afterwards. In eval mode or under no_grad the kernel computes no gradient at all.
+        inplace = self.inplace_logits and self.model.training and torch.is_grad_enabled() and logits.requires_grad
+        loss = causal_lm_loss(logits, labels, vocab_size, inplace_backward=inplace, **kwargs)
+        if inplace:
+            self.consumed = logits
+        return loss
+
+    def __repr__(self) -> str:
+        return f"causal_lm_loss(Triton cross-entropy, inplace_logits={self.inplace_logits})"
+
+
+def _without_consumed_logits(output, consumed: torch.Tensor):
+    """The model's output with the overwritten logits replaced by None (a ModelOutput or a tuple)."""
+    if dataclasses.is_dataclass(output) and getattr(output, "logits", None) is consumed:
+        # A new output object: setting ``output.logits = None`` would leave the tensor in the ModelOutput's dict.
+        return dataclasses.replace(output, logits=None)
+    if isinstance(output, tuple):
+        return tuple(None if item is consumed else item for item in output)
+    return output
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The patch and its handle
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Swap:
+    where: str  # the module's qualified name, e.g. "model.layers.0.input_layernorm"
+    parent: torch.nn.Module
+    name: str
+    original: torch.nn.Module
+    replacement: torch.nn.Module
+
+
+@dataclass(repr=False)
+class LlamaPatch:
+    """What ``patch_llama`` changed, and how to change it back (``undo()``; also a context manager)."""
+
+    model: torch.nn.Module
+    swaps: list[_Swap] = field(default_factory=list)
+    loss: _PatchedLoss | None = None
+    _had_own_loss: bool = False
+    _previous_loss: object = None
+    _had_own_forward: bool = False
+    _previous_forward: object = None
+    active: bool = True
+
+    def summary(self) -> str:
+        """One line: which norms were replaced, and what computes the loss."""
+        counts: dict[str, int] = {}
+        for swap in self.swaps:
+            counts[type(swap.original).__name__] = counts.get(type(swap.original).__name__, 0) + 1
+        norms = ", ".join(f"{n} {name}" for name, n in counts.items()) or "no norms"
+        loss = repr(self.loss) if self.loss is not None else "Hugging Face's loss (not patched)"
+        state = "" if self.active else " [undone]"
+        return f"TritonRMSNorm replaces {norms}; loss: {loss}{state}"
+
+    @property
+    def replaced(self) -> list[str]:
+        """Qualified names of the replaced norm modules, in model order."""
+        return [swap.where for swap in self.swaps]
+
+    def undo(self) -> None:
+        """Put back the original norm modules, loss function and forward. A second call does nothing."""
+        if not self.active:
+            return
+        model = self.model
+        for swap in reversed(self.swaps):
+            if getattr(swap.parent, swap.name) is not swap.replacement:
+                raise RuntimeError(
+                    f"cannot undo: {swap.where} was replaced by something else after the patch; undo that first"
+                )
+            setattr(swap.parent, swap.name, swap.original)
+        if self.loss is not None:
+            if self._had_own_loss:
+                model._loss_function = self._previous_loss
+            elif "_loss_function" in model.__dict__:
+                del model._loss_function
+            if self._had_own_forward:
+                model.forward = self._previous_forward
+            elif "forward" in model.__dict__:
+                del model.forward
+        model.__dict__.pop("_kernels_patch", None)
+        self.active = False
+
+    def __repr__(self) -> str:
+        return f"LlamaPatch({self.summary()})"
+
+    def __enter__(self) -> "LlamaPatch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.undo()
+
+
+def _find_norms(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str, torch.nn.Module]]:
+    """(qualified name, parent, attribute name, module) of every norm to replace; raises before anything changes."""
+    accepted = set(supported_norm_classes().values())
+    found = []
+    for parent_name, parent in model.named_modules():
+        for name, child in parent.named_children():
+            cls = type(child)
+            where = f"{parent_name + '.' if parent_name else ''}{name}"
+            if cls in accepted:
+                found.append((where, parent, name, child))
+                continue
+            if cls.__name__ in DIFFERENT_FORMULA:
+                raise ValueError(
+                    f"cannot replace {where} ({cls.__name__}): {DIFFERENT_FORMULA[cls.__name__]}. patch_llama "
+                    "supports the norms of Llama, Mistral, Qwen2 and Qwen3; use patch_llama(model, rms_norm=False) "
+                    "to patch only the loss"
+                )
+            if "RMSNorm" in cls.__name__ and cls is not TritonRMSNorm:
+                raise ValueError(
+                    f"cannot replace {where}: {cls.__module__}.{cls.__name__} is not a norm whose formula patch_llama "
+                    f"knows (it replaces {sorted(c.__name__ for c in accepted)}, which compute "
+                    "weight · (x / rms(x)).to(x.dtype)); it refuses rather than guess. Use rms_norm=False to patch "
+                    "only the loss"
+                )
+    return found
+
+
+def _check_causal_lm(model: torch.nn.Module) -> None:
+    if not hasattr(type(model), "loss_function"):
+        raise TypeError(
+            f"cross_entropy=True needs a Hugging Face model with a loss_function (e.g. LlamaForCausalLM), got "
+            f"{type(model).__name__}"
+        )
+    loss_type = getattr(model, "loss_type", None)
+    if loss_type != "ForCausalLM" and not type(model).__name__.endswith("ForCausalLM"):
+        raise TypeError(
+            f"the patched loss is the causal-LM loss (labels shifted by one); {type(model).__name__} uses "
+            f"loss_type={loss_type!r}. Use cross_entropy=False to patch only the norms"
+        )
+
+
+def _wrap_forward(model: torch.nn.Module, loss: _PatchedLoss):
+    """An instance-level forward that drops the logits when the loss overwrote them with their gradient."""
+    inner = model.forward  # the bound method (or an earlier instance attribute)
+
+    def forward(*args, **kwargs):
+        loss.consumed = None
+        try:
+            output = inner(*args, **kwargs)
+            return output if loss.consumed is None else _without_consumed_logits(output, loss.consumed)
+        finally:
+            loss.consumed = None  # never keep the tensor alive past the call
+
+    forward.__doc__ = (
+        "The model's forward, patched by kernels.patch_llama: in train mode with autograd on, the returned logits "
+        "are None (the loss overwrote them with their gradient). Use model.eval() or torch.no_grad() to get them."
+    )
+    forward.__wrapped__ = inner
+    return forward
+
+
+def patch_llama(
+    model: torch.nn.Module, rms_norm: bool = True, cross_entropy: bool = True, inplace_logits: bool = True
+) -> LlamaPatch:
+    """Replace the RMSNorm modules of a Hugging Face Llama (or Mistral, Qwen2, Qwen3) and route its loss through the
+    fused cross-entropy; returns a handle whose ``undo()`` restores the model. See the module docstring.
+
+    ``inplace_logits`` (with ``cross_entropy``): in train mode with autograd on, the loss's gradient overwrites the
+    logits and the output's ``logits`` is None. ``False`` keeps the logits (one more [tokens, vocab] buffer).
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (a Hugging Face model), got {type(model).__name__}")
+    for name, value in (("rms_norm", rms_norm), ("cross_entropy", cross_entropy), ("inplace_logits", inplace_logits)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
+    previous = model.__dict__.get("_kernels_patch")
+    if previous is not None and previous.active:
+        raise RuntimeError("this model is already patched: call .undo() on the handle patch_llama returned first")
+    if cross_entropy:
+        _check_causal_lm(model)
+    norms = _find_norms(model) if rms_norm else []  # every check before the first change
+
+    patch = LlamaPatch(model)
+    for where, parent, name, module in norms:
+        replacement = TritonRMSNorm.from_hf(module)
+        setattr(parent, name, replacement)
+        patch.swaps.append(_Swap(where, parent, name, module, replacement))
+    if cross_entropy:
+        patch._had_own_loss = "_loss_function" in model.__dict__
+        patch._previous_loss = model.__dict__.get("_loss_function")
+        patch._had_own_forward = "forward" in model.__dict__
+        patch._previous_forward = model.__dict__.get("forward")
+        patch.loss = _PatchedLoss(model, inplace_logits)
+        model.loss_function = patch.loss  # PreTrainedModel's setter stores it as model._loss_function
+        model.forward = _wrap_forward(model, patch.loss)
+    model.__dict__["_kernels_patch"] = patch
+    return patch

@@ -1,0 +1,852 @@
+"""A plain PyTorch fine-tuning loop, and the same run twice: Hugging Face's model as it is, then patched.
+
+``train(model, batches, ...)`` is the loop a reader would write: AdamW (``torch.optim.AdamW`` with its defaults,
+"foreach" on a GPU), the model's own loss (``model(**batch).loss``), gradient accumulation over ``grad_accum``
+micro-batches, and per step a record of the loss, the time, the tokens and the peak memory.
+
+Gradient accumulation follows Hugging Face's Trainer: every micro-batch's forward gets ``num_items_in_batch``, the
+number of labels the loss counts over *all* micro-batches of the step (labels that are not -100 after the shift by
+one, i.e. ``labels[..., 1:] != -100``). Each micro-batch's loss is then its sum divided by that number, and the
+accumulated gradient is the gradient of the mean over the whole step: exactly what one big batch would give. The
+count is taken on the CPU copy of the labels before the loop, so it costs the GPU nothing (a Python int; the Trainer
+passes a tensor, which both losses accept too).
+
+What a step record holds (``StepRecord``):
+
+* ``loss``: the step's mean loss over its counted labels (the sum of its micro-batch losses);
+* ``time_s``: wall time from the start of the step to its end, with the GPU synchronised at the end, so the time
+  covers every kernel of the step;
+* ``tokens``: every position processed, batch × seq × grad_accum, padding included: the work the GPU does, and what
+  the headline tokens/s counts (the usual convention of training benchmarks). ``real_tokens`` counts only
+  non-padding positions (attention_mask = 1), ``trained_tokens`` only the labels the loss counts;
+* ``peak_memory``: ``torch.cuda.max_memory_allocated`` since the run started (statistics reset at its start), so it
+  includes the weights, gradients and optimizer states; None on the CPU, whose allocator keeps no statistics.
+
+Warm-up: the first ``warmup_steps`` steps (``WARMUP_STEPS`` = 3, fewer when a run is shorter: at most all steps but
+one) are excluded from tokens/s and time per step (the first steps create AdamW's states, pick kernels, compile
+Triton kernels), but they are in the loss curve.
+
+``compare(...)`` builds the model twice from the same seed on the same device, trains Hugging Face's version, frees
+it, then trains the patched version (``kernels.patch.patch_llama``) on the same batches in the same order, and
+returns both runs side by side. ``max_seq_len_that_fits(...)`` searches, on a GPU, the longest sequence for which one
+full training step fits in memory.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from . import runtime
+from .bench import RESULTS
+from .data import IGNORE_INDEX, get_tokenizer, make_sft_batches
+from .models import GiB, build_model, llama_config
+from .patch import patch_llama
+
+WARMUP_STEPS = 3
+VARIANTS = ("baseline", "patched")
+
+
+def default_lr(preset: str) -> float:
+    """A learning rate at which 20 steps visibly lower the loss of a randomly initialised preset in bf16.
+
+    bf16 weights near 0.02 are spaced about 1e-4 apart, so much smaller AdamW steps mostly round away; the tiny
+    model tolerates (and needs, to show learning in a few steps) a larger one.
+    """
+    return 1e-3 if preset == "tiny" else 1e-4
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Records
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepRecord:
+    step: int
+    loss: float
+    time_s: float
+    tokens: int
+    real_tokens: int
+    trained_tokens: int
+    peak_memory: int | None
+    timed: bool  # False for the warm-up steps, which tokens/s and time per step leave out
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.time_s
+
+    @property
+    def real_tokens_per_s(self) -> float:
+        return self.real_tokens / self.time_s
+
+
+@dataclass
+class RunResult:
+    """One training run: what ran, and a record per step."""
+
+    label: str
+    what_ran: dict
+    records: list[StepRecord]
+    warmup_steps: int
+
+    @property
+    def losses(self) -> list[float]:
+        return [r.loss for r in self.records]
+
+    def _timed(self) -> list[StepRecord]:
+        return [r for r in self.records if r.timed]
+
+    @property
+    def tokens_per_s(self) -> float:
+        """All tokens processed (padding included) over the timed steps, divided by their total time."""
+        timed = self._timed()
+        return sum(r.tokens for r in timed) / sum(r.time_s for r in timed)
+
+    @property
+    def real_tokens_per_s(self) -> float:
+        """Non-padding tokens over the timed steps, divided by their total time."""
+        timed = self._timed()
+        return sum(r.real_tokens for r in timed) / sum(r.time_s for r in timed)
+
+    @property
+    def step_time_s(self) -> float:
+        """Mean time per timed step (consistent with tokens/s; see ``median_step_time_s`` for the median)."""
+        timed = self._timed()
+        return sum(r.time_s for r in timed) / len(timed)
+
+    @property
+    def median_step_time_s(self) -> float:
+        return statistics.median(r.time_s for r in self._timed())
+
+    @property
+    def peak_memory(self) -> int | None:
+        peaks = [r.peak_memory for r in self.records if r.peak_memory is not None]
+        return max(peaks) if peaks else None
+
+    def to_dict(self) -> dict:
+        return {
+            "label": self.label,
+            "what_ran": self.what_ran,
+            "warmup_steps": self.warmup_steps,
+            "tokens_per_s": self.tokens_per_s,
+            "real_tokens_per_s": self.real_tokens_per_s,
+            "step_time_s": self.step_time_s,
+            "median_step_time_s": self.median_step_time_s,
+            "peak_memory_bytes": self.peak_memory,
+            "steps": [
+                {**asdict(r), "tokens_per_s": r.tokens_per_s, "real_tokens_per_s": r.real_tokens_per_s}
+                for r in self.records
+            ],
+        }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The loop
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def count_trained_labels(batch: dict[str, torch.Tensor], ignore_index: int = IGNORE_INDEX) -> int:
+    """Labels a causal-LM loss counts in one batch: those that are not ignored after the shift (``labels[..., 1:]``)."""
+    return int((batch["labels"][..., 1:] != ignore_index).sum())
+
+
+def describe_model(model: torch.nn.Module) -> dict:
+    """What will run: the norm modules by class, the loss function, dtype, device, attention implementation."""
+    norms: dict[str, int] = {}
+    for module in model.modules():
+        name = type(module).__name__
+        if name.endswith("RMSNorm"):
+            norms[name] = norms.get(name, 0) + 1
+    loss = model.__dict__.get("_loss_function")
+    param = next(model.parameters())
+    return {
+        "model": type(model).__name__,
+        "norms": norms,
+        "loss": repr(loss) if loss is not None else "transformers ForCausalLMLoss (fp32 copy of the logits, F.cross_entropy)",
+        "dtype": str(param.dtype).replace("torch.", ""),
+        "device": str(param.device),
+        "attention": getattr(model.config, "_attn_implementation", None),
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def _micro_batches_on(batches, device) -> list[dict[str, torch.Tensor]]:
+    keep = ("input_ids", "attention_mask", "labels")
+    return [{k: v.to(device) for k, v in b.items() if k in keep} for b in batches]
+
+
+def _check_train_args(batches, grad_accum, lr, warmup_steps) -> int:
+    if not isinstance(batches, (list, tuple)) or not batches or not all(isinstance(b, dict) for b in batches):
+        raise TypeError("batches must be a non-empty list of dicts (input_ids, attention_mask, labels), as make_sft_batches gives")
+    if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum < 1:
+        raise ValueError(f"grad_accum must be a positive int, got {grad_accum!r}")
+    if len(batches) % grad_accum:
+        raise ValueError(f"len(batches)={len(batches)} is not a multiple of grad_accum={grad_accum}")
+    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr > 0:
+        raise ValueError(f"lr must be a positive number, got {lr!r}")
+    if not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be a non-negative int, got {warmup_steps!r}")
+    return len(batches) // grad_accum
+
+
+def train(
+    model: torch.nn.Module,
+    batches: list[dict[str, torch.Tensor]],
+    *,
+    grad_accum: int = 1,
+    lr: float = 1e-4,
+    label: str = "run",
+    warmup_steps: int = WARMUP_STEPS,
+    progress: bool = True,
+    after_backward: Callable[[int, torch.nn.Module], None] | None = None,
+) -> RunResult:
+    """Fine-tune ``model`` on ``batches`` (micro-batches, ``grad_accum`` per optimizer step); see the module docstring.
+
+    ``after_backward(step, model)``, if given, is called once per step after the last backward and before
+    ``optimizer.step()`` (tests read the gradients there; its time counts in the step's time).
+    """
+    steps = _check_train_args(batches, grad_accum, lr, warmup_steps)
+    warmup = min(warmup_steps, steps - 1)
+    device = next(model.parameters()).device
+    model.train()
+    micro = _micro_batches_on(batches, device)
+    groups = [micro[s * grad_accum:(s + 1) * grad_accum] for s in range(steps)]
+    cpu_groups = [batches[s * grad_accum:(s + 1) * grad_accum] for s in range(steps)]
+    trained = [sum(count_trained_labels(b) for b in group) for group in cpu_groups]
+    real = [sum(int(b["attention_mask"].sum()) for b in group) for group in cpu_groups]
+    total = [sum(b["input_ids"].numel() for b in group) for group in cpu_groups]
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    what_ran = describe_model(model)
+    what_ran["optimizer"] = f"torch.optim.AdamW(lr={lr:g}), defaults otherwise"
+    what_ran["grad_accum"] = grad_accum
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    from tqdm.auto import tqdm
+
+    records: list[StepRecord] = []
+    bar = tqdm(range(steps), desc=label, disable=not progress, leave=True)
+    _sync(device)
+    for step in bar:
+        start = time.perf_counter()
+        step_loss = torch.zeros((), dtype=torch.float32, device=device)
+        for batch in groups[step]:
+            loss = model(**batch, num_items_in_batch=trained[step]).loss
+            loss.backward()
+            step_loss += loss.detach()
+            del loss
+        if after_backward is not None:
+            after_backward(step, model)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        _sync(device)
+        elapsed = time.perf_counter() - start
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        record = StepRecord(step, float(step_loss), elapsed, total[step], real[step], trained[step], peak, step >= warmup)
+        records.append(record)
+        bar.set_postfix(loss=f"{record.loss:.4f}", tok_s=f"{record.tokens_per_s:,.0f}")
+    bar.close()
+    del optimizer
+    return RunResult(label, what_ran, records, warmup)
+
+
+def free_memory() -> None:
+    """Collect garbage (patched models hold reference cycles) and return cached GPU memory to the driver."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Baseline against patched
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Comparison:
+    """Two runs of the same fine-tuning, Hugging Face's model and the patched one; numbers, table, plot, JSON."""
+
+    settings: dict
+    baseline: RunResult
+    patched: RunResult
+    device: str = field(default_factory=runtime.device_name)
+    versions: dict = field(default_factory=runtime.versions)
+    fit: dict = field(default_factory=dict)  # variant -> FitResult.to_dict(), when a fit search ran
+
+    @property
+    def loss_differences(self) -> list[float]:
+        return [p - b for b, p in zip(self.baseline.losses, self.patched.losses)]
+
+    def summary(self) -> dict:
+        b, p = self.baseline, self.patched
+        out = {
+            "tokens_per_s": {"baseline": b.tokens_per_s, "patched": p.tokens_per_s},
+            "real_tokens_per_s": {"baseline": b.real_tokens_per_s, "patched": p.real_tokens_per_s},
+            "speedup": p.tokens_per_s / b.tokens_per_s,
+            "step_time_s": {"baseline": b.step_time_s, "patched": p.step_time_s},
+            "peak_memory_bytes": {"baseline": b.peak_memory, "patched": p.peak_memory},
+            "final_loss": {"baseline": b.losses[-1], "patched": p.losses[-1]},
+            "max_abs_loss_difference": max(abs(d) for d in self.loss_differences),
+            "first_step_loss_difference": abs(self.loss_differences[0]),
+            "warmup_steps_excluded_from_timing": b.warmup_steps,
+            "headline_tokens": "all positions processed (batch × seq × grad_accum, padding included)",
+        }
+        if b.peak_memory is not None and p.peak_memory is not None:
+            out["memory_saved_bytes"] = b.peak_memory - p.peak_memory
+        for variant, result in self.fit.items():
+            out.setdefault("max_seq_len_that_fits", {})[variant] = result.get("longest")
+        return out
+
+    def table(self) -> str:
+        s = self.summary()
+        b_mem, p_mem = s["peak_memory_bytes"]["baseline"], s["peak_memory_bytes"]["patched"]
+
+        def mem(v):
+            return f"{v / GiB:.2f} GiB" if v is not None else "n/a (CPU)"
+
+        rows = [
+            ("tokens/s (all tokens)", f"{s['tokens_per_s']['baseline']:,.0f}", f"{s['tokens_per_s']['patched']:,.0f}",
+             f"{s['speedup']:.3f}×"),
+            ("tokens/s (non-padding)", f"{s['real_tokens_per_s']['baseline']:,.0f}",
+             f"{s['real_tokens_per_s']['patched']:,.0f}", ""),
+            ("time per step", f"{s['step_time_s']['baseline'] * 1e3:,.1f} ms", f"{s['step_time_s']['patched'] * 1e3:,.1f} ms",
+             f"{s['step_time_s']['patched'] / s['step_time_s']['baseline'] - 1:+.1%}"),
+            ("peak memory", mem(b_mem), mem(p_mem),
+             f"{(p_mem - b_mem) / GiB:+.2f} GiB" if b_mem is not None and p_mem is not None else ""),
+            ("final loss", f"{s['final_loss']['baseline']:.4f}", f"{s['final_loss']['patched']:.4f}", ""),
+            ("max |loss difference|", "", "", f"{s['max_abs_loss_difference']:.2e}"),
+        ]
+        if "max_seq_len_that_fits" in s:
+            fits = s["max_seq_len_that_fits"]
+            rows.append(("longest seq that fits", _fmt_len(fits.get("baseline")), _fmt_len(fits.get("patched")), ""))
+        lines = [f"{'':<24}{'baseline (HF)':>16}{'patched':>16}{'change':>12}"]
+        lines += [f"{name:<24}{b:>16}{p:>16}{d:>12}" for name, b, p, d in rows]
+        steps = len(self.baseline.records)
+        lines.append(
+            f"{self.device}, {self.settings.get('preset')}; {steps} steps, the first {self.baseline.warmup_steps} "
+            "excluded from tokens/s and time per step"
+        )
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {
+            "device": self.device,
+            "mode": runtime.MODE,
+            "versions": self.versions,
+            "settings": self.settings,
+            "summary": self.summary(),
+            "baseline": self.baseline.to_dict(),
+            "patched": self.patched.to_dict(),
+            "fit": self.fit,
+        }
+
+    def plot(self, axes=None):
+        """Both loss curves on one plot, and the difference (patched − baseline) below it."""
+        import matplotlib.pyplot as plt
+
+        if axes is None:
+            _, axes = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+        top, bottom = axes
+        steps = [r.step + 1 for r in self.baseline.records]
+        top.plot(steps, self.baseline.losses, "o-", label="baseline (Hugging Face)", color="#4c72b0")
+        top.plot(steps, self.patched.losses, "x--", label="patched (Triton RMSNorm + cross-entropy)", color="#c44e52")
+        top.set_ylabel("loss")
+        top.set_title(f"Same run, two implementations — {self.settings.get('preset')} on {self.device}")
+        top.legend()
+        bottom.axhline(0, color="grey", linewidth=0.8)
+        bottom.plot(steps, self.loss_differences, "o-", color="#8172b3")
+        bottom.set_ylabel("patched − baseline")
+        bottom.set_xlabel("optimizer step")
+        return axes
+
+    def save(self, out_dir: str | Path = RESULTS, stem: str | None = None) -> tuple[Path, Path]:
+        """Write ``<stem>.json`` and ``<stem>.png`` (default stem: ``finetune_<preset>``) into ``out_dir``."""
+        import matplotlib.pyplot as plt
+
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        stem = stem or f"finetune_{self.settings.get('preset')}"
+        json_path, png_path = out_dir / f"{stem}.json", out_dir / f"{stem}.png"
+        json_path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        axes = self.plot()
+        fig = axes[0].figure
+        fig.tight_layout()
+        fig.savefig(png_path, dpi=120)
+        plt.close(fig)
+        return json_path, png_path
+
+
+def _fmt_len(n) -> str:
+    return f"{n:,}" if isinstance(n, int) else "n/a"
+
+
+def make_run_batches(preset: str, steps: int, seq_len: int, batch_size: int, grad_accum: int, seed: int = 0,
+                     tokenizer=None) -> list[dict[str, torch.Tensor]]:
+    """``steps × grad_accum`` micro-batches of the workbook's SFT data, on the CPU (``train`` moves them)."""
+    tokenizer = tokenizer or get_tokenizer()
+    vocab = llama_config(preset).vocab_size
+    return make_sft_batches(tokenizer, batch_size, seq_len, steps * grad_accum, seed, vocab_size=vocab)
+
+
+def compare(
+    preset: str = "tiny",
+    steps: int = 20,
+    seq_len: int = 2048,
+    batch_size: int = 1,
+    grad_accum: int = 1,
+    lr: float | None = None,
+    seed: int = 0,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    device=None,
+    warmup_steps: int = WARMUP_STEPS,
+    progress: bool = True,
+    tokenizer=None,
+    patch_options: dict | None = None,
+) -> Comparison:
+    """Train the baseline, then the patched model, from the same initial weights on the same batches.
+
+    Each model is built with ``build_model(preset, dtype, device, seed)`` (same seed, same device: the same weights)
+    and freed before the next one is built, so the two never share the GPU. ``lr`` defaults to ``default_lr``.
+    ``patch_options`` go to ``patch_llama`` (e.g. ``dict(rms_norm=False)`` to patch the loss alone).
+    """
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive int, got {steps!r}")
+    lr = default_lr(preset) if lr is None else lr
+    batches = make_run_batches(preset, steps, seq_len, batch_size, grad_accum, seed, tokenizer)
+    settings = {
+        "preset": preset, "steps": steps, "seq_len": seq_len, "batch_size": batch_size, "grad_accum": grad_accum,
+        "lr": lr, "seed": seed, "dtype": str(dtype).replace("torch.", ""), "warmup_steps": warmup_steps,
+        "patch_options": dict(patch_options or {}),
+    }
+    runs = {}
+    for variant in VARIANTS:
+        free_memory()
+        model = build_model(preset, dtype=dtype, device=device, seed=seed)
+        handle = patch_llama(model, **(patch_options or {})) if variant == "patched" else None
+        runs[variant] = train(model, batches, grad_accum=grad_accum, lr=lr, label=variant,
+                              warmup_steps=warmup_steps, progress=progress)
+        if handle is not None:
+            handle.undo()
+        del model, handle
+        free_memory()
+    return Comparison(settings, runs["baseline"], runs["patched"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One batch, three ways: the float32 truth, Hugging Face in bf16, patched in bf16
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _relative_error_on_device(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """‖actual − expected‖ / ‖expected‖ computed where the tensors live (no copy of a large gradient to the host)."""
+    actual, expected = actual.detach().float(), expected.detach().float()
+    if not torch.isfinite(actual).all():
+        return float("inf")
+    denom = float(torch.linalg.vector_norm(expected))
+    diff = float(torch.linalg.vector_norm(actual - expected))
+    return diff / denom if denom > 0 else diff
+
+
+PARAMETER_KINDS = ("embed_tokens", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                   "input_layernorm", "post_attention_layernorm", "q_norm", "k_norm", "norm", "lm_head")
+
+
+def parameter_kind(name: str) -> str:
+    """The kind of a parameter from its name: ``model.layers.3.mlp.up_proj.weight`` -> ``up_proj``."""
+    parts = name.split(".")
+    for part in reversed(parts):
+        if part in PARAMETER_KINDS:
+            return part
+    return parts[-2] if len(parts) > 1 else name
+
+
+@dataclass
+class GradientCheck:
+    """Loss and per-parameter gradient errors of Hugging Face's bf16 model and the patched bf16 model, each against
+    the same model computed in float32 (the reference), and of the patched model against Hugging Face's."""
+
+    losses: dict[str, float]  # "float32", "baseline", "patched"
+    errors: dict[str, dict[str, float]]  # parameter -> {"baseline", "patched", "patched_vs_baseline"}
+
+    def by_kind(self) -> dict[str, dict[str, float]]:
+        """The largest error of each kind of parameter (over layers), for each comparison."""
+        out: dict[str, dict[str, float]] = {}
+        for name, errs in self.errors.items():
+            row = out.setdefault(parameter_kind(name), {k: 0.0 for k in errs} | {"count": 0})
+            for k, v in errs.items():
+                row[k] = max(row[k], v)
+            row["count"] += 1
+        return out
+
+    def worst(self, which: str) -> float:
+        return max(e[which] for e in self.errors.values())
+
+    def table(self) -> str:
+        lines = [f"{'parameter kind':<26}{'count':>6}{'HF bf16 vs fp32':>18}{'patched vs fp32':>18}{'patched vs HF':>16}"]
+        for kind, row in self.by_kind().items():
+            lines.append(f"{kind:<26}{row['count']:>6}{row['baseline']:>18.2e}{row['patched']:>18.2e}"
+                         f"{row['patched_vs_baseline']:>16.2e}")
+        lines.append("(largest relative error ‖g − g_ref‖ / ‖g_ref‖ over the parameters of each kind)")
+        loss = self.losses
+        lines.append(f"loss: float32 {loss['float32']:.6f}, HF bf16 {loss['baseline']:.6f}, patched bf16 {loss['patched']:.6f}")
+        return "\n".join(lines)
+
+    def plot(self, ax=None):
+        """Each parameter's error against float32: Hugging Face's (x) against the patched model's (y)."""
+        import matplotlib.pyplot as plt
+
+        if ax is None:
+            _, ax = plt.subplots(figsize=(5.5, 5))
+        x = [e["baseline"] for e in self.errors.values()]
+        y = [e["patched"] for e in self.errors.values()]
+        ax.scatter(x, y, s=14, alpha=0.7)
+        top = max(x + y) * 1.15
+        ax.plot([0, top], [0, top], color="grey", linestyle="--", label="equally accurate")
+        ax.set_xlim(0, top)
+        ax.set_ylim(0, top)
+        ax.set_xlabel("Hugging Face bf16: relative error vs float32")
+        ax.set_ylabel("patched bf16: relative error vs float32")
+        ax.set_title("Every parameter's gradient, one batch")
+        ax.legend()
+        return ax
+
+
+def _loss_and_grads(model, batch, n_items):
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch, num_items_in_batch=n_items).loss
+    loss.backward()
+    return float(loss.detach()), {name: p.grad for name, p in model.named_parameters()}
+
+
+def gradient_check(preset_or_config="tiny", batch: dict | None = None, seed: int = 0, device=None) -> GradientCheck:
+    """One forward and backward pass on one batch, three ways, from the same weights: in float32 (the reference),
+    in bf16 as Hugging Face computes it, and in bf16 patched. The model is built once in float32 and its parameters
+    are cast to bf16, so all three start from the same values (up to the bf16 rounding of the weights)."""
+    model = build_model(preset_or_config, dtype=torch.float32, device=device, seed=seed)
+    device = next(model.parameters()).device
+    if batch is None:
+        batch = make_sft_batches(get_tokenizer(), 1, 128, 1, seed, vocab_size=model.config.vocab_size)[0]
+    n_items = count_trained_labels(batch)
+    batch = _micro_batches_on([batch], device)[0]
+    losses = {}
+    losses["float32"], reference = _loss_and_grads(model, batch, n_items)
+    reference = {k: g.detach().clone() for k, g in reference.items()}
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        # Parameters only: model.to(torch.bfloat16) would also round the rotary frequencies (a float32 buffer that
+        # a bf16 model built directly keeps in float32), and the bf16 runs would then test RoPE's rounding.
+        for param in model.parameters():
+            param.data = param.data.to(torch.bfloat16)
+    losses["baseline"], grads = _loss_and_grads(model, batch, n_items)
+    baseline = {k: g.detach().clone() for k, g in grads.items()}
+    errors = {k: {"baseline": _relative_error_on_device(baseline[k], reference[k])} for k in reference}
+    with patch_llama(model):
+        losses["patched"], grads = _loss_and_grads(model, batch, n_items)
+        for k in reference:
+            errors[k]["patched"] = _relative_error_on_device(grads[k], reference[k])
+            errors[k]["patched_vs_baseline"] = _relative_error_on_device(grads[k], baseline[k])
+    del model, grads, baseline, reference
+    free_memory()
+    return GradientCheck(losses, errors)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The longest sequence that fits
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Probe:
+    seq_len: int
+    fits: bool
+    peak: int | None = None  # bytes at the peak of forward + backward (GPU), when it fit
+    base: int | None = None  # bytes allocated before the forward (weights, optimizer states)
+    how: str = ""  # how this length was chosen: start, doubling, prediction, bisection
+
+
+@dataclass
+class FitResult:
+    """The outcome of a search: the longest length that fitted, the shortest that did not, every probe."""
+
+    longest: int | None
+    shortest_failing: int | None
+    step: int
+    hi: int
+    probes: list[Probe]
+
+    @property
+    def exact(self) -> bool:
+        """True when no multiple of ``step`` between the two is left untried (or the search hit ``hi``)."""
+        if self.longest is None:
+            return self.shortest_failing is not None and self.shortest_failing <= self.step
+        if self.longest >= self.hi:
+            return True
+        return self.shortest_failing is not None and self.shortest_failing - self.longest <= self.step
+
+    def summary(self) -> str:
+        tried = ", ".join(f"{p.seq_len:,}{'✓' if p.fits else '✗'}" for p in self.probes)
+        if self.longest is None:
+            head = "nothing tried fitted"
+        elif self.exact and self.longest >= self.hi:
+            head = f"{self.longest:,} fits (the upper end of the search)"
+        elif self.exact:
+            head = f"{self.longest:,} fits, {self.shortest_failing:,} does not"
+        else:
+            upper = f"below {self.shortest_failing:,}" if self.shortest_failing else "untested above"
+            head = f"at least {self.longest:,} fits ({upper}; out of probes)"
+        return f"{head}  [probes: {tried}]"
+
+    def measured_bytes_per_token(self) -> float | None:
+        """How much the step's peak grew per extra token of sequence between the two longest lengths that fitted."""
+        fitted = sorted((p for p in self.probes if p.fits and p.peak is not None), key=lambda p: p.seq_len)
+        if len(fitted) < 2:
+            return None
+        a, b = fitted[-2], fitted[-1]
+        return (b.peak - a.peak) / (b.seq_len - a.seq_len)
+
+    def to_dict(self) -> dict:
+        return {"longest": self.longest, "shortest_failing": self.shortest_failing, "exact": self.exact,
+                "step": self.step, "hi": self.hi, "probes": [asdict(p) for p in self.probes]}
+
+
+def _round_down(n: float, step: int) -> int:
+    return int(n // step) * step
+
+
+def _next_length(probes: list[Probe], lo: int, hi: int, step: int, budget: int | None) -> tuple[int, str] | None:
+    """The next length to try, or None when the answer is known to ``step``.
+
+    Doubling from ``lo`` until a failure, with, once a length has fitted and memory figures are known, a prediction:
+    the peak grows about linearly with the length, so the length at which it would reach ``budget`` is extrapolated
+    from the last two lengths that fitted (or from one, and the memory before the step). After a failed prediction,
+    plain bisection, so a poor prediction costs one probe at most.
+    """
+    fitted = sorted(p.seq_len for p in probes if p.fits)
+    failed = sorted(p.seq_len for p in probes if not p.fits)
+    good = fitted[-1] if fitted else None
+    bad = failed[0] if failed else None
+    if good is None:  # even lo failed: bisect below it
+        candidate = _round_down(bad / 2, step)
+        return (candidate, "bisection") if candidate >= step and candidate not in failed else None
+    upper = min(hi, bad - step) if bad is not None else hi
+    if good >= upper:
+        return None
+    tried = {p.seq_len for p in probes}
+    last = probes[-1]
+    predicted = _predict(probes, budget, step)
+    if predicted is not None and not (last.how == "prediction" and not last.fits):
+        # A long jump (more than half the length that fitted) aims 10% short: memory grows slightly faster than
+        # linearly (the attention mask is S × S), so a far extrapolation overshoots, and a probe just below the
+        # limit makes the next extrapolation short and exact.
+        if predicted - good > max(2 * step, 0.5 * good):
+            predicted = _round_down(good + 0.9 * (predicted - good), step)
+        candidate = min(max(predicted, good + step), upper)
+        if candidate not in tried:
+            return candidate, "prediction"
+    if bad is None:
+        return min(_round_down(2 * good, step), upper), "doubling"
+    candidate = _round_down((good + bad) / 2, step)
+    return (candidate, "bisection") if good < candidate < bad and candidate not in tried else None
+
+
+def _predict(probes: list[Probe], budget: int | None, step: int) -> int | None:
+    if budget is None:
+        return None
+    fitted = sorted((p for p in probes if p.fits and p.peak is not None), key=lambda p: p.seq_len)
+    if not fitted:
+        return None
+    top = fitted[-1]
+    if len(fitted) >= 2:
+        below = fitted[-2]
+        slope = (top.peak - below.peak) / (top.seq_len - below.seq_len)
+    elif top.base is not None:
+        slope = (top.peak - top.base) / top.seq_len  # everything the step added, as if it all grew with length
+    else:
+        return None
+    if not slope > 0:
+        return None
+    return _round_down(top.seq_len + (budget - top.peak) / slope, step)
+
+
+def search_longest(
+    probe: Callable[[int], Probe], lo: int, hi: int, step: int = 256, max_probes: int = 8, budget: int | None = None
+) -> FitResult:
+    """The longest multiple of ``step`` in [``step``, ``hi``] for which ``probe(length).fits``, in few probes.
+
+    ``probe`` runs one training step at a length and reports whether it fitted and, on a GPU, its peak memory;
+    ``budget`` is the memory the peak may reach (enables predictions; see ``_next_length``). Starts at ``lo``.
+    """
+    for name, value in (("lo", lo), ("hi", hi), ("step", step), ("max_probes", max_probes)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if lo % step or hi % step or lo > hi:
+        raise ValueError(f"lo and hi must be multiples of step={step} with lo <= hi, got lo={lo}, hi={hi}")
+    probes: list[Probe] = []
+    nxt: tuple[int, str] | None = (lo, "start")
+    while nxt is not None and len(probes) < max_probes:
+        length, how = nxt
+        result = probe(length)
+        result.how = how
+        probes.append(result)
+        nxt = _next_length(probes, lo, hi, step, budget)
+    fitted = [p.seq_len for p in probes if p.fits]
+    failed = [p.seq_len for p in probes if not p.fits]
+    return FitResult(max(fitted) if fitted else None, min(failed) if failed else None, step, hi, probes)
+
+
+def _gpu_probe(model, optimizer, tokenizer, batch_size: int, seed: int) -> Callable[[int], Probe]:
+    """One full training step at a given length on the GPU; an out-of-memory error means it does not fit."""
+    device = next(model.parameters()).device
+    vocab = model.config.vocab_size
+
+    def step(batch, n_items) -> int:
+        loss = model(**batch, num_items_in_batch=n_items).loss
+        loss.backward()
+        del loss
+        peak = torch.cuda.max_memory_allocated(device)
+        optimizer.step()
+        torch.cuda.synchronize(device)
+        return peak
+
+    def probe(seq_len: int) -> Probe:
+        cpu_batch = make_sft_batches(tokenizer, batch_size, seq_len, 1, seed, vocab_size=vocab)[0]
+        n_items = count_trained_labels(cpu_batch)
+        free_memory()
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        try:
+            batch = {k: v.to(device) for k, v in cpu_batch.items()}
+            peak = step(batch, n_items)
+            fits = True
+        except torch.cuda.OutOfMemoryError:
+            peak, fits = None, False
+        # Outside the except block: the exception and the frames holding the step's tensors are gone by now.
+        batch = None
+        optimizer.zero_grad(set_to_none=True)
+        free_memory()
+        return Probe(seq_len, fits, peak, base)
+
+    return probe
+
+
+def max_seq_len_that_fits(
+    preset: str,
+    patched: bool,
+    batch_size: int = 1,
+    lo: int = 4096,
+    hi: int = 65536,
+    *,
+    max_probes: int = 8,
+    step: int = 256,
+    seed: int = 0,
+    margin: float = 0.02,
+    tokenizer=None,
+) -> FitResult | None:
+    """GPU only: the longest sequence (a multiple of ``step``) at which one full training step (forward, backward,
+    AdamW step) of ``preset`` fits in memory, Hugging Face's model (``patched=False``) or the patched one.
+
+    The model and AdamW stay on the GPU across probes (a first step at ``step`` tokens creates AdamW's states); each
+    probe runs one step on a real SFT batch of that length; ``torch.cuda.OutOfMemoryError`` means it does not fit,
+    and everything the step allocated is freed before the next probe. ``margin`` (2%) is left free when predicting.
+    On the CPU there is no memory limit to find: prints so and returns None.
+    """
+    if runtime.MODE != "gpu" or not torch.cuda.is_available():
+        print("max_seq_len_that_fits is GPU-only: the CPU has no device memory limit to search for.")
+        return None
+    if not isinstance(patched, bool):
+        raise TypeError(f"patched must be True or False, got {patched!r}")
+    free_memory()
+    model = build_model(preset, dtype=torch.bfloat16, seed=seed)
+    handle = patch_llama(model) if patched else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=default_lr(preset))
+    device = next(model.parameters()).device
+    probe = None
+    try:
+        free_memory()
+        budget = int((torch.cuda.memory_allocated(device) + torch.cuda.mem_get_info(device)[0]) * (1 - margin))
+        probe = _gpu_probe(model, optimizer, tokenizer or get_tokenizer(), batch_size, seed)
+        # One short step first, not counted as a probe: it creates AdamW's states, so that every probe starts from
+        # the same memory (weights and states) and the peaks of different probes can be compared.
+        warm = probe(step)
+        if not warm.fits:
+            warm.how = "warm-up"
+            return FitResult(None, step, step, hi, [warm])
+        return search_longest(probe, lo, hi, step=step, max_probes=max_probes, budget=budget)
+    finally:
+        if handle is not None:
+            handle.undo()
+        del model, optimizer, handle, probe  # the probe's closure holds the model and the optimizer too
+        free_memory()
+
+
+def fit_both(preset: str, batch_size: int = 1, lo: int = 4096, hi: int = 65536, max_probes: int = 8,
+             seed: int = 0) -> dict[str, FitResult] | None:
+    """``max_seq_len_that_fits`` for the baseline and the patched model, one after the other (GPU only)."""
+    if runtime.MODE != "gpu":
+        print("max_seq_len_that_fits is GPU-only: the CPU has no device memory limit to search for.")
+        return None
+    return {variant: max_seq_len_that_fits(preset, variant == "patched", batch_size, lo, hi, max_probes=max_probes,
+                                           seed=seed) for variant in VARIANTS}
+
+
+def growth_bytes_per_token(config, dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
+    """Computed bytes that one more token of sequence adds at a step's forward/backward high point, Hugging Face's
+    model against the patched one: what decides the longest sequence that fits once the weights, gradients and
+    optimizer states are paid for.
+
+    * activations saved for backward: ``models.activation_bytes_per_token_layer`` per layer, plus the final norm;
+    * the patched norms save less: Hugging Face's keeps the float32 copy of its input (4·h bytes) and the normalised
+      values before the weight multiply; the kernel keeps the bf16 input and one float32 rstd. 4·h bytes fewer per
+      norm, 2·layers + 1 norms;
+    * the loss at its high point: ``logits_bytes_per_token``.
+    """
+    from .models import activation_bytes_per_token_layer
+
+    h, layers = config.hidden_size, config.num_hidden_layers
+    size = torch.empty((), dtype=dtype).element_size()
+    activations = layers * activation_bytes_per_token_layer(config, dtype) + 4 * h + 4 + 2 * size * h
+    norm_saving = (2 * layers + 1) * 4 * h
+    loss = logits_bytes_per_token(config.vocab_size, dtype)
+    return {
+        "baseline": activations + loss["baseline"],
+        "patched": activations - norm_saving + loss["patched"],
+        "activations": activations,
+        "norm_saving": norm_saving,
+        "loss_baseline": loss["baseline"],
+        "loss_patched": loss["patched"],
+    }
+
+
+def logits_bytes_per_token(vocab: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
+    """Computed bytes per token that the loss keeps alive at its high point, Hugging Face's loss against the patch.
+
+    Hugging Face: the logits, their fp32 copy and the fp32 log-softmax in the forward pass (2 + 4 + 4 bytes per
+    logit in bf16), then the log-softmax and two fp32 gradients in the backward pass (4 + 4 + 4); the larger counts.
+    Patched: the logits only, which then receive their own gradient (2 bytes per logit in bf16).
+    """
+    size = torch.empty((), dtype=dtype).element_size()
+    hf = max(size + 4 + 4, 4 + 4 + 4) * vocab
+    return {"baseline": hf, "patched": size * vocab}
+
+
+__all__ = [
+    "WARMUP_STEPS", "StepRecord", "RunResult", "Comparison", "FitResult", "Probe", "train", "compare",
+    "max_seq_len_that_fits", "fit_both", "search_longest", "count_trained_labels", "describe_model", "default_lr",
+    "make_run_batches", "logits_bytes_per_token", "growth_bytes_per_token", "free_memory", "gradient_check", "GradientCheck", "parameter_kind",
+]

@@ -1,0 +1,54 @@
+"""``python -m kernels.finetune``: the command line runs, prints the table and writes the JSON and the PNG."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kernels import runtime
+from kernels.finetune import build_parser, main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_compare_on_the_command_line(tmp_path):
+    if runtime.MODE == "gpu":
+        pytest.skip("on a GPU the default preset is a full-size model; the CLI is exercised by test_single_run")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "kernels.finetune", "--compare", "--steps", "2", "--seq-len", "96", "--batch-size", "1",
+           "--grad-accum", "2", "--out", str(tmp_path), "--no-progress"]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "baseline (HF)" in done.stdout and "max |loss difference|" in done.stdout
+    data = json.loads((tmp_path / "finetune_tiny.json").read_text())
+    assert data["settings"] == {**data["settings"], "preset": "tiny", "steps": 2, "seq_len": 96, "grad_accum": 2}
+    assert len(data["baseline"]["steps"]) == len(data["patched"]["steps"]) == 2
+    assert data["summary"]["max_abs_loss_difference"] < 0.05
+    assert "LlamaRMSNorm" in data["baseline"]["what_ran"]["norms"]
+    assert "TritonRMSNorm" in data["patched"]["what_ran"]["norms"]
+    assert (tmp_path / "finetune_tiny.png").stat().st_size > 10_000
+
+
+def test_single_run_and_fit_message(tmp_path, capsys):
+    assert main(["--preset", "tiny", "--steps", "2", "--seq-len", "64", "--batch-size", "1", "--grad-accum", "1",
+                 "--out", str(tmp_path), "--no-progress"] + (["--fit"] if runtime.MODE != "gpu" else [])) == 0
+    out = capsys.readouterr().out
+    assert "patched:" in out and "tokens/s" in out
+    if runtime.MODE != "gpu":
+        assert "GPU-only" in out
+    data = json.loads((tmp_path / "finetune_tiny_patched.json").read_text())
+    assert len(data["patched"]["steps"]) == 2 and "baseline" not in data
+
+
+def test_help_and_bad_arguments(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["--help"])
+    assert exit_info.value.code == 0
+    assert "--compare" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--steps must be at least 1"):
+        main(["--steps", "0"])
+    with pytest.raises(ValueError, match="preset must be one of"):
+        main(["--preset", "llama-99b"])

@@ -1,0 +1,265 @@
+"""The training loop: baseline and patched learn identically, gradient accumulation, records, the fit search."""
+
+import json
+
+import matplotlib
+import pytest
+import torch
+
+from kernels import runtime
+from kernels.data import get_tokenizer, make_sft_batches
+from kernels.models import build_model, llama_config
+from kernels.patch import patch_llama
+from kernels.reference import relative_error
+from kernels.train import (Comparison, Probe, compare, count_trained_labels, gradient_check, growth_bytes_per_token,
+                           logits_bytes_per_token, max_seq_len_that_fits, parameter_kind, search_longest, train)
+
+matplotlib.use("Agg")
+
+
+def seed_from(gen) -> int:
+    return int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+
+
+def record_grads(store):
+    def hook(step, model):
+        store.append({name: p.grad.detach().clone() for name, p in model.named_parameters()})
+
+    return hook
+
+
+def test_patched_training_matches_plain_training(device, gen):
+    """Three steps of AdamW with gradient accumulation, float32: same losses and gradients at every step."""
+    seed = seed_from(gen)
+    batches = make_sft_batches(get_tokenizer(), 2, 96, 6, seed=seed)  # 3 steps × 2 micro-batches, with padding
+    runs, grads = {}, {}
+    for variant in ("baseline", "patched"):
+        model = build_model("tiny", dtype=torch.float32, device=device, seed=seed)
+        patch = patch_llama(model) if variant == "patched" else None
+        grads[variant] = []
+        runs[variant] = train(model, batches, grad_accum=2, lr=1e-3, label=variant, progress=False,
+                              after_backward=record_grads(grads[variant]))
+        if patch is not None:
+            assert "TritonRMSNorm" in str(runs[variant].what_ran["norms"])
+            patch.undo()
+    assert runs["baseline"].what_ran["norms"] == {"LlamaRMSNorm": 9}
+    for step in range(3):
+        b, p = runs["baseline"].losses[step], runs["patched"].losses[step]
+        assert abs(p - b) / abs(b) < 1e-4, f"step {step}: losses {b} and {p}"
+        for name, ref in grads["baseline"][step].items():
+            err = relative_error(grads["patched"][step][name], ref)
+            assert err < 1e-4, f"step {step}, gradient of {name}: relative error {err:.2e}"
+    assert runs["baseline"].losses[-1] < runs["baseline"].losses[0]  # it does learn
+
+
+@pytest.mark.parametrize("patched", [False, True], ids=["baseline", "patched"])
+def test_gradient_accumulation_equals_one_big_batch(patched, device, gen):
+    """Two micro-batches of one row with num_items_in_batch give the gradient of one batch of both rows."""
+    seed = seed_from(gen)
+    rows = make_sft_batches(get_tokenizer(), 2, 80, 1, seed=seed)[0]
+    assert count_trained_labels({"labels": rows["labels"][:1]}) != count_trained_labels({"labels": rows["labels"][1:]})
+    micro = [{k: v[i:i + 1] for k, v in rows.items()} for i in range(2)]
+    grads = {}
+    for name, batches, accum in (("big", [rows], 1), ("accumulated", micro, 2)):
+        model = build_model("tiny", dtype=torch.float32, device=device, seed=seed)
+        patch = patch_llama(model) if patched else None
+        grads[name] = []
+        run = train(model, batches, grad_accum=accum, lr=1e-3, progress=False, after_backward=record_grads(grads[name]))
+        grads[name + " loss"] = run.losses[0]
+        if patch is not None:
+            patch.undo()
+    assert abs(grads["big loss"] - grads["accumulated loss"]) < 1e-5 * abs(grads["big loss"])
+    for name, ref in grads["big"][0].items():
+        assert relative_error(grads["accumulated"][0][name], ref) < 1e-5, name
+
+
+def test_step_records(device, gen):
+    seed = seed_from(gen)
+    batches = make_sft_batches(get_tokenizer(), 2, 64, 4, seed=seed)
+    model = build_model("tiny", dtype=torch.float32, device=device, seed=seed)
+    run = train(model, batches, grad_accum=2, lr=1e-3, progress=False, warmup_steps=3)
+    assert len(run.records) == 2 and run.warmup_steps == 1  # at most all steps but one are warm-up
+    assert [r.timed for r in run.records] == [False, True]
+    first = run.records[0]
+    assert first.tokens == 2 * 2 * 64
+    assert first.real_tokens == int(batches[0]["attention_mask"].sum() + batches[1]["attention_mask"].sum())
+    assert first.trained_tokens == count_trained_labels(batches[0]) + count_trained_labels(batches[1])
+    assert first.trained_tokens < first.real_tokens < first.tokens
+    assert run.tokens_per_s == pytest.approx(run.records[1].tokens / run.records[1].time_s)
+    assert run.real_tokens_per_s < run.tokens_per_s
+    assert (run.peak_memory is None) == (runtime.MODE != "gpu")
+    with pytest.raises(ValueError, match="not a multiple of grad_accum=3"):
+        train(model, batches, grad_accum=3, progress=False)
+    with pytest.raises(ValueError, match="lr must be a positive number"):
+        train(model, batches, lr=0, progress=False)
+
+
+def test_compare_table_json_and_plot(tmp_path, gen):
+    result = compare("tiny", steps=2, seq_len=64, batch_size=1, grad_accum=1, seed=seed_from(gen), progress=False)
+    assert isinstance(result, Comparison)
+    summary = result.summary()
+    assert summary["max_abs_loss_difference"] < 0.05  # bf16: the two implementations round differently
+    assert len(result.baseline.records) == len(result.patched.records) == 2
+    assert "tokens/s (all tokens)" in result.table() and "max |loss difference|" in result.table()
+    json_path, png_path = result.save(tmp_path)
+    data = json.loads(json_path.read_text())
+    assert {"device", "versions", "settings", "summary", "baseline", "patched"} <= set(data)
+    assert len(data["patched"]["steps"]) == 2 and data["settings"]["preset"] == "tiny"
+    assert png_path.stat().st_size > 10_000
+
+
+def test_gradient_check_bf16_as_accurate_as_hugging_face(device, gen):
+    seed = seed_from(gen)
+    batch = make_sft_batches(get_tokenizer(), 2, 64, 1, seed=seed)[0]
+    check = gradient_check("tiny", batch, seed=seed, device=device)
+    assert len(check.errors) == 2 + 4 * 9 + 1  # embeddings, lm_head, 4 layers of 9 tensors, the final norm
+    assert abs(check.losses["patched"] - check.losses["float32"]) < 1e-2 * check.losses["float32"]
+    # bf16 rounding, not a zero or wrong gradient: small, and no larger than Hugging Face's own bf16 error
+    assert 0 < check.worst("patched") <= 1.5 * check.worst("baseline") < 0.05
+    assert 0 < check.worst("patched_vs_baseline") < 0.05
+    kinds = check.by_kind()
+    assert kinds["q_proj"]["count"] == 4 and kinds["norm"]["count"] == 1
+    assert "patched vs fp32" in check.table()
+
+
+def test_parameter_kind():
+    assert parameter_kind("model.layers.3.mlp.up_proj.weight") == "up_proj"
+    assert parameter_kind("model.layers.0.self_attn.q_norm.weight") == "q_norm"
+    assert parameter_kind("model.norm.weight") == "norm"
+    assert parameter_kind("lm_head.weight") == "lm_head"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The search for the longest sequence that fits, against a memory model
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def fake_probe(capacity, base=10_000, per_token=7, quadratic=0.0, with_memory=True):
+    """A step whose peak is base + per_token·S + quadratic·S² and which runs out of memory above ``capacity``."""
+    calls = []
+
+    def probe(seq_len):
+        calls.append(seq_len)
+        peak = base + per_token * seq_len + quadratic * seq_len**2
+        fits = peak <= capacity
+        return Probe(seq_len, fits, peak if fits and with_memory else None, base if with_memory else None)
+
+    return probe, calls
+
+
+def true_longest(capacity, base=10_000, per_token=7, quadratic=0.0, step=256, hi=65536):
+    best = None
+    for s in range(step, hi + 1, step):
+        if base + per_token * s + quadratic * s**2 <= capacity:
+            best = s
+    return best
+
+
+CAPACITIES = [10_000 + 7 * 9_000, 10_000 + 7 * 20_100, 10_000 + 7 * 40_000, 10_000 + 7 * 4_200]
+
+
+# Real steps grow almost linearly with the length (the [B, 1, S, S] attention mask is about 1% at the limit): the
+# prediction then lands within a step or two. A strongly convex growth costs more probes but still converges.
+@pytest.mark.parametrize("capacity", CAPACITIES)
+@pytest.mark.parametrize("quadratic, most_probes", [(0.0, 6), (1e-5, 6), (2e-4, 10)], ids=["linear", "realistic", "convex"])
+def test_search_finds_the_boundary_in_few_probes(capacity, quadratic, most_probes):
+    probe, calls = fake_probe(capacity, quadratic=quadratic)
+    result = search_longest(probe, lo=4096, hi=65536, max_probes=12, budget=capacity)
+    assert result.longest == true_longest(capacity, quadratic=quadratic)
+    assert result.exact and len(calls) <= most_probes and len(set(calls)) == len(calls)
+    assert calls[0] == 4096 and all(s % 256 == 0 for s in calls)
+
+
+def test_search_without_memory_figures_doubles_then_bisects():
+    capacity = 10_000 + 7 * 20_100
+    probe, calls = fake_probe(capacity, with_memory=False)
+    result = search_longest(probe, lo=4096, hi=65536, max_probes=20)
+    assert result.longest == true_longest(capacity) and result.exact
+    assert calls[:4] == [4096, 8192, 16384, 32768]
+    short = search_longest(fake_probe(capacity, with_memory=False)[0], lo=4096, hi=65536, max_probes=4)
+    assert short.longest == 16384 and short.shortest_failing == 32768 and not short.exact
+    assert "at least 16,384" in short.summary()
+
+
+def test_search_edges():
+    probe, calls = fake_probe(10_000 + 7 * 1_000)  # even lo fails: bisect below it
+    result = search_longest(probe, lo=4096, hi=65536, budget=10_000 + 7 * 1_000)
+    assert result.longest == 768 and calls[0] == 4096
+    probe, calls = fake_probe(10**12)  # everything fits: stop at hi
+    result = search_longest(probe, lo=4096, hi=16384, budget=10**12)
+    assert result.longest == 16384 and result.exact and len(calls) <= 3
+    with pytest.raises(ValueError, match="multiples of step"):
+        search_longest(probe, lo=1000, hi=16384)
+
+
+def test_fit_search_code_path_with_a_simulated_gpu(monkeypatch, gen):
+    """The GPU path of max_seq_len_that_fits, run on the CPU: CUDA's memory functions are replaced by a fake device
+    whose steps run out of memory above 1,024 tokens, the model is the tiny one. Real training steps, real patch."""
+    if runtime.MODE == "gpu":
+        pytest.skip("a GPU runs the real thing: see test_fit_on_gpu")
+    import kernels.train as train_module
+
+    limit, state = 1024, {"seq": 0, "built": []}
+
+    def fake_build(preset, dtype, seed):
+        model = build_model(preset, dtype=torch.float32, device="cpu", seed=seed)
+
+        def pre_hook(module, args, kwargs):
+            state["seq"] = kwargs["input_ids"].shape[1]
+            if state["seq"] > limit:
+                raise torch.cuda.OutOfMemoryError("simulated: CUDA out of memory")
+
+        model.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        state["built"].append(model)
+        return model
+
+    fake_cuda = {
+        "is_available": lambda: True, "synchronize": lambda *a: None, "empty_cache": lambda: None,
+        "reset_peak_memory_stats": lambda *a: None, "memory_allocated": lambda *a: 10_000,
+        "max_memory_allocated": lambda *a: 10_000 + 100 * state["seq"], "mem_get_info": lambda *a: (95_000, 200_000),
+    }
+    for name, fn in fake_cuda.items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+    monkeypatch.setattr(runtime, "MODE", "gpu")
+    monkeypatch.setattr(train_module, "build_model", fake_build)
+    result = max_seq_len_that_fits("tiny", patched=True, lo=256, hi=2048, max_probes=6, seed=seed_from(gen))
+    assert result.longest == limit and result.shortest_failing == limit + 256 and result.exact
+    assert [p.fits for p in result.probes].count(False) >= 1 and len(result.probes) <= 6
+    assert result.measured_bytes_per_token() == pytest.approx(100)
+    model = state["built"][0]
+    assert type(model.model.norm).__name__ == "LlamaRMSNorm" and "forward" not in model.__dict__  # undone
+
+
+def test_fit_is_gpu_only_on_the_cpu(capsys):
+    if runtime.MODE == "gpu":
+        pytest.skip("runs the real search on a GPU: see test_fit_on_gpu")
+    assert max_seq_len_that_fits("tiny", patched=True) is None
+    assert "GPU-only" in capsys.readouterr().out
+
+
+def test_logits_and_growth_bytes_per_token():
+    config = llama_config("llama-3.1-8b")
+    vocab, h, layers = config.vocab_size, config.hidden_size, config.num_hidden_layers
+    assert logits_bytes_per_token(vocab) == {"baseline": 12 * vocab, "patched": 2 * vocab}
+    growth = growth_bytes_per_token(config)
+    assert growth["baseline"] - growth["patched"] == 10 * vocab + (2 * layers + 1) * 4 * h
+    assert 5e6 < growth["activations"] < 1e7  # about 6.7 MB per token for the 8B shape in bf16
+
+
+def test_measured_bytes_per_token_from_probes():
+    probe, _ = fake_probe(10_000 + 7 * 20_100)
+    result = search_longest(probe, lo=4096, hi=65536, budget=10_000 + 7 * 20_100)
+    assert result.measured_bytes_per_token() == pytest.approx(7)
+
+
+@pytest.mark.gpu
+def test_fit_on_gpu():
+    result = max_seq_len_that_fits("tiny", patched=True, lo=256, hi=2048, max_probes=4)
+    assert result.longest == 2048 and result.exact and len(result.probes) <= 4
+
+
+@pytest.mark.gpu
+def test_compare_on_gpu_saves_memory():
+    result = compare("tiny", steps=4, seq_len=1024, batch_size=4, progress=False)
+    assert result.summary()["memory_saved_bytes"] > 0
+    assert result.summary()["max_abs_loss_difference"] < 0.05

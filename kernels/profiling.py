@@ -341,6 +341,11 @@ def _is_cpu_op(event) -> bool:
     return event.device_type == DeviceType.CPU and not event.is_async
 
 
+# Bookkeeping records of the profiler itself (CUPTI), not operators. When many launches are queued, "Command Buffer
+# Full" records appear and carry the durations of other operators' kernels: counting them would count those twice.
+PROFILER_OVERHEAD = frozenset({"Command Buffer Full", "Activity Buffer Request"})
+
+
 def _is_backward_node(name: str) -> bool:
     return name.startswith("autograd::engine::evaluate_function")
 
@@ -390,6 +395,8 @@ def attribute_events(events, use_device: bool):
     while stack:
         event, inherited, phase, parent_is_op = stack.pop()
         name = event.name
+        if name in PROFILER_OVERHEAD:
+            continue
         if name in REGIONS:
             inherited = REGIONS[name]
         if name.startswith("Optimizer."):
@@ -420,8 +427,13 @@ def attribute_events(events, use_device: bool):
     total = attributed
     if use_device:
         # Device work the profiler could not link to an operator (rare): counted, as "other", so shares stay honest.
+        # Device-side records of ranges (record_function, the optimizer's step) share their names with the CPU
+        # ranges and span kernels already counted: only kernels, copies and fills are device work.
+        range_names = {e.name for e in cpu_ops} | PROFILER_OVERHEAD
         device_total = sum(
-            e.time_range.end - e.time_range.start for e in events if not _is_cpu_op(e) and not e.is_async
+            e.time_range.end - e.time_range.start
+            for e in events
+            if not _is_cpu_op(e) and not e.is_async and e.name not in range_names
         )
         if device_total > attributed:
             families["other"].us += device_total - attributed

@@ -24,6 +24,8 @@ upcasts the logits to float32 before ``F.cross_entropy``).
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 from numbers import Real
 
@@ -31,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import runtime
+from . import ops, runtime
 from .triton_utils import cast_to
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -188,38 +190,45 @@ _INTERPRETER_BLOCK_V = 4096  # small enough that a row of a few thousand logits 
 
 @dataclass(frozen=True)
 class CrossEntropyConfig:
-    """How a cross-entropy kernel is launched.
-
-    ``variant`` names the forward kernel (see ``_FORWARD_VARIANTS``): the place where another implementation, for
-    example a GPU-only one that keeps a row on chip across programs, can be chosen by ``forward_config``.
-    """
+    """How a cross-entropy kernel is launched."""
 
     block_v: int  # logits per chunk of a row
     rows: int  # rows per program
     num_warps: int
-    variant: str = "two_sweep"
 
 
-def forward_config(n_rows: int, n_cols: int) -> CrossEntropyConfig:
-    """Launch configuration of the forward kernel for ``n_rows`` rows of ``n_cols`` logits."""
-    if runtime.INTERPRET:
+def forward_config(n_rows: int, n_cols: int, props: runtime.DeviceProps | None = None) -> CrossEntropyConfig:
+    """Launch configuration of the forward kernel for ``n_rows`` rows of ``n_cols`` logits on ``props`` (default:
+    this machine's device)."""
+    return _forward_config(n_rows, n_cols, props or runtime.device_props())
+
+
+@functools.lru_cache(maxsize=512)
+def _forward_config(n_rows: int, n_cols: int, props: runtime.DeviceProps) -> CrossEntropyConfig:
+    if props.interpreter:
         block_v = min(triton.next_power_of_2(n_cols), _INTERPRETER_BLOCK_V)
         rows = min(triton.next_power_of_2(max(n_rows, 1)), max(1, _INTERPRETER_MAX_TILE // block_v))
         return CrossEntropyConfig(block_v=block_v, rows=rows, num_warps=4)
-    # GPU: one row per program, chunks of 4,096 logits over 8 warps (16 values per thread). Measured on an H200 at
+    # GPU: one row per program, chunks of 16 float32 values per thread over 8 warps, i.e. regs_per_sm / 16 logits
+    # (4,096 on every NVIDIA GPU since Volta), so that many programs stay resident per SM. Measured on an H200 at
     # 16,384 × 128,256 bf16 (assets/notes/cross_entropy.md): this reaches 4.1 TB/s counted as 6 bytes per logit
     # (two reads, one write), 97% of the copy bandwidth; chunks of 8K-32K with 8-32 warps were 1-5% slower.
-    block_v = min(triton.next_power_of_2(n_cols), 4096)
+    block_v = min(triton.next_power_of_2(n_cols), max(1024, props.regs_per_sm // 16))
     num_warps = 8 if block_v >= 4096 else 4
     return CrossEntropyConfig(block_v=block_v, rows=1, num_warps=num_warps)
 
 
-def backward_config(n_rows: int, n_cols: int) -> CrossEntropyConfig:
-    """Launch configuration of the backward scaling kernel."""
-    if runtime.INTERPRET:
-        return forward_config(n_rows, n_cols)
+def backward_config(n_rows: int, n_cols: int, props: runtime.DeviceProps | None = None) -> CrossEntropyConfig:
+    """Launch configuration of the backward scaling kernel on ``props`` (default: this machine's device)."""
+    return _backward_config(n_rows, n_cols, props or runtime.device_props())
+
+
+@functools.lru_cache(maxsize=512)
+def _backward_config(n_rows: int, n_cols: int, props: runtime.DeviceProps) -> CrossEntropyConfig:
+    if props.interpreter:
+        return _forward_config(n_rows, n_cols, props)
     # One row per program, as in the forward: when grad_output is 1.0 each program is a single load, then exits.
-    block_v = min(triton.next_power_of_2(n_cols), 8192)
+    block_v = min(triton.next_power_of_2(n_cols), max(1024, props.regs_per_sm // 8))
     return CrossEntropyConfig(block_v=block_v, rows=1, num_warps=8 if block_v >= 4096 else 4)
 
 
@@ -287,10 +296,10 @@ class _RowLayout:
     stride_inner: int
 
 
-def _merged_leading_dims(t: torch.Tensor) -> list[tuple[int, int]]:
-    """(size, stride) of the leading dimensions of ``t``, merging neighbours that a single stride can walk."""
+def _merged_leading_dims(shape: tuple[int, ...], strides: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(size, stride) of the leading dimensions, merging neighbours that a single stride can walk."""
     merged: list[tuple[int, int]] = []
-    for size, stride in zip(reversed(t.shape[:-1]), reversed(t.stride()[:-1])):
+    for size, stride in zip(reversed(shape[:-1]), reversed(strides[:-1])):
         if size == 1:
             continue
         if merged and stride == merged[-1][0] * merged[-1][1]:
@@ -300,25 +309,36 @@ def _merged_leading_dims(t: torch.Tensor) -> list[tuple[int, int]]:
     return merged[::-1]
 
 
-def _rows_in_place(t: torch.Tensor, for_writing: bool) -> _RowLayout | None:
-    """The kernels' view of the rows of ``t``, or None when they cannot address them without a copy.
+@functools.lru_cache(maxsize=1024)
+def _row_decomposition(shape: tuple[int, ...], strides: tuple[int, ...], for_writing: bool):
+    """(n_rows, n_cols, inner_rows, stride_outer, stride_inner), or None when the kernels cannot address the rows.
 
     Addressable: a contiguous last dimension and leading dimensions that collapse to at most two strided levels
     (any contiguous tensor, and sliced views such as ``logits[:, :-1, :]``). Rows that overlap in memory (a stride
     of 0, from ``expand``) can be read but not written: two rows' gradients would land in the same place.
     """
-    dims = _merged_leading_dims(t)
-    if t.stride(-1) != 1 or len(dims) > 2 or (for_writing and any(stride == 0 for _, stride in dims)):
+    dims = _merged_leading_dims(shape, strides)
+    if strides[-1] != 1 or len(dims) > 2 or (for_writing and any(stride == 0 for _, stride in dims)):
         return None
-    n_cols = t.shape[-1]
-    n_rows = t.numel() // n_cols
+    n_cols = shape[-1]
+    n_rows = math.prod(shape[:-1])
     if len(dims) == 0:
-        inner, stride_outer, stride_inner = max(n_rows, 1), 0, n_cols
-    elif len(dims) == 1:
-        inner, stride_outer, stride_inner = dims[0][0], 0, dims[0][1]
-    else:
-        (_, stride_outer), (inner, stride_inner) = dims
-    return _RowLayout(t, n_rows, n_cols, inner, stride_outer, stride_inner)
+        return n_rows, n_cols, max(n_rows, 1), 0, n_cols
+    if len(dims) == 1:
+        return n_rows, n_cols, dims[0][0], 0, dims[0][1]
+    (_, stride_outer), (inner, stride_inner) = dims
+    return n_rows, n_cols, inner, stride_outer, stride_inner
+
+
+def _in_place_addressable(t: torch.Tensor) -> bool:
+    """Whether the kernel can write a gradient over ``t``'s rows (uncached: sizes may be symbolic under compile)."""
+    return _row_decomposition.__wrapped__(tuple(t.shape), tuple(t.stride()), True) is not None
+
+
+def _rows_in_place(t: torch.Tensor, for_writing: bool) -> _RowLayout | None:
+    """The kernels' view of the rows of ``t``, or None when they cannot address them without a copy."""
+    found = _row_decomposition(tuple(t.shape), t.stride(), for_writing)
+    return None if found is None else _RowLayout(t, *found)
 
 
 def _row_layout(t: torch.Tensor, for_writing: bool) -> _RowLayout:
@@ -346,7 +366,7 @@ def _gradient_scale(target_rows, ignore_index, reduction, normalizer, device) ->
     return scale
 
 
-def _launch_two_sweep(layout, target_rows, loss_rows, lse, grad_layout, scale, out, ignore_index, cfg):
+def _launch_forward(layout, target_rows, loss_rows, lse, grad_layout, scale, out, ignore_index, cfg):
     compute_grad = grad_layout is not None
     if not compute_grad:  # the pointers are never dereferenced: COMPUTE_GRAD compiles the gradient sweep out
         grad_layout = layout
@@ -359,10 +379,6 @@ def _launch_two_sweep(layout, target_rows, loss_rows, lse, grad_layout, scale, o
     if out is not None:
         _reduce_loss_kernel[(1,)](loss_rows, scale, out, layout.n_rows,
                                   BLOCK_R=min(triton.next_power_of_2(layout.n_rows), 4096), num_warps=8)
-
-
-# Forward kernels by name; forward_config picks one. A new variant takes the same arguments as _launch_two_sweep.
-_FORWARD_VARIANTS = {"two_sweep": _launch_two_sweep}
 
 
 def cross_entropy_forward(
@@ -384,7 +400,9 @@ def cross_entropy_forward(
     """
     layout = _row_layout(logits, for_writing=compute_grad and inplace)
     device = logits.device
-    target_rows = target.reshape(-1).contiguous()
+    target_rows = target.reshape(-1)
+    if target_rows.stride(0) != 1:
+        target_rows = target_rows.contiguous()
     loss_rows = torch.empty(layout.n_rows, dtype=torch.float32, device=device)
     lse = torch.empty(layout.n_rows, dtype=torch.float32, device=device)
     grad_layout = None
@@ -399,8 +417,8 @@ def cross_entropy_forward(
     out = torch.empty((), dtype=torch.float32, device=device) if reduce else None
     if layout.n_rows:
         scale = _gradient_scale(target_rows, ignore_index, reduction, normalizer, device)
-        cfg = config or forward_config(layout.n_rows, layout.n_cols)
-        _FORWARD_VARIANTS[cfg.variant](layout, target_rows, loss_rows, lse, grad_layout, scale, out, ignore_index, cfg)
+        cfg = config or _forward_config(layout.n_rows, layout.n_cols, runtime.device_props(device))
+        _launch_forward(layout, target_rows, loss_rows, lse, grad_layout, scale, out, ignore_index, cfg)
     elif reduce:  # no rows: the sum is 0, and a mean over no targets is 0 / 0
         out.fill_(float("nan") if reduction == "mean" else 0.0)
     loss = out if reduce else loss_rows.view(logits.shape[:-1])
@@ -422,12 +440,79 @@ def scale_gradient_(grad: torch.Tensor, grad_output: torch.Tensor, config: Cross
     if go.numel() not in (1, layout.n_rows):
         raise ValueError(f"grad_output must be a scalar or have one value per row ({layout.n_rows}), got {go.numel()}")
     stride_go = 0 if go.numel() == 1 else go.stride(0)  # an expanded gradient (loss.sum() of "none") has stride 0
-    cfg = config or backward_config(layout.n_rows, layout.n_cols)
+    cfg = config or _backward_config(layout.n_rows, layout.n_cols, runtime.device_props(grad.device))
     _scale_grad_kernel[(triton.cdiv(layout.n_rows, cfg.rows),)](
         grad, go, layout.n_rows, layout.n_cols, layout.inner_rows, layout.stride_outer, layout.stride_inner,
         stride_go, ROWS=cfg.rows, BLOCK_V=cfg.block_v, num_warps=cfg.num_warps,
     )
     return grad
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# PyTorch operators: torch.ops.kernels.cross_entropy_fwd, cross_entropy_fwd_inplace, cross_entropy_scale_grad_
+# --------------------------------------------------------------------------------------------------------------------
+# A normalizer reaches the operators as a tensor (``normalizer``) or a number (``normalizer_value``): a schema types
+# each argument. The in-place forward declares that it writes ``logits`` (``Tensor(a!)``); an operator may not
+# return a view of its input, so it returns the loss and the logsumexp, and the caller knows the gradient is in
+# ``logits``.
+
+
+def _normalizer_arg(normalizer, normalizer_value):
+    return normalizer if normalizer is not None else normalizer_value
+
+
+def _forward_op_impl(logits, target, ignore_index, reduction, normalizer, normalizer_value, compute_grad):
+    loss, lse, grad = cross_entropy_forward(
+        logits, target, ignore_index, reduction, _normalizer_arg(normalizer, normalizer_value), compute_grad
+    )
+    return loss, lse, (grad if grad is not None else logits.new_empty(0))
+
+
+def _forward_inplace_op_impl(logits, target, ignore_index, reduction, normalizer, normalizer_value):
+    loss, lse, grad = cross_entropy_forward(
+        logits, target, ignore_index, reduction, _normalizer_arg(normalizer, normalizer_value), True, True
+    )
+    if grad is not logits:  # CrossEntropyFunction only asks for rows the kernel can write in place
+        raise ValueError("cross_entropy_fwd_inplace needs logits whose rows the kernel can address in place")
+    # A Triton store is invisible to autograd: bump the version counter by hand, as PyTorch's own in-place ops do.
+    torch.autograd.graph.increment_version(logits)
+    return loss, lse
+
+
+def _loss_and_lse_fake(logits, reduction):
+    n_rows = logits.numel() // logits.shape[-1]
+    loss_shape = logits.shape[:-1] if reduction == "none" else ()
+    return (torch.empty(loss_shape, dtype=torch.float32, device=logits.device),
+            torch.empty(n_rows, dtype=torch.float32, device=logits.device))
+
+
+def _forward_op_fake(logits, target, ignore_index, reduction, normalizer, normalizer_value, compute_grad):
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device) if compute_grad else logits.new_empty(0)
+    return (*_loss_and_lse_fake(logits, reduction), grad)
+
+
+def _forward_inplace_op_fake(logits, target, ignore_index, reduction, normalizer, normalizer_value):
+    return _loss_and_lse_fake(logits, reduction)
+
+
+def _scale_grad_op_impl(grad, grad_output):
+    scale_gradient_(grad, grad_output)
+    torch.autograd.graph.increment_version(grad)
+
+
+cross_entropy_fwd_op = ops.define(
+    "cross_entropy_fwd(Tensor logits, Tensor target, int ignore_index, str reduction, Tensor? normalizer, "
+    "float? normalizer_value, bool compute_grad) -> (Tensor, Tensor, Tensor)",
+    _forward_op_impl, _forward_op_fake,
+)
+cross_entropy_fwd_inplace_op = ops.define(
+    "cross_entropy_fwd_inplace(Tensor(a!) logits, Tensor target, int ignore_index, str reduction, "
+    "Tensor? normalizer, float? normalizer_value) -> (Tensor, Tensor)",
+    _forward_inplace_op_impl, _forward_inplace_op_fake,
+)
+cross_entropy_scale_grad_op = ops.define(
+    "cross_entropy_scale_grad_(Tensor(a!) grad, Tensor grad_output) -> ()", _scale_grad_op_impl, lambda g, go: None,
+)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -443,15 +528,20 @@ class CrossEntropyFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, target, ignore_index, reduction, normalizer, inplace_backward, config):
-        loss, _, grad = cross_entropy_forward(
-            logits, target, ignore_index, reduction, normalizer, True, inplace_backward, config
-        )
-        if grad is logits:
-            # The logits now hold the gradient. Bump their version counter so that any autograd node that saved them
-            # for its own backward fails loudly ("modified by an inplace operation") instead of using the gradient.
-            torch.autograd.graph.increment_version(logits)
-        ctx.save_for_backward(grad.detach())
+    def forward(ctx, logits, target, ignore_index, reduction, normalizer, normalizer_value, inplace_backward):
+        # Rows the kernel cannot write in place (a strided last dimension, overlapping expanded rows) are copied
+        # by the out-of-place operator, whose gradient goes into a new buffer: the caller's logits stay untouched.
+        if inplace_backward and _in_place_addressable(logits):
+            # The operator writes the gradient over the logits and, declaring that write, bumps their version
+            # counter: any autograd node that saved the logits for its own backward then fails loudly ("modified by
+            # an inplace operation") instead of using the gradient as logits.
+            loss, _ = cross_entropy_fwd_inplace_op(logits, target, ignore_index, reduction, normalizer,
+                                                   normalizer_value)
+            grad = logits.detach()  # the same memory, without autograd history: what backward hands on as the gradient
+        else:
+            loss, _, grad = cross_entropy_fwd_op(logits, target, ignore_index, reduction, normalizer,
+                                                 normalizer_value, True)
+        ctx.save_for_backward(grad)
         ctx.backward_done = False
         return loss
 
@@ -465,7 +555,17 @@ class CrossEntropyFunction(torch.autograd.Function):
             )
         ctx.backward_done = True
         (grad,) = ctx.saved_tensors
-        return scale_gradient_(grad, grad_output), None, None, None, None, None, None
+        cross_entropy_scale_grad_op(grad, grad_output)
+        return grad, None, None, None, None, None, None
+
+
+def _split_normalizer(normalizer):
+    """(tensor, number): the operators take a tensor normalizer and a numeric one as separate arguments."""
+    if normalizer is None:
+        return None, None
+    if isinstance(normalizer, torch.Tensor):
+        return normalizer.detach().reshape(()), None
+    return None, float(normalizer)
 
 
 def cross_entropy(
@@ -493,12 +593,12 @@ def cross_entropy(
     is computed during the forward pass and written over the logits' memory, so no [rows, V] buffer is allocated.
     **After the call, the logits tensor holds the gradient, not the logits.** A training loop that only needs the
     logits for the loss (the usual case) saves rows × V × itemsize bytes of peak memory. When the logits need a copy
-    first (last-dimension stride ≠ 1, see below) the gradient goes into the copy and the logits are left as they were.
+    first (last-dimension stride ≠ 1, see below) the gradient goes into a new buffer and the logits are left as
+    they were.
 
     Layout: any leading dimensions; rows may be strided (e.g. ``logits[:, :-1, :]`` of a causal LM is read and,
-    in place, written without a copy). A last dimension with stride ≠ 1 is copied first. (Shifting the *labels*,
-    as Hugging Face does, is still better than slicing the logits: autograd's backward of a slice allocates a full
-    zero gradient for the unsliced tensor.)
+    in place, written without a copy). A last dimension with stride ≠ 1 is copied first. (Shifting the *labels*, as Hugging Face does, is still better than slicing
+    the logits: autograd's backward of a slice allocates a full zero gradient for the unsliced tensor.)
 
     ``check_targets`` (default True): raise a ValueError for a target outside [0, V) that is not ``ignore_index``.
     That check costs one device-to-host synchronisation per call (a ``.item()``: some microseconds, and it stalls
@@ -507,15 +607,18 @@ def cross_entropy(
     gradient) is NaN, so the error shows in the loss instead of being silently wrong.
 
     When the logits do not require a gradient, or autograd is off, the gradient is not computed at all and the
-    kernel reads the logits once.
+    kernel reads the logits once. The kernels are PyTorch operators (``torch.ops.kernels.cross_entropy_*``), so
+    ``torch.compile`` and CUDA graphs see each launch as one node.
     """
     _check_inputs(logits, target, ignore_index, reduction, normalizer)
     if check_targets:
         _check_target_range(target, logits.shape[-1], ignore_index)
+    norm_tensor, norm_value = _split_normalizer(normalizer)
     if torch.is_grad_enabled() and logits.requires_grad:
-        return CrossEntropyFunction.apply(logits, target, ignore_index, reduction, normalizer, inplace_backward, None)
-    loss, _, _ = cross_entropy_forward(logits, target, ignore_index, reduction, normalizer, compute_grad=False)
-    return loss
+        return CrossEntropyFunction.apply(
+            logits, target, ignore_index, reduction, norm_tensor, norm_value, inplace_backward
+        )
+    return cross_entropy_fwd_op(logits, target, ignore_index, reduction, norm_tensor, norm_value, False)[0]
 
 
 class TritonCrossEntropyLoss(torch.nn.Module):

@@ -296,17 +296,35 @@ def _wrap_forward(model: torch.nn.Module, loss: _PatchedLoss):
     return forward
 
 
+def _model_to_patch(model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face model inside the wrappers users put around it: PEFT's ``PeftModel`` (LoRA and the other
+    adapters keep the original model, with adapter layers injected, behind ``get_base_model()``) and the module
+    ``torch.compile`` returns (``_orig_mod``). Patching the inner model is what a wrapper's forward then calls."""
+    while True:
+        if isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+            model = model._orig_mod
+        elif callable(getattr(model, "get_base_model", None)) and not hasattr(type(model), "loss_function"):
+            model = model.get_base_model()
+        else:
+            return model
+
+
 def patch_llama(
     model: torch.nn.Module, rms_norm: bool = True, cross_entropy: bool = True, inplace_logits: bool = True
 ) -> LlamaPatch:
     """Replace the RMSNorm modules of a Hugging Face Llama (or Mistral, Qwen2, Qwen3) and route its loss through the
     fused cross-entropy; returns a handle whose ``undo()`` restores the model. See the module docstring.
 
+    ``model`` may also be a PEFT model (``get_peft_model(llama, LoraConfig(...))``): the Llama inside it is patched,
+    and the adapters are untouched. Wrapping with PEFT after patching works too; either way ``undo()`` restores the
+    Llama inside.
+
     ``inplace_logits`` (with ``cross_entropy``): in train mode with autograd on, the loss's gradient overwrites the
     logits and the output's ``logits`` is None. ``False`` keeps the logits (one more [tokens, vocab] buffer).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module (a Hugging Face model), got {type(model).__name__}")
+    model = _model_to_patch(model)
     for name, value in (("rms_norm", rms_norm), ("cross_entropy", cross_entropy), ("inplace_logits", inplace_logits)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {value!r}")

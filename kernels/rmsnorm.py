@@ -4,8 +4,11 @@
 
 Forward reads x once, writes y once and keeps one float32 ``rstd`` per row for the backward pass.
 Backward reads x, dy and rstd, writes dx, and reduces dW = Σ_rows dy ⊙ x̂ without a [rows, hidden] buffer: each
-program of a persistent grid walks many rows and keeps its share of dW in float32 registers; one small kernel then
-sums the per-program partials.
+program of a persistent grid walks many rows and keeps its share of dW in float32 registers, then writes it as one
+row of a [programs, hidden] float32 buffer; a second, small kernel sums those partials in a fixed order.
+
+Both passes are PyTorch operators (``torch.ops.kernels.rms_norm_fwd`` and ``rms_norm_bwd``, kernels/ops.py), tied
+together for autograd by ``RMSNormFunction``; ``torch.compile`` and CUDA graphs see each as one node.
 
 All arithmetic is float32 whatever the storage dtype; values are cast only when stored.
 """
@@ -19,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import runtime
-from .triton_utils import cast_to, workspace_counters
+from . import ops, runtime
+from .triton_utils import cast_to
 
 # --------------------------------------------------------------------------------------------------------------------
 # Kernels
@@ -56,10 +59,9 @@ def _rms_norm_fwd_kernel(
 
 @triton.jit
 def _rms_norm_bwd_kernel(
-    X, W, DY, RSTD, DX, DW_PARTIAL, DW, COUNTERS,
+    X, W, DY, RSTD, DX, DW_PARTIAL,
     n_rows, n_cols, stride_x, stride_dy, stride_dx,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, COMPUTE_DW: tl.constexpr, STAGES: tl.constexpr,
-    FINISHERS: tl.constexpr, FINISH_BLOCK: tl.constexpr, PARTIAL_BLOCK: tl.constexpr,
 ):
     # A persistent grid: program p handles row blocks p, p + P, p + 2P, ... and accumulates its part of dW in
     # registers, so dW costs one [P, hidden] float32 write at the end instead of a [rows, hidden] buffer.
@@ -95,44 +97,24 @@ def _rms_norm_bwd_kernel(
 
     if COMPUTE_DW:
         tl.store(DW_PARTIAL + pid.to(tl.int64) * n_cols + cols, dw_acc, mask=col_ok)
-        _finish_dw(DW_PARTIAL, DW, COUNTERS, n_programs, n_cols, FINISHERS, FINISH_BLOCK, PARTIAL_BLOCK)
 
 
 @triton.jit
-def _finish_dw(PARTIAL, DW, COUNTERS, n_partials, n_cols,
-               FINISHERS: tl.constexpr, FINISH_BLOCK: tl.constexpr, PARTIAL_BLOCK: tl.constexpr):
-    # Sum the [P, hidden] float32 partials into dW inside the same launch, so backward is one kernel.
-    # Every program takes a ticket once its partial is stored; the last FINISHERS tickets each sum a strided share of
-    # the columns over all P partials in a fixed order, so the result is the same on every run (no float atomics).
-    # At most FINISHERS programs ever wait, and they wait only for programs that are still working on rows; with a
-    # grid no larger than the GPU holds at once (one program per SM) those are all running, so the wait ends.
-    tl.debug_barrier()  # the whole program's partial is stored before the ticket publishes it
-    ticket = tl.atomic_add(COUNTERS, 1, sem="acq_rel")
-    slot = ticket - (n_partials - FINISHERS)
-    if slot >= 0:
-        arrived = tl.atomic_add(COUNTERS, 0, sem="acquire")
-        while arrived < n_partials:
-            arrived = tl.atomic_add(COUNTERS, 0, sem="acquire")
-        parts = tl.arange(0, PARTIAL_BLOCK)
-        for start in range(slot * FINISH_BLOCK, n_cols, FINISHERS * FINISH_BLOCK):
-            cols = start + tl.arange(0, FINISH_BLOCK)
-            col_ok = cols < n_cols
-            acc = tl.zeros((FINISH_BLOCK,), dtype=tl.float32)
-            for p0 in range(0, n_partials, PARTIAL_BLOCK):
-                p = (p0 + parts).to(tl.int64)
-                ok = (p < n_partials)[:, None] & col_ok[None, :]
-                tile = tl.load(PARTIAL + p[:, None] * n_cols + cols[None, :], mask=ok, other=0.0, cache_modifier=".cg")
-                acc += tl.sum(tile, axis=0)
-            tl.store(DW + cols, cast_to(acc, DW.dtype.element_ty), mask=col_ok)
-        # The last finisher to leave resets both counters, leaving the workspace ready for the next launch.
-        left = tl.atomic_add(COUNTERS + 1, 1, sem="acq_rel")
-        if left == FINISHERS - 1:
-            tl.atomic_xchg(COUNTERS + 1, 0, sem="relaxed")
-            tl.atomic_xchg(COUNTERS, 0, sem="release")
+def _rms_norm_dw_kernel(PARTIAL, DW, n_partials, n_cols, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    # dW = the column sums of the [P, hidden] float32 partials. Each program owns BLOCK_C columns and adds the P
+    # partials in the same order on every run, so dW is deterministic (no float atomics).
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < n_cols
+    acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for start in range(0, n_partials, BLOCK_P):
+        parts = (start + tl.arange(0, BLOCK_P)).to(tl.int64)
+        ok = (parts < n_partials)[:, None] & col_ok[None, :]
+        acc += tl.sum(tl.load(PARTIAL + parts[:, None] * n_cols + cols[None, :], mask=ok, other=0.0), axis=0)
+    tl.store(DW + cols, cast_to(acc, DW.dtype.element_ty), mask=col_ok)
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Launch configuration: one function per kernel
+# Launch configuration: one function per kernel, from the shape and the device's properties
 # --------------------------------------------------------------------------------------------------------------------
 
 # The interpreter pays ~1-3 ms of Python per program but runs each tile with NumPy, so it wants few, large programs.
@@ -141,56 +123,93 @@ _INTERPRETER_MAX_TILE = 1 << 18
 
 @dataclass(frozen=True)
 class ForwardConfig:
+    grid: tuple[int]  # programs
     rows: int  # rows per program
+    block_n: int  # the hidden size rounded up to a power of two: one row of the tile
     num_warps: int
 
 
 @dataclass(frozen=True)
 class BackwardConfig:
+    grid: tuple[int]  # the persistent grid: one program per SM at most
     rows: int  # rows per loop iteration of a program
-    programs: int  # size of the persistent grid
+    block_n: int
     num_warps: int
-    stages: int = 1  # software-pipelining depth of the row loop
-    finishers: int = 1  # programs that sum the dW partials at the end of the launch
+    stages: int  # software-pipelining depth of the row loop
+    dw_grid: tuple[int]  # programs of the dW sum
+    dw_block_p: int  # partials per load in the dW sum
+    dw_block_c: int  # columns per program in the dW sum
 
 
 def _block_n(n_cols: int) -> int:
     return triton.next_power_of_2(n_cols)
 
 
-@functools.lru_cache(maxsize=512)
-def forward_config(n_rows: int, n_cols: int) -> ForwardConfig:
-    block_n = _block_n(n_cols)
-    if runtime.INTERPRET:
-        rows = min(triton.next_power_of_2(n_rows), max(1, _INTERPRETER_MAX_TILE // block_n))
-        return ForwardConfig(rows=rows, num_warps=4)
-    # ~8K elements (16 KB of bf16) per program keeps enough bytes in flight per SM; measured on an H200
-    # (assets/notes/rmsnorm.md), tiles of 4K-16K elements with 4-16 warps all land within 3% of each other.
-    rows = max(1, min(16, 8192 // block_n))
-    tile = rows * block_n
-    return ForwardConfig(rows=rows, num_warps=4 if tile <= 2048 else 8)
+def _tile_elements(props: runtime.DeviceProps) -> int:
+    # A program of 8 warps keeps its tile in float32 registers. With two programs resident per SM and two live
+    # tiles (x and dy in the backward), regs_per_sm / 8 values per tile leaves half of each program's registers
+    # for addresses and temporaries: 8,192 on every NVIDIA GPU since Volta (65,536 registers per SM). Measured on an
+    # H200 (assets/notes/rmsnorm.md): tiles of 4K-16K elements with 4-16 warps land within 3% of each other.
+    return max(1024, props.regs_per_sm // 8)
+
+
+def forward_config(n_rows: int, n_cols: int, props: runtime.DeviceProps | None = None) -> ForwardConfig:
+    """Launch configuration of the forward kernel on ``props`` (default: this machine's device)."""
+    return _forward_config(n_rows, n_cols, props or runtime.device_props())
 
 
 @functools.lru_cache(maxsize=512)
-def backward_config(n_rows: int, n_cols: int) -> BackwardConfig:
+def _forward_config(n_rows: int, n_cols: int, props: runtime.DeviceProps) -> ForwardConfig:
     block_n = _block_n(n_cols)
-    if runtime.INTERPRET:
-        # The interpreter runs programs one after another, so exactly one finisher (the last program) sums dW.
-        rows = min(triton.next_power_of_2(n_rows), max(1, _INTERPRETER_MAX_TILE // block_n))
-        return BackwardConfig(rows=rows, programs=max(1, min(4, triton.cdiv(n_rows, rows))), num_warps=4)
-    # One program per SM (persistent), 8K-element tiles of x and dy per iteration, and for narrow tiles a 3-stage
-    # software pipeline so the next tiles' loads are in flight while this one is computed; the dW finish is spread
-    # over up to 64 finishers. Measured on an H200 (assets/notes/rmsnorm.md): 107 µs at 16,384 × 4,096 bf16, 88%
-    # of the copy bandwidth; 16K-element tiles without pipelining were 15% slower.
-    rows = max(1, min(16, 8192 // block_n))
-    num_warps = 8
-    stages = 3 if rows <= 2 else 1
-    programs = max(1, min(runtime.num_sms(), triton.cdiv(n_rows, rows)))
-    return BackwardConfig(rows=rows, programs=programs, num_warps=num_warps, stages=stages, finishers=min(64, programs))
+    if props.interpreter:
+        rows = min(triton.next_power_of_2(max(n_rows, 1)), max(1, _INTERPRETER_MAX_TILE // block_n))
+        return ForwardConfig(grid=(triton.cdiv(n_rows, rows),), rows=rows, block_n=block_n, num_warps=4)
+    rows = max(1, min(16, _tile_elements(props) // block_n))
+    num_warps = 4 if rows * block_n <= 2048 else 8
+    return ForwardConfig(grid=(triton.cdiv(n_rows, rows),), rows=rows, block_n=block_n, num_warps=num_warps)
+
+
+def _dw_tiles(n_cols: int, programs: int, props: runtime.DeviceProps) -> tuple[tuple[int], int, int]:
+    """Grid and tile of the dW sum: about one program per SM, each summing all partials of its columns."""
+    if props.interpreter:
+        block_c = min(_block_n(n_cols), 4096)
+        return (triton.cdiv(n_cols, block_c),), triton.next_power_of_2(programs), block_c
+    block_c = max(16, min(256, triton.next_power_of_2(triton.cdiv(n_cols, props.sm_count))))
+    block_p = min(triton.next_power_of_2(programs), max(1, 8192 // block_c))
+    return (triton.cdiv(n_cols, block_c),), block_p, block_c
+
+
+def backward_config(
+    n_rows: int, n_cols: int, itemsize: int = 2, props: runtime.DeviceProps | None = None
+) -> BackwardConfig:
+    """Launch configuration of the backward kernels on ``props`` (default: this machine's device). ``itemsize``:
+    bytes per element of x and dy, which sets how many pipeline stages fit in shared memory."""
+    return _backward_config(n_rows, n_cols, itemsize, props or runtime.device_props())
+
+
+@functools.lru_cache(maxsize=512)
+def _backward_config(n_rows: int, n_cols: int, itemsize: int, props: runtime.DeviceProps) -> BackwardConfig:
+    block_n = _block_n(n_cols)
+    if props.interpreter:
+        rows = min(triton.next_power_of_2(max(n_rows, 1)), max(1, _INTERPRETER_MAX_TILE // block_n))
+        programs = max(1, min(props.sm_count, triton.cdiv(n_rows, rows)))
+        dw_grid, dw_block_p, dw_block_c = _dw_tiles(n_cols, programs, props)
+        return BackwardConfig((programs,), rows, block_n, 4, 1, dw_grid, dw_block_p, dw_block_c)
+    # One program per SM (persistent), tiles of x and dy as large as the registers allow, and for narrow tiles a
+    # software pipeline so the next tiles' loads are in flight while this one is computed: as many stages (up to
+    # 3) as the shared memory of one program holds, each stage one tile of x and one of dy. Measured on an H200
+    # (assets/notes/rmsnorm.md): 3 stages at 16,384 × 4,096 bf16 reach 88% of the copy bandwidth; 16K-element
+    # tiles without pipelining were 15% slower.
+    rows = max(1, min(16, _tile_elements(props) // block_n))
+    stage_bytes = 2 * rows * block_n * itemsize
+    stages = max(1, min(3, props.shared_mem_per_block // stage_bytes)) if rows <= 2 else 1
+    programs = max(1, min(props.sm_count, triton.cdiv(n_rows, rows)))
+    dw_grid, dw_block_p, dw_block_c = _dw_tiles(n_cols, programs, props)
+    return BackwardConfig((programs,), rows, block_n, 8, stages, dw_grid, dw_block_p, dw_block_c)
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Host side
+# Host side: checks and launches
 # --------------------------------------------------------------------------------------------------------------------
 
 
@@ -224,87 +243,118 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(-1, t.shape[-1])
 
 
+@functools.lru_cache(maxsize=64)
+def _out_dtype(x_dtype: torch.dtype, w_dtype: torch.dtype) -> torch.dtype:
+    # What `weight * x_hat.to(x.dtype)` gives in PyTorch: a float32 weight makes a bfloat16 model's output float32.
+    return torch.promote_types(x_dtype, w_dtype)
+
+
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, config: ForwardConfig | None = None):
-    """Launch the forward kernel. Returns ``(y, rstd, x_rows)``: output, float32 rstd per row, the [rows, hidden] view."""
+    """Launch the forward kernel. Returns ``(y, rstd)``: the output (x's shape) and a float32 rstd per row."""
     x_rows = _as_rows(x)
     n_rows, n_cols = x_rows.shape
-    out_dtype = torch.result_type(weight, x)  # what `weight * x_hat.to(x.dtype)` gives in PyTorch
-    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)  # contiguous: row r starts at r * n_cols
+    y = torch.empty(x.shape, dtype=_out_dtype(x.dtype, weight.dtype), device=x.device)  # row r at r * n_cols
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if n_rows:
-        cfg = config or forward_config(n_rows, n_cols)
-        _rms_norm_fwd_kernel[(triton.cdiv(n_rows, cfg.rows),)](
+        cfg = config or _forward_config(n_rows, n_cols, runtime.device_props(x.device))
+        _rms_norm_fwd_kernel[cfg.grid](
             x_rows, weight, y, rstd, n_rows, n_cols, x_rows.stride(0), n_cols, eps,
-            ROWS=cfg.rows, BLOCK_N=_block_n(n_cols), num_warps=cfg.num_warps,
+            ROWS=cfg.rows, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
         )
-    return y, rstd, x_rows
-
-
-def _finish_tiles(n_cols: int, programs: int, finishers: int) -> tuple[int, int]:
-    """Tile of the dW finish: (columns per finisher step, partials per load), at most 16K float32 values.
-
-    Each finisher should sum its columns over all partials with as few dependent loads as possible: the finish runs
-    after the last row is done, so nothing hides its latency.
-    """
-    cols = triton.next_power_of_2(triton.cdiv(n_cols, finishers))
-    parts = min(triton.next_power_of_2(programs), 256)
-    cols = max(1, min(cols, (1 << 14) // parts))
-    return cols, parts
+    return y, rstd
 
 
 def rms_norm_backward(
-    dy: torch.Tensor, x_rows: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-    compute_dw: bool = True, config: BackwardConfig | None = None, dx_shape: torch.Size | None = None,
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, compute_dw: bool = True,
+    config: BackwardConfig | None = None,
 ):
-    """Launch the backward kernel. Returns ``(dx, dw or None)``; dx has ``dx_shape`` (default [rows, hidden])."""
-    n_rows, n_cols = x_rows.shape
+    """Launch the backward kernels. Returns ``(dx, dw)``: dx in x's shape, dw like ``weight`` (empty, shape [0],
+    when ``compute_dw`` is false: a frozen weight skips the dW reduction entirely)."""
+    x_rows = _as_rows(x)
     dy_rows = _as_rows(dy)
-    dx = torch.empty(dx_shape or (n_rows, n_cols), dtype=x_rows.dtype, device=x_rows.device)
-    if n_rows == 0:
-        return dx, (torch.zeros_like(weight) if compute_dw else None)
-    cfg = config or backward_config(n_rows, n_cols)
-    block_n = _block_n(n_cols)
-    dw = partial = counters = dx  # placeholders: the kernel never touches them without COMPUTE_DW
-    if compute_dw:
-        partial = torch.empty((cfg.programs, n_cols), dtype=torch.float32, device=x_rows.device)
+    n_rows, n_cols = x_rows.shape
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if not compute_dw:
+        dw = weight.new_empty(0)
+    elif n_rows == 0:
+        return dx, torch.zeros_like(weight)
+    else:
         dw = torch.empty_like(weight)
-        counters = workspace_counters(x_rows.device)
-    finishers = max(1, min(cfg.finishers, cfg.programs))
-    finish_block, partial_block = _finish_tiles(n_cols, cfg.programs, finishers)
-    _rms_norm_bwd_kernel[(cfg.programs,)](
-        x_rows, weight, dy_rows, rstd, dx, partial, dw, counters,
+    if n_rows == 0:
+        return dx, dw
+    cfg = config or _backward_config(n_rows, n_cols, x.element_size(), runtime.device_props(x.device))
+    partial = torch.empty((cfg.grid[0], n_cols), dtype=torch.float32, device=x.device) if compute_dw else dx
+    _rms_norm_bwd_kernel[cfg.grid](
+        x_rows, weight, dy_rows, rstd, dx, partial,
         n_rows, n_cols, x_rows.stride(0), dy_rows.stride(0), n_cols,
-        ROWS=cfg.rows, BLOCK_N=block_n, COMPUTE_DW=compute_dw, STAGES=cfg.stages,
-        FINISHERS=finishers, FINISH_BLOCK=finish_block, PARTIAL_BLOCK=partial_block, num_warps=cfg.num_warps,
+        ROWS=cfg.rows, BLOCK_N=cfg.block_n, COMPUTE_DW=compute_dw, STAGES=cfg.stages, num_warps=cfg.num_warps,
     )
-    return dx, (dw if compute_dw else None)
+    if compute_dw:
+        _rms_norm_dw_kernel[cfg.dw_grid](
+            partial, dw, cfg.grid[0], n_cols, BLOCK_P=cfg.dw_block_p, BLOCK_C=cfg.dw_block_c, num_warps=4,
+        )
+    return dx, dw
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# PyTorch operators: torch.ops.kernels.rms_norm_fwd and rms_norm_bwd (see kernels/ops.py)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _forward_fake(x, weight, eps):
+    n_rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    y = torch.empty(x.shape, dtype=_out_dtype(x.dtype, weight.dtype), device=x.device)
+    return y, torch.empty(n_rows, dtype=torch.float32, device=x.device)
+
+
+def _backward_fake(dy, x, weight, rstd, compute_dw):
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return dx, (torch.empty_like(weight) if compute_dw else weight.new_empty(0))
+
+
+rms_norm_fwd_op = ops.define(
+    "rms_norm_fwd(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)", rms_norm_forward, _forward_fake
+)
+rms_norm_bwd_op = ops.define(
+    "rms_norm_bwd(Tensor dy, Tensor x, Tensor weight, Tensor rstd, bool compute_dw) -> (Tensor, Tensor)",
+    rms_norm_backward, _backward_fake,
+)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# autograd, function, module
+# --------------------------------------------------------------------------------------------------------------------
 
 
 class RMSNormFunction(torch.autograd.Function):
-    """autograd glue: the forward saves x (a view, no copy), the weight and one float32 rstd per row."""
+    """autograd glue around the two operators: the forward saves x (no copy), the weight and one float32 rstd per
+    row; the backward computes dW only when the weight needs a gradient."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        y, rstd, x_rows = rms_norm_forward(x, weight, eps)
-        ctx.save_for_backward(x_rows, weight, rstd)
-        ctx.x_shape = x.shape
+        y, rstd = rms_norm_fwd_op(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x_rows, weight, rstd = ctx.saved_tensors
-        dx, dw = rms_norm_backward(dy, x_rows, weight, rstd, ctx.needs_input_grad[1], dx_shape=ctx.x_shape)
-        return dx, dw, None
+        x, weight, rstd = ctx.saved_tensors
+        compute_dw = ctx.needs_input_grad[1]
+        dx, dw = rms_norm_bwd_op(dy, x, weight, rstd, compute_dw)
+        return dx, (dw if compute_dw else None), None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """Fused RMSNorm over the last dimension of ``x``, computing what Hugging Face's ``LlamaRMSNorm`` computes.
 
     ``x`` may have any number of leading dimensions and be a strided view; ``weight`` has shape ``(x.shape[-1],)``.
-    The output's dtype is that of ``weight * x`` in PyTorch (bfloat16 for a bfloat16 model).
+    The output's dtype is that of ``weight * x`` in PyTorch (bfloat16 for a bfloat16 model). Works under
+    ``torch.compile`` and CUDA graphs: the kernels are the operators ``torch.ops.kernels.rms_norm_fwd``/``_bwd``.
     """
     _check_inputs(x, weight)
-    return RMSNormFunction.apply(x, weight, float(eps))
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return RMSNormFunction.apply(x, weight, float(eps))
+    return rms_norm_fwd_op(x, weight, float(eps))[0]  # no autograd: skip the Function and its bookkeeping
 
 
 class TritonRMSNorm(torch.nn.Module):

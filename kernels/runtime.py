@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import platform
+from dataclasses import dataclass
 
 import torch
 
@@ -51,11 +52,56 @@ def pick(tiny, full):
     return tiny if PROFILE == "tiny" else full
 
 
+@dataclass(frozen=True)
+class DeviceProps:
+    """The properties of a device that launch configurations are derived from.
+
+    Every kernel's configuration function takes one of these instead of reading the GPU itself, so that nothing tuned
+    on one GPU model is hard-coded: the same rules give a different, fitting answer on another chip (a Blackwell
+    GB300 has more SMs than an H200; a consumer GPU has less shared memory per block), and tests can check the
+    choice for chips that are not in the machine.
+    """
+
+    name: str
+    interpreter: bool  # Triton's CPU interpreter: programs run one after another, each costing milliseconds
+    sm_count: int  # streaming multiprocessors: the size of a persistent grid
+    shared_mem_per_block: int  # bytes one program may use (the opt-in maximum): bounds software pipelining
+    regs_per_sm: int  # 32-bit registers per SM: bounds how many values a program can keep in flight
+
+
+# In the interpreter the numbers only shape grids: four "SMs" keep persistent grids small, and programs are cheap to
+# make large (NumPy runs a whole tile at once).
+INTERPRETER = DeviceProps("Triton interpreter", True, 4, 1 << 30, 1 << 30)
+
+_PROPS: dict[int, DeviceProps] = {}
+
+
+def _read_props(index: int) -> DeviceProps:
+    p = torch.cuda.get_device_properties(index)
+    return DeviceProps(
+        name=p.name,
+        interpreter=False,
+        sm_count=p.multi_processor_count,
+        # Older PyTorch releases lack some fields: fall back to what every NVIDIA GPU since Volta has.
+        shared_mem_per_block=getattr(p, "shared_memory_per_block_optin", 96 * 1024),
+        regs_per_sm=getattr(p, "regs_per_multiprocessor", 65536),
+    )
+
+
+def device_props(device: torch.device | None = None) -> DeviceProps:
+    """The ``DeviceProps`` of ``device`` (default: the current GPU), read once per device; ``INTERPRETER`` there."""
+    if INTERPRET:
+        return INTERPRETER
+    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+    props = _PROPS.get(index)
+    if props is None:
+        props = _PROPS[index] = _read_props(index)
+    return props
+
+
 def num_sms() -> int:
     """Streaming multiprocessors of the current GPU (a nominal 4 in the interpreter, where it only sizes grids)."""
-    if MODE == "gpu":
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    return 4
+    return device_props().sm_count
 
 
 def device_name() -> str:

@@ -18,10 +18,10 @@ import sys
 from pathlib import Path
 
 from . import runtime
-from .bench import RESULTS
+from .results import RESULTS
 from .models import GiB, llama_config, pick_preset_for_gpu
-from .train import (WARMUP_STEPS, Comparison, compare, default_lr, fit_both, logits_bytes_per_token, make_run_batches,
-                    train)
+from .fit import fit_both, logits_bytes_per_token
+from .train import WARMUP_STEPS, Comparison, compare, default_lr, make_run_batches, train
 
 GPU_DEFAULTS = dict(steps=20, seq_len=2048, batch_size=1, grad_accum=1)
 CPU_DEFAULTS = dict(steps=6, seq_len=256, batch_size=2, grad_accum=2)

@@ -49,7 +49,7 @@ from typing import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from .bench import ASSETS
+from .results import ASSETS
 from .models import HIGH_POINTS, GiB, MemoryBudget, full_finetune_memory
 
 TRACES = ASSETS / "traces"

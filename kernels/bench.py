@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from . import runtime
+from .memory import peak_extra_bytes
 from .results import MIB, first_line
 
 
@@ -146,11 +147,6 @@ def peak_extra_mib(fn: Callable[[], object], grad_to_none=()) -> float | None:
     if runtime.MODE != "gpu":
         return None
     reset_grads(grad_to_none)
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - before
+    peak = peak_extra_bytes(fn)
     reset_grads(grad_to_none)
     return peak / MIB

@@ -20,7 +20,8 @@ from pathlib import Path
 from . import runtime
 from .results import RESULTS
 from .models import GiB, llama_config, pick_preset_for_gpu
-from .fit import fit_both, logits_bytes_per_token
+from .fit import fit_both
+from .memory import logits_bytes_per_token
 from .train import WARMUP_STEPS, Comparison, compare, default_lr, make_run_batches, train
 
 GPU_DEFAULTS = dict(steps=20, seq_len=2048, batch_size=1, grad_accum=1)

@@ -17,7 +17,8 @@ import torch
 
 from . import runtime
 from .data import get_tokenizer, make_sft_batches
-from .models import build_model
+from .memory import logits_bytes_per_token
+from .models import activation_bytes_per_token_layer, build_model, norm_bytes_per_token
 from .patch import patch_llama
 from .train import VARIANTS, count_trained_labels, default_lr, free_memory
 
@@ -266,11 +267,8 @@ def growth_bytes_per_token(config, dtype: torch.dtype = torch.bfloat16) -> dict[
       norm, 2·layers + 1 norms;
     * the loss at its high point: ``logits_bytes_per_token``.
     """
-    from .models import activation_bytes_per_token_layer
-
     h, layers = config.hidden_size, config.num_hidden_layers
-    size = torch.empty((), dtype=dtype).element_size()
-    activations = layers * activation_bytes_per_token_layer(config, dtype) + 4 * h + 4 + 2 * size * h
+    activations = layers * activation_bytes_per_token_layer(config, dtype) + norm_bytes_per_token(h, dtype)
     norm_saving = (2 * layers + 1) * 4 * h
     loss = logits_bytes_per_token(config.vocab_size, dtype)
     return {
@@ -283,19 +281,4 @@ def growth_bytes_per_token(config, dtype: torch.dtype = torch.bfloat16) -> dict[
     }
 
 
-def logits_bytes_per_token(vocab: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
-    """Computed bytes per token that the loss keeps alive at its high point, Hugging Face's loss against the patch.
-
-    Hugging Face: the logits, their fp32 copy and the fp32 log-softmax in the forward pass (2 + 4 + 4 bytes per
-    logit in bf16), then the log-softmax and two fp32 gradients in the backward pass (4 + 4 + 4); the larger counts.
-    Patched: the logits only, which then receive their own gradient (2 bytes per logit in bf16).
-    """
-    size = torch.empty((), dtype=dtype).element_size()
-    hf = max(size + 4 + 4, 4 + 4 + 4) * vocab
-    return {"baseline": hf, "patched": size * vocab}
-
-
-__all__ = [
-    "Probe", "FitResult", "search_longest", "max_seq_len_that_fits", "fit_both", "growth_bytes_per_token",
-    "logits_bytes_per_token",
-]
+__all__ = ["Probe", "FitResult", "search_longest", "max_seq_len_that_fits", "fit_both", "growth_bytes_per_token"]

@@ -50,6 +50,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from .results import ASSETS
+from .memory import hf_loss_buffers
 from .models import HIGH_POINTS, GiB, MemoryBudget, full_finetune_memory
 
 TRACES = ASSETS / "traces"
@@ -282,8 +283,7 @@ def measure_step_memory(model, batch, optimizer, compute_loss=hf_loss) -> Memory
     del loss
 
     tokens, vocab, dtype = _loss_shapes(model, batch)
-    size = torch.empty((), dtype=dtype).element_size()
-    log_softmax = tokens * vocab * 4
+    loss_buffers = hf_loss_buffers(tokens, vocab, dtype)
     weights = _unique_bytes(model.parameters())
     states = _unique_bytes(_optimizer_tensors(optimizer))
     return MemoryBudget(
@@ -291,11 +291,8 @@ def measure_step_memory(model, batch, optimizer, compute_loss=hf_loss) -> Memory
         gradients=gradients,
         optimizer_states=states,
         optimizer_temporaries=max(0, peak_step - after_backward),
-        activations=max(0, after_forward - base - log_softmax),
-        logits=tokens * vocab * size,
-        logits_fp32=tokens * vocab * 4,
-        log_softmax_fp32=log_softmax,
-        logit_grads_fp32=2 * log_softmax,
+        activations=max(0, after_forward - base - loss_buffers["log_softmax_fp32"]),
+        **loss_buffers,
         measured=True,
         measured_peak=max(peak_forward, peak_backward, peak_step),
         phase_peaks={"forward": peak_forward, "backward": peak_backward, "optimizer step": peak_step},

@@ -31,14 +31,13 @@ from .peers import IMPLEMENTATIONS, Impl, implementations
 from .reference import relative_error, rms_norm_reference
 from .results import (ASSETS, DTYPES, KERNELS, RESULTS, SCHEMA_VERSION, check_kernel, device_slug, first_line,
                       format_table, save_results, summarize)
+from .tolerances import RELATIVE_ERROR_TOL
 
 PASSES = ("fwd", "fwd+bwd")
 # Which passes each kernel is measured in. The cross-entropy of a training step is always forward+backward (the
 # fused kernel even computes the gradient in its forward), so that is the one pass it is compared in.
 KERNEL_PASSES = {"rmsnorm": ("fwd", "fwd+bwd"), "cross_entropy": ("fwd+bwd",)}
 
-# Relative-error bounds against float64, by storage dtype (the same as the kernels' own tests).
-CHECK_TOL = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2, torch.float16: 5e-3}
 
 # Sweeps. GPU: sizes that fill the chip, as in the chapters; interpreter: tiny, so the CPU gets through in seconds.
 GPU_SIZES = {
@@ -123,22 +122,6 @@ def _finite_or_none(v: float) -> float | None:
     return v if v == v and abs(v) != float("inf") else None
 
 
-def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """``relative_error`` computed where the tensors live. The package's version moves both to the CPU first, which
-    for the sweep's largest tensors (134 M elements, 1 GB in float64, a dozen times per shape) would take minutes on
-    a slow host; here only the two norms cross to the host."""
-    if runtime.MODE != "gpu":
-        return relative_error(actual, expected)
-    a = actual.detach().to(torch.float64)
-    e = expected.detach().to(device=a.device, dtype=torch.float64)
-    if a.shape != e.shape:
-        raise ValueError(f"shapes differ: {tuple(a.shape)} vs {tuple(e.shape)}")
-    if not bool(torch.isfinite(a).all()):
-        return float("inf")
-    denom, diff = e.norm().item(), (a - e).norm().item()
-    return diff / denom if denom > 0 else diff
-
-
 def _judge(errors: dict[str, float], tol: float) -> Check:
     bad = [f"{name} relative error {err:.3g} > {tol:g}" for name, err in errors.items() if not err <= tol]
     return Check(not bad, errors, tol, "; ".join(bad) or f"all relative errors ≤ {tol:g}")
@@ -193,13 +176,13 @@ class RMSNormCase:
         reset_grads([self.x, *params])
         with torch.enable_grad():
             y = fn(self.x)
-            errors = {"y": _relative_error(y, ref["y"])}
+            errors = {"y": relative_error(y, ref["y"], on_device=True)}
             if pass_ == "fwd+bwd":
                 y.backward(self.dy.clone())
                 errors["dx"] = _grad_error(self.x, ref["dx"])
                 errors["dw"] = _grad_error(params[0], ref["dw"]) if params else float("inf")
         reset_grads([self.x, *params])
-        return _judge(errors, CHECK_TOL[self.dtype])
+        return _judge(errors, RELATIVE_ERROR_TOL[self.dtype])
 
     def step(self, fn, params, pass_: str):
         """``(call, grad_to_none)``: one timed call, and the tensors whose .grad must be reset between calls."""
@@ -217,7 +200,7 @@ class RMSNormCase:
 
 
 def _grad_error(t: torch.Tensor, expected: torch.Tensor) -> float:
-    return float("inf") if t.grad is None else _relative_error(t.grad, expected)
+    return float("inf") if t.grad is None else relative_error(t.grad, expected, on_device=True)
 
 
 class CrossEntropyCase:
@@ -297,14 +280,14 @@ class CrossEntropyCase:
         self.logits.grad = None
         with torch.enable_grad():
             loss = fn(self.logits, self.target)
-            errors = {"loss": _relative_error(loss.reshape(()), ref["loss"])}
+            errors = {"loss": relative_error(loss.reshape(()), ref["loss"], on_device=True)}
             if pass_ == "fwd+bwd":
                 loss.backward()
                 grad = self.logits.grad
                 errors["grad (sampled rows)"] = (
-                    float("inf") if grad is None else _relative_error(grad[ref["rows"]], ref["grad_rows"]))
+                    float("inf") if grad is None else relative_error(grad[ref["rows"]], ref["grad_rows"], on_device=True))
         self.logits.grad = None
-        return _judge(errors, CHECK_TOL[self.dtype])
+        return _judge(errors, RELATIVE_ERROR_TOL[self.dtype])
 
     def step(self, fn, params, pass_: str):
         if pass_ != "fwd+bwd":
@@ -441,8 +424,8 @@ def run_benchmark(
     Returns the results dict that ``save_results`` writes as JSON.
     """
     check_kernel(kernel)
-    if dtype not in CHECK_TOL:
-        raise TypeError(f"dtype must be one of {tuple(CHECK_TOL)}, got {dtype}")
+    if dtype not in RELATIVE_ERROR_TOL:
+        raise TypeError(f"dtype must be one of {tuple(RELATIVE_ERROR_TOL)}, got {dtype}")
     passes = tuple(passes or KERNEL_PASSES[kernel])
     for p in passes:
         if p not in KERNEL_PASSES[kernel]:

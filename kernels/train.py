@@ -34,6 +34,7 @@ Face in bf16, patched in bf16). The longest sequence that fits is searched in ``
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import statistics
@@ -49,6 +50,7 @@ from .results import RESULTS
 from .data import IGNORE_INDEX, get_tokenizer, make_sft_batches
 from .models import GiB, build_model, llama_config
 from .patch import patch_llama
+from .reference import relative_error
 
 WARMUP_STEPS = 3
 VARIANTS = ("baseline", "patched")
@@ -454,16 +456,6 @@ def compare(
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _relative_error_on_device(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """‖actual − expected‖ / ‖expected‖ computed where the tensors live (no copy of a large gradient to the host)."""
-    actual, expected = actual.detach().float(), expected.detach().float()
-    if not torch.isfinite(actual).all():
-        return float("inf")
-    denom = float(torch.linalg.vector_norm(expected))
-    diff = float(torch.linalg.vector_norm(actual - expected))
-    return diff / denom if denom > 0 else diff
-
-
 PARAMETER_KINDS = ("embed_tokens", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                    "input_layernorm", "post_attention_layernorm", "q_norm", "k_norm", "norm", "lm_head")
 
@@ -556,12 +548,14 @@ def gradient_check(preset_or_config="tiny", batch: dict | None = None, seed: int
             param.data = param.data.to(torch.bfloat16)
     losses["baseline"], grads = _loss_and_grads(model, batch, n_items)
     baseline = {k: g.detach().clone() for k, g in grads.items()}
-    errors = {k: {"baseline": _relative_error_on_device(baseline[k], reference[k])} for k in reference}
+    # Where the gradients live, in float32: no copy of a large gradient to the host, no float64 copies on the GPU.
+    error = functools.partial(relative_error, on_device=True, dtype=torch.float32)
+    errors = {k: {"baseline": error(baseline[k], reference[k])} for k in reference}
     with patch_llama(model):
         losses["patched"], grads = _loss_and_grads(model, batch, n_items)
         for k in reference:
-            errors[k]["patched"] = _relative_error_on_device(grads[k], reference[k])
-            errors[k]["patched_vs_baseline"] = _relative_error_on_device(grads[k], baseline[k])
+            errors[k]["patched"] = error(grads[k], reference[k])
+            errors[k]["patched_vs_baseline"] = error(grads[k], baseline[k])
     del model, grads, baseline, reference
     free_memory()
     return GradientCheck(losses, errors)

@@ -11,7 +11,8 @@ from kernels.data import get_tokenizer, make_sft_batches
 from kernels.models import build_model, llama_config
 from kernels.patch import patch_llama
 from kernels.reference import relative_error
-from kernels.fit import Probe, growth_bytes_per_token, logits_bytes_per_token, max_seq_len_that_fits, search_longest
+from kernels.fit import Probe, growth_bytes_per_token, max_seq_len_that_fits, search_longest
+from kernels.memory import logits_bytes_per_token
 from kernels.train import Comparison, compare, count_trained_labels, gradient_check, parameter_kind, train
 
 matplotlib.use("Agg")

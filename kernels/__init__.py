@@ -23,7 +23,8 @@ from .profiling import amdahl, classify, profile_training_step
 # Chapter 08, the kernels in a real fine-tuning loop: the patch, baseline against patched. (The loop itself is
 # kernels.train.train: a top-level `train` would hide the module of that name.)
 from .patch import LlamaPatch, causal_lm_loss, patch_llama
-from .train import compare, max_seq_len_that_fits
+from .fit import max_seq_len_that_fits
+from .train import compare
 
 __all__ = [
     "runtime", "describe",

@@ -646,32 +646,3 @@ class TritonCrossEntropyLoss(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
                 f"inplace_backward={self.inplace_backward}")
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Memory: what the loss costs
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def loss_memory_bytes(n_tokens: int, vocab: int) -> dict[str, int]:
-    """Sizes of the [tokens, V] tensors a language-model loss can create, in bytes (computed, not measured)."""
-    n = n_tokens * vocab
-    return {
-        "bf16 logits": 2 * n,
-        "fp32 upcast of the logits": 4 * n,
-        "fp32 softmax (log-softmax) kept for backward": 4 * n,
-        "fp32 gradient of the logits": 4 * n,
-        "bf16 gradient of the logits": 2 * n,
-    }
-
-
-def peak_extra_bytes(fn) -> int:
-    """GPU only: peak memory allocated while ``fn()`` runs, beyond what was allocated before it."""
-    if runtime.MODE != "gpu":
-        raise RuntimeError("peak memory is measured with torch.cuda statistics and needs a GPU")
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - before

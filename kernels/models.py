@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from . import runtime
+from .memory import hf_loss_buffers, hf_loss_peak
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -329,9 +330,7 @@ class MemoryBudget:
     @property
     def loss_bytes(self) -> int:
         """The most the loss's [tokens, vocab] buffers take at once (forward or backward) on top of the model."""
-        forward = self.logits + self.logits_fp32 + self.log_softmax_fp32
-        backward = self.log_softmax_fp32 + self.logit_grads_fp32
-        return max(forward, backward)
+        return hf_loss_peak(self.logits, self.logits_fp32, self.log_softmax_fp32, self.logit_grads_fp32)
 
     def parts(self) -> dict[str, int]:
         return {
@@ -359,6 +358,13 @@ class MemoryBudget:
         return "\n".join(lines)
 
 
+def norm_bytes_per_token(hidden: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes one Hugging Face RMSNorm saves for the backward pass per token: its fp32 input (4·h), the fp32 1/rms
+    (4), and the normalised values before and after the weight multiply in ``dtype``."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return 4 * hidden + 4 + 2 * size * hidden
+
+
 def activation_bytes_per_token_layer(config: "LlamaConfig", dtype: torch.dtype = torch.bfloat16) -> int:
     """Bytes one decoder layer saves for the backward pass per token, in Hugging Face's Llama (an estimate).
 
@@ -379,7 +385,7 @@ def activation_bytes_per_token_layer(config: "LlamaConfig", dtype: torch.dtype =
     head_dim = getattr(config, "head_dim", None) or h // heads
     q = heads * head_dim
     size = torch.empty((), dtype=dtype).element_size()
-    norms = 2 * (4 * h + 4 + 2 * size * h)
+    norms = 2 * norm_bytes_per_token(h, dtype)
     attention = 4 * size * q + 4 * heads
     mlp = 4 * size * config.intermediate_size
     return norms + attention + mlp
@@ -410,7 +416,7 @@ def full_finetune_memory(config: "LlamaConfig", batch_size: int, seq_len: int, d
     tokens = batch_size * seq_len
     h, vocab = config.hidden_size, config.vocab_size
     per_layer = activation_bytes_per_token_layer(config, dtype)
-    final_norm = 4 * h + 4 + 2 * size * h
+    final_norm = norm_bytes_per_token(h, dtype)
     # A row with padding makes Hugging Face build a [B, 1, S, S] mask for sdpa; PyTorch's CPU attention keeps a
     # copy per layer (counted so, an upper bound where the GPU's attention shares one).
     mask_per_layer = batch_size * seq_len * seq_len * size
@@ -432,10 +438,7 @@ def full_finetune_memory(config: "LlamaConfig", batch_size: int, seq_len: int, d
         optimizer_states=2 * n_params * size,
         optimizer_temporaries=n_params * size,
         activations=activations,
-        logits=tokens * vocab * size,
-        logits_fp32=tokens * vocab * 4,
-        log_softmax_fp32=tokens * vocab * 4,
-        logit_grads_fp32=tokens * vocab * 8,
+        **hf_loss_buffers(tokens, vocab, dtype),
         notes=notes,
     )
 

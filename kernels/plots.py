@@ -1,4 +1,4 @@
-"""Plots of benchmark results (the dicts ``kernels.bench.run_benchmark`` returns and ``load_results`` reads).
+"""Plots of benchmark results (the dicts ``kernels.sweep.run_benchmark`` returns and ``load_results`` reads).
 
 Every function takes a results dict, draws on ``ax`` (a new figure when None) and returns the axes, so a notebook
 can arrange them and the command line can save them. Device times (CUDA-graph replays) are what bandwidth and
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from matplotlib.ticker import FuncFormatter
 
-from .bench import BASES, speedups
+from .results import BASES, speedups
 
 # One colour per implementation key, the same in every plot of both kernels.
 COLORS = {

@@ -41,7 +41,7 @@ import re
 import statistics
 import time
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -49,7 +49,8 @@ from typing import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from .bench import ASSETS
+from .results import ASSETS
+from .memory import hf_loss_buffers
 from .models import HIGH_POINTS, GiB, MemoryBudget, full_finetune_memory
 
 TRACES = ASSETS / "traces"
@@ -197,16 +198,6 @@ def labelled_regions(model: torch.nn.Module):
             restore()
 
 
-@contextmanager
-def region(family: str):
-    """Label code with a family yourself, e.g. a loss computed outside the model: ``with region("loss"): ...``."""
-    names = {"rmsnorm": "region::rmsnorm", "loss": "region::loss", "cross_entropy": "region::loss", "optimizer": "region::optimizer"}
-    if family not in names:
-        raise ValueError(f"family must be one of {sorted(names)}, got {family!r}")
-    with record_function(names[family]):
-        yield
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # The training step
 # ---------------------------------------------------------------------------------------------------------------
@@ -282,8 +273,7 @@ def measure_step_memory(model, batch, optimizer, compute_loss=hf_loss) -> Memory
     del loss
 
     tokens, vocab, dtype = _loss_shapes(model, batch)
-    size = torch.empty((), dtype=dtype).element_size()
-    log_softmax = tokens * vocab * 4
+    loss_buffers = hf_loss_buffers(tokens, vocab, dtype)
     weights = _unique_bytes(model.parameters())
     states = _unique_bytes(_optimizer_tensors(optimizer))
     return MemoryBudget(
@@ -291,11 +281,8 @@ def measure_step_memory(model, batch, optimizer, compute_loss=hf_loss) -> Memory
         gradients=gradients,
         optimizer_states=states,
         optimizer_temporaries=max(0, peak_step - after_backward),
-        activations=max(0, after_forward - base - log_softmax),
-        logits=tokens * vocab * size,
-        logits_fp32=tokens * vocab * 4,
-        log_softmax_fp32=log_softmax,
-        logit_grads_fp32=2 * log_softmax,
+        activations=max(0, after_forward - base - loss_buffers["log_softmax_fp32"]),
+        **loss_buffers,
         measured=True,
         measured_peak=max(peak_forward, peak_backward, peak_step),
         phase_peaks={"forward": peak_forward, "backward": peak_backward, "optimizer step": peak_step},
@@ -473,7 +460,6 @@ class StepProfile:
     memory: MemoryBudget
     trace_path: Path | None
     total_ms: float
-    method: str = field(repr=False, default="")
 
     @property
     def tokens_per_s(self) -> float:
@@ -580,7 +566,7 @@ def profile_training_step(
             memory.notes["activations"] += " (the CPU allocator keeps no statistics: nothing here is measured)"
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if use_device else [])
-    labels = labelled_regions(model) if label_regions else _nothing()
+    labels = labelled_regions(model) if label_regions else nullcontext()
     with labels, profile(activities=activities, record_shapes=False, with_stack=False, profile_memory=False) as prof:
         start = time.perf_counter()
         step()
@@ -608,13 +594,7 @@ def profile_training_step(
         memory=memory,
         trace_path=trace_path,
         total_ms=total_us / 1e3,
-        method=__doc__,
     )
-
-
-@contextmanager
-def _nothing():
-    yield
 
 
 # ---------------------------------------------------------------------------------------------------------------

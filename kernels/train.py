@@ -28,15 +28,15 @@ Triton kernels), but they are in the loss curve.
 
 ``compare(...)`` builds the model twice from the same seed on the same device, trains Hugging Face's version, frees
 it, then trains the patched version (``kernels.patch.patch_llama``) on the same batches in the same order, and
-returns both runs side by side. ``max_seq_len_that_fits(...)`` searches, on a GPU, the longest sequence for which one
-full training step fits in memory.
+returns both runs side by side. ``gradient_check(...)`` compares one batch's gradients three ways (float32, Hugging
+Face in bf16, patched in bf16). The longest sequence that fits is searched in ``kernels.fit``.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
-import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -46,10 +46,11 @@ from typing import Callable
 import torch
 
 from . import runtime
-from .bench import RESULTS
+from .results import RESULTS
 from .data import IGNORE_INDEX, get_tokenizer, make_sft_batches
 from .models import GiB, build_model, llama_config
 from .patch import patch_llama
+from .reference import relative_error
 
 WARMUP_STEPS = 3
 VARIANTS = ("baseline", "patched")
@@ -455,16 +456,6 @@ def compare(
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _relative_error_on_device(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """‖actual − expected‖ / ‖expected‖ computed where the tensors live (no copy of a large gradient to the host)."""
-    actual, expected = actual.detach().float(), expected.detach().float()
-    if not torch.isfinite(actual).all():
-        return float("inf")
-    denom = float(torch.linalg.vector_norm(expected))
-    diff = float(torch.linalg.vector_norm(actual - expected))
-    return diff / denom if denom > 0 else diff
-
-
 PARAMETER_KINDS = ("embed_tokens", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                    "input_layernorm", "post_attention_layernorm", "q_norm", "k_norm", "norm", "lm_head")
 
@@ -557,298 +548,21 @@ def gradient_check(preset_or_config="tiny", batch: dict | None = None, seed: int
             param.data = param.data.to(torch.bfloat16)
     losses["baseline"], grads = _loss_and_grads(model, batch, n_items)
     baseline = {k: g.detach().clone() for k, g in grads.items()}
-    errors = {k: {"baseline": _relative_error_on_device(baseline[k], reference[k])} for k in reference}
+    # Where the gradients live, in float32: no copy of a large gradient to the host, no float64 copies on the GPU.
+    error = functools.partial(relative_error, on_device=True, dtype=torch.float32)
+    errors = {k: {"baseline": error(baseline[k], reference[k])} for k in reference}
     with patch_llama(model):
         losses["patched"], grads = _loss_and_grads(model, batch, n_items)
         for k in reference:
-            errors[k]["patched"] = _relative_error_on_device(grads[k], reference[k])
-            errors[k]["patched_vs_baseline"] = _relative_error_on_device(grads[k], baseline[k])
+            errors[k]["patched"] = error(grads[k], reference[k])
+            errors[k]["patched_vs_baseline"] = error(grads[k], baseline[k])
     del model, grads, baseline, reference
     free_memory()
     return GradientCheck(losses, errors)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The longest sequence that fits
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Probe:
-    seq_len: int
-    fits: bool
-    peak: int | None = None  # bytes at the peak of forward + backward (GPU), when it fit
-    base: int | None = None  # bytes allocated before the forward (weights, optimizer states)
-    how: str = ""  # how this length was chosen: start, doubling, prediction, bisection
-
-
-@dataclass
-class FitResult:
-    """The outcome of a search: the longest length that fitted, the shortest that did not, every probe."""
-
-    longest: int | None
-    shortest_failing: int | None
-    step: int
-    hi: int
-    probes: list[Probe]
-
-    @property
-    def exact(self) -> bool:
-        """True when no multiple of ``step`` between the two is left untried (or the search hit ``hi``)."""
-        if self.longest is None:
-            return self.shortest_failing is not None and self.shortest_failing <= self.step
-        if self.longest >= self.hi:
-            return True
-        return self.shortest_failing is not None and self.shortest_failing - self.longest <= self.step
-
-    def summary(self) -> str:
-        tried = ", ".join(f"{p.seq_len:,}{'✓' if p.fits else '✗'}" for p in self.probes)
-        if self.longest is None:
-            head = "nothing tried fitted"
-        elif self.exact and self.longest >= self.hi:
-            head = f"{self.longest:,} fits (the upper end of the search)"
-        elif self.exact:
-            head = f"{self.longest:,} fits, {self.shortest_failing:,} does not"
-        else:
-            upper = f"below {self.shortest_failing:,}" if self.shortest_failing else "untested above"
-            head = f"at least {self.longest:,} fits ({upper}; out of probes)"
-        return f"{head}  [probes: {tried}]"
-
-    def measured_bytes_per_token(self) -> float | None:
-        """How much the step's peak grew per extra token of sequence between the two longest lengths that fitted."""
-        fitted = sorted((p for p in self.probes if p.fits and p.peak is not None), key=lambda p: p.seq_len)
-        if len(fitted) < 2:
-            return None
-        a, b = fitted[-2], fitted[-1]
-        return (b.peak - a.peak) / (b.seq_len - a.seq_len)
-
-    def to_dict(self) -> dict:
-        return {"longest": self.longest, "shortest_failing": self.shortest_failing, "exact": self.exact,
-                "step": self.step, "hi": self.hi, "probes": [asdict(p) for p in self.probes]}
-
-
-def _round_down(n: float, step: int) -> int:
-    return int(n // step) * step
-
-
-def _next_length(probes: list[Probe], lo: int, hi: int, step: int, budget: int | None) -> tuple[int, str] | None:
-    """The next length to try, or None when the answer is known to ``step``.
-
-    Doubling from ``lo`` until a failure, with, once a length has fitted and memory figures are known, a prediction:
-    the peak grows about linearly with the length, so the length at which it would reach ``budget`` is extrapolated
-    from the last two lengths that fitted (or from one, and the memory before the step). After a failed prediction,
-    plain bisection, so a poor prediction costs one probe at most.
-    """
-    fitted = sorted(p.seq_len for p in probes if p.fits)
-    failed = sorted(p.seq_len for p in probes if not p.fits)
-    good = fitted[-1] if fitted else None
-    bad = failed[0] if failed else None
-    if good is None:  # even lo failed: bisect below it
-        candidate = _round_down(bad / 2, step)
-        return (candidate, "bisection") if candidate >= step and candidate not in failed else None
-    upper = min(hi, bad - step) if bad is not None else hi
-    if good >= upper:
-        return None
-    tried = {p.seq_len for p in probes}
-    last = probes[-1]
-    predicted = _predict(probes, budget, step)
-    if predicted is not None and not (last.how == "prediction" and not last.fits):
-        # A long jump (more than half the length that fitted) aims 10% short: memory grows slightly faster than
-        # linearly (the attention mask is S × S), so a far extrapolation overshoots, and a probe just below the
-        # limit makes the next extrapolation short and exact.
-        if predicted - good > max(2 * step, 0.5 * good):
-            predicted = _round_down(good + 0.9 * (predicted - good), step)
-        candidate = min(max(predicted, good + step), upper)
-        if candidate not in tried:
-            return candidate, "prediction"
-    if bad is None:
-        return min(_round_down(2 * good, step), upper), "doubling"
-    candidate = _round_down((good + bad) / 2, step)
-    return (candidate, "bisection") if good < candidate < bad and candidate not in tried else None
-
-
-def _predict(probes: list[Probe], budget: int | None, step: int) -> int | None:
-    if budget is None:
-        return None
-    fitted = sorted((p for p in probes if p.fits and p.peak is not None), key=lambda p: p.seq_len)
-    if not fitted:
-        return None
-    top = fitted[-1]
-    if len(fitted) >= 2:
-        below = fitted[-2]
-        slope = (top.peak - below.peak) / (top.seq_len - below.seq_len)
-    elif top.base is not None:
-        slope = (top.peak - top.base) / top.seq_len  # everything the step added, as if it all grew with length
-    else:
-        return None
-    if not slope > 0:
-        return None
-    return _round_down(top.seq_len + (budget - top.peak) / slope, step)
-
-
-def search_longest(
-    probe: Callable[[int], Probe], lo: int, hi: int, step: int = 256, max_probes: int = 8, budget: int | None = None
-) -> FitResult:
-    """The longest multiple of ``step`` in [``step``, ``hi``] for which ``probe(length).fits``, in few probes.
-
-    ``probe`` runs one training step at a length and reports whether it fitted and, on a GPU, its peak memory;
-    ``budget`` is the memory the peak may reach (enables predictions; see ``_next_length``). Starts at ``lo``.
-    """
-    for name, value in (("lo", lo), ("hi", hi), ("step", step), ("max_probes", max_probes)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if lo % step or hi % step or lo > hi:
-        raise ValueError(f"lo and hi must be multiples of step={step} with lo <= hi, got lo={lo}, hi={hi}")
-    probes: list[Probe] = []
-    nxt: tuple[int, str] | None = (lo, "start")
-    while nxt is not None and len(probes) < max_probes:
-        length, how = nxt
-        result = probe(length)
-        result.how = how
-        probes.append(result)
-        nxt = _next_length(probes, lo, hi, step, budget)
-    fitted = [p.seq_len for p in probes if p.fits]
-    failed = [p.seq_len for p in probes if not p.fits]
-    return FitResult(max(fitted) if fitted else None, min(failed) if failed else None, step, hi, probes)
-
-
-def _gpu_probe(model, optimizer, tokenizer, batch_size: int, seed: int) -> Callable[[int], Probe]:
-    """One full training step at a given length on the GPU; an out-of-memory error means it does not fit."""
-    device = next(model.parameters()).device
-    vocab = model.config.vocab_size
-
-    def step(batch, n_items) -> int:
-        loss = model(**batch, num_items_in_batch=n_items).loss
-        loss.backward()
-        del loss
-        peak = torch.cuda.max_memory_allocated(device)
-        optimizer.step()
-        torch.cuda.synchronize(device)
-        return peak
-
-    def probe(seq_len: int) -> Probe:
-        cpu_batch = make_sft_batches(tokenizer, batch_size, seq_len, 1, seed, vocab_size=vocab)[0]
-        n_items = count_trained_labels(cpu_batch)
-        free_memory()
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        try:
-            batch = {k: v.to(device) for k, v in cpu_batch.items()}
-            peak = step(batch, n_items)
-            fits = True
-        except torch.cuda.OutOfMemoryError:
-            peak, fits = None, False
-        # Outside the except block: the exception and the frames holding the step's tensors are gone by now.
-        batch = None
-        optimizer.zero_grad(set_to_none=True)
-        free_memory()
-        return Probe(seq_len, fits, peak, base)
-
-    return probe
-
-
-def max_seq_len_that_fits(
-    preset: str,
-    patched: bool,
-    batch_size: int = 1,
-    lo: int = 4096,
-    hi: int = 65536,
-    *,
-    max_probes: int = 8,
-    step: int = 256,
-    seed: int = 0,
-    margin: float = 0.02,
-    tokenizer=None,
-) -> FitResult | None:
-    """GPU only: the longest sequence (a multiple of ``step``) at which one full training step (forward, backward,
-    AdamW step) of ``preset`` fits in memory, Hugging Face's model (``patched=False``) or the patched one.
-
-    The model and AdamW stay on the GPU across probes (a first step at ``step`` tokens creates AdamW's states); each
-    probe runs one step on a real SFT batch of that length; ``torch.cuda.OutOfMemoryError`` means it does not fit,
-    and everything the step allocated is freed before the next probe. ``margin`` (2%) is left free when predicting.
-    On the CPU there is no memory limit to find: prints so and returns None.
-    """
-    if runtime.MODE != "gpu" or not torch.cuda.is_available():
-        print("max_seq_len_that_fits is GPU-only: the CPU has no device memory limit to search for.")
-        return None
-    if not isinstance(patched, bool):
-        raise TypeError(f"patched must be True or False, got {patched!r}")
-    free_memory()
-    model = build_model(preset, dtype=torch.bfloat16, seed=seed)
-    handle = patch_llama(model) if patched else None
-    optimizer = torch.optim.AdamW(model.parameters(), lr=default_lr(preset))
-    device = next(model.parameters()).device
-    probe = None
-    try:
-        free_memory()
-        budget = int((torch.cuda.memory_allocated(device) + torch.cuda.mem_get_info(device)[0]) * (1 - margin))
-        probe = _gpu_probe(model, optimizer, tokenizer or get_tokenizer(), batch_size, seed)
-        # One short step first, not counted as a probe: it creates AdamW's states, so that every probe starts from
-        # the same memory (weights and states) and the peaks of different probes can be compared.
-        warm = probe(step)
-        if not warm.fits:
-            warm.how = "warm-up"
-            return FitResult(None, step, step, hi, [warm])
-        return search_longest(probe, lo, hi, step=step, max_probes=max_probes, budget=budget)
-    finally:
-        if handle is not None:
-            handle.undo()
-        del model, optimizer, handle, probe  # the probe's closure holds the model and the optimizer too
-        free_memory()
-
-
-def fit_both(preset: str, batch_size: int = 1, lo: int = 4096, hi: int = 65536, max_probes: int = 8,
-             seed: int = 0) -> dict[str, FitResult] | None:
-    """``max_seq_len_that_fits`` for the baseline and the patched model, one after the other (GPU only)."""
-    if runtime.MODE != "gpu":
-        print("max_seq_len_that_fits is GPU-only: the CPU has no device memory limit to search for.")
-        return None
-    return {variant: max_seq_len_that_fits(preset, variant == "patched", batch_size, lo, hi, max_probes=max_probes,
-                                           seed=seed) for variant in VARIANTS}
-
-
-def growth_bytes_per_token(config, dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
-    """Computed bytes that one more token of sequence adds at a step's forward/backward high point, Hugging Face's
-    model against the patched one: what decides the longest sequence that fits once the weights, gradients and
-    optimizer states are paid for.
-
-    * activations saved for backward: ``models.activation_bytes_per_token_layer`` per layer, plus the final norm;
-    * the patched norms save less: Hugging Face's keeps the float32 copy of its input (4·h bytes) and the normalised
-      values before the weight multiply; the kernel keeps the bf16 input and one float32 rstd. 4·h bytes fewer per
-      norm, 2·layers + 1 norms;
-    * the loss at its high point: ``logits_bytes_per_token``.
-    """
-    from .models import activation_bytes_per_token_layer
-
-    h, layers = config.hidden_size, config.num_hidden_layers
-    size = torch.empty((), dtype=dtype).element_size()
-    activations = layers * activation_bytes_per_token_layer(config, dtype) + 4 * h + 4 + 2 * size * h
-    norm_saving = (2 * layers + 1) * 4 * h
-    loss = logits_bytes_per_token(config.vocab_size, dtype)
-    return {
-        "baseline": activations + loss["baseline"],
-        "patched": activations - norm_saving + loss["patched"],
-        "activations": activations,
-        "norm_saving": norm_saving,
-        "loss_baseline": loss["baseline"],
-        "loss_patched": loss["patched"],
-    }
-
-
-def logits_bytes_per_token(vocab: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
-    """Computed bytes per token that the loss keeps alive at its high point, Hugging Face's loss against the patch.
-
-    Hugging Face: the logits, their fp32 copy and the fp32 log-softmax in the forward pass (2 + 4 + 4 bytes per
-    logit in bf16), then the log-softmax and two fp32 gradients in the backward pass (4 + 4 + 4); the larger counts.
-    Patched: the logits only, which then receive their own gradient (2 bytes per logit in bf16).
-    """
-    size = torch.empty((), dtype=dtype).element_size()
-    hf = max(size + 4 + 4, 4 + 4 + 4) * vocab
-    return {"baseline": hf, "patched": size * vocab}
-
-
 __all__ = [
-    "WARMUP_STEPS", "StepRecord", "RunResult", "Comparison", "FitResult", "Probe", "train", "compare",
-    "max_seq_len_that_fits", "fit_both", "search_longest", "count_trained_labels", "describe_model", "default_lr",
-    "make_run_batches", "logits_bytes_per_token", "growth_bytes_per_token", "free_memory", "gradient_check", "GradientCheck", "parameter_kind",
+    "WARMUP_STEPS", "VARIANTS", "StepRecord", "RunResult", "Comparison", "train", "compare", "count_trained_labels",
+    "describe_model", "default_lr", "make_run_batches", "free_memory", "gradient_check", "GradientCheck",
+    "parameter_kind",
 ]

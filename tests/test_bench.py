@@ -12,20 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import bench, runtime
-from kernels.bench import (
-    Impl,
-    cross_entropy_bytes,
-    floor_ms,
-    format_table,
-    load_results,
-    rmsnorm_bytes,
-    run_benchmark,
-    save_results,
-    speedups,
-    summarize,
-    targets,
-)
+from kernels import results as results_module
+from kernels import runtime, sweep
+from kernels.bench import floor_ms
+from kernels.peers import Impl
+from kernels.results import format_table, load_results, save_results, speedups, summarize, targets
+from kernels.sweep import cross_entropy_bytes, rmsnorm_bytes, run_benchmark
 
 # --------------------------------------------------------------------------------------------------------------------
 # Bytes
@@ -210,7 +202,7 @@ def test_cross_entropy_wrong_gradient_is_caught(device):
 
 
 def test_cross_entropy_case_reference_includes_an_ignored_row(device):
-    case = bench.CrossEntropyCase(10, 50, seed=3)
+    case = sweep.CrossEntropyCase(10, 50, seed=3)
     ref = case.reference()
     assert int(ref["rows"][0]) == 3 and case.target[3] == case.IGNORE_INDEX
     assert torch.all(ref["grad_rows"][0] == 0)
@@ -227,7 +219,7 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="passes"):
         run_benchmark("cross_entropy", [4], 8, passes=["fwd"], progress=False)
     with pytest.raises(ValueError, match="positive"):
-        bench.sweep_shapes([0], 8)
+        sweep.sweep_shapes([0], 8)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -243,7 +235,7 @@ ROW_KEYS = {"kernel", "impl", "label", "role", "tokens", "width", "shape", "pass
 def test_command_line_writes_json_and_png(tmp_path, capsys):
     argv = ["--kernel", "all", "--tokens", "5,12", "--hidden", "48", "--hidden-sweep", "24,48",
             "--hidden-sweep-tokens", "12", "--vocab", "300", "--out", str(tmp_path), "--no-progress"]
-    assert bench.main(argv) == 0
+    assert sweep.main(argv) == 0
     printed = capsys.readouterr().out
     assert "mode=interpreter" in printed and "wall ms*" in printed
 
@@ -252,7 +244,7 @@ def test_command_line_writes_json_and_png(tmp_path, capsys):
     assert (tmp_path / "rmsnorm_cpu-interpreter.png").stat().st_size > 10_000
     assert (tmp_path / "cross_entropy_cpu-interpreter.png").stat().st_size > 10_000
     for results, n_shapes, n_impls, n_passes in ((rms, 3, 5, 2), (ce, 2, 6, 1)):
-        assert results["schema"] == bench.SCHEMA_VERSION and results["mode"] == "interpreter"
+        assert results["schema"] == results_module.SCHEMA_VERSION and results["mode"] == "interpreter"
         assert {"device", "date", "versions", "git_commit", "ceilings", "settings", "time_basis", "rows"} <= set(results)
         assert results["ceilings"] is None and "meaningless" in results["time_basis"]["eager_ms"]
         assert len(results["rows"]) == n_shapes * n_impls * n_passes  # 5×48 and 12×48 run once for both sweeps
@@ -269,7 +261,7 @@ def test_command_line_writes_json_and_png(tmp_path, capsys):
 
 
 def test_module_entry_point_help():
-    out = subprocess.run([sys.executable, "-m", "kernels.bench", "--help"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "kernels.sweep", "--help"], capture_output=True, text=True,
                          timeout=120, check=True).stdout
     for flag in ("--kernel", "--tokens", "--hidden", "--vocab", "--out", "--quick"):
         assert flag in out
@@ -329,7 +321,8 @@ _PLANTED_SYNC = textwrap.dedent(
     """
     import json
     import torch.nn.functional as F
-    from kernels.bench import Impl, run_benchmark
+    from kernels.peers import Impl
+    from kernels.sweep import run_benchmark
 
     def syncs_the_host(case):
         def fn(x):
@@ -392,7 +385,7 @@ def test_crossovers_need_ours_faster_at_every_larger_size():
         ("b", "peer", 256, 2.0, 0), ("b", "peer", 1024, 1.0, 0), ("b", "peer", 4096, 8.0, 0),  # dips at 1024
         ("c", "peer", 256, 0.1, 0), ("c", "peer", 1024, 0.1, 0), ("c", "peer", 4096, 0.1, 0),  # never
     ])
-    assert bench.crossovers(results, "device") == {"a": 1024, "b": 4096, "c": None}
+    assert results_module.crossovers(results, "device") == {"a": 1024, "b": 4096, "c": None}
 
 
 def test_tokens_that_fit_count_the_logits_and_the_measured_extra():
@@ -401,7 +394,7 @@ def test_tokens_that_fit_count_the_logits_and_the_measured_extra():
         ("ours", "ours", 1024, 1.0, 0.25), ("ours", "ours", 4096, 1.0, 1.0),  # the largest measurement is used
         ("fp32", "peer", 4096, 1.0, 4096 * 1000 * 12 / mib),  # 12 extra bytes per logit
     ])
-    fit = bench.tokens_that_fit(results, budget_bytes=1e9)
+    fit = results_module.tokens_that_fit(results, budget_bytes=1e9)
     assert fit["ours"]["measured_at_tokens"] == 4096
     assert fit["ours"]["bytes_per_token"] == pytest.approx(2000 + mib / 4096)
     assert fit["fp32"]["bytes_per_token"] == pytest.approx(2000 + 12_000)

@@ -11,8 +11,9 @@ from kernels.data import get_tokenizer, make_sft_batches
 from kernels.models import build_model, llama_config
 from kernels.patch import patch_llama
 from kernels.reference import relative_error
-from kernels.train import (Comparison, Probe, compare, count_trained_labels, gradient_check, growth_bytes_per_token,
-                           logits_bytes_per_token, max_seq_len_that_fits, parameter_kind, search_longest, train)
+from kernels.fit import Probe, growth_bytes_per_token, max_seq_len_that_fits, search_longest
+from kernels.memory import logits_bytes_per_token
+from kernels.train import Comparison, compare, count_trained_labels, gradient_check, parameter_kind, train
 
 matplotlib.use("Agg")
 
@@ -203,7 +204,7 @@ def test_fit_search_code_path_with_a_simulated_gpu(monkeypatch, gen):
     whose steps run out of memory above 1,024 tokens, the model is the tiny one. Real training steps, real patch."""
     if runtime.MODE == "gpu":
         pytest.skip("a GPU runs the real thing: see test_fit_on_gpu")
-    import kernels.train as train_module
+    import kernels.fit as fit_module
 
     limit, state = 1024, {"seq": 0, "built": []}
 
@@ -227,7 +228,7 @@ def test_fit_search_code_path_with_a_simulated_gpu(monkeypatch, gen):
     for name, fn in fake_cuda.items():
         monkeypatch.setattr(torch.cuda, name, fn)
     monkeypatch.setattr(runtime, "MODE", "gpu")
-    monkeypatch.setattr(train_module, "build_model", fake_build)
+    monkeypatch.setattr(fit_module, "build_model", fake_build)
     result = max_seq_len_that_fits("tiny", patched=True, lo=256, hi=2048, max_probes=6, seed=seed_from(gen))
     assert result.longest == limit and result.shortest_failing == limit + 256 and result.exact
     assert [p.fits for p in result.probes].count(False) >= 1 and len(result.probes) <= 6

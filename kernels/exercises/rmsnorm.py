@@ -17,12 +17,7 @@ import triton
 
 from .. import runtime
 from ..reference import relative_error, rms_norm_reference
-
-# Relative error ‖out − ref‖ / ‖ref‖ allowed against the float64 reference, as in the package's own tests.
-TOL = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2}
-# Element by element: |out − ref| ≤ rtol·|ref| + atol·max|ref|. float32 leaves a few ulps; a bfloat16 value has been
-# rounded to 8 bits of mantissa once or twice (ulp 2**-7 relative at worst).
-ELEMENT_TOL = {torch.float32: (1e-4, 1e-5), torch.bfloat16: (2**-6, 2**-8)}
+from ..tolerances import ELEMENT_TOL, RELATIVE_ERROR_TOL
 # A bfloat16 forward output must equal Hugging Face's bit for bit except in at most this fraction of values. The
 # right cast order gives (almost) no differences; multiplying by the weight before rounding changes about a fifth.
 BF16_MAX_DIFFERENT = 0.02
@@ -354,7 +349,7 @@ def _bad_elements(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> t
 def _compare(out, ref, case: Case, name: str, suspects) -> str | None:
     """None when ``out`` is right; otherwise the most precise explanation of what is wrong."""
     bad = _bad_elements(out, ref, case.dtype)
-    if not bad.any() and relative_error(out, ref) < TOL[case.dtype]:
+    if not bad.any() and relative_error(out, ref) < RELATIVE_ERROR_TOL[case.dtype]:
         return None
     where = f"on a {case}"
     out64 = _f64(out)
@@ -388,7 +383,7 @@ def _compare(out, ref, case: Case, name: str, suspects) -> str | None:
         )
     return (
         f"{where}, {first}; relative error of {name} {relative_error(out, ref):.2e} (must stay below "
-        f"{TOL[case.dtype]:g}). None of the usual mistakes reproduces this output: print it beside the reference "
+        f"{RELATIVE_ERROR_TOL[case.dtype]:g}). None of the usual mistakes reproduces this output: print it beside the reference "
         "for this input to see the pattern."
     )
 

@@ -1,16 +1,11 @@
 """Small pieces of Triton shared by the kernel families.
 
-``workspace_counters`` hands out the two int32 counters a kernel uses to let the last of its programs finish a
-reduction inside the same launch (a "ticket": each program adds 1 when its part is stored; the one that draws the
-last ticket knows all parts are there). Kernels leave the counters at zero, so they are allocated once.
-
 ``cast_to`` is how every kernel stores a float32 value into a lower-precision tensor. On a GPU it is a plain
 ``.to(dtype)``, which rounds to nearest-even. Triton's CPU interpreter truncates instead when it converts float32 to
 bfloat16, which doubles the rounding error and makes outputs disagree with PyTorch in the last bit; there we round
 to nearest-even by hand on the bit pattern, so the interpreter and the GPU store the same bits.
 """
 
-import torch
 import triton
 import triton.language as tl
 
@@ -34,21 +29,3 @@ else:
     @triton.jit
     def cast_to(x, dtype: tl.constexpr):
         return x.to(dtype)
-
-
-_COUNTERS: dict = {}
-
-
-def workspace_counters(device: torch.device) -> torch.Tensor:
-    """Two int32 counters, zero on entry to a kernel, which must leave them zero again.
-
-    One pair per (device, stream), created once: kernels queued on one stream never overlap, so they never share a
-    pair mid-flight. Under CUDA-graph capture a fresh pair is made so that the graph owns its own.
-    """
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return torch.zeros(2, dtype=torch.int32, device=device)
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
-    counters = _COUNTERS.get(key)
-    if counters is None:
-        counters = _COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
-    return counters

@@ -22,7 +22,7 @@ from .results import RESULTS
 from .models import GiB, llama_config, pick_preset_for_gpu
 from .fit import fit_both
 from .memory import logits_bytes_per_token
-from .train import WARMUP_STEPS, Comparison, compare, default_lr, make_run_batches, train
+from .train import COMPILE_MODES, WARMUP_STEPS, Comparison, compare, default_lr, make_run_batches, train
 
 GPU_DEFAULTS = dict(steps=20, seq_len=2048, batch_size=1, grad_accum=1)
 CPU_DEFAULTS = dict(steps=6, seq_len=256, batch_size=2, grad_accum=2)
@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fit-lo", type=int, default=4096, help="first length the fit search tries (default 4096)")
     p.add_argument("--fit-hi", type=int, default=65536, help="longest length the fit search tries (default 65536)")
     p.add_argument("--fit-probes", type=int, default=8, help="most steps the fit search runs per variant (default 8)")
+    p.add_argument("--compile", nargs="?", const="default", default=None, choices=COMPILE_MODES,
+                   help="torch.compile both models (default mode, or the mode named; needs --compare)")
     p.add_argument("--out", type=Path, default=RESULTS, help=f"folder for the JSON and PNG (default {RESULTS})")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
@@ -133,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"preset {preset} ({why}); {args.steps} steps of {args.grad_accum} × {args.batch_size} × {args.seq_len} "
           f"tokens, AdamW lr {lr:g}, bf16")
     if not args.compare:
+        if args.compile:
+            raise SystemExit("--compile compares compiled models: use it with --compare")
         _single_run(args, preset, lr)
         return 0
 
@@ -140,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 
     matplotlib.use("Agg")
     result: Comparison = compare(preset, args.steps, args.seq_len, args.batch_size, args.grad_accum, lr, args.seed,
-                                 progress=not args.no_progress)
+                                 progress=not args.no_progress, compile=args.compile)
     if args.fit:
         result.fit = _fit(args, preset)
     print()

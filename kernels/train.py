@@ -344,6 +344,8 @@ class Comparison:
             f"{self.device}, {self.settings.get('preset')}; {steps} steps, the first {self.baseline.warmup_steps} "
             "excluded from tokens/s and time per step"
         )
+        if self.settings.get("compile"):
+            lines.append(f"both models run through torch.compile (mode {self.settings['compile']!r})")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -378,12 +380,14 @@ class Comparison:
         return axes
 
     def save(self, out_dir: str | Path = RESULTS, stem: str | None = None) -> tuple[Path, Path]:
-        """Write ``<stem>.json`` and ``<stem>.png`` (default stem: ``finetune_<preset>``) into ``out_dir``."""
+        """Write ``<stem>.json`` and ``<stem>.png`` into ``out_dir`` (default stem: ``finetune_<preset>``, with
+        ``_compiled-<mode>`` appended for compiled runs)."""
         import matplotlib.pyplot as plt
 
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        stem = stem or f"finetune_{self.settings.get('preset')}"
+        compiled = f"_compiled-{self.settings['compile']}" if self.settings.get("compile") else ""
+        stem = stem or f"finetune_{self.settings.get('preset')}{compiled}"
         json_path, png_path = out_dir / f"{stem}.json", out_dir / f"{stem}.png"
         json_path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
         axes = self.plot()
@@ -392,6 +396,19 @@ class Comparison:
         fig.savefig(png_path, dpi=120)
         plt.close(fig)
         return json_path, png_path
+
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
+
+
+def compile_model(model: torch.nn.Module, mode: str = "default") -> torch.nn.Module:
+    """``torch.compile(model, mode=mode)``: inductor on a GPU; on the CPU ``backend="aot_eager"``, which traces
+    the same graphs (our kernels as single operators) and runs them eagerly, so Triton's interpreter runs the kernels."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}")
+    if runtime.MODE != "gpu":
+        return torch.compile(model, backend="aot_eager")
+    return torch.compile(model, mode=None if mode == "default" else mode)
 
 
 def _fmt_len(n) -> str:
@@ -421,12 +438,15 @@ def compare(
     progress: bool = True,
     tokenizer=None,
     patch_options: dict | None = None,
+    compile: str | None = None,
 ) -> Comparison:
     """Train the baseline, then the patched model, from the same initial weights on the same batches.
 
     Each model is built with ``build_model(preset, dtype, device, seed)`` (same seed, same device: the same weights)
     and freed before the next one is built, so the two never share the GPU. ``lr`` defaults to ``default_lr``.
-    ``patch_options`` go to ``patch_llama`` (e.g. ``dict(rms_norm=False)`` to patch the loss alone).
+    ``patch_options`` go to ``patch_llama`` (e.g. ``dict(rms_norm=False)`` to patch the loss alone). ``compile``
+    (``"default"``, ``"reduce-overhead"``, ...) runs both models through ``compile_model`` with that mode; the
+    compilation happens in the first steps, which ``warmup_steps`` keeps out of the timings.
     """
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
@@ -435,15 +455,18 @@ def compare(
     settings = {
         "preset": preset, "steps": steps, "seq_len": seq_len, "batch_size": batch_size, "grad_accum": grad_accum,
         "lr": lr, "seed": seed, "dtype": str(dtype).replace("torch.", ""), "warmup_steps": warmup_steps,
-        "patch_options": dict(patch_options or {}),
+        "patch_options": dict(patch_options or {}), "compile": compile,
     }
     runs = {}
     for variant in VARIANTS:
         free_memory()
         model = build_model(preset, dtype=dtype, device=device, seed=seed)
         handle = patch_llama(model, **(patch_options or {})) if variant == "patched" else None
-        runs[variant] = train(model, batches, grad_accum=grad_accum, lr=lr, label=variant,
+        runner = compile_model(model, compile) if compile else model
+        runs[variant] = train(runner, batches, grad_accum=grad_accum, lr=lr, label=variant,
                               warmup_steps=warmup_steps, progress=progress)
+        del runner
+        torch._dynamo.reset()  # the next model compiles afresh, not against this one's guards
         if handle is not None:
             handle.undo()
         del model, handle

@@ -1,0 +1,274 @@
+"""Host overhead: the microseconds a Python caller spends per call besides the GPU's work (chapter 09).
+
+Every kernel call costs twice. *Device time* is the GPU running the kernels. *Host time* is the CPU getting them
+there: Python, PyTorch's operator dispatcher, autograd, allocations, and Triton's launcher, which inspects every
+argument of every launch. On large tensors the device time dominates and the host runs ahead; on small ones, or
+whenever the host cannot run ahead of the GPU, the caller waits for the host.
+
+``host_us`` measures host time as the per-call wall time of a long loop on tiny tensors, where the device work is a
+few microseconds and the loop is bound by the host. ``measure_peers`` does that for ours and every peer;
+``breakdown`` splits ours into layers by calling each layer directly:
+
+    total           the public function, through autograd (``rms_norm(x, w).backward(dy)``)
+    ops             the PyTorch operators called directly, no autograd.Function and no input checks
+    impl            the Python launch functions behind the operators, no dispatcher
+    launches        the Triton launches alone, with arguments and buffers prepared beforehand
+
+so that autograd and checks = total − ops, dispatch = ops − impl, our Python around the launches = impl − launches.
+``python -m kernels.overhead`` writes ``assets/results/overhead_<device>.json`` and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import time
+from typing import Callable
+
+import torch
+import triton
+
+from . import runtime
+from .peers import implementations
+from .results import RESULTS, device_slug, first_line
+from .sweep import CASES
+
+# Tiny calls: a few microseconds of GPU work, so a loop of them measures the host.
+SHAPES = {"rmsnorm": (8, 1024), "cross_entropy": (8, 1024)}
+PASSES = {"rmsnorm": ("fwd", "fwd+bwd"), "cross_entropy": ("fwd+bwd",)}
+LAYERS = ("autograd and checks", "operator dispatch", "our Python around the launches", "Triton launches")
+
+
+def _sync() -> None:
+    if runtime.MODE == "gpu":
+        torch.cuda.synchronize()
+
+
+def host_us(fn: Callable[[], object], calls: int | None = None, warmup: int | None = None, grads=()) -> float:
+    """Per-call wall time of ``calls`` back-to-back calls of ``fn``, in µs, synchronised before and after.
+
+    ``grads``: tensors whose ``.grad`` is reset before each call (a backward then writes instead of accumulating).
+    In the interpreter the number is the interpreter's Python, not a GPU's host overhead: a few calls only.
+    """
+    calls = calls or runtime.pick(5, 2000)
+    warmup = runtime.pick(1, 100) if warmup is None else warmup
+    for _ in range(warmup):
+        for t in grads:
+            t.grad = None
+        fn()
+    _sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        for t in grads:
+            t.grad = None
+        fn()
+    _sync()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def _case(kernel: str):
+    return CASES[kernel](*SHAPES[kernel])
+
+
+def measure_peers(kernel: str, pass_: str, calls: int | None = None) -> list[dict]:
+    """Host µs per call of every implementation of ``kernel`` (checked against float64 first), on a tiny case."""
+    case = _case(kernel)
+    rows = []
+    for impl in implementations(kernel):
+        row = {"kernel": kernel, "pass": pass_, "impl": impl.key, "label": impl.label, "role": impl.role,
+               "shape": list(SHAPES[kernel]), "host_us": None, "note": ""}
+        reason = impl.unavailable()
+        if reason:
+            rows.append(dict(row, note=reason))
+            continue
+        try:
+            fn, params = impl.build(case)
+            case.reset_inputs()
+            check = case.check(fn, params, pass_)
+            if not check.ok:
+                rows.append(dict(row, note=f"not timed: {check.message}"))
+                continue
+            case.reset_inputs()
+            call, grads = case.step(fn, params, pass_)
+            row["host_us"] = host_us(call, calls, grads=grads)
+        except Exception as exc:  # noqa: BLE001  (a peer that fails here is a result, not the end of the run)
+            row["note"] = f"{type(exc).__name__}: {first_line(exc)}"
+        rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Ours, layer by layer
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _rmsnorm_layers(case) -> dict[str, Callable[[], object]]:
+    rms = importlib.import_module("kernels.rmsnorm")
+    x, w, dy, eps = case.x, case.weight.clone().requires_grad_(), case.dy, case.eps
+    xd = x.detach()
+    y, rstd = rms.rms_norm_forward(xd, w.detach(), eps)
+    rows, cols = xd.shape
+    props = runtime.device_props(xd.device)
+    fwd, bwd = rms.forward_config(rows, cols, props), rms.backward_config(rows, cols, xd.element_size(), props)
+    dx, dw = torch.empty_like(xd), torch.empty_like(w)
+    partial = torch.empty((bwd.grid[0], cols), dtype=torch.float32, device=xd.device)
+
+    def total():
+        x.grad = w.grad = None
+        rms.rms_norm(x, w, eps).backward(dy)
+
+    def ops():
+        y, rstd = rms.rms_norm_fwd_op(xd, w.detach(), eps)
+        rms.rms_norm_bwd_op(dy, xd, w.detach(), rstd, True)
+
+    def impl():
+        y, rstd = rms.rms_norm_forward(xd, w.detach(), eps)
+        rms.rms_norm_backward(dy, xd, w.detach(), rstd, True)
+
+    def launches():
+        rms._rms_norm_fwd_kernel[fwd.grid](xd, w, y, rstd, rows, cols, cols, cols, eps,
+                                           ROWS=fwd.rows, BLOCK_N=fwd.block_n, num_warps=fwd.num_warps)
+        rms._rms_norm_bwd_kernel[bwd.grid](xd, w, dy, rstd, dx, partial, rows, cols, cols, cols, cols,
+                                           ROWS=bwd.rows, BLOCK_N=bwd.block_n, COMPUTE_DW=True, STAGES=bwd.stages,
+                                           num_warps=bwd.num_warps)
+        rms._rms_norm_dw_kernel[bwd.dw_grid](partial, dw, bwd.grid[0], cols, BLOCK_P=bwd.dw_block_p,
+                                             BLOCK_C=bwd.dw_block_c, num_warps=4)
+
+    return {"total": total, "ops": ops, "impl": impl, "launches": launches, "n_launches": 3}
+
+
+def _cross_entropy_layers(case) -> dict[str, Callable[[], object]]:
+    ce = importlib.import_module("kernels.cross_entropy")
+    logits, target = case.logits, case.target
+    work = logits.detach().clone()
+    one = torch.ones((), device=work.device)
+    layout = ce._row_layout(work, True)
+    cfg = ce.forward_config(layout.n_rows, layout.n_cols, runtime.device_props(work.device))
+    bwd = ce.backward_config(layout.n_rows, layout.n_cols, runtime.device_props(work.device))
+    loss_rows = torch.empty(layout.n_rows, device=work.device)
+    lse, out = torch.empty_like(loss_rows), torch.empty((), device=work.device)
+    scale = torch.empty(2, device=work.device)
+    block = min(triton.next_power_of_2(layout.n_rows), 4096)
+
+    def total():
+        logits.grad = None
+        ce.cross_entropy(logits, target, inplace_backward=True, check_targets=False).backward()
+
+    def ops():
+        ce.cross_entropy_fwd_inplace_op(work, target, -100, "mean", None, None)
+        ce.cross_entropy_scale_grad_op(work, one)
+
+    def impl():
+        ce._forward_inplace_op_impl(work, target, -100, "mean", None, None)
+        ce._scale_grad_op_impl(work, one)
+
+    def launches():
+        ce._cross_entropy_setup_kernel[(1,)](target, scale, scale, layout.n_rows, -100, 1.0, MODE=0, BLOCK=block)
+        ce._launch_forward(layout, target, loss_rows, lse, layout, scale, out, -100, cfg)
+        ce._scale_grad_kernel[(triton.cdiv(layout.n_rows, bwd.rows),)](
+            work, one, layout.n_rows, layout.n_cols, layout.inner_rows, layout.stride_outer, layout.stride_inner, 0,
+            ROWS=bwd.rows, BLOCK_V=bwd.block_v, num_warps=bwd.num_warps)
+
+    return {"total": total, "ops": ops, "impl": impl, "launches": launches, "n_launches": 4}
+
+
+def breakdown(kernel: str, calls: int | None = None) -> dict:
+    """Our forward + backward of ``kernel`` on a tiny case, split into ``LAYERS`` (µs per call)."""
+    case = _case(kernel)
+    layers = {"rmsnorm": _rmsnorm_layers, "cross_entropy": _cross_entropy_layers}[kernel](case)
+    t = {name: host_us(layers[name], calls) for name in ("total", "ops", "impl", "launches")}
+    parts = {
+        "autograd and checks": t["total"] - t["ops"],
+        "operator dispatch": t["ops"] - t["impl"],
+        "our Python around the launches": t["impl"] - t["launches"],
+        "Triton launches": t["launches"],
+    }
+    return {"kernel": kernel, "shape": list(SHAPES[kernel]), "levels_us": t, "parts_us": parts,
+            "n_launches": layers["n_launches"], "per_launch_us": t["launches"] / layers["n_launches"]}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A whole run: results, table, plot
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def run(calls: int | None = None) -> dict:
+    """Every kernel and pass: peers' host µs and our breakdown, with the device and versions it ran on."""
+    results = {"device": runtime.device_name(), "device_slug": device_slug(), "mode": runtime.MODE,
+               "versions": runtime.versions(), "calls": calls or runtime.pick(5, 2000), "peers": [], "breakdown": {}}
+    for kernel, passes in PASSES.items():
+        for pass_ in passes:
+            results["peers"] += measure_peers(kernel, pass_, calls)
+        results["breakdown"][kernel] = breakdown(kernel, calls)
+    return results
+
+
+def format_table(results: dict) -> str:
+    lines = [f"host time per call, µs ({results['device']}, tiny tensors)"]
+    for row in results["peers"]:
+        value = f"{row['host_us']:8.1f}" if row["host_us"] is not None else "       —"
+        lines.append(f"  {row['kernel']:<14}{row['pass']:<9}{value}  {row['label']}  {row['note']}".rstrip())
+    for kernel, b in results["breakdown"].items():
+        parts = ", ".join(f"{name} {us:.1f}" for name, us in b["parts_us"].items())
+        lines.append(f"  ours, {kernel} fwd+bwd = {b['levels_us']['total']:.1f} µs: {parts}")
+    return "\n".join(lines)
+
+
+def plot(results: dict, ax=None):
+    """Stacked bars: where our microseconds go, next to the fastest peer's total, per kernel."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7.5, 3.8))
+    colors = ["#9467bd", "#8c564b", "#ff7f0e", "#d62728"]
+    names = list(results["breakdown"])
+    for i, kernel in enumerate(names):
+        left = 0.0
+        for name, color in zip(LAYERS, colors):
+            width = max(0.0, results["breakdown"][kernel]["parts_us"][name])
+            ax.barh(i, width, left=left, color=color, label=name if i == 0 else None)
+            left += width
+        peers = [r for r in results["peers"] if r["kernel"] == kernel and r["pass"] == "fwd+bwd"
+                 and r["role"] == "peer" and r["host_us"] is not None]
+        if peers:
+            best = min(peers, key=lambda r: r["host_us"])
+            ax.plot([best["host_us"]] * 2, [i - 0.4, i + 0.4], color="black", lw=2)
+            ax.annotate(best["label"], (best["host_us"], i + 0.42), fontsize=8, ha="center", va="bottom")
+    ax.set_yticks(range(len(names)), [f"{k}\nfwd+bwd" for k in names])
+    ax.set_xlabel("host time per call (µs)")
+    ax.set_title(f"Where the microseconds go ({results['device']})", fontsize=10)
+    ax.legend(fontsize=8, loc="lower right")
+    return ax
+
+
+def save(results: dict, directory=RESULTS) -> tuple:
+    """Write ``overhead_<device>.json`` and ``.png`` into ``directory``; returns both paths."""
+    import matplotlib.pyplot as plt
+
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"overhead_{results['device_slug']}.json"
+    path.write_text(json.dumps(results, indent=1) + "\n")
+    ax = plot(results)
+    png = path.with_suffix(".png")
+    ax.figure.tight_layout()
+    ax.figure.savefig(png, dpi=120)
+    plt.close(ax.figure)
+    return path, png
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kernels.overhead", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=None, help="calls per measurement (default 2000 on a GPU)")
+    parser.add_argument("--no-save", action="store_true", help="print only; write no JSON or PNG")
+    args = parser.parse_args(argv)
+    print(runtime.describe())
+    results = run(args.calls)
+    print(format_table(results))
+    if not args.no_save:
+        print("saved", *save(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

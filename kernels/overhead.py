@@ -24,6 +24,7 @@ import argparse
 import importlib
 import json
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -246,6 +247,7 @@ def save(results: dict, directory=RESULTS) -> tuple:
     """Write ``overhead_<device>.json`` and ``.png`` into ``directory``; returns both paths."""
     import matplotlib.pyplot as plt
 
+    directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"overhead_{results['device_slug']}.json"
     path.write_text(json.dumps(results, indent=1) + "\n")
@@ -260,13 +262,14 @@ def save(results: dict, directory=RESULTS) -> tuple:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kernels.overhead", description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=None, help="calls per measurement (default 2000 on a GPU)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help=f"output folder (default {RESULTS})")
     parser.add_argument("--no-save", action="store_true", help="print only; write no JSON or PNG")
     args = parser.parse_args(argv)
     print(runtime.describe())
     results = run(args.calls)
     print(format_table(results))
     if not args.no_save:
-        print("saved", *save(results))
+        print("saved", *save(results, args.out))
     return 0
 
 

@@ -249,6 +249,9 @@ def train(
         start = time.perf_counter()
         step_loss = torch.zeros((), dtype=torch.float32, device=device)
         for batch in groups[step]:
+            # Under CUDA graphs (torch.compile mode="reduce-overhead") each call is a new step whose outputs may
+            # reuse the last call's memory; the loss is added to step_loss before the next call. Elsewhere a no-op.
+            torch.compiler.cudagraph_mark_step_begin()
             loss = model(**batch, num_items_in_batch=trained[step]).loss
             loss.backward()
             step_loss += loss.detach()

@@ -149,10 +149,11 @@ def _train_steps(model, ids, labels, steps=2):
     losses = []
     for _ in range(steps):
         optimizer.zero_grad(set_to_none=True)
+        torch.compiler.cudagraph_mark_step_begin()  # CUDA graphs: a new step may reuse the last one's output memory
         out = model(input_ids=ids, labels=labels)
         out.loss.backward()
         optimizer.step()
-        losses.append(out.loss.detach())
+        losses.append(out.loss.detach().clone())  # a copy outlives the next replay
     return torch.stack(losses)
 
 

@@ -188,16 +188,11 @@ _INTERPRETER_BLOCK_V = 4096  # small enough that a row of a few thousand logits 
 
 @dataclass(frozen=True)
 class CrossEntropyConfig:
-    """How a cross-entropy kernel is launched.
-
-    ``variant`` names the forward kernel (see ``_FORWARD_VARIANTS``): the place where another implementation, for
-    example a GPU-only one that keeps a row on chip across programs, can be chosen by ``forward_config``.
-    """
+    """How a cross-entropy kernel is launched."""
 
     block_v: int  # logits per chunk of a row
     rows: int  # rows per program
     num_warps: int
-    variant: str = "two_sweep"
 
 
 def forward_config(n_rows: int, n_cols: int) -> CrossEntropyConfig:
@@ -361,10 +356,6 @@ def _launch_two_sweep(layout, target_rows, loss_rows, lse, grad_layout, scale, o
                                   BLOCK_R=min(triton.next_power_of_2(layout.n_rows), 4096), num_warps=8)
 
 
-# Forward kernels by name; forward_config picks one. A new variant takes the same arguments as _launch_two_sweep.
-_FORWARD_VARIANTS = {"two_sweep": _launch_two_sweep}
-
-
 def cross_entropy_forward(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -400,7 +391,7 @@ def cross_entropy_forward(
     if layout.n_rows:
         scale = _gradient_scale(target_rows, ignore_index, reduction, normalizer, device)
         cfg = config or forward_config(layout.n_rows, layout.n_cols)
-        _FORWARD_VARIANTS[cfg.variant](layout, target_rows, loss_rows, lse, grad_layout, scale, out, ignore_index, cfg)
+        _launch_two_sweep(layout, target_rows, loss_rows, lse, grad_layout, scale, out, ignore_index, cfg)
     elif reduce:  # no rows: the sum is 0, and a mean over no targets is 0 / 0
         out.fill_(float("nan") if reduction == "mean" else 0.0)
     loss = out if reduce else loss_rows.view(logits.shape[:-1])

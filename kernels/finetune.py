@@ -44,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"rows per micro-batch (default {defaults['batch_size']})")
     p.add_argument("--grad-accum", type=int, default=defaults["grad_accum"],
                    help=f"micro-batches per optimizer step (default {defaults['grad_accum']})")
-    p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default: 1e-3 for tiny, 1e-4 otherwise)")
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"AdamW learning rate (default: {default_lr('tiny'):g} for tiny, "
+                        f"{default_lr('llama-3.1-8b'):g} for the Llama shapes; see kernels.train.default_lr)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and of the data order (default 0)")
     p.add_argument("--compare", action="store_true", help="run Hugging Face's model first, then the patched one")
     p.add_argument("--fit", action="store_true",

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .cross_entropy import cross_entropy
+from .cross_entropy import cross_entropy as fused_cross_entropy
 from .rmsnorm import TritonRMSNorm
 
 IGNORE_INDEX = -100
@@ -123,7 +123,7 @@ def causal_lm_loss(
     # No reshape of the logits: the kernel reads any leading dimensions in place, so a [batch, seq, vocab] tensor is
     # never copied (and, in place, its own memory receives the gradient).
     target = shift_labels.reshape(logits.shape[:-1])
-    return cross_entropy(
+    return fused_cross_entropy(
         logits, target, ignore_index, reduction, normalizer=normalizer,
         inplace_backward=inplace_backward, check_targets=False,
     )

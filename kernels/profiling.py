@@ -41,7 +41,7 @@ import re
 import statistics
 import time
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -196,16 +196,6 @@ def labelled_regions(model: torch.nn.Module):
     finally:
         for restore in reversed(restores):
             restore()
-
-
-@contextmanager
-def region(family: str):
-    """Label code with a family yourself, e.g. a loss computed outside the model: ``with region("loss"): ...``."""
-    names = {"rmsnorm": "region::rmsnorm", "loss": "region::loss", "cross_entropy": "region::loss", "optimizer": "region::optimizer"}
-    if family not in names:
-        raise ValueError(f"family must be one of {sorted(names)}, got {family!r}")
-    with record_function(names[family]):
-        yield
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -470,7 +460,6 @@ class StepProfile:
     memory: MemoryBudget
     trace_path: Path | None
     total_ms: float
-    method: str = field(repr=False, default="")
 
     @property
     def tokens_per_s(self) -> float:
@@ -577,7 +566,7 @@ def profile_training_step(
             memory.notes["activations"] += " (the CPU allocator keeps no statistics: nothing here is measured)"
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if use_device else [])
-    labels = labelled_regions(model) if label_regions else _nothing()
+    labels = labelled_regions(model) if label_regions else nullcontext()
     with labels, profile(activities=activities, record_shapes=False, with_stack=False, profile_memory=False) as prof:
         start = time.perf_counter()
         step()
@@ -605,13 +594,7 @@ def profile_training_step(
         memory=memory,
         trace_path=trace_path,
         total_ms=total_us / 1e3,
-        method=__doc__,
     )
-
-
-@contextmanager
-def _nothing():
-    yield
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -4,8 +4,9 @@
 
 Forward reads x once, writes y once and keeps one float32 ``rstd`` per row for the backward pass.
 Backward reads x, dy and rstd, writes dx, and reduces dW = Σ_rows dy ⊙ x̂ without a [rows, hidden] buffer: each
-program of a persistent grid walks many rows and keeps its share of dW in float32 registers; one small kernel then
-sums the per-program partials.
+program of a persistent grid walks many rows and keeps its share of dW in float32 registers, stores it as one
+float32 partial, and the last programs to finish sum the partials into dW in a fixed order, inside the same launch
+(``_finish_dw``): backward is one kernel, deterministic, with no float atomics.
 
 All arithmetic is float32 whatever the storage dtype; values are cast only when stored.
 """

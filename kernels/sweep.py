@@ -195,9 +195,6 @@ class RMSNormCase:
 
         return fwd_bwd, [x, *params]
 
-    def release(self) -> None:
-        self._ref = None
-
 
 def _grad_error(t: torch.Tensor, expected: torch.Tensor) -> float:
     return float("inf") if t.grad is None else relative_error(t.grad, expected, on_device=True)
@@ -298,9 +295,6 @@ class CrossEntropyCase:
             fn(logits, target).backward()
 
         return fwd_bwd, [logits]
-
-    def release(self) -> None:
-        self._ref = None
 
 
 CASES = {"rmsnorm": RMSNormCase, "cross_entropy": CrossEntropyCase}

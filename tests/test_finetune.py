@@ -52,3 +52,10 @@ def test_help_and_bad_arguments(capsys):
         main(["--steps", "0"])
     with pytest.raises(ValueError, match="preset must be one of"):
         main(["--preset", "llama-99b"])
+
+
+def test_lr_help_states_the_default_learning_rates():
+    from kernels.train import default_lr
+
+    help_text = " ".join(build_parser().format_help().split())
+    assert f"{default_lr('tiny'):g} for tiny" in help_text and f"{default_lr('llama-3.1-8b'):g} for the Llama" in help_text

@@ -425,7 +425,7 @@ def run_benchmark(
     """Check and time ``kernel``'s implementations over a token sweep (and, for RMSNorm, a hidden-size sweep).
 
     ``width`` is the hidden size (RMSNorm) or the vocabulary (cross-entropy). ``impls``: keys of
-    ``IMPLEMENTATIONS[kernel]`` or ``Impl`` objects (default: all). ``warmup``/``rep`` are do_bench's, in ms.
+    ``peers.IMPLEMENTATIONS[kernel]`` or ``Impl`` objects (default: all). ``warmup``/``rep`` are do_bench's, in ms.
     On a GPU the copy and matmul ceilings are measured first unless ``ceilings`` is given.
     Returns the results dict that ``save_results`` writes as JSON.
     """

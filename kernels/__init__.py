@@ -1,38 +1,33 @@
-"""Fused Triton kernels for LLM fine-tuning, and the tools the workbook builds them with.
+"""Fused Triton kernels for LLM fine-tuning: the product API.
 
 ``import kernels`` first decides where kernels run (see ``kernels.runtime``): on a CUDA GPU, or in Triton's
 interpreter on the CPU. That decision has to come before any ``@triton.jit`` function is defined, which is why
 ``runtime`` is imported before everything else here (and why a notebook imports ``kernels`` before ``triton``).
+
+At the top level, only what a training script needs:
+
+* the kernels as functions, ``rms_norm`` and ``cross_entropy``, and as modules, ``TritonRMSNorm`` and
+  ``TritonCrossEntropyLoss``;
+* ``patch_llama`` (and its handle, ``LlamaPatch``), which puts both into a Hugging Face model;
+* ``describe()`` and ``runtime``: where the kernels run.
+
+One name is both: ``kernels.cross_entropy`` is the *function* (the product API); the module of the same name, with
+the kernels and their launch configuration, is imported by its path (``from kernels.cross_entropy import
+cross_entropy_forward``). No other top-level name hides a submodule. Everything the chapters use besides (models,
+data, profiling, the benchmark, the training loop, the references) is imported from its module, e.g.
+``from kernels.models import build_model``; ``docs/ARCHITECTURE.md`` says which file holds what.
 """
 
 from . import runtime  # noqa: I001  (must come first: it sets TRITON_INTERPRET)
 from .runtime import describe
 
-# References the kernels are tested against (plain PyTorch).
-from .reference import cross_entropy_hf, online_logsumexp, online_softmax_steps, relative_error, rms_norm_reference
-
-# The kernels (chapters 02-03 and 05-06).
-from .rmsnorm import RMSNormFunction, TritonRMSNorm, rms_norm
-from .cross_entropy import CrossEntropyFunction, TritonCrossEntropyLoss, cross_entropy
-
-# Chapter 01, profiling a fine-tuning step: Llama presets with random weights, an SFT batch stream, the profiler.
-from .models import PRESETS, build_model, full_finetune_memory, llama_config, load_pretrained, pick_preset_for_gpu
-from .data import get_tokenizer, make_sft_batches
-from .profiling import amdahl, classify, profile_training_step
-
-# Chapter 08, the kernels in a real fine-tuning loop: the patch, baseline against patched. (The loop itself is
-# kernels.train.train: a top-level `train` would hide the module of that name.)
-from .patch import LlamaPatch, causal_lm_loss, patch_llama
-from .fit import max_seq_len_that_fits
-from .train import compare
+from .rmsnorm import TritonRMSNorm, rms_norm
+from .cross_entropy import TritonCrossEntropyLoss, cross_entropy
+from .patch import LlamaPatch, patch_llama
 
 __all__ = [
     "runtime", "describe",
-    "relative_error", "rms_norm_reference", "cross_entropy_hf", "online_logsumexp", "online_softmax_steps",
-    "rms_norm", "RMSNormFunction", "TritonRMSNorm",
-    "cross_entropy", "CrossEntropyFunction", "TritonCrossEntropyLoss",
-    "PRESETS", "build_model", "full_finetune_memory", "llama_config", "load_pretrained", "pick_preset_for_gpu",
-    "get_tokenizer", "make_sft_batches",
-    "amdahl", "classify", "profile_training_step",
-    "patch_llama", "LlamaPatch", "causal_lm_loss", "compare", "max_seq_len_that_fits",
+    "rms_norm", "TritonRMSNorm",
+    "cross_entropy", "TritonCrossEntropyLoss",
+    "patch_llama", "LlamaPatch",
 ]

@@ -12,9 +12,10 @@ saved and loaded by ``kernels.results``; the benchmark sweep that uses all of th
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -33,7 +34,8 @@ def time_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100, grad_to_
     if runtime.MODE == "gpu":
         import triton.testing
 
-        return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median"))
+        ms = triton.testing.do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median")
+        return float(ms)
     times = []
     for i in range(cpu_reps + 1):
         for t in grad_to_none or []:
@@ -56,11 +58,11 @@ def measure_ceilings(copy_bytes: int = 2 << 30, matmul_n: int = 8192) -> dict:
     n = copy_bytes // 2
     src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(src)
-    copy_ms = time_ms(lambda: dst.copy_(src), warmup=50, rep=200)
+    copy_ms = time_ms(functools.partial(dst.copy_, src), warmup=50, rep=200)
     del src, dst
     a = torch.randn(matmul_n, matmul_n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(matmul_n, matmul_n, device="cuda", dtype=torch.bfloat16)
-    mm_ms = time_ms(lambda: a @ b, warmup=50, rep=200)
+    mm_ms = time_ms(functools.partial(torch.matmul, a, b), warmup=50, rep=200)
     del a, b
     torch.cuda.empty_cache()
     return {
@@ -94,7 +96,7 @@ def reset_grads(tensors) -> None:
         t.grad = None
 
 
-def capture_graph(fn: Callable[[], object], grad_to_none=(), warmup_calls: int = 3) -> "torch.cuda.CUDAGraph":
+def capture_graph(fn: Callable[[], object], grad_to_none=(), warmup_calls: int = 3) -> torch.cuda.CUDAGraph:
     """Capture ``fn()`` into a CUDA graph (GPU only).
 
     Warm-up calls run on a side stream first (they compile, autotune and allocate outside the capture); the

@@ -597,8 +597,9 @@ def cross_entropy(
     they were.
 
     Layout: any leading dimensions; rows may be strided (e.g. ``logits[:, :-1, :]`` of a causal LM is read and,
-    in place, written without a copy). A last dimension with stride ≠ 1 is copied first. (Shifting the *labels*, as Hugging Face does, is still better than slicing
-    the logits: autograd's backward of a slice allocates a full zero gradient for the unsliced tensor.)
+    in place, written without a copy). A last dimension with stride ≠ 1 is copied first. (Shifting the *labels*,
+    as Hugging Face does, is still better than slicing the logits: autograd's backward of a slice allocates a full
+    zero gradient for the unsliced tensor.)
 
     ``check_targets`` (default True): raise a ValueError for a target outside [0, V) that is not ``ignore_index``.
     That check costs one device-to-host synchronisation per call (a ``.item()``: some microseconds, and it stalls

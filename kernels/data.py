@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import functools
 import random
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -66,7 +67,9 @@ NAMES = [
     "Ada", "Ben", "Chen", "Dara", "Eli", "Farah", "Goran", "Hana", "Ivo", "Jun", "Kemi", "Luca", "Mira",
     "Noor", "Omar", "Priya", "Quinn", "Rosa", "Sven", "Tariq", "Uma", "Viktor", "Wen", "Yara", "Zoe",
 ]
-OBJECTS = ["apples", "pencils", "marbles", "stickers", "books", "coins", "cards", "shells", "stamps", "cookies", "bolts"]
+OBJECTS = [
+    "apples", "pencils", "marbles", "stickers", "books", "coins", "cards", "shells", "stamps", "cookies", "bolts",
+]
 WORDS = [
     "kernel", "tensor", "gradient", "softmax", "profiler", "warp", "register", "memory", "bandwidth", "matrix",
     "vector", "pointer", "thread", "block", "cache", "latency", "compiler", "buffer", "token", "layer", "attention",
@@ -214,7 +217,7 @@ def format_prompt(prompt: str) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def train_default_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE) -> "PreTrainedTokenizerFast":  # noqa: F821
+def train_default_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE) -> PreTrainedTokenizerFast:  # noqa: F821
     """Train a byte-level BPE tokenizer on the generated dataset (deterministic; well under a second).
 
     Byte-level means any text can be encoded (unknown characters fall back to bytes) and decoding gives the text
@@ -242,7 +245,7 @@ def _default_tokenizer():
     return train_default_tokenizer()
 
 
-def get_tokenizer(name_or_path=None) -> "PreTrainedTokenizerBase":
+def get_tokenizer(name_or_path=None) -> PreTrainedTokenizerBase:
     """A tokenizer: the workbook's own (trained once per process, then cached) or a local Hugging Face one.
 
     ``name_or_path`` may be a directory holding a saved tokenizer or a hub id already in the Hugging Face cache
@@ -356,10 +359,13 @@ def make_sft_batches(
     token id. ``with_roles=True`` adds ``roles`` (0 padding, 1 prompt, 2 response) for inspection; leave it off for
     batches that go into ``model(**batch)``.
     """
-    for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("n_batches", n_batches), ("n_examples", n_examples)):
+    sizes = (("batch_size", batch_size), ("seq_len", seq_len), ("n_batches", n_batches), ("n_examples", n_examples))
+    for name, value in sizes:
         _check_positive_int(name, value)
     if tokenizer is None or not hasattr(tokenizer, "eos_token_id"):
-        raise TypeError(f"tokenizer must be a Hugging Face tokenizer (see get_tokenizer), got {type(tokenizer).__name__}")
+        raise TypeError(
+            f"tokenizer must be a Hugging Face tokenizer (see get_tokenizer), got {type(tokenizer).__name__}"
+        )
     if tokenizer.eos_token_id is None:
         raise ValueError("tokenizer has no eos_token_id: every response must end with one")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -450,7 +456,7 @@ def plot_label_mask(batch: dict[str, torch.Tensor], ax=None, max_rows: int = 16)
     ax.set_ylabel("row")
     ax.set_yticks(range(image.shape[0]))
     labels = ["padding (label -100, attention 0)", "prompt (label -100)", "response (trained)"]
-    ax.legend(handles=[Patch(color=c, label=l) for c, l in zip(colors, labels)], loc="upper center",
+    ax.legend(handles=[Patch(color=c, label=text) for c, text in zip(colors, labels)], loc="upper center",
               bbox_to_anchor=(0.5, -0.25), ncol=3, frameon=False)
     ax.set_title("Which tokens the loss trains on")
     return ax

@@ -18,10 +18,10 @@ import sys
 from pathlib import Path
 
 from . import runtime
-from .results import RESULTS
-from .models import GiB, llama_config, pick_preset_for_gpu
 from .fit import fit_both
 from .memory import logits_bytes_per_token
+from .models import GiB, llama_config, pick_preset_for_gpu
+from .results import RESULTS
 from .train import COMPILE_MODES, WARMUP_STEPS, Comparison, compare, default_lr, make_run_batches, train
 
 GPU_DEFAULTS = dict(steps=20, seq_len=2048, batch_size=1, grad_accum=1)
@@ -38,8 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--preset", default=None,
                    help="tiny, llama-3.2-1b or llama-3.1-8b (default: the largest that fits this GPU; tiny on the CPU)")
-    p.add_argument("--steps", type=int, default=defaults["steps"], help=f"optimizer steps (default {defaults['steps']})")
-    p.add_argument("--seq-len", type=int, default=defaults["seq_len"], help=f"tokens per row (default {defaults['seq_len']})")
+    p.add_argument("--steps", type=int, default=defaults["steps"],
+                   help=f"optimizer steps (default {defaults['steps']})")
+    p.add_argument("--seq-len", type=int, default=defaults["seq_len"],
+                   help=f"tokens per row (default {defaults['seq_len']})")
     p.add_argument("--batch-size", type=int, default=defaults["batch_size"],
                    help=f"rows per micro-batch (default {defaults['batch_size']})")
     p.add_argument("--grad-accum", type=int, default=defaults["grad_accum"],
@@ -105,7 +107,8 @@ def _single_run(args, preset: str, lr: float) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     data = {"device": runtime.device_name(), "mode": runtime.MODE, "versions": runtime.versions(),
-            "settings": _settings(args, preset, lr), "patched": run.to_dict(), "fit": _fit(args, preset) if args.fit else {}}
+            "settings": _settings(args, preset, lr), "patched": run.to_dict(),
+            "fit": _fit(args, preset) if args.fit else {}}
     json_path = out / f"finetune_{preset}_patched.json"
     json_path.write_text(json.dumps(data, indent=1) + "\n")
     fig, ax = plt.subplots(figsize=(8, 4))
@@ -121,7 +124,8 @@ def _single_run(args, preset: str, lr: float) -> None:
 
 def _settings(args, preset: str, lr: float) -> dict:
     return {"preset": preset, "steps": args.steps, "seq_len": args.seq_len, "batch_size": args.batch_size,
-            "grad_accum": args.grad_accum, "lr": lr, "seed": args.seed, "dtype": "bfloat16", "warmup_steps": WARMUP_STEPS}
+            "grad_accum": args.grad_accum, "lr": lr, "seed": args.seed, "dtype": "bfloat16",
+            "warmup_steps": WARMUP_STEPS}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,8 +10,8 @@ then bisection, so the answer takes few probes. ``fit_both`` runs the search for
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 import torch
 
@@ -21,6 +21,7 @@ from .memory import logits_bytes_per_token
 from .models import activation_bytes_per_token_layer, build_model, norm_bytes_per_token
 from .patch import patch_llama
 from .train import VARIANTS, count_trained_labels, default_lr, free_memory
+
 
 @dataclass
 class Probe:

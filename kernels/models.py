@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -50,7 +51,9 @@ _COMMON = dict(
 )
 
 # The llama3 RoPE frequency scaling of the published checkpoints (only the rotary frequencies depend on it).
-_LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+_LLAMA3_ROPE = dict(
+    rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192,
+)
 
 _PRESET_ARGS: dict[str, dict] = {
     "tiny": dict(
@@ -95,7 +98,7 @@ _PRESET_ARGS: dict[str, dict] = {
 }
 
 
-def _make_config(preset: str, **overrides) -> "LlamaConfig":
+def _make_config(preset: str, **overrides) -> LlamaConfig:
     from transformers import LlamaConfig
 
     args = {**_COMMON, **_PRESET_ARGS[preset]}
@@ -109,8 +112,8 @@ def _make_config(preset: str, **overrides) -> "LlamaConfig":
     return config
 
 
-def _preset_factory(preset: str) -> Callable[..., "LlamaConfig"]:
-    def make(**overrides) -> "LlamaConfig":
+def _preset_factory(preset: str) -> Callable[..., LlamaConfig]:
+    def make(**overrides) -> LlamaConfig:
         return _make_config(preset, **overrides)
 
     make.__name__ = f"{preset.replace('-', '_').replace('.', '_')}_config"
@@ -119,17 +122,17 @@ def _preset_factory(preset: str) -> Callable[..., "LlamaConfig"]:
 
 
 # name -> function returning a fresh LlamaConfig (keyword arguments override settings, e.g. vocab_size=...).
-PRESETS: dict[str, Callable[..., "LlamaConfig"]] = {name: _preset_factory(name) for name in _PRESET_ARGS}
+PRESETS: dict[str, Callable[..., LlamaConfig]] = {name: _preset_factory(name) for name in _PRESET_ARGS}
 
 
-def llama_config(preset: str = "tiny", **overrides) -> "LlamaConfig":
+def llama_config(preset: str = "tiny", **overrides) -> LlamaConfig:
     """The ``LlamaConfig`` of a preset, with any setting overridden, e.g. ``llama_config("tiny", vocab_size=4096)``."""
     if not isinstance(preset, str) or preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
     return PRESETS[preset](**overrides)
 
 
-def count_parameters(config: "LlamaConfig") -> int:
+def count_parameters(config: LlamaConfig) -> int:
     """Parameters of a ``LlamaForCausalLM`` with this configuration, counted from the shapes (tied weights once)."""
     h, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
     head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
@@ -152,7 +155,7 @@ def count_parameters(config: "LlamaConfig") -> int:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _resolve_config(preset_or_config) -> "LlamaConfig":
+def _resolve_config(preset_or_config) -> LlamaConfig:
     from transformers import LlamaConfig
 
     if isinstance(preset_or_config, str):
@@ -210,7 +213,9 @@ def init_weights_(model: torch.nn.Module, seed: int = 0, std: float | None = Non
     return model
 
 
-def build_model(preset_or_config="tiny", dtype: torch.dtype = torch.bfloat16, device=None, seed: int = 0) -> "LlamaForCausalLM":
+def build_model(
+    preset_or_config="tiny", dtype: torch.dtype = torch.bfloat16, device=None, seed: int = 0
+) -> LlamaForCausalLM:
     """A ``LlamaForCausalLM`` of a preset (or any ``LlamaConfig``) with deterministic random weights, in train mode.
 
     The model is constructed directly on ``device`` (default: ``runtime.device()``) in ``dtype``, so an 8B model on a
@@ -234,7 +239,7 @@ def build_model(preset_or_config="tiny", dtype: torch.dtype = torch.bfloat16, de
     return model.train()
 
 
-def load_pretrained(name_or_path, dtype: torch.dtype = torch.bfloat16, device=None) -> "LlamaForCausalLM":
+def load_pretrained(name_or_path, dtype: torch.dtype = torch.bfloat16, device=None) -> LlamaForCausalLM:
     """Real weights from a local directory or a model already in the Hugging Face cache; never downloads.
 
     Returns the model in train mode with the KV cache off and attention through "sdpa", like ``build_model``.
@@ -243,7 +248,9 @@ def load_pretrained(name_or_path, dtype: torch.dtype = torch.bfloat16, device=No
 
     _check_dtype(dtype)
     if not isinstance(name_or_path, (str, Path)):
-        raise TypeError(f"name_or_path must be a directory or a hub id (str or Path), got {type(name_or_path).__name__}")
+        raise TypeError(
+            f"name_or_path must be a directory or a hub id (str or Path), got {type(name_or_path).__name__}"
+        )
     device = torch.device(device) if device is not None else runtime.device()
     try:
         model = AutoModelForCausalLM.from_pretrained(
@@ -365,7 +372,7 @@ def norm_bytes_per_token(hidden: int, dtype: torch.dtype = torch.bfloat16) -> in
     return 4 * hidden + 4 + 2 * size * hidden
 
 
-def activation_bytes_per_token_layer(config: "LlamaConfig", dtype: torch.dtype = torch.bfloat16) -> int:
+def activation_bytes_per_token_layer(config: LlamaConfig, dtype: torch.dtype = torch.bfloat16) -> int:
     """Bytes one decoder layer saves for the backward pass per token, in Hugging Face's Llama (an estimate).
 
     Counted from what autograd keeps (``tests/test_models.py`` checks it against the tensors a real step saves),
@@ -391,7 +398,9 @@ def activation_bytes_per_token_layer(config: "LlamaConfig", dtype: torch.dtype =
     return norms + attention + mlp
 
 
-def full_finetune_memory(config: "LlamaConfig", batch_size: int, seq_len: int, dtype: torch.dtype = torch.bfloat16) -> MemoryBudget:
+def full_finetune_memory(
+    config: LlamaConfig, batch_size: int, seq_len: int, dtype: torch.dtype = torch.bfloat16
+) -> MemoryBudget:
     """The memory of one step of full fine-tuning with ``torch.optim.AdamW``, computed from the configuration.
 
     Assumptions, each the behaviour of the libraries as they are:
@@ -420,7 +429,8 @@ def full_finetune_memory(config: "LlamaConfig", batch_size: int, seq_len: int, d
     # A row with padding makes Hugging Face build a [B, 1, S, S] mask for sdpa; PyTorch's CPU attention keeps a
     # copy per layer (counted so, an upper bound where the GPU's attention shares one).
     mask_per_layer = batch_size * seq_len * seq_len * size
-    activations = tokens * (config.num_hidden_layers * per_layer + final_norm) + config.num_hidden_layers * mask_per_layer
+    layers = config.num_hidden_layers
+    activations = tokens * (layers * per_layer + final_norm) + layers * mask_per_layer
     notes = {
         "weights": f"{n_params:,} parameters × {size} B",
         "gradients": f"one per parameter, {dtype}",

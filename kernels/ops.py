@@ -19,7 +19,7 @@ host, ``torch.library.register_autograd`` costs about 230 µs more per RMSNorm f
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

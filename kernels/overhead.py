@@ -24,8 +24,8 @@ import argparse
 import importlib
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import triton

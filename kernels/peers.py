@@ -9,8 +9,8 @@ builds a callable for one case (``kernels.sweep``); one that cannot run here say
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F

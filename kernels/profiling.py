@@ -41,17 +41,17 @@ import re
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from .results import ASSETS
 from .memory import hf_loss_buffers
 from .models import HIGH_POINTS, GiB, MemoryBudget, full_finetune_memory
+from .results import ASSETS
 
 TRACES = ASSETS / "traces"
 FAMILIES = ("matmul", "attention", "rmsnorm", "cross_entropy", "elementwise", "optimizer", "other")
@@ -86,7 +86,8 @@ _RULES: tuple[tuple[str, re.Pattern], ...] = tuple(
         ("attention", r"(?i:flash|fmha|attention|sdpa|_scaled_dot_product)"),
         # RMSNorm: its own kernels and the pieces only RMSNorm uses in a Llama (pow, mean, rsqrt). PyTorch's fused
         # F.rms_norm reuses its layer-norm kernels on the GPU.
-        ("rmsnorm", r"(?i:rms_?norm|layer_?norm|rsqrt)|(?i:\bpow\b|pow_|powbackward)|aten::mean\b|MeanOps|MeanBackward"),
+        ("rmsnorm",
+         r"(?i:rms_?norm|layer_?norm|rsqrt)|(?i:\bpow\b|pow_|powbackward)|aten::mean\b|MeanOps|MeanBackward"),
         # Matmul: aten ops and autograd nodes, cuBLAS/cuBLASLt/CUTLASS kernel families (gemm, gemv, nvjet, xmma).
         (
             "matmul",
@@ -588,7 +589,7 @@ def profile_training_step(
         profiled_step_ms=profiled_ms,
         tokens=tokens,
         families=family_rows,
-        phases={k: v / 1e3 for k, v in sorted(phases.items(), key=lambda kv: ["forward", "backward", "optimizer"].index(kv[0]))},
+        phases={k: phases[k] / 1e3 for k in ("forward", "backward", "optimizer") if k in phases},
         top_ops=_rows(ops, total_us, top),
         top_kernels=_rows(kernels, total_us, top) if use_device else [],
         memory=memory,

@@ -208,7 +208,8 @@ def summarize(results: dict, min_speedup: float = 1.0) -> str:
         lines.append("  interpreter run: wall-clock times of the CPU say nothing about GPU speed; no comparison drawn")
     for basis in BASES if results["mode"] == "gpu" else ():
         for pass_ in results["settings"]["passes"]:
-            entries = [t for t in targets(results, min_speedup, (basis,)) if t["pass"] == pass_ and t["met"] is not None]
+            entries = [t for t in targets(results, min_speedup, (basis,))
+                       if t["pass"] == pass_ and t["met"] is not None]
             if not entries:
                 continue
             met = sum(t["met"] for t in entries)

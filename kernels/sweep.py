@@ -29,8 +29,19 @@ from . import runtime
 from .bench import device_time_ms, gbps, measure_ceilings, peak_extra_mib, reset_grads, time_ms
 from .peers import IMPLEMENTATIONS, Impl, implementations
 from .reference import relative_error, rms_norm_reference
-from .results import (ASSETS, DTYPES, KERNELS, RESULTS, SCHEMA_VERSION, check_kernel, device_slug, first_line,
-                      format_table, save_results, summarize)
+from .results import (
+    ASSETS,
+    DTYPES,
+    KERNELS,
+    RESULTS,
+    SCHEMA_VERSION,
+    check_kernel,
+    device_slug,
+    first_line,
+    format_table,
+    save_results,
+    summarize,
+)
 from .tolerances import RELATIVE_ERROR_TOL
 
 PASSES = ("fwd", "fwd+bwd")
@@ -282,7 +293,8 @@ class CrossEntropyCase:
                 loss.backward()
                 grad = self.logits.grad
                 errors["grad (sampled rows)"] = (
-                    float("inf") if grad is None else relative_error(grad[ref["rows"]], ref["grad_rows"], on_device=True))
+                    float("inf") if grad is None
+                    else relative_error(grad[ref["rows"]], ref["grad_rows"], on_device=True))
         self.logits.grad = None
         return _judge(errors, RELATIVE_ERROR_TOL[self.dtype])
 
@@ -413,7 +425,7 @@ def run_benchmark(
     """Check and time ``kernel``'s implementations over a token sweep (and, for RMSNorm, a hidden-size sweep).
 
     ``width`` is the hidden size (RMSNorm) or the vocabulary (cross-entropy). ``impls``: keys of
-    ``IMPLEMENTATIONS[kernel]`` or ``Impl`` objects (default: all). ``warmup``/``rep`` are do_bench's, in ms.
+    ``peers.IMPLEMENTATIONS[kernel]`` or ``Impl`` objects (default: all). ``warmup``/``rep`` are do_bench's, in ms.
     On a GPU the copy and matmul ceilings are measured first unless ``ceilings`` is given.
     Returns the results dict that ``save_results`` writes as JSON.
     """

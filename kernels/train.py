@@ -39,18 +39,18 @@ import gc
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from . import runtime
-from .results import RESULTS
 from .data import IGNORE_INDEX, get_tokenizer, make_sft_batches
 from .models import GiB, build_model, llama_config
 from .patch import patch_llama
 from .reference import relative_error
+from .results import RESULTS
 
 WARMUP_STEPS = 3
 VARIANTS = ("baseline", "patched")
@@ -179,7 +179,8 @@ def describe_model(model: torch.nn.Module) -> dict:
     return {
         "model": type(model).__name__,
         "norms": norms,
-        "loss": repr(loss) if loss is not None else "transformers ForCausalLMLoss (fp32 copy of the logits, F.cross_entropy)",
+        "loss": repr(loss) if loss is not None
+        else "transformers ForCausalLMLoss (fp32 copy of the logits, F.cross_entropy)",
         "dtype": str(param.dtype).replace("torch.", ""),
         "device": str(param.device),
         "attention": getattr(model.config, "_attn_implementation", None),
@@ -194,7 +195,9 @@ def _micro_batches_on(batches, device) -> list[dict[str, torch.Tensor]]:
 
 def _check_train_args(batches, grad_accum, lr, warmup_steps) -> int:
     if not isinstance(batches, (list, tuple)) or not batches or not all(isinstance(b, dict) for b in batches):
-        raise TypeError("batches must be a non-empty list of dicts (input_ids, attention_mask, labels), as make_sft_batches gives")
+        raise TypeError(
+            "batches must be a non-empty list of dicts (input_ids, attention_mask, labels), as make_sft_batches gives"
+        )
     if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum < 1:
         raise ValueError(f"grad_accum must be a positive int, got {grad_accum!r}")
     if len(batches) % grad_accum:
@@ -263,7 +266,8 @@ def train(
         _sync(device)
         elapsed = time.perf_counter() - start
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-        record = StepRecord(step, float(step_loss), elapsed, total[step], real[step], trained[step], peak, step >= warmup)
+        record = StepRecord(step, float(step_loss), elapsed, total[step], real[step], trained[step], peak,
+                            step >= warmup)
         records.append(record)
         bar.set_postfix(loss=f"{record.loss:.4f}", tok_s=f"{record.tokens_per_s:,.0f}")
     bar.close()
@@ -330,7 +334,8 @@ class Comparison:
              f"{s['speedup']:.3f}×"),
             ("tokens/s (non-padding)", f"{s['real_tokens_per_s']['baseline']:,.0f}",
              f"{s['real_tokens_per_s']['patched']:,.0f}", ""),
-            ("time per step", f"{s['step_time_s']['baseline'] * 1e3:,.1f} ms", f"{s['step_time_s']['patched'] * 1e3:,.1f} ms",
+            ("time per step", f"{s['step_time_s']['baseline'] * 1e3:,.1f} ms",
+             f"{s['step_time_s']['patched'] * 1e3:,.1f} ms",
              f"{s['step_time_s']['patched'] / s['step_time_s']['baseline'] - 1:+.1%}"),
             ("peak memory", mem(b_mem), mem(p_mem),
              f"{(p_mem - b_mem) / GiB:+.2f} GiB" if b_mem is not None and p_mem is not None else ""),
@@ -405,8 +410,8 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 
 
 def compile_model(model: torch.nn.Module, mode: str = "default") -> torch.nn.Module:
-    """``torch.compile(model, mode=mode)``: inductor on a GPU; on the CPU ``backend="aot_eager"``, which traces
-    the same graphs (our kernels as single operators) and runs them eagerly, so Triton's interpreter runs the kernels."""
+    """``torch.compile(model, mode=mode)``: inductor on a GPU; on the CPU ``backend="aot_eager"``, which traces the
+    same graphs (our kernels as single operators) and runs them eagerly, so Triton's interpreter runs the kernels."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}")
     if runtime.MODE != "gpu":
@@ -517,13 +522,15 @@ class GradientCheck:
         return max(e[which] for e in self.errors.values())
 
     def table(self) -> str:
-        lines = [f"{'parameter kind':<26}{'count':>6}{'HF bf16 vs fp32':>18}{'patched vs fp32':>18}{'patched vs HF':>16}"]
+        lines = [f"{'parameter kind':<26}{'count':>6}{'HF bf16 vs fp32':>18}{'patched vs fp32':>18}"
+                 f"{'patched vs HF':>16}"]
         for kind, row in self.by_kind().items():
             lines.append(f"{kind:<26}{row['count']:>6}{row['baseline']:>18.2e}{row['patched']:>18.2e}"
                          f"{row['patched_vs_baseline']:>16.2e}")
         lines.append("(largest relative error ‖g − g_ref‖ / ‖g_ref‖ over the parameters of each kind)")
         loss = self.losses
-        lines.append(f"loss: float32 {loss['float32']:.6f}, HF bf16 {loss['baseline']:.6f}, patched bf16 {loss['patched']:.6f}")
+        lines.append(f"loss: float32 {loss['float32']:.6f}, HF bf16 {loss['baseline']:.6f}, "
+                     f"patched bf16 {loss['patched']:.6f}")
         return "\n".join(lines)
 
     def plot(self, ax=None):

@@ -41,7 +41,8 @@ def test_cross_entropy_bytes_two_read_design_and_single_read_floor():
     assert cross_entropy_bytes(t, v, 2, "two_read") == 6 * t * v  # 6 bytes per bf16 logit
     assert cross_entropy_bytes(t, v, 2, "single_read") == 4 * t * v
     assert cross_entropy_bytes(t, v, 4, "two_read") == 12 * t * v
-    assert floor_ms(cross_entropy_bytes(t, v), 4250) == pytest.approx(2.967, rel=1e-3)  # 6 bytes per logit at 4,250 GB/s
+    # 6 bytes per logit at 4,250 GB/s
+    assert floor_ms(cross_entropy_bytes(t, v), 4250) == pytest.approx(2.967, rel=1e-3)
     with pytest.raises(ValueError, match="design"):
         cross_entropy_bytes(t, v, 2, "three_read")
 
@@ -245,7 +246,8 @@ def test_command_line_writes_json_and_png(tmp_path, capsys):
     assert (tmp_path / "cross_entropy_cpu-interpreter.png").stat().st_size > 10_000
     for results, n_shapes, n_impls, n_passes in ((rms, 3, 5, 2), (ce, 2, 6, 1)):
         assert results["schema"] == results_module.SCHEMA_VERSION and results["mode"] == "interpreter"
-        assert {"device", "date", "versions", "git_commit", "ceilings", "settings", "time_basis", "rows"} <= set(results)
+        expected_keys = {"device", "date", "versions", "git_commit", "ceilings", "settings", "time_basis", "rows"}
+        assert expected_keys <= set(results)
         assert results["ceilings"] is None and "meaningless" in results["time_basis"]["eager_ms"]
         assert len(results["rows"]) == n_shapes * n_impls * n_passes  # 5×48 and 12×48 run once for both sweeps
         for row in results["rows"]:

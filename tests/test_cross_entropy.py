@@ -16,8 +16,8 @@ from kernels.cross_entropy import (
     cross_entropy_forward,
     forward_config,
 )
-from kernels.memory import loss_memory_bytes
 from kernels.exercises.cross_entropy import check_ce_gradient, check_online_update
+from kernels.memory import loss_memory_bytes
 from kernels.reference import cross_entropy_hf, online_logsumexp, online_softmax_steps, relative_error
 from kernels.tolerances import RELATIVE_ERROR_TOL as TOL
 

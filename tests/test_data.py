@@ -118,7 +118,9 @@ def test_same_seed_same_batches_and_every_batch_differs(tok):
     a = make_sft_batches(tok, 2, 64, 4, seed=11)
     b = make_sft_batches(tok, 2, 64, 4, seed=11)
     c = make_sft_batches(tok, 2, 64, 4, seed=12)
-    assert all(torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["labels"], y["labels"]) for x, y in zip(a, b))
+    assert len(a) == len(b)
+    assert all(torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["labels"], y["labels"])
+               for x, y in zip(a, b))
     assert not torch.equal(a[0]["input_ids"], c[0]["input_ids"])
     firsts = {tuple(batch["input_ids"][0].tolist()) for batch in a}
     assert len(firsts) == 4

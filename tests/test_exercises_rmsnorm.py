@@ -80,7 +80,8 @@ def returns_float32(x, w, eps):
 
 
 PLANTED_FORWARD = {
-    "stub-zeros": (lambda x, w, eps: torch.zeros_like(x), "every value of y is 0: is the exercise line still the placeholder"),
+    "stub-zeros": (lambda x, w, eps: torch.zeros_like(x),
+                   "every value of y is 0: is the exercise line still the placeholder"),
     "divide-by-BLOCK_N": (
         lambda x, w, eps: forward(x, w, eps, divisor=triton.next_power_of_2),
         "on a float32 input of 5 × 100, row 0 of y differs (column",
@@ -116,7 +117,8 @@ PLANTED_FORWARD = {
     "raises": (raise_error, "your function raised ValueError: boom: the reader's kernel failed"),
     "returns-none": (lambda x, w, eps: None, "your function returned NoneType, expected a tensor shaped like x"),
     "wrong-shape": (lambda x, w, eps: forward(x, w, eps)[:, :-1], "the output has shape (7, 63), expected (7, 64)"),
-    "wrong-dtype": (returns_float32, "bfloat16 input of 6 × 300, the output has dtype torch.float32, expected torch.bfloat16"),
+    "wrong-dtype": (returns_float32,
+                    "bfloat16 input of 6 × 300, the output has dtype torch.float32, expected torch.bfloat16"),
     "unrecognised": (lambda x, w, eps: forward(x, w, eps) * 1.01, "None of the usual mistakes reproduces this output"),
 }
 

@@ -18,7 +18,8 @@ def test_compare_on_the_command_line(tmp_path):
     if runtime.MODE == "gpu":
         pytest.skip("on a GPU the default preset is a full-size model; the CLI is exercised by test_single_run")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "kernels.finetune", "--compare", "--steps", "2", "--seq-len", "96", "--batch-size", "1",
+    cmd = [sys.executable, "-m", "kernels.finetune", "--compare", "--steps", "2", "--seq-len", "96",
+           "--batch-size", "1",
            "--grad-accum", "2", "--out", str(tmp_path), "--no-progress"]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -58,4 +59,5 @@ def test_lr_help_states_the_default_learning_rates():
     from kernels.train import default_lr
 
     help_text = " ".join(build_parser().format_help().split())
-    assert f"{default_lr('tiny'):g} for tiny" in help_text and f"{default_lr('llama-3.1-8b'):g} for the Llama" in help_text
+    assert f"{default_lr('tiny'):g} for tiny" in help_text
+    assert f"{default_lr('llama-3.1-8b'):g} for the Llama" in help_text

@@ -5,8 +5,8 @@ import torch
 
 from kernels import runtime
 from kernels.models import (
-    GiB,
     PRESETS,
+    GiB,
     activation_bytes_per_token_layer,
     build_model,
     count_parameters,
@@ -135,7 +135,7 @@ def test_activation_estimate_matches_the_tensors_autograd_saves():
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         storages = {}
 
-        def pack(t):
+        def pack(t, params=params, storages=storages):
             storage = t.untyped_storage()
             if storage.data_ptr() not in params:
                 storages[storage.data_ptr()] = storage.nbytes()

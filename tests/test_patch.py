@@ -275,7 +275,8 @@ def test_unknown_rmsnorm_class_is_refused(device, gen):
 
     model = build_model(llama_config("tiny", vocab_size=VOCAB), dtype=torch.float32, device=device, seed=seed_from(gen))
     model.model.layers[1].post_attention_layernorm = MyRMSNorm(128)
-    with pytest.raises(ValueError, match=r"model\.layers\.1\.post_attention_layernorm.*MyRMSNorm.*refuses rather than guess"):
+    expected = r"model\.layers\.1\.post_attention_layernorm.*MyRMSNorm.*refuses rather than guess"
+    with pytest.raises(ValueError, match=expected):
         patch_llama(model)
     assert type(model.model.norm).__name__ == "LlamaRMSNorm"  # nothing was swapped before the refusal
 

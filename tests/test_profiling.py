@@ -12,7 +12,16 @@ from torch.autograd import DeviceType
 from kernels import runtime
 from kernels.data import get_tokenizer, make_sft_batches
 from kernels.models import build_model, full_finetune_memory, llama_config
-from kernels.profiling import FAMILIES, amdahl, attribute_events, classify, plot_family_times, plot_memory, profile_training_step, short_name
+from kernels.profiling import (
+    FAMILIES,
+    amdahl,
+    attribute_events,
+    classify,
+    plot_family_times,
+    plot_memory,
+    profile_training_step,
+    short_name,
+)
 
 matplotlib.use("Agg")
 

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 import kernels
-from kernels import runtime
 from kernels.reference import relative_error, rms_norm_reference
 from kernels.rmsnorm import TritonRMSNorm, rms_norm
 from kernels.tolerances import RELATIVE_ERROR_TOL as TOL
@@ -178,7 +177,8 @@ def test_gpu_every_element_written(gen, monkeypatch):
         return t.fill_(float("nan")) if t.is_floating_point() else t
 
     monkeypatch.setattr(torch, "empty", poisoned_empty)
-    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: poisoned_empty(t.shape, dtype=kw.get("dtype", t.dtype), device=t.device))
+    monkeypatch.setattr(torch, "empty_like",
+                        lambda t, **kw: poisoned_empty(t.shape, dtype=kw.get("dtype", t.dtype), device=t.device))
     x, w, dy = make_inputs((16384 + 5, 4096), torch.bfloat16, "cuda", gen)
     xk = x.clone().requires_grad_()
     wk = w.clone().requires_grad_()

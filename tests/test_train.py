@@ -8,11 +8,11 @@ import torch
 
 from kernels import runtime
 from kernels.data import get_tokenizer, make_sft_batches
+from kernels.fit import Probe, growth_bytes_per_token, max_seq_len_that_fits, search_longest
+from kernels.memory import logits_bytes_per_token
 from kernels.models import build_model, llama_config
 from kernels.patch import patch_llama
 from kernels.reference import relative_error
-from kernels.fit import Probe, growth_bytes_per_token, max_seq_len_that_fits, search_longest
-from kernels.memory import logits_bytes_per_token
 from kernels.train import Comparison, compare, count_trained_labels, gradient_check, parameter_kind, train
 
 matplotlib.use("Agg")
@@ -58,8 +58,8 @@ def test_gradient_accumulation_equals_one_big_batch(patched, device, gen):
     """Two micro-batches of one row with num_items_in_batch give the gradient of one batch of both rows."""
     # The two rows must train on different numbers of tokens, or the mean of means would equal the global mean
     # and the test could not tell them apart: draw until they do (rarely more than one draw).
-    seed = seed_from(gen)
-    for seed in range(seed, seed + 50):
+    first = seed_from(gen)
+    for seed in range(first, first + 50):
         rows = make_sft_batches(get_tokenizer(), 2, 80, 1, seed=seed)[0]
         if count_trained_labels({"labels": rows["labels"][:1]}) != count_trained_labels({"labels": rows["labels"][1:]}):
             break
@@ -168,7 +168,8 @@ CAPACITIES = [10_000 + 7 * 9_000, 10_000 + 7 * 20_100, 10_000 + 7 * 40_000, 10_0
 # Real steps grow almost linearly with the length (the [B, 1, S, S] attention mask is about 1% at the limit): the
 # prediction then lands within a step or two. A strongly convex growth costs more probes but still converges.
 @pytest.mark.parametrize("capacity", CAPACITIES)
-@pytest.mark.parametrize("quadratic, most_probes", [(0.0, 6), (1e-5, 6), (2e-4, 10)], ids=["linear", "realistic", "convex"])
+@pytest.mark.parametrize("quadratic, most_probes", [(0.0, 6), (1e-5, 6), (2e-4, 10)],
+                         ids=["linear", "realistic", "convex"])
 def test_search_finds_the_boundary_in_few_probes(capacity, quadratic, most_probes):
     probe, calls = fake_probe(capacity, quadratic=quadratic)
     result = search_longest(probe, lo=4096, hi=65536, max_probes=12, budget=capacity)

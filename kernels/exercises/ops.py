@@ -10,7 +10,7 @@ never raises because the reader's function is wrong: it prints its verdict and r
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode

@@ -9,8 +9,8 @@ reader's function is wrong or unfinished: it prints its verdict and returns a :c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import triton
@@ -18,6 +18,7 @@ import triton
 from .. import runtime
 from ..reference import relative_error, rms_norm_reference
 from ..tolerances import ELEMENT_TOL, RELATIVE_ERROR_TOL
+
 # A bfloat16 forward output must equal Hugging Face's bit for bit except in at most this fraction of values. The
 # right cast order gives (almost) no differences; multiplying by the weight before rounding changes about a fifth.
 BF16_MAX_DIFFERENT = 0.02
@@ -383,7 +384,8 @@ def _compare(out, ref, case: Case, name: str, suspects) -> str | None:
         )
     return (
         f"{where}, {first}; relative error of {name} {relative_error(out, ref):.2e} (must stay below "
-        f"{RELATIVE_ERROR_TOL[case.dtype]:g}). None of the usual mistakes reproduces this output: print it beside the reference "
+        f"{RELATIVE_ERROR_TOL[case.dtype]:g}). None of the usual mistakes reproduces this output: print it beside the "
+        "reference "
         "for this input to see the pattern."
     )
 
@@ -393,7 +395,8 @@ def _first_difference(out64, ref, bad, name) -> str:
         row, col = (int(i) for i in bad.nonzero()[0])
     else:  # every element within tolerance, yet the whole is not: point at the largest difference
         row, col = divmod(int((out64 - ref).abs().argmax()), ref.shape[1])
-    return f"row {row} of {name} differs (column {col}: got {out64[row, col].item():.5g}, expected {ref[row, col].item():.5g})"
+    got, expected = out64[row, col].item(), ref[row, col].item()
+    return f"row {row} of {name} differs (column {col}: got {got:.5g}, expected {expected:.5g})"
 
 
 def _suffix(bad_along: torch.Tensor) -> int | None:

@@ -559,12 +559,18 @@ class CrossEntropyFunction(torch.autograd.Function):
         return grad, None, None, None, None, None, None
 
 
-def _split_normalizer(normalizer):
-    """(tensor, number): the operators take a tensor normalizer and a numeric one as separate arguments."""
+def _split_normalizer(normalizer, device: torch.device):
+    """(tensor, number): the operators take a tensor normalizer and a numeric one as separate arguments.
+
+    Under ``torch.compile`` a number becomes a tensor: the compiler treats a Python float as a constant, so a count
+    that changes every step (Hugging Face's ``num_items_in_batch``) would recompile the model at every step.
+    """
     if normalizer is None:
         return None, None
     if isinstance(normalizer, torch.Tensor):
         return normalizer.detach().reshape(()), None
+    if torch.compiler.is_compiling():
+        return torch.scalar_tensor(normalizer, dtype=torch.float32, device=device), None
     return None, float(normalizer)
 
 
@@ -614,7 +620,7 @@ def cross_entropy(
     _check_inputs(logits, target, ignore_index, reduction, normalizer)
     if check_targets:
         _check_target_range(target, logits.shape[-1], ignore_index)
-    norm_tensor, norm_value = _split_normalizer(normalizer)
+    norm_tensor, norm_value = _split_normalizer(normalizer, logits.device)
     if torch.is_grad_enabled() and logits.requires_grad:
         return CrossEntropyFunction.apply(
             logits, target, ignore_index, reduction, norm_tensor, norm_value, inplace_backward

@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+import torch._dynamo.testing
 
 from kernels import ops, runtime
 from kernels.cross_entropy import cross_entropy
@@ -199,3 +200,23 @@ def test_gpu_compiled_patched_bf16_model(gen, mode):
     # bf16: inductor fuses the model's own elementwise work differently from eager, so the losses agree to bf16
     # rounding, not bit for bit.
     torch.testing.assert_close(compiled_losses, eager_losses, rtol=2e-2, atol=2e-2)
+
+
+def test_a_changing_item_count_does_not_recompile(device, gen):
+    # Gradient accumulation passes the number of trained tokens, a Python int that changes every step. The compiled
+    # loss must take it as data, not as a constant that recompiles the model at each new value.
+    model, ids, labels = _tiny_llama_and_batch(device, gen)
+    patch_llama(model)
+    counter = torch._dynamo.testing.CompileCounterWithBackend(BACKEND)
+    compiled = torch.compile(model, backend=counter)
+    losses = []
+    for n_items in (37, 41, 43, 47, 53):
+        torch.compiler.cudagraph_mark_step_begin()
+        loss = compiled(input_ids=ids, labels=labels, num_items_in_batch=n_items).loss
+        loss.backward()
+        losses.append(loss.detach())
+    # The first value compiles a graph; the second may compile one with the count as a symbol; then no more.
+    assert counter.frame_count <= 2, counter.frame_count
+    # And the count is used: the loss is the sum over trained tokens divided by it.
+    ratios = [float(losses[0] * 37 / (loss * n)) for loss, n in zip(losses, (37, 41, 43, 47, 53))]
+    assert max(abs(r - 1) for r in ratios) < 0.05

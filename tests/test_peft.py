@@ -49,10 +49,17 @@ def _assert_same(result, reference):
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_wrap_then_patch(base_and_batch):
+@pytest.fixture
+def lora_reference(base_and_batch):
+    """The unpatched LoRA model and its loss and gradients: what every patched variant must reproduce."""
     base, ids, labels = base_and_batch
     reference = _lora(copy.deepcopy(base))
-    expected = _loss_and_grads(reference, ids, labels)
+    return reference, _loss_and_grads(reference, ids, labels)
+
+
+def test_wrap_then_patch(base_and_batch, lora_reference):
+    _, ids, labels = base_and_batch
+    reference, expected = lora_reference
     model = copy.deepcopy(reference)
     patch = patch_llama(model)
     assert len(patch.replaced) > 0 and patch.model is model.get_base_model()
@@ -62,10 +69,9 @@ def test_wrap_then_patch(base_and_batch):
     _assert_same(_loss_and_grads(model, ids, labels), expected)
 
 
-def test_patch_then_wrap(base_and_batch):
+def test_patch_then_wrap(base_and_batch, lora_reference):
     base, ids, labels = base_and_batch
-    reference = _lora(copy.deepcopy(base))
-    expected = _loss_and_grads(reference, ids, labels)
+    reference, expected = lora_reference
     inner = copy.deepcopy(base)
     patch = patch_llama(inner)
     model = peft.get_peft_model(inner, _lora_config())

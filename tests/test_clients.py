@@ -1,0 +1,85 @@
+"""The patched model with the clients fine-tuning users bring: Hugging Face's Trainer (gradient accumulation and
+gradient checkpointing) and ``generate``. Each must behave exactly as with the unpatched model."""
+
+import copy
+import importlib
+
+import pytest
+import torch
+
+from kernels.models import build_model
+from kernels.patch import patch_llama
+
+transformers = pytest.importorskip("transformers")
+
+
+def _tiny(device, gen):
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=gen)))
+    return build_model("tiny", dtype=torch.float32).to(device)
+
+
+def _dataset(vocab: int, gen, rows: int = 8, seq: int = 24) -> list[dict]:
+    data = []
+    for i in range(rows):
+        length = seq - (i % 3) * 4  # rows of different lengths: padding inside a batch
+        ids = torch.randint(0, vocab, (seq,), generator=gen)
+        labels = ids.clone()
+        labels[: 3 + i % 5] = -100  # a masked prompt of varying length
+        mask = torch.ones(seq, dtype=torch.long)
+        mask[length:] = 0
+        labels[length:] = -100
+        data.append({"input_ids": ids, "labels": labels, "attention_mask": mask})
+    return data
+
+
+def _train_with_trainer(model, data, tmp_path, **overrides):
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=2,
+        learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no", seed=0, data_seed=0,
+        dataloader_num_workers=0, use_cpu=not torch.cuda.is_available(), disable_tqdm=True, **overrides,
+    )
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def _count_calls(monkeypatch, module_name: str, function: str) -> list:
+    """Count the calls of ``module.function`` (a list that grows by one per call)."""
+    module = importlib.import_module(module_name)
+    real, calls = getattr(module, function), []
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("num_items_in_batch"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, function, counted)
+    return calls
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient-checkpointing"])
+def test_trainer_with_gradient_accumulation(device, gen, tmp_path, monkeypatch, checkpointing):
+    base = _tiny(device, gen).train()
+    base.config.use_cache = False
+    data = _dataset(base.config.vocab_size, gen)
+    expected = _train_with_trainer(copy.deepcopy(base), data, tmp_path / "hf", gradient_checkpointing=checkpointing)
+    patched = copy.deepcopy(base)
+    patch = patch_llama(patched)
+    loss_calls = _count_calls(monkeypatch, "kernels.patch", "causal_lm_loss")
+    norm_calls = _count_calls(monkeypatch, "kernels.rmsnorm", "rms_norm")
+    losses = _train_with_trainer(patched, data, tmp_path / "patched", gradient_checkpointing=checkpointing)
+    # Our kernels ran: 2 steps × 2 micro-batches, each with the Trainer's count of trained tokens.
+    assert len(loss_calls) == 4 and all(n is not None for n in loss_calls)
+    assert len(norm_calls) >= 4 * len(patch.replaced)  # checkpointing runs the layers' norms again in backward
+    assert len(losses) == len(expected) == 2
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=1e-4)
+    patch.undo()
+
+
+def test_generate_is_unchanged(device, gen):
+    model = _tiny(device, gen).eval()
+    prompt = torch.randint(0, model.config.vocab_size, (2, 7), generator=gen).to(device)
+    settings = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    expected = model.generate(prompt, **settings)
+    with patch_llama(model):
+        tokens = model.generate(prompt, **settings)
+    assert torch.equal(tokens, expected)

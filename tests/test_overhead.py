@@ -1,0 +1,27 @@
+"""The host-overhead benchmark runs end to end (in the interpreter its microseconds are NumPy's, not a GPU's)."""
+
+import math
+
+from kernels import overhead
+
+
+def test_breakdown_layers_add_up():
+    result = overhead.breakdown("rmsnorm", calls=2)
+    assert set(result["parts_us"]) == set(overhead.LAYERS)
+    assert math.isclose(sum(result["parts_us"].values()), result["levels_us"]["total"], rel_tol=1e-9)
+    assert result["n_launches"] == 3 and result["levels_us"]["launches"] > 0
+
+
+def test_peers_are_checked_then_timed_or_skipped_with_a_reason():
+    rows = overhead.measure_peers("cross_entropy", "fwd+bwd", calls=2)
+    ours = [r for r in rows if r["impl"] == "ours"]
+    assert len(ours) == 1 and ours[0]["host_us"] > 0
+    for row in rows:
+        assert row["host_us"] is not None or row["note"], row
+
+
+def test_run_table_and_plot(tmp_path):
+    results = overhead.run(calls=2)
+    assert "ours, rmsnorm fwd+bwd" in overhead.format_table(results)
+    json_path, png_path = overhead.save(results, tmp_path)
+    assert json_path.exists() and png_path.exists()

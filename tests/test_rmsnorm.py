@@ -54,13 +54,15 @@ def test_large_magnitudes_and_custom_eps(dtype, device, gen):
 
 def test_bf16_output_matches_hugging_face_to_the_bit_almost_everywhere(device, gen):
     # Same casts as LlamaRMSNorm, so the bf16 outputs agree bit for bit except where the float32 rsqrt itself differs
-    # in its last bit (Triton's rsqrt vs torch.rsqrt) and that flips a bf16 rounding: rare, and then by one bf16 ulp.
+    # in its last bit (Triton's rsqrt vs torch.rsqrt) and that flips the bf16 rounding of x̂: rare. x̂ then differs by
+    # one bf16 ulp, and the product w · x̂, rounded to bf16 again, by at most two: e.g. x̂ = -1.37109363 rounds to
+    # -1.3671875 or -1.375, and times w = 1.28125 gives -1.75 or -1.765625 (seen with --seed 2892488183).
     x, w, _ = make_inputs((4, 37, 384), torch.bfloat16, device, gen)
     ours, ref = rms_norm(x, w).float(), rms_norm_reference(x, w).float()
     differ = ours != ref
     assert differ.float().mean().item() < 0.01, f"{differ.sum().item()} of {differ.numel()} elements differ"
     one_ulp = ref.abs() * 2.0**-7  # bf16 keeps 8 significant bits: neighbours are at most |v|·2**-7 apart
-    assert ((ours - ref).abs() <= one_ulp * 1.0001).all(), "an element differs by more than one bf16 ulp"
+    assert ((ours - ref).abs() <= 2 * one_ulp * 1.0001).all(), "an element differs by more than two bf16 ulps"
 
 
 def test_float32_weight_with_bf16_input_promotes_like_pytorch(device, gen):

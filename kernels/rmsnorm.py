@@ -274,14 +274,9 @@ def rms_norm_backward(
     dy_rows = _as_rows(dy)
     n_rows, n_cols = x_rows.shape
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if not compute_dw:
-        dw = weight.new_empty(0)
-    elif n_rows == 0:
-        return dx, torch.zeros_like(weight)
-    else:
-        dw = torch.empty_like(weight)
-    if n_rows == 0:
-        return dx, dw
+    if n_rows == 0:  # no rows: dW is a sum over nothing
+        return dx, (torch.zeros_like(weight) if compute_dw else weight.new_empty(0))
+    dw = torch.empty_like(weight) if compute_dw else weight.new_empty(0)
     cfg = config or _backward_config(n_rows, n_cols, x.element_size(), runtime.device_props(x.device))
     partial = torch.empty((cfg.grid[0], n_cols), dtype=torch.float32, device=x.device) if compute_dw else dx
     _rms_norm_bwd_kernel[cfg.grid](

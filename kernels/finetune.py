@@ -21,8 +21,18 @@ from . import runtime
 from .fit import fit_both
 from .memory import logits_bytes_per_token
 from .models import GiB, llama_config, pick_preset_for_gpu
+from .patch import SWITCHES
 from .results import RESULTS
-from .train import COMPILE_MODES, WARMUP_STEPS, Comparison, compare, default_lr, make_run_batches, train
+from .train import (
+    COMPILE_MODES,
+    WARMUP_STEPS,
+    Comparison,
+    compare,
+    default_lr,
+    enable_checkpointing,
+    make_run_batches,
+    train,
+)
 
 GPU_DEFAULTS = dict(steps=20, seq_len=2048, batch_size=1, grad_accum=1)
 CPU_DEFAULTS = dict(steps=6, seq_len=256, batch_size=2, grad_accum=2)
@@ -58,9 +68,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fit-probes", type=int, default=8, help="most steps the fit search runs per variant (default 8)")
     p.add_argument("--compile", nargs="?", const="default", default=None, choices=COMPILE_MODES,
                    help="torch.compile both models (default mode, or the mode named; needs --compare)")
+    p.add_argument("--kernels", type=_switches, default=None, metavar="NAME[,NAME...]",
+                   help=f"which of patch_llama's kernels to turn on, from {', '.join(SWITCHES)} "
+                        "(default: patch_llama's defaults)")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="Hugging Face's activation checkpointing in every model run (non-reentrant)")
     p.add_argument("--out", type=Path, default=RESULTS, help=f"folder for the JSON and PNG (default {RESULTS})")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
+
+
+def _switches(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in SWITCHES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown kernel {', '.join(unknown)}: choose from {', '.join(SWITCHES)}")
+    return names
+
+
+def patch_options(args) -> dict:
+    """``patch_llama`` keywords from ``--kernels``: each switch on exactly when named (none given: its default)."""
+    if args.kernels is None:
+        return {}
+    return {name: name in args.kernels for name in SWITCHES}
 
 
 def _choose_preset(args) -> tuple[str, str]:
@@ -97,7 +127,9 @@ def _single_run(args, preset: str, lr: float) -> None:
 
     batches = make_run_batches(preset, args.steps, args.seq_len, args.batch_size, args.grad_accum, args.seed)
     model = build_model(preset, seed=args.seed)
-    patch = patch_llama(model)
+    if args.gradient_checkpointing:
+        enable_checkpointing(model)
+    patch = patch_llama(model, **patch_options(args))
     run = train(model, batches, grad_accum=args.grad_accum, lr=lr, label="patched", progress=not args.no_progress)
     patch.undo()
     peak = f"{run.peak_memory / GiB:.2f} GiB" if run.peak_memory is not None else "n/a (CPU)"
@@ -125,7 +157,8 @@ def _single_run(args, preset: str, lr: float) -> None:
 def _settings(args, preset: str, lr: float) -> dict:
     return {"preset": preset, "steps": args.steps, "seq_len": args.seq_len, "batch_size": args.batch_size,
             "grad_accum": args.grad_accum, "lr": lr, "seed": args.seed, "dtype": "bfloat16",
-            "warmup_steps": WARMUP_STEPS}
+            "warmup_steps": WARMUP_STEPS, "patch_options": patch_options(args),
+            "gradient_checkpointing": args.gradient_checkpointing}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
 
     matplotlib.use("Agg")
     result: Comparison = compare(preset, args.steps, args.seq_len, args.batch_size, args.grad_accum, lr, args.seed,
-                                 progress=not args.no_progress, compile=args.compile)
+                                 progress=not args.no_progress, compile=args.compile,
+                                 patch_options=patch_options(args), gradient_checkpointing=args.gradient_checkpointing)
     if args.fit:
         result.fit = _fit(args, preset)
     print()

@@ -45,6 +45,10 @@ from .rmsnorm import TritonRMSNorm
 
 IGNORE_INDEX = -100
 
+# patch_llama's kernel switches, by keyword: what ``python -m kernels.finetune --kernels`` and ``compare``'s
+# ``patch_options`` may name.
+SWITCHES = ("rms_norm", "cross_entropy")
+
 # (module path, class name) of the norms whose formula is Llama's: x · rsqrt(mean(x²) + eps) in float32, cast to the
 # input dtype, then multiplied by the weight. Classes the installed transformers lacks are skipped.
 SAME_FORMULA = (

@@ -419,6 +419,16 @@ def compile_model(model: torch.nn.Module, mode: str = "default") -> torch.nn.Mod
     return torch.compile(model, mode=None if mode == "default" else mode)
 
 
+def enable_checkpointing(model: torch.nn.Module) -> None:
+    """Hugging Face's gradient checkpointing, non-reentrant (the variant PyTorch recommends; it needs no input that
+    requires a gradient, and it composes with torch.compile and FSDP2)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # the name newer transformers releases use
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def _fmt_len(n) -> str:
     return f"{n:,}" if isinstance(n, int) else "n/a"
 
@@ -447,6 +457,7 @@ def compare(
     tokenizer=None,
     patch_options: dict | None = None,
     compile: str | None = None,
+    gradient_checkpointing: bool = False,
 ) -> Comparison:
     """Train the baseline, then the patched model, from the same initial weights on the same batches.
 
@@ -455,6 +466,8 @@ def compare(
     ``patch_options`` go to ``patch_llama`` (e.g. ``dict(rms_norm=False)`` to patch the loss alone). ``compile``
     (``"default"``, ``"reduce-overhead"``, ...) runs both models through ``compile_model`` with that mode; the
     compilation happens in the first steps, which ``warmup_steps`` keeps out of the timings.
+    ``gradient_checkpointing`` turns on Hugging Face's activation checkpointing in both models (non-reentrant):
+    each decoder layer keeps only its input and recomputes the rest in the backward pass.
     """
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
@@ -464,11 +477,14 @@ def compare(
         "preset": preset, "steps": steps, "seq_len": seq_len, "batch_size": batch_size, "grad_accum": grad_accum,
         "lr": lr, "seed": seed, "dtype": str(dtype).replace("torch.", ""), "warmup_steps": warmup_steps,
         "patch_options": dict(patch_options or {}), "compile": compile,
+        "gradient_checkpointing": gradient_checkpointing,
     }
     runs = {}
     for variant in VARIANTS:
         free_memory()
         model = build_model(preset, dtype=dtype, device=device, seed=seed)
+        if gradient_checkpointing:
+            enable_checkpointing(model)
         handle = patch_llama(model, **(patch_options or {})) if variant == "patched" else None
         runner = compile_model(model, compile) if compile else model
         runs[variant] = train(runner, batches, grad_accum=grad_accum, lr=lr, label=variant,

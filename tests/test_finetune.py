@@ -61,3 +61,30 @@ def test_lr_help_states_the_default_learning_rates():
     help_text = " ".join(build_parser().format_help().split())
     assert f"{default_lr('tiny'):g} for tiny" in help_text
     assert f"{default_lr('llama-3.1-8b'):g} for the Llama" in help_text
+
+
+def test_kernels_switches_and_checkpointing_reach_the_patched_run(tmp_path, capsys):
+    from kernels.patch import SWITCHES
+
+    assert main(["--preset", "tiny", "--steps", "1", "--seq-len", "48", "--batch-size", "1", "--grad-accum", "1",
+                 "--kernels", "cross_entropy", "--gradient-checkpointing", "--out", str(tmp_path),
+                 "--no-progress"]) == 0
+    data = json.loads((tmp_path / "finetune_tiny_patched.json").read_text())
+    assert data["settings"]["patch_options"] == {name: name == "cross_entropy" for name in SWITCHES}
+    assert data["settings"]["gradient_checkpointing"] is True
+    # Only the loss was patched: the norms stay Hugging Face's.
+    assert "TritonRMSNorm" not in data["patched"]["what_ran"]["norms"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--kernels", "rms_norm,flash"])
+    assert "unknown kernel flash" in capsys.readouterr().err
+
+
+def test_compare_with_checkpointing_gives_the_same_losses(gen):
+    from kernels.train import compare
+
+    plain = compare("tiny", steps=2, seq_len=40, batch_size=1, warmup_steps=1, progress=False)
+    ckpt = compare("tiny", steps=2, seq_len=40, batch_size=1, warmup_steps=1, progress=False,
+                   gradient_checkpointing=True)
+    assert ckpt.settings["gradient_checkpointing"] is True
+    for a, b in ((plain.baseline, ckpt.baseline), (plain.patched, ckpt.patched)):
+        assert max(abs(x - y) for x, y in zip(a.losses, b.losses)) < 1e-3

@@ -237,28 +237,34 @@ def _backward_config(n_rows: int, n_cols: int, props: runtime.DeviceProps) -> Cr
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _check_inputs(logits, target, ignore_index, reduction, normalizer) -> None:
-    if not isinstance(logits, torch.Tensor) or not isinstance(target, torch.Tensor):
-        raise TypeError(f"logits and target must be tensors, got {type(logits).__name__} and {type(target).__name__}")
-    if not logits.is_floating_point():
-        raise TypeError(f"logits must be a floating-point tensor, got dtype {logits.dtype}")
-    if logits.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"logits must be float32, bfloat16 or float16, got dtype {logits.dtype}")
+def check_scores(name: str, scores) -> None:
+    """The tensor of scores a loss reads (logits, or a linear layer's input): a float32/bf16/fp16 tensor."""
+    if not isinstance(scores, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(scores).__name__}")
+    if not scores.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {scores.dtype}")
+    if scores.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got dtype {scores.dtype}")
+    if not runtime.INTERPRET and scores.device.type != "cuda":
+        raise ValueError(f"in gpu mode the inputs must be CUDA tensors, got {name} on {scores.device}")
+
+
+def check_loss_args(target, rows_of: str, lead: tuple, device, ignore_index, reduction, normalizer) -> None:
+    """Checks shared by the losses: ``target`` holds one integer class per row of ``rows_of`` (leading shape ``lead``,
+    on ``device``), and the reduction, ``ignore_index`` and ``normalizer`` are ones the kernels know."""
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target must be a tensor, got {type(target).__name__}")
     if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
         raise TypeError(f"target must hold integer class indices (e.g. torch.int64), got dtype {target.dtype}")
-    if logits.dim() == 0 or logits.shape[-1] == 0:
-        raise ValueError(f"logits must have a last dimension of at least one class, got shape {tuple(logits.shape)}")
-    lead = tuple(logits.shape[:-1])
-    n_rows = logits.numel() // logits.shape[-1]
+    n_rows = math.prod(lead)
     if tuple(target.shape) != lead and not (target.dim() == 1 and target.numel() == n_rows):
         raise ValueError(
-            f"target must have shape {lead} (one class index per row of logits {tuple(logits.shape)}) "
+            f"target must have shape {lead} (one class index per row of {rows_of}) "
             f"or be 1-D with {n_rows} entries, got shape {tuple(target.shape)}"
         )
-    if target.device != logits.device:
-        raise ValueError(f"logits and target must be on the same device, got {logits.device} and {target.device}")
-    if not runtime.INTERPRET and logits.device.type != "cuda":
-        raise ValueError(f"in gpu mode the inputs must be CUDA tensors, got logits on {logits.device}")
+    if target.device != device:
+        name = rows_of.split(" ")[0]
+        raise ValueError(f"{name} and target must be on the same device, got {device} and {target.device}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
     if reduction not in REDUCTIONS:
@@ -270,6 +276,16 @@ def _check_inputs(logits, target, ignore_index, reduction, normalizer) -> None:
         is_scalar_tensor = isinstance(normalizer, torch.Tensor) and normalizer.numel() == 1 and normalizer.dim() <= 1
         if not (is_number or is_scalar_tensor):
             raise TypeError(f"normalizer must be a number or a one-element tensor, got {normalizer!r}")
+
+
+def _check_inputs(logits, target, ignore_index, reduction, normalizer) -> None:
+    if not isinstance(logits, torch.Tensor) or not isinstance(target, torch.Tensor):
+        raise TypeError(f"logits and target must be tensors, got {type(logits).__name__} and {type(target).__name__}")
+    check_scores("logits", logits)
+    if logits.dim() == 0 or logits.shape[-1] == 0:
+        raise ValueError(f"logits must have a last dimension of at least one class, got shape {tuple(logits.shape)}")
+    check_loss_args(target, f"logits {tuple(logits.shape)}", tuple(logits.shape[:-1]), logits.device, ignore_index,
+                    reduction, normalizer)
 
 
 def _check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int) -> None:

@@ -1,0 +1,534 @@
+"""The loss without the logits: cross-entropy of ``hidden @ weight.T`` that never holds a [tokens, vocab] tensor.
+
+A causal LM's last layer multiplies each token's hidden state h (width H) by the output embedding W ([V, H]) to get
+V logits, and the loss only wants, per token, logsumexp(h · Wᵀ) − h · W[t]. At Llama 3's V = 128,256 those logits
+are the largest activation of a fine-tuning step (8,192 tokens: 2.1 GB in bf16, before any float32 copy or gradient).
+
+Two ways to get the loss and both gradients without them, both here:
+
+**"recompute"** (vocabulary slices; the default whenever ``weight`` needs a gradient). The forward pass walks W in
+slices of ``slice_width`` rows: one matmul gives the logits of every token for that slice ([tokens, slice]), and a
+Triton kernel folds them into each token's running max and rescaled sum, the online softmax of chapter 05 with a
+whole matmul per step instead of a chunk of a row. It keeps one float32 logsumexp per token. The backward pass
+walks the slices again: the matmul recomputes the slice's logits, a Triton kernel overwrites them with the
+gradient (softmax − onehot) · scale, and two matmuls turn that into this slice's rows of dW (float32 accumulation
+over every token inside one matmul, rounded once) and its share of dh (accumulated in a float32 [tokens, H]
+buffer). Memory beyond inputs and gradients: one slice of logits and the float32 dh; cost: 4 matmuls of
+2·tokens·V·H FLOP where the unfused loss does 3 (the forward's is done twice).
+
+**"chunked"** (token chunks, the gradient during the forward; the default when ``weight`` is frozen, e.g. LoRA).
+For each chunk of tokens, one matmul makes its full rows of logits, the package's cross-entropy kernel writes their
+gradient over them, and one matmul gives that chunk's dh. When dW is needed it is accumulated over the chunks in a
+float32 [V, H] buffer (2.1 GB at the 8B shape): that buffer, not the logits, is then the memory cost, so with a
+trainable weight "recompute" is the better plan unless tokens ≫ 2·H. With a frozen weight "chunked" needs 2
+matmuls to "recompute"'s 3 and no buffer beyond a chunk of logits.
+
+Both follow ``kernels.cross_entropy``'s semantics exactly (reductions, ``ignore_index``, NaN for a mean over no
+targets, ``normalizer`` for gradient accumulation, NaN rows for out-of-range targets when unchecked), return a
+float32 loss, and never synchronise with the host unless ``check_targets`` asks for it. The launches are
+PyTorch operators (``torch.ops.kernels.linear_cross_entropy_*``), so ``torch.compile`` sees each as one node.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import ops, runtime
+from .cross_entropy import (
+    _check_target_range,
+    _gradient_scale,
+    _reduce_loss_kernel,
+    _split_normalizer,
+    check_loss_args,
+    check_scores,
+    cross_entropy_forward,
+)
+from .triton_utils import cast_to
+
+STRATEGIES = ("auto", "recompute", "chunked")
+
+# --------------------------------------------------------------------------------------------------------------------
+# Kernels: one slice of logits at a time ([rows, n_cols] contiguous, columns col_start ... col_start + n_cols of V)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _lse_slice_kernel(
+    LOGITS, TARGET, M, S, TARGET_LOGIT, LOSS, LSE,
+    n_rows, n_cols, col_start, vocab, ignore_index,
+    ROWS: tl.constexpr, BLOCK_V: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
+):
+    # Fold one slice of every row's logits into the row's running max m and rescaled sum s (float32, [rows]);
+    # after the last slice, write loss = logsumexp − x[target] and the logsumexp. Slices are separate launches
+    # that run in order on one stream, so each row's m and s are read and written by one program at a time.
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < n_rows
+    rows_in = tl.minimum(rows, n_rows - 1)  # lanes past the end re-read the last row; nothing of theirs is stored
+    if FIRST:
+        m = tl.full((ROWS,), float("-inf"), tl.float32)
+        s = tl.zeros((ROWS,), tl.float32)
+    else:
+        m = tl.load(M + rows_in)
+        s = tl.load(S + rows_in)
+    for start in range(0, n_cols, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        x = tl.load(LOGITS + rows_in[:, None] * n_cols + cols[None, :], mask=(cols < n_cols)[None, :],
+                    other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=1))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1)
+        m = m_new
+
+    # The target's logit lives in exactly one slice: the program that sees it there stores it.
+    target = tl.load(TARGET + rows_in).to(tl.int64)
+    local = target - col_start
+    here = (local >= 0) & (local < n_cols)
+    x_t = tl.load(LOGITS + rows_in * n_cols + local, mask=here, other=0.0).to(tl.float32)
+    tl.store(TARGET_LOGIT + rows, x_t, mask=row_ok & here)
+
+    if LAST:
+        counted = target != ignore_index
+        bad = counted & ((target < 0) | (target >= vocab))  # never read: its loss (and gradient) is NaN
+        # A target in this last slice is in registers; one in an earlier slice was stored by an earlier launch.
+        x_t = tl.where(here, x_t, tl.load(TARGET_LOGIT + rows_in, mask=counted & ~bad & ~here, other=0.0))
+        log_s = tl.log(s)
+        # (m − x_t) + log(s): the large numbers cancel first, as in the cross-entropy kernel.
+        loss = tl.where(counted, (m - x_t) + log_s, 0.0)
+        tl.store(LOSS + rows, tl.where(bad, float("nan"), loss), mask=row_ok)
+        tl.store(LSE + rows, m + log_s, mask=row_ok)
+    else:
+        tl.store(M + rows, m, mask=row_ok)
+        tl.store(S + rows, s, mask=row_ok)
+
+
+@triton.jit
+def _grad_slice_kernel(
+    LOGITS, TARGET, LSE, SCALE, GRAD_OUT,
+    n_rows, n_cols, col_start, vocab, ignore_index, stride_go,
+    ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    # Overwrite one slice of logits with d(loss)/d(logits) = (softmax − onehot) · grad_output · SCALE[0]: the
+    # logsumexp of each row is already known, so every element is computed from its own logit alone.
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < n_rows
+    rows_in = tl.minimum(rows, n_rows - 1)
+    target = tl.load(TARGET + rows_in).to(tl.int64)
+    counted = target != ignore_index
+    bad = counted & ((target < 0) | (target >= vocab))
+    go = tl.load(GRAD_OUT + rows_in * stride_go).to(tl.float32)  # stride 0: one scalar for every row
+    row_scale = tl.where(counted, go * tl.load(SCALE), 0.0)
+    row_scale = tl.where(bad, float("nan"), row_scale)
+    lse = tl.load(LSE + rows_in)
+    local = target - col_start
+    for start in range(0, n_cols, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        ok = row_ok[:, None] & (cols < n_cols)[None, :]
+        ptrs = LOGITS + rows_in[:, None] * n_cols + cols[None, :]
+        x = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+        p = tl.exp(x - lse[:, None])
+        onehot = tl.where(cols[None, :] == local[:, None], 1.0, 0.0)
+        tl.store(ptrs, cast_to((p - onehot) * row_scale[:, None], LOGITS.dtype.element_ty), mask=ok)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Launch configuration: how wide a slice (or how long a chunk) is, and how the slice kernels are launched
+# --------------------------------------------------------------------------------------------------------------------
+
+# The largest [tokens, slice] (or [chunk, V]) buffer of logits, in bytes, on a GPU: 256 MiB keeps the extra memory
+# far below the float32 dh buffer's and the matmuls large (8,192 tokens: slices of 16,384 rows of W).
+GPU_SLICE_BYTES = 256 << 20
+# In the interpreter shapes are tiny: a few slices per row still show the online merge at work.
+INTERPRETER_SLICE_BYTES = 64 << 10
+_INTERPRETER_MAX_TILE = 1 << 16
+
+
+@dataclass(frozen=True)
+class SliceConfig:
+    """How the slice kernels are launched on a [rows, width] slice of logits."""
+
+    rows: int  # rows per program
+    block_v: int  # logits per chunk of a row
+    num_warps: int
+
+
+def slice_width(n_rows: int, vocab: int, itemsize: int, props: runtime.DeviceProps | None = None) -> int:
+    """Columns of W per slice ("recompute") so that a [n_rows, width] slice of logits stays within the budget:
+    a multiple of 256 (whole tensor-core tiles), at least 256, at most ``vocab``."""
+    props = props or runtime.device_props()
+    budget = INTERPRETER_SLICE_BYTES if props.interpreter else GPU_SLICE_BYTES
+    width = budget // max(n_rows * itemsize, 1)
+    return max(1, min(vocab, max(256, width // 256 * 256)))
+
+
+def chunk_rows(n_rows: int, vocab: int, itemsize: int, props: runtime.DeviceProps | None = None) -> int:
+    """Tokens per chunk ("chunked") so that a [chunk, vocab] block of logits stays within the same budget."""
+    props = props or runtime.device_props()
+    budget = INTERPRETER_SLICE_BYTES if props.interpreter else GPU_SLICE_BYTES
+    return max(1, min(n_rows, budget // max(vocab * itemsize, 1)))
+
+
+@functools.lru_cache(maxsize=512)
+def slice_config(n_rows: int, width: int, props: runtime.DeviceProps) -> SliceConfig:
+    """Launch configuration of both slice kernels for a [n_rows, width] slice on ``props``."""
+    if props.interpreter:  # few programs with big tiles: each program costs milliseconds of Python
+        block_v = min(triton.next_power_of_2(width), 4096)
+        rows = min(triton.next_power_of_2(max(n_rows, 1)), max(1, _INTERPRETER_MAX_TILE // block_v))
+        return SliceConfig(rows=rows, block_v=block_v, num_warps=4)
+    # One row per program streaming its slice in chunks of regs_per_sm / 16 values, as the cross-entropy kernel.
+    block_v = min(triton.next_power_of_2(width), max(1024, props.regs_per_sm // 16))
+    return SliceConfig(rows=1, block_v=block_v, num_warps=8 if block_v >= 4096 else 4)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Host side: checks, the two passes of "recompute", the chunked forward
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _check_inputs(hidden, weight, target, ignore_index, reduction, normalizer, strategy) -> None:
+    check_scores("hidden", hidden)
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be a tensor, got {type(weight).__name__}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be [vocab, hidden] as nn.Linear stores it, got shape {tuple(weight.shape)}")
+    if hidden.dim() == 0 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden's last dimension must match weight's width {weight.shape[1]} (weight {tuple(weight.shape)}), "
+            f"got hidden of shape {tuple(hidden.shape)}"
+        )
+    if weight.shape[0] == 0:
+        raise ValueError("weight must have at least one row (one class)")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"hidden and weight must have the same dtype, got {hidden.dtype} and {weight.dtype}")
+    if weight.device != hidden.device:
+        raise ValueError(f"hidden and weight must be on the same device, got {hidden.device} and {weight.device}")
+    check_loss_args(target, f"hidden {tuple(hidden.shape)}", tuple(hidden.shape[:-1]), hidden.device, ignore_index,
+                    reduction, normalizer)
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+
+
+def _slices(vocab: int, width: int):
+    """(start, stop) of each slice of the vocabulary."""
+    return [(start, min(start + width, vocab)) for start in range(0, vocab, width)]
+
+
+def _logits_into(buffer: torch.Tensor, hidden: torch.Tensor, weight_rows: torch.Tensor) -> torch.Tensor:
+    """hidden @ weight_rows.T written into the front of ``buffer`` (flat), returned as a contiguous [rows, width]."""
+    out = buffer[: hidden.shape[0] * weight_rows.shape[0]].view(hidden.shape[0], weight_rows.shape[0])
+    return torch.mm(hidden, weight_rows.t(), out=out)
+
+
+# Whether ``addmm(..., out_dtype=torch.float32)`` multiplies bf16/fp16 matrices into a float32 accumulator on this
+# device (recent PyTorch releases, CUDA only). Decided by the first call that tries; no host synchronisation.
+_FP32_OUT_MATMUL: dict[str, bool] = {}
+
+
+def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (float32) += a @ b for a and b in the model's dtype, without rounding a @ b to that dtype where possible."""
+    if acc.dtype == a.dtype:
+        acc.addmm_(a, b)
+        return
+    device = acc.device.type
+    if _FP32_OUT_MATMUL.get(device, device == "cuda"):
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            _FP32_OUT_MATMUL[device] = True
+            return
+        except (RuntimeError, TypeError, NotImplementedError):
+            _FP32_OUT_MATMUL[device] = False
+    acc.add_(torch.mm(a, b))  # a @ b rounded once to a's dtype, then summed in float32
+
+
+def _slice_launch(kernel, n_rows: int, width: int, device, *args, **constexprs):
+    cfg = slice_config(n_rows, width, runtime.device_props(device))
+    kernel[(triton.cdiv(n_rows, cfg.rows),)](*args, ROWS=cfg.rows, BLOCK_V=cfg.block_v, num_warps=cfg.num_warps,
+                                            **constexprs)
+
+
+def logsumexp_pass(hidden, weight, target, ignore_index: int, width: int):
+    """The forward pass of "recompute": per-row loss (0 for ignored rows, NaN for bad targets) and logsumexp, both
+    float32 [rows], from one matmul per slice of ``width`` rows of W. ``hidden`` is [rows, H], ``target`` [rows]."""
+    n_rows, vocab = hidden.shape[0], weight.shape[0]
+    device = hidden.device
+    loss = torch.empty(n_rows, dtype=torch.float32, device=device)
+    lse = torch.empty(n_rows, dtype=torch.float32, device=device)
+    m = torch.empty(n_rows, dtype=torch.float32, device=device)
+    s = torch.empty(n_rows, dtype=torch.float32, device=device)
+    target_logit = torch.empty(n_rows, dtype=torch.float32, device=device)
+    if n_rows == 0:
+        return loss, lse
+    buffer = torch.empty(n_rows * min(width, vocab), dtype=hidden.dtype, device=device)
+    slices = _slices(vocab, width)
+    for i, (start, stop) in enumerate(slices):
+        logits = _logits_into(buffer, hidden, weight[start:stop])
+        _slice_launch(_lse_slice_kernel, n_rows, stop - start, device,
+                      logits, target, m, s, target_logit, loss, lse, n_rows, stop - start, start, vocab, ignore_index,
+                      FIRST=i == 0, LAST=i == len(slices) - 1)
+    return loss, lse
+
+
+def gradient_pass(hidden, weight, target, lse, scale, grad_output, ignore_index: int, width: int,
+                  need_hidden: bool, need_weight: bool):
+    """The backward pass of "recompute": ``(d_hidden, d_weight)`` (an empty tensor for the one not needed).
+
+    Per slice: recompute the logits, overwrite them with their gradient, then d_weight[slice] = G_sliceᵀ @ hidden
+    (one matmul over every token: float32 accumulation, one rounding) and d_hidden += G_slice @ W[slice] (float32).
+    """
+    n_rows, vocab = hidden.shape[0], weight.shape[0]
+    device = hidden.device
+    d_hidden_acc = torch.zeros(hidden.shape, dtype=torch.float32, device=device) if need_hidden else None
+    d_weight = torch.empty_like(weight) if need_weight else weight.new_empty(0)
+    if n_rows == 0:  # a sum over no tokens
+        return (hidden.new_zeros(hidden.shape) if need_hidden else hidden.new_empty(0),
+                d_weight.zero_() if need_weight else d_weight)
+    go = grad_output.detach().reshape(-1)
+    stride_go = 0 if go.numel() == 1 else go.stride(0)
+    buffer = torch.empty(n_rows * min(width, vocab), dtype=hidden.dtype, device=device)
+    for start, stop in _slices(vocab, width):
+        w = weight[start:stop]
+        grad = _logits_into(buffer, hidden, w)
+        _slice_launch(_grad_slice_kernel, n_rows, stop - start, device,
+                      grad, target, lse, scale, go, n_rows, stop - start, start, vocab, ignore_index, stride_go)
+        if need_weight:
+            torch.mm(grad.t(), hidden, out=d_weight[start:stop])
+        if need_hidden:
+            _accumulate_mm(d_hidden_acc, grad, w)
+    d_hidden = d_hidden_acc.to(hidden.dtype) if need_hidden else hidden.new_empty(0)
+    return d_hidden, d_weight
+
+
+def _reduce(loss_rows: torch.Tensor, scale: torch.Tensor, reduction: str) -> torch.Tensor:
+    if reduction == "none":
+        return loss_rows
+    out = torch.empty((), dtype=torch.float32, device=loss_rows.device)
+    if loss_rows.numel() == 0:  # a sum over nothing is 0, a mean over nothing 0 / 0
+        return out.fill_(float("nan") if reduction == "mean" else 0.0)
+    _reduce_loss_kernel[(1,)](loss_rows, scale, out, loss_rows.numel(),
+                              BLOCK_R=min(triton.next_power_of_2(loss_rows.numel()), 4096), num_warps=8)
+    return out
+
+
+def chunked_forward(hidden, weight, target, ignore_index: int, reduction: str, normalizer, need_hidden: bool,
+                    need_weight: bool, chunk: int):
+    """The "chunked" plan, all in the forward pass: ``(loss, d_hidden, d_weight)`` with the gradients for a loss
+    scaled by 1 (the caller multiplies by grad_output). ``reduction`` is "mean" or "sum"."""
+    n_rows = hidden.shape[0]
+    device = hidden.device
+    # The divisor of the whole batch, on the device: each chunk's sum is divided by it, so chunks add up to the loss.
+    scale = _gradient_scale(target, ignore_index, reduction, normalizer, device)
+    divisor = scale[1:]
+    loss = torch.zeros((), dtype=torch.float32, device=device)
+    d_hidden = torch.empty_like(hidden) if need_hidden else hidden.new_empty(0)
+    d_weight_acc = torch.zeros(weight.shape, dtype=torch.float32, device=device) if need_weight else None
+    buffer = torch.empty(min(chunk, max(n_rows, 1)) * weight.shape[0], dtype=hidden.dtype, device=device)
+    for start in range(0, n_rows, chunk):
+        h = hidden[start:start + chunk]
+        logits = _logits_into(buffer, h, weight)
+        part, _, grad = cross_entropy_forward(logits, target[start:start + chunk], ignore_index, "sum", divisor,
+                                              compute_grad=need_hidden or need_weight, inplace=True)
+        loss += part
+        if need_hidden:
+            torch.mm(grad, weight, out=d_hidden[start:start + chunk])
+        if need_weight:
+            _accumulate_mm(d_weight_acc, grad.t(), h)
+    if n_rows == 0 and reduction == "mean":
+        loss.fill_(float("nan"))
+    d_weight = d_weight_acc.to(weight.dtype) if need_weight else weight.new_empty(0)
+    return loss, d_hidden, d_weight
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# PyTorch operators: torch.ops.kernels.linear_cross_entropy_fwd, _bwd, _chunked
+# --------------------------------------------------------------------------------------------------------------------
+# Every operator takes 2-D hidden [rows, H] and 1-D target [rows]; the function below flattens. A normalizer comes
+# as a tensor or a number, as in kernels.cross_entropy.
+
+
+def _normalizer_arg(normalizer, normalizer_value):
+    return normalizer if normalizer is not None else normalizer_value
+
+
+def _fwd_impl(hidden, weight, target, ignore_index, reduction, normalizer, normalizer_value, width):
+    loss_rows, lse = logsumexp_pass(hidden, weight, target, ignore_index, width)
+    scale = _gradient_scale(target, ignore_index, reduction, _normalizer_arg(normalizer, normalizer_value),
+                            hidden.device)
+    return _reduce(loss_rows, scale, reduction), lse, scale
+
+
+def _fwd_fake(hidden, weight, target, ignore_index, reduction, normalizer, normalizer_value, width):
+    n_rows = hidden.shape[0]
+    loss = hidden.new_empty((n_rows,) if reduction == "none" else (), dtype=torch.float32)
+    return loss, hidden.new_empty(n_rows, dtype=torch.float32), hidden.new_empty(2, dtype=torch.float32)
+
+
+def _bwd_impl(grad_output, hidden, weight, target, lse, scale, ignore_index, width, need_hidden, need_weight):
+    return gradient_pass(hidden, weight, target, lse, scale, grad_output, ignore_index, width, need_hidden,
+                         need_weight)
+
+
+def _grads_fake(hidden, weight, need_hidden, need_weight):
+    return (torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
+            torch.empty_like(weight) if need_weight else weight.new_empty(0))
+
+
+def _chunked_impl(hidden, weight, target, ignore_index, reduction, normalizer, normalizer_value, need_hidden,
+                  need_weight, chunk):
+    return chunked_forward(hidden, weight, target, ignore_index, reduction,
+                           _normalizer_arg(normalizer, normalizer_value), need_hidden, need_weight, chunk)
+
+
+def _chunked_fake(hidden, weight, target, ignore_index, reduction, normalizer, normalizer_value, need_hidden,
+                  need_weight, chunk):
+    return (hidden.new_empty((), dtype=torch.float32), *_grads_fake(hidden, weight, need_hidden, need_weight))
+
+
+linear_cross_entropy_fwd_op = ops.define(
+    "linear_cross_entropy_fwd(Tensor hidden, Tensor weight, Tensor target, int ignore_index, str reduction, "
+    "Tensor? normalizer, float? normalizer_value, int width) -> (Tensor, Tensor, Tensor)",
+    _fwd_impl, _fwd_fake,
+)
+linear_cross_entropy_bwd_op = ops.define(
+    "linear_cross_entropy_bwd(Tensor grad_output, Tensor hidden, Tensor weight, Tensor target, Tensor lse, "
+    "Tensor scale, int ignore_index, int width, bool need_hidden, bool need_weight) -> (Tensor, Tensor)",
+    _bwd_impl,
+    lambda go, hidden, weight, target, lse, scale, ii, width, nh, nw: _grads_fake(hidden, weight, nh, nw),
+)
+linear_cross_entropy_chunked_op = ops.define(
+    "linear_cross_entropy_chunked(Tensor hidden, Tensor weight, Tensor target, int ignore_index, str reduction, "
+    "Tensor? normalizer, float? normalizer_value, bool need_hidden, bool need_weight, int chunk) "
+    "-> (Tensor, Tensor, Tensor)",
+    _chunked_impl, _chunked_fake,
+)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# autograd, function, module
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class RecomputeFunction(torch.autograd.Function):
+    """"recompute": the forward keeps one float32 logsumexp per row; the backward recomputes the logits slice by
+    slice. Works for every reduction (a per-row grad_output for "none" scales each row's gradient)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, ignore_index, reduction, normalizer, normalizer_value, width):
+        loss, lse, scale = linear_cross_entropy_fwd_op(hidden, weight, target, ignore_index, reduction, normalizer,
+                                                       normalizer_value, width)
+        ctx.save_for_backward(hidden, weight, target, lse, scale)
+        ctx.ignore_index, ctx.width = ignore_index, width
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output):
+        hidden, weight, target, lse, scale = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        d_hidden, d_weight = linear_cross_entropy_bwd_op(grad_output, hidden, weight, target, lse, scale,
+                                                         ctx.ignore_index, ctx.width, need_hidden, need_weight)
+        return (d_hidden if need_hidden else None, d_weight if need_weight else None,
+                None, None, None, None, None, None)
+
+
+class ChunkedFunction(torch.autograd.Function):
+    """"chunked": the forward computes the loss and both gradients; the backward multiplies them by grad_output
+    (a scalar: reductions "mean" and "sum")."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, ignore_index, reduction, normalizer, normalizer_value, chunk):
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        loss, d_hidden, d_weight = linear_cross_entropy_chunked_op(
+            hidden, weight, target, ignore_index, reduction, normalizer, normalizer_value, need_hidden, need_weight,
+            chunk,
+        )
+        ctx.save_for_backward(d_hidden, d_weight)
+        ctx.need = (need_hidden, need_weight)
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output):
+        d_hidden, d_weight = ctx.saved_tensors
+        need_hidden, need_weight = ctx.need
+        return (d_hidden * grad_output if need_hidden else None, d_weight * grad_output if need_weight else None,
+                None, None, None, None, None, None)
+
+
+def choose_strategy(weight_needs_grad: bool, reduction: str) -> str:
+    """What ``strategy="auto"`` picks: "chunked" for a frozen weight (2 matmuls to "recompute"'s 3, no float32 dW
+    buffer), "recompute" otherwise, and always for ``reduction="none"`` (per-row factors reach dW only there)."""
+    return "chunked" if not weight_needs_grad and reduction != "none" else "recompute"
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    *,
+    normalizer=None,
+    strategy: str = "auto",
+    check_targets: bool = True,
+) -> torch.Tensor:
+    """Cross-entropy of ``hidden @ weight.T`` against ``target``, without a [tokens, vocab] tensor in memory.
+
+    ``hidden`` is [..., H] (any leading dimensions; strided views such as ``h[:, :-1]`` are copied to rows first,
+    which costs [tokens, H], not [tokens, V]); ``weight`` is [V, H] as ``nn.Linear`` stores it (an LM head's
+    weight, tied to the embeddings or not), in ``hidden``'s dtype; ``target`` holds one class index per token
+    (shape ``hidden.shape[:-1]`` or flat). Semantics are those of ``kernels.cross_entropy``: ``reduction`` "mean"
+    (over targets that are not ``ignore_index``; NaN when there are none), "sum" or "none"; ``normalizer``
+    (``reduction="sum"`` only) divides the sum, as Hugging Face's ``num_items_in_batch`` under gradient
+    accumulation; a float32 loss; gradients for ``hidden`` and ``weight`` as they require them.
+
+    ``strategy``: "recompute", "chunked" or "auto" (the default: ``choose_strategy``); the module docstring says
+    what each costs. ``check_targets`` as in ``kernels.cross_entropy`` (one host synchronisation; pass False under
+    CUDA graphs or ``torch.compile``: an out-of-range target then gives a NaN loss).
+    """
+    _check_inputs(hidden, weight, target, ignore_index, reduction, normalizer, strategy)
+    vocab = weight.shape[0]
+    if check_targets:
+        _check_target_range(target, vocab, ignore_index)
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    target_rows = target.reshape(-1)
+    if target_rows.stride(0) != 1:
+        target_rows = target_rows.contiguous()
+    norm_tensor, norm_value = _split_normalizer(normalizer, hidden.device)
+    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    if strategy == "auto":
+        strategy = choose_strategy(needs_grad and weight.requires_grad, reduction)
+    props = runtime.device_props(hidden.device)
+    if strategy == "chunked" and reduction != "none" and needs_grad:
+        chunk = chunk_rows(rows.shape[0], vocab, hidden.element_size(), props)
+        loss = ChunkedFunction.apply(rows, weight, target_rows, ignore_index, reduction, norm_tensor, norm_value, chunk)
+        return loss
+    width = slice_width(rows.shape[0], vocab, hidden.element_size(), props)
+    if needs_grad:
+        loss = RecomputeFunction.apply(rows, weight, target_rows, ignore_index, reduction, norm_tensor, norm_value,
+                                       width)
+    else:
+        loss = linear_cross_entropy_fwd_op(rows, weight, target_rows, ignore_index, reduction, norm_tensor,
+                                           norm_value, width)[0]
+    return loss.view(hidden.shape[:-1]) if reduction == "none" else loss
+
+
+class TritonLinearCrossEntropyLoss(torch.nn.Module):
+    """The loss of an LM head without its logits: ``forward(hidden, weight, target)``; see ``linear_cross_entropy``."""
+
+    def __init__(self, ignore_index: int = -100, reduction: str = "mean", strategy: str = "auto",
+                 check_targets: bool = True):
+        super().__init__()
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        self.ignore_index, self.reduction, self.strategy, self.check_targets = (ignore_index, reduction, strategy,
+                                                                                check_targets)
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, normalizer=None):
+        return linear_cross_entropy(hidden, weight, target, self.ignore_index, self.reduction, normalizer=normalizer,
+                                    strategy=self.strategy, check_targets=self.check_targets)
+
+    def extra_repr(self) -> str:
+        return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, strategy={self.strategy!r}"

@@ -23,6 +23,14 @@
   (``model.eval()``) or under ``torch.no_grad()``, or patch with ``inplace_logits=False`` (the loss then allocates a
   separate gradient buffer, as any loss does, and the logits are returned).
 
+* **The loss without the logits** (``linear_cross_entropy=True``). In train mode with autograd on and labels given,
+  the LM head does not compute logits at all: its forward (patched on that one ``nn.Linear``) hands the hidden
+  states through, and the loss computes the cross-entropy of ``hidden @ lm_head.weight.T`` slice by slice
+  (``kernels.linear_cross_entropy``), so no [tokens, vocab] tensor ever exists. The output's ``logits`` is None.
+  In eval mode, under ``no_grad`` or without labels the head computes logits as usual (and the loss uses the fused
+  cross-entropy, or Hugging Face's with ``cross_entropy=False``). Tied embeddings work (the shared weight receives
+  both gradients); an LM head that is not a plain ``nn.Linear`` without bias (LoRA on the head) is refused.
+
 Why surgery on one model rather than editing Hugging Face's source or replacing ``LlamaRMSNorm.forward`` on the
 class for the whole process: the change is scoped to the model you pass (a reference model next to it stays
 untouched, which is how the workbook compares the two), it can be undone exactly, and it keeps every Parameter
@@ -41,13 +49,14 @@ import torch
 import torch.nn.functional as F
 
 from .cross_entropy import cross_entropy as fused_cross_entropy
+from .linear_cross_entropy import linear_cross_entropy as fused_linear_cross_entropy
 from .rmsnorm import TritonRMSNorm
 
 IGNORE_INDEX = -100
 
 # patch_llama's kernel switches, by keyword: what ``python -m kernels.finetune --kernels`` and ``compare``'s
 # ``patch_options`` may name.
-SWITCHES = ("rms_norm", "cross_entropy")
+SWITCHES = ("rms_norm", "cross_entropy", "linear_cross_entropy")
 
 # (module path, class name) of the norms whose formula is Llama's: x · rsqrt(mean(x²) + eps) in float32, cast to the
 # input dtype, then multiplied by the weight. Classes the installed transformers lacks are skipped.
@@ -133,15 +142,58 @@ def causal_lm_loss(
     )
 
 
-class _PatchedLoss:
-    """``model.loss_function`` while patched: ``causal_lm_loss``, in place exactly when that is safe and useful."""
+def causal_lm_linear_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor | None,
+    num_items_in_batch=None,
+    ignore_index: int = IGNORE_INDEX,
+    shift_labels: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor:
+    """``causal_lm_loss`` of the logits ``hidden @ weight.T``, computed without them (``kernels.linear_cross_entropy``).
 
-    def __init__(self, model: torch.nn.Module, inplace_logits: bool):
+    Same label shift, ``ignore_index`` and ``num_items_in_batch`` rule as Hugging Face's ``ForCausalLMLoss``; no host
+    synchronisation (an out-of-range label gives NaN). ``hidden`` is what the LM head would have received."""
+    if shift_labels is None:
+        if labels is None:
+            raise ValueError("causal_lm_linear_loss needs labels or shift_labels, got neither")
+        shift_labels = shift_labels_like_hf(labels, ignore_index)
+    target = shift_labels.to(hidden.device).reshape(hidden.shape[:-1])
+    if num_items_in_batch is not None:
+        reduction, normalizer = "sum", num_items_in_batch
+    else:
+        reduction, normalizer = "mean", None
+    return fused_linear_cross_entropy(hidden, weight, target, ignore_index, reduction, normalizer=normalizer,
+                                      check_targets=False)
+
+
+class _PatchedLoss:
+    """``model.loss_function`` while patched: the fused cross-entropy of the logits (in place exactly when that is
+    safe and useful), or, when the LM head deferred them, the linear cross-entropy of its input."""
+
+    def __init__(self, model: torch.nn.Module, inplace_logits: bool, cross_entropy: bool = True,
+                 head: torch.nn.Module | None = None):
         self.model = model
         self.inplace_logits = inplace_logits
-        self.consumed: torch.Tensor | None = None  # the logits tensor the last in-place call overwrote
+        self.cross_entropy = cross_entropy  # False: logits that do reach the loss go to the model's own loss
+        self.original = model.loss_function  # that loss (Hugging Face's), read before the patch replaces it
+        self.head = head  # the LM head whose logits may be deferred (linear_cross_entropy), else None
+        self.consumed: torch.Tensor | None = None  # the tensor in the output's logits that holds no logits
+        self.defer = False  # set by the patched forward: the head hands its input through instead of logits
+        self.deferred: torch.Tensor | None = None  # what the head handed through
 
     def __call__(self, logits, labels, vocab_size, **kwargs):
+        if self.deferred is not None and logits is self.deferred:
+            self.consumed = logits
+            return causal_lm_linear_loss(logits, self.head.weight, labels, **kwargs)
+        if self.defer:
+            raise RuntimeError(
+                "the LM head's input did not reach the loss unchanged (something wraps lm_head since the patch, "
+                "e.g. an adapter): patch with linear_cross_entropy=False"
+            )
+        if not self.cross_entropy:
+            return self.original(logits, labels, vocab_size, **kwargs)
         # In place only in training with autograd on: then the logits exist for the loss alone and nothing reads
         # them afterwards. In eval mode or under no_grad the kernel computes no gradient at all.
         inplace = self.inplace_logits and self.model.training and torch.is_grad_enabled() and logits.requires_grad
@@ -151,7 +203,47 @@ class _PatchedLoss:
         return loss
 
     def __repr__(self) -> str:
-        return f"causal_lm_loss(Triton cross-entropy, inplace_logits={self.inplace_logits})"
+        parts = []
+        if self.head is not None:
+            parts.append("linear cross-entropy without logits in training")
+        parts.append(f"Triton cross-entropy, inplace_logits={self.inplace_logits}" if self.cross_entropy
+                     else "Hugging Face's loss on logits")
+        return f"causal_lm_loss({'; '.join(parts)})"
+
+
+def _deferring_head_forward(head: torch.nn.Module, loss: _PatchedLoss):
+    """An instance-level forward for the LM head: while ``loss.defer`` is set, hand the hidden states through."""
+    inner = head.forward
+
+    def forward(hidden_states):
+        if loss.defer:
+            loss.deferred = hidden_states
+            return hidden_states
+        return inner(hidden_states)
+
+    forward.__wrapped__ = inner
+    return forward
+
+
+def _check_head(model: torch.nn.Module) -> torch.nn.Module:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(head) is not torch.nn.Linear or head.bias is not None:
+        raise TypeError(
+            f"linear_cross_entropy=True needs an LM head that is a plain nn.Linear without bias, got "
+            f"{type(head).__name__ if head is not None else 'none'} (an adapter on the head, e.g. LoRA, computes "
+            "something else): use linear_cross_entropy=False"
+        )
+    return head
+
+
+def _with_logits(output, hidden: torch.Tensor, head: torch.nn.Module):
+    """The model's output with the hidden states the head handed through replaced by their logits."""
+    logits = head.forward.__wrapped__(hidden)
+    if dataclasses.is_dataclass(output) and getattr(output, "logits", None) is hidden:
+        return dataclasses.replace(output, logits=logits)
+    if isinstance(output, tuple):
+        return tuple(logits if item is hidden else item for item in output)
+    return output
 
 
 def _without_consumed_logits(output, consumed: torch.Tensor):
@@ -189,6 +281,8 @@ class LlamaPatch:
     _previous_loss: object = None
     _had_own_forward: bool = False
     _previous_forward: object = None
+    head: torch.nn.Module | None = None  # the LM head whose forward defers the logits (linear_cross_entropy)
+    _head_previous_forward: object = None
     active: bool = True
 
     def summary(self) -> str:
@@ -226,6 +320,11 @@ class LlamaPatch:
                 model.forward = self._previous_forward
             elif "forward" in model.__dict__:
                 del model.forward
+        if self.head is not None:
+            if self._head_previous_forward is not None:
+                self.head.forward = self._head_previous_forward
+            else:
+                del self.head.forward
         model.__dict__.pop("_kernels_patch", None)
         self.active = False
 
@@ -285,12 +384,18 @@ def _wrap_forward(model: torch.nn.Module, loss: _PatchedLoss):
     inner = model.forward  # the bound method (or an earlier instance attribute)
 
     def forward(*args, **kwargs):
-        loss.consumed = None
+        loss.consumed = loss.deferred = None
+        # Defer the logits only where they exist for the loss alone: training, autograd on, labels given.
+        loss.defer = (loss.head is not None and model.training and torch.is_grad_enabled()
+                      and kwargs.get("labels") is not None)
         try:
             output = inner(*args, **kwargs)
+            if loss.deferred is not None and loss.consumed is None:  # the loss was not computed after all
+                output = _with_logits(output, loss.deferred, loss.head)
             return output if loss.consumed is None else _without_consumed_logits(output, loss.consumed)
         finally:
-            loss.consumed = None  # never keep the tensor alive past the call
+            loss.consumed = loss.deferred = None  # never keep the tensors alive past the call
+            loss.defer = False
 
     forward.__doc__ = (
         "The model's forward, patched by kernels.patch_llama: in train mode with autograd on, the returned logits "
@@ -314,7 +419,8 @@ def _model_to_patch(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def patch_llama(
-    model: torch.nn.Module, rms_norm: bool = True, cross_entropy: bool = True, inplace_logits: bool = True
+    model: torch.nn.Module, rms_norm: bool = True, cross_entropy: bool = True, inplace_logits: bool = True,
+    linear_cross_entropy: bool = False,
 ) -> LlamaPatch:
     """Replace the RMSNorm modules of a Hugging Face Llama (or Mistral, Qwen2, Qwen3) and route its loss through the
     fused cross-entropy; returns a handle whose ``undo()`` restores the model. See the module docstring.
@@ -325,18 +431,25 @@ def patch_llama(
 
     ``inplace_logits`` (with ``cross_entropy``): in train mode with autograd on, the loss's gradient overwrites the
     logits and the output's ``logits`` is None. ``False`` keeps the logits (one more [tokens, vocab] buffer).
+
+    ``linear_cross_entropy``: in train mode with autograd on and labels given, no logits are computed at all; the
+    loss is the linear cross-entropy of the LM head's input (see the module docstring). Off by default until a GPU
+    benchmark of this workbook's shows it never slower than the logits path.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module (a Hugging Face model), got {type(model).__name__}")
     model = _model_to_patch(model)
-    for name, value in (("rms_norm", rms_norm), ("cross_entropy", cross_entropy), ("inplace_logits", inplace_logits)):
+    for name, value in (("rms_norm", rms_norm), ("cross_entropy", cross_entropy), ("inplace_logits", inplace_logits),
+                        ("linear_cross_entropy", linear_cross_entropy)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {value!r}")
     previous = model.__dict__.get("_kernels_patch")
     if previous is not None and previous.active:
         raise RuntimeError("this model is already patched: call .undo() on the handle patch_llama returned first")
-    if cross_entropy:
+    patch_loss = cross_entropy or linear_cross_entropy
+    if patch_loss:
         _check_causal_lm(model)
+    head = _check_head(model) if linear_cross_entropy else None
     norms = _find_norms(model) if rms_norm else []  # every check before the first change
 
     patch = LlamaPatch(model)
@@ -344,13 +457,17 @@ def patch_llama(
         replacement = TritonRMSNorm.from_hf(module)
         setattr(parent, name, replacement)
         patch.swaps.append(_Swap(where, parent, name, module, replacement))
-    if cross_entropy:
+    if patch_loss:
         patch._had_own_loss = "_loss_function" in model.__dict__
         patch._previous_loss = model.__dict__.get("_loss_function")
         patch._had_own_forward = "forward" in model.__dict__
         patch._previous_forward = model.__dict__.get("forward")
-        patch.loss = _PatchedLoss(model, inplace_logits)
+        patch.loss = _PatchedLoss(model, inplace_logits, cross_entropy, head)
         model.loss_function = patch.loss  # PreTrainedModel's setter stores it as model._loss_function
         model.forward = _wrap_forward(model, patch.loss)
+        if head is not None:
+            patch._head_previous_forward = head.__dict__.get("forward")
+            head.forward = _deferring_head_forward(head, patch.loss)
+            patch.head = head
     model.__dict__["_kernels_patch"] = patch
     return patch

@@ -121,3 +121,33 @@ def online_softmax_steps(row: torch.Tensor, chunk: int) -> list[OnlineSoftmaxSte
 def online_logsumexp(row: torch.Tensor, chunk: int) -> torch.Tensor:
     """logsumexp of a 1-D ``row`` computed chunk by chunk (one pass, running max and rescaled sum), as a 0-d tensor."""
     return torch.tensor(online_softmax_steps(row, chunk)[-1].logsumexp, dtype=_compute_dtype(row))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Linear cross-entropy (chapter 10)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def linear_cross_entropy_reference(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
+    dtype: torch.dtype = torch.float64, chunk: int = 4096,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss, d_hidden, d_weight)`` of the mean cross-entropy of ``hidden @ weight.T``, in ``dtype``, on the inputs'
+    device, a chunk of tokens at a time so that the reference itself fits beside a benchmark's tensors.
+
+    ``hidden`` [tokens, H] and ``weight`` [V, H] are upcast (already rounded values: the reference is exact for the
+    inputs the kernel saw); ``target`` [tokens]. Each chunk's sum is divided by the number of counted targets of
+    the whole batch, so the chunks add up to the mean.
+    """
+    w = weight.detach().to(dtype).requires_grad_()
+    n_valid = int((target != ignore_index).sum())
+    loss = torch.zeros((), dtype=dtype, device=hidden.device)
+    d_hidden = torch.empty(hidden.shape, dtype=dtype, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk):
+        h = hidden[start:start + chunk].detach().to(dtype).requires_grad_()
+        part = F.cross_entropy(h @ w.T, target[start:start + chunk], ignore_index=ignore_index, reduction="sum")
+        part = part / n_valid
+        part.backward()
+        loss += part.detach()
+        d_hidden[start:start + chunk] = h.grad
+    return loss, d_hidden, w.grad

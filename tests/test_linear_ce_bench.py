@@ -1,0 +1,35 @@
+"""The linear cross-entropy benchmark: it checks before it times, marks a wrong implementation, skips with a reason,
+and writes its JSON and plot (at CPU sizes here; the GPU run is the same code)."""
+
+import json
+
+import torch
+
+from kernels import linear_ce_bench as bench
+from kernels.linear_ce_bench import LinearImpl, main, matmul_flop, measure
+
+
+def test_command_line_writes_json_and_png(tmp_path, capsys):
+    assert main(["--tokens", "6,10", "--hidden", "16", "--vocab", "300", "--out", str(tmp_path),
+                 "--no-progress", "--impls", "ours,ours-chunked,torch-fp32,liger"]) == 0
+    data = json.loads((tmp_path / "linear_cross_entropy_cpu-interpreter.json").read_text())
+    rows = {(r["impl"], r["tokens"]): r for r in data["rows"]}
+    assert set(rows) == {(k, n) for k in ("ours", "ours-chunked", "torch-fp32", "liger") for n in (6, 10)}
+    for key in ("ours", "ours-chunked", "torch-fp32"):
+        assert rows[(key, 10)]["check"]["ok"] and rows[(key, 10)]["eager_ms"] > 0
+    assert "skipped" in rows[("liger", 6)]
+    assert (tmp_path / "linear_cross_entropy_cpu-interpreter.png").stat().st_size > 10_000
+    assert "Cut Cross-Entropy" not in capsys.readouterr().out  # only the implementations asked for
+
+
+def test_a_wrong_implementation_is_marked_and_not_timed():
+    def almost(hidden, weight, target):  # sums where the loss is a mean: plausible, and wrong
+        return torch.nn.functional.cross_entropy(hidden @ weight.T, target, reduction="sum")
+
+    row = measure(LinearImpl("wrong", "wrong", lambda: almost), 12, 16, 200, None)
+    assert row["check"]["ok"] is False and "eager_ms" not in row
+    assert "WRONG" in bench.table({"rows": [row]})
+
+
+def test_flop_floor():
+    assert matmul_flop(8192, 4096, 128_256) == 6 * 8192 * 4096 * 128_256

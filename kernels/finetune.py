@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from . import runtime
-from .fit import fit_both
+from .fit import fit_both, memory_slope
 from .memory import logits_bytes_per_token
 from .models import GiB, llama_config, pick_preset_for_gpu
 from .patch import SWITCHES
@@ -66,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fit-lo", type=int, default=4096, help="first length the fit search tries (default 4096)")
     p.add_argument("--fit-hi", type=int, default=65536, help="longest length the fit search tries (default 65536)")
     p.add_argument("--fit-probes", type=int, default=8, help="most steps the fit search runs per variant (default 8)")
+    p.add_argument("--memory-fraction", type=float, default=None,
+                   help="cap the fit search's GPU memory at this fraction of the GPU's (a quicker search)")
+    p.add_argument("--slope", type=_int_list, default=None, metavar="A,B",
+                   help="measure the activation memory per token, baseline and patched: the slope of a step's "
+                        "peak between sequence lengths A and B (GPU)")
     p.add_argument("--compile", nargs="?", const="default", default=None, choices=COMPILE_MODES,
                    help="torch.compile both models (default mode, or the mode named; needs --compare)")
     p.add_argument("--kernels", type=_switches, default=None, metavar="NAME[,NAME...]",
@@ -84,6 +89,16 @@ def _switches(text: str) -> tuple[str, ...]:
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown kernel {', '.join(unknown)}: choose from {', '.join(SWITCHES)}")
     return names
+
+
+def _int_list(text: str) -> tuple[int, int]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected two lengths such as 16384,32768, got {text!r}") from None
+    if len(values) != 2 or not 0 < values[0] < values[1]:
+        raise argparse.ArgumentTypeError(f"expected two increasing lengths such as 16384,32768, got {text!r}")
+    return values
 
 
 def patch_options(args) -> dict:
@@ -109,10 +124,28 @@ def _fit(args, preset: str) -> dict:
               f"{llama_config(preset).vocab_size:,}: Hugging Face {per_token['baseline']:,} B, "
               f"patched {per_token['patched']:,} B.")
         return {}
-    results = fit_both(preset, args.batch_size, args.fit_lo, args.fit_hi, args.fit_probes, args.seed)
+    results = fit_both(preset, args.batch_size, args.fit_lo, args.fit_hi, args.fit_probes, args.seed,
+                       patch_options=patch_options(args), gradient_checkpointing=args.gradient_checkpointing,
+                       memory_fraction=args.memory_fraction)
     for variant, result in results.items():
         print(f"longest sequence that fits, {variant}: {result.summary()}")
     return {variant: result.to_dict() for variant, result in results.items()}
+
+
+def _slope(args, preset: str) -> dict:
+    """Activation memory per token, each variant, measured between the two lengths of ``--slope`` (GPU)."""
+    if runtime.MODE != "gpu":
+        print("--slope is GPU-only: the CPU keeps no memory statistics.")
+        return {}
+    found = {}
+    for variant in ("baseline", "patched"):
+        found[variant] = memory_slope(preset, variant == "patched", args.slope, args.batch_size, seed=args.seed,
+                                      patch_options=patch_options(args),
+                                      gradient_checkpointing=args.gradient_checkpointing)
+        per_token = found[variant]["bytes_per_token"]
+        shown = f"{per_token / 1024:,.0f} KiB" if per_token is not None else "n/a (a length did not fit)"
+        print(f"activation memory per token, {variant}, between {args.slope[0]:,} and {args.slope[1]:,}: {shown}")
+    return found
 
 
 def _single_run(args, preset: str, lr: float) -> None:
@@ -140,7 +173,7 @@ def _single_run(args, preset: str, lr: float) -> None:
     out.mkdir(parents=True, exist_ok=True)
     data = {"device": runtime.device_name(), "mode": runtime.MODE, "versions": runtime.versions(),
             "settings": _settings(args, preset, lr), "patched": run.to_dict(),
-            "fit": _fit(args, preset) if args.fit else {}}
+            "fit": _fit(args, preset) if args.fit else {}, "slope": _slope(args, preset) if args.slope else {}}
     json_path = out / f"finetune_{preset}_patched.json"
     json_path.write_text(json.dumps(data, indent=1) + "\n")
     fig, ax = plt.subplots(figsize=(8, 4))
@@ -185,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
                                  patch_options=patch_options(args), gradient_checkpointing=args.gradient_checkpointing)
     if args.fit:
         result.fit = _fit(args, preset)
+    if args.slope:
+        result.slope = _slope(args, preset)
     print()
     print(result.table())
     json_path, png_path = result.save(args.out)

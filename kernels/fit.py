@@ -5,7 +5,12 @@ of memory, Hugging Face's model against the patched one.
 (forward, backward, optimizer step); an out-of-memory error means a length does not fit. ``search_longest`` picks
 the lengths: doubling, then a prediction from the measured peaks (memory grows about linearly with the length),
 then bisection, so the answer takes few probes. ``fit_both`` runs the search for both variants, and
-``growth_bytes_per_token`` computes what one more token of sequence costs each of them.
+``growth_bytes_per_token`` computes what one more token of sequence costs each of them; ``memory_slope`` measures
+it: the growth of a step's peak between two lengths.
+
+Both searches take the patch's switches (``patch_options``, e.g. the linear cross-entropy), Hugging Face's gradient
+checkpointing, and a memory cap (``memory_fraction``: ``torch.cuda.set_per_process_memory_fraction``), which keeps
+a search short on a GPU with far more memory than the lengths of interest need.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from .data import get_tokenizer, make_sft_batches
 from .memory import logits_bytes_per_token
 from .models import activation_bytes_per_token_layer, build_model, norm_bytes_per_token
 from .patch import patch_llama
-from .train import VARIANTS, count_trained_labels, default_lr, free_memory
+from .train import VARIANTS, count_trained_labels, default_lr, enable_checkpointing, free_memory
 
 
 @dataclass
@@ -197,6 +202,50 @@ def _gpu_probe(model, optimizer, tokenizer, batch_size: int, seed: int) -> Calla
     return probe
 
 
+class _TrainingSetup:
+    """The model (patched or not, checkpointed or not), AdamW and the probe, on the GPU, under an optional memory
+    cap; everything is undone and freed on leaving."""
+
+    def __init__(self, preset, patched, batch_size, seed, tokenizer, patch_options, gradient_checkpointing,
+                 memory_fraction):
+        self.args = (preset, patched, batch_size, seed, tokenizer, patch_options or {}, gradient_checkpointing,
+                     memory_fraction)
+
+    def __enter__(self):
+        preset, patched, batch_size, seed, tokenizer, patch_options, checkpointing, fraction = self.args
+        free_memory()
+        if fraction is not None:
+            torch.cuda.set_per_process_memory_fraction(fraction)  # the current device, where the model goes
+        self.model = build_model(preset, dtype=torch.bfloat16, seed=seed)
+        self.device = next(self.model.parameters()).device
+        if checkpointing:
+            enable_checkpointing(self.model)
+        self.handle = patch_llama(self.model, **patch_options) if patched else None
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=default_lr(preset))
+        self.probe = _gpu_probe(self.model, self.optimizer, tokenizer or get_tokenizer(), batch_size, seed)
+        free_memory()
+        limit = torch.cuda.mem_get_info(self.device)[1] * fraction if fraction is not None else None
+        free = torch.cuda.mem_get_info(self.device)[0]
+        allocated = torch.cuda.memory_allocated(self.device)
+        self.capacity = allocated + (free if limit is None else min(free, limit - allocated))
+        return self
+
+    def __exit__(self, *exc):
+        if self.handle is not None:
+            self.handle.undo()
+        del self.model, self.optimizer, self.handle, self.probe  # the probe's closure holds both too
+        if self.args[-1] is not None:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+        free_memory()
+
+
+def _gpu_only(what: str) -> bool:
+    if runtime.MODE != "gpu" or not torch.cuda.is_available():
+        print(f"{what} is GPU-only: the CPU has no device memory limit to search for.")
+        return False
+    return True
+
+
 def max_seq_len_that_fits(
     preset: str,
     patched: bool,
@@ -209,6 +258,9 @@ def max_seq_len_that_fits(
     seed: int = 0,
     margin: float = 0.02,
     tokenizer=None,
+    patch_options: dict | None = None,
+    gradient_checkpointing: bool = False,
+    memory_fraction: float | None = None,
 ) -> FitResult | None:
     """GPU only: the longest sequence (a multiple of ``step``) at which one full training step (forward, backward,
     AdamW step) of ``preset`` fits in memory, Hugging Face's model (``patched=False``) or the patched one.
@@ -216,45 +268,53 @@ def max_seq_len_that_fits(
     The model and AdamW stay on the GPU across probes (a first step at ``step`` tokens creates AdamW's states); each
     probe runs one step on a real SFT batch of that length; ``torch.cuda.OutOfMemoryError`` means it does not fit,
     and everything the step allocated is freed before the next probe. ``margin`` (2%) is left free when predicting.
-    On the CPU there is no memory limit to find: prints so and returns None.
+    ``patch_options`` go to ``patch_llama``; ``gradient_checkpointing`` checkpoints every decoder layer;
+    ``memory_fraction`` caps the memory the search may use (a fraction of the GPU's). On the CPU there is no memory
+    limit to find: prints so and returns None.
     """
-    if runtime.MODE != "gpu" or not torch.cuda.is_available():
-        print("max_seq_len_that_fits is GPU-only: the CPU has no device memory limit to search for.")
+    if not _gpu_only("max_seq_len_that_fits"):
         return None
     if not isinstance(patched, bool):
         raise TypeError(f"patched must be True or False, got {patched!r}")
-    free_memory()
-    model = build_model(preset, dtype=torch.bfloat16, seed=seed)
-    handle = patch_llama(model) if patched else None
-    optimizer = torch.optim.AdamW(model.parameters(), lr=default_lr(preset))
-    device = next(model.parameters()).device
-    probe = None
-    try:
-        free_memory()
-        budget = int((torch.cuda.memory_allocated(device) + torch.cuda.mem_get_info(device)[0]) * (1 - margin))
-        probe = _gpu_probe(model, optimizer, tokenizer or get_tokenizer(), batch_size, seed)
+    with _TrainingSetup(preset, patched, batch_size, seed, tokenizer, patch_options, gradient_checkpointing,
+                        memory_fraction) as setup:
+        budget = int(setup.capacity * (1 - margin))
         # One short step first, not counted as a probe: it creates AdamW's states, so that every probe starts from
         # the same memory (weights and states) and the peaks of different probes can be compared.
-        warm = probe(step)
+        warm = setup.probe(step)
         if not warm.fits:
             warm.how = "warm-up"
             return FitResult(None, step, step, hi, [warm])
-        return search_longest(probe, lo, hi, step=step, max_probes=max_probes, budget=budget)
-    finally:
-        if handle is not None:
-            handle.undo()
-        del model, optimizer, handle, probe  # the probe's closure holds the model and the optimizer too
-        free_memory()
+        return search_longest(setup.probe, lo, hi, step=step, max_probes=max_probes, budget=budget)
+
+
+def memory_slope(preset: str, patched: bool, lengths: tuple[int, int] = (16384, 32768), batch_size: int = 1, *,
+                 seed: int = 0, tokenizer=None, patch_options: dict | None = None,
+                 gradient_checkpointing: bool = False) -> dict | None:
+    """GPU only: the bytes one more token of sequence adds to a training step's peak, measured as the slope of the
+    peak between two lengths (after a warm-up step that creates AdamW's states). Returns the two probes and the
+    slope per token (batch × length tokens), or None on the CPU; a length that does not fit gives no slope."""
+    if not _gpu_only("memory_slope"):
+        return None
+    with _TrainingSetup(preset, patched, batch_size, seed, tokenizer, patch_options, gradient_checkpointing,
+                        None) as setup:
+        setup.probe(256)
+        probes = [setup.probe(n) for n in lengths]
+    slope = None
+    if all(p.fits for p in probes):
+        slope = (probes[1].peak - probes[0].peak) / ((lengths[1] - lengths[0]) * batch_size)
+    return {"lengths": list(lengths), "batch_size": batch_size, "probes": [asdict(p) for p in probes],
+            "bytes_per_token": slope}
 
 
 def fit_both(preset: str, batch_size: int = 1, lo: int = 4096, hi: int = 65536, max_probes: int = 8,
-             seed: int = 0) -> dict[str, FitResult] | None:
-    """``max_seq_len_that_fits`` for the baseline and the patched model, one after the other (GPU only)."""
-    if runtime.MODE != "gpu":
-        print("max_seq_len_that_fits is GPU-only: the CPU has no device memory limit to search for.")
+             seed: int = 0, **options) -> dict[str, FitResult] | None:
+    """``max_seq_len_that_fits`` for the baseline and the patched model, one after the other (GPU only).
+    ``options``: ``patch_options``, ``gradient_checkpointing`` and ``memory_fraction``, as there."""
+    if not _gpu_only("max_seq_len_that_fits"):
         return None
     return {variant: max_seq_len_that_fits(preset, variant == "patched", batch_size, lo, hi, max_probes=max_probes,
-                                           seed=seed) for variant in VARIANTS}
+                                           seed=seed, **options) for variant in VARIANTS}
 
 
 def growth_bytes_per_token(config, dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
@@ -282,4 +342,5 @@ def growth_bytes_per_token(config, dtype: torch.dtype = torch.bfloat16) -> dict[
     }
 
 
-__all__ = ["Probe", "FitResult", "search_longest", "max_seq_len_that_fits", "fit_both", "growth_bytes_per_token"]
+__all__ = ["Probe", "FitResult", "search_longest", "max_seq_len_that_fits", "fit_both", "memory_slope",
+           "growth_bytes_per_token"]

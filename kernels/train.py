@@ -297,6 +297,7 @@ class Comparison:
     device: str = field(default_factory=runtime.device_name)
     versions: dict = field(default_factory=runtime.versions)
     fit: dict = field(default_factory=dict)  # variant -> FitResult.to_dict(), when a fit search ran
+    slope: dict = field(default_factory=dict)  # variant -> fit.memory_slope(...), when the slope was measured
 
     @property
     def loss_differences(self) -> list[float]:
@@ -320,6 +321,8 @@ class Comparison:
             out["memory_saved_bytes"] = b.peak_memory - p.peak_memory
         for variant, result in self.fit.items():
             out.setdefault("max_seq_len_that_fits", {})[variant] = result.get("longest")
+        for variant, result in self.slope.items():
+            out.setdefault("activation_bytes_per_token", {})[variant] = result.get("bytes_per_token")
         return out
 
     def table(self) -> str:
@@ -345,6 +348,10 @@ class Comparison:
         if "max_seq_len_that_fits" in s:
             fits = s["max_seq_len_that_fits"]
             rows.append(("longest seq that fits", _fmt_len(fits.get("baseline")), _fmt_len(fits.get("patched")), ""))
+        if "activation_bytes_per_token" in s:
+            per = {k: (f"{v / 1024:,.0f} KiB" if v is not None else "n/a")
+                   for k, v in s["activation_bytes_per_token"].items()}
+            rows.append(("memory per token", per.get("baseline", ""), per.get("patched", ""), ""))
         lines = [f"{'':<24}{'baseline (HF)':>16}{'patched':>16}{'change':>12}"]
         lines += [f"{name:<24}{b:>16}{p:>16}{d:>12}" for name, b, p, d in rows]
         steps = len(self.baseline.records)
@@ -366,6 +373,7 @@ class Comparison:
             "baseline": self.baseline.to_dict(),
             "patched": self.patched.to_dict(),
             "fit": self.fit,
+            "slope": self.slope,
         }
 
     def plot(self, axes=None):

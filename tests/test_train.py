@@ -208,21 +208,23 @@ def test_search_edges():
         search_longest(probe, lo=1000, hi=16384)
 
 
-def test_fit_search_code_path_with_a_simulated_gpu(monkeypatch, gen):
-    """The GPU path of max_seq_len_that_fits, run on the CPU: CUDA's memory functions are replaced by a fake device
-    whose steps run out of memory above 1,024 tokens, the model is the tiny one. Real training steps, real patch."""
+@pytest.fixture
+def simulated_gpu(monkeypatch):
+    """The GPU path of the fit search, run on the CPU: CUDA's memory functions are replaced by a fake device whose
+    steps run out of memory above 1,024 tokens and whose peak grows by 100 bytes per token; the model is the tiny
+    one. Real training steps, real patch. Yields the state: the models built and the memory fractions set."""
     if runtime.MODE == "gpu":
         pytest.skip("a GPU runs the real thing: see test_fit_on_gpu")
     import kernels.fit as fit_module
 
-    limit, state = 1024, {"seq": 0, "built": []}
+    state = {"seq": 0, "built": [], "limit": 1024, "fractions": []}
 
     def fake_build(preset, dtype, seed):
         model = build_model(preset, dtype=torch.float32, device="cpu", seed=seed)
 
         def pre_hook(module, args, kwargs):
             state["seq"] = kwargs["input_ids"].shape[1]
-            if state["seq"] > limit:
+            if state["seq"] > state["limit"]:
                 raise torch.cuda.OutOfMemoryError("simulated: CUDA out of memory")
 
         model.register_forward_pre_hook(pre_hook, with_kwargs=True)
@@ -233,17 +235,38 @@ def test_fit_search_code_path_with_a_simulated_gpu(monkeypatch, gen):
         "is_available": lambda: True, "synchronize": lambda *a: None, "empty_cache": lambda: None,
         "reset_peak_memory_stats": lambda *a: None, "memory_allocated": lambda *a: 10_000,
         "max_memory_allocated": lambda *a: 10_000 + 100 * state["seq"], "mem_get_info": lambda *a: (95_000, 200_000),
+        "set_per_process_memory_fraction": lambda fraction, *a: state["fractions"].append(fraction),
     }
     for name, fn in fake_cuda.items():
         monkeypatch.setattr(torch.cuda, name, fn)
     monkeypatch.setattr(runtime, "MODE", "gpu")
     monkeypatch.setattr(fit_module, "build_model", fake_build)
+    return state
+
+
+def test_fit_search_code_path_with_a_simulated_gpu(simulated_gpu, gen):
+    limit = simulated_gpu["limit"]
     result = max_seq_len_that_fits("tiny", patched=True, lo=256, hi=2048, max_probes=6, seed=seed_from(gen))
     assert result.longest == limit and result.shortest_failing == limit + 256 and result.exact
     assert [p.fits for p in result.probes].count(False) >= 1 and len(result.probes) <= 6
     assert result.measured_bytes_per_token() == pytest.approx(100)
-    model = state["built"][0]
+    model = simulated_gpu["built"][0]
     assert type(model.model.norm).__name__ == "LlamaRMSNorm" and "forward" not in model.__dict__  # undone
+
+
+def test_fit_options_and_memory_slope_with_a_simulated_gpu(simulated_gpu, gen):
+    from kernels.fit import memory_slope
+
+    result = max_seq_len_that_fits("tiny", patched=True, lo=256, hi=2048, max_probes=6, seed=seed_from(gen),
+                                   patch_options=dict(rms_norm=False, linear_cross_entropy=True),
+                                   gradient_checkpointing=True, memory_fraction=0.5)
+    assert result.longest == simulated_gpu["limit"]
+    assert simulated_gpu["fractions"] == [0.5, 1.0]  # the cap is set for the search and lifted after it
+    model = simulated_gpu["built"][0]
+    assert model.is_gradient_checkpointing and "_kernels_patch" not in model.__dict__
+    slope = memory_slope("tiny", patched=False, lengths=(512, 768), seed=seed_from(gen))
+    assert slope["bytes_per_token"] == pytest.approx(100)
+    assert memory_slope("tiny", patched=False, lengths=(512, 2048))["bytes_per_token"] is None  # 2,048 does not fit
 
 
 def test_fit_is_gpu_only_on_the_cpu(capsys):

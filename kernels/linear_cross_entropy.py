@@ -48,6 +48,7 @@ from .cross_entropy import (
     check_scores,
     cross_entropy_forward,
 )
+from .memory import LOGITS_BUFFER_BYTES
 from .triton_utils import cast_to
 
 STRATEGIES = ("auto", "recompute", "chunked")
@@ -138,9 +139,9 @@ def _grad_slice_kernel(
 # Launch configuration: how wide a slice (or how long a chunk) is, and how the slice kernels are launched
 # --------------------------------------------------------------------------------------------------------------------
 
-# The largest [tokens, slice] (or [chunk, V]) buffer of logits, in bytes, on a GPU: 256 MiB keeps the extra memory
-# far below the float32 dh buffer's and the matmuls large (8,192 tokens: slices of 16,384 rows of W).
-GPU_SLICE_BYTES = 256 << 20
+# The largest [tokens, slice] (or [chunk, V]) buffer of logits, in bytes, on a GPU: 256 MiB keeps the matmuls
+# large (8,192 tokens: slices of 16,384 rows of W) and the extra memory a small share of the logits' (2 GB there).
+GPU_SLICE_BYTES = LOGITS_BUFFER_BYTES
 # In the interpreter shapes are tiny: a few slices per row still show the online merge at work.
 INTERPRETER_SLICE_BYTES = 64 << 10
 _INTERPRETER_MAX_TILE = 1 << 16

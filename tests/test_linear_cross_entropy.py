@@ -292,3 +292,14 @@ def test_gpu_extra_memory_is_a_slice_not_the_logits(gen):
     logits_bytes = n * vocab * 2
     assert extra < logits_bytes / 4, f"{extra / 2**20:.0f} MiB beyond the gradients; the logits are " \
                                      f"{logits_bytes / 2**20:.0f} MiB"
+
+
+def test_computed_extra_memory_of_each_plan():
+    from kernels.memory import LOGITS_BUFFER_BYTES, linear_loss_extra_bytes
+
+    n, h, v = 8192, 4096, 128_256
+    extra = linear_loss_extra_bytes(n, h, v)
+    assert extra["logits_in_place"] == n * v * 2
+    assert extra["chunked"] == LOGITS_BUFFER_BYTES + v * h * 4  # the float32 dW accumulator dominates
+    assert extra["recompute"] == LOGITS_BUFFER_BYTES + n * h * 4 + n * 4
+    assert extra["recompute"] < 1e9 < extra["chunked"] < extra["hf"]

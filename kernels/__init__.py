@@ -9,14 +9,15 @@ At the top level, only what a training script needs:
 * the kernels as functions, ``rms_norm``, ``cross_entropy`` and ``linear_cross_entropy`` (the loss of an LM head
   without its logits), and as modules, ``TritonRMSNorm``, ``TritonCrossEntropyLoss`` and
   ``TritonLinearCrossEntropyLoss``;
-* ``patch_llama`` (and its handle, ``LlamaPatch``), which puts both into a Hugging Face model;
+* ``patch_llama`` (and its handle, ``LlamaPatch``), which puts them into a Hugging Face model;
 * ``describe()`` and ``runtime``: where the kernels run.
 
 Two names are both: ``kernels.cross_entropy`` and ``kernels.linear_cross_entropy`` are the *functions* (the
 product API); the modules of the same names, with the kernels and their launch configuration, are imported by their
-paths (``from kernels.cross_entropy import cross_entropy_forward``). No other top-level name hides a submodule. Everything the chapters use besides (models,
-data, profiling, the benchmark, the training loop, the references) is imported from its module, e.g.
-``from kernels.models import build_model``; ``docs/ARCHITECTURE.md`` says which file holds what.
+paths (``from kernels.cross_entropy import cross_entropy_forward``). No other top-level name hides a submodule.
+Everything the chapters use besides (models, data, profiling, the benchmark, the training loop, the references) is
+imported from its module, e.g. ``from kernels.models import build_model``; ``docs/ARCHITECTURE.md`` says which
+file holds what.
 """
 
 from . import runtime  # noqa: I001  (must come first: it sets TRITON_INTERPRET)

@@ -1,0 +1,68 @@
+"""TRL's SFTTrainer: under it a patched model's loss is never called (TRL computes the loss with its own fused LM
+head); with ``ModelLossMixin`` the patched loss trains, with the same losses as TRL's own."""
+
+import copy
+
+import pytest
+import torch
+
+from kernels.models import build_model
+from kernels.patch import patch_llama
+from kernels.trl_loss import ModelLossMixin
+
+trl = pytest.importorskip("trl", reason="trl is a test requirement (requirements.txt)")
+datasets = pytest.importorskip("datasets")
+
+
+def _sft_data(vocab: int, gen, rows: int = 8, seq: int = 20):
+    """Token ids with labels masked (-100) on a prompt of varying length, as TRL's completion-only loss makes them."""
+    data = []
+    for i in range(rows):
+        ids = torch.randint(3, vocab, (seq - i % 3,), generator=gen).tolist()
+        prompt = 3 + i % 4
+        data.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
+    return datasets.Dataset.from_list(data)
+
+
+def _train(trainer_cls, model, data, tmp_path):
+    from kernels.data import get_tokenizer
+
+    args = trl.SFTConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=2,
+        learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no", seed=0, data_seed=0,
+        use_cpu=not torch.cuda.is_available(), disable_tqdm=True, dataset_kwargs={"skip_prepare_dataset": True},
+        remove_unused_columns=False, dataloader_num_workers=0,
+    )
+    trainer = trainer_cls(model=model, args=args, train_dataset=data, processing_class=get_tokenizer())
+    trainer.train()
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+class KernelsSFTTrainer(ModelLossMixin, trl.SFTTrainer):
+    pass
+
+
+def test_sft_trainer_trains_with_the_patched_loss_only_through_the_mixin(device, gen, tmp_path, monkeypatch):
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=gen)))
+    base = build_model("tiny", dtype=torch.float32).to(device).train()
+    data = _sft_data(base.config.vocab_size, gen)
+    expected = _train(trl.SFTTrainer, copy.deepcopy(base), data, tmp_path / "trl")
+
+    import kernels.patch
+
+    calls = []
+    real = kernels.patch.causal_lm_linear_loss
+    monkeypatch.setattr(kernels.patch, "causal_lm_linear_loss",
+                        lambda *a, **k: calls.append(k.get("num_items_in_batch")) or real(*a, **k))
+
+    plain = copy.deepcopy(base)
+    with patch_llama(plain, linear_cross_entropy=True):
+        under_trl = _train(trl.SFTTrainer, plain, data, tmp_path / "plain")
+    assert calls == []  # TRL's own head computed the loss: the patched loss was never called
+    torch.testing.assert_close(torch.tensor(under_trl), torch.tensor(expected), rtol=1e-4, atol=1e-4)
+
+    mixed = copy.deepcopy(base)
+    with patch_llama(mixed, linear_cross_entropy=True):
+        losses = _train(KernelsSFTTrainer, mixed, data, tmp_path / "mixin")
+    assert len(calls) == 4 and all(n is not None for n in calls)  # 2 steps × 2 micro-batches, with the token count
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=1e-4)

@@ -21,6 +21,7 @@ BACKEND = "inductor" if runtime.MODE == "gpu" else "aot_eager"
 EXPECTED_OPS = {
     "kernels::rms_norm_fwd", "kernels::rms_norm_bwd",
     "kernels::cross_entropy_fwd", "kernels::cross_entropy_fwd_inplace", "kernels::cross_entropy_scale_grad_",
+    "kernels::linear_cross_entropy_fwd", "kernels::linear_cross_entropy_bwd", "kernels::linear_cross_entropy_chunked",
 }
 
 

@@ -33,6 +33,15 @@ class RowsOfWidth(TorchDispatchMode):
         return out
 
 
+def assert_patch_keeps_loss_and_grads(model, batch, measure=loss_and_grads, **switches):
+    """Loss and gradients of ``model`` on ``batch``, unpatched and patched with ``switches``, agree."""
+    ref_loss, ref_grads = measure(model, batch)
+    with patch_llama(model, **switches):
+        loss, grads = measure(model, batch)
+    assert relative_error(loss, ref_loss) < 1e-5
+    assert_grads_close(grads, ref_grads, 1e-5)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("switches", [ONLY_LINEAR, dict(linear_cross_entropy=True)], ids=["linear-only", "all"])
 def test_same_loss_and_gradients_without_logits(family, switches, device, gen):
@@ -62,12 +71,7 @@ def test_tied_embeddings_and_checkpointing(device, gen):
     model.tie_weights()
     assert model.lm_head.weight is model.model.embed_tokens.weight
     enable_checkpointing(model)
-    batch = random_batch(gen, device=device)
-    ref_loss, ref_grads = loss_and_grads(model, batch)
-    with patch_llama(model, linear_cross_entropy=True):
-        loss, grads = loss_and_grads(model, batch)
-    assert relative_error(loss, ref_loss) < 1e-5
-    assert_grads_close(grads, ref_grads, 1e-5)
+    assert_patch_keeps_loss_and_grads(model, random_batch(gen, device=device), linear_cross_entropy=True)
 
 
 def test_logits_only_where_they_are_wanted(device, gen):
@@ -106,17 +110,12 @@ def test_lora_on_the_head_is_refused_and_nothing_changes(device, gen):
 def test_lora_on_attention_trains_like_unpatched(device, gen):
     peft = pytest.importorskip("peft")
     model = tiny_model("llama", seed_from(gen))
-    batch = random_batch(gen, device=device)
-    wrapped = peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     for name, p in wrapped.named_parameters():
-        if "lora_B" in name:
+        if "lora_B" in name:  # LoRA starts B at zero; give it values so that the adapters' gradients are tested
             torch.nn.init.normal_(p, std=0.05)
-    reference = copy.deepcopy(wrapped)
-    ref_loss, ref_grads = _adapter_grads(reference, batch)
-    with patch_llama(wrapped, linear_cross_entropy=True):
-        loss, grads = _adapter_grads(wrapped, batch)
-    assert relative_error(loss, ref_loss) < 1e-5
-    assert_grads_close(grads, ref_grads, 1e-5)
+    assert_patch_keeps_loss_and_grads(wrapped, random_batch(gen, device=device), _adapter_grads,
+                                      linear_cross_entropy=True)
 
 
 def _adapter_grads(model, batch):

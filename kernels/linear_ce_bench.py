@@ -12,6 +12,8 @@ Peers, each building ``fn(hidden, weight, target) -> loss`` on the same inputs:
 * ``compile``: ``torch.compile`` of ``torch-fp32`` (GPU only);
 * ``liger``: Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` (token chunks, gradient during the forward);
 * ``cce``: Apple's Cut Cross-Entropy ``linear_cross_entropy`` (fused matmul and log-sum-exp, recompute);
+* ``trl``: TRL's fused LM head (``trl.kernels.ChunkedLogProbFunction``, what ``SFTTrainer`` trains with: tiles of
+  4,096 tokens × 32,768 vocabulary columns, recompute in the backward), on the positions that count, as TRL calls it;
 * ``ours`` (``strategy="auto"``: "recompute" for a trainable weight) and ``ours-chunked``.
 
 Every implementation is checked against a float32 reference (``reference.linear_cross_entropy_reference``) before
@@ -69,13 +71,13 @@ def _gpu_only(what: str) -> Callable[[], str | None]:
     return reason
 
 
-def _package(module: str, pip_name: str) -> Callable[[], str | None]:
+def _package(module: str, pip_name: str, gpu_only: bool = True) -> Callable[[], str | None]:
     def reason():
         try:
             __import__(module)
         except ImportError as exc:
             return f"{pip_name} is not installed here ({first_line(exc)}): `pip install {pip_name}` to compare"
-        return _gpu_only(pip_name)()
+        return _gpu_only(pip_name)() if gpu_only else None
 
     return reason
 
@@ -93,6 +95,20 @@ def _cce():
     return lambda hidden, weight, target: cce(hidden, weight, target)
 
 
+def _trl():
+    from trl.kernels import ChunkedLogProbFunction
+
+    def fn(hidden, weight, target):
+        # As TRL's SFTTrainer calls it: only the positions that count are projected (a boolean index, so a host
+        # synchronisation), per-token log-probabilities summed and divided by their number.
+        counted = target != -100
+        log_probs = ChunkedLogProbFunction.apply(hidden[counted], weight, None, target[counted], 1.0, 32768, None,
+                                                 1.0, ())[0]
+        return -log_probs.sum() / counted.sum()
+
+    return fn
+
+
 def _ours(strategy: str) -> Callable[[], Callable]:
     return lambda: (lambda hidden, weight, target: linear_cross_entropy(hidden, weight, target, strategy=strategy,
                                                                        check_targets=False))
@@ -107,6 +123,7 @@ IMPLS = (
                _gpu_only("torch.compile (inductor)")),
     LinearImpl("liger", "Liger fused linear CE", _liger, _package("liger_kernel", "liger-kernel")),
     LinearImpl("cce", "Cut Cross-Entropy", _cce, _package("cut_cross_entropy", "cut-cross-entropy")),
+    LinearImpl("trl", "TRL fused LM head (SFTTrainer)", _trl, _package("trl.kernels", "trl", gpu_only=False)),
 )
 
 

@@ -11,11 +11,11 @@ from kernels.linear_ce_bench import LinearImpl, main, matmul_flop, measure
 
 def test_command_line_writes_json_and_png(tmp_path, capsys):
     assert main(["--tokens", "6,10", "--hidden", "16", "--vocab", "300", "--out", str(tmp_path),
-                 "--no-progress", "--impls", "ours,ours-chunked,torch-fp32,liger"]) == 0
+                 "--no-progress", "--impls", "ours,ours-chunked,torch-fp32,trl,liger"]) == 0
     data = json.loads((tmp_path / "linear_cross_entropy_cpu-interpreter.json").read_text())
     rows = {(r["impl"], r["tokens"]): r for r in data["rows"]}
-    assert set(rows) == {(k, n) for k in ("ours", "ours-chunked", "torch-fp32", "liger") for n in (6, 10)}
-    for key in ("ours", "ours-chunked", "torch-fp32"):
+    assert set(rows) == {(k, n) for k in ("ours", "ours-chunked", "torch-fp32", "trl", "liger") for n in (6, 10)}
+    for key in ("ours", "ours-chunked", "torch-fp32", "trl"):  # TRL's head has a PyTorch path on the CPU
         assert rows[(key, 10)]["check"]["ok"] and rows[(key, 10)]["eager_ms"] > 0
     assert "skipped" in rows[("liger", 6)]
     assert (tmp_path / "linear_cross_entropy_cpu-interpreter.png").stat().st_size > 10_000

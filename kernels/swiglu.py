@@ -273,7 +273,8 @@ class TritonSwiGLUMLP(torch.nn.Module):
         act = getattr(getattr(mlp, "config", None), "hidden_act", None)
         if act is None:
             act_fn = getattr(mlp, "act_fn", None)
-            act = "silu" if isinstance(act_fn, torch.nn.SiLU) else repr(act_fn)
+            # transformers' ACT2FN["silu"] is its own SiLUActivation, ACT2FN["swish"] torch's nn.SiLU.
+            act = "silu" if type(act_fn).__name__ in ("SiLU", "SiLUActivation") else repr(act_fn)
         if act not in ("silu", "swish"):
             raise ValueError(
                 f"{type(mlp).__name__} uses the activation {act!r}; TritonSwiGLUMLP computes silu(gate) * up and "

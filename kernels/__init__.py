@@ -6,14 +6,15 @@ interpreter on the CPU. That decision has to come before any ``@triton.jit`` fun
 
 At the top level, only what a training script needs:
 
-* the kernels as functions, ``rms_norm`` and ``cross_entropy``, and as modules, ``TritonRMSNorm`` and
-  ``TritonCrossEntropyLoss``;
-* ``patch_llama`` (and its handle, ``LlamaPatch``), which puts both into a Hugging Face model;
+* the kernels as functions, ``rms_norm``, ``cross_entropy``, ``swiglu`` and ``apply_rotary``, and as modules,
+  ``TritonRMSNorm``, ``TritonCrossEntropyLoss`` and ``TritonSwiGLUMLP``;
+* ``patch_llama`` (and its handle, ``LlamaPatch``), which puts them into a Hugging Face model;
 * ``describe()`` and ``runtime``: where the kernels run.
 
-One name is both: ``kernels.cross_entropy`` is the *function* (the product API); the module of the same name, with
-the kernels and their launch configuration, is imported by its path (``from kernels.cross_entropy import
-cross_entropy_forward``). No other top-level name hides a submodule. Everything the chapters use besides (models,
+Two names are both: ``kernels.cross_entropy`` and ``kernels.swiglu`` are the *functions* (the product API); the
+modules of the same names, with the kernels and their launch configuration, are imported by their paths (``from
+kernels.cross_entropy import cross_entropy_forward``, ``from kernels.swiglu import forward_config``). No other
+top-level name hides a submodule. Everything the chapters use besides (models,
 data, profiling, the benchmark, the training loop, the references) is imported from its module, e.g.
 ``from kernels.models import build_model``; ``docs/ARCHITECTURE.md`` says which file holds what.
 """
@@ -23,11 +24,14 @@ from .runtime import describe
 
 from .rmsnorm import TritonRMSNorm, rms_norm
 from .cross_entropy import TritonCrossEntropyLoss, cross_entropy
+from .swiglu import TritonSwiGLUMLP, swiglu
+from .rope import apply_rotary
 from .patch import LlamaPatch, patch_llama
 
 __all__ = [
     "runtime", "describe",
     "rms_norm", "TritonRMSNorm",
     "cross_entropy", "TritonCrossEntropyLoss",
+    "swiglu", "TritonSwiGLUMLP", "apply_rotary",
     "patch_llama", "LlamaPatch",
 ]

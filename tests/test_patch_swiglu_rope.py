@@ -149,18 +149,21 @@ def test_peft_lora_still_trains(device, gen):
 
 
 def test_compiled_patched_model_has_no_new_graph_break(device, gen):
+    # RMSNorm and the loss under torch.compile are tested in test_ops.py; here the two new swaps.
     torch._dynamo.reset()
     model = tiny_model("llama", seed_from(gen))
     batch = random_batch(gen)
     unpatched = torch._dynamo.explain(model)(**batch)
     torch._dynamo.reset()
-    patched_model = copy.deepcopy(model)
-    patch_llama(patched_model, **{name: True for name in SWITCHES})
-    patched = torch._dynamo.explain(patched_model)(**batch)
-    assert patched.graph_break_count == unpatched.graph_break_count, patched.break_reasons
-    torch._dynamo.reset()
-    eager_loss, eager_grads = loss_and_grads(patched_model, batch)
-    compiled = torch.compile(patched_model, backend=BACKEND)
+    patch_llama(model, **ONLY_NEW)
+    eager_loss, eager_grads = loss_and_grads(model, batch)
+    if unpatched.graph_break_count == 0:
+        compiled = torch.compile(model, backend=BACKEND, fullgraph=True)  # any graph break raises
+    else:  # a transformers version whose model breaks by itself: the patch must add none
+        patched = torch._dynamo.explain(model)(**batch)
+        assert patched.graph_break_count == unpatched.graph_break_count, patched.break_reasons
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=BACKEND)
     compiled_loss, compiled_grads = loss_and_grads(compiled, batch)
     torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=1e-6)
     assert_grads_close({n.removeprefix("_orig_mod."): g for n, g in compiled_grads.items()}, eager_grads, 1e-5)

@@ -52,13 +52,17 @@ def _rotate_heads(
 ):
     # Every head of one tensor (q or k) at the program's rows: x_rows/out_rows are the int64 offsets of each row's
     # head 0. The two halves are loaded as two tiles, so rotate_half is a swap of tiles, not a gather.
-    for h in range(0, n_heads):
-        x_at = X + x_rows[:, None] + h * stride_xh + cols[None, :]
-        o_at = OUT + out_rows[:, None] + h * stride_oh + cols[None, :]
+    x_at = X + x_rows[:, None] + cols[None, :]
+    o_at = OUT + out_rows[:, None] + cols[None, :]
+    for _ in range(0, n_heads):
         x1 = tl.load(x_at, mask=ok, other=0.0).to(tl.float32)
         x2 = tl.load(x_at + half, mask=ok, other=0.0).to(tl.float32)
         tl.store(o_at, cast_to(x1 * c1 - x2 * s1, OUT.dtype.element_ty), mask=ok)
         tl.store(o_at + half, cast_to(x2 * c2 + x1 * s2, OUT.dtype.element_ty), mask=ok)
+        # Step the 64-bit pointers to the next head rather than compute head × stride, which is int32 arithmetic
+        # on a GPU (a contiguous [B, H, T, D] has T·D elements per head).
+        x_at += stride_xh
+        o_at += stride_oh
 
 
 @triton.jit

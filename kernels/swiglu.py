@@ -168,10 +168,10 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
 
 def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, config: Config | None = None) -> torch.Tensor:
     """Launch the forward kernel: ``silu(gate) * up``, a new contiguous tensor of gate's shape and dtype."""
-    g, u = _as_rows(gate), _as_rows(up)
-    n_rows, n_cols = g.shape
     y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if y.numel():
+        g, u = _as_rows(gate), _as_rows(up)
+        n_rows, n_cols = g.shape
         cfg = config or _forward_config(n_rows, n_cols, runtime.device_props(gate.device))
         _swiglu_fwd_kernel[cfg.grid](
             g, u, y, n_rows, n_cols, g.stride(0), u.stride(0), n_cols,
@@ -184,11 +184,11 @@ def swiglu_backward(
     dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, config: Config | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the backward kernel. Returns ``(d_gate, d_up)``, contiguous, in gate's shape and dtype."""
-    g, u, d = _as_rows(gate), _as_rows(up), _as_rows(dy)
-    n_rows, n_cols = g.shape
     d_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     d_up = torch.empty(up.shape, dtype=up.dtype, device=up.device)
     if d_gate.numel():
+        g, u, d = _as_rows(gate), _as_rows(up), _as_rows(dy)
+        n_rows, n_cols = g.shape
         cfg = config or _backward_config(n_rows, n_cols, runtime.device_props(gate.device))
         _swiglu_bwd_kernel[cfg.grid](
             d, g, u, d_gate, d_up, n_rows, n_cols, d.stride(0), g.stride(0), u.stride(0), n_cols, n_cols,

@@ -113,6 +113,17 @@ def test_refusals_leave_the_model_unchanged(device, gen):
     with pytest.raises(TypeError, match="swiglu must be True or False"):
         patch_llama(model, swiglu="yes")
 
+    # Classes it does not know are refused by name, even subclasses of the known ones.
+    model = tiny_model("llama", seed_from(gen))
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    attention.__class__ = type("MyAttention", (type(attention),), {})
+    with pytest.raises(ValueError, match="MyAttention is not an attention class patch_llama knows"):
+        patch_llama(model, rms_norm=False, cross_entropy=False, rope=True)
+    mlp.__class__ = type("MyMLP", (type(mlp),), {})
+    with pytest.raises(ValueError, match="MyMLP is not an MLP whose code patch_llama knows"):
+        patch_llama(model, rms_norm=False, cross_entropy=False, swiglu=True)
+    assert all("forward" not in layer.self_attn.__dict__ for layer in model.model.layers)
+
 
 def test_peft_lora_still_trains(device, gen):
     peft = pytest.importorskip("peft", reason="peft is a test requirement (requirements.txt)")

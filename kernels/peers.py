@@ -176,6 +176,14 @@ CROSS_ENTROPY_IMPLS = (
 # ---- SwiGLU: fn(gate, up) -> silu(gate) * up ----
 
 
+def _build_plain(function):
+    """An implementation that is a plain function with no parameters of its own."""
+    def build(case):
+        return function, []
+
+    return build
+
+
 def _swiglu_hf(gate, up):
     # LlamaMLP's act_fn(gate_proj(x)) * up_proj(x): two elementwise kernels and a saved silu(gate) in eager mode.
     from transformers.activations import ACT2FN
@@ -202,7 +210,7 @@ def _build_liger_swiglu(case):
 
 SWIGLU_IMPLS = (
     Impl("ours", "ours (Triton, fused)", "ours", _build_ours_swiglu),
-    Impl("hf", "HF act_fn(gate) * up eager", "peer", _build_ce_function(_swiglu_hf), _transformers_missing),
+    Impl("hf", "HF act_fn(gate) * up eager", "peer", _build_plain(_swiglu_hf), _transformers_missing),
     Impl("compile", "torch.compile(HF)", "peer", _build_compiled_swiglu,
          lambda: _transformers_missing() or _no_compile_in_interpreter(), compiled=True),
     Impl("liger", "Liger SiLUMul", "peer", _build_liger_swiglu, _liger_missing("liger_kernel.ops.swiglu")),
@@ -239,7 +247,7 @@ def _build_liger_rope(case):
 
 ROPE_IMPLS = (
     Impl("ours", "ours (Triton, q and k in one launch)", "ours", _build_ours_rope),
-    Impl("hf", "HF apply_rotary_pos_emb eager", "peer", _build_ce_function(_rope_hf), _transformers_missing),
+    Impl("hf", "HF apply_rotary_pos_emb eager", "peer", _build_plain(_rope_hf), _transformers_missing),
     Impl("compile", "torch.compile(HF)", "peer", _build_compiled_rope,
          lambda: _transformers_missing() or _no_compile_in_interpreter(), compiled=True),
     Impl("liger", "Liger rotary_pos_emb", "peer", _build_liger_rope, _liger_missing("liger_kernel.transformers.rope")),

@@ -6,18 +6,18 @@ interpreter on the CPU. That decision has to come before any ``@triton.jit`` fun
 
 At the top level, only what a training script needs:
 
-* the kernels as functions, ``rms_norm``, ``cross_entropy`` and ``linear_cross_entropy`` (the loss of an LM head
-  without its logits), and as modules, ``TritonRMSNorm``, ``TritonCrossEntropyLoss`` and
-  ``TritonLinearCrossEntropyLoss``;
+* the kernels as functions, ``rms_norm``, ``cross_entropy``, ``linear_cross_entropy`` (the loss of an LM head
+  without its logits), ``swiglu`` and ``apply_rotary``, and as modules, ``TritonRMSNorm``,
+  ``TritonCrossEntropyLoss``, ``TritonLinearCrossEntropyLoss`` and ``TritonSwiGLUMLP``;
 * ``patch_llama`` (and its handle, ``LlamaPatch``), which puts them into a Hugging Face model;
 * ``describe()`` and ``runtime``: where the kernels run.
 
-Two names are both: ``kernels.cross_entropy`` and ``kernels.linear_cross_entropy`` are the *functions* (the
-product API); the modules of the same names, with the kernels and their launch configuration, are imported by their
-paths (``from kernels.cross_entropy import cross_entropy_forward``). No other top-level name hides a submodule.
-Everything the chapters use besides (models, data, profiling, the benchmark, the training loop, the references) is
-imported from its module, e.g. ``from kernels.models import build_model``; ``docs/ARCHITECTURE.md`` says which
-file holds what.
+Three names are both: ``kernels.cross_entropy``, ``kernels.linear_cross_entropy`` and ``kernels.swiglu`` are the
+*functions* (the product API); the modules of the same names, with the kernels and their launch configuration, are
+imported by their paths (``from kernels.cross_entropy import cross_entropy_forward``, ``from kernels.swiglu import
+forward_config``). No other top-level name hides a submodule. Everything the chapters use besides (models, data,
+profiling, the benchmark, the training loop, the references) is imported from its module, e.g.
+``from kernels.models import build_model``; ``docs/ARCHITECTURE.md`` says which file holds what.
 """
 
 from . import runtime  # noqa: I001  (must come first: it sets TRITON_INTERPRET)
@@ -26,6 +26,8 @@ from .runtime import describe
 from .rmsnorm import TritonRMSNorm, rms_norm
 from .cross_entropy import TritonCrossEntropyLoss, cross_entropy
 from .linear_cross_entropy import TritonLinearCrossEntropyLoss, linear_cross_entropy
+from .swiglu import TritonSwiGLUMLP, swiglu
+from .rope import apply_rotary
 from .patch import LlamaPatch, patch_llama
 
 __all__ = [
@@ -33,5 +35,6 @@ __all__ = [
     "rms_norm", "TritonRMSNorm",
     "cross_entropy", "TritonCrossEntropyLoss",
     "linear_cross_entropy", "TritonLinearCrossEntropyLoss",
+    "swiglu", "TritonSwiGLUMLP", "apply_rotary",
     "patch_llama", "LlamaPatch",
 ]

@@ -30,6 +30,25 @@
   In eval mode, under ``no_grad`` or without labels the head computes logits as usual (and the loss uses the fused
   cross-entropy, or Hugging Face's with ``cross_entropy=False``). Tied embeddings work (the shared weight receives
   both gradients); an LM head that is not a plain ``nn.Linear`` without bias (LoRA on the head) is refused.
+* **The MLP activation** (``swiglu=True``, off by default). Every ``LlamaMLP``, ``MistralMLP``, ``Qwen2MLP``,
+  ``Qwen3MLP`` whose activation is SiLU is replaced by a ``TritonSwiGLUMLP`` that holds the very same
+  ``gate_proj``, ``up_proj`` and ``down_proj`` submodules (so parameter names, the optimizer and PEFT adapter layers
+  inside the projections are unchanged) and computes ``down_proj(swiglu(gate_proj(x), up_proj(x)))``. Any other
+  activation (``hidden_act`` not ``"silu"``) or any other class whose name ends in "MLP" is refused.
+* **The rotary embedding** (``rope=True``, off by default). The attention modules of these families call their
+  modeling file's module-level ``apply_rotary_pos_emb`` by name, so the function cannot be swapped on one model by
+  setting an attribute, and replacing it in the modeling module would change every model of the process (and the
+  reference beside it). Instead each ``LlamaAttention`` (``Mistral…``, ``Qwen2…``, ``Qwen3…``) of this model gets an
+  instance-level ``forward``: the class's own forward function, rebuilt over a copy of its module's globals in which
+  ``apply_rotary_pos_emb`` is ``kernels.rope.apply_rotary``. Same code, same arguments, one name resolved
+  differently, for these module objects only; ``undo()`` deletes the instance attribute and the class's forward
+  is seen again. Refused: an attention class the patch does not know, a forward that does not call
+  ``apply_rotary_pos_emb`` by name, a rotary function whose signature is not ``(q, k, cos, sin, unsqueeze_dim)``,
+  and a module whose forward was already replaced on the instance (e.g. by accelerate's hooks).
+
+SwiGLU and RoPE are off by default: no GPU measurement yet shows that they speed up a training step (chapter 11 and
+``assets/notes/swiglu_rope.md`` give the prediction); turn them on with ``patch_llama(model, swiglu=True,
+rope=True)``.
 
 Why surgery on one model rather than editing Hugging Face's source or replacing ``LlamaRMSNorm.forward`` on the
 class for the whole process: the change is scoped to the model you pass (a reference model next to it stays
@@ -43,6 +62,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -51,12 +72,14 @@ import torch.nn.functional as F
 from .cross_entropy import cross_entropy as fused_cross_entropy
 from .linear_cross_entropy import linear_cross_entropy as fused_linear_cross_entropy
 from .rmsnorm import TritonRMSNorm
+from .rope import apply_rotary
+from .swiglu import TritonSwiGLUMLP
 
 IGNORE_INDEX = -100
 
 # patch_llama's kernel switches, by keyword: what ``python -m kernels.finetune --kernels`` and ``compare``'s
 # ``patch_options`` may name.
-SWITCHES = ("rms_norm", "cross_entropy", "linear_cross_entropy")
+SWITCHES = ("rms_norm", "cross_entropy", "linear_cross_entropy", "swiglu", "rope")
 
 # (module path, class name) of the norms whose formula is Llama's: x · rsqrt(mean(x²) + eps) in float32, cast to the
 # input dtype, then multiplied by the weight. Classes the installed transformers lacks are skipped.
@@ -66,6 +89,14 @@ SAME_FORMULA = (
     ("transformers.models.qwen2.modeling_qwen2", "Qwen2RMSNorm"),
     ("transformers.models.qwen3.modeling_qwen3", "Qwen3RMSNorm"),
 )
+
+# (module path, class name) of the gated MLPs (down(act(gate(x)) * up(x))) and attention modules (q and k rotated by
+# the modeling file's apply_rotary_pos_emb(q, k, cos, sin)) whose code patch_llama knows.
+SUPPORTED_MLPS = tuple((path, f"{family}MLP") for path, family in (
+    ("transformers.models.llama.modeling_llama", "Llama"), ("transformers.models.mistral.modeling_mistral", "Mistral"),
+    ("transformers.models.qwen2.modeling_qwen2", "Qwen2"), ("transformers.models.qwen3.modeling_qwen3", "Qwen3"),
+))
+SUPPORTED_ATTENTION = tuple((path, name.replace("MLP", "Attention")) for path, name in SUPPORTED_MLPS)
 
 # Norms that look alike but compute something else, by class name, with what differs.
 _GEMMA = (
@@ -78,8 +109,12 @@ DIFFERENT_FORMULA = {"GemmaRMSNorm": _GEMMA, "Gemma2RMSNorm": _GEMMA, "Gemma3RMS
 
 def supported_norm_classes() -> dict[str, type]:
     """The RMSNorm classes ``patch_llama`` replaces, by name, among those the installed transformers has."""
+    return _classes(SAME_FORMULA)
+
+
+def _classes(table) -> dict[str, type]:
     found = {}
-    for module_path, name in SAME_FORMULA:
+    for module_path, name in table:
         try:
             found[name] = getattr(importlib.import_module(module_path), name)
         except (ImportError, AttributeError):  # a transformers version without this model family
@@ -257,6 +292,116 @@ def _without_consumed_logits(output, consumed: torch.Tensor):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# The MLP activation and the rotary embedding
+# ---------------------------------------------------------------------------------------------------------------
+
+_ROTARY_NAME = "apply_rotary_pos_emb"
+_ROTARY_PARAMETERS = ["q", "k", "cos", "sin", "unsqueeze_dim"]
+
+
+def _where(parent_name: str, name: str) -> str:
+    return f"{parent_name + '.' if parent_name else ''}{name}"
+
+
+def _find_mlps(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str, torch.nn.Module]]:
+    """(qualified name, parent, attribute name, module) of every gated SiLU MLP; raises before anything changes."""
+    accepted = set(_classes(SUPPORTED_MLPS).values())
+    found = []
+    for parent_name, parent in model.named_modules():
+        for name, child in parent.named_children():
+            cls, where = type(child), _where(parent_name, name)
+            if cls in accepted:
+                act = getattr(getattr(child, "config", None), "hidden_act", None)
+                if act not in ("silu", "swish"):
+                    raise ValueError(
+                        f"cannot replace {where} ({cls.__name__}): its activation is hidden_act={act!r}, and the "
+                        "fused kernel computes silu(gate) * up. Use swiglu=False"
+                    )
+                found.append((where, parent, name, child))
+            elif cls.__name__.endswith("MLP") and cls is not TritonSwiGLUMLP:
+                raise ValueError(
+                    f"cannot replace {where}: {cls.__module__}.{cls.__name__} is not an MLP whose code patch_llama "
+                    f"knows (it replaces {sorted(c.__name__ for c in accepted)}); it refuses rather than guess. "
+                    "Use swiglu=False"
+                )
+    return found
+
+
+def _rotary_of(cls: type, where: str):
+    """The module-level rotary function that ``cls.forward`` calls by name, after checking that it does."""
+    forward = cls.forward
+    code = getattr(forward, "__code__", None)
+    if code is None or _ROTARY_NAME not in code.co_names:
+        raise ValueError(
+            f"cannot patch the rotary embedding of {where} ({cls.__name__}): its forward does not call "
+            f"{_ROTARY_NAME} by name (a transformers version this patch does not know). Use rope=False"
+        )
+    original = forward.__globals__.get(_ROTARY_NAME)
+    try:
+        parameters = list(inspect.signature(original).parameters)
+    except (TypeError, ValueError):
+        parameters = None
+    if parameters != _ROTARY_PARAMETERS:
+        raise ValueError(
+            f"cannot patch the rotary embedding of {where}: {cls.__module__}.{_ROTARY_NAME} takes {parameters}, "
+            f"not {_ROTARY_PARAMETERS} as the kernel does. Use rope=False"
+        )
+    return original
+
+
+def _find_attention(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(qualified name, module) of every attention module whose rotary call is swapped; raises before any change."""
+    accepted = set(_classes(SUPPORTED_ATTENTION).values())
+    found = []
+    for where, module in model.named_modules():
+        cls = type(module)
+        if cls in accepted:
+            _rotary_of(cls, where)
+            if "forward" in module.__dict__:
+                raise ValueError(
+                    f"cannot patch the rotary embedding of {where}: its forward was already replaced on the "
+                    "instance (by another patch, or accelerate's hooks). Use rope=False"
+                )
+            found.append((where, module))
+        elif cls.__name__.endswith("Attention") and _ROTARY_NAME in getattr(
+                getattr(cls.forward, "__code__", None), "co_names", ()):
+            raise ValueError(
+                f"cannot patch the rotary embedding of {where}: {cls.__module__}.{cls.__name__} is not an attention "
+                f"class patch_llama knows (it patches {sorted(c.__name__ for c in accepted)}). Use rope=False"
+            )
+    return found
+
+
+def _forward_with_kernel_rotary(cls: type) -> types.FunctionType:
+    """``cls.forward`` rebuilt over a copy of its module's globals in which ``apply_rotary_pos_emb`` is ours."""
+    forward = cls.forward
+    namespace = dict(forward.__globals__)
+    namespace[_ROTARY_NAME] = apply_rotary
+    rebuilt = types.FunctionType(forward.__code__, namespace, forward.__name__, forward.__defaults__,
+                                 forward.__closure__)
+    rebuilt.__kwdefaults__ = forward.__kwdefaults__
+    rebuilt.__qualname__ = forward.__qualname__
+    rebuilt.__doc__ = f"{cls.__name__}.forward with {_ROTARY_NAME} computed by the Triton RoPE kernel (patch_llama)."
+    return rebuilt
+
+
+def _count(names) -> str:
+    """"2 LlamaMLP, 1 X" from an iterable of class names, in first-seen order."""
+    counts: dict[str, int] = {}
+    for name in names:
+        counts[name] = counts.get(name, 0) + 1
+    return ", ".join(f"{n} {name}" for name, n in counts.items())
+
+
+@dataclass
+class _RotarySwap:
+    where: str
+    module: torch.nn.Module
+    forward: types.MethodType  # the instance-level forward the patch installed
+
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # The patch and its handle
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -276,6 +421,8 @@ class LlamaPatch:
 
     model: torch.nn.Module
     swaps: list[_Swap] = field(default_factory=list)
+    mlp_swaps: list[_Swap] = field(default_factory=list)
+    rotary: list[_RotarySwap] = field(default_factory=list)
     loss: _PatchedLoss | None = None
     _had_own_loss: bool = False
     _previous_loss: object = None
@@ -286,14 +433,16 @@ class LlamaPatch:
     active: bool = True
 
     def summary(self) -> str:
-        """One line: which norms were replaced, and what computes the loss."""
-        counts: dict[str, int] = {}
-        for swap in self.swaps:
-            counts[type(swap.original).__name__] = counts.get(type(swap.original).__name__, 0) + 1
-        norms = ", ".join(f"{n} {name}" for name, n in counts.items()) or "no norms"
+        """One line: which norms were replaced, what computes the loss, and the MLPs and attention patched."""
+        norms = _count(type(swap.original).__name__ for swap in self.swaps) or "no norms"
         loss = repr(self.loss) if self.loss is not None else "Hugging Face's loss (not patched)"
+        mlps = _count(type(swap.original).__name__ for swap in self.mlp_swaps)
+        mlps = f"TritonSwiGLUMLP replaces {mlps}" if mlps else "MLP activation: Hugging Face's (swiglu=False)"
+        rotary = _count(type(swap.module).__name__ for swap in self.rotary)
+        rotary = (f"RoPE: Triton apply_rotary in {rotary}" if rotary
+                  else "RoPE: Hugging Face's apply_rotary_pos_emb (rope=False)")
         state = "" if self.active else " [undone]"
-        return f"TritonRMSNorm replaces {norms}; loss: {loss}{state}"
+        return f"TritonRMSNorm replaces {norms}; loss: {loss}; {mlps}; {rotary}{state}"
 
     @property
     def replaced(self) -> list[str]:
@@ -305,12 +454,18 @@ class LlamaPatch:
         if not self.active:
             return
         model = self.model
-        for swap in reversed(self.swaps):
+        for swap in [*self.swaps, *self.mlp_swaps]:
             if getattr(swap.parent, swap.name) is not swap.replacement:
                 raise RuntimeError(
                     f"cannot undo: {swap.where} was replaced by something else after the patch; undo that first"
                 )
+        for swap in self.rotary:
+            if swap.module.__dict__.get("forward") is not swap.forward:
+                raise RuntimeError(f"cannot undo: the forward of {swap.where} was replaced after the patch")
+        for swap in reversed([*self.swaps, *self.mlp_swaps]):
             setattr(swap.parent, swap.name, swap.original)
+        for swap in self.rotary:
+            del swap.module.forward  # the class's forward is seen again
         if self.loss is not None:
             if self._had_own_loss:
                 model._loss_function = self._previous_loss
@@ -330,6 +485,7 @@ class LlamaPatch:
 
     def __repr__(self) -> str:
         return f"LlamaPatch({self.summary()})"
+
 
     def __enter__(self) -> "LlamaPatch":
         return self
@@ -420,10 +576,14 @@ def _model_to_patch(model: torch.nn.Module) -> torch.nn.Module:
 
 def patch_llama(
     model: torch.nn.Module, rms_norm: bool = True, cross_entropy: bool = True, inplace_logits: bool = True,
-    linear_cross_entropy: bool = False,
+    linear_cross_entropy: bool = False, swiglu: bool = False, rope: bool = False,
 ) -> LlamaPatch:
     """Replace the RMSNorm modules of a Hugging Face Llama (or Mistral, Qwen2, Qwen3) and route its loss through the
     fused cross-entropy; returns a handle whose ``undo()`` restores the model. See the module docstring.
+
+    ``swiglu=True`` fuses the MLPs' ``silu(gate) * up`` (``TritonSwiGLUMLP``, same projections), ``rope=True`` rotates
+    q and k with the Triton RoPE kernel in every attention module of this model. Both default to False: no GPU
+    measurement yet shows that either speeds up a training step.
 
     ``model`` may also be a PEFT model (``get_peft_model(llama, LoraConfig(...))``): the Llama inside it is patched,
     and the adapters are untouched. Wrapping with PEFT after patching works too; either way ``undo()`` restores the
@@ -439,8 +599,9 @@ def patch_llama(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module (a Hugging Face model), got {type(model).__name__}")
     model = _model_to_patch(model)
-    for name, value in (("rms_norm", rms_norm), ("cross_entropy", cross_entropy), ("inplace_logits", inplace_logits),
-                        ("linear_cross_entropy", linear_cross_entropy)):
+    switches = (("rms_norm", rms_norm), ("cross_entropy", cross_entropy), ("inplace_logits", inplace_logits),
+                ("linear_cross_entropy", linear_cross_entropy), ("swiglu", swiglu), ("rope", rope))
+    for name, value in switches:
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {value!r}")
     previous = model.__dict__.get("_kernels_patch")
@@ -450,13 +611,31 @@ def patch_llama(
     if patch_loss:
         _check_causal_lm(model)
     head = _check_head(model) if linear_cross_entropy else None
-    norms = _find_norms(model) if rms_norm else []  # every check before the first change
+    # Every check before the first change: a refusal leaves the model as it was.
+    norms = _find_norms(model) if rms_norm else []
+    mlps = _find_mlps(model) if swiglu else []
+    attention = _find_attention(model) if rope else []
+    if swiglu and not mlps:
+        raise ValueError(f"swiglu=True, but {type(model).__name__} has no MLP patch_llama knows")
+    if rope and not attention:
+        raise ValueError(f"rope=True, but {type(model).__name__} has no attention module patch_llama knows")
 
     patch = LlamaPatch(model)
     for where, parent, name, module in norms:
         replacement = TritonRMSNorm.from_hf(module)
         setattr(parent, name, replacement)
         patch.swaps.append(_Swap(where, parent, name, module, replacement))
+    for where, parent, name, module in mlps:
+        replacement = TritonSwiGLUMLP.from_hf(module)
+        setattr(parent, name, replacement)
+        patch.mlp_swaps.append(_Swap(where, parent, name, module, replacement))
+    rebuilt: dict[type, types.FunctionType] = {}
+    for where, module in attention:
+        cls = type(module)
+        if cls not in rebuilt:
+            rebuilt[cls] = _forward_with_kernel_rotary(cls)
+        module.forward = types.MethodType(rebuilt[cls], module)
+        patch.rotary.append(_RotarySwap(where, module, module.forward))
     if patch_loss:
         patch._had_own_loss = "_loss_function" in model.__dict__
         patch._previous_loss = model.__dict__.get("_loss_function")

@@ -3,8 +3,11 @@
 For RMSNorm: Hugging Face's ``LlamaRMSNorm`` in eager mode, ``torch.compile`` of it, PyTorch's native fused
 ``F.rms_norm``, Liger-Kernel's ``LigerRMSNorm`` and ours. For cross-entropy: ``F.cross_entropy`` on an fp32 upcast
 of the logits (what Hugging Face does) and without the upcast, ``torch.compile`` of the former, Liger-Kernel's
-in-place loss, ours with the gradient written in place and ours with a gradient buffer. Each is an ``Impl`` that
-builds a callable for one case (``kernels.sweep``); one that cannot run here says why instead.
+in-place loss, ours with the gradient written in place and ours with a gradient buffer. For SwiGLU: Hugging Face's
+``act_fn(gate) * up`` in eager mode, ``torch.compile`` of it, Liger-Kernel's ``LigerSiLUMulFunction`` and ours. For
+RoPE: Hugging Face's ``apply_rotary_pos_emb`` in eager mode, ``torch.compile`` of it, Liger-Kernel's
+``liger_rotary_pos_emb`` and ours. Each is an ``Impl`` that builds a callable for one case (``kernels.sweep``); one
+that cannot run here says why instead.
 """
 
 from __future__ import annotations
@@ -170,7 +173,88 @@ CROSS_ENTROPY_IMPLS = (
          _liger_missing("liger_kernel.transformers.cross_entropy")),
 )
 
-IMPLEMENTATIONS = {"rmsnorm": RMSNORM_IMPLS, "cross_entropy": CROSS_ENTROPY_IMPLS}
+# ---- SwiGLU: fn(gate, up) -> silu(gate) * up ----
+
+
+def _build_plain(function):
+    """An implementation that is a plain function with no parameters of its own."""
+    def build(case):
+        return function, []
+
+    return build
+
+
+def _swiglu_hf(gate, up):
+    # LlamaMLP's act_fn(gate_proj(x)) * up_proj(x): two elementwise kernels and a saved silu(gate) in eager mode.
+    from transformers.activations import ACT2FN
+
+    return ACT2FN["silu"](gate) * up
+
+
+def _build_ours_swiglu(case):
+    from .swiglu import swiglu
+
+    return swiglu, []
+
+
+def _build_compiled_swiglu(case):
+    return torch.compile(_swiglu_hf, dynamic=False), []
+
+
+def _build_liger_swiglu(case):
+    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+    # Liger's backward writes the gradients over its saved gate and up (the case refills them before each check).
+    return LigerSiLUMulFunction.apply, []
+
+
+SWIGLU_IMPLS = (
+    Impl("ours", "ours (Triton, fused)", "ours", _build_ours_swiglu),
+    Impl("hf", "HF act_fn(gate) * up eager", "peer", _build_plain(_swiglu_hf), _transformers_missing),
+    Impl("compile", "torch.compile(HF)", "peer", _build_compiled_swiglu,
+         lambda: _transformers_missing() or _no_compile_in_interpreter(), compiled=True),
+    Impl("liger", "Liger SiLUMul", "peer", _build_liger_swiglu, _liger_missing("liger_kernel.ops.swiglu")),
+)
+
+
+# ---- RoPE: fn(q, k, cos, sin) -> (q_embed, k_embed) ----
+
+
+def _rope_hf(q, k, cos, sin):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    return apply_rotary_pos_emb(q, k, cos, sin)
+
+
+def _build_ours_rope(case):
+    from .rope import apply_rotary
+
+    return apply_rotary, []
+
+
+def _build_compiled_rope(case):
+    return torch.compile(_rope_hf, dynamic=False), []
+
+
+def _build_liger_rope(case):
+    from liger_kernel.transformers.rope import liger_rotary_pos_emb
+
+    def fn(q, k, cos, sin):
+        return liger_rotary_pos_emb(q, k, cos, sin, None, 1)
+
+    return fn, []
+
+
+ROPE_IMPLS = (
+    Impl("ours", "ours (Triton, q and k in one launch)", "ours", _build_ours_rope),
+    Impl("hf", "HF apply_rotary_pos_emb eager", "peer", _build_plain(_rope_hf), _transformers_missing),
+    Impl("compile", "torch.compile(HF)", "peer", _build_compiled_rope,
+         lambda: _transformers_missing() or _no_compile_in_interpreter(), compiled=True),
+    Impl("liger", "Liger rotary_pos_emb", "peer", _build_liger_rope, _liger_missing("liger_kernel.transformers.rope")),
+)
+
+IMPLEMENTATIONS = {"rmsnorm": RMSNORM_IMPLS, "cross_entropy": CROSS_ENTROPY_IMPLS, "swiglu": SWIGLU_IMPLS,
+                   "rope": ROPE_IMPLS}
 
 
 def implementations(kernel: str, keys=None) -> list[Impl]:

@@ -206,7 +206,7 @@ def summary_figure(results: dict):
     fig = Figure(figsize=(14, 10), layout="constrained")
     axes = fig.subplots(2, 2).ravel()
     main_pass = "fwd+bwd"
-    if results["kernel"] == "rmsnorm":
+    if results["kernel"] != "cross_entropy":  # memory-bound kernels measured in two passes: bandwidth first
         plot_bandwidth(results, main_pass, "tokens", axes[0])
         if results["settings"].get("width_sweep"):
             plot_bandwidth(results, main_pass, "width", axes[1])

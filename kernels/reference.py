@@ -151,3 +151,45 @@ def linear_cross_entropy_reference(
         loss += part.detach()
         d_hidden[start:start + chunk] = h.grad
     return loss, d_hidden, w.grad
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# ---- SwiGLU and RoPE ----
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Llama's MLP activation as Hugging Face computes it: ``act_fn(gate_proj(x)) * up_proj(x)`` with SiLU."""
+    return F.silu(gate) * up
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's ``rotate_half``: [x1, x2] → [−x2, x1] over the two halves of the last dimension."""
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotary_reference(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hugging Face's ``apply_rotary_pos_emb``: ``x·cos + rotate_half(x)·sin`` for q and k, with cos and sin
+    ([batch, seq, head_dim]) unsqueezed at ``unsqueeze_dim`` to broadcast over the heads."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def rotary_cos_sin(
+    batch: int, seq: int, head_dim: int, theta: float = 500_000.0, dtype: torch.dtype = torch.float32,
+    device=None, positions: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape [batch, seq, head_dim] as Llama's rotary embedding makes them (default rope type):
+    angles position · θ^(−2i/head_dim) computed in float32, each frequency used twice (``cat((f, f))``), cast to
+    ``dtype`` (in a model: the activations' dtype). ``positions`` ([batch, seq]) defaults to 0 … seq − 1."""
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even, got {head_dim}")
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    if positions is None:
+        positions = torch.arange(seq, device=device).expand(batch, seq)
+    freqs = positions[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)

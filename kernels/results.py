@@ -22,7 +22,7 @@ ASSETS = Path(__file__).resolve().parent.parent / "assets"
 RESULTS = ASSETS / "results"
 CEILINGS_FILE = RESULTS / "ceilings.json"
 
-KERNELS = ("rmsnorm", "cross_entropy")
+KERNELS = ("rmsnorm", "cross_entropy", "swiglu", "rope")
 SCHEMA_VERSION = 1
 MIB = 2**20
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

@@ -28,7 +28,7 @@ import torch
 from . import runtime
 from .bench import device_time_ms, gbps, measure_ceilings, peak_extra_mib, reset_grads, time_ms
 from .peers import IMPLEMENTATIONS, Impl, implementations
-from .reference import relative_error, rms_norm_reference
+from .reference import relative_error, rms_norm_reference, rotary_cos_sin, rotary_reference, swiglu_reference
 from .results import (
     ASSETS,
     DTYPES,
@@ -47,7 +47,13 @@ from .tolerances import RELATIVE_ERROR_TOL
 PASSES = ("fwd", "fwd+bwd")
 # Which passes each kernel is measured in. The cross-entropy of a training step is always forward+backward (the
 # fused kernel even computes the gradient in its forward), so that is the one pass it is compared in.
-KERNEL_PASSES = {"rmsnorm": ("fwd", "fwd+bwd"), "cross_entropy": ("fwd+bwd",)}
+KERNEL_PASSES = {"rmsnorm": ("fwd", "fwd+bwd"), "cross_entropy": ("fwd+bwd",), "swiglu": ("fwd", "fwd+bwd"),
+                 "rope": ("fwd", "fwd+bwd")}
+# What a case's width is, by kernel: the name in results and in the sizes tables.
+WIDTH_NAMES = {"rmsnorm": "hidden", "cross_entropy": "vocab", "swiglu": "intermediate", "rope": "head_dim"}
+# Llama-3.1-8B's attention: 32 query heads and 8 key-value heads of head_dim 128 (GQA). The tiny profile keeps the
+# ratio with fewer heads.
+ROPE_HEADS = runtime.pick((4, 2), (32, 8))
 
 
 # Sweeps. GPU: sizes that fill the chip, as in the chapters; interpreter: tiny, so the CPU gets through in seconds.
@@ -55,18 +61,26 @@ GPU_SIZES = {
     "rmsnorm": dict(tokens=(256, 512, 1024, 2048, 4096, 8192, 16384, 32768), hidden=4096,
                     hidden_sweep=(1024, 2048, 4096, 8192), hidden_sweep_tokens=16384),
     "cross_entropy": dict(tokens=(256, 512, 1024, 2048, 4096, 8192, 16384), vocab=128_256),
+    "swiglu": dict(tokens=(512, 1024, 2048, 4096, 8192, 16384), intermediate=14_336),
+    "rope": dict(tokens=(512, 1024, 2048, 4096, 8192, 16384), head_dim=128),
 }
 GPU_QUICK_SIZES = {
     "rmsnorm": dict(tokens=(1024, 4096, 16384), hidden=4096, hidden_sweep=(1024, 8192), hidden_sweep_tokens=16384),
     "cross_entropy": dict(tokens=(1024, 4096, 16384), vocab=128_256),
+    "swiglu": dict(tokens=(1024, 4096, 16384), intermediate=14_336),
+    "rope": dict(tokens=(1024, 4096, 16384), head_dim=128),
 }
 CPU_SIZES = {
     "rmsnorm": dict(tokens=(16, 64), hidden=128, hidden_sweep=(64, 200), hidden_sweep_tokens=32),
     "cross_entropy": dict(tokens=(8, 32), vocab=1000),
+    "swiglu": dict(tokens=(16, 64), intermediate=224),
+    "rope": dict(tokens=(16, 64), head_dim=32),
 }
 CPU_QUICK_SIZES = {
     "rmsnorm": dict(tokens=(8, 24), hidden=96, hidden_sweep=(), hidden_sweep_tokens=8),
     "cross_entropy": dict(tokens=(4, 12), vocab=500),
+    "swiglu": dict(tokens=(8, 24), intermediate=112),
+    "rope": dict(tokens=(8, 24), head_dim=16),
 }
 
 
@@ -101,6 +115,30 @@ def cross_entropy_bytes(tokens: int, vocab: int, itemsize: int = 2, design: str 
     if design not in CE_DESIGNS:
         raise ValueError(f"design must be one of {tuple(CE_DESIGNS)}, got {design!r}")
     return CE_DESIGNS[design] * tokens * vocab * itemsize
+
+
+def swiglu_bytes(tokens: int, intermediate: int, itemsize: int = 2, pass_: str = "fwd+bwd") -> int:
+    """Least bytes a SwiGLU over [tokens, intermediate] must move.
+
+    Forward reads gate and up and writes y: 3·M·I·s. Backward reads dy, gate and up and writes d(gate) and d(up):
+    5·M·I·s more, 8·M·I·s in all. Storing silu(gate) for the backward instead of recomputing it would add a write
+    and a read: 10·M·I·s.
+    """
+    _check_pass(pass_)
+    return (3 if pass_ == "fwd" else 8) * tokens * intermediate * itemsize
+
+
+def rope_bytes(tokens: int, head_dim: int, q_heads: int = 32, kv_heads: int = 8, itemsize: int = 2,
+               pass_: str = "fwd+bwd", trig_itemsize: int | None = None) -> int:
+    """Least bytes RoPE on q [tokens, q_heads, D] and k [tokens, kv_heads, D] must move.
+
+    Forward reads q and k and writes both rotated: 2·(Hq + Hkv)·T·D·s, plus cos and sin read once per position
+    (2·T·D·s_trig), not once per head. Backward is the same traffic again with dy in and dx out.
+    """
+    _check_pass(pass_)
+    trig = itemsize if trig_itemsize is None else trig_itemsize
+    one = 2 * (q_heads + kv_heads) * tokens * head_dim * itemsize + 2 * tokens * head_dim * trig
+    return one if pass_ == "fwd" else 2 * one
 
 
 def _check_pass(pass_: str) -> None:
@@ -309,7 +347,150 @@ class CrossEntropyCase:
         return fwd_bwd, [logits]
 
 
-CASES = {"rmsnorm": RMSNormCase, "cross_entropy": CrossEntropyCase}
+class SwiGLUCase:
+    """Inputs of one SwiGLU shape: gate (spread over the sigmoid's range) and up, both requiring grad, and dy;
+    float64 references of y, d(gate) and d(up)."""
+
+    kernel = "swiglu"
+    GATE_SCALE = 2.0
+
+    def __init__(self, tokens: int, intermediate: int, dtype=torch.bfloat16, device=None, seed: int = 0):
+        self.tokens, self.intermediate, self.dtype, self.seed = tokens, intermediate, dtype, seed
+        self.device = torch.device(device) if device is not None else runtime.device()
+        shape = (tokens, intermediate)
+        self.gate = torch.empty(shape, dtype=dtype, device=self.device, requires_grad=True)
+        self.up = torch.empty(shape, dtype=dtype, device=self.device, requires_grad=True)
+        self.dy = torch.empty(shape, dtype=dtype, device=self.device)
+        self.reset_inputs()
+        self._ref = None
+
+    @property
+    def width(self) -> int:
+        return self.intermediate
+
+    def reset_inputs(self) -> None:
+        """Refill gate, up and dy with the same values (Liger's backward overwrites gate and up)."""
+        g = _generator(self.device, self.seed)
+        with torch.no_grad():
+            self.gate.normal_(generator=g).mul_(self.GATE_SCALE)
+            self.up.normal_(generator=g)
+            self.dy.normal_(generator=g)
+        self.gate.grad = self.up.grad = None
+
+    def bytes(self, pass_: str) -> tuple[int, int]:
+        n = swiglu_bytes(self.tokens, self.intermediate, self.dtype.itemsize, pass_)
+        return n, n
+
+    def reference(self) -> dict[str, torch.Tensor]:
+        if self._ref is None:
+            g64 = self.gate.detach().double().requires_grad_()
+            u64 = self.up.detach().double().requires_grad_()
+            y64 = swiglu_reference(g64, u64)
+            y64.backward(self.dy.double())
+            self._ref = {"y": y64.detach(), "d_gate": g64.grad, "d_up": u64.grad}
+        return self._ref
+
+    def check(self, fn, params, pass_: str) -> Check:
+        ref = self.reference()
+        reset_grads([self.gate, self.up])
+        with torch.enable_grad():
+            y = fn(self.gate, self.up)
+            errors = {"y": relative_error(y, ref["y"], on_device=True)}
+            if pass_ == "fwd+bwd":
+                y.backward(self.dy.clone())
+                errors["d_gate"] = _grad_error(self.gate, ref["d_gate"])
+                errors["d_up"] = _grad_error(self.up, ref["d_up"])
+        reset_grads([self.gate, self.up])
+        return _judge(errors, RELATIVE_ERROR_TOL[self.dtype])
+
+    def step(self, fn, params, pass_: str):
+        gate, up, dy = self.gate, self.up, self.dy
+        if pass_ == "fwd":
+            return (lambda: fn(gate, up)), [gate, up]
+
+        def fwd_bwd():
+            fn(gate, up).backward(dy)
+
+        return fwd_bwd, [gate, up]
+
+
+class RoPECase:
+    """Inputs of one RoPE shape, batch 1 × ``tokens`` positions: q [1, Hq, T, D] and k [1, Hkv, T, D] as Llama's
+    attention makes them (transposed views of [1, T, heads, D], requiring grad), cos and sin in the activation dtype
+    at random positions, and the two upstream gradients; float64 references of both outputs and both gradients."""
+
+    kernel = "rope"
+
+    def __init__(self, tokens: int, head_dim: int, dtype=torch.bfloat16, device=None, seed: int = 0,
+                 heads: tuple[int, int] | None = None):
+        self.tokens, self.head_dim, self.dtype, self.seed = tokens, head_dim, dtype, seed
+        self.q_heads, self.kv_heads = heads or ROPE_HEADS
+        self.device = torch.device(device) if device is not None else runtime.device()
+
+        def llama_view(n_heads):
+            t = torch.empty(1, tokens, n_heads, head_dim, dtype=dtype, device=self.device).transpose(1, 2)
+            return t.requires_grad_()
+
+        self.q, self.k = llama_view(self.q_heads), llama_view(self.kv_heads)
+        self.dq = torch.empty(self.q.shape, dtype=dtype, device=self.device)
+        self.dk = torch.empty(self.k.shape, dtype=dtype, device=self.device)
+        positions = torch.randint(0, 8192, (1, tokens), generator=_generator(self.device, seed + 1),
+                                  device=self.device)
+        self.cos, self.sin = rotary_cos_sin(1, tokens, head_dim, dtype=dtype, device=self.device,
+                                            positions=positions)
+        self.reset_inputs()
+        self._ref = None
+
+    @property
+    def width(self) -> int:
+        return self.head_dim
+
+    def reset_inputs(self) -> None:
+        g = _generator(self.device, self.seed)
+        with torch.no_grad():
+            for t in (self.q, self.k, self.dq, self.dk):
+                t.normal_(generator=g)
+        self.q.grad = self.k.grad = None
+
+    def bytes(self, pass_: str) -> tuple[int, int]:
+        n = rope_bytes(self.tokens, self.head_dim, self.q_heads, self.kv_heads, self.dtype.itemsize, pass_)
+        return n, n
+
+    def reference(self) -> dict[str, torch.Tensor]:
+        if self._ref is None:
+            q64 = self.q.detach().double().requires_grad_()
+            k64 = self.k.detach().double().requires_grad_()
+            q_out, k_out = rotary_reference(q64, k64, self.cos.double(), self.sin.double())
+            torch.autograd.backward([q_out, k_out], [self.dq.double(), self.dk.double()])
+            self._ref = {"q_embed": q_out.detach(), "k_embed": k_out.detach(), "dq": q64.grad, "dk": k64.grad}
+        return self._ref
+
+    def check(self, fn, params, pass_: str) -> Check:
+        ref = self.reference()
+        reset_grads([self.q, self.k])
+        with torch.enable_grad():
+            q_out, k_out = fn(self.q, self.k, self.cos, self.sin)
+            errors = {"q_embed": relative_error(q_out, ref["q_embed"], on_device=True),
+                      "k_embed": relative_error(k_out, ref["k_embed"], on_device=True)}
+            if pass_ == "fwd+bwd":
+                torch.autograd.backward([q_out, k_out], [self.dq.clone(), self.dk.clone()])
+                errors["dq"] = _grad_error(self.q, ref["dq"])
+                errors["dk"] = _grad_error(self.k, ref["dk"])
+        reset_grads([self.q, self.k])
+        return _judge(errors, RELATIVE_ERROR_TOL[self.dtype])
+
+    def step(self, fn, params, pass_: str):
+        q, k, cos, sin, dq, dk = self.q, self.k, self.cos, self.sin, self.dq, self.dk
+        if pass_ == "fwd":
+            return (lambda: fn(q, k, cos, sin)), [q, k]
+
+        def fwd_bwd():
+            torch.autograd.backward(list(fn(q, k, cos, sin)), [dq, dk])
+
+        return fwd_bwd, [q, k]
+
+
+CASES = {"rmsnorm": RMSNormCase, "cross_entropy": CrossEntropyCase, "swiglu": SwiGLUCase, "rope": RoPECase}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -471,7 +652,7 @@ def _results_dict(kernel, rows, chosen, ceilings, shapes, settings) -> dict:
     return {
         "schema": SCHEMA_VERSION,
         "kernel": kernel,
-        "width_name": "hidden" if kernel == "rmsnorm" else "vocab",
+        "width_name": WIDTH_NAMES[kernel],
         "mode": runtime.MODE,
         "device": runtime.device_name(),
         "device_slug": device_slug(),
@@ -553,16 +734,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m kernels.sweep",
         description=(
-            "Check, then time, the fused RMSNorm and cross-entropy kernels against every peer (Hugging Face eager, "
-            "torch.compile, PyTorch's native ops, Liger-Kernel where installed). Every time is given twice: eager "
-            "(the plain call, host overhead included) and device (CUDA-graph replay: GPU time only). Writes "
-            "<kernel>_<gpu>.json and .png into --out and prints a table."
+            "Check, then time, the fused RMSNorm, cross-entropy, SwiGLU and RoPE kernels against every peer "
+            "(Hugging Face eager, torch.compile, PyTorch's native ops, Liger-Kernel where installed). Every time is "
+            "given twice: eager (the plain call, host overhead included) and device (CUDA-graph replay: GPU time "
+            "only). Writes <kernel>_<gpu>.json and .png into --out and prints a table."
         ),
         epilog=(
-            f"Implementation keys: rmsnorm: {keys['rmsnorm']}; cross_entropy: {keys['cross_entropy']}. "
+            f"Implementation keys: rmsnorm: {keys['rmsnorm']}; cross_entropy: {keys['cross_entropy']}; "
+            f"swiglu: {keys['swiglu']}; rope: {keys['rope']}. "
             f"GPU defaults: rmsnorm tokens {','.join(map(str, GPU_SIZES['rmsnorm']['tokens']))} at hidden 4096, "
             "hidden 1024,2048,4096,8192 at 16384 tokens; cross_entropy tokens "
-            f"{','.join(map(str, GPU_SIZES['cross_entropy']['tokens']))} at vocab 128256. Without a GPU the "
+            f"{','.join(map(str, GPU_SIZES['cross_entropy']['tokens']))} at vocab 128256; swiglu at intermediate "
+            "14336 and rope at head_dim 128 (32 q heads, 8 kv heads), Llama-3.1-8B's shapes. Without a GPU the "
             "sizes are tiny and times are the interpreter's wall-clock (meaningless as GPU times)."
         ),
     )
@@ -573,9 +756,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="RMSNorm: hidden sizes swept at --hidden-sweep-tokens, e.g. 1024,8192 ('none' to skip)")
     parser.add_argument("--hidden-sweep-tokens", type=int, help="RMSNorm: tokens of the hidden sweep (default 16384)")
     parser.add_argument("--vocab", type=int, help="cross-entropy: vocabulary size (GPU default 128256)")
+    parser.add_argument("--intermediate", type=int, help="SwiGLU: intermediate size (GPU default 14336)")
+    parser.add_argument("--head-dim", type=int, help="RoPE: head_dim (GPU default 128; 32 q heads, 8 kv heads)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16")
     parser.add_argument("--impls", type=_str_list, help="comma-separated implementation keys (default: all)")
-    parser.add_argument("--passes", type=_str_list, help="RMSNorm: fwd, fwd+bwd (default both)")
+    parser.add_argument("--passes", type=_str_list, help="RMSNorm, SwiGLU, RoPE: fwd, fwd+bwd (default both)")
     parser.add_argument("--quick", action="store_true", help="a few sizes only")
     parser.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms of GPU time (default 25)")
     parser.add_argument("--rep", type=int, default=50, help="do_bench repetitions, ms of GPU time (default 50)")
@@ -597,8 +782,9 @@ def _sizes_from_args(kernel: str, args) -> dict:
             sizes["hidden_sweep"] = args.hidden_sweep
         if args.hidden_sweep_tokens:
             sizes["hidden_sweep_tokens"] = args.hidden_sweep_tokens
-    elif args.vocab:
-        sizes["vocab"] = args.vocab
+    for key, value in (("vocab", args.vocab), ("intermediate", args.intermediate), ("head_dim", args.head_dim)):
+        if value and key == WIDTH_NAMES[kernel]:
+            sizes[key] = value
     return sizes
 
 
@@ -615,7 +801,7 @@ def _impls_for(kernel: str, keys) -> list[str] | None:
 def run_kernel_cli(kernel: str, args, ceilings: dict | None) -> dict:
     sizes = _sizes_from_args(kernel, args)
     passes = None
-    if kernel == "rmsnorm" and args.passes:
+    if len(KERNEL_PASSES[kernel]) > 1 and args.passes:
         passes = args.passes
     impls = _impls_for(kernel, args.impls)
     if impls == []:
@@ -626,7 +812,7 @@ def run_kernel_cli(kernel: str, args, ceilings: dict | None) -> dict:
     if kernel == "rmsnorm":
         return run_benchmark("rmsnorm", sizes["tokens"], sizes["hidden"], width_sweep=sizes["hidden_sweep"],
                              width_sweep_tokens=sizes["hidden_sweep_tokens"], **common)
-    return run_benchmark("cross_entropy", sizes["tokens"], sizes["vocab"], **common)
+    return run_benchmark(kernel, sizes["tokens"], sizes[WIDTH_NAMES[kernel]], **common)
 
 
 def main(argv=None) -> int:

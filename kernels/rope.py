@@ -1,0 +1,314 @@
+"""Rotary position embedding (RoPE) in Triton: q and k rotated in one launch, forward and backward.
+
+Hugging Face's ``apply_rotary_pos_emb(q, k, cos, sin)`` computes, for x = q and x = k,
+
+    x_embed = x · cos + rotate_half(x) · sin,      rotate_half([x1, x2]) = [−x2, x1]
+
+with x1, x2 the two halves of head_dim D. Written per half, rotate_half is index arithmetic: column d < D/2 takes
+its partner d + D/2 with a minus sign, column d ≥ D/2 takes d − D/2 with a plus sign:
+
+    out1 = x1 · cos1 − x2 · sin1
+    out2 = x2 · cos2 + x1 · sin2
+
+(cos1, cos2 are the halves of cos; Llama's are equal, cat((f, f)), but the kernel does not assume it.)
+
+The backward is the transpose of that linear map. ⟨rotate_half(x), v⟩ = −x2·v1 + x1·v2, so rotate_halfᵀ([v1, v2])
+= [v2, −v1], and dx = dy · cos + rotate_halfᵀ(dy · sin):
+
+    dx1 = dy1 · cos1 + dy2 · sin2
+    dx2 = dy2 · cos2 − dy1 · sin1
+
+which is the forward with (sin1, sin2) replaced by (−sin2, −sin1): the rotation by −θ. One kernel does both
+directions (a ``constexpr`` flag), and nothing but cos and sin is kept for the backward.
+
+Layout: q is [batch, heads, seq, D] and k [batch, kv_heads, seq, D] as Llama's attention makes them, strided views
+``proj(x).view(b, s, h, D).transpose(1, 2)``; they are read through their strides, never copied. cos and sin are
+[batch or 1, seq, D]. One program takes a block of (batch, position) rows, loads their cos and sin once, and walks
+every head of q and then of k: cos and sin are read once per position, not once per head, and q and k share one
+launch. Arithmetic is float32; outputs are stored in the dtype PyTorch's broadcasting gives Hugging Face's formula,
+``promote_types(q.dtype, cos.dtype)`` (bfloat16 in a bf16 Llama, whose cos and sin come in the activation dtype).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import ops, runtime
+from .triton_utils import cast_to
+
+# --------------------------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rotate_heads(
+    X, OUT, x_rows, out_rows, n_heads, stride_xh, stride_oh, c1, c2, s1, s2, cols, ok, half,
+):
+    # Every head of one tensor (q or k) at the program's rows: x_rows/out_rows are the int64 offsets of each row's
+    # head 0. The two halves are loaded as two tiles, so rotate_half is a swap of tiles, not a gather.
+    x_at = X + x_rows[:, None] + cols[None, :]
+    o_at = OUT + out_rows[:, None] + cols[None, :]
+    for _ in range(0, n_heads):
+        x1 = tl.load(x_at, mask=ok, other=0.0).to(tl.float32)
+        x2 = tl.load(x_at + half, mask=ok, other=0.0).to(tl.float32)
+        tl.store(o_at, cast_to(x1 * c1 - x2 * s1, OUT.dtype.element_ty), mask=ok)
+        tl.store(o_at + half, cast_to(x2 * c2 + x1 * s2, OUT.dtype.element_ty), mask=ok)
+        # Step the 64-bit pointers to the next head rather than compute head × stride, which is int32 arithmetic
+        # on a GPU (a contiguous [B, H, T, D] has T·D elements per head).
+        x_at += stride_xh
+        o_at += stride_oh
+
+
+@triton.jit
+def _rope_kernel(
+    Q, K, COS, SIN, QO, KO,
+    n_rows, seq, half, n_q_heads, n_k_heads,
+    sq_b, sq_h, sq_t, sk_b, sk_h, sk_t,
+    sqo_b, sqo_h, sqo_t, sko_b, sko_h, sko_t,
+    sc_b, sc_t, ss_b, ss_t,
+    ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BACKWARD: tl.constexpr,
+):
+    # Rows are (batch, position) pairs, b * seq + t, in int64: offsets of [batch, heads, seq, D] tensors pass 2**31
+    # at 8B shapes (32 heads × 128 × seq 2048 × batch 256).
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    b = rows // seq
+    t = rows % seq
+    cols = tl.arange(0, BLOCK_H)
+    ok = (rows < n_rows)[:, None] & (cols < half)[None, :]
+
+    c_at = COS + (b * sc_b + t * sc_t)[:, None] + cols[None, :]
+    s_at = SIN + (b * ss_b + t * ss_t)[:, None] + cols[None, :]
+    c1 = tl.load(c_at, mask=ok, other=0.0).to(tl.float32)
+    c2 = tl.load(c_at + half, mask=ok, other=0.0).to(tl.float32)
+    s1 = tl.load(s_at, mask=ok, other=0.0).to(tl.float32)
+    s2 = tl.load(s_at + half, mask=ok, other=0.0).to(tl.float32)
+    if BACKWARD:
+        # The transpose: dx1 = dy1·cos1 + dy2·sin2, dx2 = dy2·cos2 − dy1·sin1 (module docstring).
+        s1, s2 = -s2, -s1
+
+    _rotate_heads(Q, QO, b * sq_b + t * sq_t, b * sqo_b + t * sqo_t, n_q_heads, sq_h, sqo_h,
+                  c1, c2, s1, s2, cols, ok, half)
+    _rotate_heads(K, KO, b * sk_b + t * sk_t, b * sko_b + t * sko_t, n_k_heads, sk_h, sko_h,
+                  c1, c2, s1, s2, cols, ok, half)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Launch configuration
+# --------------------------------------------------------------------------------------------------------------------
+
+_INTERPRETER_MAX_TILE = 1 << 16
+
+
+@dataclass(frozen=True)
+class Config:
+    grid: tuple[int]  # programs, each a block of (batch, position) rows
+    rows: int  # rows per program
+    block_h: int  # head_dim / 2 rounded up to a power of two
+    num_warps: int
+
+
+def rope_config(n_rows: int, head_dim: int, props: runtime.DeviceProps | None = None) -> Config:
+    """Launch configuration of the RoPE kernel (both directions) for ``n_rows`` = batch × seq positions."""
+    return _rope_config(n_rows, head_dim, props or runtime.device_props())
+
+
+@functools.lru_cache(maxsize=512)
+def _rope_config(n_rows: int, head_dim: int, props: runtime.DeviceProps) -> Config:
+    block_h = triton.next_power_of_2(max(head_dim // 2, 1))
+    if props.interpreter:
+        rows = min(triton.next_power_of_2(max(n_rows, 1)), max(1, _INTERPRETER_MAX_TILE // block_h))
+        return Config((triton.cdiv(n_rows, rows),), rows, block_h, 4)
+    # Each program walks all heads of its rows, so the work per program is rows × (q + kv heads) × D. Enough programs
+    # to give every SM about four (latency hiding across programs), but no more rows than keep the four cos/sin tiles
+    # and two x tiles small (32 × 64 at D = 128). A prediction from the shape and the SM count, not yet measured.
+    by_sms = triton.next_power_of_2(max(1, triton.cdiv(n_rows, 4 * props.sm_count)))
+    rows = max(1, min(by_sms, max(1, 2048 // block_h)))
+    return Config((triton.cdiv(n_rows, rows),), rows, block_h, 4)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Host side: checks and launches
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _check_inputs(q, k, cos, sin) -> None:
+    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(
+            f"q and k must be 4-D [batch, heads, seq, head_dim], got q {tuple(q.shape)} and k {tuple(k.shape)}"
+        )
+    batch, _, seq, head_dim = q.shape
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even (rotate_half pairs column d with d + head_dim/2), got {head_dim}")
+    if k.shape[0] != batch or k.shape[2] != seq or k.shape[3] != head_dim:
+        raise ValueError(
+            f"k must be [batch={batch}, kv_heads, seq={seq}, head_dim={head_dim}] like q {tuple(q.shape)}, "
+            f"got {tuple(k.shape)}"
+        )
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dim() != 3 or t.shape[0] not in (1, batch) or t.shape[1] != seq or t.shape[2] != head_dim:
+            raise ValueError(
+                f"{name} must be [batch={batch} (or 1), seq={seq}, head_dim={head_dim}], got {tuple(t.shape)}"
+            )
+    if q.dtype != k.dtype:
+        raise TypeError(f"q and k must have the same dtype, got q {q.dtype} and k {k.dtype}")
+    if cos.dtype != sin.dtype:
+        raise TypeError(f"cos and sin must have the same dtype, got cos {cos.dtype} and sin {sin.dtype}")
+    devices = {t.device for t in (q, k, cos, sin)}
+    if len(devices) > 1:
+        raise ValueError(
+            f"q, k, cos and sin must be on one device, got {q.device}, {k.device}, {cos.device}, {sin.device}"
+        )
+    if not runtime.INTERPRET and q.device.type != "cuda":
+        raise ValueError(f"in gpu mode q, k, cos and sin must be CUDA tensors, got tensors on {q.device}")
+
+
+@functools.lru_cache(maxsize=64)
+def out_dtype(x_dtype: torch.dtype, cos_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of ``x * cos + rotate_half(x) * sin`` in PyTorch: float32 cos and sin make a bf16 output float32."""
+    return torch.promote_types(x_dtype, cos_dtype)
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    # Columns must be adjacent (the kernel adds cols and half to a row offset); any other stride is fine.
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def _empty_like_layout(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # Same strides as t where t is dense (Llama's transposed q keeps its [batch, seq, heads, D] memory order, as
+    # PyTorch's elementwise ops would), else contiguous.
+    return torch.empty_like(t, dtype=dtype)
+
+
+def _launch(q, k, cos, sin, q_out, k_out, backward: bool, config: Config | None) -> None:
+    batch, n_q_heads, seq, head_dim = q.shape
+    n_rows = batch * seq
+    if n_rows == 0 or head_dim == 0:
+        return
+    cos, sin = cos.expand(batch, seq, head_dim), sin.expand(batch, seq, head_dim)  # stride 0 over a batch of 1
+    cfg = config or _rope_config(n_rows, head_dim, runtime.device_props(q.device))
+    _rope_kernel[cfg.grid](
+        q, k, cos, sin, q_out, k_out,
+        n_rows, seq, head_dim // 2, n_q_heads, k.shape[1],
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        q_out.stride(0), q_out.stride(1), q_out.stride(2), k_out.stride(0), k_out.stride(1), k_out.stride(2),
+        cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
+        ROWS=cfg.rows, BLOCK_H=cfg.block_h, BACKWARD=backward, num_warps=cfg.num_warps,
+    )
+
+
+def rope_forward(q, k, cos, sin, config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the kernel forward: ``(q_embed, k_embed)`` in q's and k's layout, dtype ``out_dtype(q, cos)``."""
+    q, k, cos, sin = (_unit_last(t) for t in (q, k, cos, sin))
+    dtype = out_dtype(q.dtype, cos.dtype)
+    q_out, k_out = _empty_like_layout(q, dtype), _empty_like_layout(k, dtype)
+    _launch(q, k, cos, sin, q_out, k_out, False, config)
+    return q_out, k_out
+
+
+def rope_backward(dq_embed, dk_embed, cos, sin, dtype: torch.dtype, config: Config | None = None):
+    """Launch the kernel backward (rotation by −θ): ``(dq, dk)`` in ``dtype``, the dtype of q and k."""
+    dq_embed, dk_embed, cos, sin = (_unit_last(t) for t in (dq_embed, dk_embed, cos, sin))
+    dq, dk = _empty_like_layout(dq_embed, dtype), _empty_like_layout(dk_embed, dtype)
+    _launch(dq_embed, dk_embed, cos, sin, dq, dk, True, config)
+    return dq, dk
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# PyTorch operators: torch.ops.kernels.rope_fwd and rope_bwd
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _forward_fake(q, k, cos, sin):
+    dtype = out_dtype(q.dtype, cos.dtype)
+    return _empty_like_layout(_unit_last(q), dtype), _empty_like_layout(_unit_last(k), dtype)
+
+
+def _backward_fake(dq_embed, dk_embed, cos, sin, dtype):
+    return _empty_like_layout(_unit_last(dq_embed), dtype), _empty_like_layout(_unit_last(dk_embed), dtype)
+
+
+rope_fwd_op = ops.define(
+    "rope_fwd(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)", rope_forward, _forward_fake
+)
+rope_bwd_op = ops.define(
+    "rope_bwd(Tensor dq_embed, Tensor dk_embed, Tensor cos, Tensor sin, ScalarType dtype) -> (Tensor, Tensor)",
+    rope_backward, _backward_fake,
+)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# autograd, function
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _cos_sin_grads(dq, dk, q, k, cos, sin, need_cos: bool, need_sin: bool):
+    """Gradients of cos and sin (plain PyTorch: a model's cos and sin never need them, but a caller's may):
+    ∂/∂cos = Σ_heads dy·x and ∂/∂sin = Σ_heads dy·rotate_half(x), summed to cos's shape (a broadcast batch)."""
+    def reduce(a, b):
+        return (a.float().sum(1) + b.float().sum(1)).sum_to_size(cos.shape).to(cos.dtype)
+
+    d_cos = reduce(dq * q, dk * k) if need_cos else None
+    d_sin = reduce(dq * _rotate_half(q), dk * _rotate_half(k)) if need_sin else None
+    return d_cos, d_sin
+
+
+class RotaryFunction(torch.autograd.Function):
+    """autograd glue around the two operators: only cos and sin are saved (q and k too, when cos or sin need a
+    gradient, which a Llama's never do)."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        q_embed, k_embed = rope_fwd_op(q, k, cos, sin)
+        trig_grad = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
+        ctx.save_for_backward(cos, sin, *((q, k) if trig_grad else ()))
+        ctx.x_dtype = q.dtype
+        return q_embed, k_embed
+
+    @staticmethod
+    def backward(ctx, dq_embed, dk_embed):
+        cos, sin, *qk = ctx.saved_tensors
+        # An output that did not reach the loss arrives as zeros (autograd materialises it): its rotation is zeros.
+        dq, dk = rope_bwd_op(dq_embed, dk_embed, cos, sin, ctx.x_dtype)
+        d_cos = d_sin = None
+        if qk:
+            d_cos, d_sin = _cos_sin_grads(dq_embed, dk_embed, *qk, cos, sin, *ctx.needs_input_grad[2:4])
+        return dq, dk, d_cos, d_sin
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q_embed, k_embed)`` exactly as Hugging Face's ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)``.
+
+    ``q`` [batch, heads, seq, head_dim] and ``k`` [batch, kv_heads, seq, head_dim] (any strides with a contiguous
+    last dimension: Llama's transposed views are read in place; kv_heads may differ from heads, as in GQA);
+    ``cos``, ``sin`` [batch or 1, seq, head_dim]. ``unsqueeze_dim=2`` takes q and k as [batch, seq, heads,
+    head_dim] instead. Outputs have dtype ``promote_types(q.dtype, cos.dtype)``, as Hugging Face's broadcasting
+    gives. Forward and backward are one Triton launch each (``torch.ops.kernels.rope_fwd``/``_bwd``).
+    """
+    if unsqueeze_dim not in (1, 2):
+        raise ValueError(f"unsqueeze_dim must be 1 ([batch, heads, seq, D]) or 2 ([batch, seq, heads, D]), "
+                         f"got {unsqueeze_dim!r}")
+    if unsqueeze_dim == 2:
+        q_embed, k_embed = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin, 1)
+        return q_embed.transpose(1, 2), k_embed.transpose(1, 2)
+    _check_inputs(q, k, cos, sin)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, cos, sin)):
+        return RotaryFunction.apply(q, k, cos, sin)
+    return rope_fwd_op(q, k, cos, sin)

@@ -1,0 +1,286 @@
+"""SwiGLU in Triton: the gated activation of Llama's MLP, forward and backward, as operators, function and module.
+
+    y = silu(gate) ⊙ up = gate · σ(gate) ⊙ up
+
+Llama's MLP computes ``down_proj(silu(gate_proj(x)) * up_proj(x))``. Between the two matmuls, eager PyTorch runs
+two elementwise kernels (silu, then the product) and keeps ``silu(gate)`` alive for the backward pass. Here the
+forward reads gate and up once and writes y once; the backward reads dy, gate and up once and writes d(gate) and
+d(up) once, recomputing σ(gate) in registers instead of storing anything:
+
+    d(up)   = dy ⊙ silu(gate)
+    d(gate) = dy ⊙ up ⊙ σ(gate) · (1 + gate · (1 − σ(gate)))
+
+Recomputing costs a few arithmetic operations per element, which a memory-bound kernel gets for free; storing
+silu(gate) would cost a write in the forward and a read in the backward (assets/notes/swiglu_rope.md counts them).
+
+All arithmetic is float32 whatever the storage dtype; y is rounded once, when stored (Hugging Face rounds silu(gate)
+to the input dtype before the product, so bfloat16 outputs can differ from it by one rounding, and are closer to
+float64). ``gate`` and ``up`` may be strided views, e.g. the two halves of one fused gate-and-up projection: rows
+are read through their stride, without a copy.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import ops, runtime
+from .triton_utils import cast_to
+
+# --------------------------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tile(pid_row, pid_col, n_rows, n_cols, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    # The [ROWS, BLOCK_N] tile of one program: its row indices in int64 (row * stride overflows int32 once
+    # tokens × intermediate passes 2**31: 150K tokens at 14,336), its columns, and the mask of the ragged edges.
+    rows = pid_row.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = pid_col * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    return rows, cols, ok
+
+
+@triton.jit
+def _swiglu_fwd_kernel(
+    GATE, UP, Y,
+    n_rows, n_cols, stride_gate, stride_up, stride_y,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows, cols, ok = _tile(tl.program_id(0), tl.program_id(1), n_rows, n_cols, ROWS, BLOCK_N)
+    g = tl.load(GATE + rows[:, None] * stride_gate + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(UP + rows[:, None] * stride_up + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    y = g * tl.sigmoid(g) * u
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], cast_to(y, Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(
+    DY, GATE, UP, DGATE, DUP,
+    n_rows, n_cols, stride_dy, stride_gate, stride_up, stride_dgate, stride_dup,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows, cols, ok = _tile(tl.program_id(0), tl.program_id(1), n_rows, n_cols, ROWS, BLOCK_N)
+    dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    g = tl.load(GATE + rows[:, None] * stride_gate + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(UP + rows[:, None] * stride_up + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    # Recompute σ(gate) here rather than reading a stored silu(gate): arithmetic is free, bytes are not.
+    s = tl.sigmoid(g)
+    silu = g * s
+    d_up = dy * silu
+    # silu'(g) = σ(g) + g·σ(g)·(1 − σ(g)) = σ(g)·(1 + g·(1 − σ(g)))
+    d_gate = dy * u * s * (1.0 + g * (1.0 - s))
+    tl.store(DGATE + rows[:, None] * stride_dgate + cols[None, :], cast_to(d_gate, DGATE.dtype.element_ty), mask=ok)
+    tl.store(DUP + rows[:, None] * stride_dup + cols[None, :], cast_to(d_up, DUP.dtype.element_ty), mask=ok)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Launch configuration: one function per kernel, from the shape and the device's properties
+# --------------------------------------------------------------------------------------------------------------------
+
+# The interpreter pays ~1-3 ms of Python per program but runs each tile with NumPy: few, large programs.
+_INTERPRETER_MAX_TILE = 1 << 18
+
+
+@dataclass(frozen=True)
+class Config:
+    grid: tuple[int, int]  # (row blocks, column blocks)
+    rows: int  # rows per program
+    block_n: int  # columns per program (a power of two)
+    num_warps: int
+
+
+def _elementwise_config(n_rows: int, n_cols: int, props: runtime.DeviceProps, live_tiles: int) -> Config:
+    """Tiles of an elementwise kernel that keeps ``live_tiles`` float32 tiles in registers at once."""
+    if props.interpreter:
+        block_n = min(triton.next_power_of_2(max(n_cols, 1)), _INTERPRETER_MAX_TILE)
+        rows = min(triton.next_power_of_2(max(n_rows, 1)), max(1, _INTERPRETER_MAX_TILE // block_n))
+        return Config((triton.cdiv(n_rows, rows), triton.cdiv(n_cols, block_n)), rows, block_n, 4)
+    # Nothing is reduced, so a tile may be any shape: at most 1,024 columns (a wide, coalesced row segment of 2 KB
+    # in bf16) and as many rows as keep the live float32 tiles within a quarter of an SM's registers, so that several
+    # programs are resident per SM to hide memory latency. 8,192 elements for the forward on every NVIDIA GPU since
+    # Volta; the backward, with more values live, gets fewer rows. A prediction, not yet measured on a GPU.
+    block_n = min(triton.next_power_of_2(max(n_cols, 1)), 1024)
+    tile = max(1024, props.regs_per_sm // (4 * live_tiles))
+    rows = max(1, min(16, tile // block_n))
+    num_warps = 4 if rows * block_n <= 2048 else 8
+    return Config((triton.cdiv(n_rows, rows), triton.cdiv(n_cols, block_n)), rows, block_n, num_warps)
+
+
+def forward_config(n_rows: int, n_cols: int, props: runtime.DeviceProps | None = None) -> Config:
+    """Launch configuration of the forward kernel on ``props`` (default: this machine's device)."""
+    return _forward_config(n_rows, n_cols, props or runtime.device_props())
+
+
+@functools.lru_cache(maxsize=512)
+def _forward_config(n_rows: int, n_cols: int, props: runtime.DeviceProps) -> Config:
+    return _elementwise_config(n_rows, n_cols, props, live_tiles=2)  # gate and up
+
+
+def backward_config(n_rows: int, n_cols: int, props: runtime.DeviceProps | None = None) -> Config:
+    """Launch configuration of the backward kernel on ``props`` (default: this machine's device)."""
+    return _backward_config(n_rows, n_cols, props or runtime.device_props())
+
+
+@functools.lru_cache(maxsize=512)
+def _backward_config(n_rows: int, n_cols: int, props: runtime.DeviceProps) -> Config:
+    return _elementwise_config(n_rows, n_cols, props, live_tiles=4)  # dy, gate, up, σ(gate)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Host side: checks and launches
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _check_inputs(gate: torch.Tensor, up: torch.Tensor) -> None:
+    for name, t in (("gate", gate), ("up", up)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+        if t.dim() == 0:
+            raise ValueError(f"{name} must have at least one dimension (the intermediate size), got a scalar")
+    if gate.shape != up.shape:
+        raise ValueError(f"gate and up must have the same shape, got gate {tuple(gate.shape)} and up {tuple(up.shape)}")
+    if gate.dtype != up.dtype:
+        raise TypeError(f"gate and up must have the same dtype, got gate {gate.dtype} and up {up.dtype}")
+    if gate.device != up.device:
+        raise ValueError(f"gate and up must be on the same device, got gate on {gate.device} and up on {up.device}")
+    if not runtime.INTERPRET and gate.device.type != "cuda":
+        raise ValueError(f"in gpu mode gate and up must be CUDA tensors, got tensors on {gate.device}")
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """View ``t`` as [rows, width] with unit stride along width and any row stride (``gu[..., :I]`` of a contiguous
+    ``gu`` is such a view, with row stride 2·I); copies only when no such view exists."""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:  # leading dimensions that cannot be merged without a copy
+        return t.reshape(-1, t.shape[-1])
+
+
+def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, config: Config | None = None) -> torch.Tensor:
+    """Launch the forward kernel: ``silu(gate) * up``, a new contiguous tensor of gate's shape and dtype."""
+    y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if y.numel():
+        g, u = _as_rows(gate), _as_rows(up)
+        n_rows, n_cols = g.shape
+        cfg = config or _forward_config(n_rows, n_cols, runtime.device_props(gate.device))
+        _swiglu_fwd_kernel[cfg.grid](
+            g, u, y, n_rows, n_cols, g.stride(0), u.stride(0), n_cols,
+            ROWS=cfg.rows, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        )
+    return y
+
+
+def swiglu_backward(
+    dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, config: Config | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the backward kernel. Returns ``(d_gate, d_up)``, contiguous, in gate's shape and dtype."""
+    d_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    d_up = torch.empty(up.shape, dtype=up.dtype, device=up.device)
+    if d_gate.numel():
+        g, u, d = _as_rows(gate), _as_rows(up), _as_rows(dy)
+        n_rows, n_cols = g.shape
+        cfg = config or _backward_config(n_rows, n_cols, runtime.device_props(gate.device))
+        _swiglu_bwd_kernel[cfg.grid](
+            d, g, u, d_gate, d_up, n_rows, n_cols, d.stride(0), g.stride(0), u.stride(0), n_cols, n_cols,
+            ROWS=cfg.rows, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        )
+    return d_gate, d_up
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# PyTorch operators: torch.ops.kernels.swiglu_fwd and swiglu_bwd (see kernels/ops.py)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _forward_fake(gate, up):
+    return torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+
+
+def _backward_fake(dy, gate, up):
+    return (torch.empty(gate.shape, dtype=gate.dtype, device=gate.device),
+            torch.empty(up.shape, dtype=up.dtype, device=up.device))
+
+
+swiglu_fwd_op = ops.define("swiglu_fwd(Tensor gate, Tensor up) -> Tensor", swiglu_forward, _forward_fake)
+swiglu_bwd_op = ops.define(
+    "swiglu_bwd(Tensor dy, Tensor gate, Tensor up) -> (Tensor, Tensor)", swiglu_backward, _backward_fake
+)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# autograd, function, module
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class SwiGLUFunction(torch.autograd.Function):
+    """autograd glue around the two operators: the forward saves gate and up (the tensors autograd keeps for the
+    matmuls anyway, so no extra memory); nothing else is stored."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return swiglu_fwd_op(gate, up)
+
+    @staticmethod
+    def backward(ctx, dy):
+        gate, up = ctx.saved_tensors
+        d_gate, d_up = swiglu_bwd_op(dy, gate, up)
+        return (d_gate if ctx.needs_input_grad[0] else None), (d_up if ctx.needs_input_grad[1] else None)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` in one Triton kernel (and its backward in one more).
+
+    ``gate`` and ``up`` have the same shape (any leading dimensions), dtype and device; either may be a strided view
+    whose last dimension is contiguous (e.g. ``gu[..., :I]`` and ``gu[..., I:]``). The output has their dtype and
+    shape. Works under ``torch.compile`` and CUDA graphs: the kernels are ``torch.ops.kernels.swiglu_fwd``/``_bwd``.
+    """
+    _check_inputs(gate, up)
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return SwiGLUFunction.apply(gate, up)
+    return swiglu_fwd_op(gate, up)
+
+
+class TritonSwiGLUMLP(torch.nn.Module):
+    """Llama's MLP, ``down_proj(silu(gate_proj(x)) * up_proj(x))``, with the activation and product fused.
+
+    ``from_hf(mlp)`` keeps the very same ``gate_proj``, ``up_proj`` and ``down_proj`` submodules, so parameter names,
+    an optimizer created before, and PEFT adapter layers inside those projections are all unchanged.
+    """
+
+    def __init__(self, gate_proj: torch.nn.Module, up_proj: torch.nn.Module, down_proj: torch.nn.Module):
+        super().__init__()
+        self.gate_proj = gate_proj
+        self.up_proj = up_proj
+        self.down_proj = down_proj
+
+    @classmethod
+    def from_hf(cls, mlp: torch.nn.Module) -> TritonSwiGLUMLP:
+        """A TritonSwiGLUMLP over ``mlp``'s own projections (no copy). ``mlp`` must use the SiLU activation."""
+        missing = [name for name in ("gate_proj", "up_proj", "down_proj") if not hasattr(mlp, name)]
+        if missing:
+            raise TypeError(f"{type(mlp).__name__} has no {', '.join(missing)}: not a Llama-style gated MLP")
+        act = getattr(getattr(mlp, "config", None), "hidden_act", None)
+        if act is None:
+            act_fn = getattr(mlp, "act_fn", None)
+            # transformers' ACT2FN["silu"] is its own SiLUActivation, ACT2FN["swish"] torch's nn.SiLU.
+            act = "silu" if type(act_fn).__name__ in ("SiLU", "SiLUActivation") else repr(act_fn)
+        if act not in ("silu", "swish"):
+            raise ValueError(
+                f"{type(mlp).__name__} uses the activation {act!r}; TritonSwiGLUMLP computes silu(gate) * up and "
+                "replaces only MLPs whose hidden_act is 'silu'"
+            )
+        return cls(mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))

@@ -1,0 +1,166 @@
+"""SwiGLU: y, d(gate) and d(up) against float64; odd sizes, 3-D, the halves of a fused projection, bad input."""
+
+import importlib
+import re
+
+import pytest
+import torch
+
+from kernels.reference import relative_error, swiglu_reference
+from kernels.swiglu import TritonSwiGLUMLP, swiglu
+from kernels.tolerances import RELATIVE_ERROR_TOL as TOL
+
+# The module, by its path: ``kernels.swiglu`` at the top level is the function.
+swiglu_module = importlib.import_module("kernels.swiglu")
+
+
+def make_inputs(shape, dtype, device, gen, scale=2.0):
+    # gate spread over [-6, 6]-ish so σ is exercised in both tails, not only near 0 where silu is almost linear.
+    gate = (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(dtype).to(device)
+    up = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype).to(device)
+    dy = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype).to(device)
+    return gate, up, dy
+
+
+def errors_against_float64(gate, up, dy):
+    """Relative errors of y, d(gate), d(up) of the kernel against float64 (the inputs may be views)."""
+    # detach() keeps the caller's strides (a clone of a view would be contiguous): the kernel sees the views.
+    g, u = gate.detach().requires_grad_(), up.detach().requires_grad_()
+    y = swiglu(g, u)
+    y.backward(dy)
+    g64, u64 = gate.detach().double().requires_grad_(), up.detach().double().requires_grad_()
+    y64 = swiglu_reference(g64, u64)
+    y64.backward(dy.double())
+    assert y.dtype == gate.dtype and y.shape == gate.shape
+    assert g.grad.dtype == gate.dtype and u.grad.dtype == up.dtype
+    return relative_error(y, y64), relative_error(g.grad, g64.grad), relative_error(u.grad, u64.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "shape", [(1, 64), (7, 100), (2, 33, 300), (3, 2, 5, 1000)], ids=lambda s: "x".join(map(str, s))
+)
+def test_matches_float64_reference(shape, dtype, device, gen):
+    errors = errors_against_float64(*make_inputs(shape, dtype, device, gen))
+    assert all(e < TOL[dtype] for e in errors), f"relative errors y, d_gate, d_up = {errors}"
+
+
+def test_halves_of_a_fused_projection_are_read_in_place(device, gen):
+    # gate and up as the two halves of one [B, T, 2I] projection: a row stride of 2I, no copy.
+    inter = 77
+    gu = (torch.randn(2, 9, 2 * inter, generator=gen) * 2).to(device).requires_grad_()
+    gate, up = gu[..., :inter], gu[..., inter:]
+    assert swiglu_module._as_rows(gate).data_ptr() == gate.data_ptr()  # a view, not a copy
+    dy = torch.randn(2, 9, inter, generator=gen).to(device)
+    swiglu(gate, up).backward(dy)
+    gu64 = gu.detach().double().requires_grad_()
+    y64 = swiglu_reference(gu64[..., :inter], gu64[..., inter:])
+    y64.backward(dy.double())
+    assert relative_error(swiglu(gate, up), y64) < TOL[torch.float32]
+    assert relative_error(gu.grad, gu64.grad) < TOL[torch.float32]
+
+
+def test_other_strided_views_and_a_transposed_gradient(device, gen):
+    gate, up, _ = make_inputs((6, 11, 96), torch.float32, device, gen)
+    views = {
+        "every other token": (gate[:, ::2], up[:, ::2]),
+        "transposed leading dims": (gate.transpose(0, 1), up.transpose(0, 1)),
+        "last dim strided (copied)": (gate[..., ::2], up[..., ::2]),
+    }
+    for name, (g, u) in views.items():
+        dy = torch.randn(g.shape[::-1], generator=gen).to(device).permute(*reversed(range(g.dim())))
+        errors = errors_against_float64(g, u, dy)
+        assert all(e < TOL[torch.float32] for e in errors), f"{name}: {errors}"
+
+
+def test_tails_and_large_magnitudes(device, gen):
+    # |gate| up to 60: σ saturates to 0 or 1; silu(−60) ≈ −5e-25, silu'(−60) must not be NaN.
+    gate, up, dy = make_inputs((5, 129), torch.float32, device, gen, scale=20.0)
+    errors = errors_against_float64(gate, up, dy)
+    assert all(e < TOL[torch.float32] for e in errors), errors
+
+
+def test_every_program_writes_its_tile(device, gen):
+    # More rows and columns than one program's tile, neither a multiple of it.
+    cfg = swiglu_module.forward_config(10_000, 64)
+    rows = 2 * cfg.rows + 3
+    errors = errors_against_float64(*make_inputs((rows, 64), torch.float32, device, gen))
+    assert all(e < TOL[torch.float32] for e in errors), errors
+
+
+def test_no_grad_path_and_frozen_up(device, gen):
+    gate, up, dy = make_inputs((4, 50), torch.float32, device, gen)
+    with torch.no_grad():
+        assert relative_error(swiglu(gate, up), swiglu_reference(gate.double(), up.double())) < TOL[torch.float32]
+    g = gate.clone().requires_grad_()
+    swiglu(g, up).backward(dy)
+    g64 = gate.double().requires_grad_()
+    swiglu_reference(g64, up.double()).backward(dy.double())
+    assert up.grad is None and relative_error(g.grad, g64.grad) < TOL[torch.float32]
+
+
+def test_empty_input(device):
+    for shape in ((0, 8), (3, 0)):
+        g = torch.empty(shape, device=device, requires_grad=True)
+        y = swiglu(g, torch.empty(shape, device=device))
+        y.backward(torch.empty(shape, device=device))
+        assert y.shape == g.grad.shape == shape
+
+
+def test_launch_configs_for_a_gpu_stay_in_registers():
+    h100 = swiglu_module.runtime.DeviceProps("H100", False, 132, 227 * 1024, 65536)
+    fwd = swiglu_module.forward_config(16384, 14336, h100)
+    bwd = swiglu_module.backward_config(16384, 14336, h100)
+    assert fwd.block_n == bwd.block_n == 1024 and fwd.rows * fwd.block_n == 8192 and bwd.rows * bwd.block_n == 4096
+    assert fwd.grid == (16384 // fwd.rows, 14)
+    interp = swiglu_module.forward_config(2048, 14336, swiglu_module.runtime.INTERPRETER)
+    assert interp.grid[0] * interp.grid[1] < 1000
+
+
+def test_module_keeps_the_projections(device, gen):
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    config = LlamaConfig(hidden_size=48, intermediate_size=136, num_attention_heads=4, hidden_act="silu")
+    mlp = LlamaMLP(config).to(device)
+    ours = TritonSwiGLUMLP.from_hf(mlp)
+    assert ours.gate_proj is mlp.gate_proj and ours.up_proj is mlp.up_proj and ours.down_proj is mlp.down_proj
+    assert [n for n, _ in ours.named_parameters()] == [n for n, _ in mlp.named_parameters()]
+    x = torch.randn(2, 5, 48, generator=gen).to(device)
+    assert relative_error(ours(x), mlp(x)) < TOL[torch.float32]
+    config.hidden_act = "gelu"
+    gelu = LlamaMLP(config)
+    with pytest.raises(ValueError, match="'gelu'"):
+        TritonSwiGLUMLP.from_hf(gelu)
+
+
+@pytest.mark.parametrize(
+    "make, error, message",
+    [
+        (lambda d: (torch.randn(4, 8, device=d), torch.randn(4, 9, device=d)), ValueError, "gate (4, 8) and up (4, 9)"),
+        (lambda d: (torch.ones(4, 8, dtype=torch.int32, device=d), torch.randn(4, 8, device=d)), TypeError,
+         "gate must be a floating-point tensor, got dtype torch.int32"),
+        (lambda d: (torch.randn(4, 8, device=d), torch.randn(4, 8, device=d).bfloat16()), TypeError,
+         "gate torch.float32 and up torch.bfloat16"),
+        (lambda d: (torch.randn(4, 8, device=d), torch.randn(4, 8, device="meta")), ValueError, "same device"),
+        (lambda d: (torch.tensor(1.0, device=d), torch.tensor(1.0, device=d)), ValueError, "gate must have at least"),
+        (lambda d: (torch.randn(4, 8, device=d), [1.0]), TypeError, "up must be a tensor, got list"),
+    ],
+    ids=["shape", "int", "dtype", "device", "scalar", "not-a-tensor"],
+)
+def test_bad_input_is_refused_clearly(make, error, message, device):
+    with pytest.raises(error, match=re.escape(message)):
+        swiglu(*make(device))
+
+
+@pytest.mark.gpu
+def test_gpu_llama_8b_shape_bf16_every_element_written(gen):
+    gate, up, dy = make_inputs((4096, 14336), torch.bfloat16, "cuda", gen)
+    cfg = swiglu_module.forward_config(4096, 14336)
+    y = torch.full_like(gate, float("nan"))
+    swiglu_module._swiglu_fwd_kernel[cfg.grid](gate, up, y, 4096, 14336, 14336, 14336, 14336,
+                                                ROWS=cfg.rows, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
+    assert torch.isfinite(y).all()
+    errors = errors_against_float64(gate, up, dy)
+    assert all(e < TOL[torch.bfloat16] for e in errors), errors

@@ -158,13 +158,16 @@ def shard_llama(
     *,
     reshard_after_forward: bool = True,
     sum_gradients: bool = True,
+    prefetch: int = 0,
 ) -> torch.nn.Module:
     """``fully_shard`` each decoder layer, then the root; returns ``model`` (its class is now ``FSDP<name>``).
 
     ``mp_policy`` defaults to ``mixed_precision()`` (bf16 parameters, float32 reduction). ``reshard_after_forward``
     frees each layer's gathered parameters after its forward (gathered again for the backward): memory of one
     layer's full parameters at a time, at the price of a second all-gather. FSDP2 prefetches the next layer's
-    all-gather while the current layer computes (one layer ahead by default, in forward and backward).
+    all-gather while the current layer computes (one layer ahead by default, in forward and backward);
+    ``prefetch=k`` asks for ``k`` layers ahead explicitly (``set_modules_to_forward_prefetch`` and
+    ``..._backward_prefetch``): more all-gathers in flight next to the layers' kernels, more memory for them.
 
     ``sum_gradients``: reduce-scatter with a plain sum instead of FSDP2's default average over ranks. The loop
     (``kernels.parallel``) makes each rank's loss its share of the global mean (its sum over labels divided by the
@@ -178,6 +181,8 @@ def shard_llama(
         fully_shard(layer, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     # The root never reshards after forward: its parameters (LM head, final norm) are the first the backward needs.
     fully_shard(model, mp_policy=mp_policy, reshard_after_forward=False)
+    if prefetch > 0:
+        _prefetch(decoder_layers(model), prefetch)
     if sum_gradients:
         for module in model.modules():
             if hasattr(module, "set_gradient_divide_factor"):
@@ -185,6 +190,13 @@ def shard_llama(
                 # Plain SUM collectives (no pre-multiplied sum op): supported by NCCL and gloo alike.
                 module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def _prefetch(layers: list, k: int) -> None:
+    """Each layer starts the all-gathers of the next ``k`` layers (forward) or of the ``k`` before it (backward)."""
+    for i, layer in enumerate(layers):
+        layer.set_modules_to_forward_prefetch(layers[i + 1:i + 1 + k])
+        layer.set_modules_to_backward_prefetch(layers[max(0, i - k):i][::-1])
 
 
 def prepare_model(
@@ -198,6 +210,7 @@ def prepare_model(
     patch: bool = True,
     patch_options: dict | None = None,
     gradient_checkpointing: bool = False,
+    prefetch: int = 0,
 ):
     """Build the model on this rank's device, turn on checkpointing, patch, then shard: in that order.
 
@@ -205,7 +218,7 @@ def prepare_model(
     its 1/N of each parameter, so the sharded model starts from the very weights one process would. (The full model
     exists once per rank for a moment: 16 GB in bf16 for the 8B shape; a meta-device build would avoid it.)
     ``dtype`` is the dtype of the stored (sharded) parameters and so of AdamW's states; ``param_dtype`` the one the
-    layers compute in. Returns ``(model, patch_handle or None)``.
+    layers compute in; ``prefetch`` goes to ``shard_llama``. Returns ``(model, patch_handle or None)``.
     """
     from .models import build_model
     from .patch import patch_llama
@@ -215,7 +228,7 @@ def prepare_model(
     if gradient_checkpointing:
         enable_checkpointing(model)
     handle = patch_llama(model, **(patch_options or {})) if patch else None
-    shard_llama(model, mixed_precision(param_dtype, reduce_dtype))
+    shard_llama(model, mixed_precision(param_dtype, reduce_dtype), prefetch=prefetch)
     return model, handle
 
 

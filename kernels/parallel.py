@@ -268,6 +268,7 @@ def fsdp_finetune(
     compute_dtype: torch.dtype = torch.bfloat16,
     patch_options: dict | None = None,
     gradient_checkpointing: bool = False,
+    prefetch: int = 0,
     warmup_steps: int = WARMUP_STEPS,
     progress: bool = True,
     out_dir: str | Path | None = None,
@@ -289,6 +290,7 @@ def fsdp_finetune(
         "compute_dtype": str(compute_dtype).replace("torch.", ""), "reduce_dtype": "float32",
         "patch_options": dict(patch_options or {}), "gradient_checkpointing": gradient_checkpointing,
         "warmup_steps": warmup_steps, "sharding": "fully_shard per decoder layer + root; gradients summed",
+        "prefetch_layers": prefetch or "FSDP2 default (one layer, implicit)",
     }
     runs, peaks = {}, {}
     for variant in variants:
@@ -296,6 +298,7 @@ def fsdp_finetune(
         model, handle = prepare_model(
             preset, env, dtype=master_dtype, param_dtype=compute_dtype, reduce_dtype=torch.float32, seed=seed,
             patch=variant == "patched", patch_options=patch_options, gradient_checkpointing=gradient_checkpointing,
+            prefetch=prefetch,
         )
         runs[variant] = train_fsdp(model, batches, env, grad_accum=grad_accum, lr=lr, label=variant,
                                    warmup_steps=warmup_steps, progress=progress)
@@ -328,6 +331,8 @@ def add_fsdp_arguments(parser) -> None:
     group.add_argument("--master-dtype", choices=sorted(DTYPES), default="bfloat16",
                        help="dtype of the stored (sharded) parameters and AdamW's states (default bfloat16, as the "
                             "single-GPU loop; float32 for float32 master weights)")
+    group.add_argument("--prefetch", type=int, default=0, metavar="K",
+                       help="all-gather K layers ahead explicitly (default 0: FSDP2's implicit one-layer prefetch)")
     group.add_argument("--compute-dtype", choices=sorted(DTYPES), default="bfloat16",
                        help="dtype the layers compute in (MixedPrecisionPolicy.param_dtype; default bfloat16)")
 
@@ -351,7 +356,8 @@ def fsdp_main(args) -> int:
             preset, args.steps, args.seq_len, args.batch_size, args.grad_accum, args.lr, args.seed,
             variants=_variants(args), master_dtype=DTYPES[args.master_dtype],
             compute_dtype=DTYPES[args.compute_dtype], patch_options=patch_options(args),
-            gradient_checkpointing=args.gradient_checkpointing, progress=not args.no_progress, out_dir=args.out,
+            gradient_checkpointing=args.gradient_checkpointing, prefetch=args.prefetch,
+            progress=not args.no_progress, out_dir=args.out,
         )
         print0()
         print0(result.table())

@@ -56,12 +56,13 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--grad-accum", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--prefetch", type=int, default=0)
     args = p.parse_args()
     env = setup()
     try:
         batches = make_run_batches("tiny", args.steps, args.seq_len, args.batch_size, args.grad_accum, args.seed)
         model, _ = prepare_model("tiny", env, dtype=torch.float32, param_dtype=torch.float32,
-                                 reduce_dtype=torch.float32, seed=args.seed)
+                                 reduce_dtype=torch.float32, seed=args.seed, prefetch=args.prefetch)
         grads: dict = {}
         run = train_fsdp(model, batches, env, grad_accum=args.grad_accum, lr=args.lr, progress=False,
                          after_backward=first_step_grads(grads))

@@ -325,7 +325,8 @@ def add_fsdp_arguments(parser) -> None:
     group = parser.add_argument_group("FSDP2 (under torchrun)")
     group.add_argument("--fsdp", action="store_true",
                        help="shard the model with FSDP2 across the processes torchrun starts; --batch-size is then "
-                            "the global rows per micro-batch, split evenly across ranks")
+                            "the global rows per micro-batch, split evenly across ranks (default preset: "
+                            "llama-3.1-8b on GPUs, tiny on the CPU)")
     group.add_argument("--baseline", action="store_true",
                        help="with --fsdp: Hugging Face's model alone, not patched (--compare runs both)")
     group.add_argument("--master-dtype", choices=sorted(DTYPES), default="bfloat16",

@@ -51,6 +51,14 @@ def test_backend_follows_the_device():
     assert backend_for(torch.device("cuda", 1)) == "nccl"
 
 
+def test_fsdp_refuses_compile_and_fit():
+    from kernels.finetune import main
+
+    for flag in ("--compile", "--fit"):
+        with pytest.raises(SystemExit, match="--fsdp runs the eager loop"):
+            main(["--fsdp", flag])
+
+
 def test_torchrun_command_uses_loopback_and_the_finetune_module():
     cmd = torchrun_command(2, ["--steps", "2"], port=29555)
     assert cmd[1:3] == ["-m", "torch.distributed.run"]
@@ -68,14 +76,15 @@ def _first_step_grads(store):
 
 @pytest.fixture(scope="module")
 def two_and_one(request, tmp_path_factory):
-    """The 2-process FSDP2 run (torchrun, gloo; all-gathers two layers ahead) and the 1-process run on the same
-    global batches, float32."""
+    """The 2-process FSDP2 run (torchrun, gloo; all-gathers two layers ahead; gradient checkpointing, whose
+    recomputation in the backward must give the very values of the forward) and the 1-process run on the same
+    global batches without checkpointing, float32."""
     seed = seed_of_test(request.config, "tests/test_distributed.py::two_and_one")
     out = tmp_path_factory.mktemp("fsdp") / "rank0.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--nnodes=1",
            "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(WORKER), "--out", str(out),
            "--seed", str(seed), "--steps", str(STEPS), "--seq-len", str(SEQ_LEN), "--batch-size", str(BATCH),
-           "--grad-accum", str(GRAD_ACCUM), "--lr", str(LR), "--prefetch", "2"]
+           "--grad-accum", str(GRAD_ACCUM), "--lr", str(LR), "--prefetch", "2", "--gradient-checkpointing"]
     # start_new_session: on a timeout the whole group (torchrun and its workers) is ended, not torchrun alone.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             cwd=Path(__file__).parents[1])
@@ -102,7 +111,7 @@ def two_and_one(request, tmp_path_factory):
 
 def test_two_processes_have_the_losses_of_one(two_and_one):
     sharded, single, _, batches = two_and_one
-    assert sharded["world_size"] == 2
+    assert sharded["world_size"] == 2 and sharded["gradient_checkpointing"]
     assert set(sharded["norms"]) == {"TritonRMSNorm"}, "the sharded model must run the patched norms"
     # The global count all-reduced across ranks is the count one process takes over the whole step.
     assert sharded["global_trained_labels"] == [r.trained_tokens for r in single.records]

@@ -6,6 +6,8 @@ One concern, in the order a run meets it:
   ``MASTER_ADDR``, ``MASTER_PORT``), picks the device of this rank (``cuda:<local rank>`` in GPU mode, the CPU in
   Triton's interpreter) and starts the default process group with the backend that device needs: NCCL for GPUs,
   gloo for the CPU. Without torchrun's variables it starts a group of one, so the same code runs as a plain script.
+  FSDP2 runs on gloo as it is (checked with torch 2.13 on the CPU: all-gather, reduce-scatter with SUM, and
+  ``DTensor.full_tensor``), which is how the tests train two processes on one CPU.
 * ``shard_llama(model)`` applies FSDP2 (``torch.distributed.fsdp.fully_shard``) the way FSDP2 users do: once per
   decoder layer, then at the root (embeddings, final norm, LM head). Every parameter becomes a ``DTensor`` that holds
   1/N of it on each rank (dim-0 shards); each layer's parameters are all-gathered just before the layer runs and

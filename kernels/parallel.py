@@ -5,8 +5,9 @@ Run it with torchrun (one process per GPU; on the CPU, gloo processes that share
     torchrun --nproc-per-node 2 -m kernels.finetune --fsdp            # patched model
     torchrun --nproc-per-node 2 -m kernels.finetune --fsdp --compare  # Hugging Face's, then patched
 
-or from Python: ``launch(2, ["--preset", "tiny", ...])`` starts that command as a subprocess (bounded in time, on
-a free loopback port) and returns rank 0's results JSON; inside a process group, ``train_fsdp`` is the loop itself.
+or from Python: ``launch(2, ["--steps", "3", ...], out_dir)`` starts that command as a subprocess (bounded in time,
+on a free loopback port) and returns where rank 0 wrote its results JSON; inside a process group,
+``fsdp_finetune`` is one rank's whole run and ``train_fsdp`` the loop itself.
 
 **The global batch is split by rows.** Every rank generates the same global micro-batches (the workbook's data is
 deterministic) and keeps rows ``[r·B/N, (r+1)·B/N)`` of each, ``B`` the global rows per micro-batch and ``N`` the

@@ -78,3 +78,27 @@ def test_fsdp_budget_of_the_8b_shape():
     assert slow.comm_s > slow.compute_s["baseline"] and slow.speedup == pytest.approx(1.0)  # comm-bound: gone
     with pytest.raises(ValueError, match="gpus"):
         fsdp_budget(0)
+
+
+def _row(gpus, variant, seq_len, fits, tps=1000.0, peak=None):
+    row = {"gpus": gpus, "variant": variant, "seq_len": seq_len, "fits": fits}
+    if fits:
+        row.update(tokens_per_s_per_gpu=tps, peak_memory_bytes_max_rank=peak)
+    return row
+
+
+def test_longest_fitting_and_the_memory_panel_of_a_gpu_grid():
+    """A grid as a GPU run leaves it (peaks per GPU, a length that did not fit): the longest length that ran per
+    variant and GPU count, and both panels drawn, the unfit point left out."""
+    from kernels.scaling import longest_fitting
+
+    rows = [_row(1, "baseline", 2048, True, 6500, 75 * 2**30), _row(1, "baseline", 4096, False),
+            _row(2, "baseline", 2048, True, 6400, 45 * 2**30), _row(2, "baseline", 4096, True, 6600, 60 * 2**30),
+            _row(1, "patched", 2048, True, 7100, 75 * 2**30), _row(2, "patched", 2048, True, 7000, 45 * 2**30)]
+    assert longest_fitting(rows) == {"baseline": {"1": 2048, "2": 4096}, "patched": {"1": 2048, "2": 2048}}
+    results = {"device": "GPU", "settings": {"preset": "llama-3.1-8b", "variants": ["baseline", "patched"]},
+               "runs": rows}
+    left, right = plot_scaling(results)
+    assert len(left.lines) == 4 and len(right.lines) == 4
+    baseline_one_gpu = left.lines[0]
+    assert list(baseline_one_gpu.get_xdata()) == [2048]  # the 4,096 run did not fit and is not drawn

@@ -166,7 +166,8 @@ def shard_llama(
 
     ``mp_policy`` defaults to ``mixed_precision()`` (bf16 parameters, float32 reduction). ``reshard_after_forward``
     frees each layer's gathered parameters after its forward (gathered again for the backward): memory of one
-    layer's full parameters at a time, at the price of a second all-gather. FSDP2 prefetches the next layer's
+    layer's full parameters at a time, at the price of a second all-gather; the last layer is kept, since the
+    backward starts with it. FSDP2 prefetches the next layer's
     all-gather while the current layer computes (one layer ahead by default, in forward and backward);
     ``prefetch=k`` asks for ``k`` layers ahead explicitly (``set_modules_to_forward_prefetch`` and
     ``..._backward_prefetch``): more all-gathers in flight next to the layers' kernels, more memory for them.
@@ -179,8 +180,11 @@ def shard_llama(
     from torch.distributed.fsdp import fully_shard
 
     mp_policy = mp_policy if mp_policy is not None else mixed_precision()
-    for layer in decoder_layers(model):
-        fully_shard(layer, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    layers = decoder_layers(model)
+    for i, layer in enumerate(layers):
+        # The last layer is the first the backward needs: freeing it after its forward would only gather it again.
+        last = i == len(layers) - 1
+        fully_shard(layer, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward and not last)
     # The root never reshards after forward: its parameters (LM head, final norm) are the first the backward needs.
     fully_shard(model, mp_policy=mp_policy, reshard_after_forward=False)
     if prefetch > 0:

@@ -142,7 +142,8 @@ def plot_scaling(results: dict, axes=None):
             if all(p is not None for p in peaks):
                 right.plot(x, [p / GiB for p in peaks], styles[i % 4], color=colours[variant], label=name)
     for ax in axes:
-        ax.set_xscale("log", base=2)
+        if ax.lines:
+            ax.set_xscale("log", base=2)
         ax.set_xlabel("sequence length (tokens per row)")
     left.set_ylabel("tokens/s per GPU")
     left.set_title(f"{results['settings']['preset']} on {results['device']}")
@@ -151,6 +152,8 @@ def plot_scaling(results: dict, axes=None):
     if not right.lines:
         right.text(0.5, 0.5, "no GPU memory statistics\n(CPU run)", ha="center", va="center",
                    transform=right.transAxes)
+        right.set_xticks([])
+        right.set_yticks([])
     left.legend(fontsize=8)
     if right.lines:
         right.legend(fontsize=8)
@@ -221,17 +224,17 @@ def state_bytes_per_param(master_dtype: str = "bfloat16") -> int:
     return 4 * size
 
 
-def bytes_sent_per_step(parameters: int, root_parameters: int, gpus: int, compute_bytes: int = 2,
+def bytes_sent_per_step(parameters: int, gathered_once: int, gpus: int, compute_bytes: int = 2,
                         reduce_bytes: int = 4) -> float:
     """Bytes each GPU sends per step with FSDP2 and ring collectives.
 
-    A ring all-gather or reduce-scatter of S bytes in total has every GPU send (N − 1)/N · S. Per step: the layers'
+    A ring all-gather or reduce-scatter of S bytes in total has every GPU send (N − 1)/N · S. Per step: the
     parameters are all-gathered in ``compute_bytes`` for the forward and again for the backward (they were freed
-    after the forward); the root's (embeddings, final norm, LM head) once, since the root keeps them until the
-    backward; every gradient is reduce-scattered in ``reduce_bytes``.
+    after the forward), except ``gathered_once`` of them, which stay gathered until the backward (the root unit:
+    embeddings, final norm, LM head; and the last decoder layer, see ``shard_llama``); every gradient is
+    reduce-scattered in ``reduce_bytes``.
     """
-    layers = parameters - root_parameters
-    gathered = compute_bytes * (2 * layers + root_parameters)
+    gathered = compute_bytes * (2 * parameters - gathered_once)
     reduced = reduce_bytes * parameters
     return (gpus - 1) / gpus * (gathered + reduced)
 
@@ -240,6 +243,12 @@ def root_parameter_count(config) -> int:
     """Parameters outside the decoder layers: embeddings, LM head (unless tied), final norm."""
     embeddings = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
     return embeddings + config.hidden_size
+
+
+def gathered_once_count(config) -> int:
+    """Parameters FSDP2 gathers once per step under ``shard_llama``: the root unit's and the last layer's."""
+    per_layer = (count_parameters(config) - root_parameter_count(config)) // config.num_hidden_layers
+    return root_parameter_count(config) + per_layer
 
 
 def fsdp_budget(gpus: int, *, gpus_per_node: int = 8, nics_per_node: int = 8, preset: str = "llama-3.1-8b",
@@ -271,7 +280,7 @@ def fsdp_budget(gpus: int, *, gpus_per_node: int = 8, nics_per_node: int = 8, pr
     link, speed = link_bandwidth(gpus, gpus_per_node, nics_per_node)
     if link_gb_s is not None:
         link, speed = f"{link} (given)", link_gb_s
-    sent = bytes_sent_per_step(params, root_parameter_count(config), gpus)
+    sent = bytes_sent_per_step(params, gathered_once_count(config), gpus)
     comm = sent / (speed * 1e9)
     compute = dict(summary["step_time_s"])
     step = {v: max(t, comm) for v, t in compute.items()}

@@ -12,6 +12,7 @@ from kernels.scaling import (
     NVLINK_GB_S,
     bytes_sent_per_step,
     fsdp_budget,
+    gathered_once_count,
     link_bandwidth,
     main,
     plot_scaling,
@@ -53,7 +54,7 @@ def test_ring_traffic_per_gpu():
     # 2 GPUs: each sends half of each collective's bytes; 1 GPU sends nothing.
     assert bytes_sent_per_step(100, 0, 1) == 0
     assert bytes_sent_per_step(100, 0, 2) == 0.5 * (2 * 2 * 100 + 4 * 100)
-    assert bytes_sent_per_step(100, 100, 2) == 0.5 * (2 * 100 + 4 * 100)  # root parameters gathered once
+    assert bytes_sent_per_step(100, 100, 2) == 0.5 * (2 * 100 + 4 * 100)  # all kept gathered: once each
 
 
 def test_link_bandwidth_inside_and_across_nodes():
@@ -66,6 +67,8 @@ def test_fsdp_budget_of_the_8b_shape():
     config = llama_config("llama-3.1-8b")
     params = count_parameters(config)
     assert root_parameter_count(config) == 2 * 128256 * 4096 + 4096
+    per_layer = 4096 * 4096 * 2 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096  # q, o; k, v; MLP; two norms
+    assert gathered_once_count(config) == root_parameter_count(config) + per_layer
     one, eight = fsdp_budget(1), fsdp_budget(8)
     assert one.sent_bytes_per_gpu == 0 and one.comm_s == 0
     # One GPU: the state plus the rest is the committed run's measured peak.

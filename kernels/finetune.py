@@ -3,7 +3,7 @@
     python -m kernels.finetune --compare            # baseline and patched, table, JSON and loss-curve PNG
     python -m kernels.finetune --compare --fit      # also the longest sequence that fits, each way (GPU)
     python -m kernels.finetune                      # the patched run alone
-    torchrun --nproc-per-node 2 -m kernels.finetune --fsdp   # sharded with FSDP2 over 2 processes (kernels.parallel)
+    torchrun --nproc-per-node 2 -m kernels.finetune --fsdp --batch-size 2   # FSDP2, 2 processes (kernels.parallel)
 
 Defaults: on a GPU, the largest preset that fits (``pick_preset_for_gpu``), 20 steps of one 2,048-token sequence;
 on the CPU, the tiny preset, 6 steps of 2 × 256 tokens with 2 micro-batches per step (about a minute or less in

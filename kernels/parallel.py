@@ -2,8 +2,8 @@
 
 Run it with torchrun (one process per GPU; on the CPU, gloo processes that share it)::
 
-    torchrun --nproc-per-node 2 -m kernels.finetune --fsdp            # patched model
-    torchrun --nproc-per-node 2 -m kernels.finetune --fsdp --compare  # Hugging Face's, then patched
+    torchrun --nproc-per-node 2 -m kernels.finetune --fsdp --batch-size 2            # patched model
+    torchrun --nproc-per-node 2 -m kernels.finetune --fsdp --batch-size 2 --compare  # Hugging Face's, then patched
 
 or from Python: ``launch(2, ["--steps", "3", ...], out_dir)`` starts that command as a subprocess (bounded in time,
 on a free loopback port) and returns where rank 0 wrote its results JSON; inside a process group,
@@ -348,6 +348,11 @@ def fsdp_main(args) -> int:
 
     env = setup()
     try:
+        if args.batch_size % env.world_size:
+            raise SystemExit(
+                f"--batch-size {args.batch_size} is the global batch, split by rows across {env.world_size} "
+                f"processes: make it a multiple of {env.world_size}, e.g. --batch-size "
+                f"{args.batch_size * env.world_size} for {args.batch_size} row(s) per process")
         preset = args.preset or ("tiny" if runtime.MODE != "gpu" else "llama-3.1-8b")
         print0(runtime.describe())
         print0(f"FSDP2 on {env.world_size} rank(s), backend {env.backend}; preset {preset}; {args.steps} steps of "

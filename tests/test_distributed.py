@@ -180,3 +180,11 @@ def test_gpu_200_patched_steps_on_two_gpus_with_prefetch(tmp_path):
     assert data["backend"] == "nccl" and data["world_size"] == 2
     assert max(abs(a - b) for a, b in zip(base[:20], ours[:20])) < 0.05, data["summary"]
     assert abs(sum(base[-20:]) - sum(ours[-20:])) / 20 < 0.05, data["summary"]
+
+
+def test_a_global_batch_the_ranks_cannot_share_is_refused(tmp_path):
+    from kernels.parallel import launch
+
+    result = launch(2, ["--steps", "1", "--seq-len", "32", "--batch-size", "3"], tmp_path, timeout_s=120)
+    assert result.returncode != 0 and result.results is None
+    assert "make it a multiple of 2, e.g. --batch-size 6" in result.output, result.output[-2000:]

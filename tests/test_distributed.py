@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import seed_of_test  # the module pytest loaded (its stash key holds the session's seed)
 
+from kernels import runtime
 from kernels.distributed import backend_for, free_port
 from kernels.models import build_model, llama_config
 from kernels.parallel import global_label_counts, shard_batches, split_rows, torchrun_command
@@ -27,6 +28,12 @@ STEPS, SEQ_LEN, BATCH, GRAD_ACCUM, LR = 3, 64, 4, 2, 1e-3
 # (a gradient off by the world size is a relative error of 0.5; a loss counted per rank instead of globally moves
 # the loss by percents).
 LOSS_TOL = GRAD_TOL = RELATIVE_ERROR_TOL[torch.float32]
+
+# Two processes: two gloo processes on the CPU, or two GPUs (one each, NCCL) in GPU mode.
+two_processes = pytest.mark.skipif(
+    runtime.MODE == "gpu" and torch.cuda.device_count() < 2,
+    reason="two processes in GPU mode need two GPUs (one per process)",
+)
 
 
 def test_split_rows_gives_each_rank_its_rows_in_order(gen):
@@ -101,7 +108,7 @@ def two_and_one(request, tmp_path_factory):
     sharded = torch.load(out, weights_only=False)
 
     batches = make_run_batches("tiny", STEPS, SEQ_LEN, BATCH, GRAD_ACCUM, seed)
-    model = build_model("tiny", dtype=torch.float32, device="cpu", seed=seed)
+    model = build_model("tiny", dtype=torch.float32, device=runtime.device(), seed=seed)
     patch_llama(model)
     grads: dict = {}
     single = train(model, batches, grad_accum=GRAD_ACCUM, lr=LR, progress=False,
@@ -109,6 +116,7 @@ def two_and_one(request, tmp_path_factory):
     return sharded, single, grads, batches
 
 
+@two_processes
 def test_two_processes_have_the_losses_of_one(two_and_one):
     sharded, single, _, batches = two_and_one
     assert sharded["world_size"] == 2 and sharded["gradient_checkpointing"]
@@ -121,6 +129,7 @@ def test_two_processes_have_the_losses_of_one(two_and_one):
         assert abs(two - one) / abs(one) < LOSS_TOL, f"step {step}: one process {one!r}, two {two!r}"
 
 
+@two_processes
 def test_every_gradient_gathered_from_its_shards_equals_one_process(two_and_one):
     sharded, _, grads, _ = two_and_one
     assert set(sharded["grads"]) == set(grads)
@@ -131,6 +140,7 @@ def test_every_gradient_gathered_from_its_shards_equals_one_process(two_and_one)
         assert err < GRAD_TOL, f"{name}: relative error {err:.2e} against one process"
 
 
+@two_processes
 def test_rmsnorm_weight_gradient_from_dtensor_shards(two_and_one):
     """Each rank holds half of every norm weight's gradient (a DTensor, Shard(0)); gathered, it is the gradient the
     unsharded model computes, norm by norm, and not zero."""
@@ -146,6 +156,7 @@ def test_rmsnorm_weight_gradient_from_dtensor_shards(two_and_one):
         assert err < GRAD_TOL, f"{name}: relative error {err:.2e}"
 
 
+@two_processes
 def test_patching_after_sharding_fails_loudly(two_and_one):
     """The other order: FSDP2 writes gathered parameters into the modules it sharded, so a norm swapped in later
     keeps the sharded DTensor; the kernel's operator refuses it rather than compute with half a weight."""
@@ -182,6 +193,7 @@ def test_gpu_200_patched_steps_on_two_gpus_with_prefetch(tmp_path):
     assert abs(sum(base[-20:]) - sum(ours[-20:])) / 20 < 0.05, data["summary"]
 
 
+@two_processes
 def test_a_global_batch_the_ranks_cannot_share_is_refused(tmp_path):
     from kernels.parallel import launch
 

@@ -28,8 +28,9 @@ in: bf16 by default, as in the single-GPU loop (so AdamW's states are bf16 too),
 ``master_dtype=torch.float32`` (float32 master weights and AdamW states, bf16 compute). The correctness tests run
 everything in float32 on the CPU.
 
-What one rank records: a ``kernels.train.RunResult`` whose losses are the global losses, whose tokens are this
-rank's (so its tokens/s is per GPU), and whose peak memory is this rank's; ``FsdpRun`` adds the peak of every rank.
+What one rank records: a ``kernels.train.RunResult`` whose losses and trained-label counts are global, whose tokens
+are this rank's (so its tokens/s is per GPU), and whose peak memory is this rank's; ``FsdpRun`` adds the peak of
+every rank.
 """
 
 from __future__ import annotations
@@ -151,7 +152,7 @@ def train_fsdp(
     what_ran.update(
         optimizer=f"torch.optim.AdamW(lr={lr:g}), defaults otherwise", grad_accum=grad_accum,
         world_size=env.world_size, backend=env.backend, global_trained_labels=trained_global,
-        tokens="this rank's (tokens/s is per GPU); loss: the global loss (all ranks)",
+        tokens="tokens and real_tokens: this rank's (tokens/s is per GPU); trained_tokens and loss: global",
     )
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

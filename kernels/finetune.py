@@ -3,6 +3,7 @@
     python -m kernels.finetune --compare            # baseline and patched, table, JSON and loss-curve PNG
     python -m kernels.finetune --compare --fit      # also the longest sequence that fits, each way (GPU)
     python -m kernels.finetune                      # the patched run alone
+    torchrun --nproc-per-node 2 -m kernels.finetune --fsdp --batch-size 2   # FSDP2, 2 processes (kernels.parallel)
 
 Defaults: on a GPU, the largest preset that fits (``pick_preset_for_gpu``), 20 steps of one 2,048-token sequence;
 on the CPU, the tiny preset, 6 steps of 2 × 256 tokens with 2 micro-batches per step (about a minute or less in
@@ -21,6 +22,7 @@ from . import runtime
 from .fit import fit_both, memory_slope
 from .memory import logits_bytes_per_token
 from .models import GiB, llama_config, pick_preset_for_gpu
+from .parallel import add_fsdp_arguments, fsdp_main
 from .patch import SWITCHES
 from .results import RESULTS
 from .train import (
@@ -80,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Hugging Face's activation checkpointing in every model run (non-reentrant)")
     p.add_argument("--out", type=Path, default=RESULTS, help=f"folder for the JSON and PNG (default {RESULTS})")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_fsdp_arguments(p)
     return p
 
 
@@ -199,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("steps", "seq_len", "batch_size", "grad_accum", "fit_probes"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.fsdp:
+        if args.compile or args.fit:
+            raise SystemExit("--fsdp runs the eager loop: leave out --compile and --fit")
+        return fsdp_main(args)
     preset, why = _choose_preset(args)
     lr = args.lr if args.lr is not None else default_lr(preset)
     print(runtime.describe())

@@ -1,0 +1,86 @@
+"""One rank of the 2-process FSDP2 check in ``tests/test_distributed.py`` (started by torchrun, not collected).
+
+Every rank trains the patched tiny model, float32, sharded with FSDP2, on the global batches the test gives; after the
+first step's backward it gathers every gradient from its DTensor shards. Then it checks the other patch order: a
+model sharded first and patched after must fail loudly, not train. Rank 0 saves what it saw to ``--out``.
+"""
+
+import argparse
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+import kernels  # noqa: F401  (interpreter mode before any kernel is defined)
+from kernels.distributed import prepare_model, setup, shard_llama, teardown
+from kernels.models import build_model
+from kernels.parallel import train_fsdp
+from kernels.patch import patch_llama
+from kernels.train import make_run_batches
+
+
+def first_step_grads(store: dict):
+    def hook(step, model):
+        if step:
+            return
+        for name, param in model.named_parameters():
+            grad = param.grad
+            assert isinstance(grad, DTensor), f"{name}: gradient is a {type(grad).__name__}, not a DTensor shard"
+            store[name] = {
+                "local_shape": tuple(grad.to_local().shape),
+                "placements": [str(p) for p in grad.placements],
+                "sharded_dim0": grad.placements == (Shard(0),),
+                "full": grad.full_tensor().detach().clone(),  # a collective: every rank calls it
+            }
+
+    return hook
+
+
+def patch_after_shard_error(env, batch) -> str:
+    """Shard, then patch: the swapped-in norms hold the sharded DTensor, which FSDP2 never replaces."""
+    model = build_model("tiny", dtype=torch.float32, device=env.device, seed=0)
+    shard_llama(model)
+    patch_llama(model)
+    try:
+        model(**batch, num_items_in_batch=1).loss.backward()
+    except RuntimeError as err:
+        return str(err).splitlines()[0]
+    return ""
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--grad-accum", type=int, default=2)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--prefetch", type=int, default=0)
+    p.add_argument("--gradient-checkpointing", action="store_true")
+    args = p.parse_args()
+    env = setup()
+    try:
+        batches = make_run_batches("tiny", args.steps, args.seq_len, args.batch_size, args.grad_accum, args.seed)
+        model, _ = prepare_model("tiny", env, dtype=torch.float32, param_dtype=torch.float32,
+                                 reduce_dtype=torch.float32, seed=args.seed, prefetch=args.prefetch,
+                                 gradient_checkpointing=args.gradient_checkpointing)
+        grads: dict = {}
+        run = train_fsdp(model, batches, env, grad_accum=args.grad_accum, lr=args.lr, progress=False,
+                         after_backward=first_step_grads(grads))
+        norms = sorted(type(m).__name__ for m in model.modules() if type(m).__name__.endswith("RMSNorm"))
+        model_checkpointed = bool(getattr(model, "is_gradient_checkpointing", False))
+        del model
+        local_batch = {k: v[: args.batch_size // env.world_size] for k, v in batches[0].items()}
+        order_error = patch_after_shard_error(env, local_batch)
+        if env.is_rank0:
+            torch.save({"losses": run.losses, "gradient_checkpointing": model_checkpointed, "grads": grads,
+                        "norms": norms, "world_size": env.world_size,
+                        "global_trained_labels": run.what_ran["global_trained_labels"],
+                        "patch_after_shard_error": order_error}, args.out)
+    finally:
+        teardown()
+
+
+if __name__ == "__main__":
+    main()

@@ -94,6 +94,27 @@ def cuda_kernel_source() -> str:
     return _cuda_parts()[0]
 
 
+def cpp_snippet(name: str, path: Path | None = None) -> str:
+    """The definition of the C++ function, kernel or struct ``name`` in ``path`` (the CUDA source by default), with
+    its ``template`` line and the comment block right above it: what a chapter shows beside the Triton twin."""
+    lines = (path or cuda_rmsnorm.CUDA_SOURCE).read_text().splitlines()
+    pattern = re.compile(rf"^(?:__global__ |__device__ |struct |\S.*\s)\**{re.escape(name)}\b[ (<]")
+    start = next((i for i, line in enumerate(lines) if pattern.match(line) or line.startswith(f"struct {name}")),
+                 None)
+    if start is None:
+        raise ValueError(f"no definition of {name!r} in {path or cuda_rmsnorm.CUDA_SOURCE}")
+    first = start
+    while first > 0 and (lines[first - 1].startswith(("template", "//", "struct alignas")) or
+                         lines[first - 1].startswith("__global__")):
+        first -= 1
+    depth, end = 0, start
+    for end in range(start, len(lines)):
+        depth += lines[end].count("{") - lines[end].count("}")
+        if depth == 0 and "}" in lines[end]:
+            break
+    return "\n".join(lines[first:end + 1])
+
+
 def lines_of_code() -> dict[str, dict[str, int]]:
     """Lines of code of each version, counted from the sources: ``kernels`` (what runs on the GPU) and ``host``
     (launch configuration, launches, operator registration), blank lines, comments and docstrings left out."""

@@ -57,7 +57,7 @@ class BuildInfo:
 
     def describe(self) -> str:
         how = "compiled" if self.compiled else "taken from PyTorch's build cache"
-        return f"{self.name}: {how} in {self.seconds:.1f} s ({self.library})"
+        return f"{self.name}: {how} in {self.seconds:.2f} s ({self.library})"
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -117,54 +117,59 @@ def cuda_build_unavailable() -> str | None:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _library_mtime(name: str) -> float | None:
+def _library_mtime(name: str, build_directory: str | None) -> float | None:
     from torch.utils.cpp_extension import _get_build_directory
 
-    found = sorted(Path(_get_build_directory(name, verbose=False)).glob(f"{name}*.so"))
+    folder = Path(build_directory or _get_build_directory(name, verbose=False))
+    found = sorted(folder.glob(f"{name}*.so"))
     return max(p.stat().st_mtime for p in found) if found else None
 
 
-def _build(name: str, sources: list[Path], verbose: bool, **flags) -> BuildInfo:
+def _build(name: str, sources: list[Path], verbose: bool, build_directory: str | None, **flags) -> BuildInfo:
     from torch.utils.cpp_extension import load
 
-    before = _library_mtime(name)
+    before = _library_mtime(name, build_directory)
     start = time.perf_counter()
     # is_python_module=False: load the shared library into the process (torch.ops.load_library), which runs its
     # TORCH_LIBRARY registrations; no Python module, so no pybind11 to compile.
-    library = load(name=name, sources=[str(s) for s in sources], is_python_module=False, verbose=verbose, **flags)
+    library = load(name=name, sources=[str(s) for s in sources], is_python_module=False, verbose=verbose,
+                   build_directory=build_directory, **flags)
     seconds = time.perf_counter() - start
-    after = _library_mtime(name)
+    after = _library_mtime(name, build_directory)
     return BuildInfo(name, str(library), seconds, compiled=before is None or after != before)
 
 
-def build_cpu(verbose: bool = False) -> BuildInfo:
+def build_cpu(verbose: bool = False, build_directory: str | None = None) -> BuildInfo:
     """Build (or take from the cache) and load the C++ CPU extension; register its fake implementation.
 
     Registers ``torch.ops.kernels_cpp.rms_norm_fwd``. Once per process: later calls return the first call's
-    ``BuildInfo``. Raises ``RuntimeError`` saying what is missing when no C++ compiler or no ninja is found.
+    ``BuildInfo`` (a library's operators can be registered only once). ``build_directory`` replaces PyTorch's
+    extensions cache (an empty folder forces a fresh compile, to time it). Raises ``RuntimeError`` saying what is
+    missing when no C++ compiler or no ninja is found.
     """
     if CPU_EXTENSION not in _BUILDS:
         reason = cpu_build_unavailable()
         if reason:
             raise RuntimeError(f"cannot build the C++ extension: {reason}")
-        info = _build(CPU_EXTENSION, [CPU_SOURCE], verbose, extra_cflags=CPU_FLAGS)
+        info = _build(CPU_EXTENSION, [CPU_SOURCE], verbose, build_directory, extra_cflags=CPU_FLAGS)
         torch.library.register_fake(f"{CPU_NAMESPACE}::rms_norm_fwd", _forward_fake)
         _BUILDS[CPU_EXTENSION] = info
     return _BUILDS[CPU_EXTENSION]
 
 
-def build_cuda(verbose: bool = False) -> BuildInfo:
+def build_cuda(verbose: bool = False, build_directory: str | None = None) -> BuildInfo:
     """Build (or take from the cache) and load the CUDA extension; register its fake implementations.
 
     Registers ``torch.ops.kernels_cuda.rms_norm_fwd`` and ``rms_norm_bwd``, compiled for this machine's GPUs
-    (``TORCH_CUDA_ARCH_LIST`` overrides). Once per process. Raises ``RuntimeError`` saying what is missing when
-    there is no GPU, no nvcc, no C++ compiler or no ninja.
+    (``TORCH_CUDA_ARCH_LIST`` overrides). Once per process; ``build_directory`` as in ``build_cpu``. Raises
+    ``RuntimeError`` saying what is missing when there is no GPU, no nvcc, no C++ compiler or no ninja.
     """
     if CUDA_EXTENSION not in _BUILDS:
         reason = cuda_build_unavailable()
         if reason:
             raise RuntimeError(f"cannot build the CUDA extension: {reason}")
-        info = _build(CUDA_EXTENSION, [CUDA_SOURCE], verbose, extra_cflags=CPU_FLAGS, extra_cuda_cflags=CUDA_FLAGS)
+        info = _build(CUDA_EXTENSION, [CUDA_SOURCE], verbose, build_directory, extra_cflags=CPU_FLAGS,
+                      extra_cuda_cflags=CUDA_FLAGS)
         torch.library.register_fake(f"{CUDA_NAMESPACE}::rms_norm_fwd", _forward_fake)
         torch.library.register_fake(f"{CUDA_NAMESPACE}::rms_norm_bwd", _backward_fake)
         _BUILDS[CUDA_EXTENSION] = info

@@ -227,11 +227,11 @@ __global__ void rms_norm_bwd_kernel(const Out* __restrict__ dy, const In* __rest
   }
 }
 
-// dW = column sums of the [n_partials, cols] float32 partials. A block owns 32 columns and has kSlices warps' worth
-// of threads per column: thread (slice s, column c) adds partials s, s + kSlices, s + 2 kSlices, ... in that
-// order, then slice 0 adds the kSlices results in order. The order never depends on timing, so neither does dW.
-constexpr int kSlices = 8;
+constexpr int kSlices = 8;  // threads per column in the dW sum
 
+// dW = column sums of the [n_partials, cols] float32 partials. A block owns 32 columns and has kSlices warps, so
+// kSlices threads per column: thread (slice s, column c) adds partials s, s + kSlices, s + 2 kSlices, ... in that
+// order, then slice 0 adds the kSlices results in order. The order never depends on timing, so neither does dW.
 template <typename Out>
 __global__ void dw_sum_kernel(const float* __restrict__ partial, Out* __restrict__ dw, int64_t n_partials,
                               int64_t cols) {

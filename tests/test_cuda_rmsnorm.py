@@ -310,3 +310,13 @@ def test_gpu_compiles_and_captures_in_a_cuda_graph(cuda_extension, gen):
     xg = x.clone().requires_grad_()
     ms, note = device_time_ms(lambda: cuda_rmsnorm.rms_norm_cuda(xg, w).backward(dy), grad_to_none=[xg])
     assert ms is not None, note
+
+
+def test_cpp_snippet_finds_whole_definitions():
+    snippet = cuda_compare.cpp_snippet("warp_sum")
+    assert snippet.startswith("//") and "__shfl_xor_sync" in snippet and snippet.rstrip().endswith("}")
+    kernel = cuda_compare.cpp_snippet("rms_norm_fwd_kernel")
+    assert kernel.count("{") == kernel.count("}") and "template <typename In, typename Out, int VEC>" in kernel
+    assert "TORCH_LIBRARY" not in kernel
+    with pytest.raises(ValueError, match="no definition"):
+        cuda_compare.cpp_snippet("no_such_function")

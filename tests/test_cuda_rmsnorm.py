@@ -320,3 +320,24 @@ def test_cpp_snippet_finds_whole_definitions():
     assert "TORCH_LIBRARY" not in kernel
     with pytest.raises(ValueError, match="no definition"):
         cuda_compare.cpp_snippet("no_such_function")
+
+
+@pytest.mark.gpu
+def test_gpu_rows_past_two_to_the_31_elements(cuda_extension, gen):
+    # 524,291 rows × 4,096 = 2.1e9 elements: offsets of the last rows overflow int32. Only the last rows are checked
+    # (each row is independent for y and dx); about 17 GB of GPU memory for x, y, dy and dx in bf16.
+    rows, hidden = (1 << 31) // 4096 + 3, 4096
+    x = torch.empty(rows, hidden, device="cuda", dtype=torch.bfloat16).normal_()
+    w = (0.5 + torch.rand(hidden, generator=gen)).to("cuda", torch.bfloat16)
+    tail_x = torch.randn(8, hidden, generator=gen).to("cuda", torch.bfloat16)
+    tail_dy = torch.randn(8, hidden, generator=gen).to("cuda", torch.bfloat16)
+    x[-8:] = tail_x
+    y, rstd = torch.ops.kernels_cuda.rms_norm_fwd.default(x, w, 1e-6)
+    assert relative_error(y[-8:], reference(tail_x, w)) < TOL[torch.bfloat16]
+    del y
+    dy = torch.zeros_like(x)
+    dy[-8:] = tail_dy
+    dx, _ = torch.ops.kernels_cuda.rms_norm_bwd.default(dy, x, w, rstd, False)
+    x64 = tail_x.double().requires_grad_()
+    rms_norm_reference(x64, w.double()).backward(tail_dy.double())
+    assert relative_error(dx[-8:], x64.grad) < TOL[torch.bfloat16]

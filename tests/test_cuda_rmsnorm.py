@@ -325,7 +325,7 @@ def test_cpp_snippet_finds_whole_definitions():
 @pytest.mark.gpu
 def test_gpu_rows_past_two_to_the_31_elements(cuda_extension, gen):
     # 524,291 rows × 4,096 = 2.1e9 elements: offsets of the last rows overflow int32. Only the last rows are checked
-    # (each row is independent for y and dx); about 17 GB of GPU memory for x, y, dy and dx in bf16.
+    # (each row is independent for y and dx). Each bf16 tensor of that shape is 4.3 GB; at most three live at once.
     rows, hidden = (1 << 31) // 4096 + 3, 4096
     x = torch.empty(rows, hidden, device="cuda", dtype=torch.bfloat16).normal_()
     w = (0.5 + torch.rand(hidden, generator=gen)).to("cuda", torch.bfloat16)

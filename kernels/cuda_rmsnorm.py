@@ -1,0 +1,255 @@
+"""The RMSNorm of kernels/rmsnorm.py again, in C++: find the sources, build them just in time, register, expose.
+
+Two C++ extensions live in ``kernels/csrc``:
+
+* ``rmsnorm_cuda.cu``: the fused forward and backward in CUDA C++, registered with ``TORCH_LIBRARY`` as
+  ``torch.ops.kernels_cuda.rms_norm_fwd`` / ``rms_norm_bwd`` (the same schemas as the Triton operators
+  ``torch.ops.kernels.rms_norm_fwd`` / ``_bwd``). ``rms_norm_cuda(x, weight, eps)`` is the differentiable
+  function over them. Needs a CUDA GPU and the CUDA compiler (nvcc).
+* ``rmsnorm_cpu.cpp``: a small forward on the CPU, ``torch.ops.kernels_cpp.rms_norm_fwd``, built the same way
+  (compiler, ``TORCH_LIBRARY``, fake implementation from Python), so the mechanics can be run and tested on a
+  machine without a GPU. ``rms_norm_cpp(x, weight, eps)`` calls it.
+
+Both are compiled by ``torch.utils.cpp_extension.load`` (with ninja) the first time they are asked for, into
+PyTorch's extensions directory (``~/.cache/torch_extensions`` unless ``TORCH_EXTENSIONS_DIR`` says otherwise).
+PyTorch keys that build by name and by a hash of the sources and flags, so a second process reuses it (a second
+or so to check and load) until a source changes. The libraries register their operators when loaded; no Python
+binding (pybind11) is involved. Fake implementations, which ``torch.compile`` needs, are the Triton operators'
+own (same schema, same outputs), registered here from Python.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from . import runtime
+from .rmsnorm import _backward_fake, _check_inputs, _forward_fake
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+CPU_SOURCE = CSRC / "rmsnorm_cpu.cpp"
+CUDA_SOURCE = CSRC / "rmsnorm_cuda.cu"
+
+CPU_EXTENSION = "kernels_cpp_rmsnorm"  # the build's name: its folder in the extensions directory
+CUDA_EXTENSION = "kernels_cuda_rmsnorm"
+CPU_NAMESPACE = "kernels_cpp"  # the operators' namespace, as TORCH_LIBRARY declares it in the source
+CUDA_NAMESPACE = "kernels_cuda"
+
+# -O2 for the C++ compiler; nvcc gets -O3 for the device code (its default host flags are PyTorch's).
+CPU_FLAGS = ["-O2"]
+CUDA_FLAGS = ["-O3", "-lineinfo"]
+
+
+@dataclass(frozen=True)
+class BuildInfo:
+    """One build of an extension: its name, the shared library, the seconds ``load`` took and whether the
+    compiler ran (False: PyTorch's cache already held a build of these very sources)."""
+
+    name: str
+    library: str
+    seconds: float
+    compiled: bool
+
+    def describe(self) -> str:
+        how = "compiled" if self.compiled else "taken from PyTorch's build cache"
+        return f"{self.name}: {how} in {self.seconds:.2f} s ({self.library})"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+_BUILDS: dict[str, BuildInfo] = {}  # one build per extension and process: loaded libraries cannot be unloaded
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# What a build needs: a C++ compiler and ninja (and, for CUDA, nvcc and a GPU)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _make_ninja_findable() -> bool:
+    """True when ``ninja`` can be run. PyTorch looks for it on PATH; the ``ninja`` package from pip installs it in
+    the environment's ``bin`` folder, which is not on PATH when Python is started without activating the
+    environment (a Jupyter kernel, for instance): add that folder if so."""
+    from torch.utils.cpp_extension import is_ninja_available
+
+    if is_ninja_available():
+        return True
+    try:
+        import ninja  # the pip package: a ninja binary in ninja.BIN_DIR
+    except ImportError:
+        return False
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    return is_ninja_available()
+
+
+def cpu_build_unavailable() -> str | None:
+    """Why the C++ CPU extension cannot be built here, or None when it can."""
+    from torch.utils.cpp_extension import get_cxx_compiler
+
+    compiler = get_cxx_compiler()
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler: `{compiler}` is not on PATH (install g++ or clang++, or set CXX)"
+    if not _make_ninja_findable():
+        return "ninja is not installed: `pip install ninja` (torch.utils.cpp_extension builds with it)"
+    return None
+
+
+def cuda_build_unavailable() -> str | None:
+    """Why the CUDA extension cannot be built and run here, or None when it can."""
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if not torch.cuda.is_available():
+        return "no CUDA GPU here: the CUDA C++ RMSNorm needs one (the C++ CPU extension runs without)"
+    if torch.version.cuda is None:
+        return f"this PyTorch ({torch.__version__}) is not built with CUDA"
+    if CUDA_HOME is None or not (Path(CUDA_HOME) / "bin" / "nvcc").exists():
+        return "no CUDA compiler: nvcc was not found (set CUDA_HOME to the CUDA toolkit, e.g. /usr/local/cuda)"
+    return cpu_build_unavailable()  # nvcc hands the host code to the C++ compiler, and ninja drives both
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Building and registering
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _library_mtime(name: str, build_directory: str | None) -> float | None:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    folder = Path(build_directory or _get_build_directory(name, verbose=False))
+    found = sorted(folder.glob(f"{name}*.so"))
+    return max(p.stat().st_mtime for p in found) if found else None
+
+
+def _build(name: str, sources: list[Path], verbose: bool, build_directory: str | None, **flags) -> BuildInfo:
+    from torch.utils.cpp_extension import load
+
+    before = _library_mtime(name, build_directory)
+    start = time.perf_counter()
+    # is_python_module=False: load the shared library into the process (torch.ops.load_library), which runs its
+    # TORCH_LIBRARY registrations; no Python module, so no pybind11 to compile.
+    library = load(name=name, sources=[str(s) for s in sources], is_python_module=False, verbose=verbose,
+                   build_directory=build_directory, **flags)
+    seconds = time.perf_counter() - start
+    after = _library_mtime(name, build_directory)
+    return BuildInfo(name, str(library), seconds, compiled=before is None or after != before)
+
+
+def build_cpu(verbose: bool = False, build_directory: str | None = None) -> BuildInfo:
+    """Build (or take from the cache) and load the C++ CPU extension; register its fake implementation.
+
+    Registers ``torch.ops.kernels_cpp.rms_norm_fwd``. Once per process: later calls return the first call's
+    ``BuildInfo`` (a library's operators can be registered only once). ``build_directory`` replaces PyTorch's
+    extensions cache (an empty folder forces a fresh compile, to time it). Raises ``RuntimeError`` saying what is
+    missing when no C++ compiler or no ninja is found.
+    """
+    if CPU_EXTENSION not in _BUILDS:
+        reason = cpu_build_unavailable()
+        if reason:
+            raise RuntimeError(f"cannot build the C++ extension: {reason}")
+        info = _build(CPU_EXTENSION, [CPU_SOURCE], verbose, build_directory, extra_cflags=CPU_FLAGS)
+        torch.library.register_fake(f"{CPU_NAMESPACE}::rms_norm_fwd", _forward_fake)
+        _BUILDS[CPU_EXTENSION] = info
+    return _BUILDS[CPU_EXTENSION]
+
+
+def build_cuda(verbose: bool = False, build_directory: str | None = None) -> BuildInfo:
+    """Build (or take from the cache) and load the CUDA extension; register its fake implementations.
+
+    Registers ``torch.ops.kernels_cuda.rms_norm_fwd`` and ``rms_norm_bwd``, compiled for this machine's GPUs
+    (``TORCH_CUDA_ARCH_LIST`` overrides). Once per process; ``build_directory`` as in ``build_cpu``. Raises
+    ``RuntimeError`` saying what is missing when there is no GPU, no nvcc, no C++ compiler or no ninja.
+    """
+    if CUDA_EXTENSION not in _BUILDS:
+        reason = cuda_build_unavailable()
+        if reason:
+            raise RuntimeError(f"cannot build the CUDA extension: {reason}")
+        info = _build(CUDA_EXTENSION, [CUDA_SOURCE], verbose, build_directory, extra_cflags=CPU_FLAGS,
+                      extra_cuda_cflags=CUDA_FLAGS)
+        torch.library.register_fake(f"{CUDA_NAMESPACE}::rms_norm_fwd", _forward_fake)
+        torch.library.register_fake(f"{CUDA_NAMESPACE}::rms_norm_bwd", _backward_fake)
+        _BUILDS[CUDA_EXTENSION] = info
+    return _BUILDS[CUDA_EXTENSION]
+
+
+def builds() -> dict[str, BuildInfo]:
+    """The extensions built (or loaded from the cache) in this process so far."""
+    return dict(_BUILDS)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The functions
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class CUDARMSNormFunction(torch.autograd.Function):
+    """autograd over the CUDA operators, exactly as ``kernels.rmsnorm.RMSNormFunction`` over the Triton ones: the
+    forward saves x (no copy), the weight and one float32 rstd per row; dW only when the weight needs it."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        y, rstd = torch.ops.kernels_cuda.rms_norm_fwd.default(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        compute_dw = ctx.needs_input_grad[1]
+        dx, dw = torch.ops.kernels_cuda.rms_norm_bwd.default(dy, x, weight, rstd, compute_dw)
+        return dx, (dw if compute_dw else None), None
+
+
+def rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm over the last dimension of ``x`` by the CUDA C++ kernels (built on first use): what
+    ``kernels.rms_norm`` computes, for CUDA tensors of float32, bfloat16 or float16 (a float32 weight may go with
+    a 16-bit ``x``). Differentiable in ``x`` and ``weight``."""
+    _check_inputs(x, weight)
+    if x.device.type != "cuda":
+        raise ValueError(f"rms_norm_cuda needs CUDA tensors, got x on {x.device}")
+    build_cuda()
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return CUDARMSNormFunction.apply(x, weight, float(eps))
+    return torch.ops.kernels_cuda.rms_norm_fwd.default(x, weight, float(eps))[0]
+
+
+def rms_norm_cpp(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm forward over the last dimension of ``x`` by the C++ CPU extension (built on first use). CPU tensors
+    of float32, bfloat16 or float16; forward only (no autograd: the extension exists to show the mechanics)."""
+    _check_inputs(x, weight)
+    if x.device.type != "cpu":
+        raise ValueError(f"rms_norm_cpp runs on the CPU, got x on {x.device}")
+    build_cpu()
+    return torch.ops.kernels_cpp.rms_norm_fwd.default(x, weight, float(eps))[0]
+
+
+def default_device_note() -> str:
+    """Which of the two extensions this machine can run, in a sentence."""
+    reason = cuda_build_unavailable()
+    if reason is None:
+        return f"CUDA extension available on {runtime.device_name()}"
+    return f"CUDA extension unavailable ({reason}); the C++ CPU extension shows the same path"
+
+
+def main(argv=None) -> None:
+    """``python -m kernels.cuda_rmsnorm [--bench ...]``: build what this machine can build; ``--bench`` runs the
+    side-by-side benchmark (``kernels.cuda_compare``) with the arguments that follow."""
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "--bench":
+        from .cuda_compare import main as bench_main
+
+        bench_main(args[1:])
+        return
+    print(build_cpu().describe())
+    reason = cuda_build_unavailable()
+    print(build_cuda().describe() if reason is None else f"CUDA extension not built: {reason}")
+
+
+if __name__ == "__main__":
+    main()

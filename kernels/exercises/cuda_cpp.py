@@ -1,0 +1,204 @@
+"""Check for the exercise of chapter 13: the row loop of an RMSNorm forward, written in C++.
+
+The reader completes the body of ``rms_norm_rows``, a plain C++ function over raw float32 pointers: the loop that
+the CUDA kernel spreads over the threads of a block, here run by one CPU thread. The check compiles it with
+``torch.utils.cpp_extension.load_inline`` (the same compiler, flags and ninja as the package's extensions, but
+without PyTorch's headers, so a build takes a second or two instead of twenty), calls it through ``ctypes`` on
+inputs chosen to expose the usual mistakes (widths that are not powers of two, a row of tiny values where eps
+matters, rows further apart in memory than they are wide), and compares ``y`` and ``rstd`` with float64. It never
+raises because the reader's code is wrong or does not compile: it prints its verdict and returns a ``Report``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from ..reference import relative_error, rms_norm_reference
+from ..tolerances import RELATIVE_ERROR_TOL
+from .rmsnorm import Report
+
+FUNCTION = "rms_norm_rows"
+
+STUB = r"""
+extern "C" void rms_norm_rows(const float* x, int64_t x_row_stride, const float* w, float* y, float* rstd,
+                              int64_t rows, int64_t cols, float eps) {
+  for (int64_t row = 0; row < rows; ++row) {
+    // TODO: the sum of squares of row `row` of x in a float accumulator (the row starts at x + row * x_row_stride),
+    //       r = 1 / sqrt(mean + eps), then y[row * cols + c] = w[c] * (x[...] * r) for every column c,
+    //       and rstd[row] = r.
+  }
+}
+"""
+
+# What the reader's source is compiled with: the C and C++ standard headers it may need, nothing of PyTorch's.
+PRELUDE = "#include <cmath>\n#include <cstdint>\n"
+
+TOL = RELATIVE_ERROR_TOL[torch.float32]
+
+
+@dataclass(frozen=True)
+class Case:
+    rows: int
+    cols: int
+    eps: float = 1e-6
+    row_stride: int | None = None  # rows of x this many floats apart (a view into a wider buffer)
+    tiny_row: int | None = None  # a row of tiny values: mean(x²) below eps, so eps shapes the result
+
+    def __str__(self) -> str:
+        text = f"input of {self.rows} × {self.cols}"
+        if self.row_stride:
+            text += f" whose rows are {self.row_stride} floats apart in memory"
+        if self.tiny_row is not None:
+            text += f" (row {self.tiny_row} holds tiny values; eps={self.eps:g})"
+        return text
+
+
+CASES = (
+    Case(7, 64),
+    Case(5, 100),  # not a power of two
+    Case(3, 37, eps=1e-5, tiny_row=1),  # eps matters, and it is not the default one
+    Case(4, 80, row_stride=128),  # row stride != width
+)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Compiling the reader's source
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def compile_rows_function(source: str):
+    """Compile ``source`` (C++ defining ``extern "C" void rms_norm_rows(...)``) and return ``(function, None)``,
+    or ``(None, what went wrong)``. Each distinct source is built once, under a name derived from its hash."""
+    from ..cuda_rmsnorm import cpu_build_unavailable
+
+    reason = cpu_build_unavailable()
+    if reason:
+        return None, f"cannot compile here: {reason}"
+    from torch.utils.cpp_extension import load_inline
+
+    name = "exercise_rms_norm_rows_" + hashlib.sha1(source.encode()).hexdigest()[:12]
+    try:
+        library = load_inline(name=name, cpp_sources=[PRELUDE + source], extra_cflags=["-O1"],
+                              is_python_module=False, no_implicit_headers=True)
+    except Exception as exc:  # noqa: BLE001  (a compile error is the reader's to read, not a crash)
+        return None, "it does not compile: " + _compiler_error(str(exc))
+    try:
+        fn = getattr(ctypes.CDLL(library), FUNCTION)
+    except AttributeError:
+        return None, (f'the library has no function named {FUNCTION}: keep the `extern "C"` line and the name '
+                      "of the stub (without extern \"C\", C++ renames the function)")
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
+    return fn, None
+
+
+def _compiler_error(text: str) -> str:
+    errors = [line.strip() for line in text.splitlines() if "error" in line and "main.cpp" in line]
+    first = errors[0] if errors else (text.strip().splitlines() or ["(no compiler output)"])[-1]
+    first = first.split("main.cpp:", 1)[-1]  # drop the build folder's path; keep line:column: error: message
+    return f"main.cpp:{first}" if errors else first
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Running it, and what its results say
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _inputs(case: Case, gen: torch.Generator):
+    buffer = torch.randn(case.rows, case.row_stride or case.cols, generator=gen, dtype=torch.float64)
+    if case.tiny_row is not None:
+        buffer[case.tiny_row] *= 1e-3  # mean(x²) ≈ 1e-6, below eps = 1e-5
+    x = buffer.float()[:, : case.cols]
+    w = (0.5 + torch.rand(case.cols, generator=gen, dtype=torch.float64)).float()  # never all ones
+    return x, w
+
+
+def run_rows_function(fn, x: torch.Tensor, w: torch.Tensor, eps: float):
+    """Call the compiled ``rms_norm_rows`` on a float32 [rows, cols] view ``x`` (unit stride along a row). Returns
+    ``(y, rstd)``; both start as NaN, so any value the function does not write stays NaN."""
+    rows, cols = x.shape
+    y = torch.full((rows, cols), float("nan"))
+    rstd = torch.full((rows,), float("nan"))
+    fn(x.data_ptr(), x.stride(0), w.data_ptr(), y.data_ptr(), rstd.data_ptr(), rows, cols, eps)
+    return y, rstd
+
+
+def _suspects(x: torch.Tensor, w: torch.Tensor, case: Case) -> dict[str, torch.Tensor]:
+    """Outputs of the usual mistakes, in float64, to name the one a wrong output reproduces."""
+    x64, w64 = x.double(), w.double()
+    ms = x64.pow(2).mean(-1, keepdim=True)
+    # The rows a function reads when it steps `cols` floats from row to row in x's memory, ignoring the stride.
+    packed = torch.as_strided(x, (case.rows, case.cols), (case.cols, 1)).double()
+    return {
+        "eps is missing: r = 1 / sqrt(mean)": w64 * x64 * ms.rsqrt(),
+        "the weight is not applied": x64 * (ms + case.eps).rsqrt(),
+        "the sum of squares is not divided by the width (a sum, not a mean)":
+            w64 * x64 * (x64.pow(2).sum(-1, keepdim=True) + case.eps).rsqrt(),
+        "r multiplies by sqrt(mean + eps) instead of dividing": w64 * x64 * (ms + case.eps).sqrt(),
+        "rows are read `cols` apart instead of `x_row_stride` apart":
+            w64 * packed * (packed.pow(2).mean(-1, keepdim=True) + case.eps).rsqrt(),
+    }
+
+
+def _diagnose(y: torch.Tensor, rstd: torch.Tensor, x: torch.Tensor, w: torch.Tensor, case: Case) -> str | None:
+    """What is wrong with ``(y, rstd)`` on ``case``, or None when both are right."""
+    x64, w64 = x.double(), w.double()
+    ref = rms_norm_reference(x64, w64, case.eps)
+    ref_rstd = (x64.pow(2).mean(-1) + case.eps).rsqrt()
+    unwritten = torch.isnan(y)
+    if unwritten.all():
+        return f"on an {case}, y was never written (still NaN): the loop body is missing or stores nowhere"
+    if unwritten.any():
+        row, col = (int(i) for i in unwritten.nonzero()[0])
+        return (f"on an {case}, y[{row}, {col}] was never written ({int(unwritten.sum())} of {y.numel()} values): "
+                "the column loop must cover 0 … cols − 1 of every row")
+    error = relative_error(y, ref)
+    if not error <= TOL:
+        for mistake, value in _suspects(x, w, case).items():
+            if relative_error(y, value) <= TOL:
+                return f"on an {case}, y is wrong (relative error {error:.2g}): {mistake}"
+        bad_row = int(((y.double() - ref).abs().amax(-1)).argmax())
+        return (f"on an {case}, y is wrong (relative error {error:.2g} > {TOL:g}); row {bad_row} differs most. "
+                "Expected y = w · x · r with r = 1 / sqrt(mean(x²) + eps)")
+    if torch.isnan(rstd).any():
+        return f"on an {case}, y is right but rstd was not written: store r in rstd[row] (the backward needs it)"
+    error = relative_error(rstd, ref_rstd)
+    if not error <= TOL:
+        return f"on an {case}, y is right but rstd is wrong (relative error {error:.2g}): rstd[row] must be r"
+    return None
+
+
+def check_rms_norm_rows(source: str, seed: int | None = None, verbose: bool = True) -> Report:
+    """Compile the reader's C++ ``source`` of ``rms_norm_rows`` and check it on every case against float64.
+
+    Prints the verdict (unless ``verbose=False``) and returns it as a ``Report``; never raises because the source
+    is wrong or does not compile.
+    """
+    fn, problem = compile_rows_function(source)
+    if problem is not None:
+        return _report(False, problem, verbose)
+    gen = torch.Generator()
+    gen.manual_seed(seed) if seed is not None else gen.seed()  # fresh inputs unless a seed replays some
+    worst = 0.0
+    for case in CASES:
+        x, w = _inputs(case, gen)
+        y, rstd = run_rows_function(fn, x, w, case.eps)
+        problem = _diagnose(y, rstd, x, w, case)
+        if problem is not None:
+            return _report(False, problem, verbose)
+        worst = max(worst, relative_error(y, rms_norm_reference(x.double(), w.double(), case.eps)))
+    widths = "/".join(str(c.cols) for c in CASES)
+    return _report(True, f"rms_norm_rows is right on {len(CASES)} inputs (widths {widths}, tiny values, a strided "
+                         f"view); largest relative error of y {worst:.1e}.", verbose)
+
+
+def _report(passed: bool, message: str, verbose: bool) -> Report:
+    report = Report(passed, ("✓ " if passed else "✗ ") + message)
+    if verbose:
+        print(report.message)
+    return report

@@ -11,7 +11,8 @@ Peers, each building ``fn(hidden, weight, target) -> loss`` on the same inputs:
 * ``torch-bf16``: the same without the float32 upcast;
 * ``compile``: ``torch.compile`` of ``torch-fp32`` (GPU only);
 * ``liger``: Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` (token chunks, gradient during the forward);
-* ``cce``: Apple's Cut Cross-Entropy ``linear_cross_entropy`` (fused matmul and log-sum-exp, recompute);
+* ``cce``, ``cce-exact``: Apple's Cut Cross-Entropy ``linear_cross_entropy`` (fused matmul and log-sum-exp,
+  recompute), with its default gradient filter and without it;
 * ``trl``: TRL's fused LM head (``trl.kernels.ChunkedLogProbFunction``, what ``SFTTrainer`` trains with: tiles of
   4,096 tokens × 32,768 vocabulary columns, recompute in the backward), on the positions that count, as TRL calls it;
 * ``ours`` (``strategy="auto"``: "recompute" for a trainable weight) and ``ours-chunked``.
@@ -89,10 +90,13 @@ def _liger():
     return lambda hidden, weight, target: loss(weight, hidden, target)
 
 
-def _cce():
-    from cut_cross_entropy import linear_cross_entropy as cce
+def _cce(**options) -> Callable[[], Callable]:
+    def build():
+        from cut_cross_entropy import linear_cross_entropy as cce
 
-    return lambda hidden, weight, target: cce(hidden, weight, target)
+        return lambda hidden, weight, target: cce(hidden, weight, target, **options)
+
+    return build
 
 
 def _trl():
@@ -122,7 +126,11 @@ IMPLS = (
     LinearImpl("compile", "torch.compile(matmul + fp32 CE)", lambda: torch.compile(_torch_loss(True)),
                _gpu_only("torch.compile (inductor)")),
     LinearImpl("liger", "Liger fused linear CE", _liger, _package("liger_kernel", "liger-kernel")),
-    LinearImpl("cce", "Cut Cross-Entropy", _cce, _package("cut_cross_entropy", "cut-cross-entropy")),
+    LinearImpl("cce", "Cut Cross-Entropy (default: filtered gradient)", _cce(),
+               _package("cut_cross_entropy", "cut-cross-entropy")),
+    # Cut Cross-Entropy skips gradient blocks it deems negligible by default; without that filter it is exact.
+    LinearImpl("cce-exact", "Cut Cross-Entropy, no gradient filter", _cce(filter_eps=None),
+               _package("cut_cross_entropy", "cut-cross-entropy")),
     LinearImpl("trl", "TRL fused LM head (SFTTrainer)", _trl, _package("trl.kernels", "trl", gpu_only=False)),
 )
 

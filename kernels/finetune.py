@@ -111,6 +111,20 @@ def patch_options(args) -> dict:
     return {name: name in args.kernels for name in SWITCHES}
 
 
+def run_stem(args, preset: str) -> str:
+    """The results' file name: ``finetune_<preset>``, then what sets this run apart from the default one (the
+    kernels named with ``--kernels``, ``compiled-<mode>``, ``ckpt``), so runs of one preset do not overwrite each
+    other."""
+    parts = [f"finetune_{preset}"]
+    if args.kernels is not None:
+        parts.append("+".join(args.kernels))
+    if args.compile:
+        parts.append(f"compiled-{args.compile}")
+    if args.gradient_checkpointing:
+        parts.append("ckpt")
+    return "_".join(parts)
+
+
 def _choose_preset(args) -> tuple[str, str]:
     if args.preset is not None:
         llama_config(args.preset)  # a clear error for an unknown name
@@ -229,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         result.slope = _slope(args, preset)
     print()
     print(result.table())
-    json_path, png_path = result.save(args.out)
+    json_path, png_path = result.save(args.out, stem=run_stem(args, preset))
     print(f"wrote {json_path} and {png_path}")
     return 0
 

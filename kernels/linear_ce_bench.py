@@ -49,12 +49,14 @@ CPU_SIZES = dict(tokens=(8, 24), hidden=32, vocab=500)
 @dataclass(frozen=True)
 class LinearImpl:
     """One implementation: ``build()`` returns ``fn(hidden, weight, target) -> loss``; ``unavailable()`` says why it
-    cannot run here, or None."""
+    cannot run here, or None. ``capturable=False``: the call synchronises with the host, so no CUDA graph is tried
+    (a capture that fails part-way can leave PyTorch's CUDA random generator unusable for the rest of the process)."""
 
     key: str
     label: str
     build: Callable[[], Callable]
     unavailable: Callable[[], str | None] = lambda: None
+    capturable: bool = True
 
 
 def _torch_loss(upcast: bool) -> Callable:
@@ -125,13 +127,14 @@ IMPLS = (
     LinearImpl("torch-bf16", "matmul + F.cross_entropy(bf16)", lambda: _torch_loss(False)),
     LinearImpl("compile", "torch.compile(matmul + fp32 CE)", lambda: torch.compile(_torch_loss(True)),
                _gpu_only("torch.compile (inductor)")),
-    LinearImpl("liger", "Liger fused linear CE", _liger, _package("liger_kernel", "liger-kernel")),
+    LinearImpl("liger", "Liger fused linear CE", _liger, _package("liger_kernel", "liger-kernel"), capturable=False),
     LinearImpl("cce", "Cut Cross-Entropy (default: filtered gradient)", _cce(),
                _package("cut_cross_entropy", "cut-cross-entropy")),
     # Cut Cross-Entropy skips gradient blocks it deems negligible by default; without that filter it is exact.
     LinearImpl("cce-exact", "Cut Cross-Entropy, no gradient filter", _cce(filter_eps=None),
                _package("cut_cross_entropy", "cut-cross-entropy")),
-    LinearImpl("trl", "TRL fused LM head (SFTTrainer)", _trl, _package("trl.kernels", "trl", gpu_only=False)),
+    LinearImpl("trl", "TRL fused LM head (SFTTrainer)", _trl, _package("trl.kernels", "trl", gpu_only=False),
+               capturable=False),
 )
 
 
@@ -186,7 +189,10 @@ def measure(impl: LinearImpl, tokens: int, hidden: int, vocab: int, ceilings: di
         fn(h, w, t).backward()
 
     row["eager_ms"] = time_ms(step, warmup=5, rep=20, grad_to_none=[h, w])
-    row["device_ms"], row["device_note"] = device_time_ms(step, grad_to_none=[h, w], warmup=5, rep=20)
+    if impl.capturable:
+        row["device_ms"], row["device_note"] = device_time_ms(step, grad_to_none=[h, w], warmup=5, rep=20)
+    else:
+        row["device_ms"], row["device_note"] = None, "synchronises with the host: no CUDA graph (eager time only)"
     peak = peak_extra_mib(step, grad_to_none=[h, w])
     gradients_mib = (h.numel() + w.numel()) * h.element_size() / 2**20
     row["extra_mib"] = None if peak is None else peak - gradients_mib  # beyond the two gradients every plan writes

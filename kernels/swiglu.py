@@ -29,6 +29,10 @@ import triton
 import triton.language as tl
 
 from . import ops, runtime
+
+# Rows as the kernels read them: a view with any row stride (the halves gu[..., :I] of a fused projection are one,
+# with row stride 2·I), copied only when no such view exists. The same rule as RMSNorm's.
+from .rmsnorm import _as_rows
 from .triton_utils import cast_to
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -153,17 +157,6 @@ def _check_inputs(gate: torch.Tensor, up: torch.Tensor) -> None:
         raise ValueError(f"gate and up must be on the same device, got gate on {gate.device} and up on {up.device}")
     if not runtime.INTERPRET and gate.device.type != "cuda":
         raise ValueError(f"in gpu mode gate and up must be CUDA tensors, got tensors on {gate.device}")
-
-
-def _as_rows(t: torch.Tensor) -> torch.Tensor:
-    """View ``t`` as [rows, width] with unit stride along width and any row stride (``gu[..., :I]`` of a contiguous
-    ``gu`` is such a view, with row stride 2·I); copies only when no such view exists."""
-    if t.stride(-1) != 1:
-        t = t.contiguous()
-    try:
-        return t.view(-1, t.shape[-1])
-    except RuntimeError:  # leading dimensions that cannot be merged without a copy
-        return t.reshape(-1, t.shape[-1])
 
 
 def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, config: Config | None = None) -> torch.Tensor:

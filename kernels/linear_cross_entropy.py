@@ -42,6 +42,7 @@ from . import ops, runtime
 from .cross_entropy import (
     _check_target_range,
     _gradient_scale,
+    _normalizer_arg,
     _reduce_loss_kernel,
     _split_normalizer,
     check_loss_args,
@@ -347,10 +348,6 @@ def chunked_forward(hidden, weight, target, ignore_index: int, reduction: str, n
 # --------------------------------------------------------------------------------------------------------------------
 # Every operator takes 2-D hidden [rows, H] and 1-D target [rows]; the function below flattens. A normalizer comes
 # as a tensor or a number, as in kernels.cross_entropy.
-
-
-def _normalizer_arg(normalizer, normalizer_value):
-    return normalizer if normalizer is not None else normalizer_value
 
 
 def _fwd_impl(hidden, weight, target, ignore_index, reduction, normalizer, normalizer_value, width):

@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: patch_llama's defaults)")
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="Hugging Face's activation checkpointing in every model run (non-reentrant)")
+    p.add_argument("--no-padding-mask", dest="padding_mask", action="store_false",
+                   help="leave out the attention mask of right-padded batches, in both runs: the same loss and "
+                        "gradients without the [seq, seq] mask (kernels.padding_mask)")
     p.add_argument("--out", type=Path, default=RESULTS, help=f"folder for the JSON and PNG (default {RESULTS})")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_fsdp_arguments(p)
@@ -113,8 +116,8 @@ def patch_options(args) -> dict:
 
 def run_stem(args, preset: str) -> str:
     """The results' file name: ``finetune_<preset>``, then what sets this run apart from the default one (the
-    kernels named with ``--kernels``, ``compiled-<mode>``, ``ckpt``), so runs of one preset do not overwrite each
-    other."""
+    kernels named with ``--kernels``, ``compiled-<mode>``, ``ckpt``, ``nomask``), so runs of one preset do not
+    overwrite each other."""
     parts = [f"finetune_{preset}"]
     if args.kernels is not None:
         parts.append("+".join(args.kernels))
@@ -122,6 +125,8 @@ def run_stem(args, preset: str) -> str:
         parts.append(f"compiled-{args.compile}")
     if args.gradient_checkpointing:
         parts.append("ckpt")
+    if not args.padding_mask:
+        parts.append("nomask")
     return "_".join(parts)
 
 
@@ -143,7 +148,7 @@ def _fit(args, preset: str) -> dict:
         return {}
     results = fit_both(preset, args.batch_size, args.fit_lo, args.fit_hi, args.fit_probes, args.seed,
                        patch_options=patch_options(args), gradient_checkpointing=args.gradient_checkpointing,
-                       memory_fraction=args.memory_fraction)
+                       memory_fraction=args.memory_fraction, padding_mask=args.padding_mask)
     for variant, result in results.items():
         print(f"longest sequence that fits, {variant}: {result.summary()}")
     return {variant: result.to_dict() for variant, result in results.items()}
@@ -158,7 +163,8 @@ def _slope(args, preset: str) -> dict:
     for variant in ("baseline", "patched"):
         found[variant] = memory_slope(preset, variant == "patched", args.slope, args.batch_size, seed=args.seed,
                                       patch_options=patch_options(args),
-                                      gradient_checkpointing=args.gradient_checkpointing)
+                                      gradient_checkpointing=args.gradient_checkpointing,
+                                      padding_mask=args.padding_mask)
         per_token = found[variant]["bytes_per_token"]
         shown = f"{per_token / 1024:,.0f} KiB" if per_token is not None else "n/a (a length did not fit)"
         print(f"activation memory per token, {variant}, between {args.slope[0]:,} and {args.slope[1]:,}: {shown}")
@@ -180,7 +186,8 @@ def _single_run(args, preset: str, lr: float) -> None:
     if args.gradient_checkpointing:
         enable_checkpointing(model)
     patch = patch_llama(model, **patch_options(args))
-    run = train(model, batches, grad_accum=args.grad_accum, lr=lr, label="patched", progress=not args.no_progress)
+    run = train(model, batches, grad_accum=args.grad_accum, lr=lr, label="patched", progress=not args.no_progress,
+                padding_mask=args.padding_mask)
     patch.undo()
     peak = f"{run.peak_memory / GiB:.2f} GiB" if run.peak_memory is not None else "n/a (CPU)"
     print(f"patched: {run.tokens_per_s:,.0f} tokens/s (all tokens; {run.real_tokens_per_s:,.0f} non-padding), "
@@ -208,7 +215,7 @@ def _settings(args, preset: str, lr: float) -> dict:
     return {"preset": preset, "steps": args.steps, "seq_len": args.seq_len, "batch_size": args.batch_size,
             "grad_accum": args.grad_accum, "lr": lr, "seed": args.seed, "dtype": "bfloat16",
             "warmup_steps": WARMUP_STEPS, "patch_options": patch_options(args),
-            "gradient_checkpointing": args.gradient_checkpointing}
+            "gradient_checkpointing": args.gradient_checkpointing, "padding_mask": args.padding_mask}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     matplotlib.use("Agg")
     result: Comparison = compare(preset, args.steps, args.seq_len, args.batch_size, args.grad_accum, lr, args.seed,
                                  progress=not args.no_progress, compile=args.compile,
-                                 patch_options=patch_options(args), gradient_checkpointing=args.gradient_checkpointing)
+                                 patch_options=patch_options(args), gradient_checkpointing=args.gradient_checkpointing,
+                                 padding_mask=args.padding_mask)
     if args.fit:
         result.fit = _fit(args, preset)
     if args.slope:

@@ -24,6 +24,7 @@ from . import runtime
 from .data import get_tokenizer, make_sft_batches
 from .memory import logits_bytes_per_token
 from .models import activation_bytes_per_token_layer, build_model, norm_bytes_per_token
+from .padding_mask import drop_padding_mask
 from .patch import patch_llama
 from .train import VARIANTS, count_trained_labels, default_lr, enable_checkpointing, free_memory
 
@@ -167,7 +168,8 @@ def search_longest(
     return FitResult(max(fitted) if fitted else None, min(failed) if failed else None, step, hi, probes)
 
 
-def _gpu_probe(model, optimizer, tokenizer, batch_size: int, seed: int) -> Callable[[int], Probe]:
+def _gpu_probe(model, optimizer, tokenizer, batch_size: int, seed: int,
+               padding_mask: bool = True) -> Callable[[int], Probe]:
     """One full training step at a given length on the GPU; an out-of-memory error means it does not fit."""
     device = next(model.parameters()).device
     vocab = model.config.vocab_size
@@ -184,6 +186,8 @@ def _gpu_probe(model, optimizer, tokenizer, batch_size: int, seed: int) -> Calla
     def probe(seq_len: int) -> Probe:
         cpu_batch = make_sft_batches(tokenizer, batch_size, seq_len, 1, seed, vocab_size=vocab)[0]
         n_items = count_trained_labels(cpu_batch)
+        if not padding_mask:
+            cpu_batch = drop_padding_mask(cpu_batch)
         free_memory()
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -207,12 +211,12 @@ class _TrainingSetup:
     cap; everything is undone and freed on leaving."""
 
     def __init__(self, preset, patched, batch_size, seed, tokenizer, patch_options, gradient_checkpointing,
-                 memory_fraction):
+                 memory_fraction, padding_mask=True):
         self.args = (preset, patched, batch_size, seed, tokenizer, patch_options or {}, gradient_checkpointing,
-                     memory_fraction)
+                     padding_mask, memory_fraction)
 
     def __enter__(self):
-        preset, patched, batch_size, seed, tokenizer, patch_options, checkpointing, fraction = self.args
+        preset, patched, batch_size, seed, tokenizer, patch_options, checkpointing, padding_mask, fraction = self.args
         free_memory()
         if fraction is not None:
             torch.cuda.set_per_process_memory_fraction(fraction)  # the current device, where the model goes
@@ -222,7 +226,8 @@ class _TrainingSetup:
             enable_checkpointing(self.model)
         self.handle = patch_llama(self.model, **patch_options) if patched else None
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=default_lr(preset))
-        self.probe = _gpu_probe(self.model, self.optimizer, tokenizer or get_tokenizer(), batch_size, seed)
+        self.probe = _gpu_probe(self.model, self.optimizer, tokenizer or get_tokenizer(), batch_size, seed,
+                                padding_mask)
         free_memory()
         limit = torch.cuda.mem_get_info(self.device)[1] * fraction if fraction is not None else None
         free = torch.cuda.mem_get_info(self.device)[0]
@@ -261,6 +266,7 @@ def max_seq_len_that_fits(
     patch_options: dict | None = None,
     gradient_checkpointing: bool = False,
     memory_fraction: float | None = None,
+    padding_mask: bool = True,
 ) -> FitResult | None:
     """GPU only: the longest sequence (a multiple of ``step``) at which one full training step (forward, backward,
     AdamW step) of ``preset`` fits in memory, Hugging Face's model (``patched=False``) or the patched one.
@@ -269,15 +275,16 @@ def max_seq_len_that_fits(
     probe runs one step on a real SFT batch of that length; ``torch.cuda.OutOfMemoryError`` means it does not fit,
     and everything the step allocated is freed before the next probe. ``margin`` (2%) is left free when predicting.
     ``patch_options`` go to ``patch_llama``; ``gradient_checkpointing`` checkpoints every decoder layer;
-    ``memory_fraction`` caps the memory the search may use (a fraction of the GPU's). On the CPU there is no memory
-    limit to find: prints so and returns None.
+    ``memory_fraction`` caps the memory the search may use (a fraction of the GPU's); ``padding_mask=False`` leaves
+    out the redundant padding mask (``kernels.padding_mask``). On the CPU there is no memory limit to find: prints
+    so and returns None.
     """
     if not _gpu_only("max_seq_len_that_fits"):
         return None
     if not isinstance(patched, bool):
         raise TypeError(f"patched must be True or False, got {patched!r}")
     with _TrainingSetup(preset, patched, batch_size, seed, tokenizer, patch_options, gradient_checkpointing,
-                        memory_fraction) as setup:
+                        memory_fraction, padding_mask) as setup:
         budget = int(setup.capacity * (1 - margin))
         # One short step first, not counted as a probe: it creates AdamW's states, so that every probe starts from
         # the same memory (weights and states) and the peaks of different probes can be compared.
@@ -290,14 +297,16 @@ def max_seq_len_that_fits(
 
 def memory_slope(preset: str, patched: bool, lengths: tuple[int, int] = (16384, 32768), batch_size: int = 1, *,
                  seed: int = 0, tokenizer=None, patch_options: dict | None = None,
-                 gradient_checkpointing: bool = False) -> dict | None:
+                 gradient_checkpointing: bool = False, padding_mask: bool = True) -> dict | None:
     """GPU only: the bytes one more token of sequence adds to a training step's peak, measured as the slope of the
     peak between two lengths (after a warm-up step that creates AdamW's states). Returns the two probes and the
-    slope per token (batch × length tokens), or None on the CPU; a length that does not fit gives no slope."""
+    slope per token (batch × length tokens), or None on the CPU; a length that does not fit gives no slope.
+    ``padding_mask=False`` leaves out the redundant padding mask, whose [seq, seq] 4-D form grows with the square
+    of the length and so inflates a slope measured between two lengths."""
     if not _gpu_only("memory_slope"):
         return None
     with _TrainingSetup(preset, patched, batch_size, seed, tokenizer, patch_options, gradient_checkpointing,
-                        None) as setup:
+                        None, padding_mask) as setup:
         setup.probe(256)
         probes = [setup.probe(n) for n in lengths]
     slope = None
@@ -310,7 +319,7 @@ def memory_slope(preset: str, patched: bool, lengths: tuple[int, int] = (16384, 
 def fit_both(preset: str, batch_size: int = 1, lo: int = 4096, hi: int = 65536, max_probes: int = 8,
              seed: int = 0, **options) -> dict[str, FitResult] | None:
     """``max_seq_len_that_fits`` for the baseline and the patched model, one after the other (GPU only).
-    ``options``: ``patch_options``, ``gradient_checkpointing`` and ``memory_fraction``, as there."""
+    ``options``: ``patch_options``, ``gradient_checkpointing``, ``memory_fraction`` and ``padding_mask``, as there."""
     if not _gpu_only("max_seq_len_that_fits"):
         return None
     return {variant: max_seq_len_that_fits(preset, variant == "patched", batch_size, lo, hi, max_probes=max_probes,

@@ -55,6 +55,7 @@ from .train import (
     WARMUP_STEPS,
     RunResult,
     StepRecord,
+    _micro_batches_on,
     count_trained_labels,
     default_lr,
     describe_model,
@@ -125,6 +126,7 @@ def train_fsdp(
     warmup_steps: int = WARMUP_STEPS,
     progress: bool = True,
     after_backward: Callable[[int, torch.nn.Module], None] | None = None,
+    padding_mask: bool = True,
 ) -> RunResult:
     """``kernels.train.train`` for a sharded model: ``batches`` are the *global* micro-batches (every rank passes
     the same list); each rank trains on its rows with the global label count (see the module docstring).
@@ -141,8 +143,7 @@ def train_fsdp(
     local = shard_batches(batches, env.rank, env.world_size)
     cpu_groups = [local[s * grad_accum:(s + 1) * grad_accum] for s in range(steps)]
     trained_global = global_label_counts(cpu_groups, device)
-    keep = ("input_ids", "attention_mask", "labels")
-    groups = [[{k: v.to(device) for k, v in b.items() if k in keep} for b in g] for g in cpu_groups]
+    groups = [_micro_batches_on(g, device, padding_mask) for g in cpu_groups]
     real = [sum(int(b["attention_mask"].sum()) for b in g) for g in cpu_groups]
     total = [sum(b["input_ids"].numel() for b in g) for g in cpu_groups]
 
@@ -270,6 +271,7 @@ def fsdp_finetune(
     compute_dtype: torch.dtype = torch.bfloat16,
     patch_options: dict | None = None,
     gradient_checkpointing: bool = False,
+    padding_mask: bool = True,
     prefetch: int = 0,
     warmup_steps: int = WARMUP_STEPS,
     progress: bool = True,
@@ -303,6 +305,7 @@ def fsdp_finetune(
             prefetch=prefetch,
         )
         runs[variant] = train_fsdp(model, batches, env, grad_accum=grad_accum, lr=lr, label=variant,
+                                   padding_mask=padding_mask,
                                    warmup_steps=warmup_steps, progress=progress)
         peaks[variant] = gather_to_all(runs[variant].peak_memory)
         del model, handle
@@ -364,7 +367,7 @@ def fsdp_main(args) -> int:
             preset, args.steps, args.seq_len, args.batch_size, args.grad_accum, args.lr, args.seed,
             variants=_variants(args), master_dtype=DTYPES[args.master_dtype],
             compute_dtype=DTYPES[args.compute_dtype], patch_options=patch_options(args),
-            gradient_checkpointing=args.gradient_checkpointing, prefetch=args.prefetch,
+            gradient_checkpointing=args.gradient_checkpointing, padding_mask=args.padding_mask, prefetch=args.prefetch,
             progress=not args.no_progress, out_dir=args.out,
         )
         print0()

@@ -48,6 +48,7 @@ import torch
 from . import runtime
 from .data import IGNORE_INDEX, get_tokenizer, make_sft_batches
 from .models import GiB, build_model, llama_config
+from .padding_mask import drop_padding_mask
 from .patch import patch_llama
 from .reference import relative_error
 from .results import RESULTS
@@ -188,8 +189,10 @@ def describe_model(model: torch.nn.Module) -> dict:
     }
 
 
-def _micro_batches_on(batches, device) -> list[dict[str, torch.Tensor]]:
+def _micro_batches_on(batches, device, padding_mask: bool = True) -> list[dict[str, torch.Tensor]]:
     keep = ("input_ids", "attention_mask", "labels")
+    if not padding_mask:
+        batches = [drop_padding_mask(b) for b in batches]  # on the CPU copies: the check reads the whole mask
     return [{k: v.to(device) for k, v in b.items() if k in keep} for b in batches]
 
 
@@ -219,8 +222,12 @@ def train(
     warmup_steps: int = WARMUP_STEPS,
     progress: bool = True,
     after_backward: Callable[[int, torch.nn.Module], None] | None = None,
+    padding_mask: bool = True,
 ) -> RunResult:
     """Fine-tune ``model`` on ``batches`` (micro-batches, ``grad_accum`` per optimizer step); see the module docstring.
+
+    ``padding_mask=False`` leaves out each batch's ``attention_mask`` where ``kernels.padding_mask`` shows it
+    redundant (right padding, padded labels ignored): the same losses and gradients, without the [seq, seq] mask.
 
     ``after_backward(step, model)``, if given, is called once per step after the last backward and before
     ``optimizer.step()`` (tests read the gradients there; its time counts in the step's time).
@@ -229,7 +236,7 @@ def train(
     warmup = min(warmup_steps, steps - 1)
     device = next(model.parameters()).device
     model.train()
-    micro = _micro_batches_on(batches, device)
+    micro = _micro_batches_on(batches, device, padding_mask)
     groups = [micro[s * grad_accum:(s + 1) * grad_accum] for s in range(steps)]
     cpu_groups = [batches[s * grad_accum:(s + 1) * grad_accum] for s in range(steps)]
     trained = [sum(count_trained_labels(b) for b in group) for group in cpu_groups]
@@ -466,6 +473,7 @@ def compare(
     patch_options: dict | None = None,
     compile: str | None = None,
     gradient_checkpointing: bool = False,
+    padding_mask: bool = True,
 ) -> Comparison:
     """Train the baseline, then the patched model, from the same initial weights on the same batches.
 
@@ -475,7 +483,8 @@ def compare(
     (``"default"``, ``"reduce-overhead"``, ...) runs both models through ``compile_model`` with that mode; the
     compilation happens in the first steps, which ``warmup_steps`` keeps out of the timings.
     ``gradient_checkpointing`` turns on Hugging Face's activation checkpointing in both models (non-reentrant):
-    each decoder layer keeps only its input and recomputes the rest in the backward pass.
+    each decoder layer keeps only its input and recomputes the rest in the backward pass. ``padding_mask=False``
+    leaves out the redundant padding masks of both runs (``train``).
     """
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
@@ -485,7 +494,7 @@ def compare(
         "preset": preset, "steps": steps, "seq_len": seq_len, "batch_size": batch_size, "grad_accum": grad_accum,
         "lr": lr, "seed": seed, "dtype": str(dtype).replace("torch.", ""), "warmup_steps": warmup_steps,
         "patch_options": dict(patch_options or {}), "compile": compile,
-        "gradient_checkpointing": gradient_checkpointing,
+        "gradient_checkpointing": gradient_checkpointing, "padding_mask": padding_mask,
     }
     runs = {}
     for variant in VARIANTS:
@@ -496,7 +505,7 @@ def compare(
         handle = patch_llama(model, **(patch_options or {})) if variant == "patched" else None
         runner = compile_model(model, compile) if compile else model
         runs[variant] = train(runner, batches, grad_accum=grad_accum, lr=lr, label=variant,
-                              warmup_steps=warmup_steps, progress=progress)
+                              warmup_steps=warmup_steps, progress=progress, padding_mask=padding_mask)
         del runner
         torch._dynamo.reset()  # the next model compiles afresh, not against this one's guards
         if handle is not None:

@@ -48,21 +48,26 @@ from .triton_utils import cast_to
 
 @triton.jit
 def _rotate_heads(
-    X, OUT, x_rows, out_rows, n_heads, stride_xh, stride_oh, c1, c2, s1, s2, cols, ok, half,
+    X, OUT, x_rows, out_rows, n_heads, stride_xh, stride_oh, c1, c2, s1, s2, cols, ok, half, HEADS: tl.constexpr,
 ):
     # Every head of one tensor (q or k) at the program's rows: x_rows/out_rows are the int64 offsets of each row's
-    # head 0. The two halves are loaded as two tiles, so rotate_half is a swap of tiles, not a gather.
-    x_at = X + x_rows[:, None] + cols[None, :]
-    o_at = OUT + out_rows[:, None] + cols[None, :]
-    for _ in range(0, n_heads):
-        x1 = tl.load(x_at, mask=ok, other=0.0).to(tl.float32)
-        x2 = tl.load(x_at + half, mask=ok, other=0.0).to(tl.float32)
-        tl.store(o_at, cast_to(x1 * c1 - x2 * s1, OUT.dtype.element_ty), mask=ok)
-        tl.store(o_at + half, cast_to(x2 * c2 + x1 * s2, OUT.dtype.element_ty), mask=ok)
-        # Step the 64-bit pointers to the next head rather than compute head × stride, which is int32 arithmetic
+    # head 0. A step takes HEADS heads as one [HEADS, ROWS, half] tile, so that their loads are in flight together
+    # rather than one head's after the last one's store. The two halves are two tiles: rotate_half is a swap of
+    # tiles, not a gather.
+    heads = tl.arange(0, HEADS)
+    x_at = X + x_rows[None, :, None] + cols[None, None, :] + heads[:, None, None] * stride_xh
+    o_at = OUT + out_rows[None, :, None] + cols[None, None, :] + heads[:, None, None] * stride_oh
+    c1, c2, s1, s2 = c1[None, :, :], c2[None, :, :], s1[None, :, :], s2[None, :, :]
+    for h in range(0, n_heads, HEADS):
+        live = ok[None, :, :] & (h + heads < n_heads)[:, None, None]
+        x1 = tl.load(x_at, mask=live, other=0.0).to(tl.float32)
+        x2 = tl.load(x_at + half, mask=live, other=0.0).to(tl.float32)
+        tl.store(o_at, cast_to(x1 * c1 - x2 * s1, OUT.dtype.element_ty), mask=live)
+        tl.store(o_at + half, cast_to(x2 * c2 + x1 * s2, OUT.dtype.element_ty), mask=live)
+        # Step the 64-bit pointers to the next heads rather than compute head × stride, which is int32 arithmetic
         # on a GPU (a contiguous [B, H, T, D] has T·D elements per head).
-        x_at += stride_xh
-        o_at += stride_oh
+        x_at += HEADS * stride_xh
+        o_at += HEADS * stride_oh
 
 
 @triton.jit
@@ -72,7 +77,7 @@ def _rope_kernel(
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t,
     sqo_b, sqo_h, sqo_t, sko_b, sko_h, sko_t,
     sc_b, sc_t, ss_b, ss_t,
-    ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BACKWARD: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_H: tl.constexpr, HEADS: tl.constexpr, BACKWARD: tl.constexpr,
 ):
     # Rows are (batch, position) pairs, b * seq + t, in int64: offsets of [batch, heads, seq, D] tensors pass 2**31
     # at 8B shapes (32 heads × 128 × seq 2048 × batch 256).
@@ -93,9 +98,9 @@ def _rope_kernel(
         s1, s2 = -s2, -s1
 
     _rotate_heads(Q, QO, b * sq_b + t * sq_t, b * sqo_b + t * sqo_t, n_q_heads, sq_h, sqo_h,
-                  c1, c2, s1, s2, cols, ok, half)
+                  c1, c2, s1, s2, cols, ok, half, HEADS)
     _rotate_heads(K, KO, b * sk_b + t * sk_t, b * sko_b + t * sko_t, n_k_heads, sk_h, sko_h,
-                  c1, c2, s1, s2, cols, ok, half)
+                  c1, c2, s1, s2, cols, ok, half, HEADS)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -111,6 +116,7 @@ class Config:
     rows: int  # rows per program
     block_h: int  # head_dim / 2 rounded up to a power of two
     num_warps: int
+    heads: int = 1  # heads per step of a program's loop over heads
 
 
 def rope_config(n_rows: int, head_dim: int, props: runtime.DeviceProps | None = None) -> Config:
@@ -203,7 +209,7 @@ def _launch(q, k, cos, sin, q_out, k_out, backward: bool, config: Config | None)
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         q_out.stride(0), q_out.stride(1), q_out.stride(2), k_out.stride(0), k_out.stride(1), k_out.stride(2),
         cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
-        ROWS=cfg.rows, BLOCK_H=cfg.block_h, BACKWARD=backward, num_warps=cfg.num_warps,
+        ROWS=cfg.rows, BLOCK_H=cfg.block_h, HEADS=cfg.heads, BACKWARD=backward, num_warps=cfg.num_warps,
     )
 
 
@@ -216,10 +222,28 @@ def rope_forward(q, k, cos, sin, config: Config | None = None) -> tuple[torch.Te
     return q_out, k_out
 
 
-def rope_backward(dq_embed, dk_embed, cos, sin, dtype: torch.dtype, config: Config | None = None):
-    """Launch the kernel backward (rotation by −θ): ``(dq, dk)`` in ``dtype``, the dtype of q and k."""
+def _is_seq_major(t: torch.Tensor) -> bool:
+    # [batch, heads, seq, D] viewed from [batch, seq, heads, D] memory, as Llama's q and k are.
+    return t.dim() == 4 and t.transpose(1, 2).is_contiguous()
+
+
+def _grad_buffer(like: torch.Tensor, dtype: torch.dtype, seq_major: bool) -> torch.Tensor:
+    # The gradient of q in the memory order q had: Llama's q is a transposed view of a [batch, seq, heads, D]
+    # projection, and a gradient in that order goes back through the transpose and the view to q_proj's backward
+    # as it is. In dq_embed's order ([batch, heads, seq, D] from attention) it would be copied on the way.
+    if not seq_major:
+        return _empty_like_layout(like, dtype)
+    b, h, t, d = like.shape
+    return torch.empty(b, t, h, d, dtype=dtype, device=like.device).transpose(1, 2)
+
+
+def rope_backward(dq_embed, dk_embed, cos, sin, dtype: torch.dtype, seq_major: bool = False,
+                  config: Config | None = None):
+    """Launch the kernel backward (rotation by −θ): ``(dq, dk)`` in ``dtype``, the dtype of q and k; laid out as
+    [batch, seq, heads, D] memory seen as [batch, heads, seq, D] when ``seq_major`` (q and k had that layout), else
+    in the layout of dq_embed and dk_embed."""
     dq_embed, dk_embed, cos, sin = (_unit_last(t) for t in (dq_embed, dk_embed, cos, sin))
-    dq, dk = _empty_like_layout(dq_embed, dtype), _empty_like_layout(dk_embed, dtype)
+    dq, dk = _grad_buffer(dq_embed, dtype, seq_major), _grad_buffer(dk_embed, dtype, seq_major)
     _launch(dq_embed, dk_embed, cos, sin, dq, dk, True, config)
     return dq, dk
 
@@ -234,15 +258,16 @@ def _forward_fake(q, k, cos, sin):
     return _empty_like_layout(_unit_last(q), dtype), _empty_like_layout(_unit_last(k), dtype)
 
 
-def _backward_fake(dq_embed, dk_embed, cos, sin, dtype):
-    return _empty_like_layout(_unit_last(dq_embed), dtype), _empty_like_layout(_unit_last(dk_embed), dtype)
+def _backward_fake(dq_embed, dk_embed, cos, sin, dtype, seq_major=False):
+    return _grad_buffer(_unit_last(dq_embed), dtype, seq_major), _grad_buffer(_unit_last(dk_embed), dtype, seq_major)
 
 
 rope_fwd_op = ops.define(
     "rope_fwd(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)", rope_forward, _forward_fake
 )
 rope_bwd_op = ops.define(
-    "rope_bwd(Tensor dq_embed, Tensor dk_embed, Tensor cos, Tensor sin, ScalarType dtype) -> (Tensor, Tensor)",
+    "rope_bwd(Tensor dq_embed, Tensor dk_embed, Tensor cos, Tensor sin, ScalarType dtype, bool seq_major=False) "
+    "-> (Tensor, Tensor)",
     rope_backward, _backward_fake,
 )
 
@@ -278,13 +303,14 @@ class RotaryFunction(torch.autograd.Function):
         trig_grad = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
         ctx.save_for_backward(cos, sin, *((q, k) if trig_grad else ()))
         ctx.x_dtype = q.dtype
+        ctx.seq_major = _is_seq_major(q) and _is_seq_major(k)
         return q_embed, k_embed
 
     @staticmethod
     def backward(ctx, dq_embed, dk_embed):
         cos, sin, *qk = ctx.saved_tensors
         # An output that did not reach the loss arrives as zeros (autograd materialises it): its rotation is zeros.
-        dq, dk = rope_bwd_op(dq_embed, dk_embed, cos, sin, ctx.x_dtype)
+        dq, dk = rope_bwd_op(dq_embed, dk_embed, cos, sin, ctx.x_dtype, ctx.seq_major)
         d_cos = d_sin = None
         if qk:
             d_cos, d_sin = _cos_sin_grads(dq_embed, dk_embed, *qk, cos, sin, *ctx.needs_input_grad[2:4])

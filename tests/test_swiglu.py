@@ -107,12 +107,15 @@ def test_empty_input(device):
         assert y.shape == g.grad.shape == shape
 
 
-def test_launch_configs_for_a_gpu_stay_in_registers():
+def test_launch_configs_for_a_gpu_are_the_measured_ones():
     h100 = swiglu_module.runtime.DeviceProps("H100", False, 132, 227 * 1024, 65536)
     fwd = swiglu_module.forward_config(16384, 14336, h100)
     bwd = swiglu_module.backward_config(16384, 14336, h100)
-    assert fwd.block_n == bwd.block_n == 1024 and fwd.rows * fwd.block_n == 8192 and bwd.rows * bwd.block_n == 4096
-    assert fwd.grid == (16384 // fwd.rows, 14)
+    assert fwd.rows == bwd.rows == 1 and fwd.block_n == 16384 and bwd.block_n == 2048
+    assert fwd.grid == (16384, 1) and bwd.grid == (16384, 7)
+    assert (fwd.num_warps, bwd.num_warps) == (32, 16)
+    narrow = swiglu_module.forward_config(8, 100, h100)
+    assert narrow.block_n == 128 and narrow.num_warps == 4 and narrow.grid == (8, 1)
     interp = swiglu_module.forward_config(2048, 14336, swiglu_module.runtime.INTERPRETER)
     assert interp.grid[0] * interp.grid[1] < 1000
 

@@ -2,7 +2,6 @@
 the CUDA extension's forward, backward, dW and operators on a GPU; the side-by-side benchmark at tiny size."""
 
 import json
-import re
 
 import pytest
 import torch
@@ -217,35 +216,12 @@ def forward_backward(fn, x, w, dy, eps=1e-6):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(1, 64), (7, 100), (2, 33, 300), (5, 1001), (3, 2, 4, 65), (9, 2048),
-                                   (129, 4096), (3, 4097), (5, 5120), (64, 8192)],
-                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", [(1, 64), (7, 100), (2, 33, 300), (5, 1001), (3, 2, 4, 65), (129, 4096),
+                                   (64, 8192)], ids=lambda s: "x".join(map(str, s)))
 def test_gpu_forward_backward_match_float64(cuda_extension, shape, dtype, gen):
-    # Widths that are multiples of the pack (8 bf16/fp16, 4 fp32) take the 16-byte path, the others the scalar
-    # fallback. On the 16-byte path the widths reach 1, 2, 4 and 8 packs per thread (bf16: 2,048 -> 1, 4,096 -> 2,
-    # 5,120 -> 4 with 160 threads, 8,192 -> 4; fp32: 4,096 -> 4, 5,120 and 8,192 -> 8); where threads x packs per
-    # thread exceed the row's packs (fp32 300, the scalar 1,001 and 4,097), the last threads' slots are guarded.
+    # Widths that are multiples of 8 take the 16-byte path, the others the scalar fallback.
     errors = forward_backward(cuda_rmsnorm.rms_norm_cuda, *make_inputs(shape, dtype, "cuda", gen))
     assert all(e < TOL[dtype] for e in errors), f"relative errors y, dx, dW = {errors}"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("x_dtype, w_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
-                                              (torch.bfloat16, torch.float32)], ids=str)
-def test_gpu_widest_llama_hidden_size(cuda_extension, x_dtype, w_dtype, gen):
-    # 16,384 (Llama 3.1 405B): 8 packs per thread, 256 threads, the widest kernels' registers; must always launch.
-    errors = forward_backward(cuda_rmsnorm.rms_norm_cuda, *make_inputs((6, 16384), x_dtype, "cuda", gen,
-                                                                       w_dtype=w_dtype))
-    assert all(e < TOL[x_dtype] for e in errors), f"relative errors y, dx, dW = {errors}"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("hidden", [1001, 4096, 5120, 8192])
-def test_gpu_float32_weight_promotes_at_every_path(cuda_extension, hidden, gen):
-    # bf16 x with a float32 weight: y, dy and dW are float32 (32-byte weight packs on the 16-byte path).
-    errors = forward_backward(cuda_rmsnorm.rms_norm_cuda, *make_inputs((37, hidden), torch.bfloat16, "cuda", gen,
-                                                                       w_dtype=torch.float32))
-    assert all(e < TOL[torch.bfloat16] for e in errors), f"relative errors y, dx, dW = {errors}"
 
 
 @pytest.mark.gpu
@@ -271,103 +247,31 @@ def test_gpu_strided_and_misaligned_views(cuda_extension, gen):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("hidden", [1001, 4096, 5120, 8192])
-def test_gpu_misaligned_and_strided_wide_rows(cuda_extension, hidden, gen):
-    # Wide rows through the scalar fallback (8 elements per thread) and strided rows through the 16-byte path.
-    base, w, _ = make_inputs((9, 2 * hidden + 8), torch.bfloat16, "cuda", gen)
-    views = {
-        "rows starting 2 bytes off a 16-byte boundary": base[:, 1:hidden + 1],
-        "row stride of 2 * hidden + 8": base[:, :hidden],
-        "every other row": base[::2, 8:hidden + 8],
-    }
-    for name, view in views.items():
-        dy = torch.randn(view.shape, generator=gen).to("cuda", torch.bfloat16)
-        errors = forward_backward(cuda_rmsnorm.rms_norm_cuda, view, w[:hidden], dy)
-        assert all(e < TOL[torch.bfloat16] for e in errors), f"{name}: {errors}"
+def test_gpu_every_element_written(cuda_extension, gen):
+    # Fill the caching allocator's blocks with NaN before the call: any output element the kernels skip stays NaN.
+    x, w, dy = make_inputs((4099, 4096), torch.bfloat16, "cuda", gen)
+    torch.empty(64 << 20, device="cuda").fill_(float("nan"))
+    errors = forward_backward(cuda_rmsnorm.rms_norm_cuda, x, w, dy)
+    assert all(e < TOL[torch.bfloat16] for e in errors), errors
 
 
 @pytest.mark.gpu
-def test_gpu_more_rows_than_a_grid_dimension(cuda_extension, gen):
-    # 70,000 rows (> 65,535): every block of the persistent grids walks many rows, and dW adds them all.
-    errors = forward_backward(cuda_rmsnorm.rms_norm_cuda, *make_inputs((70000, 256), torch.bfloat16, "cuda", gen))
-    assert all(e < TOL[torch.bfloat16] for e in errors), f"relative errors y, dx, dW = {errors}"
+def test_gpu_frozen_weight_skips_dw(cuda_extension, gen):
+    x, w, dy = make_inputs((16, 256), torch.bfloat16, "cuda", gen)
+    x.requires_grad_()
+    cuda_rmsnorm.rms_norm_cuda(x, w).backward(dy)
+    assert w.grad is None and x.grad is not None
+    _, dw = torch.ops.kernels_cuda.rms_norm_bwd.default(dy, x.detach(), w, torch.ones(16, device="cuda"), False)
+    assert dw.shape == (0,)
 
 
 @pytest.mark.gpu
-def test_gpu_zero_rows(cuda_extension):
-    x = torch.empty(0, 4096, device="cuda", dtype=torch.bfloat16)
-    w = torch.rand(4096, device="cuda").to(torch.bfloat16) + 0.5
-    y, rstd = torch.ops.kernels_cuda.rms_norm_fwd.default(x, w, 1e-6)
-    assert y.shape == (0, 4096) and rstd.shape == (0,)
-    dx, dw = torch.ops.kernels_cuda.rms_norm_bwd.default(x, x, w, rstd, True)
-    assert dx.shape == (0, 4096) and torch.equal(dw, torch.zeros_like(w))
-
-
-def _widest(message: str) -> int:
-    match = re.search(r"widest supported hidden size for .* is (\d+)", message)
-    assert match, message
-    return int(match.group(1))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype, hidden, path", [
-    (torch.bfloat16, 65536 + 64, "16-byte path"),  # 1,025 threads at 8 packs of 8: past any GPU's limit
-    (torch.float32, 32768 + 32, "16-byte path"),
-    (torch.bfloat16, 8193, "scalar fallback"),  # an odd width: packs of one element, 8 per thread
-], ids=["bf16-wide", "fp32-wide", "bf16-scalar"])
-def test_gpu_too_wide_rows_raise_a_clear_error(cuda_extension, dtype, hidden, path, gen):
-    x, w, dy = make_inputs((2, hidden), dtype, "cuda", gen)
-    with pytest.raises(ValueError, match=f"widest supported hidden size .* on the {path}") as fwd_error:
-        torch.ops.kernels_cuda.rms_norm_fwd.default(x, w, 1e-6)
-    rstd = torch.ones(2, device="cuda")
-    with pytest.raises(ValueError, match=f"widest supported hidden size .* on the {path}") as bwd_error:
-        torch.ops.kernels_cuda.rms_norm_bwd.default(dy, x, w, rstd, True)
-    for error, op in ((fwd_error, "rms_norm_fwd"), (bwd_error, "rms_norm_bwd")):
-        assert op in str(error.value)
-        assert 0 < _widest(str(error.value)) < hidden
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("op", ["fwd", "bwd"])
-def test_gpu_the_named_widest_size_works_and_one_pack_more_does_not(cuda_extension, op, gen):
-    # The limit in the message is the real one: the named width runs (and is right), one pack more raises.
-    def call(x, w, dy):
-        if op == "fwd":
-            return torch.ops.kernels_cuda.rms_norm_fwd.default(x, w, 1e-6)
-        rstd = (x.float().pow(2).mean(-1) + 1e-6).rsqrt()
-        return torch.ops.kernels_cuda.rms_norm_bwd.default(dy, x, w, rstd, True)
-
-    with pytest.raises(ValueError) as error:
-        call(*make_inputs((2, 65536 + 64), torch.bfloat16, "cuda", gen))
-    widest = _widest(str(error.value))
-    assert widest >= 16384  # 256 threads x 8 packs x 8 values always launch
-    x, w, dy = make_inputs((2, widest), torch.bfloat16, "cuda", gen)
-    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
-    y64 = rms_norm_reference(x64, w64, 1e-6)
-    if op == "fwd":
-        assert relative_error(call(x, w, dy)[0], y64) < TOL[torch.bfloat16]
-    else:
-        y64.backward(dy.double())
-        dx, dw = call(x, w, dy)
-        assert relative_error(dx, x64.grad) < TOL[torch.bfloat16]
-        assert relative_error(dw, w64.grad) < TOL[torch.bfloat16]
-    with pytest.raises(ValueError, match="widest supported hidden size"):
-        call(*make_inputs((2, widest + 8), torch.bfloat16, "cuda", gen))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape, w_dtype", [((8192, 2048), torch.bfloat16), ((16384, 4096), torch.bfloat16),
-                                            ((4099, 4096), torch.float32), ((3000, 1001), torch.bfloat16)],
-                         ids=["8192x2048", "16384x4096", "4099x4096-fp32-weight", "3000x1001-scalar"])
-def test_gpu_dw_is_deterministic(cuda_extension, shape, w_dtype, gen):
-    # dW must be the same bits on every run: per-thread register sums over a fixed set of rows, then a fixed-order
-    # sum of the blocks' partial rows; no atomics anywhere.
-    x, w, dy = make_inputs(shape, torch.bfloat16, "cuda", gen, w_dtype=w_dtype)
+def test_gpu_dw_is_deterministic(cuda_extension, gen):
+    x, w, dy = make_inputs((8192, 2048), torch.bfloat16, "cuda", gen)
     _, rstd = torch.ops.kernels_cuda.rms_norm_fwd.default(x, w, 1e-6)
-    first_dx, first = torch.ops.kernels_cuda.rms_norm_bwd.default(dy, x, w, rstd, True)
+    first = torch.ops.kernels_cuda.rms_norm_bwd.default(dy, x, w, rstd, True)[1]
     for _ in range(3):
-        dx, dw = torch.ops.kernels_cuda.rms_norm_bwd.default(dy, x, w, rstd, True)
-        assert torch.equal(dw, first) and torch.equal(dx, first_dx)
+        assert torch.equal(torch.ops.kernels_cuda.rms_norm_bwd.default(dy, x, w, rstd, True)[1], first)
 
 
 @pytest.mark.gpu
@@ -412,8 +316,7 @@ def test_cpp_snippet_finds_whole_definitions():
     snippet = cuda_compare.cpp_snippet("warp_sum")
     assert snippet.startswith("//") and "__shfl_xor_sync" in snippet and snippet.rstrip().endswith("}")
     kernel = cuda_compare.cpp_snippet("rms_norm_fwd_kernel")
-    assert kernel.count("{") == kernel.count("}")
-    assert "template <typename In, typename Out, int VEC, int PACKS>" in kernel and "Pack<In, VEC> xs[PACKS]" in kernel
+    assert kernel.count("{") == kernel.count("}") and "template <typename In, typename Out, int VEC>" in kernel
     assert "TORCH_LIBRARY" not in kernel
     with pytest.raises(ValueError, match="no definition"):
         cuda_compare.cpp_snippet("no_such_function")

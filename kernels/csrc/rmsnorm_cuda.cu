@@ -11,41 +11,17 @@
 //   * a Triton *program* corresponds to a CUDA *block*; what Triton does for a whole tile at once (tl.load of a
 //     row, tl.sum), CUDA spells out per thread: each thread loads its share, and the block combines the shares.
 //   * __device__ functions are called from kernels; __host__ code (plain C++) runs on the CPU and launches them.
-//   * where values live, fastest first: *registers* (private to one thread, at most 255 of 4 bytes each), *shared
-//     memory* (per block, on the SM, tens of KB), the L1 and L2 *caches*, and HBM (the GPU's main memory). A
-//     kernel like this one is fast when every value crosses the HBM bus once and then stays as close as it can.
 //
-// Design (kernels/rmsnorm.py does the same in Triton, where the compiler decides what this file spells out):
+// Design (kernels/rmsnorm.py does the same in Triton):
 //   * all arithmetic in float32, whatever the storage type; values are rounded only when stored;
-//   * the row stays in registers: each thread loads its share of a row once into small register arrays (PACKS
-//     packs, a compile-time number), the block adds up the shares, and each thread finishes the row from what it
-//     holds. No value is read twice. Thread t of a B-thread block owns packs t, t + B, t + 2B, ... of *every* row,
-//     the same columns each time, so it loads its share of the weight once and (backward) keeps its columns' dW
-//     sums in registers too;
 //   * 16-byte loads and stores: each thread moves a "pack" of 16 bytes (8 bf16/fp16 values, 4 fp32) per
 //     instruction when every row start is 16-byte aligned and the width a multiple of the pack; otherwise the same
 //     kernels are instantiated with packs of one element (the scalar fallback);
-//   * persistent grids: as many blocks as fit on the GPU at once, each walking rows b, b + G, b + 2G, ... (G blocks),
-//     so the weight (forward and backward) and the dW sums (backward) are set up once per block, not once per row;
 //   * row offsets in int64 (row * stride passes 2^31 once rows x hidden does);
 //   * sums across a row: first within a warp with register shuffles, then across warps through shared memory;
 //   * dW without atomics: each block of the backward grid keeps float32 partial sums of dW for the rows it handled
-//     (in its threads' registers) and writes them as one row of a [blocks, hidden] buffer; a second kernel adds the rows in a fixed order, so
+//     and writes them as one row of a [blocks, hidden] buffer; a second kernel adds the rows in a fixed order, so
 //     dW is the same bits on every run.
-//
-// The widest hidden size. Registers are the price of keeping the row: a thread holds at most 8 packs of a row and
-// a block has at most 1,024 threads, so a row is at most 8 x 1,024 packs: 65,536 bf16/fp16 or 32,768 fp32 values on
-// the 16-byte path, 8,192 on the scalar fallback. The register file lowers that further: an SM has 65,536 32-bit
-// registers, so a kernel that needs R registers per thread cannot run more than about 65,536 / R threads in a
-// block. The host reads that limit from the compiled kernel (cudaFuncGetAttributes) and refuses a wider row with
-// an error naming the widest hidden size that works for the dtypes and path at hand. Any kernel can run 256 threads
-// (256 x 255 registers fit), so on the 16-byte path every width up to 256 x 8 packs always works: 16,384 bf16/fp16
-// (the widest Llama hidden size, 405B's) and 8,192 fp32. The register counts ptxas reports for the widest kernels
-// (nvcc 13.0, sm_90: H100/H200) put the limits at about: forward 22,528 bf16, 30,720 fp16, 19,456 fp32; backward
-// (which holds x, dy, w and the dW sums) 16,384 bf16/fp16 and 12,288 fp32; the scalar fallback 8,192 forward and
-// 7,168 backward; the error message gives the exact figure on the GPU at hand. A float32 x at Llama-405B's 16,384
-// is beyond the backward's reach: a block's fp32 row of x, dy and w plus its dW sums is 256 KB, the whole register
-// file of an SM.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -115,8 +91,8 @@ __device__ __forceinline__ float warp_sum(float v) {
 
 // Sum over every thread of the block; every thread gets the result. Each warp reduces its own values, lane 0 of
 // each warp writes its warp's sum to shared memory, and then every warp adds those (at most 32) partial sums.
-// `scratch` must hold 32 floats: the only shared memory the kernels below use. blockDim.x must be a multiple of 32
-// (the host launches it so). This is what tl.sum(..., axis=1) does for a Triton program behind the scenes.
+// `scratch` must hold 32 floats. blockDim.x must be a multiple of 32 (the host launches it so).
+// This is what tl.sum(..., axis=1) does for a Triton program behind the scenes.
 __device__ float block_sum(float v, float* scratch) {
   const int lane = threadIdx.x % kWarp;
   const int warp = threadIdx.x / kWarp;
@@ -134,85 +110,47 @@ __device__ float block_sum(float v, float* scratch) {
 // Kernels
 // ------------------------------------------------------------------------------------------------------------------
 
-// Why registers. The earlier version of this file read each row twice (once for the sum of squares, once to
-// normalise), trusting the caches to serve the second read. They mostly did, but not for free: the second read
-// still costs L1/L2 bandwidth and instructions, and with many blocks in flight a row can be evicted before it is
-// read again. Registers are the only memory that is private to a thread and as fast as the arithmetic itself, so
-// the kernels below load a row once into register arrays and never read it again.
-//
-// A register array must have a size the compiler knows, and every index into it must be a compile-time constant
-// after unrolling (otherwise the compiler puts the array in "local memory", which lives in the caches and HBM).
-// Hence PACKS, a template parameter, and `#pragma unroll` on every loop over it: the loop `for k < PACKS` becomes
-// PACKS copies of its body, each with its own registers. The host instantiates PACKS = 1, 2, 4 and 8 and picks
-// per width (`packs_per_thread` below).
-//
-// Which packs a thread owns: thread t of B takes packs t, t + B, ..., t + (PACKS - 1) B of the row. Neighbouring
-// threads read neighbouring 16-byte packs, so a warp's loads combine into whole cache lines ("coalesced"); the
-// last slots of the last threads may fall past the row's end, hence the guard `p < packs` on each of them.
-
-// Pack index of slot k of this thread: thread t of B owns packs t, t + B, t + 2B, ...
-__device__ __forceinline__ int64_t owned_pack(int k) {
-  return threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
-}
-
-// Forward. A persistent grid: G blocks (as many as fit on the GPU at once) walk the rows, block b taking rows
-// b, b + G, b + 2G, ... Each thread loads its weight packs into registers once, before the row loop; then, per
-// row, it loads its x packs into registers (one read of x), adds its share of sum(x^2), waits for the block's
-// total, and writes y from the registers it already holds.
+// Forward. One block per row (a grid-stride loop covers any number of rows). Thread t handles packs t, t + B,
+// t + 2B, ... of the row (B = blockDim.x), so that neighbouring threads read neighbouring 16-byte packs: the
+// warp's loads combine into whole cache lines ("coalesced").
 //
 // `In` is x's element type, `Out` that of y and the weight (float32 when a float32 weight promotes a bf16 x).
-// VEC is the number of x values per pack: 16 / sizeof(In) on the wide path, 1 on the scalar fallback. PACKS is
-// the number of packs each thread owns; the host launches at least packs / PACKS threads.
-template <typename In, typename Out, int VEC, int PACKS>
+// VEC is the number of x values per pack: 16 / sizeof(In) on the wide path, 1 on the scalar fallback.
+template <typename In, typename Out, int VEC>
 __global__ void rms_norm_fwd_kernel(const In* __restrict__ x, const Out* __restrict__ w, Out* __restrict__ y,
                                     float* __restrict__ rstd, int64_t rows, int64_t cols, int64_t x_row_stride,
                                     float eps) {
   __shared__ float scratch[kWarp];
-  const int64_t packs = cols / VEC;  // the host guarantees cols % VEC == 0 and packs <= PACKS * blockDim.x
-
-  // The weight, once per block: this thread always owns the same columns, whatever the row.
-  Pack<Out, VEC> ws[PACKS];
-#pragma unroll
-  for (int k = 0; k < PACKS; ++k) {
-    if (owned_pack(k) < packs) ws[k] = load_pack<Out, VEC>(w, owned_pack(k));
-  }
+  const int64_t packs = cols / VEC;  // the host guarantees cols % VEC == 0
 
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const In* x_row = x + row * x_row_stride;  // int64 arithmetic throughout
     Out* y_row = y + row * cols;
 
-    // Load this thread's packs of the row (all loads are issued before any is needed: PACKS 16-byte loads in
-    // flight per thread) and add up its share of sum(x^2); then the whole row's.
-    Pack<In, VEC> xs[PACKS];
+    // Pass 1: this thread's share of sum(x^2), then the whole row's.
     float sum_sq = 0.0f;
+    for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) {
+      const Pack<In, VEC> xs = load_pack<In, VEC>(x_row, p);
 #pragma unroll
-    for (int k = 0; k < PACKS; ++k) {
-      if (owned_pack(k) < packs) xs[k] = load_pack<In, VEC>(x_row, owned_pack(k));
-    }
-#pragma unroll
-    for (int k = 0; k < PACKS; ++k) {
-      if (owned_pack(k) < packs) {
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-          const float v = static_cast<float>(xs[k].v[i]);
-          sum_sq += v * v;
-        }
+      for (int i = 0; i < VEC; ++i) {
+        const float v = static_cast<float>(xs.v[i]);
+        sum_sq += v * v;
       }
     }
     const float r = rsqrtf(block_sum(sum_sq, scratch) / static_cast<float>(cols) + eps);
 
-    // Normalise and scale from the registers: x is not read again.
+    // Pass 2: normalise and scale. The row is read again; this block read it a moment ago, so the second read
+    // is served from the on-chip caches (L1/L2), not from HBM.
+    for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) {
+      const Pack<In, VEC> xs = load_pack<In, VEC>(x_row, p);
+      const Pack<Out, VEC> ws = load_pack<Out, VEC>(w, p);
+      Pack<Out, VEC> ys;
 #pragma unroll
-    for (int k = 0; k < PACKS; ++k) {
-      if (owned_pack(k) < packs) {
-        Pack<Out, VEC> ys;
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-          const float x_hat = round_to<In>(static_cast<float>(xs[k].v[i]) * r);
-          ys.v[i] = static_cast<Out>(x_hat * static_cast<float>(ws[k].v[i]));
-        }
-        store_pack<Out, VEC>(y_row, owned_pack(k), ys);
+      for (int i = 0; i < VEC; ++i) {
+        const float x_hat = round_to<In>(static_cast<float>(xs.v[i]) * r);
+        ys.v[i] = static_cast<Out>(x_hat * static_cast<float>(ws.v[i]));
       }
+      store_pack<Out, VEC>(y_row, p, ys);
     }
     if (threadIdx.x == 0) rstd[row] = r;
   }
@@ -221,29 +159,25 @@ __global__ void rms_norm_fwd_kernel(const In* __restrict__ x, const Out* __restr
 // Backward: dx = rstd * (g - x_hat * mean(g * x_hat)) with g = dy * w, and this block's part of
 // dW = sum over rows of dy * x_hat (x_hat rounded as in the forward pass, since that is what w multiplied).
 //
-// A persistent grid again (a few blocks per SM), block b taking rows b, b + G, b + 2G, ... Per row, each thread
-// loads its packs of x and dy into registers once; they serve both the sum(g * x_hat) and, after the block's total
-// is known, dx. The weight is loaded into registers once per block, as in the forward.
-//
-// dW needs no shared memory: thread t owns the same columns in every row, so the running dW sums of those
-// columns (PACKS x VEC floats) are needed by this thread alone and can live in its registers. No other thread
-// ever adds to them, so there is no race and nothing to synchronise. At the end the block writes them, each
-// thread its own columns, as row b of `dw_partial` ([G, cols] float32); `dw_sum_kernel` adds the G rows.
-template <typename In, typename Out, int VEC, int PACKS>
+// A fixed number of blocks (a few per SM) walk the rows: block b takes rows b, b + G, b + 2G, ... Each thread
+// always handles the same columns (its packs), so it can keep running dW sums for them in shared memory without
+// ever racing another thread; at the end the block writes its sums as row b of `dw_partial` ([G, cols] float32).
+// The shared array is laid out [VEC][packs]: element i of pack p at dw_acc[i * packs + p], so that the 32 threads
+// of a warp (consecutive p) touch 32 consecutive floats, which sit in 32 different banks of shared memory.
+template <typename In, typename Out, int VEC>
 __global__ void rms_norm_bwd_kernel(const Out* __restrict__ dy, const In* __restrict__ x, const Out* __restrict__ w,
                                     const float* __restrict__ rstd, In* __restrict__ dx,
                                     float* __restrict__ dw_partial, int64_t rows, int64_t cols,
                                     int64_t x_row_stride, int64_t dy_row_stride, bool compute_dw) {
   __shared__ float scratch[kWarp];
+  extern __shared__ float dw_acc[];  // cols floats when compute_dw, sized by the launch
   const int64_t packs = cols / VEC;
 
-  Pack<Out, VEC> ws[PACKS];  // the weight, once per block
-  float dw_acc[PACKS][VEC];  // this thread's columns' dW sums, over the rows this block handles
+  if (compute_dw) {
+    for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) {
 #pragma unroll
-  for (int k = 0; k < PACKS; ++k) {
-    if (owned_pack(k) < packs) ws[k] = load_pack<Out, VEC>(w, owned_pack(k));
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) dw_acc[k][i] = 0.0f;
+      for (int i = 0; i < VEC; ++i) dw_acc[i * packs + p] = 0.0f;
+    }
   }
 
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
@@ -252,59 +186,43 @@ __global__ void rms_norm_bwd_kernel(const Out* __restrict__ dy, const In* __rest
     In* dx_row = dx + row * cols;
     const float r = rstd[row];
 
-    // One read of this thread's packs of x and dy.
-    Pack<In, VEC> xs[PACKS];
-    Pack<Out, VEC> dys[PACKS];
-#pragma unroll
-    for (int k = 0; k < PACKS; ++k) {
-      if (owned_pack(k) < packs) {
-        xs[k] = load_pack<In, VEC>(x_row, owned_pack(k));
-        dys[k] = load_pack<Out, VEC>(dy_row, owned_pack(k));
-      }
-    }
-
-    // This thread's share of sum(g * x_hat), and its columns' dW terms (added in registers).
+    // Pass 1: this thread's share of sum(g * x_hat), and its columns' dW terms.
     float dot = 0.0f;
+    for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) {
+      const Pack<In, VEC> xs = load_pack<In, VEC>(x_row, p);
+      const Pack<Out, VEC> dys = load_pack<Out, VEC>(dy_row, p);
+      const Pack<Out, VEC> ws = load_pack<Out, VEC>(w, p);
 #pragma unroll
-    for (int k = 0; k < PACKS; ++k) {
-      if (owned_pack(k) < packs) {
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-          const float x_hat = static_cast<float>(xs[k].v[i]) * r;
-          const float d = static_cast<float>(dys[k].v[i]);
-          dot += d * static_cast<float>(ws[k].v[i]) * x_hat;
-          if (compute_dw) dw_acc[k][i] += d * round_to<In>(x_hat);
-        }
+      for (int i = 0; i < VEC; ++i) {
+        const float x_hat = static_cast<float>(xs.v[i]) * r;
+        const float d = static_cast<float>(dys.v[i]);
+        dot += d * static_cast<float>(ws.v[i]) * x_hat;
+        if (compute_dw) dw_acc[i * packs + p] += d * round_to<In>(x_hat);
       }
     }
     const float c = block_sum(dot, scratch) / static_cast<float>(cols);
 
-    // dx, from the registers: x and dy are not read again.
+    // Pass 2: dx, from x and dy read again (from the caches: this block just read them).
+    for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) {
+      const Pack<In, VEC> xs = load_pack<In, VEC>(x_row, p);
+      const Pack<Out, VEC> dys = load_pack<Out, VEC>(dy_row, p);
+      const Pack<Out, VEC> ws = load_pack<Out, VEC>(w, p);
+      Pack<In, VEC> dxs;
 #pragma unroll
-    for (int k = 0; k < PACKS; ++k) {
-      if (owned_pack(k) < packs) {
-        Pack<In, VEC> dxs;
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-          const float x_hat = static_cast<float>(xs[k].v[i]) * r;
-          const float g = static_cast<float>(dys[k].v[i]) * static_cast<float>(ws[k].v[i]);
-          dxs.v[i] = static_cast<In>(r * (g - x_hat * c));
-        }
-        store_pack<In, VEC>(dx_row, owned_pack(k), dxs);
+      for (int i = 0; i < VEC; ++i) {
+        const float x_hat = static_cast<float>(xs.v[i]) * r;
+        const float g = static_cast<float>(dys.v[i]) * static_cast<float>(ws.v[i]);
+        dxs.v[i] = static_cast<In>(r * (g - x_hat * c));
       }
+      store_pack<In, VEC>(dx_row, p, dxs);
     }
   }
 
   if (compute_dw) {
     float* out = dw_partial + static_cast<int64_t>(blockIdx.x) * cols;
+    for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) {
 #pragma unroll
-    for (int k = 0; k < PACKS; ++k) {
-      if (owned_pack(k) < packs) {
-        Pack<float, VEC> sums;
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) sums.v[i] = dw_acc[k][i];
-        store_pack<float, VEC>(out, owned_pack(k), sums);
-      }
+      for (int i = 0; i < VEC; ++i) out[p * VEC + i] = dw_acc[i * packs + p];
     }
   }
 }
@@ -341,86 +259,40 @@ __global__ void dw_sum_kernel(const float* __restrict__ partial, Out* __restrict
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-constexpr int kTargetThreads = 256;  // threads per block the choice of PACKS aims for (see below)
-constexpr int kMaxPacks = 8;         // the largest PACKS instantiated
-constexpr int kScalarPacks = 8;      // the scalar fallback's only PACKS
-
-// Packs per thread on the 16-byte path: the smallest of 1, 2, 4, 8 that covers the row with at most 256 threads.
-// 4,096 bf16 values = 512 packs -> 2 packs per thread, 256 threads; 8,192 -> 4; 16,384 -> 8. Why 256: a block of
-// 256 threads leaves room for several blocks per SM, and few packs per thread keeps the register arrays small;
-// beyond 8 packs per thread a thread would hold more registers than occupancy can afford, so wider rows take more
-// threads instead. Each value of PACKS is one more instantiation of each kernel (and more build time), hence only
-// these four; the scalar fallback (odd widths, misaligned views) is instantiated with 8 alone.
-int packs_per_thread(int64_t packs) {
-  for (int p = 1; p < kMaxPacks; p *= 2) {
-    if (ceil_div(packs, p) <= kTargetThreads) return p;
-  }
-  return kMaxPacks;
+// Threads per block: about two packs per thread (so each thread has two 16-byte loads in flight per tensor), in
+// whole warps, between one warp and the 1,024-thread limit. 4,096 bf16 values = 512 packs -> 256 threads.
+int threads_for(int64_t packs) {
+  const int64_t want = ceil_div(ceil_div(packs, 2), kWarp) * kWarp;
+  return static_cast<int>(std::min<int64_t>(kMaxThreads, std::max<int64_t>(kWarp, want)));
 }
 
-// Threads per block for PACKS packs per thread: enough to cover the row, in whole warps (block_sum needs them).
-int threads_for(int64_t packs, int packs_per_thread) {
-  return static_cast<int>(std::max<int64_t>(kWarp, ceil_div(ceil_div(packs, packs_per_thread), kWarp) * kWarp));
-}
-
-constexpr int kMaxDevices = 64;
-
-// Read once per device; cudaDeviceGetAttribute does not touch any stream, so it is safe during CUDA-graph capture.
-int sm_count(int device) {
-  static int cache[kMaxDevices] = {};
-  TORCH_CHECK(device >= 0 && device < kMaxDevices, "device index out of range: ", device);
-  if (cache[device] == 0) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&cache[device], cudaDevAttrMultiProcessorCount, device));
-  }
-  return cache[device];
-}
-
-// What one compiled kernel allows on one device, read once and kept (one cache per kernel instantiation, since the
-// function that holds it is a template of the kernel's parameters):
-//   * max_threads: the most threads per block it can be launched with. 1,024 unless its registers per thread
-//     times 1,024 exceed what one SM has (65,536 on current GPUs): the register arrays above make that a real
-//     limit for the wide kernels, so it is read from the compiled kernel (cudaFuncGetAttributes), not assumed;
-//   * per_sm[threads / 32]: how many blocks of that many threads fit on one SM at once (the *occupancy*, limited by
-//     registers, shared memory and the SM's 2,048 threads), from cudaOccupancyMaxActiveBlocksPerMultiprocessor.
-// Neither call touches a stream, and after the first call nothing is asked of the driver at all.
-struct KernelLimits {
-  int max_threads = 0;
-  int per_sm[kMaxThreads / kWarp + 1] = {};
+struct DeviceInfo {
+  int sm_count;
+  int max_shared_optin;  // bytes of shared memory one block may ask for
 };
 
-template <typename Kernel>
-int max_threads_of(Kernel kernel, KernelLimits& limits) {
-  if (limits.max_threads == 0) {
-    cudaFuncAttributes attributes;
-    C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-    limits.max_threads = std::min(kMaxThreads, attributes.maxThreadsPerBlock / kWarp * kWarp);
+// Read once per device; cudaDeviceGetAttribute does not touch any stream, so it is safe during CUDA-graph capture.
+DeviceInfo device_info(int device) {
+  constexpr int kMaxDevices = 64;
+  static DeviceInfo cache[kMaxDevices] = {};
+  TORCH_CHECK(device >= 0 && device < kMaxDevices, "device index out of range: ", device);
+  DeviceInfo& info = cache[device];
+  if (info.sm_count == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&info.max_shared_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&info.sm_count, cudaDevAttrMultiProcessorCount, device));
   }
-  return limits.max_threads;
+  return info;
 }
 
+// Blocks of the backward grid: as many as fit on the GPU at once (by registers and shared memory, as the
+// occupancy calculator says), capped at 4 per SM. More blocks keep more loads in flight; fewer mean fewer dW
+// partial rows to add at the end (each is one [hidden] float32 row).
 template <typename Kernel>
-int blocks_per_sm(Kernel kernel, KernelLimits& limits, int threads) {
-  int& per_sm = limits.per_sm[threads / kWarp];
-  if (per_sm == 0) {
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
-    per_sm = std::max(per_sm, 1);
-  }
-  return per_sm;
-}
-
-// A row wider than the kernel can hold in registers: a clear error naming the widest hidden size that works for
-// this dtype pair and path (the limit the file header describes), rather than a failed launch.
-void check_width(const char* op, int64_t cols, int threads, int max_threads, int packs_per_thread, int vec,
-                 at::ScalarType x_type, at::ScalarType w_type) {
-  const int64_t widest = static_cast<int64_t>(max_threads) * packs_per_thread * vec;
-  TORCH_CHECK_VALUE(threads <= max_threads, op, ": hidden size ", cols, " is wider than this kernel supports: ",
-                    "each thread keeps at most ", packs_per_thread, " packs of ", vec, " value(s) of a row in ",
-                    "registers and a block of this kernel may have at most ", max_threads, " threads on this GPU, so ",
-                    "the widest supported hidden size for ", x_type, " x with a ", w_type, " weight on the ",
-                    vec == 1 ? "scalar fallback path (rows not 16-byte aligned, or a width that is not a whole "
-                               "number of 16-byte packs; contiguous inputs of such widths take the 16-byte path)"
-                             : "16-byte path",
-                    " is ", widest);
+int64_t backward_blocks(Kernel kernel, int threads, size_t shared_bytes, const DeviceInfo& info, int64_t rows) {
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, shared_bytes));
+  per_sm = std::max(1, std::min(per_sm, 4));
+  return std::max<int64_t>(1, std::min<int64_t>(rows, static_cast<int64_t>(info.sm_count) * per_sm));
 }
 
 // The wide path needs every row of every tensor to start on a 16-byte boundary (a pack of Out values may be 32
@@ -435,71 +307,46 @@ bool packable(const void* ptr, int64_t row_stride, int64_t cols, int vec, size_t
 // Host launches for one (In, Out) pair
 // ------------------------------------------------------------------------------------------------------------------
 
-// Forward for one (VEC, PACKS). The grid is persistent: SMs x resident blocks per SM (all the blocks the GPU can
-// run at once, no more), capped at the number of rows. More blocks than that would only queue behind the first
-// wave and load their weight packs again; fewer would leave SMs idle.
-//
-// Occupancy, here, is how many of these blocks an SM holds at once, and the register arrays decide it: an SM has
-// 65,536 registers and at most 2,048 threads, so a kernel of up to 32 registers per thread can fill it with
-// threads, one of 64 with half as many, one of 128 with a quarter. Fewer resident threads mean fewer loads in
-// flight to hide HBM's latency; what makes up for it is that each thread now has PACKS 16-byte loads in flight at
-// once, issued together before the first is needed, and never reads anything twice.
-template <typename In, typename Out, int VEC, int PACKS>
-void launch_forward_packs(const at::Tensor& x_rows, const at::Tensor& w, at::Tensor& y, at::Tensor& rstd,
-                          float eps) {
-  static KernelLimits limits[kMaxDevices];  // one per device, for this instantiation
-  const auto kernel = rms_norm_fwd_kernel<In, Out, VEC, PACKS>;
-  const int64_t rows = x_rows.size(0), cols = x_rows.size(1);
-  const int device = x_rows.get_device();
-  const int sms = sm_count(device);  // checks the device index too
-  const int threads = threads_for(cols / VEC, PACKS);
-  check_width("rms_norm_fwd", cols, threads, max_threads_of(kernel, limits[device]), PACKS, VEC,
-              x_rows.scalar_type(), w.scalar_type());
-  const int64_t blocks =
-      std::min<int64_t>(rows, static_cast<int64_t>(sms) * blocks_per_sm(kernel, limits[device], threads));
-  kernel<<<blocks, threads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      x_rows.data_ptr<In>(), w.data_ptr<Out>(), y.data_ptr<Out>(), rstd.data_ptr<float>(), rows, cols,
-      x_rows.stride(0), eps);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
 template <typename In, typename Out>
 void launch_forward(const at::Tensor& x_rows, const at::Tensor& w, at::Tensor& y, at::Tensor& rstd, float eps) {
   constexpr int kVec = 16 / sizeof(In);
-  const int64_t cols = x_rows.size(1);
-  const bool wide = packable(x_rows.data_ptr(), x_rows.stride(0), cols, kVec, sizeof(In)) &&
-                    packable(w.data_ptr(), 0, cols, kVec, sizeof(Out)) &&
-                    packable(y.data_ptr(), cols, cols, kVec, sizeof(Out));
-  if (!wide) return launch_forward_packs<In, Out, 1, kScalarPacks>(x_rows, w, y, rstd, eps);
-  switch (packs_per_thread(cols / kVec)) {
-    case 1: return launch_forward_packs<In, Out, kVec, 1>(x_rows, w, y, rstd, eps);
-    case 2: return launch_forward_packs<In, Out, kVec, 2>(x_rows, w, y, rstd, eps);
-    case 4: return launch_forward_packs<In, Out, kVec, 4>(x_rows, w, y, rstd, eps);
-    default: return launch_forward_packs<In, Out, kVec, 8>(x_rows, w, y, rstd, eps);
+  const int64_t rows = x_rows.size(0), cols = x_rows.size(1), stride = x_rows.stride(0);
+  const In* xp = x_rows.data_ptr<In>();
+  const Out* wp = w.data_ptr<Out>();
+  Out* yp = y.data_ptr<Out>();
+  const bool wide = packable(xp, stride, cols, kVec, sizeof(In)) && packable(wp, 0, cols, kVec, sizeof(Out)) &&
+                    packable(yp, cols, cols, kVec, sizeof(Out));
+  const int64_t grid = std::min<int64_t>(rows, INT32_MAX);  // one block per row; the kernel loops past 2^31
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (wide) {
+    rms_norm_fwd_kernel<In, Out, kVec><<<grid, threads_for(cols / kVec), 0, stream>>>(
+        xp, wp, yp, rstd.data_ptr<float>(), rows, cols, stride, eps);
+  } else {
+    rms_norm_fwd_kernel<In, Out, 1><<<grid, threads_for(cols), 0, stream>>>(
+        xp, wp, yp, rstd.data_ptr<float>(), rows, cols, stride, eps);
   }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Backward for one (VEC, PACKS). Blocks of the backward grid: as many as fit on the GPU at once (by registers, as
-// the occupancy calculator says), capped at 4 per SM. More blocks keep more loads in flight; fewer mean fewer dW
-// partial rows to write and add at the end (each is one [hidden] float32 row), and fewer weight loads.
-template <typename In, typename Out, int VEC, int PACKS>
-void launch_backward_packs(const at::Tensor& dy_rows, const at::Tensor& x_rows, const at::Tensor& w,
-                           const at::Tensor& rstd, at::Tensor& dx, at::Tensor& dw, bool compute_dw) {
-  static KernelLimits limits[kMaxDevices];
-  const auto kernel = rms_norm_bwd_kernel<In, Out, VEC, PACKS>;
+template <typename In, typename Out, int VEC>
+void launch_backward_vec(const at::Tensor& dy_rows, const at::Tensor& x_rows, const at::Tensor& w,
+                         const at::Tensor& rstd, at::Tensor& dx, at::Tensor& dw, bool compute_dw) {
   const int64_t rows = x_rows.size(0), cols = x_rows.size(1);
-  const int device = x_rows.get_device();
-  const int sms = sm_count(device);
-  const int threads = threads_for(cols / VEC, PACKS);
-  check_width("rms_norm_bwd", cols, threads, max_threads_of(kernel, limits[device]), PACKS, VEC,
-              x_rows.scalar_type(), w.scalar_type());
-  const int per_sm = std::min(blocks_per_sm(kernel, limits[device], threads), 4);
-  const int64_t blocks = std::min<int64_t>(rows, static_cast<int64_t>(sms) * per_sm);
-  // The partial sums: one float32 row per block. Pack stores of them are aligned: the allocation is, and each row
-  // is cols floats long, a multiple of VEC.
+  const auto kernel = rms_norm_bwd_kernel<In, Out, VEC>;
+  const int threads = threads_for(cols / VEC);
+  const DeviceInfo info = device_info(x_rows.get_device());
+  const size_t shared_bytes = compute_dw ? static_cast<size_t>(cols) * sizeof(float) : 0;
+  TORCH_CHECK(shared_bytes <= static_cast<size_t>(info.max_shared_optin), "rms_norm_bwd: a hidden size of ", cols,
+              " needs ", shared_bytes, " bytes of shared memory for the dW sums, more than this GPU's ",
+              info.max_shared_optin);
+  if (shared_bytes > 48 * 1024) {  // above 48 KB a kernel must opt in to more shared memory
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(shared_bytes)));
+  }
+  const int64_t blocks = backward_blocks(kernel, threads, shared_bytes, info, rows);
   at::Tensor partial = compute_dw ? at::empty({blocks, cols}, x_rows.options().dtype(at::kFloat)) : at::Tensor();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  kernel<<<blocks, threads, 0, stream>>>(
+  kernel<<<blocks, threads, shared_bytes, stream>>>(
       dy_rows.data_ptr<Out>(), x_rows.data_ptr<In>(), w.data_ptr<Out>(), rstd.data_ptr<float>(), dx.data_ptr<In>(),
       compute_dw ? partial.data_ptr<float>() : nullptr, rows, cols, x_rows.stride(0), dy_rows.stride(0),
       compute_dw);
@@ -520,12 +367,10 @@ void launch_backward(const at::Tensor& dy_rows, const at::Tensor& x_rows, const 
                     packable(dy_rows.data_ptr(), dy_rows.stride(0), cols, kVec, sizeof(Out)) &&
                     packable(w.data_ptr(), 0, cols, kVec, sizeof(Out)) &&
                     packable(dx.data_ptr(), cols, cols, kVec, sizeof(In));
-  if (!wide) return launch_backward_packs<In, Out, 1, kScalarPacks>(dy_rows, x_rows, w, rstd, dx, dw, compute_dw);
-  switch (packs_per_thread(cols / kVec)) {
-    case 1: return launch_backward_packs<In, Out, kVec, 1>(dy_rows, x_rows, w, rstd, dx, dw, compute_dw);
-    case 2: return launch_backward_packs<In, Out, kVec, 2>(dy_rows, x_rows, w, rstd, dx, dw, compute_dw);
-    case 4: return launch_backward_packs<In, Out, kVec, 4>(dy_rows, x_rows, w, rstd, dx, dw, compute_dw);
-    default: return launch_backward_packs<In, Out, kVec, 8>(dy_rows, x_rows, w, rstd, dx, dw, compute_dw);
+  if (wide) {
+    launch_backward_vec<In, Out, kVec>(dy_rows, x_rows, w, rstd, dx, dw, compute_dw);
+  } else {
+    launch_backward_vec<In, Out, 1>(dy_rows, x_rows, w, rstd, dx, dw, compute_dw);
   }
 }
 

@@ -133,8 +133,9 @@ def _rope_config(n_rows: int, head_dim: int, props: runtime.DeviceProps) -> Conf
     # Measured on an H200 (assets/notes/swiglu_rope.md, the launch sweep of 88 configurations at 1,024, 4,096 and
     # 16,384 positions, D = 128, 32 q and 8 kv heads): one position per program, eight heads per step (an [8, 1, 64]
     # tile per half) and four warps was within 4% of the best forward + backward at every length, the only
-    # configuration that was. The first prediction (up to 32 positions per program, one head per step, four warps)
-    # had a 19% slower forward at 16,384: each program's loop waited for one head's loads before issuing the next head's.
+    # configuration that was. The first prediction (up to 32 positions per program, one head per step, four
+    # warps) had a 19% slower forward at 16,384: each program's loop waited for one head's loads before issuing the
+    # next head's.
     heads = 8
     return Config((n_rows,), 1, block_h, max(1, heads * block_h // 128), heads)
 

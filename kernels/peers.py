@@ -46,6 +46,27 @@ def _no_compile_in_interpreter() -> str | None:
     return None
 
 
+def _hf_compile_missing() -> str | None:
+    """Why ``torch.compile`` of a Hugging Face module or function cannot run here, or None."""
+    return _transformers_missing() or _no_compile_in_interpreter()
+
+
+def _build_plain(function):
+    """An implementation that is a plain function with no parameters of its own."""
+    def build(case):
+        return function, []
+
+    return build
+
+
+def _build_compiled(function):
+    """``torch.compile`` of a plain function (static shapes: each benchmarked shape compiles once)."""
+    def build(case):
+        return torch.compile(function, dynamic=False), []
+
+    return build
+
+
 def _liger_missing(module: str) -> Callable[[], str | None]:
     def reason() -> str | None:
         try:
@@ -115,8 +136,7 @@ def _build_liger_rmsnorm(case):
 RMSNORM_IMPLS = (
     Impl("ours", "ours (Triton, fused)", "ours", _build_ours_rmsnorm),
     Impl("hf", "HF LlamaRMSNorm eager", "peer", _build_hf_rmsnorm, _transformers_missing),
-    Impl("compile", "torch.compile(HF)", "peer", _build_compiled_rmsnorm,
-         lambda: _transformers_missing() or _no_compile_in_interpreter(), compiled=True),
+    Impl("compile", "torch.compile(HF)", "peer", _build_compiled_rmsnorm, _hf_compile_missing, compiled=True),
     Impl("native", "F.rms_norm (native fused)", "peer", _build_native_rmsnorm),
     Impl("liger", "Liger RMSNorm", "peer", _build_liger_rmsnorm, _liger_missing("liger_kernel.transformers.rms_norm")),
 )
@@ -152,10 +172,6 @@ def _build_ce_function(function):
     return build
 
 
-def _build_compiled_ce(case):
-    return torch.compile(_ce_fp32_upcast, dynamic=False), []
-
-
 def _build_liger_ce(case):
     from liger_kernel.transformers.cross_entropy import LigerCrossEntropyLoss
 
@@ -167,21 +183,13 @@ CROSS_ENTROPY_IMPLS = (
     Impl("ours-buffer", "ours, gradient buffer", "variant", _build_ours_ce(inplace=False)),
     Impl("fp32", "F.cross_entropy(logits.float()) (HF)", "peer", _build_ce_function(_ce_fp32_upcast)),
     Impl("bf16", "F.cross_entropy, no upcast", "peer", _build_ce_function(_ce_native)),
-    Impl("compile", "torch.compile(fp32 upcast + F.cross_entropy)", "peer", _build_compiled_ce,
+    Impl("compile", "torch.compile(fp32 upcast + F.cross_entropy)", "peer", _build_compiled(_ce_fp32_upcast),
          _no_compile_in_interpreter, compiled=True),
     Impl("liger", "Liger cross-entropy (in place)", "peer", _build_liger_ce,
          _liger_missing("liger_kernel.transformers.cross_entropy")),
 )
 
 # ---- SwiGLU: fn(gate, up) -> silu(gate) * up ----
-
-
-def _build_plain(function):
-    """An implementation that is a plain function with no parameters of its own."""
-    def build(case):
-        return function, []
-
-    return build
 
 
 def _swiglu_hf(gate, up):
@@ -197,10 +205,6 @@ def _build_ours_swiglu(case):
     return swiglu, []
 
 
-def _build_compiled_swiglu(case):
-    return torch.compile(_swiglu_hf, dynamic=False), []
-
-
 def _build_liger_swiglu(case):
     from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 
@@ -211,8 +215,7 @@ def _build_liger_swiglu(case):
 SWIGLU_IMPLS = (
     Impl("ours", "ours (Triton, fused)", "ours", _build_ours_swiglu),
     Impl("hf", "HF act_fn(gate) * up eager", "peer", _build_plain(_swiglu_hf), _transformers_missing),
-    Impl("compile", "torch.compile(HF)", "peer", _build_compiled_swiglu,
-         lambda: _transformers_missing() or _no_compile_in_interpreter(), compiled=True),
+    Impl("compile", "torch.compile(HF)", "peer", _build_compiled(_swiglu_hf), _hf_compile_missing, compiled=True),
     Impl("liger", "Liger SiLUMul", "peer", _build_liger_swiglu, _liger_missing("liger_kernel.ops.swiglu")),
 )
 
@@ -232,10 +235,6 @@ def _build_ours_rope(case):
     return apply_rotary, []
 
 
-def _build_compiled_rope(case):
-    return torch.compile(_rope_hf, dynamic=False), []
-
-
 def _build_liger_rope(case):
     from liger_kernel.transformers.rope import liger_rotary_pos_emb
 
@@ -248,8 +247,7 @@ def _build_liger_rope(case):
 ROPE_IMPLS = (
     Impl("ours", "ours (Triton, q and k in one launch)", "ours", _build_ours_rope),
     Impl("hf", "HF apply_rotary_pos_emb eager", "peer", _build_plain(_rope_hf), _transformers_missing),
-    Impl("compile", "torch.compile(HF)", "peer", _build_compiled_rope,
-         lambda: _transformers_missing() or _no_compile_in_interpreter(), compiled=True),
+    Impl("compile", "torch.compile(HF)", "peer", _build_compiled(_rope_hf), _hf_compile_missing, compiled=True),
     Impl("liger", "Liger rotary_pos_emb", "peer", _build_liger_rope, _liger_missing("liger_kernel.transformers.rope")),
 )
 

@@ -24,8 +24,9 @@ directions (a ``constexpr`` flag), and nothing but cos and sin is kept for the b
 Layout: q is [batch, heads, seq, D] and k [batch, kv_heads, seq, D] as Llama's attention makes them, strided views
 ``proj(x).view(b, s, h, D).transpose(1, 2)``; they are read through their strides, never copied. cos and sin are
 [batch or 1, seq, D]. One program takes a block of (batch, position) rows, loads their cos and sin once, and walks
-every head of q and then of k: cos and sin are read once per position, not once per head, and q and k share one
-launch. Arithmetic is float32; outputs are stored in the dtype PyTorch's broadcasting gives Hugging Face's formula,
+every head of q and then of k, a few heads per step: cos and sin are read once per position, not once per head,
+and q and k share one launch. The backward writes dq and dk in q's and k's memory order (``seq_major``), so the
+gradients go back through the transposed views to the projections without a copy. Arithmetic is float32; outputs are stored in the dtype PyTorch's broadcasting gives Hugging Face's formula,
 ``promote_types(q.dtype, cos.dtype)`` (bfloat16 in a bf16 Llama, whose cos and sin come in the activation dtype).
 """
 

@@ -26,8 +26,9 @@ Layout: q is [batch, heads, seq, D] and k [batch, kv_heads, seq, D] as Llama's a
 [batch or 1, seq, D]. One program takes a block of (batch, position) rows, loads their cos and sin once, and walks
 every head of q and then of k, a few heads per step: cos and sin are read once per position, not once per head,
 and q and k share one launch. The backward writes dq and dk in q's and k's memory order (``seq_major``), so the
-gradients go back through the transposed views to the projections without a copy. Arithmetic is float32; outputs are stored in the dtype PyTorch's broadcasting gives Hugging Face's formula,
-``promote_types(q.dtype, cos.dtype)`` (bfloat16 in a bf16 Llama, whose cos and sin come in the activation dtype).
+gradients go back through the transposed views to the projections without a copy. Arithmetic is float32; outputs
+are stored in the dtype PyTorch's broadcasting gives Hugging Face's formula, ``promote_types(q.dtype, cos.dtype)``
+(bfloat16 in a bf16 Llama, whose cos and sin come in the activation dtype).
 """
 
 from __future__ import annotations

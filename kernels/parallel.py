@@ -54,11 +54,11 @@ from .train import (
     VARIANTS,
     WARMUP_STEPS,
     RunResult,
-    StepRecord,
-    _micro_batches_on,
-    count_trained_labels,
+    _check_train_args,
+    _labels_per_step,
+    _step_groups,
+    _train_steps,
     default_lr,
-    describe_model,
     free_memory,
     make_run_batches,
 )
@@ -91,23 +91,18 @@ def shard_batches(batches: list[dict], rank: int, world_size: int) -> list[dict]
 def global_label_counts(local_groups: list[list[dict]], device: torch.device) -> list[int]:
     """Per step, the labels the loss counts over every rank's micro-batches: this rank's counts (taken on the CPU
     labels) summed across ranks by one all-reduce for the whole run, not one per step."""
-    local = torch.tensor([sum(count_trained_labels(b) for b in group) for group in local_groups],
-                         dtype=torch.int64, device=device)
+    local = torch.tensor(_labels_per_step(local_groups), dtype=torch.int64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(local, op=dist.ReduceOp.SUM)
     return [int(c) for c in local.cpu()]
 
 
 def _global_sum(value: torch.Tensor) -> torch.Tensor:
+    """The sum of ``value`` over all ranks (on every rank): the ranks' shares of a step's loss add up to its loss."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         value = value.clone()
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
     return value
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -131,61 +126,25 @@ def train_fsdp(
     """``kernels.train.train`` for a sharded model: ``batches`` are the *global* micro-batches (every rank passes
     the same list); each rank trains on its rows with the global label count (see the module docstring).
 
-    AdamW with its defaults over the sharded parameters (each rank updates its shards: the update is elementwise,
-    so sharding does not change it). ``after_backward(step, model)`` runs on every rank after the step's last
-    backward, when the sharded gradients are complete. The progress bar shows on rank 0 only.
+    The step loop is ``train``'s (``kernels.train._train_steps``), given each step's label count over all ranks
+    (every micro-batch's ``num_items_in_batch``) and ``_global_sum``, which adds the ranks' shares of the step's
+    loss into the loss on record. AdamW with its defaults over the sharded parameters (each rank updates its shards:
+    the update is elementwise, so sharding does not change it). ``after_backward(step, model)`` runs on every rank
+    after the step's last backward, when the sharded gradients are complete. The progress bar shows on rank 0 only.
     """
-    if not isinstance(grad_accum, int) or grad_accum < 1 or len(batches) % grad_accum:
-        raise ValueError(f"len(batches)={len(batches)} must be a positive multiple of grad_accum={grad_accum!r}")
-    steps = len(batches) // grad_accum
-    warmup = min(warmup_steps, steps - 1)
-    device = env.device
-    local = shard_batches(batches, env.rank, env.world_size)
-    cpu_groups = [local[s * grad_accum:(s + 1) * grad_accum] for s in range(steps)]
-    trained_global = global_label_counts(cpu_groups, device)
-    groups = [_micro_batches_on(g, device, padding_mask) for g in cpu_groups]
-    real = [sum(int(b["attention_mask"].sum()) for b in g) for g in cpu_groups]
-    total = [sum(b["input_ids"].numel() for b in g) for g in cpu_groups]
-
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    what_ran = describe_model(model)
-    what_ran.update(
-        optimizer=f"torch.optim.AdamW(lr={lr:g}), defaults otherwise", grad_accum=grad_accum,
+    _check_train_args(batches, grad_accum, lr, warmup_steps)
+    groups = _step_groups(shard_batches(batches, env.rank, env.world_size), grad_accum)
+    trained_global = global_label_counts(groups, env.device)
+    run = _train_steps(
+        model, groups, trained_global, lr=lr, label=label, warmup_steps=warmup_steps,
+        progress=progress and env.is_rank0, after_backward=after_backward, padding_mask=padding_mask,
+        device=env.device, reduce_loss=_global_sum, desc=f"{label} ×{env.world_size}", rate_name="tok_s_per_gpu",
+    )
+    run.what_ran.update(
         world_size=env.world_size, backend=env.backend, global_trained_labels=trained_global,
         tokens="tokens and real_tokens: this rank's (tokens/s is per GPU); trained_tokens and loss: global",
     )
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-    from tqdm.auto import tqdm
-
-    records: list[StepRecord] = []
-    bar = tqdm(range(steps), desc=f"{label} ×{env.world_size}", disable=not (progress and env.is_rank0))
-    _sync(device)
-    for step in bar:
-        start = time.perf_counter()
-        share = torch.zeros((), dtype=torch.float32, device=device)
-        for batch in groups[step]:
-            # sum over this rank's labels / the global count: this rank's share of the global mean.
-            loss = model(**batch, num_items_in_batch=trained_global[step]).loss
-            loss.backward()
-            share += loss.detach().float()
-            del loss
-        if after_backward is not None:
-            after_backward(step, model)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step_loss = float(_global_sum(share))  # the shares add up to the global loss; also syncs the device
-        _sync(device)
-        elapsed = time.perf_counter() - start
-        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-        records.append(StepRecord(step, step_loss, elapsed, total[step], real[step], trained_global[step], peak,
-                                  step >= warmup))
-        bar.set_postfix(loss=f"{step_loss:.4f}", tok_s_per_gpu=f"{records[-1].tokens_per_s:,.0f}")
-    bar.close()
-    del optimizer
-    return RunResult(label, what_ran, records, warmup)
+    return run
 
 
 def gather_to_all(value) -> list:

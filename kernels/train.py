@@ -2,7 +2,9 @@
 
 ``train(model, batches, ...)`` is the loop a reader would write: AdamW (``torch.optim.AdamW`` with its defaults,
 "foreach" on a GPU), the model's own loss (``model(**batch).loss``), gradient accumulation over ``grad_accum``
-micro-batches, and per step a record of the loss, the time, the tokens and the peak memory.
+micro-batches, and per step a record of the loss, the time, the tokens and the peak memory. Its step loop
+(``_train_steps``) also runs every rank of a sharded run (``kernels.parallel.train_fsdp``), given the global label
+count of each step and a sum of the loss across ranks.
 
 Gradient accumulation follows Hugging Face's Trainer: every micro-batch's forward gets ``num_items_in_batch``, the
 number of labels the loss counts over *all* micro-batches of the step (labels that are not -100 after the shift by
@@ -196,7 +198,7 @@ def _micro_batches_on(batches, device, padding_mask: bool = True) -> list[dict[s
     return [{k: v.to(device) for k, v in b.items() if k in keep} for b in batches]
 
 
-def _check_train_args(batches, grad_accum, lr, warmup_steps) -> int:
+def _check_train_args(batches, grad_accum, lr, warmup_steps) -> None:
     if not isinstance(batches, (list, tuple)) or not batches or not all(isinstance(b, dict) for b in batches):
         raise TypeError(
             "batches must be a non-empty list of dicts (input_ids, attention_mask, labels), as make_sft_batches gives"
@@ -209,7 +211,16 @@ def _check_train_args(batches, grad_accum, lr, warmup_steps) -> int:
         raise ValueError(f"lr must be a positive number, got {lr!r}")
     if not isinstance(warmup_steps, int) or warmup_steps < 0:
         raise ValueError(f"warmup_steps must be a non-negative int, got {warmup_steps!r}")
-    return len(batches) // grad_accum
+
+
+def _step_groups(batches: list[dict], grad_accum: int) -> list[list[dict]]:
+    """The micro-batches of each optimizer step: ``grad_accum`` consecutive ones per step."""
+    return [list(batches[s:s + grad_accum]) for s in range(0, len(batches), grad_accum)]
+
+
+def _labels_per_step(groups: list[list[dict]]) -> list[int]:
+    """Per step, the labels the loss counts over the step's micro-batches (taken on the CPU copies)."""
+    return [sum(count_trained_labels(b) for b in group) for group in groups]
 
 
 def train(
@@ -232,51 +243,98 @@ def train(
     ``after_backward(step, model)``, if given, is called once per step after the last backward and before
     ``optimizer.step()`` (tests read the gradients there; its time counts in the step's time).
     """
-    steps = _check_train_args(batches, grad_accum, lr, warmup_steps)
+    _check_train_args(batches, grad_accum, lr, warmup_steps)
+    groups = _step_groups(batches, grad_accum)
+    return _train_steps(model, groups, _labels_per_step(groups), lr=lr, label=label, warmup_steps=warmup_steps,
+                        progress=progress, after_backward=after_backward, padding_mask=padding_mask)
+
+
+def _own_loss(step_loss: torch.Tensor) -> torch.Tensor:
+    """One process's step loss is the whole step's loss: nothing to add from elsewhere."""
+    return step_loss
+
+
+def _forward_backward(model: torch.nn.Module, micro_batches: list[dict], num_items: int) -> torch.Tensor:
+    """Forward and backward over one step's micro-batches, the gradients accumulating in ``.grad``; returns the sum
+    of their losses. Each loss is a sum over labels divided by ``num_items``, so the sum is a mean over them."""
+    step_loss = torch.zeros((), dtype=torch.float32, device=micro_batches[0]["input_ids"].device)
+    for batch in micro_batches:
+        # Under CUDA graphs (torch.compile mode="reduce-overhead") each call is a new step whose outputs may
+        # reuse the last call's memory; the loss is added to step_loss before the next call. Elsewhere a no-op.
+        torch.compiler.cudagraph_mark_step_begin()
+        loss = model(**batch, num_items_in_batch=num_items).loss
+        loss.backward()
+        step_loss += loss.detach()  # in float32, whatever the loss's dtype
+        del loss
+    return step_loss
+
+
+def _train_steps(
+    model: torch.nn.Module,
+    groups: list[list[dict[str, torch.Tensor]]],
+    label_counts: list[int],
+    *,
+    lr: float,
+    label: str,
+    warmup_steps: int,
+    progress: bool,
+    after_backward: Callable[[int, torch.nn.Module], None] | None,
+    padding_mask: bool,
+    device: torch.device | None = None,
+    reduce_loss: Callable[[torch.Tensor], torch.Tensor] = _own_loss,
+    desc: str | None = None,
+    rate_name: str = "tok_s",
+) -> RunResult:
+    """The step loop of ``train`` and of ``kernels.parallel.train_fsdp``. ``groups`` holds each optimizer step's
+    micro-batches (CPU copies); per step, a forward and backward of each, one AdamW step and a ``StepRecord``.
+    ``lr``, ``label``, ``warmup_steps``, ``progress``, ``after_backward`` and ``padding_mask`` are ``train``'s.
+
+    What differs between one process and several ranks comes in as two arguments:
+
+    * ``label_counts[step]``: the ``num_items_in_batch`` each micro-batch of the step divides its loss sum by, and
+      the step's ``trained_tokens``. One process counts its own labels; under FSDP every rank gets the count over
+      all ranks, so its loss is its share of the global mean.
+    * ``reduce_loss(step_loss)``: this process's step loss to the step's loss on record, inside the timed step. The
+      identity for one process; under FSDP the sum of the ranks' shares (a collective: every rank calls it).
+
+    ``device`` is where the micro-batches go (default: the model's first parameter's). ``desc`` and ``rate_name``
+    label the progress bar and its tokens/s (default: ``label`` and ``tok_s``).
+    """
+    device = next(model.parameters()).device if device is None else device
+    steps = len(groups)
     warmup = min(warmup_steps, steps - 1)
-    device = next(model.parameters()).device
     model.train()
-    micro = _micro_batches_on(batches, device, padding_mask)
-    groups = [micro[s * grad_accum:(s + 1) * grad_accum] for s in range(steps)]
-    cpu_groups = [batches[s * grad_accum:(s + 1) * grad_accum] for s in range(steps)]
-    trained = [sum(count_trained_labels(b) for b in group) for group in cpu_groups]
-    real = [sum(int(b["attention_mask"].sum()) for b in group) for group in cpu_groups]
-    total = [sum(b["input_ids"].numel() for b in group) for group in cpu_groups]
+    micro = [_micro_batches_on(group, device, padding_mask) for group in groups]
+    real = [sum(int(b["attention_mask"].sum()) for b in group) for group in groups]
+    total = [sum(b["input_ids"].numel() for b in group) for group in groups]
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     what_ran = describe_model(model)
     what_ran["optimizer"] = f"torch.optim.AdamW(lr={lr:g}), defaults otherwise"
-    what_ran["grad_accum"] = grad_accum
+    what_ran["grad_accum"] = len(groups[0])
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
     from tqdm.auto import tqdm
 
     records: list[StepRecord] = []
-    bar = tqdm(range(steps), desc=label, disable=not progress, leave=True)
+    bar = tqdm(range(steps), desc=desc or label, disable=not progress, leave=True)
     _sync(device)
     for step in bar:
         start = time.perf_counter()
-        step_loss = torch.zeros((), dtype=torch.float32, device=device)
-        for batch in groups[step]:
-            # Under CUDA graphs (torch.compile mode="reduce-overhead") each call is a new step whose outputs may
-            # reuse the last call's memory; the loss is added to step_loss before the next call. Elsewhere a no-op.
-            torch.compiler.cudagraph_mark_step_begin()
-            loss = model(**batch, num_items_in_batch=trained[step]).loss
-            loss.backward()
-            step_loss += loss.detach()
-            del loss
+        step_loss = _forward_backward(model, micro[step], label_counts[step])
         if after_backward is not None:
             after_backward(step, model)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        _sync(device)
+        step_loss = reduce_loss(step_loss)
+        _sync(device)  # the step's time covers every kernel it launched, the reduction's included
         elapsed = time.perf_counter() - start
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-        record = StepRecord(step, float(step_loss), elapsed, total[step], real[step], trained[step], peak,
+        record = StepRecord(step, float(step_loss), elapsed, total[step], real[step], label_counts[step], peak,
                             step >= warmup)
         records.append(record)
-        bar.set_postfix(loss=f"{record.loss:.4f}", tok_s=f"{record.tokens_per_s:,.0f}")
+        bar.set_postfix({"loss": f"{record.loss:.4f}", rate_name: f"{record.tokens_per_s:,.0f}"})
     bar.close()
     del optimizer
     return RunResult(label, what_ran, records, warmup)

@@ -1,6 +1,7 @@
 """FSDP2 across processes: the global batch split by rows, the global label count, and a 2-process run on the CPU
 (gloo, Triton's interpreter) whose losses and gradients equal one process's on the same global batches."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -92,13 +93,16 @@ def two_and_one(request, tmp_path_factory):
            "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(WORKER), "--out", str(out),
            "--seed", str(seed), "--steps", str(STEPS), "--seq-len", str(SEQ_LEN), "--batch-size", str(BATCH),
            "--grad-accum", str(GRAD_ACCUM), "--lr", str(LR), "--prefetch", "2", "--gradient-checkpointing"]
+    # The worker is a script, so Python looks for modules beside it (tests/), not in the working directory: put
+    # this checkout's root first on the path, so the workers import the kernels under test and not an installed copy.
+    root = str(Path(__file__).parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     # start_new_session: on a timeout the whole group (torchrun and its workers) is ended, not torchrun alone.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            cwd=Path(__file__).parents[1])
+                            cwd=root, env=env)
     try:
         output, _ = proc.communicate(timeout=180)
     except subprocess.TimeoutExpired:
-        import os
         import signal
 
         os.killpg(proc.pid, signal.SIGKILL)

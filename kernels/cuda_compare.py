@@ -98,7 +98,8 @@ def cpp_snippet(name: str, path: Path | None = None) -> str:
     """The definition of the C++ function, kernel or struct ``name`` in ``path`` (the CUDA source by default), with
     its ``template`` line and the comment block right above it: what a chapter shows beside the Triton twin."""
     lines = (path or cuda_rmsnorm.CUDA_SOURCE).read_text().splitlines()
-    pattern = re.compile(rf"^(?:__global__ |__device__ |struct |\S.*\s)\**{re.escape(name)}\b[ (<]")
+    # A definition's first line, not a comment that names it: "void f(", "__global__ void f(", "struct f {".
+    pattern = re.compile(rf"^(?!//)(?:__global__ |__device__ |struct |\S.*\s)\**{re.escape(name)}\b[ (<]")
     start = next((i for i, line in enumerate(lines) if pattern.match(line) or line.startswith(f"struct {name}")),
                  None)
     if start is None:

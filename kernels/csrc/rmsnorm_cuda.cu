@@ -113,6 +113,8 @@ __device__ float block_sum(float v, float* scratch) {
 // Forward. One block per row (a grid-stride loop covers any number of rows). Thread t handles packs t, t + B,
 // t + 2B, ... of the row (B = blockDim.x), so that neighbouring threads read neighbouring 16-byte packs: the
 // warp's loads combine into whole cache lines ("coalesced").
+// This version reads the row twice and works for any width; the host uses it for the one-element packs of the
+// fallback and for rows too wide for rms_norm_fwd_regs_kernel below, which keeps the row in registers instead.
 //
 // `In` is x's element type, `Out` that of y and the weight (float32 when a float32 weight promotes a bf16 x).
 // VEC is the number of x values per pack: 16 / sizeof(In) on the wide path, 1 on the scalar fallback.
@@ -151,6 +153,62 @@ __global__ void rms_norm_fwd_kernel(const In* __restrict__ x, const Out* __restr
         ys.v[i] = static_cast<Out>(x_hat * static_cast<float>(ws.v[i]));
       }
       store_pack<Out, VEC>(y_row, p, ys);
+    }
+    if (threadIdx.x == 0) rstd[row] = r;
+  }
+}
+
+// The forward again, with the row kept in registers: each thread loads its PACKS packs of the row once, into an
+// array the compiler keeps in registers (PACKS is a compile-time constant and every loop over it is unrolled), so
+// the second pass reads registers instead of the caches. This is what the Triton forward does implicitly: its tile
+// of the row lives in registers between tl.sum and the store. The host takes this kernel on the wide path when
+// PACKS packs per thread cover the row (at most 1,024 threads), and rms_norm_fwd_kernel otherwise.
+template <typename In, typename Out, int VEC, int PACKS>
+__global__ void rms_norm_fwd_regs_kernel(const In* __restrict__ x, const Out* __restrict__ w, Out* __restrict__ y,
+                                         float* __restrict__ rstd, int64_t rows, int64_t cols, int64_t x_row_stride,
+                                         float eps) {
+  __shared__ float scratch[kWarp];
+  const int64_t packs = cols / VEC;
+
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const In* x_row = x + row * x_row_stride;
+    Out* y_row = y + row * cols;
+
+    // All PACKS loads are issued before any value is used: PACKS x 16 bytes in flight per thread.
+    Pack<In, VEC> xs[PACKS];
+#pragma unroll
+    for (int j = 0; j < PACKS; ++j) {
+      const int64_t p = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
+      if (p < packs) xs[j] = load_pack<In, VEC>(x_row, p);
+    }
+    float sum_sq = 0.0f;
+#pragma unroll
+    for (int j = 0; j < PACKS; ++j) {
+      const int64_t p = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        const float v = p < packs ? static_cast<float>(xs[j].v[i]) : 0.0f;
+        sum_sq += v * v;
+      }
+    }
+    const float r = rsqrtf(block_sum(sum_sq, scratch) / static_cast<float>(cols) + eps);
+
+#pragma unroll
+    for (int j = 0; j < PACKS; ++j) {
+      const int64_t p = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
+      if (p < packs) {
+        // The weight is loaded here, after the block sum, not before it: loaded early, its packs stay live across
+        // the sum's barriers, and the kernel needed 89 registers per thread instead of 56 (bf16), so fewer blocks
+        // fit on an SM. It is read by every block, so it comes from L2.
+        const Pack<Out, VEC> ws = load_pack<Out, VEC>(w, p);
+        Pack<Out, VEC> ys;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          const float x_hat = round_to<In>(static_cast<float>(xs[j].v[i]) * r);
+          ys.v[i] = static_cast<Out>(x_hat * static_cast<float>(ws.v[i]));
+        }
+        store_pack<Out, VEC>(y_row, p, ys);
+      }
     }
     if (threadIdx.x == 0) rstd[row] = r;
   }
@@ -307,6 +365,12 @@ bool packable(const void* ptr, int64_t row_stride, int64_t cols, int vec, size_t
 // Host launches for one (In, Out) pair
 // ------------------------------------------------------------------------------------------------------------------
 
+// Packs of the row per thread in the register-resident forward: four 16-byte loads in flight per thread, as many as
+// the Triton forward has (two rows of 4,096 bf16 over 256 threads); 4,096 bf16 values -> 128 threads. Measured on an
+// H200 against 2 and 8 (assets/notes/cuda_rmsnorm.md): 4 was fastest at every width from 2,048 to 16,384. Rows of
+// up to 4 x 1,024 packs (32,768 bf16 values) take the register kernel; wider rows the looping one.
+constexpr int kFwdPacks = 4;
+
 template <typename In, typename Out>
 void launch_forward(const at::Tensor& x_rows, const at::Tensor& w, at::Tensor& y, at::Tensor& rstd, float eps) {
   constexpr int kVec = 16 / sizeof(In);
@@ -316,10 +380,16 @@ void launch_forward(const at::Tensor& x_rows, const at::Tensor& w, at::Tensor& y
   Out* yp = y.data_ptr<Out>();
   const bool wide = packable(xp, stride, cols, kVec, sizeof(In)) && packable(wp, 0, cols, kVec, sizeof(Out)) &&
                     packable(yp, cols, cols, kVec, sizeof(Out));
-  const int64_t grid = std::min<int64_t>(rows, INT32_MAX);  // one block per row; the kernel loops past 2^31
+  const int64_t grid = std::min<int64_t>(rows, INT32_MAX);  // one block per row; the kernels loop past 2^31
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  if (wide) {
-    rms_norm_fwd_kernel<In, Out, kVec><<<grid, threads_for(cols / kVec), 0, stream>>>(
+  const int64_t packs = cols / kVec;
+  if (wide && packs <= static_cast<int64_t>(kFwdPacks) * kMaxThreads) {
+    const int64_t want = ceil_div(ceil_div(packs, kFwdPacks), kWarp) * kWarp;  // whole warps
+    const int threads = static_cast<int>(std::max<int64_t>(kWarp, want));
+    rms_norm_fwd_regs_kernel<In, Out, kVec, kFwdPacks><<<grid, threads, 0, stream>>>(
+        xp, wp, yp, rstd.data_ptr<float>(), rows, cols, stride, eps);
+  } else if (wide) {
+    rms_norm_fwd_kernel<In, Out, kVec><<<grid, threads_for(packs), 0, stream>>>(
         xp, wp, yp, rstd.data_ptr<float>(), rows, cols, stride, eps);
   } else {
     rms_norm_fwd_kernel<In, Out, 1><<<grid, threads_for(cols), 0, stream>>>(

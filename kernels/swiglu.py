@@ -173,6 +173,23 @@ def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, config: Config | None =
     return y
 
 
+# Elementwise work does not care where rows end. When gate, up and dy are each one dense block, the backward reads
+# them as rows of _RECUT_COLS elements instead of the model's rows (14,336 at the 8B shape). Measured on an H200
+# (assets/notes/swiglu_rope.md): 2-4% faster at 1,024-16,384 tokens than the tiles of 14,336-wide rows. An explicit
+# ``config`` describes the tensors' own rows, so it turns the recut off.
+_RECUT_COLS = 1024
+
+
+def _recut_rows(*rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The same memory as rows of ``_RECUT_COLS`` when every tensor is dense and the size divides; else unchanged
+    (strided views such as the halves of a fused projection keep their rows)."""
+    n_rows, n_cols = rows[0].shape
+    dense = all(t.stride(0) == n_cols or n_rows == 1 for t in rows)
+    if not dense or rows[0].numel() % _RECUT_COLS:
+        return rows
+    return tuple(t.reshape(-1, _RECUT_COLS) for t in rows)
+
+
 def swiglu_backward(
     dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, config: Config | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,6 +198,8 @@ def swiglu_backward(
     d_up = torch.empty(up.shape, dtype=up.dtype, device=up.device)
     if d_gate.numel():
         g, u, d = _as_rows(gate), _as_rows(up), _as_rows(dy)
+        if config is None:
+            g, u, d = _recut_rows(g, u, d)
         n_rows, n_cols = g.shape
         cfg = config or _backward_config(n_rows, n_cols, runtime.device_props(gate.device))
         _swiglu_bwd_kernel[cfg.grid](

@@ -120,6 +120,23 @@ def test_launch_configs_for_a_gpu_are_the_measured_ones():
     assert interp.grid[0] * interp.grid[1] < 1000
 
 
+def test_dense_backward_reads_rows_of_1024_and_strided_keeps_its_rows(device, gen, monkeypatch):
+    seen = []
+    original = swiglu_module._backward_config
+    monkeypatch.setattr(swiglu_module, "_backward_config",
+                        lambda rows, cols, props: seen.append((rows, cols)) or original(rows, cols, props))
+    gu = torch.randn(6, 2 * 512, device=device, generator=gen)  # 6 × 512 = 3 rows of 1,024
+    dy = torch.randn(6, 512, device=device, generator=gen)
+    gate, up = gu[:, :512], gu[:, 512:]
+    strided = swiglu_module.swiglu_backward(dy, gate, up)
+    dense = swiglu_module.swiglu_backward(dy, gate.contiguous(), up.contiguous())
+    assert seen == [(6, 512), (3, 1024)]
+    assert all(torch.equal(a, b) for a, b in zip(strided, dense))
+    g64, u64 = gate.double().requires_grad_(), up.double().requires_grad_()
+    (torch.nn.functional.silu(g64) * u64).backward(dy.double())
+    assert max(relative_error(dense[0], g64.grad), relative_error(dense[1], u64.grad)) < TOL[torch.float32]
+
+
 def test_module_keeps_the_projections(device, gen):
     pytest.importorskip("transformers")
     from transformers import LlamaConfig

@@ -132,14 +132,15 @@ def _rope_config(n_rows: int, head_dim: int, props: runtime.DeviceProps) -> Conf
     if props.interpreter:
         rows = min(triton.next_power_of_2(max(n_rows, 1)), max(1, _INTERPRETER_MAX_TILE // block_h))
         return Config((triton.cdiv(n_rows, rows),), rows, block_h, 4)
-    # Measured on an H200 (assets/notes/swiglu_rope.md, the launch sweep of 88 configurations at 1,024, 4,096 and
-    # 16,384 positions, D = 128, 32 q and 8 kv heads): one position per program, eight heads per step (an [8, 1, 64]
-    # tile per half) and four warps was within 4% of the best forward + backward at every length, the only
-    # configuration that was. The first prediction (up to 32 positions per program, one head per step, four
-    # warps) had a 19% slower forward at 16,384: each program's loop waited for one head's loads before issuing the
-    # next head's.
-    heads = 8
-    return Config((n_rows,), 1, block_h, max(1, heads * block_h // 128), heads)
+    # Measured on an H200 (assets/notes/swiglu_rope.md). The launch sweep of 88 configurations at 1,024, 4,096 and
+    # 16,384 positions (D = 128, 32 q and 8 kv heads) found one position per program the best, with eight heads per
+    # step and four warps within 4% of the best forward + backward at every length; the first prediction (up to 32
+    # positions per program, one head per step) had a 19% slower forward at 16,384, each program's loop waiting for
+    # one head's loads before issuing the next head's. A second sweep of 8-32 heads per step × 2-16 warps put 16
+    # heads (a [16, 1, 64] tile per half, 1,024 values) with four warps first at every length, 3-6% ahead of eight
+    # heads, forward and backward. Wider heads keep the tile at 1,024 values per half.
+    heads = max(1, 1024 // block_h)
+    return Config((n_rows,), 1, block_h, 4, heads)
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -125,8 +125,8 @@ def test_dense_backward_reads_rows_of_1024_and_strided_keeps_its_rows(device, ge
     original = swiglu_module._backward_config
     monkeypatch.setattr(swiglu_module, "_backward_config",
                         lambda rows, cols, props: seen.append((rows, cols)) or original(rows, cols, props))
-    gu = torch.randn(6, 2 * 512, device=device, generator=gen)  # 6 × 512 = 3 rows of 1,024
-    dy = torch.randn(6, 512, device=device, generator=gen)
+    gu = torch.randn(6, 2 * 512, generator=gen).to(device)  # 6 × 512 = 3 rows of 1,024
+    dy = torch.randn(6, 512, generator=gen).to(device)
     gate, up = gu[:, :512], gu[:, 512:]
     strided = swiglu_module.swiglu_backward(dy, gate, up)
     dense = swiglu_module.swiglu_backward(dy, gate.contiguous(), up.contiguous())

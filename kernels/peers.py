@@ -165,13 +165,6 @@ def _build_ours_ce(inplace: bool):
     return build
 
 
-def _build_ce_function(function):
-    def build(case):
-        return function, []
-
-    return build
-
-
 def _build_liger_ce(case):
     from liger_kernel.transformers.cross_entropy import LigerCrossEntropyLoss
 
@@ -181,8 +174,8 @@ def _build_liger_ce(case):
 CROSS_ENTROPY_IMPLS = (
     Impl("ours", "ours (Triton, gradient in place)", "ours", _build_ours_ce(inplace=True)),
     Impl("ours-buffer", "ours, gradient buffer", "variant", _build_ours_ce(inplace=False)),
-    Impl("fp32", "F.cross_entropy(logits.float()) (HF)", "peer", _build_ce_function(_ce_fp32_upcast)),
-    Impl("bf16", "F.cross_entropy, no upcast", "peer", _build_ce_function(_ce_native)),
+    Impl("fp32", "F.cross_entropy(logits.float()) (HF)", "peer", _build_plain(_ce_fp32_upcast)),
+    Impl("bf16", "F.cross_entropy, no upcast", "peer", _build_plain(_ce_native)),
     Impl("compile", "torch.compile(fp32 upcast + F.cross_entropy)", "peer", _build_compiled(_ce_fp32_upcast),
          _no_compile_in_interpreter, compiled=True),
     Impl("liger", "Liger cross-entropy (in place)", "peer", _build_liger_ce,

@@ -179,8 +179,8 @@ def test_gradients_come_back_in_the_layout_of_q_and_k(device, gen):
     """Llama's q and k are transposed views of [batch, seq, heads, D] projections: their gradients are made in that
     memory order, so they flow back through the view to the projection without a copy."""
     b, t, hq, hk, d = 2, 5, 4, 2, 8
-    q_base = torch.randn(b, t, hq, d, device=device, generator=None).requires_grad_()
-    k_base = torch.randn(b, t, hk, d, device=device).requires_grad_()
+    q_base = torch.randn(b, t, hq, d, generator=gen).to(device).requires_grad_()
+    k_base = torch.randn(b, t, hk, d, generator=gen).to(device).requires_grad_()
     q, k = q_base.transpose(1, 2), k_base.transpose(1, 2)
     seen = []
     q.register_hook(lambda g: seen.append(("q", g)))
@@ -192,6 +192,6 @@ def test_gradients_come_back_in_the_layout_of_q_and_k(device, gen):
     for name, grad in seen:
         assert grad.transpose(1, 2).is_contiguous(), f"d{name} has strides {grad.stride()}"
     # A contiguous [batch, heads, seq, D] input keeps the gradient's own layout.
-    dq, dk = rope_module.rope_backward(torch.randn(b, hq, t, d, device=device), torch.randn(b, hk, t, d, device=device),
-                                       cos, sin, torch.float32)
+    dq, dk = rope_module.rope_backward(torch.randn(b, hq, t, d, generator=gen).to(device),
+                                       torch.randn(b, hk, t, d, generator=gen).to(device), cos, sin, torch.float32)
     assert dq.is_contiguous() and dk.is_contiguous()

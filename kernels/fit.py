@@ -168,6 +168,16 @@ def search_longest(
     return FitResult(max(fitted) if fitted else None, min(failed) if failed else None, step, hi, probes)
 
 
+def probe_batch(tokenizer, batch_size: int, seq_len: int, seed: int, vocab_size: int,
+                padding_mask: bool = True) -> tuple[dict[str, torch.Tensor], int]:
+    """One SFT batch of ``seq_len`` tokens on the CPU for a one-step memory probe, and the labels its loss counts
+    (the step's ``num_items_in_batch``); without its padding mask when ``padding_mask=False`` and the mask is
+    redundant (``kernels.padding_mask``)."""
+    batch = make_sft_batches(tokenizer, batch_size, seq_len, 1, seed, vocab_size=vocab_size)[0]
+    n_items = count_trained_labels(batch)
+    return (batch if padding_mask else drop_padding_mask(batch)), n_items
+
+
 def _gpu_probe(model, optimizer, tokenizer, batch_size: int, seed: int,
                padding_mask: bool = True) -> Callable[[int], Probe]:
     """One full training step at a given length on the GPU; an out-of-memory error means it does not fit."""
@@ -184,10 +194,7 @@ def _gpu_probe(model, optimizer, tokenizer, batch_size: int, seed: int,
         return peak
 
     def probe(seq_len: int) -> Probe:
-        cpu_batch = make_sft_batches(tokenizer, batch_size, seq_len, 1, seed, vocab_size=vocab)[0]
-        n_items = count_trained_labels(cpu_batch)
-        if not padding_mask:
-            cpu_batch = drop_padding_mask(cpu_batch)
+        cpu_batch, n_items = probe_batch(tokenizer, batch_size, seq_len, seed, vocab, padding_mask)
         free_memory()
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)

@@ -26,12 +26,12 @@ from pathlib import Path
 import torch
 
 from . import runtime
-from .data import get_tokenizer, make_sft_batches
+from .data import get_tokenizer
+from .fit import probe_batch
 from .models import build_model
-from .padding_mask import drop_padding_mask
 from .patch import patch_llama
 from .results import RESULTS, device_slug, results_path
-from .train import count_trained_labels, default_lr, enable_checkpointing, free_memory
+from .train import default_lr, enable_checkpointing, free_memory
 
 OURS = {"ours_lce": dict(rms_norm=True, cross_entropy=False, linear_cross_entropy=True),
         "ours_all": dict(rms_norm=True, cross_entropy=False, linear_cross_entropy=True, swiglu=True, rope=True)}
@@ -110,10 +110,7 @@ def _prepare(preset: str, variant: str):
 
 
 def _step(model, optimizer, tokenizer, tokens: int, padding_mask: bool, record: bool) -> dict:
-    cpu = make_sft_batches(tokenizer, 1, tokens, 1, 0, vocab_size=model.config.vocab_size)[0]
-    n_items = count_trained_labels(cpu)
-    if not padding_mask:
-        cpu = drop_padding_mask(cpu)
+    cpu, n_items = probe_batch(tokenizer, 1, tokens, 0, model.config.vocab_size, padding_mask)
     batch = {k: v.cuda() for k, v in cpu.items()}
     free_memory()
     base = torch.cuda.memory_allocated()

@@ -103,3 +103,17 @@ def test_mask_bytes_and_cli_switch():
     assert args.padding_mask is False
     assert run_stem(args, "tiny") == "finetune_tiny_ckpt_nomask"
     assert build_parser().parse_args([]).padding_mask is True
+
+
+def test_memory_probe_batch_counts_labels_and_drops_the_mask_only_when_asked(gen):
+    from kernels.fit import probe_batch
+    from kernels.train import count_trained_labels
+
+    seed = seed_from(gen)
+    tokenizer = get_tokenizer()
+    with_mask, n_with = probe_batch(tokenizer, 2, 96, seed, 2048)
+    without, n_without = probe_batch(tokenizer, 2, 96, seed, 2048, padding_mask=False)
+    assert "attention_mask" in with_mask and "attention_mask" not in without
+    assert n_with == n_without == count_trained_labels(with_mask) > 0
+    assert torch.equal(with_mask["input_ids"], without["input_ids"])
+    assert torch.equal(with_mask["labels"], without["labels"])

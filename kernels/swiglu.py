@@ -209,8 +209,36 @@ def swiglu_backward(
     return d_gate, d_up
 
 
+def _in_place_addressable(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """Whether the backward may write d(gate) over gate and d(up) over up: each dense (its rows are views, never
+    copies) and in memory of its own (the two halves of one fused projection share a buffer, so they do not qualify)."""
+    return (gate.is_contiguous() and up.is_contiguous()
+            and gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr())
+
+
+def swiglu_backward_(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> None:
+    """Launch the backward kernel writing d(gate) over ``gate`` and d(up) over ``up``.
+
+    Every element is loaded before it is stored, by the same program, so the kernel may overwrite its inputs.
+    ``gate`` and ``up`` must pass ``_in_place_addressable``.
+    """
+    if not _in_place_addressable(gate, up):
+        raise ValueError("swiglu_bwd_ writes over gate and up: each must be contiguous and in memory of its own")
+    if gate.numel():
+        n_cols = gate.shape[-1]
+        g, u, d = _recut_rows(gate.view(-1, n_cols), up.view(-1, n_cols), _as_rows(dy))
+        n_rows, n_cols = g.shape
+        cfg = _backward_config(n_rows, n_cols, runtime.device_props(gate.device))
+        _swiglu_bwd_kernel[cfg.grid](
+            d, g, u, g, u, n_rows, n_cols, d.stride(0), g.stride(0), u.stride(0), g.stride(0), u.stride(0),
+            ROWS=cfg.rows, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        )
+    # A Triton store is invisible to autograd: bump the version counters by hand, as PyTorch's in-place ops do.
+    torch.autograd.graph.increment_version((gate, up))
+
+
 # --------------------------------------------------------------------------------------------------------------------
-# PyTorch operators: torch.ops.kernels.swiglu_fwd and swiglu_bwd (see kernels/ops.py)
+# PyTorch operators: torch.ops.kernels.swiglu_fwd, swiglu_bwd and swiglu_bwd_ (see kernels/ops.py)
 # --------------------------------------------------------------------------------------------------------------------
 
 
@@ -227,6 +255,9 @@ swiglu_fwd_op = ops.define("swiglu_fwd(Tensor gate, Tensor up) -> Tensor", swigl
 swiglu_bwd_op = ops.define(
     "swiglu_bwd(Tensor dy, Tensor gate, Tensor up) -> (Tensor, Tensor)", swiglu_backward, _backward_fake
 )
+swiglu_bwd_inplace_op = ops.define(
+    "swiglu_bwd_(Tensor dy, Tensor(a!) gate, Tensor(b!) up) -> ()", swiglu_backward_, lambda dy, gate, up: None
+)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -235,31 +266,54 @@ swiglu_bwd_op = ops.define(
 
 
 class SwiGLUFunction(torch.autograd.Function):
-    """autograd glue around the two operators: the forward saves gate and up (the tensors autograd keeps for the
-    matmuls anyway, so no extra memory); nothing else is stored."""
+    """autograd glue around the operators: the forward saves gate and up (the tensors autograd keeps for the
+    matmuls anyway, so no extra memory); nothing else is stored.
+
+    With ``inplace_backward`` the backward writes d(gate) and d(up) over the saved gate and up, so no new
+    [..., intermediate] tensors exist at that moment of the backward (``swiglu``'s docstring says when that is safe).
+    """
 
     @staticmethod
-    def forward(ctx, gate, up):
+    def forward(ctx, gate, up, inplace_backward):
         ctx.save_for_backward(gate, up)
+        ctx.inplace = inplace_backward and _in_place_addressable(gate, up)
         return swiglu_fwd_op(gate, up)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
-        d_gate, d_up = swiglu_bwd_op(dy, gate, up)
-        return (d_gate if ctx.needs_input_grad[0] else None), (d_up if ctx.needs_input_grad[1] else None)
+        if ctx.inplace:
+            # The operator declares its writes and bumps gate's and up's version counters, so any other autograd
+            # node that saved them fails loudly ("modified by an inplace operation") instead of reading gradients.
+            swiglu_bwd_inplace_op(dy, gate, up)
+            d_gate, d_up = gate.detach(), up.detach()
+        else:
+            d_gate, d_up = swiglu_bwd_op(dy, gate, up)
+        return (d_gate if ctx.needs_input_grad[0] else None), (d_up if ctx.needs_input_grad[1] else None), None
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = False) -> torch.Tensor:
     """``silu(gate) * up`` in one Triton kernel (and its backward in one more).
 
     ``gate`` and ``up`` have the same shape (any leading dimensions), dtype and device; either may be a strided view
     whose last dimension is contiguous (e.g. ``gu[..., :I]`` and ``gu[..., I:]``). The output has their dtype and
     shape. Works under ``torch.compile`` and CUDA graphs: the kernels are ``torch.ops.kernels.swiglu_fwd``/``_bwd``.
+
+    ``inplace_backward=True`` lets the backward write d(gate) and d(up) over gate and up when each is the output of
+    another operation (never a leaf such as a parameter), contiguous, and in memory of its own; otherwise, and under
+    ``torch.compile``, it changes nothing. That saves two tensors of
+    gate's size at the backward's peak, and is safe only when nothing else reads gate and up after this backward:
+    true of a Llama MLP's projection outputs. Anything that saved them for its own backward gets PyTorch's
+    "modified by an inplace operation" error, not wrong gradients.
     """
     _check_inputs(gate, up)
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
-        return SwiGLUFunction.apply(gate, up)
+        # Leaves (parameters, a caller's inputs) are never overwritten: only outputs of other operations. Under
+        # torch.compile the compiler plans the backward's memory itself: the out-of-place operator there.
+        inplace_backward = (inplace_backward and not torch.compiler.is_compiling()
+                            and gate.grad_fn is not None and up.grad_fn is not None)
+        return SwiGLUFunction.apply(gate, up, inplace_backward)
     return swiglu_fwd_op(gate, up)
 
 
@@ -295,4 +349,5 @@ class TritonSwiGLUMLP(torch.nn.Module):
         return cls(mlp.gate_proj, mlp.up_proj, mlp.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        # gate and up are this forward's own temporaries: their backward may overwrite them (swiglu's docstring).
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), inplace_backward=True))

@@ -67,6 +67,28 @@ def test_every_kernel_on_matches_original(device, gen, calls):
     assert calls["rope"] and calls["swiglu_bwd"]
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_inplace_backward_under_gradient_checkpointing(reentrant, device, gen, monkeypatch):
+    # The patched MLP lets the SwiGLU backward overwrite gate and up; under checkpointing those are the recomputed
+    # layer's tensors. Equal gradients, and the in-place path taken in every layer.
+    model = tiny_model("llama", seed_from(gen))
+    reference = copy.deepcopy(model)
+    for m in (model, reference):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        m.train()
+    batch = random_batch(gen)
+    ref_loss, ref_grads = loss_and_grads(reference, batch)
+    in_place = []
+    original = swiglu_module._in_place_addressable
+    monkeypatch.setattr(swiglu_module, "_in_place_addressable",
+                        lambda g, u: in_place.append(original(g, u)) or in_place[-1])
+    patch_llama(model, rms_norm=False, cross_entropy=False, swiglu=True)
+    loss, grads = loss_and_grads(model, batch)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    assert_grads_close(grads, ref_grads, 1e-5)
+    assert in_place and all(in_place)  # once per layer and pass that saved gate and up
+
+
 def test_a_second_model_is_untouched_and_undo_restores(device, gen, calls):
     model = tiny_model("llama", seed_from(gen))
     other = copy.deepcopy(model)

@@ -137,6 +137,58 @@ def test_dense_backward_reads_rows_of_1024_and_strided_keeps_its_rows(device, ge
     assert max(relative_error(dense[0], g64.grad), relative_error(dense[1], u64.grad)) < TOL[torch.float32]
 
 
+def _projection_outputs(shape, device, gen):
+    """gate and up as a model makes them: outputs of an operation (here a product with a leaf), not leaves."""
+    g0, u0, dy = make_inputs(shape, torch.float32, device, gen)
+    g0.requires_grad_(), u0.requires_grad_()
+    return g0, u0, g0 * 1.5, u0 * 0.5, dy
+
+
+@pytest.mark.parametrize("shape", [(7, 100), (3, 5, 1024)], ids=["7x100", "3x5x1024"])
+def test_inplace_backward_writes_the_gradients_over_gate_and_up(shape, device, gen):
+    g0, u0, gate, up, dy = _projection_outputs(shape, device, gen)
+    gate_memory, up_memory = gate.data_ptr(), up.data_ptr()
+    seen = {}
+    gate.register_hook(lambda g: seen.setdefault("gate", g))
+    up.register_hook(lambda g: seen.setdefault("up", g))
+    swiglu(gate, up, inplace_backward=True).backward(dy)
+    # The gradients arriving at gate and up are gate's and up's own memory, now holding d(gate) and d(up).
+    assert seen["gate"].data_ptr() == gate_memory and seen["up"].data_ptr() == up_memory
+    g64, u64 = g0.detach().double().requires_grad_(), u0.detach().double().requires_grad_()
+    swiglu_reference(g64 * 1.5, u64 * 0.5).backward(dy.double())
+    assert relative_error(g0.grad, g64.grad) < TOL[torch.float32]
+    assert relative_error(u0.grad, u64.grad) < TOL[torch.float32]
+    assert relative_error(gate, seen["gate"]) == 0.0  # gate itself now holds its gradient
+
+
+def test_inplace_backward_fails_loudly_if_another_node_saved_gate(device, gen):
+    _, _, gate, up, dy = _projection_outputs((4, 64), device, gen)
+    square = gate * gate  # saves gate for its own backward, which runs after swiglu's
+    loss = (swiglu(gate, up, inplace_backward=True) * dy).sum() + square.sum()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_inplace_backward_leaves_leaves_and_shared_memory_alone(device, gen):
+    # Leaves (a caller's tensors, parameters) and the two halves of one buffer keep their values: out of place.
+    gate, up, dy = make_inputs((5, 48), torch.float32, device, gen)
+    leaf_gate, leaf_up = gate.clone().requires_grad_(), up.clone().requires_grad_()
+    swiglu(leaf_gate, leaf_up, inplace_backward=True).backward(dy)
+    assert torch.equal(leaf_gate.detach(), gate) and torch.equal(leaf_up.detach(), up)
+    gu = torch.cat([gate, up], dim=-1).requires_grad_()
+    halves = gu * 1.0
+    before = halves.detach().clone()
+    swiglu(halves[:, :48], halves[:, 48:], inplace_backward=True).backward(dy)
+    assert torch.equal(halves.detach(), before)
+    assert relative_error(gu.grad[:, :48], leaf_gate.grad) < TOL[torch.float32]
+
+
+def test_inplace_operator_refuses_what_it_cannot_overwrite(device, gen):
+    gu = torch.randn(4, 64, generator=gen).to(device)
+    with pytest.raises(ValueError, match="in memory of its own"):
+        swiglu_module.swiglu_backward_(torch.randn(4, 32).to(device), gu[:, :32], gu[:, 32:])
+
+
 def test_module_keeps_the_projections(device, gen):
     pytest.importorskip("transformers")
     from transformers import LlamaConfig
@@ -184,3 +236,21 @@ def test_gpu_llama_8b_shape_bf16_every_element_written(gen):
     assert torch.isfinite(y).all()
     errors = errors_against_float64(gate, up, dy)
     assert all(e < TOL[torch.bfloat16] for e in errors), errors
+
+
+@pytest.mark.gpu
+def test_gpu_inplace_backward_saves_two_tensors_at_its_peak(gen):
+    gate0, up0, dy = make_inputs((4096, 14336), torch.bfloat16, "cuda", gen)
+    peaks = {}
+    for inplace in (False, True):
+        gate, up = gate0.clone().requires_grad_() * 1.0, up0.clone().requires_grad_() * 1.0
+        y = swiglu(gate, up, inplace_backward=inplace)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        grads = torch.autograd.grad(y, (gate, up), dy)  # gate and up are not leaves: nothing accumulates
+        torch.cuda.synchronize()
+        peaks[inplace] = torch.cuda.max_memory_allocated() - base
+        del grads
+    tensor = gate0.numel() * gate0.element_size()
+    assert peaks[False] - peaks[True] >= 2 * tensor, (peaks, tensor)

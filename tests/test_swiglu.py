@@ -167,6 +167,12 @@ def test_inplace_backward_fails_loudly_if_another_node_saved_gate(device, gen):
     loss = (swiglu(gate, up, inplace_backward=True) * dy).sum() + square.sum()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+    # A second backward through the same graph (retain_graph) fails the same way: gate holds a gradient now.
+    _, _, gate, up, dy = _projection_outputs((4, 64), device, gen)
+    loss = (swiglu(gate, up, inplace_backward=True) * dy).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
 
 
 def test_inplace_backward_leaves_leaves_and_shared_memory_alone(device, gen):

@@ -317,11 +317,59 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = Fal
     return swiglu_fwd_op(gate, up)
 
 
+class SwiGLUDownFunction(torch.autograd.Function):
+    """``linear(swiglu(gate, up), weight, bias)`` keeping only gate and up for the backward.
+
+    A linear layer saves its input for its weight's gradient; here that input, y = silu(gate) · up, is a tensor of
+    gate's size that the SwiGLU backward does not need. So the forward frees y at once, and the backward recomputes
+    it from gate and up (one elementwise kernel, the same bits) just for d(weight), freeing it again before d(y)
+    exists. The backward writes d(gate) and d(up) over gate and up, as ``swiglu(..., inplace_backward=True)`` does.
+    The forward keeps two [..., I] tensors instead of three, and the backward never holds more than three.
+    """
+
+    @staticmethod
+    def forward(ctx, gate, up, weight, bias):
+        out = torch.nn.functional.linear(swiglu_fwd_op(gate, up), weight, bias)
+        ctx.save_for_backward(gate, up, weight)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_out):
+        gate, up, weight = ctx.saved_tensors
+        d_rows = d_out.reshape(-1, d_out.shape[-1])
+        d_weight = d_bias = d_gate = d_up = None
+        if ctx.needs_input_grad[2]:
+            y = swiglu_fwd_op(gate, up)
+            d_weight = d_rows.t().mm(y.reshape(-1, y.shape[-1]))
+            del y  # gone before d(y) is allocated below: gate, up and one more tensor at most
+        if ctx.needs_input_grad[3]:
+            d_bias = d_rows.sum(0)
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            # Under autocast the weight may be float32 while d_out is bf16: multiply in d_out's dtype, as the
+            # forward's autocast did.
+            dy = d_out.matmul(weight.to(d_out.dtype))
+            swiglu_bwd_inplace_op(dy, gate, up)
+            d_gate, d_up = gate.detach(), up.detach()
+        return d_gate, d_up, d_weight, d_bias
+
+
+def _global_module_hooks() -> bool:
+    from torch.nn.modules import module
+
+    return bool(module._global_forward_hooks or module._global_forward_pre_hooks)
+
+
 class TritonSwiGLUMLP(torch.nn.Module):
     """Llama's MLP, ``down_proj(silu(gate_proj(x)) * up_proj(x))``, with the activation and product fused.
 
     ``from_hf(mlp)`` keeps the very same ``gate_proj``, ``up_proj`` and ``down_proj`` submodules, so parameter names,
     an optimizer created before, and PEFT adapter layers inside those projections are all unchanged.
+
+    Memory: the SwiGLU backward writes its gradients over gate and up, and when ``down_proj`` is a plain
+    ``nn.Linear`` the product silu(gate) · up is not kept for its weight's gradient but recomputed in the backward
+    (``SwiGLUDownFunction``): two [tokens, intermediate] tensors kept per layer instead of three, and three at most
+    alive in its backward instead of five. Under ``torch.compile`` it is ``down_proj(swiglu(gate, up))``.
     """
 
     def __init__(self, gate_proj: torch.nn.Module, up_proj: torch.nn.Module, down_proj: torch.nn.Module):
@@ -348,6 +396,20 @@ class TritonSwiGLUMLP(torch.nn.Module):
             )
         return cls(mlp.gate_proj, mlp.up_proj, mlp.down_proj)
 
+    def _down_fuses(self, gate: torch.Tensor, up: torch.Tensor) -> bool:
+        """Whether ``SwiGLUDownFunction`` may stand in for ``down_proj(swiglu(gate, up))``: in eager autograd, with
+        gate and up the backward may overwrite, and ``down_proj`` a plain ``nn.Linear`` whose forward nothing hooks
+        (a PEFT LoRA layer, a quantised layer or a sharding hook keeps its own forward)."""
+        down = self.down_proj
+        return (torch.is_grad_enabled() and not torch.compiler.is_compiling()
+                and type(down) is torch.nn.Linear and not (down._forward_hooks or down._forward_pre_hooks)
+                and not _global_module_hooks()
+                and gate.grad_fn is not None and up.grad_fn is not None and _in_place_addressable(gate, up))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # gate and up are this forward's own temporaries: their backward may overwrite them (swiglu's docstring).
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), inplace_backward=True))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        # gate and up are this forward's own temporaries: their backward may overwrite them (swiglu's docstring),
+        # and with a plain down_proj the product is not kept for its weight's gradient but recomputed.
+        if self._down_fuses(gate, up):
+            return SwiGLUDownFunction.apply(gate, up, self.down_proj.weight, self.down_proj.bias)
+        return self.down_proj(swiglu(gate, up, inplace_backward=True))

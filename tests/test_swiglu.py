@@ -195,6 +195,55 @@ def test_inplace_operator_refuses_what_it_cannot_overwrite(device, gen):
         swiglu_module.swiglu_backward_(torch.randn(4, 32).to(device), gu[:, :32], gu[:, 32:])
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_swiglu_down_matches_the_linear_of_swiglu(bias, device, gen):
+    # SwiGLUDownFunction recomputes y for d(weight) instead of keeping it: the same output and gradients as
+    # F.linear(swiglu(gate, up)), and float64's within the tolerance.
+    g0, u0, gate, up, _ = _projection_outputs((2, 7, 96), device, gen)
+    weight = torch.randn(40, 96, generator=gen).to(device).requires_grad_()
+    b = torch.randn(40, generator=gen).to(device).requires_grad_() if bias else None
+    d_out = torch.randn(2, 7, 40, generator=gen).to(device)
+    out = swiglu_module.SwiGLUDownFunction.apply(gate, up, weight, b)
+    out.backward(d_out)
+    ours = [out.detach(), g0.grad, u0.grad, weight.grad] + ([b.grad] if bias else [])
+    leaves = [t.detach().clone().requires_grad_() for t in (g0, u0, weight)] + ([b.detach().clone().requires_grad_()]
+                                                                              if bias else [])
+    out2 = torch.nn.functional.linear(swiglu(leaves[0] * 1.5, leaves[1] * 0.5), leaves[2], leaves[3] if bias else None)
+    out2.backward(d_out)
+    for a, expected in zip(ours, [out2.detach()] + [t.grad for t in leaves]):
+        torch.testing.assert_close(a, expected, rtol=1e-6, atol=1e-6)
+    l64 = [t.detach().double().requires_grad_() for t in (g0, u0, weight)]
+    out64 = swiglu_reference(l64[0] * 1.5, l64[1] * 0.5) @ l64[2].t()
+    out64.backward(d_out.double())
+    assert max(relative_error(a, e.grad) for a, e in zip((g0.grad, u0.grad, weight.grad), l64)) < TOL[torch.float32]
+
+
+def test_swiglu_down_with_a_frozen_weight_recomputes_nothing(device, gen, monkeypatch):
+    _, _, gate, up, _ = _projection_outputs((5, 64), device, gen)
+    weight = torch.randn(24, 64, generator=gen).to(device)  # frozen, as a LoRA model's base weights are
+    calls = []
+    original = swiglu_module.swiglu_fwd_op
+    monkeypatch.setattr(swiglu_module, "swiglu_fwd_op", lambda g, u: calls.append(1) or original(g, u))
+    swiglu_module.SwiGLUDownFunction.apply(gate, up, weight, None).sum().backward()
+    assert len(calls) == 1  # the forward's; no y again for a weight that needs no gradient
+
+
+def test_module_fuses_down_proj_only_when_it_is_a_plain_linear(device, gen):
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=72, num_attention_heads=4, hidden_act="silu")
+    ours = TritonSwiGLUMLP.from_hf(LlamaMLP(config).to(device))
+    x = torch.randn(3, 32, generator=gen).to(device).requires_grad_()
+    assert type(ours(x).grad_fn).__name__ == "SwiGLUDownFunctionBackward"
+    with torch.no_grad():
+        assert ours(x).grad_fn is None
+    handle = ours.down_proj.register_forward_hook(lambda module, args, out: None)
+    assert type(ours(x).grad_fn).__name__ != "SwiGLUDownFunctionBackward"  # a hooked down_proj keeps its forward
+    handle.remove()
+
+
 def test_module_keeps_the_projections(device, gen):
     pytest.importorskip("transformers")
     from transformers import LlamaConfig
@@ -260,3 +309,31 @@ def test_gpu_inplace_backward_saves_two_tensors_at_its_peak(gen):
         del grads
     tensor = gate0.numel() * gate0.element_size()
     assert peaks[False] - peaks[True] >= 2 * tensor, (peaks, tensor)
+
+
+@pytest.mark.gpu
+def test_gpu_mlp_keeps_two_intermediate_tensors_and_peaks_at_three(gen):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    tokens, hidden, inter = 4096, 1024, 14336
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_attention_heads=8, hidden_act="silu")
+    ours = TritonSwiGLUMLP.from_hf(LlamaMLP(config).to("cuda", torch.bfloat16))
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    d_out = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    for p in ours.parameters():
+        p.grad = torch.zeros_like(p)  # allocated up front, so the peak below is the activations'
+    x.grad = torch.zeros_like(x)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = ours(x)
+    kept = torch.cuda.memory_allocated() - base - out.numel() * out.element_size()
+    out.backward(d_out)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    intermediate = tokens * inter * 2
+    # Kept: gate and up, where down_proj(swiglu(...)) keeps y too (3). Backward peak: three such tensors and a weight
+    # gradient ([inter, hidden] = a quarter of one here), where the unfused backward holds four and that gradient.
+    assert 2 * intermediate <= kept < 2.1 * intermediate, kept / intermediate
+    assert peak < 3.6 * intermediate, peak / intermediate

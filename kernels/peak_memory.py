@@ -143,8 +143,13 @@ def measure(preset: str, variant: str, lengths: tuple[int, int] = LENGTHS, paddi
     free_memory()
     model, optimizer = _prepare(preset, variant)
     tokenizer = get_tokenizer()
-    _step(model, optimizer, tokenizer, 256, padding_mask, False)  # AdamW's states, outside the probes
-    probes = [_step(model, optimizer, tokenizer, n, padding_mask, n == lengths[-1]) for n in lengths]
+    # Checkpointing's early stop ends a layer's recomputation by raising from inside the last save of the layer.
+    # With the allocator history on, PyTorch 2.11 turns that into a SystemError when the saver is a custom
+    # autograd.Function (pytorch/pytorch#179536), as the patched MLP's SwiGLUDownFunction is. Every variant
+    # recomputes whole layers here, so all of them are measured the same way.
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+        _step(model, optimizer, tokenizer, 256, padding_mask, False)  # AdamW's states, outside the probes
+        probes = [_step(model, optimizer, tokenizer, n, padding_mask, n == lengths[-1]) for n in lengths]
     del model, optimizer
     free_memory()
     return {"variant": variant, "padding_mask": padding_mask, "probes": probes,

@@ -372,6 +372,10 @@ class TritonSwiGLUMLP(torch.nn.Module):
     alive in its backward instead of five. Under ``torch.compile`` it is ``down_proj(swiglu(gate, up))``.
     """
 
+    # Set to False (on the class or one module) to keep the product for down_proj as PyTorch would: no recompute in
+    # the backward, one more [tokens, intermediate] tensor per layer.
+    fuse_down_proj: bool = True
+
     def __init__(self, gate_proj: torch.nn.Module, up_proj: torch.nn.Module, down_proj: torch.nn.Module):
         super().__init__()
         self.gate_proj = gate_proj
@@ -401,7 +405,7 @@ class TritonSwiGLUMLP(torch.nn.Module):
         gate and up the backward may overwrite, and ``down_proj`` a plain ``nn.Linear`` whose forward nothing hooks
         (a PEFT LoRA layer, a quantised layer or a sharding hook keeps its own forward)."""
         down = self.down_proj
-        return (torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        return (self.fuse_down_proj and torch.is_grad_enabled() and not torch.compiler.is_compiling()
                 and type(down) is torch.nn.Linear and not (down._forward_hooks or down._forward_pre_hooks)
                 and not _global_module_hooks()
                 and gate.grad_fn is not None and up.grad_fn is not None and _in_place_addressable(gate, up))

@@ -1,5 +1,6 @@
 """SwiGLU: y, d(gate) and d(up) against float64; odd sizes, 3-D, the halves of a fused projection, bad input."""
 
+import copy
 import importlib
 import re
 
@@ -244,6 +245,29 @@ def test_module_fuses_down_proj_only_when_it_is_a_plain_linear(device, gen):
     handle.remove()
     ours.fuse_down_proj = False  # the switch: the product kept for down_proj, as PyTorch would
     assert type(ours(x).grad_fn).__name__ != "SwiGLUDownFunctionBackward"
+
+
+def test_module_under_autocast_matches_hugging_face(device, gen):
+    # float32 weights under bf16 autocast, as HF Trainer's bf16=True runs them: the fused down projection multiplies
+    # in bf16 like the forward's autocast did, and the weights' gradients come back in float32.
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    config = LlamaConfig(hidden_size=48, intermediate_size=136, num_attention_heads=4, hidden_act="silu")
+    reference = LlamaMLP(config).to(device)
+    ours = TritonSwiGLUMLP.from_hf(copy.deepcopy(reference))
+    x = torch.randn(2, 5, 48, generator=gen).to(device)
+    grads = []
+    for mlp in (ours, reference):
+        xi = x.clone().requires_grad_()
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+            out = mlp(xi)
+        assert out.dtype == torch.bfloat16
+        out.float().square().sum().backward()
+        grads.append([xi.grad] + [p.grad for p in mlp.parameters()])
+    assert all(g.dtype == torch.float32 for g in grads[0][1:])
+    assert max(relative_error(a, b) for a, b in zip(*grads)) < TOL[torch.bfloat16]
 
 
 def test_module_keeps_the_projections(device, gen):

@@ -1,7 +1,8 @@
 """A plain PyTorch fine-tuning loop, and the same run twice: Hugging Face's model as it is, then patched.
 
 ``train(model, batches, ...)`` is the loop a reader would write: AdamW (``torch.optim.AdamW`` with its defaults,
-"foreach" on a GPU), the model's own loss (``model(**batch).loss``), gradient accumulation over ``grad_accum``
+"foreach" on a GPU; ``adamw="fused"`` for its one-kernel implementation, the default optimizer of Hugging Face's
+Trainer), the model's own loss (``model(**batch).loss``), gradient accumulation over ``grad_accum``
 micro-batches, and per step a record of the loss, the time, the tokens and the peak memory. Its step loop
 (``_train_steps``) also runs every rank of a sharded run (``kernels.parallel.train_fsdp``), given the global label
 count of each step and a sum of the loss across ranks.
@@ -234,8 +235,12 @@ def train(
     progress: bool = True,
     after_backward: Callable[[int, torch.nn.Module], None] | None = None,
     padding_mask: bool = True,
+    adamw: str = "foreach",
 ) -> RunResult:
     """Fine-tune ``model`` on ``batches`` (micro-batches, ``grad_accum`` per optimizer step); see the module docstring.
+
+    ``adamw`` picks ``torch.optim.AdamW``'s implementation: ``"foreach"`` (its default on a GPU) or ``"fused"`` (one
+    kernel per step, what Hugging Face's Trainer uses by default, ``optim="adamw_torch_fused"``).
 
     ``padding_mask=False`` leaves out each batch's ``attention_mask`` where ``kernels.padding_mask`` shows it
     redundant (right padding, padded labels ignored): the same losses and gradients, without the [seq, seq] mask.
@@ -246,7 +251,7 @@ def train(
     _check_train_args(batches, grad_accum, lr, warmup_steps)
     groups = _step_groups(batches, grad_accum)
     return _train_steps(model, groups, _labels_per_step(groups), lr=lr, label=label, warmup_steps=warmup_steps,
-                        progress=progress, after_backward=after_backward, padding_mask=padding_mask)
+                        progress=progress, after_backward=after_backward, padding_mask=padding_mask, adamw=adamw)
 
 
 def _own_loss(step_loss: torch.Tensor) -> torch.Tensor:
@@ -269,6 +274,16 @@ def _forward_backward(model: torch.nn.Module, micro_batches: list[dict], num_ite
     return step_loss
 
 
+ADAMW_IMPLEMENTATIONS = ("foreach", "fused")
+
+
+def make_adamw(model: torch.nn.Module, lr: float, adamw: str = "foreach") -> torch.optim.AdamW:
+    """``torch.optim.AdamW`` over ``model``'s parameters: its defaults (``"foreach"``), or ``fused=True``."""
+    if adamw not in ADAMW_IMPLEMENTATIONS:
+        raise ValueError(f"adamw must be one of {ADAMW_IMPLEMENTATIONS}, got {adamw!r}")
+    return torch.optim.AdamW(model.parameters(), lr=lr, **({"fused": True} if adamw == "fused" else {}))
+
+
 def _train_steps(
     model: torch.nn.Module,
     groups: list[list[dict[str, torch.Tensor]]],
@@ -284,6 +299,7 @@ def _train_steps(
     reduce_loss: Callable[[torch.Tensor], torch.Tensor] = _own_loss,
     desc: str | None = None,
     rate_name: str = "tok_s",
+    adamw: str = "foreach",
 ) -> RunResult:
     """The step loop of ``train`` and of ``kernels.parallel.train_fsdp``. ``groups`` holds each optimizer step's
     micro-batches (CPU copies); per step, a forward and backward of each, one AdamW step and a ``StepRecord``.
@@ -308,9 +324,10 @@ def _train_steps(
     real = [sum(int(b["attention_mask"].sum()) for b in group) for group in groups]
     total = [sum(b["input_ids"].numel() for b in group) for group in groups]
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    optimizer = make_adamw(model, lr, adamw)
     what_ran = describe_model(model)
-    what_ran["optimizer"] = f"torch.optim.AdamW(lr={lr:g}), defaults otherwise"
+    fused = ", fused=True" if adamw == "fused" else ""
+    what_ran["optimizer"] = f"torch.optim.AdamW(lr={lr:g}{fused}), defaults otherwise"
     what_ran["grad_accum"] = len(groups[0])
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -532,6 +549,7 @@ def compare(
     compile: str | None = None,
     gradient_checkpointing: bool = False,
     padding_mask: bool = True,
+    adamw: str = "foreach",
 ) -> Comparison:
     """Train the baseline, then the patched model, from the same initial weights on the same batches.
 
@@ -542,7 +560,7 @@ def compare(
     compilation happens in the first steps, which ``warmup_steps`` keeps out of the timings.
     ``gradient_checkpointing`` turns on Hugging Face's activation checkpointing in both models (non-reentrant):
     each decoder layer keeps only its input and recomputes the rest in the backward pass. ``padding_mask=False``
-    leaves out the redundant padding masks of both runs (``train``).
+    leaves out the redundant padding masks of both runs (``train``). ``adamw`` is ``train``'s, for both runs.
     """
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
@@ -552,7 +570,7 @@ def compare(
         "preset": preset, "steps": steps, "seq_len": seq_len, "batch_size": batch_size, "grad_accum": grad_accum,
         "lr": lr, "seed": seed, "dtype": str(dtype).replace("torch.", ""), "warmup_steps": warmup_steps,
         "patch_options": dict(patch_options or {}), "compile": compile,
-        "gradient_checkpointing": gradient_checkpointing, "padding_mask": padding_mask,
+        "gradient_checkpointing": gradient_checkpointing, "padding_mask": padding_mask, "adamw": adamw,
     }
     runs = {}
     for variant in VARIANTS:
@@ -563,7 +581,7 @@ def compare(
         handle = patch_llama(model, **(patch_options or {})) if variant == "patched" else None
         runner = compile_model(model, compile) if compile else model
         runs[variant] = train(runner, batches, grad_accum=grad_accum, lr=lr, label=variant,
-                              warmup_steps=warmup_steps, progress=progress, padding_mask=padding_mask)
+                              warmup_steps=warmup_steps, progress=progress, padding_mask=padding_mask, adamw=adamw)
         del runner
         torch._dynamo.reset()  # the next model compiles afresh, not against this one's guards
         if handle is not None:

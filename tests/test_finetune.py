@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kernels import runtime
-from kernels.finetune import build_parser, main
+from kernels.finetune import build_parser, main, run_stem
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -88,3 +88,36 @@ def test_compare_with_checkpointing_gives_the_same_losses(gen):
     assert ckpt.settings["gradient_checkpointing"] is True
     for a, b in ((plain.baseline, ckpt.baseline), (plain.patched, ckpt.patched)):
         assert max(abs(x - y) for x, y in zip(a.losses, b.losses)) < 1e-3
+
+
+def test_fused_adamw_reaches_the_run(tmp_path):
+    assert main(["--preset", "tiny", "--steps", "2", "--seq-len", "48", "--batch-size", "1", "--grad-accum", "1",
+                 "--adamw", "fused", "--out", str(tmp_path), "--no-progress"]) == 0
+    data = json.loads((tmp_path / "finetune_tiny_patched.json").read_text())
+    assert data["settings"]["adamw"] == "fused"
+    assert "fused=True" in data["patched"]["what_ran"]["optimizer"]
+    args = build_parser().parse_args(["--compare", "--adamw", "fused", "--no-padding-mask"])
+    assert run_stem(args, "tiny") == "finetune_tiny_nomask_adamw-fused"  # a comparison's files say so
+
+
+def test_fused_and_foreach_adamw_take_the_same_steps(gen):
+    import torch
+
+    from kernels.train import make_adamw
+
+    weights = torch.randn(7, 33, generator=gen)
+    grads = [torch.randn(7, 33, generator=gen) for _ in range(3)]
+    finals = []
+    for adamw in ("foreach", "fused"):
+        layer = torch.nn.Linear(33, 7, bias=False)
+        with torch.no_grad():
+            layer.weight.copy_(weights)
+        optimizer = make_adamw(layer, 1e-2, adamw)
+        for g in grads:
+            layer.weight.grad = g.clone()
+            optimizer.step()
+        finals.append(layer.weight.detach().clone())
+    torch.testing.assert_close(finals[0], finals[1], rtol=1e-5, atol=1e-6)
+    assert not torch.equal(finals[0], weights)
+    with pytest.raises(ValueError, match="adamw must be one of"):
+        make_adamw(torch.nn.Linear(2, 2), 1e-3, "sgd")

@@ -14,7 +14,7 @@ import kernels  # noqa: F401  (interpreter mode before any kernel is defined)
 from kernels.distributed import prepare_model, setup, shard_llama, teardown
 from kernels.models import build_model
 from kernels.parallel import train_fsdp
-from kernels.patch import patch_llama
+from kernels.patch import SWITCHES, patch_llama
 from kernels.train import make_run_batches
 
 
@@ -58,24 +58,27 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--prefetch", type=int, default=0)
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--kernels", default="rms_norm,cross_entropy", help="patch_llama switches to turn on")
     args = p.parse_args()
+    patch_options = {name: name in args.kernels.split(",") for name in SWITCHES}
     env = setup()
     try:
         batches = make_run_batches("tiny", args.steps, args.seq_len, args.batch_size, args.grad_accum, args.seed)
         model, _ = prepare_model("tiny", env, dtype=torch.float32, param_dtype=torch.float32,
                                  reduce_dtype=torch.float32, seed=args.seed, prefetch=args.prefetch,
-                                 gradient_checkpointing=args.gradient_checkpointing)
+                                 gradient_checkpointing=args.gradient_checkpointing, patch_options=patch_options)
         grads: dict = {}
         run = train_fsdp(model, batches, env, grad_accum=args.grad_accum, lr=args.lr, progress=False,
                          after_backward=first_step_grads(grads))
         norms = sorted(type(m).__name__ for m in model.modules() if type(m).__name__.endswith("RMSNorm"))
+        mlps = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("MLP")})
         model_checkpointed = bool(getattr(model, "is_gradient_checkpointing", False))
         del model
         local_batch = {k: v[: args.batch_size // env.world_size] for k, v in batches[0].items()}
         order_error = patch_after_shard_error(env, local_batch)
         if env.is_rank0:
             torch.save({"losses": run.losses, "gradient_checkpointing": model_checkpointed, "grads": grads,
-                        "norms": norms, "world_size": env.world_size,
+                        "norms": norms, "mlps": mlps, "world_size": env.world_size,
                         "global_trained_labels": run.what_ran["global_trained_labels"],
                         "patch_after_shard_error": order_error}, args.out)
     finally:

@@ -14,13 +14,16 @@ from kernels import runtime
 from kernels.distributed import backend_for, free_port
 from kernels.models import build_model, llama_config
 from kernels.parallel import global_label_counts, shard_batches, split_rows, torchrun_command
-from kernels.patch import patch_llama
+from kernels.patch import SWITCHES, patch_llama
 from kernels.reference import relative_error
 from kernels.tolerances import RELATIVE_ERROR_TOL
 from kernels.train import count_trained_labels, make_run_batches, train
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 STEPS, SEQ_LEN, BATCH, GRAD_ACCUM, LR = 3, 64, 4, 2, 1e-3
+# Every kernel but the linear cross-entropy (the tiny model's logits are small): the sharded MLPs then run
+# SwiGLUDownFunction and the in-place SwiGLU backward on FSDP2's gathered weights.
+KERNELS = ("rms_norm", "cross_entropy", "swiglu", "rope")
 # Both runs compute in float32 and differ only in the order of additions: the weight gradients of the two ranks'
 # rows are computed separately and summed by the reduce-scatter, where one process sums all rows in one matmul.
 # Measured: losses agree to ~1e-7 relative and gradients to ~1e-7 (a few float32 ulps, 2⁻²³ ≈ 1.2e-7); AdamW's
@@ -92,7 +95,8 @@ def two_and_one(request, tmp_path_factory):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--nnodes=1",
            "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(WORKER), "--out", str(out),
            "--seed", str(seed), "--steps", str(STEPS), "--seq-len", str(SEQ_LEN), "--batch-size", str(BATCH),
-           "--grad-accum", str(GRAD_ACCUM), "--lr", str(LR), "--prefetch", "2", "--gradient-checkpointing"]
+           "--grad-accum", str(GRAD_ACCUM), "--lr", str(LR), "--prefetch", "2", "--gradient-checkpointing",
+           "--kernels", ",".join(KERNELS)]
     # The worker is a script, so Python looks for modules beside it (tests/), not in the working directory: put
     # this checkout's root first on the path, so the workers import the kernels under test and not an installed copy.
     root = str(Path(__file__).parents[1])
@@ -113,7 +117,7 @@ def two_and_one(request, tmp_path_factory):
 
     batches = make_run_batches("tiny", STEPS, SEQ_LEN, BATCH, GRAD_ACCUM, seed)
     model = build_model("tiny", dtype=torch.float32, device=runtime.device(), seed=seed)
-    patch_llama(model)
+    patch_llama(model, **{name: name in KERNELS for name in SWITCHES})
     grads: dict = {}
     single = train(model, batches, grad_accum=GRAD_ACCUM, lr=LR, progress=False,
                    after_backward=_first_step_grads(grads))
@@ -125,6 +129,7 @@ def test_two_processes_have_the_losses_of_one(two_and_one):
     sharded, single, _, batches = two_and_one
     assert sharded["world_size"] == 2 and sharded["gradient_checkpointing"]
     assert set(sharded["norms"]) == {"TritonRMSNorm"}, "the sharded model must run the patched norms"
+    assert sharded["mlps"] == ["TritonSwiGLUMLP"], "and the patched MLPs"
     # The global count all-reduced across ranks is the count one process takes over the whole step.
     assert sharded["global_trained_labels"] == [r.trained_tokens for r in single.records]
     errors = [abs(two - one) / abs(one) for one, two in zip(single.losses, sharded["losses"])]

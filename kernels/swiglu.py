@@ -302,10 +302,10 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = Fal
 
     ``inplace_backward=True`` lets the backward write d(gate) and d(up) over gate and up when each is the output of
     another operation (never a leaf such as a parameter), contiguous, and in memory of its own; otherwise, and under
-    ``torch.compile``, it changes nothing. That saves two tensors of
-    gate's size at the backward's peak, and is safe only when nothing else reads gate and up after this backward:
-    true of a Llama MLP's projection outputs. Anything that saved them for its own backward gets PyTorch's
-    "modified by an inplace operation" error, not wrong gradients.
+    ``torch.compile``, it changes nothing. That saves two tensors of gate's size at the backward's peak, and is safe
+    only when nothing else reads gate and up after this backward: true of a Llama MLP's projection outputs. Anything
+    that saved them for its own backward gets PyTorch's "modified by an inplace operation" error, not wrong
+    gradients.
     """
     _check_inputs(gate, up)
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):

@@ -149,10 +149,13 @@ def test_refusals_leave_the_model_unchanged(device, gen):
     assert all("forward" not in layer.self_attn.__dict__ for layer in model.model.layers)
 
 
-def test_peft_lora_still_trains(device, gen):
+# LoRA on gate and up leaves down_proj a frozen nn.Linear (the MLP's fused down projection, nothing recomputed); LoRA
+# on down_proj makes it a PEFT layer, which keeps its own forward.
+@pytest.mark.parametrize("targets", [("q_proj", "gate_proj", "up_proj"), ("down_proj",)], ids=["gate-up", "down"])
+def test_peft_lora_still_trains(targets, device, gen):
     peft = pytest.importorskip("peft", reason="peft is a test requirement (requirements.txt)")
     base = tiny_model("llama", seed_from(gen))
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "gate_proj", "up_proj"], lora_dropout=0.0)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), lora_dropout=0.0)
 
     def lora(model):
         wrapped = peft.get_peft_model(model, config)
@@ -177,7 +180,7 @@ def test_peft_lora_still_trains(device, gen):
     ref_loss, ref_grads = loss_and_adapter_grads(reference)
     loss, grads = loss_and_adapter_grads(model)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
-    assert all("lora_" in n for n in ref_grads) and any("mlp.gate_proj.lora_A" in n for n in ref_grads)
+    assert all("lora_" in n for n in ref_grads) and any(f"mlp.{targets[-1]}.lora_A" in n for n in ref_grads)
     assert_grads_close(grads, ref_grads, 1e-5)
     torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1).step()
     assert loss_and_adapter_grads(model)[0] < loss

@@ -585,8 +585,8 @@ def patch_llama(
     q and k with the Triton RoPE kernel in every attention module of this model. Both default to False. Measured on an
     H200 at the Llama-3.1-8B shape (seq 2,048, no padding mask), together they make an eager step about 5% faster on
     top of RMSNorm and the loss (1.13× against 1.08× Hugging Face), and a compiled one no faster (Inductor fuses the
-    same elementwise work). The patched MLP keeps two [tokens, intermediate] tensors per layer instead of three
-    (``TritonSwiGLUMLP``): a checkpointed 8B step's activations take 0.89× Liger's bytes per token.
+    same elementwise work). The patched MLP keeps two [tokens, intermediate] tensors per layer where Hugging Face's
+    keeps four (``TritonSwiGLUMLP``): a checkpointed 8B step's activations take 0.89× Liger's bytes per token.
 
     ``model`` may also be a PEFT model (``get_peft_model(llama, LoraConfig(...))``): the Llama inside it is patched,
     and the adapters are untouched. Wrapping with PEFT after patching works too; either way ``undo()`` restores the

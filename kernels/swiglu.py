@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from torch.nn.modules import module as nn_module
 
 from . import ops, runtime
 
@@ -265,6 +266,14 @@ swiglu_bwd_inplace_op = ops.define(
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def _backward_in_place(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """d(gate) and d(up), written over the saved gate and up. The operator declares its writes and bumps their version
+    counters, so any other autograd node that saved them fails loudly ("modified by an inplace operation") instead
+    of reading gradients."""
+    swiglu_bwd_inplace_op(dy, gate, up)
+    return gate.detach(), up.detach()
+
+
 class SwiGLUFunction(torch.autograd.Function):
     """autograd glue around the operators: the forward saves gate and up (the tensors autograd keeps for the
     matmuls anyway, so no extra memory); nothing else is stored.
@@ -283,13 +292,7 @@ class SwiGLUFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
-        if ctx.inplace:
-            # The operator declares its writes and bumps gate's and up's version counters, so any other autograd
-            # node that saved them fails loudly ("modified by an inplace operation") instead of reading gradients.
-            swiglu_bwd_inplace_op(dy, gate, up)
-            d_gate, d_up = gate.detach(), up.detach()
-        else:
-            d_gate, d_up = swiglu_bwd_op(dy, gate, up)
+        d_gate, d_up = _backward_in_place(dy, gate, up) if ctx.inplace else swiglu_bwd_op(dy, gate, up)
         return (d_gate if ctx.needs_input_grad[0] else None), (d_up if ctx.needs_input_grad[1] else None), None
 
 
@@ -348,16 +351,12 @@ class SwiGLUDownFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
             # Under autocast the weight may be float32 while d_out is bf16: multiply in d_out's dtype, as the
             # forward's autocast did.
-            dy = d_out.matmul(weight.to(d_out.dtype))
-            swiglu_bwd_inplace_op(dy, gate, up)
-            d_gate, d_up = gate.detach(), up.detach()
+            d_gate, d_up = _backward_in_place(d_out.matmul(weight.to(d_out.dtype)), gate, up)
         return d_gate, d_up, d_weight, d_bias
 
 
 def _global_module_hooks() -> bool:
-    from torch.nn.modules import module
-
-    return bool(module._global_forward_hooks or module._global_forward_pre_hooks)
+    return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
 
 
 class TritonSwiGLUMLP(torch.nn.Module):
@@ -368,8 +367,9 @@ class TritonSwiGLUMLP(torch.nn.Module):
 
     Memory: the SwiGLU backward writes its gradients over gate and up, and when ``down_proj`` is a plain
     ``nn.Linear`` the product silu(gate) · up is not kept for its weight's gradient but recomputed in the backward
-    (``SwiGLUDownFunction``): two [tokens, intermediate] tensors kept per layer instead of three, and three at most
-    alive in its backward instead of five. Under ``torch.compile`` it is ``down_proj(swiglu(gate, up))``.
+    (``SwiGLUDownFunction``): two [tokens, intermediate] tensors kept per layer, where ``down_proj(swiglu(...))``
+    keeps three and Hugging Face's MLP four, and at most three alive in its backward. Under ``torch.compile`` it is
+    ``down_proj(swiglu(gate, up))``.
     """
 
     # Set to False (on the class or one module) to keep the product for down_proj as PyTorch would: no recompute in

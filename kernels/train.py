@@ -326,7 +326,7 @@ def _train_steps(
 
     optimizer = make_adamw(model, lr, adamw)
     what_ran = describe_model(model)
-    fused = ", fused=True" if adamw == "fused" else ""
+    fused = ", fused=True" if optimizer.defaults["fused"] else ""
     what_ran["optimizer"] = f"torch.optim.AdamW(lr={lr:g}{fused}), defaults otherwise"
     what_ran["grad_accum"] = len(groups[0])
     if device.type == "cuda":

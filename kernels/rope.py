@@ -23,12 +23,14 @@ directions (a ``constexpr`` flag), and nothing but cos and sin is kept for the b
 
 Layout: q is [batch, heads, seq, D] and k [batch, kv_heads, seq, D] as Llama's attention makes them, strided views
 ``proj(x).view(b, s, h, D).transpose(1, 2)``; they are read through their strides, never copied. cos and sin are
-[batch or 1, seq, D]. One program takes a block of (batch, position) rows, loads their cos and sin once, and walks
-every head of q and then of k, a few heads per step: cos and sin are read once per position, not once per head,
-and q and k share one launch. The backward writes dq and dk in q's and k's memory order (``seq_major``), so the
-gradients go back through the transposed views to the projections without a copy. Arithmetic is float32; outputs
-are stored in the dtype PyTorch's broadcasting gives Hugging Face's formula, ``promote_types(q.dtype, cos.dtype)``
-(bfloat16 in a bf16 Llama, whose cos and sin come in the activation dtype).
+[batch or 1, seq, D]. One program takes a block of (batch, position) rows, loads their cos and sin once, and rotates
+every head of q and then of k, as many heads per step as fit a tile (all of a Llama's): cos and sin are read once
+per position, not once per head, and q and k share one launch. The head counts are compile-time constants, so each
+model's shape gets its own compiled kernel, with the loop over heads unrolled. The backward writes dq and dk in q's
+and k's memory order (``seq_major``), so the gradients go back through the transposed views to the projections
+without a copy. Arithmetic is float32; outputs are stored in the dtype PyTorch's broadcasting gives Hugging Face's
+formula, ``promote_types(q.dtype, cos.dtype)`` (bfloat16 in a bf16 Llama, whose cos and sin come in the activation
+dtype).
 """
 
 from __future__ import annotations
@@ -50,22 +52,25 @@ from .triton_utils import cast_to
 
 @triton.jit
 def _rotate_heads(
-    X, OUT, x_rows, out_rows, n_heads, stride_xh, stride_oh, c1, c2, s1, s2, cols, ok, half, HEADS: tl.constexpr,
+    X, OUT, x_rows, out_rows, stride_xh, stride_oh, c1, c2, s1, s2, cols, ok,
+    N_HEADS: tl.constexpr, HALF: tl.constexpr, HEADS: tl.constexpr,
 ):
     # Every head of one tensor (q or k) at the program's rows: x_rows/out_rows are the int64 offsets of each row's
     # head 0. A step takes HEADS heads as one [HEADS, ROWS, half] tile, so that their loads are in flight together
     # rather than one head's after the last one's store. The two halves are two tiles: rotate_half is a swap of
-    # tiles, not a gather.
+    # tiles, not a gather. The head count is a compile-time constant, so the loop is unrolled (every step's
+    # addresses are known up front) and the head mask is resolved at compile time (Llama's 8 kv heads in a step of
+    # 8 have no masked-off lanes).
     heads = tl.arange(0, HEADS)
     x_at = X + x_rows[None, :, None] + cols[None, None, :] + heads[:, None, None] * stride_xh
     o_at = OUT + out_rows[None, :, None] + cols[None, None, :] + heads[:, None, None] * stride_oh
     c1, c2, s1, s2 = c1[None, :, :], c2[None, :, :], s1[None, :, :], s2[None, :, :]
-    for h in range(0, n_heads, HEADS):
-        live = ok[None, :, :] & (h + heads < n_heads)[:, None, None]
+    for h in tl.static_range(0, N_HEADS, HEADS):
+        live = ok[None, :, :] & (h + heads < N_HEADS)[:, None, None]
         x1 = tl.load(x_at, mask=live, other=0.0).to(tl.float32)
-        x2 = tl.load(x_at + half, mask=live, other=0.0).to(tl.float32)
+        x2 = tl.load(x_at + HALF, mask=live, other=0.0).to(tl.float32)
         tl.store(o_at, cast_to(x1 * c1 - x2 * s1, OUT.dtype.element_ty), mask=live)
-        tl.store(o_at + half, cast_to(x2 * c2 + x1 * s2, OUT.dtype.element_ty), mask=live)
+        tl.store(o_at + HALF, cast_to(x2 * c2 + x1 * s2, OUT.dtype.element_ty), mask=live)
         # Step the 64-bit pointers to the next heads rather than compute head × stride, which is int32 arithmetic
         # on a GPU (a contiguous [B, H, T, D] has T·D elements per head).
         x_at += HEADS * stride_xh
@@ -75,11 +80,13 @@ def _rotate_heads(
 @triton.jit
 def _rope_kernel(
     Q, K, COS, SIN, QO, KO,
-    n_rows, seq, half, n_q_heads, n_k_heads,
+    n_rows, seq,
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t,
     sqo_b, sqo_h, sqo_t, sko_b, sko_h, sko_t,
     sc_b, sc_t, ss_b, ss_t,
-    ROWS: tl.constexpr, BLOCK_H: tl.constexpr, HEADS: tl.constexpr, BACKWARD: tl.constexpr,
+    N_Q: tl.constexpr, N_K: tl.constexpr, HALF: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_H: tl.constexpr, Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr,
+    BACKWARD: tl.constexpr,
 ):
     # Rows are (batch, position) pairs, b * seq + t, in int64: offsets of [batch, heads, seq, D] tensors pass 2**31
     # at 8B shapes (32 heads × 128 × seq 2048 × batch 256).
@@ -87,22 +94,22 @@ def _rope_kernel(
     b = rows // seq
     t = rows % seq
     cols = tl.arange(0, BLOCK_H)
-    ok = (rows < n_rows)[:, None] & (cols < half)[None, :]
+    ok = (rows < n_rows)[:, None] & (cols < HALF)[None, :]
 
     c_at = COS + (b * sc_b + t * sc_t)[:, None] + cols[None, :]
     s_at = SIN + (b * ss_b + t * ss_t)[:, None] + cols[None, :]
     c1 = tl.load(c_at, mask=ok, other=0.0).to(tl.float32)
-    c2 = tl.load(c_at + half, mask=ok, other=0.0).to(tl.float32)
+    c2 = tl.load(c_at + HALF, mask=ok, other=0.0).to(tl.float32)
     s1 = tl.load(s_at, mask=ok, other=0.0).to(tl.float32)
-    s2 = tl.load(s_at + half, mask=ok, other=0.0).to(tl.float32)
+    s2 = tl.load(s_at + HALF, mask=ok, other=0.0).to(tl.float32)
     if BACKWARD:
         # The transpose: dx1 = dy1·cos1 + dy2·sin2, dx2 = dy2·cos2 − dy1·sin1 (module docstring).
         s1, s2 = -s2, -s1
 
-    _rotate_heads(Q, QO, b * sq_b + t * sq_t, b * sqo_b + t * sqo_t, n_q_heads, sq_h, sqo_h,
-                  c1, c2, s1, s2, cols, ok, half, HEADS)
-    _rotate_heads(K, KO, b * sk_b + t * sk_t, b * sko_b + t * sko_t, n_k_heads, sk_h, sko_h,
-                  c1, c2, s1, s2, cols, ok, half, HEADS)
+    _rotate_heads(Q, QO, b * sq_b + t * sq_t, b * sqo_b + t * sqo_t, sq_h, sqo_h,
+                  c1, c2, s1, s2, cols, ok, N_Q, HALF, Q_HEADS)
+    _rotate_heads(K, KO, b * sk_b + t * sk_t, b * sko_b + t * sko_t, sk_h, sko_h,
+                  c1, c2, s1, s2, cols, ok, N_K, HALF, K_HEADS)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -110,6 +117,8 @@ def _rope_kernel(
 # --------------------------------------------------------------------------------------------------------------------
 
 _INTERPRETER_MAX_TILE = 1 << 16
+# Values per half-tile of one step on a GPU: 32 heads of head_dim 128 (measured; see _rope_config).
+_GPU_STEP_VALUES = 2048
 
 
 @dataclass(frozen=True)
@@ -118,29 +127,40 @@ class Config:
     rows: int  # rows per program
     block_h: int  # head_dim / 2 rounded up to a power of two
     num_warps: int
-    heads: int = 1  # heads per step of a program's loop over heads
+    q_heads: int = 1  # q heads per step of a program's loop over q's heads
+    k_heads: int = 1  # the same for k
 
 
-def rope_config(n_rows: int, head_dim: int, props: runtime.DeviceProps | None = None) -> Config:
-    """Launch configuration of the RoPE kernel (both directions) for ``n_rows`` = batch × seq positions."""
-    return _rope_config(n_rows, head_dim, props or runtime.device_props())
+def rope_config(n_rows: int, head_dim: int, n_q_heads: int, n_k_heads: int,
+                props: runtime.DeviceProps | None = None) -> Config:
+    """Launch configuration of the RoPE kernel (both directions) for ``n_rows`` = batch × seq positions of q with
+    ``n_q_heads`` heads and k with ``n_k_heads``."""
+    return _rope_config(n_rows, head_dim, n_q_heads, n_k_heads, props or runtime.device_props())
+
+
+def _heads_per_step(n_heads: int, values: int, block_h: int) -> int:
+    # All of a tensor's heads in one step when they fit in ``values`` per half-tile, else the most that do.
+    return min(triton.next_power_of_2(max(n_heads, 1)), max(1, values // block_h))
 
 
 @functools.lru_cache(maxsize=512)
-def _rope_config(n_rows: int, head_dim: int, props: runtime.DeviceProps) -> Config:
+def _rope_config(n_rows: int, head_dim: int, n_q_heads: int, n_k_heads: int, props: runtime.DeviceProps) -> Config:
     block_h = triton.next_power_of_2(max(head_dim // 2, 1))
     if props.interpreter:
-        rows = min(triton.next_power_of_2(max(n_rows, 1)), max(1, _INTERPRETER_MAX_TILE // block_h))
-        return Config((triton.cdiv(n_rows, rows),), rows, block_h, 4)
-    # Measured on an H200 (assets/notes/swiglu_rope.md). The launch sweep of 88 configurations at 1,024, 4,096 and
-    # 16,384 positions (D = 128, 32 q and 8 kv heads) found one position per program the best, with eight heads per
-    # step and four warps within 4% of the best forward + backward at every length; the first prediction (up to 32
+        q_heads = _heads_per_step(n_q_heads, _INTERPRETER_MAX_TILE, block_h)
+        k_heads = _heads_per_step(n_k_heads, _INTERPRETER_MAX_TILE, block_h)
+        rows = min(triton.next_power_of_2(max(n_rows, 1)), max(1, _INTERPRETER_MAX_TILE // (block_h * q_heads)))
+        return Config((triton.cdiv(n_rows, rows),), rows, block_h, 4, q_heads, k_heads)
+    # Measured on H200s (assets/notes/swiglu_rope.md), D = 128, 32 q and 8 kv heads. A sweep of 88 configurations
+    # at 1,024, 4,096 and 16,384 positions found one position per program the best; the first prediction (up to 32
     # positions per program, one head per step) had a 19% slower forward at 16,384, each program's loop waiting for
-    # one head's loads before issuing the next head's. A second sweep of 8-32 heads per step × 2-16 warps put 16
-    # heads (a [16, 1, 64] tile per half, 1,024 values) with four warps first at every length, 3-6% ahead of eight
-    # heads, forward and backward. Wider heads keep the tile at 1,024 values per half.
-    heads = max(1, 1024 // block_h)
-    return Config((n_rows,), 1, block_h, 4, heads)
+    # one head's loads before issuing the next head's. With the head counts as compile-time constants (the loop
+    # unrolled, no masked-off lanes in k's step), all 32 q heads in one step (a [32, 1, 64] tile per half, 2,048
+    # values) with four warps was 3-5% faster than 16 heads per step at 2,048-16,384 positions, forward and
+    # backward, and 8 warps or 8 heads per step were slower. Wider heads keep the tile at 2,048 values per half.
+    q_heads = _heads_per_step(n_q_heads, _GPU_STEP_VALUES, block_h)
+    k_heads = _heads_per_step(n_k_heads, _GPU_STEP_VALUES, block_h)
+    return Config((n_rows,), 1, block_h, 4, q_heads, k_heads)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -207,14 +227,16 @@ def _launch(q, k, cos, sin, q_out, k_out, backward: bool, config: Config | None)
     if n_rows == 0 or head_dim == 0:
         return
     cos, sin = cos.expand(batch, seq, head_dim), sin.expand(batch, seq, head_dim)  # stride 0 over a batch of 1
-    cfg = config or _rope_config(n_rows, head_dim, runtime.device_props(q.device))
+    n_k_heads = k.shape[1]
+    cfg = config or _rope_config(n_rows, head_dim, n_q_heads, n_k_heads, runtime.device_props(q.device))
     _rope_kernel[cfg.grid](
         q, k, cos, sin, q_out, k_out,
-        n_rows, seq, head_dim // 2, n_q_heads, k.shape[1],
+        n_rows, seq,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         q_out.stride(0), q_out.stride(1), q_out.stride(2), k_out.stride(0), k_out.stride(1), k_out.stride(2),
         cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
-        ROWS=cfg.rows, BLOCK_H=cfg.block_h, HEADS=cfg.heads, BACKWARD=backward, num_warps=cfg.num_warps,
+        N_Q=n_q_heads, N_K=n_k_heads, HALF=head_dim // 2, ROWS=cfg.rows, BLOCK_H=cfg.block_h,
+        Q_HEADS=cfg.q_heads, K_HEADS=cfg.k_heads, BACKWARD=backward, num_warps=cfg.num_warps,
     )
 
 

@@ -127,14 +127,31 @@ def test_only_q_reaches_the_loss(device, gen):
     assert torch.count_nonzero(k.grad) == 0 and torch.count_nonzero(q.grad) > 0
 
 
+def test_a_loop_of_several_head_steps_gives_the_same_bits(device, gen):
+    # A GPU takes at most 2,048 values per half-tile in one step, so 64 heads of 128 take two steps; here 5 q heads
+    # in steps of 2 (the last step half masked) and 3 kv heads in steps of 2, forward and backward, against one step.
+    q, k = llama_qk(2, 7, 5, 3, 16, torch.float32, device, gen)
+    cos, sin = rotary_cos_sin(2, 7, 16, device=device, positions=random_positions(2, 7, gen, device))
+    steps = rope_module.Config((14,), 1, 8, 4, q_heads=2, k_heads=2)
+    assert all(torch.equal(a, b) for a, b in zip(rope_module.rope_forward(q, k, cos, sin, steps),
+                                                 rope_module.rope_forward(q, k, cos, sin)))
+    dq, dk = torch.randn_like(q), torch.randn_like(k)
+    assert all(torch.equal(a, b) for a, b in zip(
+        rope_module.rope_backward(dq, dk, cos, sin, q.dtype, True, steps),
+        rope_module.rope_backward(dq, dk, cos, sin, q.dtype, True)))
+
+
 def test_launch_config_for_a_gpu_gives_every_sm_work():
     h100 = rope_module.runtime.DeviceProps("H100", False, 132, 227 * 1024, 65536)
-    cfg = rope_module.rope_config(2048, 128, h100)
+    cfg = rope_module.rope_config(2048, 128, 32, 8, h100)
     assert cfg.block_h == 64 and cfg.grid[0] >= 4 * 132 // 2
-    assert (cfg.rows, cfg.heads, cfg.num_warps) == (1, 16, 4)
-    big = rope_module.rope_config(16 * 8192, 256, h100)
-    assert big.rows * big.heads * big.block_h == 1024 and big.num_warps == 4
-    assert rope_module.rope_config(4096, 128, rope_module.runtime.INTERPRETER).grid[0] < 1000
+    # Llama's 32 q heads in one step of a [32, 1, 64] tile, its 8 kv heads in one of 8: no masked-off heads.
+    assert (cfg.rows, cfg.q_heads, cfg.k_heads, cfg.num_warps) == (1, 32, 8, 4)
+    odd = rope_module.rope_config(2048, 128, 28, 4, h100)  # Qwen2-7B's heads: padded to a power of two
+    assert (odd.q_heads, odd.k_heads) == (32, 4)
+    big = rope_module.rope_config(16 * 8192, 256, 64, 8, h100)
+    assert big.rows * big.q_heads * big.block_h == 2048 and big.k_heads == 8 and big.num_warps == 4
+    assert rope_module.rope_config(4096, 128, 32, 8, rope_module.runtime.INTERPRETER).grid[0] < 1000
 
 
 def _qkcs(device, q_shape=(2, 4, 5, 8), k_shape=(2, 2, 5, 8), cs_shape=(2, 5, 8), dtype=torch.float32):

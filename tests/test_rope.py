@@ -145,12 +145,13 @@ def test_launch_config_for_a_gpu_gives_every_sm_work():
     h100 = rope_module.runtime.DeviceProps("H100", False, 132, 227 * 1024, 65536)
     cfg = rope_module.rope_config(2048, 128, 32, 8, h100)
     assert cfg.block_h == 64 and cfg.grid[0] >= 4 * 132 // 2
-    # Llama's 32 q heads in one step of a [32, 1, 64] tile, its 8 kv heads in one of 8: no masked-off heads.
-    assert (cfg.rows, cfg.q_heads, cfg.k_heads, cfg.num_warps) == (1, 32, 8, 4)
+    # Llama's 32 q heads in one step of a [32, 1, 64] tile, its 8 kv heads in one of 8: no masked-off heads, and
+    # eight warps for the kernel that issues both tensors' loads before its stores.
+    assert (cfg.rows, cfg.q_heads, cfg.k_heads, cfg.num_warps) == (1, 32, 8, 8)
     odd = rope_module.rope_config(2048, 128, 28, 4, h100)  # Qwen2-7B's heads: padded to a power of two
     assert (odd.q_heads, odd.k_heads) == (32, 4)
     big = rope_module.rope_config(16 * 8192, 256, 64, 8, h100)
-    assert big.rows * big.q_heads * big.block_h == 2048 and big.k_heads == 8 and big.num_warps == 4
+    assert big.rows * big.q_heads * big.block_h == 2048 and big.k_heads == 8 and big.num_warps == 4  # a loop
     assert rope_module.rope_config(4096, 128, 32, 8, rope_module.runtime.INTERPRETER).grid[0] < 1000
 
 

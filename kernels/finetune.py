@@ -85,8 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leave out the attention mask of right-padded batches, in both runs: the same loss and "
                         "gradients without the [seq, seq] mask (kernels.padding_mask)")
     p.add_argument("--adamw", choices=ADAMW_IMPLEMENTATIONS, default="foreach",
-                   help="torch.optim.AdamW's implementation in every run: foreach (its default) or fused (one kernel, "
-                        "the default optimizer of Hugging Face's Trainer)")
+                   help="the AdamW of every run: torch.optim.AdamW's foreach (its default) or fused (one kernel, the "
+                        "default optimizer of Hugging Face's Trainer), or this package's triton (kernels.adamw)")
+    p.add_argument("--patched-adamw", choices=ADAMW_IMPLEMENTATIONS, default=None,
+                   help="the AdamW of the patched run, if not --adamw's (e.g. --adamw fused --patched-adamw triton)")
     p.add_argument("--out", type=Path, default=RESULTS, help=f"folder for the JSON and PNG (default {RESULTS})")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_fsdp_arguments(p)
@@ -120,8 +122,8 @@ def patch_options(args) -> dict:
 
 def run_stem(args, preset: str) -> str:
     """The results' file name: ``finetune_<preset>``, then what sets this run apart from the default one (the
-    kernels named with ``--kernels``, ``compiled-<mode>``, ``ckpt``, ``nomask``, ``adamw-fused``), so runs of one
-    preset do not overwrite each other."""
+    kernels named with ``--kernels``, ``compiled-<mode>``, ``ckpt``, ``nomask``, ``adamw-fused``,
+    ``patched-adamw-triton``), so runs of one preset do not overwrite each other."""
     parts = [f"finetune_{preset}"]
     if args.kernels is not None:
         parts.append("+".join(args.kernels))
@@ -133,6 +135,8 @@ def run_stem(args, preset: str) -> str:
         parts.append("nomask")
     if args.adamw != "foreach":
         parts.append(f"adamw-{args.adamw}")
+    if args.patched_adamw not in (None, args.adamw):
+        parts.append(f"patched-adamw-{args.patched_adamw}")
     return "_".join(parts)
 
 
@@ -193,7 +197,7 @@ def _single_run(args, preset: str, lr: float) -> None:
         enable_checkpointing(model)
     patch = patch_llama(model, **patch_options(args))
     run = train(model, batches, grad_accum=args.grad_accum, lr=lr, label="patched", progress=not args.no_progress,
-                padding_mask=args.padding_mask, adamw=args.adamw)
+                padding_mask=args.padding_mask, adamw=args.patched_adamw or args.adamw)
     patch.undo()
     peak = f"{run.peak_memory / GiB:.2f} GiB" if run.peak_memory is not None else "n/a (CPU)"
     print(f"patched: {run.tokens_per_s:,.0f} tokens/s (all tokens; {run.real_tokens_per_s:,.0f} non-padding), "
@@ -222,7 +226,7 @@ def _settings(args, preset: str, lr: float) -> dict:
             "grad_accum": args.grad_accum, "lr": lr, "seed": args.seed, "dtype": "bfloat16",
             "warmup_steps": WARMUP_STEPS, "patch_options": patch_options(args),
             "gradient_checkpointing": args.gradient_checkpointing, "padding_mask": args.padding_mask,
-            "adamw": args.adamw}
+            "adamw": args.adamw, "patched_adamw": args.patched_adamw or args.adamw}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,8 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.fsdp:
         if args.compile or args.fit:
             raise SystemExit("--fsdp runs the eager loop: leave out --compile and --fit")
-        if args.adamw != "foreach":
-            raise SystemExit("--fsdp trains with AdamW's defaults: leave out --adamw")
+        if args.adamw != "foreach" or args.patched_adamw is not None:
+            raise SystemExit("--fsdp trains with torch.optim.AdamW's defaults: leave out --adamw and --patched-adamw")
         return fsdp_main(args)
     preset, why = _choose_preset(args)
     lr = args.lr if args.lr is not None else default_lr(preset)
@@ -253,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     result: Comparison = compare(preset, args.steps, args.seq_len, args.batch_size, args.grad_accum, lr, args.seed,
                                  progress=not args.no_progress, compile=args.compile,
                                  patch_options=patch_options(args), gradient_checkpointing=args.gradient_checkpointing,
-                                 padding_mask=args.padding_mask, adamw=args.adamw)
+                                 padding_mask=args.padding_mask, adamw=args.adamw, patched_adamw=args.patched_adamw)
     if args.fit:
         result.fit = _fit(args, preset)
     if args.slope:

@@ -193,3 +193,26 @@ def rotary_cos_sin(
     freqs = positions[..., None].float() * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# ---- AdamW ----
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def adamw_reference(
+    param: torch.Tensor, grads: list[torch.Tensor], lr: float, betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8, weight_decay: float = 1e-2,
+) -> torch.Tensor:
+    """``param`` after one AdamW step per gradient in ``grads``, in float64 with exact moments: decoupled weight
+    decay, then the moments, then the bias-corrected update (``torch.optim.AdamW``'s algorithm, amsgrad off)."""
+    beta1, beta2 = betas
+    p = param.double().clone()
+    m, v = torch.zeros_like(p), torch.zeros_like(p)
+    for t, g in enumerate(grads, start=1):
+        g = g.double()
+        p = p - lr * weight_decay * p
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g * g
+        p = p - lr / (1 - beta1**t) * m / (v.sqrt() / math.sqrt(1 - beta2**t) + eps)
+    return p

@@ -2,10 +2,10 @@
 
 ``train(model, batches, ...)`` is the loop a reader would write: AdamW (``torch.optim.AdamW`` with its defaults,
 "foreach" on a GPU; ``adamw="fused"`` for its one-kernel implementation, the default optimizer of Hugging Face's
-Trainer), the model's own loss (``model(**batch).loss``), gradient accumulation over ``grad_accum``
-micro-batches, and per step a record of the loss, the time, the tokens and the peak memory. Its step loop
-(``_train_steps``) also runs every rank of a sharded run (``kernels.parallel.train_fsdp``), given the global label
-count of each step and a sum of the loss across ranks.
+Trainer; ``adamw="triton"`` for this package's ``kernels.adamw.TritonAdamW``), the model's own loss
+(``model(**batch).loss``), gradient accumulation over ``grad_accum`` micro-batches, and per step a record of the
+loss, the time, the tokens and the peak memory. Its step loop (``_train_steps``) also runs every rank of a sharded
+run (``kernels.parallel.train_fsdp``), given the global label count of each step and a sum of the loss across ranks.
 
 Gradient accumulation follows Hugging Face's Trainer: every micro-batch's forward gets ``num_items_in_batch``, the
 number of labels the loss counts over *all* micro-batches of the step (labels that are not -100 after the shift by
@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 
 from . import runtime
+from .adamw import TritonAdamW
 from .data import IGNORE_INDEX, get_tokenizer, make_sft_batches
 from .models import GiB, build_model, llama_config
 from .padding_mask import drop_padding_mask
@@ -239,8 +240,9 @@ def train(
 ) -> RunResult:
     """Fine-tune ``model`` on ``batches`` (micro-batches, ``grad_accum`` per optimizer step); see the module docstring.
 
-    ``adamw`` picks ``torch.optim.AdamW``'s implementation: ``"foreach"`` (its default on a GPU) or ``"fused"`` (one
-    kernel per step, what Hugging Face's Trainer uses by default, ``optim="adamw_torch_fused"``).
+    ``adamw`` picks the AdamW implementation (``make_adamw``): ``"foreach"`` (``torch.optim.AdamW``'s default on a
+    GPU), ``"fused"`` (its one-kernel step, what Hugging Face's Trainer uses by default, ``optim="adamw_torch_fused"``)
+    or ``"triton"`` (``kernels.adamw.TritonAdamW``, the same algorithm as one Triton kernel per parameter tensor).
 
     ``padding_mask=False`` leaves out each batch's ``attention_mask`` where ``kernels.padding_mask`` shows it
     redundant (right padding, padded labels ignored): the same losses and gradients, without the [seq, seq] mask.
@@ -274,14 +276,25 @@ def _forward_backward(model: torch.nn.Module, micro_batches: list[dict], num_ite
     return step_loss
 
 
-ADAMW_IMPLEMENTATIONS = ("foreach", "fused")
+ADAMW_IMPLEMENTATIONS = ("foreach", "fused", "triton")
 
 
-def make_adamw(model: torch.nn.Module, lr: float, adamw: str = "foreach") -> torch.optim.AdamW:
-    """``torch.optim.AdamW`` over ``model``'s parameters: its defaults (``"foreach"``), or ``fused=True``."""
+def make_adamw(model: torch.nn.Module, lr: float, adamw: str = "foreach") -> torch.optim.Optimizer:
+    """AdamW over ``model``'s parameters with PyTorch's default hyperparameters: ``torch.optim.AdamW`` as it is
+    (``"foreach"``) or with ``fused=True``, or ``kernels.adamw.TritonAdamW`` (``"triton"``)."""
     if adamw not in ADAMW_IMPLEMENTATIONS:
         raise ValueError(f"adamw must be one of {ADAMW_IMPLEMENTATIONS}, got {adamw!r}")
+    if adamw == "triton":
+        return TritonAdamW(model.parameters(), lr=lr)
     return torch.optim.AdamW(model.parameters(), lr=lr, **({"fused": True} if adamw == "fused" else {}))
+
+
+def describe_optimizer(optimizer: torch.optim.Optimizer, lr: float) -> str:
+    """What ran, for a run's record: e.g. ``torch.optim.AdamW(lr=0.0001, fused=True), defaults otherwise``."""
+    if isinstance(optimizer, TritonAdamW):
+        return f"kernels.adamw.TritonAdamW(lr={lr:g}), torch.optim.AdamW's defaults otherwise"
+    fused = ", fused=True" if optimizer.defaults.get("fused") else ""
+    return f"torch.optim.AdamW(lr={lr:g}{fused}), defaults otherwise"
 
 
 def _train_steps(
@@ -326,8 +339,7 @@ def _train_steps(
 
     optimizer = make_adamw(model, lr, adamw)
     what_ran = describe_model(model)
-    fused = ", fused=True" if optimizer.defaults["fused"] else ""
-    what_ran["optimizer"] = f"torch.optim.AdamW(lr={lr:g}{fused}), defaults otherwise"
+    what_ran["optimizer"] = describe_optimizer(optimizer, lr)
     what_ran["grad_accum"] = len(groups[0])
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -550,6 +562,7 @@ def compare(
     gradient_checkpointing: bool = False,
     padding_mask: bool = True,
     adamw: str = "foreach",
+    patched_adamw: str | None = None,
 ) -> Comparison:
     """Train the baseline, then the patched model, from the same initial weights on the same batches.
 
@@ -560,7 +573,9 @@ def compare(
     compilation happens in the first steps, which ``warmup_steps`` keeps out of the timings.
     ``gradient_checkpointing`` turns on Hugging Face's activation checkpointing in both models (non-reentrant):
     each decoder layer keeps only its input and recomputes the rest in the backward pass. ``padding_mask=False``
-    leaves out the redundant padding masks of both runs (``train``). ``adamw`` is ``train``'s, for both runs.
+    leaves out the redundant padding masks of both runs (``train``). ``adamw`` is ``train``'s, for both runs unless
+    ``patched_adamw`` names another for the patched run (e.g. Hugging Face with ``"fused"``, the default of its
+    Trainer, against the patched model with ``"triton"``: every kernel of this package, the optimizer's too).
     """
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
@@ -571,6 +586,7 @@ def compare(
         "lr": lr, "seed": seed, "dtype": str(dtype).replace("torch.", ""), "warmup_steps": warmup_steps,
         "patch_options": dict(patch_options or {}), "compile": compile,
         "gradient_checkpointing": gradient_checkpointing, "padding_mask": padding_mask, "adamw": adamw,
+        "patched_adamw": patched_adamw or adamw,
     }
     runs = {}
     for variant in VARIANTS:
@@ -580,8 +596,10 @@ def compare(
             enable_checkpointing(model)
         handle = patch_llama(model, **(patch_options or {})) if variant == "patched" else None
         runner = compile_model(model, compile) if compile else model
+        optimizer = settings["patched_adamw"] if variant == "patched" else adamw
         runs[variant] = train(runner, batches, grad_accum=grad_accum, lr=lr, label=variant,
-                              warmup_steps=warmup_steps, progress=progress, padding_mask=padding_mask, adamw=adamw)
+                              warmup_steps=warmup_steps, progress=progress, padding_mask=padding_mask,
+                              adamw=optimizer)
         del runner
         torch._dynamo.reset()  # the next model compiles afresh, not against this one's guards
         if handle is not None:

@@ -100,7 +100,21 @@ def test_fused_adamw_reaches_the_run(tmp_path):
     assert run_stem(args, "tiny") == "finetune_tiny_nomask_adamw-fused"  # a comparison's files say so
 
 
-def test_fused_and_foreach_adamw_take_the_same_steps(gen):
+def test_the_patched_run_can_have_its_own_adamw(tmp_path):
+    # Hugging Face with torch's fused AdamW (its Trainer's default) against the patched model with the Triton AdamW.
+    assert main(["--compare", "--preset", "tiny", "--steps", "2", "--seq-len", "48", "--batch-size", "1",
+                 "--adamw", "fused", "--patched-adamw", "triton", "--out", str(tmp_path), "--no-progress"]) == 0
+    data = json.loads((tmp_path / "finetune_tiny_adamw-fused_patched-adamw-triton.json").read_text())
+    assert (data["settings"]["adamw"], data["settings"]["patched_adamw"]) == ("fused", "triton")
+    assert "fused=True" in data["baseline"]["what_ran"]["optimizer"]
+    assert "TritonAdamW" in data["patched"]["what_ran"]["optimizer"]
+    losses = [[step["loss"] for step in data[run]["steps"]] for run in ("baseline", "patched")]
+    assert max(abs(a - b) for a, b in zip(*losses)) < 0.05
+    with pytest.raises(SystemExit, match="leave out --adamw and --patched-adamw"):
+        main(["--fsdp", "--patched-adamw", "triton"])
+
+
+def test_every_adamw_takes_the_same_steps(gen):
     import torch
 
     from kernels.train import make_adamw
@@ -108,7 +122,7 @@ def test_fused_and_foreach_adamw_take_the_same_steps(gen):
     weights = torch.randn(7, 33, generator=gen)
     grads = [torch.randn(7, 33, generator=gen) for _ in range(3)]
     finals = []
-    for adamw in ("foreach", "fused"):
+    for adamw in ("foreach", "fused", "triton"):
         layer = torch.nn.Linear(33, 7, bias=False)
         with torch.no_grad():
             layer.weight.copy_(weights)
@@ -117,7 +131,8 @@ def test_fused_and_foreach_adamw_take_the_same_steps(gen):
             layer.weight.grad = g.clone()
             optimizer.step()
         finals.append(layer.weight.detach().clone())
-    torch.testing.assert_close(finals[0], finals[1], rtol=1e-5, atol=1e-6)
+    for other in finals[1:]:
+        torch.testing.assert_close(other, finals[0], rtol=1e-5, atol=1e-6)
     assert not torch.equal(finals[0], weights)
     with pytest.raises(ValueError, match="adamw must be one of"):
         make_adamw(torch.nn.Linear(2, 2), 1e-3, "sgd")

@@ -11,8 +11,9 @@ its gradient and its two moments, and writes the parameter and the moments back:
 Seven tensors of the parameters' size move per step, 14 bytes per parameter in bf16: 112 GB at the Llama-3.1-8B
 shape, 26.6 ms at an H200's copy bandwidth. ``torch.optim.AdamW``'s default (``foreach``) runs that as about ten
 passes over the parameters; ``fused=True`` runs one kernel. Here too one kernel reads each value once, does the
-arithmetic in float32 registers (the order above, which is PyTorch's fused kernel's), and stores the results in
-the tensors' own dtypes. ``assets/notes/adamw.md`` has the measurements.
+arithmetic in float32 registers (the order above, which is PyTorch's fused kernel's; the scalars that depend only
+on the hyperparameters, such as 1 − β2, are computed on the host in float64), and stores the results in the
+tensors' own dtypes. ``assets/notes/adamw.md`` has the measurements.
 
 ``TritonAdamW`` is a ``torch.optim.Optimizer`` with ``torch.optim.AdamW``'s arguments and state (``step``,
 ``exp_avg``, ``exp_avg_sq``, the moments in the parameter's dtype), so a state dict saved by one loads into the
@@ -40,7 +41,7 @@ from .triton_utils import cast_to
 @triton.jit
 def _adamw_kernel(
     P, G, M, V, n,
-    lr, beta1, beta2, eps, weight_decay, step_size, bias_correction2_sqrt,
+    lr_weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, bias_correction2_sqrt,
     BLOCK: tl.constexpr,
 ):
     # Each tensor as a flat array: BLOCK values per program. int64 offsets: an LM head has 525M values at the 8B shape.
@@ -50,9 +51,11 @@ def _adamw_kernel(
     g = tl.load(G + offs, mask=ok, other=0.0).to(tl.float32)
     m = tl.load(M + offs, mask=ok, other=0.0).to(tl.float32)
     v = tl.load(V + offs, mask=ok, other=0.0).to(tl.float32)
-    p = p - lr * weight_decay * p
-    m = beta1 * m + (1.0 - beta1) * g
-    v = beta2 * v + (1.0 - beta2) * g * g
+    # 1 − β comes from the host, computed in float64: 1 − β2 taken here from β2 = 0.999 rounded to float32 would be
+    # 0.00099998713, 1.3e-5 off, and every second moment and update with it.
+    p = p - lr_weight_decay * p
+    m = beta1 * m + one_minus_beta1 * g
+    v = beta2 * v + one_minus_beta2 * g * g
     # The update uses the float32 moments just computed, not their stored (rounded) values: one rounding per tensor.
     p = p - step_size * m / (tl.sqrt(v) / bias_correction2_sqrt + eps)
     tl.store(P + offs, cast_to(p, P.dtype.element_ty), mask=ok)
@@ -109,7 +112,8 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     block, warps = block_for(n)
     _adamw_kernel[(triton.cdiv(n, block),)](
         param, grad, exp_avg, exp_avg_sq, n,
-        lr, beta1, beta2, eps, weight_decay, lr / bias_correction1, math.sqrt(bias_correction2),
+        lr * weight_decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps, lr / bias_correction1,
+        math.sqrt(bias_correction2),
         BLOCK=block, num_warps=warps,
     )
 

@@ -18,6 +18,13 @@ def _fresh(shape, dtype, device, gen):
     return torch.randn(shape, generator=gen, dtype=torch.float64).to(device, dtype).requires_grad_()
 
 
+def within_one_spacing(ours, theirs, start) -> bool:
+    """Every value of ``ours`` within one bf16 spacing of ``theirs``, the spacing taken at the larger of the value
+    and its ``start``: where an update nearly cancels a value, float32 arithmetic is exact only to that scale."""
+    scale = torch.maximum(theirs.abs(), start.abs()).clamp_min(2**-126)
+    return bool(((ours - theirs).abs() <= scale * 2**-7).all())
+
+
 def _steps(optimizer, params, grads_per_step):
     for grads in grads_per_step:
         for p, g in zip(params, grads):
@@ -44,14 +51,16 @@ def test_matches_float64_after_several_steps(dtype, device, gen):
 
 def test_bf16_matches_torch_fused_adamw_to_the_last_bit_or_one(device, gen):
     params = [_fresh((64, 33), torch.bfloat16, device, gen)]
+    start = params[0].detach().float().clone()
     twin = [params[0].detach().clone().requires_grad_()]
     grads = [[torch.randn(64, 33, generator=gen).to(device, torch.bfloat16)] for _ in range(5)]
     _steps(TritonAdamW(params, lr=1e-2), params, grads)
     _steps(torch.optim.AdamW(twin, lr=1e-2, fused=True), twin, grads)
     ours, theirs = params[0].detach().float(), twin[0].detach().float()
-    # The same float32 arithmetic in the same order; a compiler may still contract a multiply-add differently.
-    ulp = theirs.abs().clamp_min(2**-126) * 2**-7
-    assert ((ours - theirs).abs() <= ulp).all()
+    # The same arithmetic in the same order, but not the same instructions (PyTorch's CUDA kernel takes some scalars
+    # in float64; compilers contract multiply-adds differently): at most one bf16 spacing apart at the scale of the
+    # operands, mostly the same bits.
+    assert within_one_spacing(ours, theirs, start)
     assert (ours == theirs).float().mean() > 0.9
 
 
@@ -158,6 +167,7 @@ def test_bad_parameters_are_refused(device):
 def test_gpu_8b_sized_tensor_matches_torch_fused(gen):
     # An MLP projection of the 8B shape (58.7M values): every block of the grid written, as torch's fused step does.
     p = (torch.randn(14336, 4096, device="cuda") * 0.02).to(torch.bfloat16).requires_grad_()
+    start = p.detach().float().clone()
     twin = p.detach().clone().requires_grad_()
     for _ in range(3):
         g = (torch.randn(14336, 4096, device="cuda") * 1e-3).to(torch.bfloat16)
@@ -167,7 +177,7 @@ def test_gpu_8b_sized_tensor_matches_torch_fused(gen):
         for opt in p._opts:
             opt.step()
     ours, theirs = p.detach().float(), twin.detach().float()
-    assert ((ours - theirs).abs() <= theirs.abs().clamp_min(2**-126) * 2**-7).all()
+    assert within_one_spacing(ours, theirs, start)
     assert (ours == theirs).float().mean() > 0.9
 
 

@@ -114,16 +114,16 @@ def test_the_patched_run_can_have_its_own_adamw(tmp_path):
         main(["--fsdp", "--patched-adamw", "triton"])
 
 
-def test_every_adamw_takes_the_same_steps(gen):
+def test_every_adamw_takes_the_same_steps(gen, device):
     import torch
 
     from kernels.train import make_adamw
 
-    weights = torch.randn(7, 33, generator=gen)
-    grads = [torch.randn(7, 33, generator=gen) for _ in range(3)]
+    weights = torch.randn(7, 33, generator=gen).to(device)
+    grads = [torch.randn(7, 33, generator=gen).to(device) for _ in range(3)]
     finals = []
     for adamw in ("foreach", "fused", "triton"):
-        layer = torch.nn.Linear(33, 7, bias=False)
+        layer = torch.nn.Linear(33, 7, bias=False, device=device)
         with torch.no_grad():
             layer.weight.copy_(weights)
         optimizer = make_adamw(layer, 1e-2, adamw)

@@ -166,19 +166,18 @@ def test_bad_parameters_are_refused(device):
 @pytest.mark.gpu
 def test_gpu_8b_sized_tensor_matches_torch_fused(gen):
     # An MLP projection of the 8B shape (58.7M values): every block of the grid written, as torch's fused step does.
+    # One step: in later ones a one-spacing difference of the moments (stored in bf16) can tip later roundings.
     p = (torch.randn(14336, 4096, device="cuda") * 0.02).to(torch.bfloat16).requires_grad_()
     start = p.detach().float().clone()
     twin = p.detach().clone().requires_grad_()
-    for _ in range(3):
-        g = (torch.randn(14336, 4096, device="cuda") * 1e-3).to(torch.bfloat16)
-        p.grad, twin.grad = g, g.clone()
-        if not hasattr(p, "_opts"):
-            p._opts = (TritonAdamW([p], lr=1e-4), torch.optim.AdamW([twin], lr=1e-4, fused=True))
-        for opt in p._opts:
-            opt.step()
+    g = (torch.randn(14336, 4096, device="cuda") * 1e-3).to(torch.bfloat16)
+    p.grad, twin.grad = g, g.clone()
+    TritonAdamW([p], lr=1e-3).step()
+    torch.optim.AdamW([twin], lr=1e-3, fused=True).step()
     ours, theirs = p.detach().float(), twin.detach().float()
     assert within_one_spacing(ours, theirs, start)
-    assert (ours == theirs).float().mean() > 0.9
+    assert (ours == theirs).float().mean() > 0.99
+    assert (ours != start).float().mean() > 0.9  # the step moved the values
 
 
 @pytest.mark.parametrize("preset", ["tiny", "llama-3.2-1b", "llama-3.1-8b"])

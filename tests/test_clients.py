@@ -32,13 +32,14 @@ def _dataset(vocab: int, gen, rows: int = 8, seq: int = 24) -> list[dict]:
     return data
 
 
-def _train_with_trainer(model, data, tmp_path, **overrides):
+def _train_with_trainer(model, data, tmp_path, optimizers=(None, None), **overrides):
+    overrides.setdefault("max_steps", 2)
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=2,
+        output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
         learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no", seed=0, data_seed=0,
         dataloader_num_workers=0, use_cpu=not torch.cuda.is_available(), disable_tqdm=True, **overrides,
     )
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, optimizers=optimizers)
     trainer.train()
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
@@ -73,6 +74,26 @@ def test_trainer_with_gradient_accumulation(device, gen, tmp_path, monkeypatch, 
     assert len(losses) == len(expected) == 2
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=1e-4)
     patch.undo()
+
+
+def test_trainer_with_triton_adamw(device, gen, tmp_path):
+    # The Trainer takes an optimizer from outside (``optimizers=(optimizer, None)``) and puts its own learning-rate
+    # schedule on it: ours must take the same steps as the Trainer's own torch AdamW with the same hyperparameters.
+    from kernels.adamw import TritonAdamW
+
+    base = _tiny(device, gen).train()
+    base.config.use_cache = False
+    data = _dataset(base.config.vocab_size, gen)
+    theirs = copy.deepcopy(base)
+    expected = _train_with_trainer(theirs, data, tmp_path / "torch", optim="adamw_torch", max_steps=3)
+    ours = copy.deepcopy(base)
+    optimizer = TritonAdamW(ours.parameters(), lr=1e-3, weight_decay=0.0)
+    losses = _train_with_trainer(ours, data, tmp_path / "triton", optimizers=(optimizer, None), max_steps=3)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-5)
+    for a, b, start in zip(ours.parameters(), theirs.parameters(), base.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert any(not torch.equal(a, start) for a, start in zip(ours.parameters(), base.parameters()))
+    assert optimizer.param_groups[0]["lr"] < 1e-3  # the Trainer's schedule reached our optimizer
 
 
 def test_generate_is_unchanged(device, gen):

@@ -90,8 +90,9 @@ def test_trainer_with_triton_adamw(device, gen, tmp_path):
     optimizer = TritonAdamW(ours.parameters(), lr=1e-3, weight_decay=0.0)
     losses = _train_with_trainer(ours, data, tmp_path / "triton", optimizers=(optimizer, None), max_steps=3)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-5)
-    for a, b, start in zip(ours.parameters(), theirs.parameters(), base.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        # Parameters of about 0.02 moved by about 3e-3: float32 rounding apart, never a step apart.
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert any(not torch.equal(a, start) for a, start in zip(ours.parameters(), base.parameters()))
     assert optimizer.param_groups[0]["lr"] < 1e-3  # the Trainer's schedule reached our optimizer
 

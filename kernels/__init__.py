@@ -10,6 +10,7 @@ At the top level, only what a training script needs:
   without its logits), ``swiglu`` and ``apply_rotary``, and as modules, ``TritonRMSNorm``,
   ``TritonCrossEntropyLoss``, ``TritonLinearCrossEntropyLoss`` and ``TritonSwiGLUMLP``;
 * ``patch_llama`` (and its handle, ``LlamaPatch``), which puts them into a Hugging Face model;
+* ``TritonAdamW``, ``torch.optim.AdamW``'s algorithm with its step as one Triton kernel per tensor;
 * ``describe()`` and ``runtime``: where the kernels run.
 
 Three names are both: ``kernels.cross_entropy``, ``kernels.linear_cross_entropy`` and ``kernels.swiglu`` are the
@@ -29,6 +30,7 @@ from .linear_cross_entropy import TritonLinearCrossEntropyLoss, linear_cross_ent
 from .swiglu import TritonSwiGLUMLP, swiglu
 from .rope import apply_rotary
 from .patch import LlamaPatch, patch_llama
+from .adamw import TritonAdamW
 
 __all__ = [
     "runtime", "describe",
@@ -37,4 +39,5 @@ __all__ = [
     "linear_cross_entropy", "TritonLinearCrossEntropyLoss",
     "swiglu", "TritonSwiGLUMLP", "apply_rotary",
     "patch_llama", "LlamaPatch",
+    "TritonAdamW",
 ]

@@ -194,6 +194,10 @@ class TritonAdamW(torch.optim.Optimizer):
                     state["step"] = torch.tensor(0.0)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                elif state["step"].device.type != "cpu":
+                    # A state dict saved by torch's fused AdamW keeps the count on the GPU: read there, every step
+                    # would wait for the GPU.
+                    state["step"] = state["step"].to("cpu", torch.float32)
                 state["step"] += 1
                 adamw_step_op(p, p.grad, state["exp_avg"], state["exp_avg_sq"], float(group["lr"]), float(beta1),
                               float(beta2), float(group["eps"]), float(group["weight_decay"]),

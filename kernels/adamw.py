@@ -17,9 +17,10 @@ tensors' own dtypes. ``assets/notes/adamw.md`` has the measurements.
 
 ``TritonAdamW`` is a ``torch.optim.Optimizer`` with ``torch.optim.AdamW``'s arguments and state (``step``,
 ``exp_avg``, ``exp_avg_sq``, the moments in the parameter's dtype), so a state dict saved by one loads into the
-other, and learning-rate schedulers, ``zero_grad`` and step hooks work as with any optimizer. What it does not
-have is refused by name: ``amsgrad``, ``maximize``, sparse gradients, complex or non-contiguous parameters, and
-sharded (``DTensor``) parameters.
+other, and learning-rate schedulers, ``zero_grad`` and step hooks work as with any optimizer. Sharded parameters
+(FSDP2's ``DTensor``s) are stepped shard by shard: the update is elementwise, so each rank's kernel on its local
+shard is the whole update. What it does not have is refused by name: ``amsgrad``, ``maximize``, sparse gradients,
+complex or non-contiguous parameters, and partial (not yet reduced) gradients.
 """
 
 from __future__ import annotations
@@ -150,10 +151,24 @@ def _refuse_unsupported(options: dict) -> None:
         )
 
 
+def _is_dtensor(t: torch.Tensor) -> bool:
+    # By name: torch.distributed may be missing from a PyTorch build, and then there are no DTensors either.
+    return type(t).__name__ == "DTensor"
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """What the kernel steps: a DTensor's local shard (a view of its memory, so the update lands in the DTensor),
+    else the tensor itself."""
+    return t.to_local() if _is_dtensor(t) else t
+
+
 def _check_parameter(p: torch.Tensor) -> None:
-    if type(p).__name__ == "DTensor":
-        raise TypeError("TritonAdamW updates whole tensors, not sharded DTensor parameters (FSDP2): use "
-                        "torch.optim.AdamW there")
+    if _is_dtensor(p):
+        if not _is_dtensor(p.grad) or p.grad.placements != p.placements:
+            raise TypeError(f"a DTensor parameter placed {p.placements} needs a gradient placed the same way, got "
+                            f"{getattr(p.grad, 'placements', type(p.grad).__name__)}")
+        if any(placement.is_partial() for placement in p.placements):
+            raise TypeError("TritonAdamW steps reduced gradients, not partial sums: reduce them first")
     if p.grad.is_sparse:
         raise TypeError("TritonAdamW does not take sparse gradients")
     if torch.is_complex(p):
@@ -199,7 +214,7 @@ class TritonAdamW(torch.optim.Optimizer):
                     # would wait for the GPU.
                     state["step"] = state["step"].to("cpu", torch.float32)
                 state["step"] += 1
-                adamw_step_op(p, p.grad, state["exp_avg"], state["exp_avg_sq"], float(group["lr"]), float(beta1),
-                              float(beta2), float(group["eps"]), float(group["weight_decay"]),
-                              float(state["step"]))
+                adamw_step_op(_local(p), _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
+                              float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
+                              float(group["weight_decay"]), float(state["step"]))
         return loss

@@ -237,8 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.fsdp:
         if args.compile or args.fit:
             raise SystemExit("--fsdp runs the eager loop: leave out --compile and --fit")
-        if args.adamw != "foreach" or args.patched_adamw is not None:
-            raise SystemExit("--fsdp trains with torch.optim.AdamW's defaults: leave out --adamw and --patched-adamw")
+        if args.adamw == "fused" or args.patched_adamw is not None:
+            raise SystemExit("--fsdp trains every run with torch.optim.AdamW's defaults or with --adamw triton: leave "
+                             "out --adamw fused and --patched-adamw")
         return fsdp_main(args)
     preset, why = _choose_preset(args)
     lr = args.lr if args.lr is not None else default_lr(preset)

@@ -122,14 +122,16 @@ def train_fsdp(
     progress: bool = True,
     after_backward: Callable[[int, torch.nn.Module], None] | None = None,
     padding_mask: bool = True,
+    adamw: str = "foreach",
 ) -> RunResult:
     """``kernels.train.train`` for a sharded model: ``batches`` are the *global* micro-batches (every rank passes
     the same list); each rank trains on its rows with the global label count (see the module docstring).
 
     The step loop is ``train``'s (``kernels.train._train_steps``), given each step's label count over all ranks
     (every micro-batch's ``num_items_in_batch``) and ``_global_sum``, which adds the ranks' shares of the step's
-    loss into the loss on record. AdamW with its defaults over the sharded parameters (each rank updates its shards:
-    the update is elementwise, so sharding does not change it). ``after_backward(step, model)`` runs on every rank
+    loss into the loss on record. AdamW over the sharded parameters, ``torch.optim.AdamW``'s foreach or
+    ``adamw="triton"`` (``kernels.adamw.TritonAdamW``): each rank updates its shards, and the update is elementwise,
+    so sharding does not change it. ``after_backward(step, model)`` runs on every rank
     after the step's last backward, when the sharded gradients are complete. The progress bar shows on rank 0 only.
     """
     _check_train_args(batches, grad_accum, lr, warmup_steps)
@@ -139,6 +141,7 @@ def train_fsdp(
         model, groups, trained_global, lr=lr, label=label, warmup_steps=warmup_steps,
         progress=progress and env.is_rank0, after_backward=after_backward, padding_mask=padding_mask,
         device=env.device, reduce_loss=_global_sum, desc=f"{label} ×{env.world_size}", rate_name="tok_s_per_gpu",
+        adamw=adamw,
     )
     run.what_ran.update(
         world_size=env.world_size, backend=env.backend, global_trained_labels=trained_global,
@@ -235,6 +238,7 @@ def fsdp_finetune(
     warmup_steps: int = WARMUP_STEPS,
     progress: bool = True,
     out_dir: str | Path | None = None,
+    adamw: str = "foreach",
 ) -> FsdpRun:
     """One rank's part of a sharded run (call it in every process of the group; ``setup()`` is called here if no
     group runs yet). For each variant: build from ``seed``, patch (the "patched" variant), shard, train on the
@@ -253,7 +257,7 @@ def fsdp_finetune(
         "compute_dtype": str(compute_dtype).replace("torch.", ""), "reduce_dtype": "float32",
         "patch_options": dict(patch_options or {}), "gradient_checkpointing": gradient_checkpointing,
         "warmup_steps": warmup_steps, "sharding": "fully_shard per decoder layer + root; gradients summed",
-        "prefetch_layers": prefetch or "FSDP2 default (one layer, implicit)",
+        "prefetch_layers": prefetch or "FSDP2 default (one layer, implicit)", "adamw": adamw,
     }
     runs, peaks = {}, {}
     for variant in variants:
@@ -264,8 +268,8 @@ def fsdp_finetune(
             prefetch=prefetch,
         )
         runs[variant] = train_fsdp(model, batches, env, grad_accum=grad_accum, lr=lr, label=variant,
-                                   padding_mask=padding_mask,
-                                   warmup_steps=warmup_steps, progress=progress)
+                                   padding_mask=padding_mask, warmup_steps=warmup_steps, progress=progress,
+                                   adamw=adamw)
         peaks[variant] = gather_to_all(runs[variant].peak_memory)
         del model, handle
         free_memory()
@@ -327,7 +331,7 @@ def fsdp_main(args) -> int:
             variants=_variants(args), master_dtype=DTYPES[args.master_dtype],
             compute_dtype=DTYPES[args.compute_dtype], patch_options=patch_options(args),
             gradient_checkpointing=args.gradient_checkpointing, padding_mask=args.padding_mask, prefetch=args.prefetch,
-            progress=not args.no_progress, out_dir=args.out,
+            progress=not args.no_progress, out_dir=args.out, adamw=args.adamw,
         )
         print0()
         print0(result.table())

@@ -1,8 +1,9 @@
 """One rank of the 2-process FSDP2 check in ``tests/test_distributed.py`` (started by torchrun, not collected).
 
-Every rank trains the patched tiny model, float32, sharded with FSDP2, on the global batches the test gives; after the
-first step's backward it gathers every gradient from its DTensor shards. Then it checks the other patch order: a
-model sharded first and patched after must fail loudly, not train. Rank 0 saves what it saw to ``--out``.
+Every rank trains the patched tiny model, float32, sharded with FSDP2, on the global batches the test gives, with
+the AdamW named by ``--adamw``; after the first step's backward it gathers every gradient from its DTensor shards.
+Then it checks the other patch order: a model sharded first and patched after must fail loudly, not train. Rank 0
+saves what it saw to ``--out``.
 """
 
 import argparse
@@ -59,6 +60,7 @@ def main() -> None:
     p.add_argument("--prefetch", type=int, default=0)
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--kernels", default="rms_norm,cross_entropy", help="patch_llama switches to turn on")
+    p.add_argument("--adamw", default="foreach", help="kernels.train.make_adamw's choice")
     args = p.parse_args()
     patch_options = {name: name in args.kernels.split(",") for name in SWITCHES}
     env = setup()
@@ -69,7 +71,7 @@ def main() -> None:
                                  gradient_checkpointing=args.gradient_checkpointing, patch_options=patch_options)
         grads: dict = {}
         run = train_fsdp(model, batches, env, grad_accum=args.grad_accum, lr=args.lr, progress=False,
-                         after_backward=first_step_grads(grads))
+                         after_backward=first_step_grads(grads), adamw=args.adamw)
         norms = sorted(type(m).__name__ for m in model.modules() if type(m).__name__.endswith("RMSNorm"))
         mlps = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("MLP")})
         model_checkpointed = bool(getattr(model, "is_gradient_checkpointing", False))
@@ -77,7 +79,8 @@ def main() -> None:
         local_batch = {k: v[: args.batch_size // env.world_size] for k, v in batches[0].items()}
         order_error = patch_after_shard_error(env, local_batch)
         if env.is_rank0:
-            torch.save({"losses": run.losses, "gradient_checkpointing": model_checkpointed, "grads": grads,
+            torch.save({"losses": run.losses, "optimizer": run.what_ran["optimizer"],
+                        "gradient_checkpointing": model_checkpointed, "grads": grads,
                         "norms": norms, "mlps": mlps, "world_size": env.world_size,
                         "global_trained_labels": run.what_ran["global_trained_labels"],
                         "patch_after_shard_error": order_error}, args.out)

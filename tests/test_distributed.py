@@ -24,6 +24,10 @@ STEPS, SEQ_LEN, BATCH, GRAD_ACCUM, LR = 3, 64, 4, 2, 1e-3
 # Every kernel but the linear cross-entropy (the tiny model's logits are small): the sharded MLPs then run
 # SwiGLUDownFunction and the in-place SwiGLU backward on FSDP2's gathered weights.
 KERNELS = ("rms_norm", "cross_entropy", "swiglu", "rope")
+# Both runs step with the package's AdamW: on the sharded run it updates each rank's DTensor shards in place, and the
+# losses after the first step show whether that is the update one process makes. (torch.optim.AdamW, the default of
+# --fsdp, is the optimizer of the command-line run in test_scaling.)
+ADAMW = "triton"
 # Both runs compute in float32 and differ only in the order of additions: the weight gradients of the two ranks'
 # rows are computed separately and summed by the reduce-scatter, where one process sums all rows in one matmul.
 # Measured: losses agree to ~1e-7 relative and gradients to ~1e-7 (a few float32 ulps, 2⁻²³ ≈ 1.2e-7); AdamW's
@@ -89,14 +93,14 @@ def _first_step_grads(store):
 def two_and_one(request, tmp_path_factory):
     """The 2-process FSDP2 run (torchrun, gloo; all-gathers two layers ahead; gradient checkpointing, whose
     recomputation in the backward must give the very values of the forward) and the 1-process run on the same
-    global batches without checkpointing, float32."""
+    global batches without checkpointing, float32, both stepped by ``ADAMW``."""
     seed = seed_of_test(request.config, "tests/test_distributed.py::two_and_one")
     out = tmp_path_factory.mktemp("fsdp") / "rank0.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--nnodes=1",
            "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(WORKER), "--out", str(out),
            "--seed", str(seed), "--steps", str(STEPS), "--seq-len", str(SEQ_LEN), "--batch-size", str(BATCH),
            "--grad-accum", str(GRAD_ACCUM), "--lr", str(LR), "--prefetch", "2", "--gradient-checkpointing",
-           "--kernels", ",".join(KERNELS)]
+           "--kernels", ",".join(KERNELS), "--adamw", ADAMW]
     # The worker is a script, so Python looks for modules beside it (tests/), not in the working directory: put
     # this checkout's root first on the path, so the workers import the kernels under test and not an installed copy.
     root = str(Path(__file__).parents[1])
@@ -120,7 +124,7 @@ def two_and_one(request, tmp_path_factory):
     patch_llama(model, **{name: name in KERNELS for name in SWITCHES})
     grads: dict = {}
     single = train(model, batches, grad_accum=GRAD_ACCUM, lr=LR, progress=False,
-                   after_backward=_first_step_grads(grads))
+                   after_backward=_first_step_grads(grads), adamw=ADAMW)
     return sharded, single, grads, batches
 
 
@@ -130,6 +134,7 @@ def test_two_processes_have_the_losses_of_one(two_and_one):
     assert sharded["world_size"] == 2 and sharded["gradient_checkpointing"]
     assert set(sharded["norms"]) == {"TritonRMSNorm"}, "the sharded model must run the patched norms"
     assert sharded["mlps"] == ["TritonSwiGLUMLP"], "and the patched MLPs"
+    assert "TritonAdamW" in sharded["optimizer"] and "TritonAdamW" in single.what_ran["optimizer"]
     # The global count all-reduced across ranks is the count one process takes over the whole step.
     assert sharded["global_trained_labels"] == [r.trained_tokens for r in single.records]
     errors = [abs(two - one) / abs(one) for one, two in zip(single.losses, sharded["losses"])]

@@ -110,7 +110,7 @@ def test_the_patched_run_can_have_its_own_adamw(tmp_path):
     assert "TritonAdamW" in data["patched"]["what_ran"]["optimizer"]
     losses = [[step["loss"] for step in data[run]["steps"]] for run in ("baseline", "patched")]
     assert max(abs(a - b) for a, b in zip(*losses)) < 0.05
-    with pytest.raises(SystemExit, match="leave out --adamw and --patched-adamw"):
+    with pytest.raises(SystemExit, match="leave out --adamw fused and --patched-adamw"):
         main(["--fsdp", "--patched-adamw", "triton"])
 
 

@@ -9,7 +9,7 @@ its gradient and its two moments, and writes the parameter and the moments back:
     p ← p − (lr / (1 − β1ᵗ)) · m / (√v / √(1 − β2ᵗ) + ε)
 
 Seven tensors of the parameters' size move per step, 14 bytes per parameter in bf16: 112 GB at the Llama-3.1-8B
-shape, 26.6 ms at an H200's copy bandwidth. ``torch.optim.AdamW``'s default (``foreach``) runs that as about ten
+shape, 26.5 ms at an H200's copy bandwidth. ``torch.optim.AdamW``'s default (``foreach``) runs that as about ten
 passes over the parameters; ``fused=True`` runs one kernel. Here too one kernel reads each value once, does the
 arithmetic in float32 registers (the order above, which is PyTorch's fused kernel's; the scalars that depend only
 on the hyperparameters, such as 1 − β2, are computed on the host in float64), and stores the results in the

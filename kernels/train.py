@@ -596,10 +596,10 @@ def compare(
             enable_checkpointing(model)
         handle = patch_llama(model, **(patch_options or {})) if variant == "patched" else None
         runner = compile_model(model, compile) if compile else model
-        optimizer = settings["patched_adamw"] if variant == "patched" else adamw
+        variant_adamw = settings["patched_adamw"] if variant == "patched" else adamw
         runs[variant] = train(runner, batches, grad_accum=grad_accum, lr=lr, label=variant,
                               warmup_steps=warmup_steps, progress=progress, padding_mask=padding_mask,
-                              adamw=optimizer)
+                              adamw=variant_adamw)
         del runner
         torch._dynamo.reset()  # the next model compiles afresh, not against this one's guards
         if handle is not None:

@@ -201,13 +201,19 @@ def swiglu_backward(
         g, u, d = _as_rows(gate), _as_rows(up), _as_rows(dy)
         if config is None:
             g, u, d = _recut_rows(g, u, d)
-        n_rows, n_cols = g.shape
-        cfg = config or _backward_config(n_rows, n_cols, runtime.device_props(gate.device))
-        _swiglu_bwd_kernel[cfg.grid](
-            d, g, u, d_gate, d_up, n_rows, n_cols, d.stride(0), g.stride(0), u.stride(0), n_cols, n_cols,
-            ROWS=cfg.rows, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-        )
+        _launch_backward(d, g, u, d_gate.view(g.shape), d_up.view(g.shape), config)
     return d_gate, d_up
+
+
+def _launch_backward(d, g, u, d_gate, d_up, config: Config | None = None) -> None:
+    """The backward kernel on [rows, cols] views: d(gate) into ``d_gate``, d(up) into ``d_up`` (which may be ``g``
+    and ``u`` themselves)."""
+    n_rows, n_cols = g.shape
+    cfg = config or _backward_config(n_rows, n_cols, runtime.device_props(g.device))
+    _swiglu_bwd_kernel[cfg.grid](
+        d, g, u, d_gate, d_up, n_rows, n_cols, d.stride(0), g.stride(0), u.stride(0), d_gate.stride(0),
+        d_up.stride(0), ROWS=cfg.rows, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+    )
 
 
 def _in_place_addressable(gate: torch.Tensor, up: torch.Tensor) -> bool:
@@ -228,12 +234,7 @@ def swiglu_backward_(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> 
     if gate.numel():
         n_cols = gate.shape[-1]
         g, u, d = _recut_rows(gate.view(-1, n_cols), up.view(-1, n_cols), _as_rows(dy))
-        n_rows, n_cols = g.shape
-        cfg = _backward_config(n_rows, n_cols, runtime.device_props(gate.device))
-        _swiglu_bwd_kernel[cfg.grid](
-            d, g, u, g, u, n_rows, n_cols, d.stride(0), g.stride(0), u.stride(0), g.stride(0), u.stride(0),
-            ROWS=cfg.rows, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-        )
+        _launch_backward(d, g, u, g, u)
     # A Triton store is invisible to autograd: bump the version counters by hand, as PyTorch's in-place ops do.
     torch.autograd.graph.increment_version((gate, up))
 

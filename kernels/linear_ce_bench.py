@@ -15,7 +15,8 @@ Peers, each building ``fn(hidden, weight, target) -> loss`` on the same inputs:
   recompute), with its default gradient filter and without it;
 * ``trl``: TRL's fused LM head (``trl.kernels.ChunkedLogProbFunction``, what ``SFTTrainer`` trains with: tiles of
   4,096 tokens × 32,768 vocabulary columns, recompute in the backward), on the positions that count, as TRL calls it;
-* ``ours`` (``strategy="auto"``: "recompute" for a trainable weight) and ``ours-chunked``.
+* ``ours`` (``strategy="auto"``: "recompute" for a trainable weight, keeping the logits its memory budget allows),
+  ``ours-recompute-all`` (the same keeping none: every slice recomputed) and ``ours-chunked``.
 
 Every implementation is checked against a float32 reference (``reference.linear_cross_entropy_reference``) before
 it is timed; one that fails is recorded and not timed. Times are ``eager_ms`` (the Python call) and ``device_ms``
@@ -115,13 +116,14 @@ def _trl():
     return fn
 
 
-def _ours(strategy: str) -> Callable[[], Callable]:
+def _ours(strategy: str, keep_logits: bool = True) -> Callable[[], Callable]:
     return lambda: (lambda hidden, weight, target: linear_cross_entropy(hidden, weight, target, strategy=strategy,
-                                                                       check_targets=False))
+                                                                       check_targets=False, keep_logits=keep_logits))
 
 
 IMPLS = (
     LinearImpl("ours", "ours (auto: recompute)", _ours("auto")),
+    LinearImpl("ours-recompute-all", "ours, recompute, no logits kept", _ours("recompute", keep_logits=False)),
     LinearImpl("ours-chunked", "ours, chunked", _ours("chunked")),
     LinearImpl("torch-fp32", "matmul + F.cross_entropy(fp32) (HF)", lambda: _torch_loss(True)),
     LinearImpl("torch-bf16", "matmul + F.cross_entropy(bf16)", lambda: _torch_loss(False)),

@@ -13,8 +13,11 @@ whole matmul per step instead of a chunk of a row. It keeps one float32 logsumex
 walks the slices again: the matmul recomputes the slice's logits, a Triton kernel overwrites them with the
 gradient (softmax − onehot) · scale, and two matmuls turn that into this slice's rows of dW (float32 accumulation
 over every token inside one matmul, rounded once) and its share of dh (accumulated in a float32 [tokens, H]
-buffer). Memory beyond inputs and gradients: one slice of logits and the float32 dh; cost: 4 matmuls of
-2·tokens·V·H FLOP where the unfused loss does 3 (the forward's is done twice).
+buffer). Recomputing everything costs 4 matmuls of 2·tokens·V·H FLOP where the unfused loss does 3, for one slice
+of logits and the float32 dh of memory. So the plan spends a fixed budget instead (``RECOMPUTE_BUDGET_BYTES``,
+896 MiB on a GPU): beside the float32 dh it keeps as many slices from the forward pass as fit, and the backward
+recomputes only the others. At 2,048 tokens of Llama 3's head every slice fits (3 matmuls); at 8,192, three of
+eight (3.6 matmuls).
 
 **"chunked"** (token chunks, the gradient during the forward; the default when ``weight`` is frozen, e.g. LoRA).
 For each chunk of tokens, one matmul makes its full rows of logits, the package's cross-entropy kernel writes their
@@ -49,7 +52,7 @@ from .cross_entropy import (
     check_scores,
     cross_entropy_forward,
 )
-from .memory import LOGITS_BUFFER_BYTES
+from .memory import LOGITS_BUFFER_BYTES, RECOMPUTE_BUDGET_BYTES
 from .triton_utils import cast_to
 
 STRATEGIES = ("auto", "recompute", "chunked")
@@ -143,8 +146,12 @@ def _grad_slice_kernel(
 # The largest [tokens, slice] (or [chunk, V]) buffer of logits, in bytes, on a GPU: 256 MiB keeps the matmuls
 # large (8,192 tokens: slices of 16,384 rows of W) and the extra memory a small share of the logits' (2 GB there).
 GPU_SLICE_BYTES = LOGITS_BUFFER_BYTES
-# In the interpreter shapes are tiny: a few slices per row still show the online merge at work.
+# What "recompute" may keep beyond its inputs and gradients (memory.RECOMPUTE_BUDGET_BYTES on a GPU).
+GPU_RECOMPUTE_BYTES = RECOMPUTE_BUDGET_BYTES
+# In the interpreter shapes are tiny: a few slices per row still show the online merge at work, and the budget keeps
+# some of them and recomputes the others.
 INTERPRETER_SLICE_BYTES = 64 << 10
+INTERPRETER_RECOMPUTE_BYTES = 96 << 10
 _INTERPRETER_MAX_TILE = 1 << 16
 
 
@@ -157,13 +164,69 @@ class SliceConfig:
     num_warps: int
 
 
+def _width_within(n_rows: int, vocab: int, itemsize: int, slice_bytes: int) -> int:
+    width = slice_bytes // max(n_rows * itemsize, 1)
+    return max(1, min(vocab, max(256, width // 256 * 256)))
+
+
 def slice_width(n_rows: int, vocab: int, itemsize: int, props: runtime.DeviceProps | None = None) -> int:
     """Columns of W per slice ("recompute") so that a [n_rows, width] slice of logits stays within the budget:
     a multiple of 256 (whole tensor-core tiles), at least 256, at most ``vocab``."""
     props = props or runtime.device_props()
-    budget = INTERPRETER_SLICE_BYTES if props.interpreter else GPU_SLICE_BYTES
-    width = budget // max(n_rows * itemsize, 1)
-    return max(1, min(vocab, max(256, width // 256 * 256)))
+    return _width_within(n_rows, vocab, itemsize, INTERPRETER_SLICE_BYTES if props.interpreter else GPU_SLICE_BYTES)
+
+
+@dataclass(frozen=True)
+class RecomputeLayout:
+    """How "recompute" walks the vocabulary: slices of ``width`` rows of W, of which the last ``keep`` are kept
+    from the forward pass for the backward, side by side in one buffer. The buffer holds at least one slice: the
+    slices that are not kept pass through its front, in the forward pass before the kept ones are made and in the
+    backward pass after they are used."""
+
+    n_rows: int
+    vocab: int
+    width: int
+    keep: int
+
+    @property
+    def slices(self) -> list[tuple[int, int]]:
+        return _slices(self.vocab, self.width)
+
+    @property
+    def kept_start(self) -> int:
+        """The first column of the kept slices (``vocab`` when none is kept)."""
+        slices = self.slices
+        return slices[len(slices) - self.keep][0] if self.keep else self.vocab
+
+    @property
+    def buffer_numel(self) -> int:
+        return self.n_rows * max(min(self.width, self.vocab), self.vocab - self.kept_start)
+
+
+def recompute_layout(n_rows: int, hidden: int, vocab: int, itemsize: int, slice_bytes: int,
+                     budget_bytes: int) -> RecomputeLayout:
+    """Slices of at most ``slice_bytes`` of logits each, and as many of the last ones kept as fit in
+    ``budget_bytes`` beside the float32 d_hidden and logsumexp (possibly all, possibly none)."""
+    width = _width_within(n_rows, vocab, itemsize, slice_bytes)
+    room = budget_bytes - n_rows * (hidden + 1) * 4
+    keep = 0
+    for start, stop in reversed(_slices(vocab, width) if n_rows else []):
+        room -= n_rows * (stop - start) * itemsize
+        if room < 0:
+            break
+        keep += 1
+    return RecomputeLayout(n_rows, vocab, width, keep)
+
+
+def plan_recompute(n_rows: int, hidden: int, vocab: int, itemsize: int, props: runtime.DeviceProps | None = None,
+                   keep_logits: bool = True) -> RecomputeLayout:
+    """The layout "recompute" runs with on ``props``: the GPU's budgets or the interpreter's small ones; nothing
+    kept when ``keep_logits`` is False."""
+    props = props or runtime.device_props()
+    slice_bytes = INTERPRETER_SLICE_BYTES if props.interpreter else GPU_SLICE_BYTES
+    budget = INTERPRETER_RECOMPUTE_BYTES if props.interpreter else GPU_RECOMPUTE_BYTES
+    layout = recompute_layout(n_rows, hidden, vocab, itemsize, slice_bytes, budget)
+    return layout if keep_logits else RecomputeLayout(n_rows, vocab, layout.width, 0)
 
 
 def chunk_rows(n_rows: int, vocab: int, itemsize: int, props: runtime.DeviceProps | None = None) -> int:
@@ -251,9 +314,16 @@ def _slice_launch(kernel, n_rows: int, width: int, device, *args, **constexprs):
                                             **constexprs)
 
 
-def logsumexp_pass(hidden, weight, target, ignore_index: int, width: int):
+def _kept_slice(buffer: torch.Tensor, layout: RecomputeLayout, start: int, stop: int) -> torch.Tensor:
+    """Where the kept slice of columns start ... stop lives in the buffer: slices side by side, each [rows, width]."""
+    offset = layout.n_rows * (start - layout.kept_start)
+    return buffer[offset:offset + layout.n_rows * (stop - start)]
+
+
+def logsumexp_pass(hidden, weight, target, ignore_index: int, width: int, keep: int = 0):
     """The forward pass of "recompute": per-row loss (0 for ignored rows, NaN for bad targets) and logsumexp, both
-    float32 [rows], from one matmul per slice of ``width`` rows of W. ``hidden`` is [rows, H], ``target`` [rows]."""
+    float32 [rows], from one matmul per slice of ``width`` rows of W; and the buffer holding the last ``keep``
+    slices' logits for the backward pass (empty when ``keep`` is 0). ``hidden`` is [rows, H], ``target`` [rows]."""
     n_rows, vocab = hidden.shape[0], weight.shape[0]
     device = hidden.device
     loss = torch.empty(n_rows, dtype=torch.float32, device=device)
@@ -262,23 +332,28 @@ def logsumexp_pass(hidden, weight, target, ignore_index: int, width: int):
     s = torch.empty(n_rows, dtype=torch.float32, device=device)
     target_logit = torch.empty(n_rows, dtype=torch.float32, device=device)
     if n_rows == 0:
-        return loss, lse
-    buffer = torch.empty(n_rows * min(width, vocab), dtype=hidden.dtype, device=device)
-    slices = _slices(vocab, width)
+        return loss, lse, hidden.new_empty(0)
+    layout = RecomputeLayout(n_rows, vocab, width, keep)
+    buffer = torch.empty(layout.buffer_numel, dtype=hidden.dtype, device=device)
+    slices = layout.slices
     for i, (start, stop) in enumerate(slices):
-        logits = _logits_into(buffer, hidden, weight[start:stop])
+        # The slices that are not kept come first, through the buffer's front; each kept one then gets its own place.
+        place = _kept_slice(buffer, layout, start, stop) if start >= layout.kept_start else buffer
+        logits = _logits_into(place, hidden, weight[start:stop])
         _slice_launch(_lse_slice_kernel, n_rows, stop - start, device,
                       logits, target, m, s, target_logit, loss, lse, n_rows, stop - start, start, vocab, ignore_index,
                       FIRST=i == 0, LAST=i == len(slices) - 1)
-    return loss, lse
+    return loss, lse, buffer if keep else hidden.new_empty(0)
 
 
 def gradient_pass(hidden, weight, target, lse, scale, grad_output, ignore_index: int, width: int,
-                  need_hidden: bool, need_weight: bool):
+                  need_hidden: bool, need_weight: bool, kept=None, keep: int = 0):
     """The backward pass of "recompute": ``(d_hidden, d_weight)`` (an empty tensor for the one not needed).
 
-    Per slice: recompute the logits, overwrite them with their gradient, then d_weight[slice] = G_sliceᵀ @ hidden
-    (one matmul over every token: float32 accumulation, one rounding) and d_hidden += G_slice @ W[slice] (float32).
+    Per slice: the logits (kept by the forward pass in ``kept`` for its last ``keep`` slices, recomputed for the
+    others), overwritten with their gradient; then d_weight[slice] = G_sliceᵀ @ hidden (one matmul over every token:
+    float32 accumulation, one rounding) and d_hidden += G_slice @ W[slice] (float32). The kept slices go first, and
+    their gradients are written over them: ``kept`` is used up.
     """
     n_rows, vocab = hidden.shape[0], weight.shape[0]
     device = hidden.device
@@ -289,16 +364,29 @@ def gradient_pass(hidden, weight, target, lse, scale, grad_output, ignore_index:
                 d_weight.zero_() if need_weight else d_weight)
     go = grad_output.detach().reshape(-1)
     stride_go = 0 if go.numel() == 1 else go.stride(0)
-    buffer = torch.empty(n_rows * min(width, vocab), dtype=hidden.dtype, device=device)
-    for start, stop in _slices(vocab, width):
+    layout = RecomputeLayout(n_rows, vocab, width, keep)
+    if keep:
+        if kept is None or kept.numel() < layout.buffer_numel or kept.dtype != hidden.dtype:
+            raise ValueError(f"kept must hold the forward pass's last {keep} slices: {layout.buffer_numel} values of "
+                             f"{hidden.dtype}")
+        buffer = kept
+    else:
+        buffer = torch.empty(layout.buffer_numel, dtype=hidden.dtype, device=device)
+    slices = layout.slices
+    for start, stop in slices[len(slices) - keep:] + slices[:len(slices) - keep]:
         w = weight[start:stop]
-        grad = _logits_into(buffer, hidden, w)
+        if start >= layout.kept_start:
+            grad = _kept_slice(buffer, layout, start, stop).view(n_rows, stop - start)
+        else:
+            grad = _logits_into(buffer, hidden, w)
         _slice_launch(_grad_slice_kernel, n_rows, stop - start, device,
                       grad, target, lse, scale, go, n_rows, stop - start, start, vocab, ignore_index, stride_go)
         if need_weight:
             torch.mm(grad.t(), hidden, out=d_weight[start:stop])
         if need_hidden:
             _accumulate_mm(d_hidden_acc, grad, w)
+    if keep:  # a Triton store is invisible to autograd: bump the version counter by hand, as in-place ops do
+        torch.autograd.graph.increment_version(kept)
     d_hidden = d_hidden_acc.to(hidden.dtype) if need_hidden else hidden.new_empty(0)
     return d_hidden, d_weight
 
@@ -350,22 +438,25 @@ def chunked_forward(hidden, weight, target, ignore_index: int, reduction: str, n
 # as a tensor or a number, as in kernels.cross_entropy.
 
 
-def _fwd_impl(hidden, weight, target, ignore_index, reduction, normalizer, normalizer_value, width):
-    loss_rows, lse = logsumexp_pass(hidden, weight, target, ignore_index, width)
+def _fwd_impl(hidden, weight, target, ignore_index, reduction, normalizer, normalizer_value, width, keep):
+    loss_rows, lse, kept = logsumexp_pass(hidden, weight, target, ignore_index, width, keep)
     scale = _gradient_scale(target, ignore_index, reduction, _normalizer_arg(normalizer, normalizer_value),
                             hidden.device)
-    return _reduce(loss_rows, scale, reduction), lse, scale
+    return _reduce(loss_rows, scale, reduction), lse, scale, kept
 
 
-def _fwd_fake(hidden, weight, target, ignore_index, reduction, normalizer, normalizer_value, width):
+def _fwd_fake(hidden, weight, target, ignore_index, reduction, normalizer, normalizer_value, width, keep):
     n_rows = hidden.shape[0]
     loss = hidden.new_empty((n_rows,) if reduction == "none" else (), dtype=torch.float32)
-    return loss, hidden.new_empty(n_rows, dtype=torch.float32), hidden.new_empty(2, dtype=torch.float32)
+    kept = RecomputeLayout(n_rows, weight.shape[0], width, keep).buffer_numel if keep and n_rows else 0
+    return (loss, hidden.new_empty(n_rows, dtype=torch.float32), hidden.new_empty(2, dtype=torch.float32),
+            hidden.new_empty(kept))
 
 
-def _bwd_impl(grad_output, hidden, weight, target, lse, scale, ignore_index, width, need_hidden, need_weight):
+def _bwd_impl(grad_output, hidden, weight, target, lse, scale, kept, ignore_index, width, keep, need_hidden,
+              need_weight):
     return gradient_pass(hidden, weight, target, lse, scale, grad_output, ignore_index, width, need_hidden,
-                         need_weight)
+                         need_weight, kept, keep)
 
 
 def _grads_fake(hidden, weight, need_hidden, need_weight):
@@ -386,14 +477,17 @@ def _chunked_fake(hidden, weight, target, ignore_index, reduction, normalizer, n
 
 linear_cross_entropy_fwd_op = ops.define(
     "linear_cross_entropy_fwd(Tensor hidden, Tensor weight, Tensor target, int ignore_index, str reduction, "
-    "Tensor? normalizer, float? normalizer_value, int width) -> (Tensor, Tensor, Tensor)",
+    "Tensor? normalizer, float? normalizer_value, int width, int keep) -> (Tensor, Tensor, Tensor, Tensor)",
     _fwd_impl, _fwd_fake,
 )
+# The backward writes the gradient of the kept logits over them: the schema says so (Tensor(a!) kept), and the
+# implementation bumps kept's version counter, so a second backward through the same graph fails loudly.
 linear_cross_entropy_bwd_op = ops.define(
     "linear_cross_entropy_bwd(Tensor grad_output, Tensor hidden, Tensor weight, Tensor target, Tensor lse, "
-    "Tensor scale, int ignore_index, int width, bool need_hidden, bool need_weight) -> (Tensor, Tensor)",
+    "Tensor scale, Tensor(a!) kept, int ignore_index, int width, int keep, bool need_hidden, bool need_weight) "
+    "-> (Tensor, Tensor)",
     _bwd_impl,
-    lambda go, hidden, weight, target, lse, scale, ii, width, nh, nw: _grads_fake(hidden, weight, nh, nw),
+    lambda go, hidden, weight, target, lse, scale, kept, ii, width, keep, nh, nw: _grads_fake(hidden, weight, nh, nw),
 )
 linear_cross_entropy_chunked_op = ops.define(
     "linear_cross_entropy_chunked(Tensor hidden, Tensor weight, Tensor target, int ignore_index, str reduction, "
@@ -409,26 +503,29 @@ linear_cross_entropy_chunked_op = ops.define(
 
 
 class RecomputeFunction(torch.autograd.Function):
-    """"recompute": the forward keeps one float32 logsumexp per row; the backward recomputes the logits slice by
-    slice. Works for every reduction (a per-row grad_output for "none" scales each row's gradient)."""
+    """"recompute": the forward keeps one float32 logsumexp per row and the logits of the last ``keep`` slices; the
+    backward recomputes the other slices and writes every slice's gradient over its logits. Works for every
+    reduction (a per-row grad_output for "none" scales each row's gradient). With slices kept, the graph can be
+    run backward once only: a second run (``retain_graph=True``) raises PyTorch's in-place error."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, ignore_index, reduction, normalizer, normalizer_value, width):
-        loss, lse, scale = linear_cross_entropy_fwd_op(hidden, weight, target, ignore_index, reduction, normalizer,
-                                                       normalizer_value, width)
-        ctx.save_for_backward(hidden, weight, target, lse, scale)
-        ctx.ignore_index, ctx.width = ignore_index, width
+    def forward(ctx, hidden, weight, target, ignore_index, reduction, normalizer, normalizer_value, width, keep):
+        loss, lse, scale, kept = linear_cross_entropy_fwd_op(hidden, weight, target, ignore_index, reduction,
+                                                             normalizer, normalizer_value, width, keep)
+        ctx.save_for_backward(hidden, weight, target, lse, scale, kept)
+        ctx.ignore_index, ctx.width, ctx.keep = ignore_index, width, keep
         return loss
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
-        hidden, weight, target, lse, scale = ctx.saved_tensors
+        hidden, weight, target, lse, scale, kept = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        d_hidden, d_weight = linear_cross_entropy_bwd_op(grad_output, hidden, weight, target, lse, scale,
-                                                         ctx.ignore_index, ctx.width, need_hidden, need_weight)
+        d_hidden, d_weight = linear_cross_entropy_bwd_op(grad_output, hidden, weight, target, lse, scale, kept,
+                                                         ctx.ignore_index, ctx.width, ctx.keep, need_hidden,
+                                                         need_weight)
         return (d_hidden if need_hidden else None, d_weight if need_weight else None,
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, None)
 
 
 class ChunkedFunction(torch.autograd.Function):
@@ -471,6 +568,7 @@ def linear_cross_entropy(
     normalizer=None,
     strategy: str = "auto",
     check_targets: bool = True,
+    keep_logits: bool = True,
 ) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T`` against ``target``, without a [tokens, vocab] tensor in memory.
 
@@ -484,7 +582,9 @@ def linear_cross_entropy(
 
     ``strategy``: "recompute", "chunked" or "auto" (the default: ``choose_strategy``); the module docstring says
     what each costs. ``check_targets`` as in ``kernels.cross_entropy`` (one host synchronisation; pass False under
-    CUDA graphs or ``torch.compile``: an out-of-range target then gives a NaN loss).
+    CUDA graphs or ``torch.compile``: an out-of-range target then gives a NaN loss). ``keep_logits``: whether
+    "recompute" keeps slices of logits for the backward pass within its memory budget (``plan_recompute``); it
+    keeps none under ``torch.compile``, where a backward that writes over a saved tensor is not traced.
     """
     _check_inputs(hidden, weight, target, ignore_index, reduction, normalizer, strategy)
     vocab = weight.shape[0]
@@ -503,13 +603,14 @@ def linear_cross_entropy(
         chunk = chunk_rows(rows.shape[0], vocab, hidden.element_size(), props)
         loss = ChunkedFunction.apply(rows, weight, target_rows, ignore_index, reduction, norm_tensor, norm_value, chunk)
         return loss
-    width = slice_width(rows.shape[0], vocab, hidden.element_size(), props)
+    keep = needs_grad and keep_logits and not torch.compiler.is_compiling()
+    layout = plan_recompute(rows.shape[0], rows.shape[1], vocab, hidden.element_size(), props, keep)
     if needs_grad:
         loss = RecomputeFunction.apply(rows, weight, target_rows, ignore_index, reduction, norm_tensor, norm_value,
-                                       width)
+                                       layout.width, layout.keep)
     else:
         loss = linear_cross_entropy_fwd_op(rows, weight, target_rows, ignore_index, reduction, norm_tensor,
-                                           norm_value, width)[0]
+                                           norm_value, layout.width, 0)[0]
     return loss.view(hidden.shape[:-1]) if reduction == "none" else loss
 
 
@@ -517,16 +618,18 @@ class TritonLinearCrossEntropyLoss(torch.nn.Module):
     """The loss of an LM head without its logits: ``forward(hidden, weight, target)``; see ``linear_cross_entropy``."""
 
     def __init__(self, ignore_index: int = -100, reduction: str = "mean", strategy: str = "auto",
-                 check_targets: bool = True):
+                 check_targets: bool = True, keep_logits: bool = True):
         super().__init__()
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         self.ignore_index, self.reduction, self.strategy, self.check_targets = (ignore_index, reduction, strategy,
                                                                                 check_targets)
+        self.keep_logits = keep_logits
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, normalizer=None):
         return linear_cross_entropy(hidden, weight, target, self.ignore_index, self.reduction, normalizer=normalizer,
-                                    strategy=self.strategy, check_targets=self.check_targets)
+                                    strategy=self.strategy, check_targets=self.check_targets,
+                                    keep_logits=self.keep_logits)
 
     def extra_repr(self) -> str:
         return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, strategy={self.strategy!r}"

@@ -72,28 +72,40 @@ def peak_extra_bytes(fn) -> int:
     return torch.cuda.max_memory_allocated() - before
 
 
-# The most bytes of logits the linear cross-entropy holds at once on a GPU (one slice of the vocabulary for every
-# token, or one chunk of tokens for the whole vocabulary): kernels.linear_cross_entropy sizes its buffers by it.
+# The most bytes of logits the linear cross-entropy computes in one matmul on a GPU (one slice of the vocabulary for
+# every token, or one chunk of tokens for the whole vocabulary): kernels.linear_cross_entropy sizes its slices by it.
 LOGITS_BUFFER_BYTES = 256 << 20
+# What the linear cross-entropy's "recompute" plan may add beyond its inputs and gradients on a GPU: the float32
+# d_hidden and as many slices of logits, kept from the forward pass for the backward, as fit beside it. 896 MiB keeps
+# the plan under 1 GB; every slice kept is one matmul the backward pass does not redo.
+RECOMPUTE_BUDGET_BYTES = 896 << 20
 
 
 def linear_loss_extra_bytes(tokens: int, hidden: int, vocab: int, itemsize: int = 2,
-                            buffer_bytes: int = LOGITS_BUFFER_BYTES) -> dict[str, int]:
+                            buffer_bytes: int = LOGITS_BUFFER_BYTES,
+                            budget_bytes: int = RECOMPUTE_BUDGET_BYTES) -> dict[str, int]:
     """Computed peak bytes each way of computing an LM head's loss adds beyond its inputs (hidden, weight) and the
     two gradients every way writes (d_hidden, d_weight), for a trainable weight:
 
     * ``hf``: the logits and Hugging Face's loss buffers (``hf_loss_peak``);
     * ``logits_in_place``: the logits, which receive their own gradient (``kernels.cross_entropy`` in place);
     * ``chunked``: a chunk of logits and the float32 [V, H] accumulator of d_weight;
-    * ``recompute``: a slice of logits, the float32 [tokens, H] accumulator of d_hidden and one float32
-      logsumexp per token.
+    * ``recompute_all``: a slice of logits, the float32 [tokens, H] accumulator of d_hidden and one float32
+      logsumexp per token;
+    * ``recompute``: the same with the slices kept for the backward pass within ``budget_bytes``
+      (``kernels.linear_cross_entropy.recompute_layout``), what the package runs.
     """
+    from .linear_cross_entropy import recompute_layout  # it imports this module's budgets
+
     logits = tokens * vocab * itemsize
     buffer = min(logits, buffer_bytes)
     hf = hf_loss_buffers(tokens, vocab, torch.bfloat16 if itemsize == 2 else torch.float32)
+    accumulators = tokens * hidden * FP32 + tokens * FP32
+    layout = recompute_layout(tokens, hidden, vocab, itemsize, buffer_bytes, budget_bytes)
     return {
         "hf": hf_loss_peak(**hf),
         "logits_in_place": logits,
         "chunked": buffer + vocab * hidden * FP32,
-        "recompute": buffer + tokens * hidden * FP32 + tokens * FP32,
+        "recompute_all": buffer + accumulators,
+        "recompute": layout.buffer_numel * itemsize + accumulators,
     }

@@ -13,6 +13,7 @@ from kernels.linear_cross_entropy import (
     choose_strategy,
     chunk_rows,
     linear_cross_entropy,
+    plan_recompute,
     slice_width,
 )
 from kernels.reference import relative_error
@@ -225,16 +226,19 @@ def test_bad_arguments(device, gen):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_opcheck(device, gen, reduction):
+@pytest.mark.parametrize("keep", [0, 2])
+def test_opcheck(device, gen, reduction, keep):
+    # 300 classes in slices of 128: with keep=2 the last two (128 + 44 columns) come from the forward pass.
     h, w, target = make_case(19, 16, 300, torch.float32, device, gen)
     width = 128
     fwd = torch.ops.kernels.linear_cross_entropy_fwd.default
-    torch.library.opcheck(fwd, (h, w, target, -100, reduction, None, None, width))
-    loss, lse, scale = fwd(h, w, target, -100, reduction, None, None, width)
+    torch.library.opcheck(fwd, (h, w, target, -100, reduction, None, None, width, keep))
+    loss, lse, scale, kept = fwd(h, w, target, -100, reduction, None, None, width, keep)
+    assert kept.numel() == (19 * 172 if keep else 0)
     go = torch.rand(loss.shape, generator=gen).to(device)
     for need in ((True, True), (True, False), (False, True)):
         torch.library.opcheck(torch.ops.kernels.linear_cross_entropy_bwd.default,
-                              (go, h, w, target, lse, scale, -100, width, *need))
+                              (go, h, w, target, lse, scale, kept.clone(), -100, width, keep, *need))
     if reduction != "none":
         torch.library.opcheck(torch.ops.kernels.linear_cross_entropy_chunked.default,
                               (h, w, target, -100, reduction, None, 5.0 if reduction == "sum" else None, True, True,
@@ -278,7 +282,10 @@ def test_gpu_llama3_vocabulary_bf16(gen, strategy):
 
 
 @pytest.mark.gpu
-def test_gpu_extra_memory_is_a_slice_not_the_logits(gen):
+@pytest.mark.parametrize("keep_logits", [True, False])
+def test_gpu_extra_memory_is_the_budget_not_the_logits(gen, keep_logits):
+    from kernels.memory import RECOMPUTE_BUDGET_BYTES
+
     n, hidden, vocab = 8192, 1024, 128_256
     h, w, target = make_case(n, hidden, vocab, torch.bfloat16, "cuda", gen)
     h.requires_grad_()
@@ -286,20 +293,79 @@ def test_gpu_extra_memory_is_a_slice_not_the_logits(gen):
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    linear_cross_entropy(h, w, target, strategy="recompute").backward()
+    linear_cross_entropy(h, w, target, strategy="recompute", keep_logits=keep_logits).backward()
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - before - h.numel() * 2 - w.numel() * 2  # less the two gradients
     logits_bytes = n * vocab * 2
-    assert extra < logits_bytes / 4, f"{extra / 2**20:.0f} MiB beyond the gradients; the logits are " \
-                                     f"{logits_bytes / 2**20:.0f} MiB"
+    # Kept: three of eight slices (760 MB) beside the float32 d_hidden; recomputed: one slice (256 MiB) beside it.
+    bound = RECOMPUTE_BUDGET_BYTES + (1 << 20) if keep_logits else logits_bytes / 6
+    assert extra < bound, f"{extra / 2**20:.0f} MiB beyond the gradients; the logits are {logits_bytes / 2**20:.0f} MiB"
+    assert extra > (logits_bytes / 3 if keep_logits else 0)
 
 
 def test_computed_extra_memory_of_each_plan():
-    from kernels.memory import LOGITS_BUFFER_BYTES, linear_loss_extra_bytes
+    from kernels.memory import LOGITS_BUFFER_BYTES, RECOMPUTE_BUDGET_BYTES, linear_loss_extra_bytes
 
     n, h, v = 8192, 4096, 128_256
     extra = linear_loss_extra_bytes(n, h, v)
     assert extra["logits_in_place"] == n * v * 2
     assert extra["chunked"] == LOGITS_BUFFER_BYTES + v * h * 4  # the float32 dW accumulator dominates
-    assert extra["recompute"] == LOGITS_BUFFER_BYTES + n * h * 4 + n * 4
-    assert extra["recompute"] < 1e9 < extra["chunked"] < extra["hf"]
+    assert extra["recompute_all"] == LOGITS_BUFFER_BYTES + n * h * 4 + n * 4
+    # Three slices kept: the last (13,568 columns) and two of 16,384, beside the float32 d_hidden.
+    assert extra["recompute"] == n * (13_568 + 2 * 16_384) * 2 + n * h * 4 + n * 4
+    assert extra["recompute_all"] < extra["recompute"] <= RECOMPUTE_BUDGET_BYTES < 1e9 < extra["chunked"] < extra["hf"]
+
+
+def test_recompute_layout_spends_the_budget_on_whole_slices():
+    from kernels.linear_cross_entropy import recompute_layout
+
+    budget, slice_bytes = 896 << 20, 256 << 20
+    at_8k = recompute_layout(8192, 4096, 128_256, 2, slice_bytes, budget)
+    assert (at_8k.width, len(at_8k.slices), at_8k.keep, at_8k.kept_start) == (16_384, 8, 3, 128_256 - 46_336)
+    at_2k = recompute_layout(2048, 4096, 128_256, 2, slice_bytes, budget)
+    assert at_2k.keep == len(at_2k.slices) == 2 and at_2k.kept_start == 0  # every logit fits: 3 matmuls
+    assert at_2k.buffer_numel == 2048 * 128_256
+    # A budget the float32 d_hidden already fills keeps nothing, and the buffer is one slice.
+    none = recompute_layout(8192, 4096, 128_256, 2, slice_bytes, 8192 * 4097 * 4)
+    assert none.keep == 0 and none.kept_start == 128_256 and none.buffer_numel == 8192 * 16_384
+    # One narrow last slice kept: the buffer still holds a whole slice, which the others pass through.
+    narrow = recompute_layout(100, 8, 1000, 4, 100 * 256 * 4, 100 * 9 * 4 + 100 * 232 * 4)
+    assert (narrow.keep, narrow.kept_start, narrow.buffer_numel) == (1, 768, 100 * 256)
+
+
+def test_the_test_sizes_keep_some_slices_and_recompute_others(device):
+    # Otherwise the kept and the recomputed paths are never tested together in the interpreter.
+    props = runtime.device_props(device)
+    for itemsize in (4, 2):
+        layout = plan_recompute(53, 40, 1037, itemsize, props)
+        assert 0 < layout.keep < len(layout.slices) or not props.interpreter
+        assert plan_recompute(53, 40, 1037, itemsize, props, keep_logits=False).keep == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kept_logits_give_the_recomputed_result(device, gen, dtype):
+    h, w, target = make_case(53, 40, 1037, dtype, device, gen)
+    loss_kept, dh_kept, dw_kept = run(h, w, target, strategy="recompute")
+    loss_all, dh_all, dw_all = run(h, w, target, strategy="recompute", keep_logits=False)
+    # The same logits either way: the loss and every row of dW are the same bits; dh adds its slices in another order.
+    assert torch.equal(loss_kept, loss_all) and torch.equal(dw_kept, dw_all)
+    torch.testing.assert_close(dh_kept, dh_all, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-6)
+
+
+@pytest.mark.parametrize("vocab", [1037, 700], ids=["some-kept", "all-kept"])
+def test_a_second_backward_through_kept_logits_is_refused(device, gen, vocab):
+    # With every slice kept the backward recomputes nothing into the buffer: only the kernel writes over it.
+    h, w, target = make_case(53 if vocab == 1037 else 29, 40 if vocab == 1037 else 24, vocab, torch.float32, device,
+                             gen)
+    props = runtime.device_props(device)
+    layout = plan_recompute(h.shape[0], h.shape[1], vocab, 4, props)
+    assert layout.keep == len(layout.slices) if vocab == 700 else (layout.keep < len(layout.slices)
+                                                                  or not props.interpreter)
+    h.requires_grad_()
+    loss = linear_cross_entropy(h, w, target, strategy="recompute")
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    loss = linear_cross_entropy(h, w, target, strategy="recompute", keep_logits=False)
+    loss.backward(retain_graph=True)
+    loss.backward()  # nothing kept, nothing written over: twice is fine

@@ -7,8 +7,9 @@ of the peak, and lists the tensors alive at that moment by size and by the Pytho
 tensor's bytes per token (size / tokens) names it: 2·H is a [tokens, H] bf16 activation, 2·I the MLP's
 intermediate, 2·tokens the row of a [tokens, tokens] bf16 mask.
 
-Variants: Hugging Face's model; this package's patch with the linear cross-entropy (``ours_lce``) and with every
-kernel (``ours_all``); Liger-Kernel's fused linear cross-entropy and RMSNorm (``liger_flce``) and all its Llama
+Variants: Hugging Face's model; this package's patch with the linear cross-entropy (``ours_lce``), with every
+kernel (``ours_all``) and with every kernel and the padding mask as one additive bias (``ours_bias``,
+``kernels.attention_mask``); Liger-Kernel's fused linear cross-entropy and RMSNorm (``liger_flce``) and all its Llama
 kernels (``liger_all``), when installed. Each runs with and without the padding mask (``kernels.padding_mask``).
 Liger patches Hugging Face's Llama classes for the rest of the process, so its variants always run last.
 
@@ -34,7 +35,9 @@ from .results import RESULTS, device_slug, results_path
 from .train import default_lr, enable_checkpointing, free_memory
 
 OURS = {"ours_lce": dict(rms_norm=True, cross_entropy=False, linear_cross_entropy=True),
-        "ours_all": dict(rms_norm=True, cross_entropy=False, linear_cross_entropy=True, swiglu=True, rope=True)}
+        "ours_all": dict(rms_norm=True, cross_entropy=False, linear_cross_entropy=True, swiglu=True, rope=True),
+        "ours_bias": dict(rms_norm=True, cross_entropy=False, linear_cross_entropy=True, swiglu=True, rope=True,
+                          additive_mask=True)}
 LIGER = {"liger_flce": dict(rms_norm=True, fused_linear_cross_entropy=True, cross_entropy=False, rope=False,
                             swiglu=False),
          "liger_all": dict(rms_norm=True, fused_linear_cross_entropy=True, cross_entropy=False, rope=True,

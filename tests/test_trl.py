@@ -65,4 +65,8 @@ def test_sft_trainer_trains_with_the_patched_loss_only_through_the_mixin(device,
     with patch_llama(mixed, linear_cross_entropy=True):
         losses = _train(KernelsSFTTrainer, mixed, data, tmp_path / "mixin")
     assert len(calls) == 4 and all(n is not None for n in calls)  # 2 steps × 2 micro-batches, with the token count
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=1e-4)
+    # Two different implementations of the loss (TRL's head, ours) under gradient accumulation and AdamW, which turns
+    # float32 differences in the smallest gradient components into whole steps of lr (m / sqrt(v) is about ±1
+    # whatever their size): at most 1.2e-4 apart in the runs seen. A step moves the loss by about 2e-3, so a wrong loss
+    # or gradient still fails 5e-4.
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=5e-4, atol=5e-4)

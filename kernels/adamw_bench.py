@@ -20,6 +20,7 @@ import torch
 
 from . import runtime
 from .adamw import TritonAdamW
+from .bench import floor_ms, measure_copy_gbps
 from .models import llama_config
 from .results import RESULTS, device_slug
 
@@ -91,9 +92,7 @@ def copy_gbps() -> float | None:
     """Device-to-device copy bandwidth of this GPU (read + write), GB/s; None in the interpreter."""
     if runtime.MODE != "gpu":
         return None
-    from .bench import measure_ceilings
-
-    return measure_ceilings(matmul_n=1024)["copy_gbps"]
+    return measure_copy_gbps()
 
 
 def run(preset: str, reps: int) -> dict:
@@ -102,19 +101,19 @@ def run(preset: str, reps: int) -> dict:
     params = _make_parameters(shapes, runtime.device())
     n = sum(p.numel() for p in params)
     bandwidth = copy_gbps()
-    floor_ms = n * BYTES_PER_PARAMETER / (bandwidth * 1e9) * 1e3 if bandwidth else None
+    floor = floor_ms(n * BYTES_PER_PARAMETER, bandwidth) if bandwidth else None
     rows = []
     for key, (label, build) in IMPLEMENTATIONS.items():
         optimizer = build(params)
         ms = time_step(optimizer, reps)
         rows.append({"impl": key, "label": label, "step_ms": ms,
-                     "frac_copy": floor_ms / ms if floor_ms else None})
+                     "frac_copy": floor / ms if floor else None})
         del optimizer  # its moments: two more copies of the parameters
         if runtime.MODE == "gpu":
             torch.cuda.empty_cache()
     return {"preset": preset, "device": runtime.device_name(), "device_slug": device_slug(), "mode": runtime.MODE,
             "versions": runtime.versions(), "tensors": len(shapes), "parameters": n, "reps": reps,
-            "copy_gbps": bandwidth, "floor_ms": floor_ms, "check_max_spacings": check(params), "rows": rows}
+            "copy_gbps": bandwidth, "floor_ms": floor, "check_max_spacings": check(params), "rows": rows}
 
 
 def format_table(result: dict) -> str:

@@ -47,19 +47,24 @@ def time_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100, grad_to_
     return statistics.median(times)
 
 
+def measure_copy_gbps(copy_bytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth of this GPU in GB/s (read + write): ``copy_bytes`` copied one way."""
+    if runtime.MODE != "gpu":
+        raise RuntimeError("the ceilings can only be measured on a GPU; in the interpreter there is nothing to measure")
+    src = torch.randn(copy_bytes // 2, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    copy_ms = time_ms(functools.partial(dst.copy_, src), warmup=50, rep=200)
+    del src, dst
+    return 2 * copy_bytes / (copy_ms * 1e-3) / 1e9
+
+
 def measure_ceilings(copy_bytes: int = 2 << 30, matmul_n: int = 8192) -> dict:
     """Measure the two ceilings on this GPU: device-to-device copy GB/s (read + write) and bf16 matmul TFLOP/s.
 
     The copy moves ``copy_bytes`` one way (so 2 × copy_bytes of traffic); the matmul is ``matmul_n``³ on random
     bf16 data (zeros run faster than real data and would flatter the ceiling).
     """
-    if runtime.MODE != "gpu":
-        raise RuntimeError("the ceilings can only be measured on a GPU; in the interpreter there is nothing to measure")
-    n = copy_bytes // 2
-    src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    copy_ms = time_ms(functools.partial(dst.copy_, src), warmup=50, rep=200)
-    del src, dst
+    copy_gbps = measure_copy_gbps(copy_bytes)
     a = torch.randn(matmul_n, matmul_n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(matmul_n, matmul_n, device="cuda", dtype=torch.bfloat16)
     mm_ms = time_ms(functools.partial(torch.matmul, a, b), warmup=50, rep=200)
@@ -67,7 +72,7 @@ def measure_ceilings(copy_bytes: int = 2 << 30, matmul_n: int = 8192) -> dict:
     torch.cuda.empty_cache()
     return {
         "device": runtime.device_name(),
-        "copy_gbps": 2 * copy_bytes / (copy_ms * 1e-3) / 1e9,
+        "copy_gbps": copy_gbps,
         "matmul_tflops": 2 * matmul_n**3 / (mm_ms * 1e-3) / 1e12,
         "copy_bytes": copy_bytes,
         "matmul_n": matmul_n,

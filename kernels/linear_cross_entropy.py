@@ -164,6 +164,10 @@ class SliceConfig:
     num_warps: int
 
 
+def _slice_bytes(props: runtime.DeviceProps) -> int:
+    return INTERPRETER_SLICE_BYTES if props.interpreter else GPU_SLICE_BYTES
+
+
 def _width_within(n_rows: int, vocab: int, itemsize: int, slice_bytes: int) -> int:
     width = slice_bytes // max(n_rows * itemsize, 1)
     return max(1, min(vocab, max(256, width // 256 * 256)))
@@ -173,7 +177,7 @@ def slice_width(n_rows: int, vocab: int, itemsize: int, props: runtime.DevicePro
     """Columns of W per slice ("recompute") so that a [n_rows, width] slice of logits stays within the budget:
     a multiple of 256 (whole tensor-core tiles), at least 256, at most ``vocab``."""
     props = props or runtime.device_props()
-    return _width_within(n_rows, vocab, itemsize, INTERPRETER_SLICE_BYTES if props.interpreter else GPU_SLICE_BYTES)
+    return _width_within(n_rows, vocab, itemsize, _slice_bytes(props))
 
 
 @dataclass(frozen=True)
@@ -188,11 +192,12 @@ class RecomputeLayout:
     width: int
     keep: int
 
-    @property
+    # Cached: the passes ask for them once per slice.
+    @functools.cached_property
     def slices(self) -> list[tuple[int, int]]:
         return _slices(self.vocab, self.width)
 
-    @property
+    @functools.cached_property
     def kept_start(self) -> int:
         """The first column of the kept slices (``vocab`` when none is kept)."""
         slices = self.slices
@@ -223,17 +228,15 @@ def plan_recompute(n_rows: int, hidden: int, vocab: int, itemsize: int, props: r
     """The layout "recompute" runs with on ``props``: the GPU's budgets or the interpreter's small ones; nothing
     kept when ``keep_logits`` is False."""
     props = props or runtime.device_props()
-    slice_bytes = INTERPRETER_SLICE_BYTES if props.interpreter else GPU_SLICE_BYTES
     budget = INTERPRETER_RECOMPUTE_BYTES if props.interpreter else GPU_RECOMPUTE_BYTES
-    layout = recompute_layout(n_rows, hidden, vocab, itemsize, slice_bytes, budget)
+    layout = recompute_layout(n_rows, hidden, vocab, itemsize, _slice_bytes(props), budget)
     return layout if keep_logits else RecomputeLayout(n_rows, vocab, layout.width, 0)
 
 
 def chunk_rows(n_rows: int, vocab: int, itemsize: int, props: runtime.DeviceProps | None = None) -> int:
     """Tokens per chunk ("chunked") so that a [chunk, vocab] block of logits stays within the same budget."""
     props = props or runtime.device_props()
-    budget = INTERPRETER_SLICE_BYTES if props.interpreter else GPU_SLICE_BYTES
-    return max(1, min(n_rows, budget // max(vocab * itemsize, 1)))
+    return max(1, min(n_rows, _slice_bytes(props) // max(vocab * itemsize, 1)))
 
 
 @functools.lru_cache(maxsize=512)

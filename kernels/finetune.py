@@ -75,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measure the activation memory per token, baseline and patched: the slope of a step's "
                         "peak between sequence lengths A and B (GPU)")
     p.add_argument("--compile", nargs="?", const="default", default=None, choices=COMPILE_MODES,
-                   help="torch.compile both models (default mode, or the mode named; needs --compare)")
+                   help="torch.compile both models (default mode, or the mode named; needs --compare). Name "
+                        "skip_causal_mask in --kernels too, or the compiled patched model attends through the full "
+                        "causal mask (kernels.attention_mask)")
     p.add_argument("--kernels", type=_switches, default=None, metavar="NAME[,NAME...]",
                    help=f"which of patch_llama's kernels to turn on, from {', '.join(SWITCHES)} "
                         "(default: patch_llama's defaults)")

@@ -164,3 +164,14 @@ def test_generate_is_unchanged(device, gen):
     expected = model.generate(ids, **settings)
     with patch_llama(model, skip_causal_mask=True):
         assert torch.equal(model.generate(ids, **settings), expected)
+
+
+def test_a_lora_model_compiles_to_causal_attention(device, gen):
+    # PEFT's forward hands the Llama its arguments by keyword, None where the caller gave none: still a plain call.
+    peft = pytest.importorskip("peft", reason="peft is a test requirement (requirements.txt)")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    model = peft.get_peft_model(tiny(device), config)
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=gen).to(device)
+    with patch_llama(model, skip_causal_mask=True):
+        calls = attention_calls_in_graph(model, input_ids=ids, labels=ids)
+    assert calls == [(False, True, True)] * model.config.num_hidden_layers

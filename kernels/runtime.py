@@ -30,6 +30,10 @@ def _decide_interpreter() -> bool:
 
 INTERPRET: bool = _decide_interpreter()
 MODE: str = "interpreter" if INTERPRET else "gpu"
+# torch.compile's backend for the workbook's compiled runs and tests: Inductor on a GPU; in the interpreter
+# "aot_eager", which traces the same graphs (AOTAutograd, fake tensors, our kernels as single operators) and runs them
+# eagerly, so that Triton's interpreter runs the kernels.
+COMPILE_BACKEND: str = "aot_eager" if INTERPRET else "inductor"
 
 
 def _decide_profile() -> str:

@@ -512,12 +512,12 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 
 
 def compile_model(model: torch.nn.Module, mode: str = "default") -> torch.nn.Module:
-    """``torch.compile(model, mode=mode)``: inductor on a GPU; on the CPU ``backend="aot_eager"``, which traces the
-    same graphs (our kernels as single operators) and runs them eagerly, so Triton's interpreter runs the kernels."""
+    """``torch.compile(model, mode=mode)``: inductor on a GPU; on the CPU ``backend="aot_eager"``
+    (``runtime.COMPILE_BACKEND``), whose graphs run eagerly, so Triton's interpreter runs the kernels."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}")
     if runtime.MODE != "gpu":
-        return torch.compile(model, backend="aot_eager")
+        return torch.compile(model, backend=runtime.COMPILE_BACKEND)
     return torch.compile(model, mode=None if mode == "default" else mode)
 
 

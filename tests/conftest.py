@@ -92,6 +92,15 @@ def device():
 
 
 @pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches emptied before and after the test: each compiles from scratch, and leaves no compiled code,
+    guards or recompilation counts to the next (``pytestmark = pytest.mark.usefixtures("fresh_dynamo")``)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
 def gen(seed):
     """A CPU random generator seeded from this test's seed: fresh inputs on every run, the same ones on a replay."""
     g = torch.Generator(device="cpu")

@@ -14,14 +14,9 @@ from kernels.models import build_model
 from kernels.patch import patch_llama
 from kernels.reference import relative_error
 
-BACKEND = "inductor" if runtime.MODE == "gpu" else "aot_eager"
+BACKEND = runtime.COMPILE_BACKEND
 
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def attention_calls_in_graph(model, **batch):

@@ -247,7 +247,7 @@ def test_opcheck(device, gen, reduction, keep):
 
 @pytest.mark.parametrize("strategy", PLANS)
 def test_compiled_matches_eager_without_graph_break(device, gen, strategy):
-    backend = "inductor" if runtime.MODE == "gpu" else "aot_eager"
+    backend = runtime.COMPILE_BACKEND
     h0, w0, target = make_case(2 * 9, 32, 400, torch.float32, device, gen, lead=(2, 9))
     norm = torch.tensor(13.0, device=device)
 

@@ -17,19 +17,14 @@ from kernels.models import build_model
 from kernels.patch import patch_llama
 from kernels.rmsnorm import rms_norm
 
-BACKEND = "inductor" if runtime.MODE == "gpu" else "aot_eager"
+BACKEND = runtime.COMPILE_BACKEND
 EXPECTED_OPS = {
     "kernels::rms_norm_fwd", "kernels::rms_norm_bwd",
     "kernels::cross_entropy_fwd", "kernels::cross_entropy_fwd_inplace", "kernels::cross_entropy_scale_grad_",
     "kernels::linear_cross_entropy_fwd", "kernels::linear_cross_entropy_bwd", "kernels::linear_cross_entropy_chunked",
 }
 
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def test_every_kernel_is_registered():

@@ -8,14 +8,9 @@ from kernels.reference import rotary_cos_sin
 from kernels.rope import apply_rotary
 from kernels.swiglu import swiglu
 
-BACKEND = "inductor" if runtime.MODE == "gpu" else "aot_eager"
+BACKEND = runtime.COMPILE_BACKEND
 
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def test_operators_are_registered():

@@ -140,7 +140,7 @@ def test_trainer_with_gradient_accumulation(device, gen, tmp_path, monkeypatch):
 
 
 def test_compiled_patched_model_without_graph_break(device, gen):
-    backend = "inductor" if runtime.MODE == "gpu" else "aot_eager"
+    backend = runtime.COMPILE_BACKEND
     model = tiny_model("llama", seed_from(gen))
     batch = random_batch(gen, device=device)
     ref_loss, ref_grads = loss_and_grads(model, batch)

@@ -11,7 +11,7 @@ from kernels import runtime
 from kernels.patch import SWITCHES, patch_llama
 from kernels.swiglu import TritonSwiGLUMLP
 
-BACKEND = "inductor" if runtime.MODE == "gpu" else "aot_eager"
+BACKEND = runtime.COMPILE_BACKEND
 # The modules by their paths: ``kernels.swiglu`` at the top level is the function.
 rope_module = importlib.import_module("kernels.rope")
 swiglu_module = importlib.import_module("kernels.swiglu")

@@ -13,6 +13,7 @@ from kernels.attention_mask import CAUSAL_CALL, CAUSAL_IMPLEMENTATION, causal_sk
 from kernels.models import build_model
 from kernels.patch import patch_llama
 from kernels.reference import relative_error
+from kernels.train import enable_checkpointing
 
 BACKEND = runtime.COMPILE_BACKEND
 
@@ -79,8 +80,12 @@ def test_a_call_that_may_need_a_mask_still_gets_one(device, gen, given):
     assert max(relative_error(grads[n], grads_ref[n]) for n in grads) < 1e-4
 
 
-def test_compiled_with_the_skip_trains_like_eager_without_it(device, gen):
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+def test_compiled_with_the_skip_trains_like_eager_without_it(device, gen, checkpointing):
+    # With checkpointing the layers run again in the backward pass, from the mask (None) the forward built.
     model = tiny(device)
+    if checkpointing:
+        enable_checkpointing(model)
     ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=gen).to(device)
     labels = ids.clone()
     labels[:, :5] = -100

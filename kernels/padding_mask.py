@@ -14,6 +14,9 @@ padding) and no padded position carries a label:
 
 The loss and every gradient are the same; only the padded positions' logits differ. A left-padded row (padding
 first, as generation uses) or a row with a hole in the middle is not covered, and keeps its mask.
+
+``drop_padding_mask(batch)`` leaves the mask out where it may go; ``DropRedundantMask`` does it as a data collator,
+for Hugging Face's ``Trainer``.
 """
 
 from __future__ import annotations
@@ -47,6 +50,24 @@ def drop_padding_mask(batch: dict[str, torch.Tensor], ignore_index: int = IGNORE
     if "attention_mask" not in batch or not mask_is_redundant(batch, ignore_index):
         return batch
     return {k: v for k, v in batch.items() if k != "attention_mask"}
+
+
+class DropRedundantMask:
+    """A data collator: ``collator``'s batch, without its ``attention_mask`` where ``drop_padding_mask`` may drop
+    it. For Hugging Face's ``Trainer(..., data_collator=DropRedundantMask())``: the check runs in the data loader,
+    on the CPU tensors the collator made, so it costs no host synchronisation.
+
+    ``collator``: the collator to wrap (default: transformers' ``default_data_collator``, which stacks rows that
+    are already padded)."""
+
+    def __init__(self, collator=None, ignore_index: int = IGNORE_INDEX):
+        if collator is None:
+            from transformers import default_data_collator as collator
+        self.collator = collator
+        self.ignore_index = ignore_index
+
+    def __call__(self, features):
+        return drop_padding_mask(self.collator(features), self.ignore_index)
 
 
 def attention_mask_bytes(batch_size: int, seq_len: int, itemsize: int = 1) -> int:

@@ -2,6 +2,7 @@
 gradient checkpointing) and ``generate``. Each must behave exactly as with the unpatched model."""
 
 import copy
+import functools
 import importlib
 
 import pytest
@@ -32,14 +33,15 @@ def _dataset(vocab: int, gen, rows: int = 8, seq: int = 24) -> list[dict]:
     return data
 
 
-def _train_with_trainer(model, data, tmp_path, optimizers=(None, None), **overrides):
+def _train_with_trainer(model, data, tmp_path, optimizers=(None, None), data_collator=None, **overrides):
     overrides.setdefault("max_steps", 2)
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
         learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no", seed=0, data_seed=0,
         dataloader_num_workers=0, use_cpu=not torch.cuda.is_available(), disable_tqdm=True, **overrides,
     )
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, optimizers=optimizers)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, optimizers=optimizers,
+                                   data_collator=data_collator)
     trainer.train()
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
@@ -105,3 +107,28 @@ def test_generate_is_unchanged(device, gen):
     with patch_llama(model):
         tokens = model.generate(prompt, **settings)
     assert torch.equal(tokens, expected)
+
+
+def test_trainer_with_the_redundant_mask_dropped(device, gen, tmp_path, monkeypatch):
+    # Right-padded rows whose padding carries no label: DropRedundantMask hands the model no attention_mask, and the
+    # Trainer's losses are those of Hugging Face's model with the masks.
+    from kernels.padding_mask import DropRedundantMask
+
+    base = _tiny(device, gen).train()
+    base.config.use_cache = False
+    data = _dataset(base.config.vocab_size, gen)
+    expected = _train_with_trainer(copy.deepcopy(base), data, tmp_path / "hf")
+    patched = copy.deepcopy(base)
+    patch_llama(patched, skip_causal_mask=True)
+    masks, inner = [], patched.forward
+
+    @functools.wraps(inner)  # the Trainer keeps the dataset columns the forward's signature names
+    def spy(*args, **kwargs):
+        masks.append(kwargs.get("attention_mask"))
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(patched, "forward", spy)
+    losses = _train_with_trainer(patched, data, tmp_path / "dropped", data_collator=DropRedundantMask())
+    assert masks and all(m is None for m in masks)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=1e-5)
+

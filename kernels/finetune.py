@@ -254,6 +254,10 @@ def main(argv: list[str] | None = None) -> int:
         _single_run(args, preset, lr)
         return 0
 
+    if args.compile and not args.padding_mask and not patch_options(args).get("skip_causal_mask"):
+        print("note: compiled, the patched model still attends through a full causal mask; name skip_causal_mask in "
+              "--kernels for SDPA's causal path (kernels.attention_mask)")
+
     import matplotlib
 
     matplotlib.use("Agg")

@@ -11,22 +11,23 @@ and the autograd node keeps that copy for the backward pass:
 * with checkpointing, the recomputed layer's copy sits beside the boolean mask at the step's peak: 3 bytes per
   element where 2 would do.
 
-``use_additive_mask(model)`` builds the mask as that bias in the first place: the same booleans (transformers' own
-``sdpa_mask``), written once as 0 where a position may attend and −inf where it may not, the very bias SDPA makes of
-the booleans itself, so attention computes the same values, fully masked rows (left padding) included. Every layer
-then receives the same tensor, and SDPA uses it as it is.
-The change is scoped to the one model: it registers an attention implementation, ``"sdpa_additive_mask"`` (the
-same ``sdpa_attention_forward``, this mask function), with transformers and points the model's config at it; the
-returned function points it back. Only a half-precision model gets the bias (a float32 bias would be 4 bytes per
-element, and autocast would cast it per call); no mask, or a mask SDPA can skip (``is_causal``), stays None.
+``use_mask_function(model, additive=True)`` builds the mask as that bias in the first place: the same booleans
+(transformers' own ``sdpa_mask``), written once as 0 where a position may attend and −inf where it may not, the very
+bias SDPA makes of the booleans itself, so attention computes the same values, fully masked rows (left padding)
+included. Every layer then receives the same tensor, and SDPA uses it as it is. The change is scoped to the one
+model: it registers an attention implementation, ``"sdpa_additive_mask"`` (the same ``sdpa_attention_forward``, this
+mask function), with transformers and points the model's config at it; the returned function points it back. Only a
+half-precision model gets the bias (a float32 bias would be 4 bytes per element, and autocast would cast it per
+call); no mask, or a mask SDPA can skip (``is_causal``), stays None.
 
-**The causal mask under torch.compile** (``use_causal_skip``). A batch of one causal sequence per row needs no mask
-at all: SDPA's ``is_causal=True`` runs the flash kernel, with the key/value heads shared (``enable_gqa``). Eagerly,
-transformers sees this and passes None. While compiling, it cannot: it would have to read the position ids to rule
-out packed sequences (several documents in one row), and reading a tensor's values is what a graph must not do. So
-the compiled model builds the full [seq, seq] mask, every layer repeats its key/value heads to match the query heads
-(SDPA's GQA path takes no mask), and attention runs a masked kernel: measured on an H200 at the Llama-3.1-8B shape
-(seq 2,048), attention took 2.6 → 6.8 ms forward and 7.8 → 21.0 ms backward per step.
+**The causal mask under torch.compile** (``causal_skip_sdpa_mask``; ``use_mask_function`` with either). A batch of
+one causal sequence per row needs no mask at all: SDPA's ``is_causal=True`` runs the flash kernel, with the
+key/value heads shared (``enable_gqa``). Eagerly, transformers sees this and passes None. While compiling, it
+cannot: it would have to read the position ids to rule out packed sequences (several documents in one row), and
+reading a tensor's values is what a graph must not do. So the compiled model builds the full [seq, seq] mask, every
+layer repeats its key/value heads to match the query heads (SDPA's GQA path takes no mask), and attention runs a
+masked kernel: measured on an H200 at the Llama-3.1-8B shape (seq 2,048), attention took 2.6 → 6.8 ms forward and
+7.8 → 21.0 ms backward per step.
 
 The patched model's forward does know, without reading any tensor: the caller passed no attention mask, no position
 ids and no cache, so the positions are 0, 1, 2, … in every row. It says so (``CAUSAL_CALL.plain``) for the length of

@@ -563,24 +563,23 @@ def _wrap_forward(model: torch.nn.Module, loss: _PatchedLoss | None, skip_causal
     def forward(*args, **kwargs):
         previous_plain = CAUSAL_CALL.plain
         CAUSAL_CALL.plain = skip_causal_mask and is_plain_causal_call(args, kwargs)
-        if loss is None:
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                CAUSAL_CALL.plain = previous_plain
-        loss.consumed = loss.deferred = None
-        # Defer the logits only where they exist for the loss alone: training, autograd on, labels given.
-        loss.defer = (loss.head is not None and model.training and torch.is_grad_enabled()
-                      and kwargs.get("labels") is not None)
+        if loss is not None:
+            loss.consumed = loss.deferred = None
+            # Defer the logits only where they exist for the loss alone: training, autograd on, labels given.
+            loss.defer = (loss.head is not None and model.training and torch.is_grad_enabled()
+                          and kwargs.get("labels") is not None)
         try:
             output = inner(*args, **kwargs)
+            if loss is None:
+                return output
             if loss.deferred is not None and loss.consumed is None:  # the loss was not computed after all
                 output = _with_logits(output, loss.deferred, loss.head)
             return output if loss.consumed is None else _without_consumed_logits(output, loss.consumed)
         finally:
-            loss.consumed = loss.deferred = None  # never keep the tensors alive past the call
-            loss.defer = False
             CAUSAL_CALL.plain = previous_plain
+            if loss is not None:
+                loss.consumed = loss.deferred = None  # never keep the tensors alive past the call
+                loss.defer = False
 
     forward.__doc__ = (
         "The model's forward, patched by kernels.patch_llama: in train mode with autograd on, the returned logits "

@@ -78,23 +78,53 @@ def test_trainer_with_gradient_accumulation(device, gen, tmp_path, monkeypatch, 
     patch.undo()
 
 
-def test_trainer_with_triton_adamw(device, gen, tmp_path):
-    # The Trainer takes an optimizer from outside (``optimizers=(optimizer, None)``) and puts its own learning-rate
-    # schedule on it: ours must take the same steps as the Trainer's own torch AdamW with the same hyperparameters.
+def _shadowed_triton_adamw(params, **hyperparameters):
+    """A ``TritonAdamW`` that, at every step, also steps ``torch.optim.AdamW`` on copies of the same weights with the
+    same gradients and learning rate, and records how far apart the two steps' results are beyond float32 rounding
+    (the largest |ours − torch's| − 1e-6·|torch's|)."""
     from kernels.adamw import TritonAdamW
 
+    class Shadowed(TritonAdamW):
+        def __init__(self):
+            super().__init__(params, **hyperparameters)
+            self.ours = [p for group in self.param_groups for p in group["params"]]
+            self.copies = [p.detach().clone() for p in self.ours]
+            self.torch_adamw = torch.optim.AdamW(self.copies, **hyperparameters)
+            self.gaps = []
+
+        def step(self, closure=None):
+            with torch.no_grad():
+                for copy_, p in zip(self.copies, self.ours):
+                    copy_.copy_(p)
+                    copy_.grad = None if p.grad is None else p.grad.clone()
+            self.torch_adamw.param_groups[0]["lr"] = self.param_groups[0]["lr"]
+            loss = super().step(closure)
+            self.torch_adamw.step()
+            with torch.no_grad():
+                pairs = zip(self.ours, self.copies)
+                self.gaps.append(max(float(((p - c).abs() - 1e-6 * c.abs()).max()) for p, c in pairs))
+            return loss
+
+    return Shadowed()
+
+
+def test_trainer_with_triton_adamw(device, gen, tmp_path):
+    # The Trainer takes an optimizer from outside (``optimizers=(optimizer, None)``) and puts its own learning-rate
+    # schedule on it: ours must train as the Trainer's own torch AdamW with the same hyperparameters does.
     base = _tiny(device, gen).train()
     base.config.use_cache = False
     data = _dataset(base.config.vocab_size, gen)
-    theirs = copy.deepcopy(base)
-    expected = _train_with_trainer(theirs, data, tmp_path / "torch", optim="adamw_torch", max_steps=3)
+    expected = _train_with_trainer(copy.deepcopy(base), data, tmp_path / "torch", optim="adamw_torch", max_steps=3)
     ours = copy.deepcopy(base)
-    optimizer = TritonAdamW(ours.parameters(), lr=1e-3, weight_decay=0.0)
+    optimizer = _shadowed_triton_adamw(ours.parameters(), lr=1e-3, weight_decay=0.0)
     losses = _train_with_trainer(ours, data, tmp_path / "triton", optimizers=(optimizer, None), max_steps=3)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-5)
-    for a, b in zip(ours.parameters(), theirs.parameters()):
-        # Parameters of about 0.02 moved by about 3e-3: float32 rounding apart, never a step apart.
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # Each of our steps against torch's from the same weights and gradients: float32 rounding apart (a few units in
+    # the last place of the weight, plus 1e-9 where that is near zero; a step moves a weight by up to lr, 1e-3).
+    # The two whole runs' weights are not compared: AdamW moves a weight whose gradient is near zero by about ±lr
+    # whatever the gradient's size, so a rounding difference in such a gradient can put a weight a whole step apart
+    # after the first step.
+    assert len(optimizer.gaps) == 3 and max(optimizer.gaps) < 1e-9, optimizer.gaps
     assert any(not torch.equal(a, start) for a, start in zip(ours.parameters(), base.parameters()))
     assert optimizer.param_groups[0]["lr"] < 1e-3  # the Trainer's schedule reached our optimizer
 

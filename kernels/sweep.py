@@ -8,7 +8,8 @@ Every implementation × shape × pass gets two times:
              host runs ahead of the GPU. Bandwidth and the fraction of the copy ceiling use it.
 
 Before anything is timed, its output (and its gradients, for forward+backward) is checked against float64. A row
-that fails is recorded as such and never timed.
+that fails is recorded as such and never timed. With ``rounds`` > 1 (the command line's default on a GPU) every
+implementation is timed once per round, in turn, and each row keeps the median over the rounds (``measure_shape``).
 
 Here: the sizes of the sweeps, the minimal bytes each kernel must move, the cases (inputs of one shape, their
 float64 reference, the check and the timed step), running the sweep, and the command line. The implementations are
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import statistics
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -505,7 +507,7 @@ def _base_row(case, impl: Impl, pass_: str) -> dict:
         "tokens": case.tokens, "width": case.width, "shape": f"{case.tokens}×{case.width}", "pass": pass_,
         "dtype": str(case.dtype).removeprefix("torch."),
         "status": "ok", "note": "",
-        "eager_ms": None, "device_ms": None, "device_note": None,
+        "eager_ms": None, "device_ms": None, "device_note": None, "eager_ms_rounds": [], "device_ms_rounds": [],
         "bytes": n_bytes, "bytes_floor": n_floor,
         "gbps": None, "frac_copy": None, "gbps_floor": None, "frac_copy_floor": None,
         "peak_extra_mib": None, "check": None,
@@ -521,7 +523,8 @@ def _free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _measure_pass(case, impl: Impl, fn, params, pass_: str, warmup: int, rep: int) -> dict:
+def _checked_row(case, impl: Impl, fn, params, pass_: str) -> dict:
+    """The row of one implementation and pass, its output checked against float64 (status "ok" if it passed)."""
     row = _base_row(case, impl, pass_)
     try:
         case.reset_inputs()
@@ -533,31 +536,65 @@ def _measure_pass(case, impl: Impl, fn, params, pass_: str, warmup: int, rep: in
     row["check"] = check.to_json()
     if not check.ok:
         row.update(status="check failed", note=f"not timed: {check.message}")
-        return row
-    try:
-        case.reset_inputs()  # the check may have overwritten inputs (in-place gradients)
-        call, grads = case.step(fn, params, pass_)
-        row["eager_ms"] = time_ms(call, warmup=warmup, rep=rep, grad_to_none=grads)
-        row["peak_extra_mib"] = peak_extra_mib(call, grads)
-        row["device_ms"], row["device_note"] = device_time_ms(call, grads, warmup=warmup, rep=rep)
-    except Exception as exc:  # noqa: BLE001  (out of memory at a large shape, for example)
-        row.update(status="error", note=f"timing raised {type(exc).__name__}: {first_line(exc)}")
-        _free_device_memory()
     return row
 
 
-def measure_implementation(case, impl: Impl, passes, warmup: int = 25, rep: int = 50) -> list[dict]:
-    """Rows for one implementation at one shape: skipped (with the reason), or checked and then timed, per pass."""
-    reason = impl.unavailable()
-    if reason:
-        return [dict(_base_row(case, impl, p), status="skipped", note=reason) for p in passes]
+def _time_into(row: dict, case, fn, params, pass_: str, warmup: int, rep: int) -> None:
+    """Time one call of a checked row once more: its eager and device times go to the row's per-round lists, and
+    its peak memory is measured the first time."""
     try:
-        fn, params = impl.build(case)
-    except Exception as exc:  # noqa: BLE001
-        note = f"building it raised {type(exc).__name__}: {first_line(exc)}"
-        return [dict(_base_row(case, impl, p), status="error", note=note) for p in passes]
-    rows = [_measure_pass(case, impl, fn, params, p, warmup, rep) for p in passes]
-    del fn, params
+        case.reset_inputs()  # the check or an earlier round may have overwritten inputs (in-place gradients)
+        call, grads = case.step(fn, params, pass_)
+        row["eager_ms_rounds"].append(time_ms(call, warmup=warmup, rep=rep, grad_to_none=grads))
+        if row["peak_extra_mib"] is None:
+            row["peak_extra_mib"] = peak_extra_mib(call, grads)
+        device_ms, row["device_note"] = device_time_ms(call, grads, warmup=warmup, rep=rep)
+        if device_ms is not None:
+            row["device_ms_rounds"].append(device_ms)
+    except Exception as exc:  # noqa: BLE001  (out of memory at a large shape, for example)
+        row.update(status="error", note=f"timing raised {type(exc).__name__}: {first_line(exc)}")
+        _free_device_memory()
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def measure_shape(case, chosen, passes, warmup: int = 25, rep: int = 50, rounds: int = 1, bar=None) -> list[dict]:
+    """Rows for every implementation at one shape: skipped (with the reason), or checked and then timed, per pass.
+
+    The timing goes round by round, every implementation once per round, and each row keeps the median over the
+    rounds. A host whose speed drifts (another process, clock changes) then slows every implementation of a round
+    alike instead of whichever was being timed, which matters for eager times at small shapes, where the host sets
+    them. The per-round times are kept in the row (``eager_ms_rounds``, ``device_ms_rounds``).
+    """
+    rows, timed = [], {}  # timed: per implementation, its checked rows and what times them
+    for impl in chosen:
+        reason = impl.unavailable()
+        if reason:
+            rows += [dict(_base_row(case, impl, p), status="skipped", note=reason) for p in passes]
+            continue
+        try:
+            fn, params = impl.build(case)
+        except Exception as exc:  # noqa: BLE001
+            note = f"building it raised {type(exc).__name__}: {first_line(exc)}"
+            rows += [dict(_base_row(case, impl, p), status="error", note=note) for p in passes]
+            continue
+        for pass_ in passes:
+            row = _checked_row(case, impl, fn, params, pass_)
+            rows.append(row)
+            if row["status"] == "ok":
+                timed.setdefault(impl.key, []).append((row, fn, params, pass_))
+    for _ in range(rounds):
+        for impl in chosen:
+            for row, fn, params, pass_ in timed.get(impl.key, ()):
+                if row["status"] == "ok":
+                    _time_into(row, case, fn, params, pass_, warmup, rep)
+            if bar is not None:
+                bar.update(1)
+    for row, *_ in (entry for entries in timed.values() for entry in entries):
+        row["eager_ms"] = _median(row["eager_ms_rounds"])
+        row["device_ms"] = _median(row["device_ms_rounds"])
     return rows
 
 
@@ -602,11 +639,13 @@ def run_benchmark(
     seed: int = 0,
     ceilings: dict | None = None,
     progress: bool = True,
+    rounds: int = 1,
 ) -> dict:
     """Check and time ``kernel``'s implementations over a token sweep (and, for RMSNorm, a hidden-size sweep).
 
     ``width`` is the hidden size (RMSNorm) or the vocabulary (cross-entropy). ``impls``: keys of
-    ``peers.IMPLEMENTATIONS[kernel]`` or ``Impl`` objects (default: all). ``warmup``/``rep`` are do_bench's, in ms.
+    ``peers.IMPLEMENTATIONS[kernel]`` or ``Impl`` objects (default: all). ``warmup``/``rep`` are do_bench's, in ms;
+    ``rounds`` how many times every implementation is timed, in turn, at each shape (``measure_shape``).
     On a GPU the copy and matmul ceilings are measured first unless ``ceilings`` is given.
     Returns the results dict that ``save_results`` writes as JSON.
     """
@@ -617,6 +656,8 @@ def run_benchmark(
     for p in passes:
         if p not in KERNEL_PASSES[kernel]:
             raise ValueError(f"{kernel} is measured in passes {KERNEL_PASSES[kernel]}, got {p!r}")
+    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
+        raise ValueError(f"rounds must be a positive int, got {rounds!r}")
     chosen = implementations(kernel, impls)
     shapes = sweep_shapes(tokens, width, width_sweep, width_sweep_tokens)
     if ceilings is None and runtime.MODE == "gpu":
@@ -625,16 +666,14 @@ def run_benchmark(
     from tqdm.auto import tqdm
 
     rows: list[dict] = []
-    bar = tqdm(total=len(shapes) * len(chosen), desc=kernel, disable=not progress, leave=True)
+    bar = tqdm(total=len(shapes) * rounds * len(chosen), desc=kernel, disable=not progress, leave=True)
     try:
         for n_tokens, n_width in shapes:
             if runtime.MODE == "gpu" and any(i.compiled for i in chosen):
                 torch._dynamo.reset()  # compile afresh per shape: dynamic=False, and no recompile limit to hit
             case = CASES[kernel](n_tokens, n_width, dtype=dtype, seed=seed)
-            for impl in chosen:
-                bar.set_postfix_str(f"{n_tokens}×{n_width} {impl.key}")
-                rows += measure_implementation(case, impl, passes, warmup, rep)
-                bar.update(1)
+            bar.set_postfix_str(f"{n_tokens}×{n_width}")
+            rows += measure_shape(case, chosen, passes, warmup, rep, rounds, bar)
             del case
             _free_device_memory()
     finally:
@@ -643,7 +682,7 @@ def run_benchmark(
     return _results_dict(kernel, rows, chosen, ceilings, shapes, dict(
         tokens=[int(t) for t in tokens], width=int(width), width_sweep=[int(w) for w in width_sweep],
         width_sweep_tokens=width_sweep_tokens, dtype=str(dtype).removeprefix("torch."), passes=list(passes),
-        warmup_ms=warmup, rep_ms=rep, seed=seed,
+        warmup_ms=warmup, rep_ms=rep, seed=seed, rounds=rounds,
     ))
 
 
@@ -674,8 +713,10 @@ def _results_dict(kernel, rows, chosen, ceilings, shapes, settings) -> dict:
 def _time_basis() -> dict:
     if runtime.MODE == "gpu":
         return {
-            "eager_ms": "do_bench median of the plain call: host (Python, autograd, launch) overhead included",
-            "device_ms": "do_bench median of CUDA-graph replays of the same call: GPU time only",
+            "eager_ms": "do_bench median of the plain call: host (Python, autograd, launch) overhead included; "
+                        "the median over the rounds",
+            "device_ms": "do_bench median of CUDA-graph replays of the same call: GPU time only; the median over "
+                         "the rounds",
         }
     return {
         "eager_ms": "wall-clock median of the CPU interpreter: meaningless as a GPU time",
@@ -764,6 +805,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="a few sizes only")
     parser.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms of GPU time (default 25)")
     parser.add_argument("--rep", type=int, default=50, help="do_bench repetitions, ms of GPU time (default 50)")
+    parser.add_argument("--rounds", type=int, default=runtime.pick(1, 3),
+                        help="times every implementation is timed, in turn, at each shape; rows keep the median "
+                             "(default 3 on a GPU, 1 in the interpreter)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"output folder (default {RESULTS})")
     parser.add_argument("--no-plots", action="store_true", help="write JSON only")
@@ -808,7 +852,7 @@ def run_kernel_cli(kernel: str, args, ceilings: dict | None) -> dict:
         print(f"{kernel}: none of the chosen implementations applies; skipped")
         return {}
     common = dict(impls=impls, passes=passes, dtype=DTYPES[args.dtype], warmup=args.warmup, rep=args.rep,
-                  seed=args.seed, ceilings=ceilings, progress=not args.no_progress)
+                  seed=args.seed, ceilings=ceilings, progress=not args.no_progress, rounds=args.rounds)
     if kernel == "rmsnorm":
         return run_benchmark("rmsnorm", sizes["tokens"], sizes["hidden"], width_sweep=sizes["hidden_sweep"],
                              width_sweep_tokens=sizes["hidden_sweep_tokens"], **common)

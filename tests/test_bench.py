@@ -228,8 +228,8 @@ def test_bad_arguments_are_named():
 # --------------------------------------------------------------------------------------------------------------------
 
 ROW_KEYS = {"kernel", "impl", "label", "role", "tokens", "width", "shape", "pass", "dtype", "status", "note",
-            "eager_ms", "device_ms", "device_note", "bytes", "bytes_floor", "gbps", "frac_copy", "gbps_floor",
-            "frac_copy_floor", "peak_extra_mib", "check"}
+            "eager_ms", "device_ms", "device_note", "eager_ms_rounds", "device_ms_rounds", "bytes", "bytes_floor",
+            "gbps", "frac_copy", "gbps_floor", "frac_copy_floor", "peak_extra_mib", "check"}
 
 
 @pytest.mark.skipif(runtime.MODE == "gpu", reason="the CPU run of the command line; the GPU test below covers GPUs")

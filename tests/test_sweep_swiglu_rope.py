@@ -70,6 +70,36 @@ def test_wrong_peers_are_caught_and_ours_passes(device):
     assert results["width_name"] == "head_dim"
 
 
+def _logged_swiglu(name, log):
+    """A correct SwiGLU peer that appends ``name`` to ``log`` at every call."""
+    from kernels.reference import swiglu_reference
+
+    def build(case):
+        def fn(gate, up):
+            log.append(name)
+            return swiglu_reference(gate, up)
+
+        return fn, []
+
+    return Impl(name, name, "peer", build)
+
+
+def test_rounds_time_every_implementation_in_turn(device):
+    # Two rounds: each implementation is checked once, then timed once per round, in turn (A B A B), and each row
+    # keeps the median of its two rounds.
+    log = []
+    results = run_benchmark("swiglu", [6], 32, impls=["ours", _logged_swiglu("a", log), _logged_swiglu("b", log)],
+                            passes=["fwd"], progress=False, rep=1, warmup=1, rounds=2)
+    turns = [name for i, name in enumerate(log) if i == 0 or log[i - 1] != name]
+    assert turns == ["a", "b", "a", "b", "a", "b"]  # the checks, then round 1, then round 2
+    assert results["settings"]["rounds"] == 2
+    for row in results["rows"]:
+        assert row["status"] == "ok" and len(row["eager_ms_rounds"]) == 2
+        assert row["eager_ms"] == pytest.approx(sum(row["eager_ms_rounds"]) / 2)  # the median of two
+    with pytest.raises(ValueError, match="rounds"):
+        run_benchmark("swiglu", [6], 32, progress=False, rounds=0)
+
+
 def test_command_line_runs_swiglu_and_rope_on_the_cpu(tmp_path, capsys):
     for kernel, width in (("swiglu", "--intermediate"), ("rope", "--head-dim")):
         argv = ["--kernel", kernel, "--tokens", "3", width, "24", "--out", str(tmp_path), "--no-progress",

@@ -36,8 +36,9 @@ from .results import RESULTS, device_slug, first_line
 from .sweep import CASES
 
 # Tiny calls: a few microseconds of GPU work, so a loop of them measures the host.
-SHAPES = {"rmsnorm": (8, 1024), "cross_entropy": (8, 1024)}
-PASSES = {"rmsnorm": ("fwd", "fwd+bwd"), "cross_entropy": ("fwd+bwd",)}
+SHAPES = {"rmsnorm": (8, 1024), "cross_entropy": (8, 1024), "swiglu": (8, 1024), "rope": (8, 128)}
+PASSES = {"rmsnorm": ("fwd", "fwd+bwd"), "cross_entropy": ("fwd+bwd",), "swiglu": ("fwd", "fwd+bwd"),
+          "rope": ("fwd", "fwd+bwd")}
 LAYERS = ("autograd and checks", "operator dispatch", "our Python around the launches", "Triton launches")
 
 
@@ -174,10 +175,69 @@ def _cross_entropy_layers(case) -> dict[str, Callable[[], object]]:
     return {"total": total, "ops": ops, "impl": impl, "launches": launches, "n_launches": 4}
 
 
+def _swiglu_layers(case) -> dict[str, Callable[[], object]]:
+    sw = importlib.import_module("kernels.swiglu")
+    gate, up, dy = case.gate, case.up, case.dy
+    g, u = gate.detach(), up.detach()
+    rows, cols = g.shape
+    props = runtime.device_props(g.device)
+    fwd, bwd = sw.forward_config(rows, cols, props), sw.backward_config(rows, cols, props)
+    y, d_gate, d_up = torch.empty_like(g), torch.empty_like(g), torch.empty_like(u)
+
+    def total():
+        gate.grad = up.grad = None
+        sw.swiglu(gate, up).backward(dy)
+
+    def ops():
+        sw.swiglu_fwd_op(g, u)
+        sw.swiglu_bwd_op(dy, g, u)
+
+    def impl():
+        sw.swiglu_forward(g, u)
+        sw.swiglu_backward(dy, g, u)
+
+    def launches():
+        sw._swiglu_fwd_kernel[fwd.grid](g, u, y, rows, cols, cols, cols, cols, ROWS=fwd.rows, BLOCK_N=fwd.block_n,
+                                        num_warps=fwd.num_warps)
+        sw._launch_backward(dy, g, u, d_gate, d_up, bwd)
+
+    return {"total": total, "ops": ops, "impl": impl, "launches": launches, "n_launches": 2}
+
+
+def _rope_layers(case) -> dict[str, Callable[[], object]]:
+    rope = importlib.import_module("kernels.rope")
+    q, k, cos, sin, dq, dk = case.q, case.k, case.cos, case.sin, case.dq, case.dk
+    qd, kd = q.detach(), k.detach()
+    q_out, k_out = torch.empty_like(qd), torch.empty_like(kd)
+    dq_in, dk_in = torch.empty_like(qd), torch.empty_like(kd)
+
+    def total():
+        q.grad = k.grad = None
+        torch.autograd.backward(list(rope.apply_rotary(q, k, cos, sin)), [dq, dk])
+
+    def ops():
+        rope.rope_fwd_op(qd, kd, cos, sin)
+        rope.rope_bwd_op(dq, dk, cos, sin, qd.dtype, True)
+
+    def impl():
+        rope.rope_forward(qd, kd, cos, sin)
+        rope.rope_backward(dq, dk, cos, sin, qd.dtype, True)
+
+    def launches():
+        rope._launch(qd, kd, cos, sin, q_out, k_out, False, None)
+        rope._launch(dq, dk, cos, sin, dq_in, dk_in, True, None)
+
+    return {"total": total, "ops": ops, "impl": impl, "launches": launches, "n_launches": 2}
+
+
+_LAYERS_OF = {"rmsnorm": _rmsnorm_layers, "cross_entropy": _cross_entropy_layers, "swiglu": _swiglu_layers,
+              "rope": _rope_layers}
+
+
 def breakdown(kernel: str, calls: int | None = None) -> dict:
     """Our forward + backward of ``kernel`` on a tiny case, split into ``LAYERS`` (µs per call)."""
     case = _case(kernel)
-    layers = {"rmsnorm": _rmsnorm_layers, "cross_entropy": _cross_entropy_layers}[kernel](case)
+    layers = _LAYERS_OF[kernel](case)
     t = {name: host_us(layers[name], calls) for name in ("total", "ops", "impl", "launches")}
     parts = {
         "autograd and checks": t["total"] - t["ops"],

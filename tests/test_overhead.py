@@ -2,14 +2,17 @@
 
 import math
 
+import pytest
+
 from kernels import overhead
 
 
-def test_breakdown_layers_add_up():
-    result = overhead.breakdown("rmsnorm", calls=2)
+@pytest.mark.parametrize("kernel, n_launches", [("rmsnorm", 3), ("cross_entropy", 4), ("swiglu", 2), ("rope", 2)])
+def test_breakdown_layers_add_up(kernel, n_launches):
+    result = overhead.breakdown(kernel, calls=2)
     assert set(result["parts_us"]) == set(overhead.LAYERS)
     assert math.isclose(sum(result["parts_us"].values()), result["levels_us"]["total"], rel_tol=1e-9)
-    assert result["n_launches"] == 3 and result["levels_us"]["launches"] > 0
+    assert result["n_launches"] == n_launches and result["levels_us"]["launches"] > 0
 
 
 def test_peers_are_checked_then_timed_or_skipped_with_a_reason():
@@ -22,6 +25,7 @@ def test_peers_are_checked_then_timed_or_skipped_with_a_reason():
 
 def test_run_table_and_plot(tmp_path):
     results = overhead.run(calls=2)
-    assert "ours, rmsnorm fwd+bwd" in overhead.format_table(results)
+    table = overhead.format_table(results)
+    assert all(f"ours, {kernel} fwd+bwd" in table for kernel in overhead.PASSES)
     json_path, png_path = overhead.save(results, tmp_path)
     assert json_path.exists() and png_path.exists()

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from kernels import sweep
+from kernels import runtime, sweep
 from kernels.peers import Impl
 from kernels.sweep import rope_bytes, run_benchmark, swiglu_bytes
 
@@ -100,6 +100,7 @@ def test_rounds_time_every_implementation_in_turn(device):
         run_benchmark("swiglu", [6], 32, progress=False, rounds=0)
 
 
+@pytest.mark.skipif(runtime.MODE == "gpu", reason="the CPU run of the command line (the GPU sweep is run by hand)")
 def test_command_line_runs_swiglu_and_rope_on_the_cpu(tmp_path, capsys):
     for kernel, width in (("swiglu", "--intermediate"), ("rope", "--head-dim")):
         argv = ["--kernel", kernel, "--tokens", "3", width, "24", "--out", str(tmp_path), "--no-progress",

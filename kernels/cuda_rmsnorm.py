@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from . import runtime
-from .rmsnorm import _backward_fake, _check_inputs, _forward_fake
+from .rmsnorm import _backward_fake, _check_tensors, _forward_fake
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 CPU_SOURCE = CSRC / "rmsnorm_cpu.cpp"
@@ -208,7 +208,7 @@ def rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> t
     """RMSNorm over the last dimension of ``x`` by the CUDA C++ kernels (built on first use): what
     ``kernels.rms_norm`` computes, for CUDA tensors of float32, bfloat16 or float16 (a float32 weight may go with
     a 16-bit ``x``). Differentiable in ``x`` and ``weight``."""
-    _check_inputs(x, weight)
+    _check_tensors(x, weight)
     if x.device.type != "cuda":
         raise ValueError(f"rms_norm_cuda needs CUDA tensors, got x on {x.device}")
     build_cuda()
@@ -219,8 +219,9 @@ def rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> t
 
 def rms_norm_cpp(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """RMSNorm forward over the last dimension of ``x`` by the C++ CPU extension (built on first use). CPU tensors
-    of float32, bfloat16 or float16; forward only (no autograd: the extension exists to show the mechanics)."""
-    _check_inputs(x, weight)
+    of float32, bfloat16 or float16, on any machine; forward only (no autograd: the extension exists to show the
+    mechanics)."""
+    _check_tensors(x, weight)
     if x.device.type != "cpu":
         raise ValueError(f"rms_norm_cpp runs on the CPU, got x on {x.device}")
     build_cpu()

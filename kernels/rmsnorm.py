@@ -213,7 +213,8 @@ def _backward_config(n_rows: int, n_cols: int, itemsize: int, props: runtime.Dev
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _check_inputs(x: torch.Tensor, weight: torch.Tensor) -> None:
+def _check_tensors(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """Types, dtypes, shapes and one device for x and weight, whatever that device is."""
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise TypeError(f"x and weight must be tensors, got {type(x).__name__} and {type(weight).__name__}")
     if not x.is_floating_point():
@@ -229,6 +230,11 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor) -> None:
         )
     if x.device != weight.device:
         raise ValueError(f"x and weight must be on the same device, got {x.device} and {weight.device}")
+
+
+def _check_inputs(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """``_check_tensors``, and CUDA tensors in gpu mode (the Triton kernels run where the mode says)."""
+    _check_tensors(x, weight)
     if not runtime.INTERPRET and x.device.type != "cuda":
         raise ValueError(f"in gpu mode the inputs must be CUDA tensors, got a tensor on {x.device}")
 

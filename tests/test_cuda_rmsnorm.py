@@ -101,7 +101,8 @@ def test_cpu_op_empty_input(cpu_extension):
 
 
 @pytest.mark.parametrize("make, error, message", [
-    (lambda: (torch.randn(4, 8), torch.rand(7)), ValueError, "weight must have shape"),
+    (lambda: (torch.randn(4, 8), torch.rand(7)), ValueError,
+     r"weight must have shape \(8,\) to match the last dimension of x \(4, 8\), got \(7,\)"),
     (lambda: (torch.randn(4, 8, dtype=torch.float64), torch.rand(8, dtype=torch.float64)), TypeError, "float32"),
     (lambda: (torch.randn(4, 8), torch.rand(8, dtype=torch.bfloat16)), TypeError, "weight must have"),
 ])
@@ -255,6 +256,20 @@ def test_gpu_every_element_written(cuda_extension, gen):
     torch.empty(64 << 20, device="cuda").fill_(float("nan"))
     errors = forward_backward(cuda_rmsnorm.rms_norm_cuda, x, w, dy)
     assert all(e < TOL[torch.bfloat16] for e in errors), errors
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("make, error, message", [
+    (lambda: (torch.randn(4, 8), torch.rand(7)), ValueError,
+     r"weight must have shape \(8,\) to match the last dimension of x \(4, 8\), got \(7,\)"),
+    (lambda: (torch.randn(4, 8, dtype=torch.float64), torch.rand(8, dtype=torch.float64)), TypeError, "float32"),
+    (lambda: (torch.randn(4, 8), torch.rand(8, dtype=torch.bfloat16)), TypeError, "weight must have"),
+])
+def test_gpu_op_bad_input_raises_clear_errors(cuda_extension, make, error, message):
+    # The operator's own checks, called directly (rms_norm_cuda checks in Python first): an error, not a crash.
+    x, w = (t.cuda() for t in make())
+    with pytest.raises(error, match=message):
+        torch.ops.kernels_cuda.rms_norm_fwd.default(x, w, 1e-6)
 
 
 @pytest.mark.gpu

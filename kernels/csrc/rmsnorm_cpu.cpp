@@ -19,6 +19,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <tuple>
 
 namespace {
@@ -49,18 +50,31 @@ void rms_norm_rows(const In* x, int64_t x_row_stride, const Out* w, Out* y, floa
   }
 }
 
+// Numbers in error messages are turned into strings with std::to_string before they reach TORCH_CHECK. On the GPU
+// machines this workbook was measured on (torch 2.11.0+cu130, g++ 13.3), streaming an integer into a TORCH_CHECK
+// message (c10::str, an std::ostringstream) crashed the process with a segmentation fault instead of raising, while
+// strings streamed fine; to_string does not go through a stream.
+std::string shape_string(at::IntArrayRef sizes) {  // as Python prints a shape, e.g. "(4, 8)"
+  std::string text = "(";
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    text += (i ? ", " : "") + std::to_string(sizes[i]);
+  }
+  return text + (sizes.size() == 1 ? ",)" : ")");
+}
+
 void check_inputs(const at::Tensor& x, const at::Tensor& weight) {
   // TORCH_CHECK_TYPE / TORCH_CHECK_VALUE reach Python as TypeError / ValueError.
   TORCH_CHECK_VALUE(x.dim() >= 1, "x must have at least one dimension (the hidden size), got a scalar");
-  TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == x.size(-1), "weight must have shape (", x.size(-1),
-                    ",) to match the last dimension of x ", x.sizes(), ", got ", weight.sizes());
+  TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == x.size(-1), "weight must have shape (",
+                    std::to_string(x.size(-1)), ",) to match the last dimension of x ", shape_string(x.sizes()),
+                    ", got ", shape_string(weight.sizes()));
   const auto xt = x.scalar_type();
   TORCH_CHECK_TYPE(xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf,
                    "x must be float32, bfloat16 or float16, got ", xt);
   TORCH_CHECK_TYPE(weight.scalar_type() == xt || weight.scalar_type() == at::kFloat,
                    "weight must have x's dtype (", xt, ") or float32, got ", weight.scalar_type());
   TORCH_CHECK_VALUE(x.device().is_cpu() && weight.device().is_cpu(), "kernels_cpp runs on the CPU, got x on ",
-                    x.device(), " and weight on ", weight.device());
+                    x.device().str(), " and weight on ", weight.device().str());
 }
 
 template <typename In>

@@ -38,6 +38,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <tuple>
 
 namespace {
@@ -333,7 +334,7 @@ struct DeviceInfo {
 DeviceInfo device_info(int device) {
   constexpr int kMaxDevices = 64;
   static DeviceInfo cache[kMaxDevices] = {};
-  TORCH_CHECK(device >= 0 && device < kMaxDevices, "device index out of range: ", device);
+  TORCH_CHECK(device >= 0 && device < kMaxDevices, "device index out of range: ", std::to_string(device));
   DeviceInfo& info = cache[device];
   if (info.sm_count == 0) {
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&info.max_shared_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
@@ -406,9 +407,9 @@ void launch_backward_vec(const at::Tensor& dy_rows, const at::Tensor& x_rows, co
   const int threads = threads_for(cols / VEC);
   const DeviceInfo info = device_info(x_rows.get_device());
   const size_t shared_bytes = compute_dw ? static_cast<size_t>(cols) * sizeof(float) : 0;
-  TORCH_CHECK(shared_bytes <= static_cast<size_t>(info.max_shared_optin), "rms_norm_bwd: a hidden size of ", cols,
-              " needs ", shared_bytes, " bytes of shared memory for the dW sums, more than this GPU's ",
-              info.max_shared_optin);
+  TORCH_CHECK(shared_bytes <= static_cast<size_t>(info.max_shared_optin), "rms_norm_bwd: a hidden size of ",
+              std::to_string(cols), " needs ", std::to_string(shared_bytes),
+              " bytes of shared memory for the dW sums, more than this GPU's ", std::to_string(info.max_shared_optin));
   if (shared_bytes > 48 * 1024) {  // above 48 KB a kernel must opt in to more shared memory
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(shared_bytes)));
@@ -448,18 +449,32 @@ void launch_backward(const at::Tensor& dy_rows, const at::Tensor& x_rows, const 
 // The operators
 // ------------------------------------------------------------------------------------------------------------------
 
+// Numbers in error messages are turned into strings with std::to_string before they reach TORCH_CHECK. On the GPU
+// machines this workbook was measured on (torch 2.11.0+cu130, g++ 13.3), streaming an integer into a TORCH_CHECK
+// message (c10::str, an std::ostringstream) crashed the process with a segmentation fault instead of raising, while
+// strings streamed fine; to_string does not go through a stream.
+std::string shape_string(at::IntArrayRef sizes) {  // as Python prints a shape, e.g. "(4, 8)"
+  std::string text = "(";
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    text += (i ? ", " : "") + std::to_string(sizes[i]);
+  }
+  return text + (sizes.size() == 1 ? ",)" : ")");
+}
+
 void check_pair(const at::Tensor& x, const at::Tensor& weight) {
   // TORCH_CHECK_TYPE / TORCH_CHECK_VALUE reach Python as TypeError / ValueError.
   TORCH_CHECK_VALUE(x.dim() >= 1, "x must have at least one dimension (the hidden size), got a scalar");
-  TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == x.size(-1), "weight must have shape (", x.size(-1),
-                    ",) to match the last dimension of x ", x.sizes(), ", got ", weight.sizes());
+  TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == x.size(-1), "weight must have shape (",
+                    std::to_string(x.size(-1)), ",) to match the last dimension of x ", shape_string(x.sizes()),
+                    ", got ", shape_string(weight.sizes()));
   const auto xt = x.scalar_type();
   TORCH_CHECK_TYPE(xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf,
                    "x must be float32, bfloat16 or float16, got ", xt);
   TORCH_CHECK_TYPE(weight.scalar_type() == xt || weight.scalar_type() == at::kFloat,
                    "weight must have x's dtype (", xt, ") or float32, got ", weight.scalar_type());
   TORCH_CHECK_VALUE(x.is_cuda() && weight.device() == x.device(),
-                    "x and weight must be on the same CUDA device, got ", x.device(), " and ", weight.device());
+                    "x and weight must be on the same CUDA device, got ", x.device().str(), " and ",
+                    weight.device().str());
 }
 
 // [..., hidden] -> [rows, hidden] with unit stride along hidden; copies only when no such view exists.
@@ -517,14 +532,16 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_cuda(const at::Tensor& dy, const
                                                      const at::Tensor& weight, const at::Tensor& rstd,
                                                      bool compute_dw) {
   check_pair(x, weight);
-  TORCH_CHECK_VALUE(dy.sizes() == x.sizes(), "dy must have x's shape ", x.sizes(), ", got ", dy.sizes());
+  TORCH_CHECK_VALUE(dy.sizes() == x.sizes(), "dy must have x's shape ", shape_string(x.sizes()), ", got ",
+                    shape_string(dy.sizes()));
   TORCH_CHECK_TYPE(dy.scalar_type() == weight.scalar_type(), "dy must have the output's dtype ",
                    weight.scalar_type(), ", got ", dy.scalar_type());
   TORCH_CHECK_TYPE(rstd.scalar_type() == at::kFloat, "rstd must be float32, got ", rstd.scalar_type());
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t cols = x.size(-1);
   const int64_t rows = cols ? x.numel() / cols : 0;
-  TORCH_CHECK_VALUE(rstd.numel() == rows, "rstd must hold one value per row (", rows, "), got ", rstd.numel());
+  TORCH_CHECK_VALUE(rstd.numel() == rows, "rstd must hold one value per row (", std::to_string(rows),
+                    "), got ", std::to_string(rstd.numel()));
   at::Tensor dx = at::empty(x.sizes(), x.options());
   if (rows == 0) {  // no rows: dW is a sum over nothing
     return {dx, compute_dw ? at::zeros_like(weight) : weight.new_empty({0})};

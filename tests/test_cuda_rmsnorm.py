@@ -100,12 +100,16 @@ def test_cpu_op_empty_input(cpu_extension):
     assert y.shape == (0, 64) and rstd.shape == (0,)
 
 
-@pytest.mark.parametrize("make, error, message", [
+# Inputs each operator must refuse with a Python exception (never a crash), the exception and its message.
+BAD_INPUTS = [
     (lambda: (torch.randn(4, 8), torch.rand(7)), ValueError,
      r"weight must have shape \(8,\) to match the last dimension of x \(4, 8\), got \(7,\)"),
     (lambda: (torch.randn(4, 8, dtype=torch.float64), torch.rand(8, dtype=torch.float64)), TypeError, "float32"),
     (lambda: (torch.randn(4, 8), torch.rand(8, dtype=torch.bfloat16)), TypeError, "weight must have"),
-])
+]
+
+
+@pytest.mark.parametrize("make, error, message", BAD_INPUTS)
 def test_cpu_op_bad_input_raises_clear_errors(cpu_extension, make, error, message):
     with pytest.raises(error, match=message):
         cpp_fwd(*make())
@@ -259,12 +263,7 @@ def test_gpu_every_element_written(cuda_extension, gen):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("make, error, message", [
-    (lambda: (torch.randn(4, 8), torch.rand(7)), ValueError,
-     r"weight must have shape \(8,\) to match the last dimension of x \(4, 8\), got \(7,\)"),
-    (lambda: (torch.randn(4, 8, dtype=torch.float64), torch.rand(8, dtype=torch.float64)), TypeError, "float32"),
-    (lambda: (torch.randn(4, 8), torch.rand(8, dtype=torch.bfloat16)), TypeError, "weight must have"),
-])
+@pytest.mark.parametrize("make, error, message", BAD_INPUTS)
 def test_gpu_op_bad_input_raises_clear_errors(cuda_extension, make, error, message):
     # The operator's own checks, called directly (rms_norm_cuda checks in Python first): an error, not a crash.
     x, w = (t.cuda() for t in make())

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -73,30 +74,58 @@ def _case(kernel: str):
     return CASES[kernel](*SHAPES[kernel])
 
 
+def interleaved_host_us(fns: dict[str, tuple[Callable[[], object], list]], calls: int | None = None,
+                        rounds: int | None = None) -> dict[str, float]:
+    """``host_us`` of every ``name: (fn, grads)``, taken in ``rounds`` rounds of ``calls / rounds`` calls each, every
+    function once per round in turn; the median per function.
+
+    A host's speed drifts over seconds (another process, clock changes), so timing one function after another
+    would charge the drift to whichever ran during it, and differences between them (the layers of ``breakdown``)
+    could even come out negative. Interleaved, a slow stretch slows every function of that round alike.
+    """
+    calls = calls or runtime.pick(5, 2000)
+    rounds = rounds or runtime.pick(1, 5)
+    per_round = max(1, calls // rounds)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, (fn, grads) in fns.items():
+            times[name].append(host_us(fn, per_round, grads=grads))
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 def measure_peers(kernel: str, pass_: str, calls: int | None = None) -> list[dict]:
-    """Host µs per call of every implementation of ``kernel`` (checked against float64 first), on a tiny case."""
+    """Host µs per call of every implementation of ``kernel`` (checked against float64 first), on a tiny case,
+    timed in interleaved rounds (``interleaved_host_us``)."""
     case = _case(kernel)
-    rows = []
+    rows, timed = [], {}
     for impl in implementations(kernel):
         row = {"kernel": kernel, "pass": pass_, "impl": impl.key, "label": impl.label, "role": impl.role,
                "shape": list(SHAPES[kernel]), "host_us": None, "note": ""}
+        rows.append(row)
         reason = impl.unavailable()
         if reason:
-            rows.append(dict(row, note=reason))
+            row["note"] = reason
             continue
         try:
             fn, params = impl.build(case)
             case.reset_inputs()
             check = case.check(fn, params, pass_)
             if not check.ok:
-                rows.append(dict(row, note=f"not timed: {check.message}"))
+                row["note"] = f"not timed: {check.message}"
                 continue
             case.reset_inputs()
             call, grads = case.step(fn, params, pass_)
-            row["host_us"] = host_us(call, calls, grads=grads)
+            host_us(call, 1, warmup=0, grads=grads)  # a trial call: one that fails is recorded here, for this peer
+            timed[impl.key] = (call, grads)
         except Exception as exc:  # noqa: BLE001  (a peer that fails here is a result, not the end of the run)
             row["note"] = f"{type(exc).__name__}: {first_line(exc)}"
-        rows.append(row)
+    try:
+        for key, us in interleaved_host_us(timed, calls).items():
+            next(r for r in rows if r["impl"] == key)["host_us"] = us
+    except Exception as exc:  # noqa: BLE001
+        for row in rows:
+            if row["impl"] in timed:
+                row["note"] = f"timing raised {type(exc).__name__}: {first_line(exc)}"
     return rows
 
 
@@ -238,7 +267,7 @@ def breakdown(kernel: str, calls: int | None = None) -> dict:
     """Our forward + backward of ``kernel`` on a tiny case, split into ``LAYERS`` (µs per call)."""
     case = _case(kernel)
     layers = _LAYERS_OF[kernel](case)
-    t = {name: host_us(layers[name], calls) for name in ("total", "ops", "impl", "launches")}
+    t = interleaved_host_us({name: (layers[name], []) for name in ("total", "ops", "impl", "launches")}, calls)
     parts = {
         "autograd and checks": t["total"] - t["ops"],
         "operator dispatch": t["ops"] - t["impl"],

@@ -29,3 +29,12 @@ def test_run_table_and_plot(tmp_path):
     assert all(f"ours, {kernel} fwd+bwd" in table for kernel in overhead.PASSES)
     json_path, png_path = overhead.save(results, tmp_path)
     assert json_path.exists() and png_path.exists()
+
+
+def test_interleaved_timing_takes_every_function_in_turn():
+    log = []
+    fns = {name: ((lambda name=name: log.append(name)), []) for name in ("a", "b")}
+    result = overhead.interleaved_host_us(fns, calls=4, rounds=2)
+    turns = [name for i, name in enumerate(log) if i == 0 or log[i - 1] != name]
+    assert turns == ["a", "b", "a", "b"] and set(result) == {"a", "b"}
+    assert all(us > 0 for us in result.values())

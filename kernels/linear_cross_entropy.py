@@ -185,12 +185,18 @@ class RecomputeLayout:
     """How "recompute" walks the vocabulary: slices of ``width`` rows of W, of which the last ``keep`` are kept
     from the forward pass for the backward, side by side in one buffer. The buffer holds at least one slice: the
     slices that are not kept pass through its front, in the forward pass before the kept ones are made and in the
-    backward pass after they are used."""
+    backward pass after they are used.
+
+    The first ``in_grad`` slices are kept too, in the memory of d_weight ([vocab, hidden]), which the forward pass
+    then allocates. The backward pass uses them first, in order, and writes d_weight's rows slice by slice, so each
+    of these slices' logits must lie past the rows written before it is used (``grad_offsets``)."""
 
     n_rows: int
     vocab: int
     width: int
     keep: int
+    hidden: int = 0
+    in_grad: int = 0
 
     # Cached: the passes ask for them once per slice.
     @functools.cached_property
@@ -207,30 +213,64 @@ class RecomputeLayout:
     def buffer_numel(self) -> int:
         return self.n_rows * max(min(self.width, self.vocab), self.vocab - self.kept_start)
 
+    @functools.cached_property
+    def grad_offsets(self) -> list[int]:
+        """Where each of the first ``in_grad`` slices' logits starts in the flat d_weight buffer."""
+        return _grad_offsets(self.n_rows, self.hidden, self.slices[:self.in_grad])
+
+
+def _grad_offsets(n_rows: int, hidden: int, slices) -> list[int]:
+    # The backward pass starts with these slices, from the first, writing each one's rows of d_weight once its
+    # logits are used. So slice i's logits may sit anywhere past its own rows, stop_i × hidden, and past the slice
+    # before it: every row written before slice i is used is then below them.
+    offsets, end = [], 0
+    for start, stop in slices:
+        offsets.append(max(stop * hidden, end))
+        end = offsets[-1] + n_rows * (stop - start)
+    return offsets
+
+
+def _slices_in_grad(n_rows: int, hidden: int, slices, kept_start: int) -> int:
+    """How many of the first slices (before the kept ones) fit in d_weight's memory (``RecomputeLayout``)."""
+    count, vocab = 0, slices[-1][1] if slices else 0
+    for i, (start, stop) in enumerate(slices):
+        offset = _grad_offsets(n_rows, hidden, slices[:i + 1])[-1]
+        if stop > kept_start or offset + n_rows * (stop - start) > vocab * hidden:
+            break
+        count += 1
+    return count
+
 
 def recompute_layout(n_rows: int, hidden: int, vocab: int, itemsize: int, slice_bytes: int,
-                     budget_bytes: int) -> RecomputeLayout:
+                     budget_bytes: int, grad_buffer: bool = False) -> RecomputeLayout:
     """Slices of at most ``slice_bytes`` of logits each, and as many of the last ones kept as fit in
-    ``budget_bytes`` beside the float32 d_hidden and logsumexp (possibly all, possibly none)."""
+    ``budget_bytes`` beside the float32 d_hidden and logsumexp (possibly all, possibly none). With ``grad_buffer``
+    (d_weight is wanted, in the logits' dtype) the first slices are kept in d_weight's memory as well, as many as
+    fit there."""
     width = _width_within(n_rows, vocab, itemsize, slice_bytes)
+    slices = _slices(vocab, width) if n_rows else []
     room = budget_bytes - n_rows * (hidden + 1) * 4
     keep = 0
-    for start, stop in reversed(_slices(vocab, width) if n_rows else []):
+    for start, stop in reversed(slices):
         room -= n_rows * (stop - start) * itemsize
         if room < 0:
             break
         keep += 1
-    return RecomputeLayout(n_rows, vocab, width, keep)
+    kept_start = slices[len(slices) - keep][0] if keep else vocab
+    in_grad = _slices_in_grad(n_rows, hidden, slices, kept_start) if grad_buffer else 0
+    return RecomputeLayout(n_rows, vocab, width, keep, hidden, in_grad)
 
 
 def plan_recompute(n_rows: int, hidden: int, vocab: int, itemsize: int, props: runtime.DeviceProps | None = None,
-                   keep_logits: bool = True) -> RecomputeLayout:
-    """The layout "recompute" runs with on ``props``: the GPU's budgets or the interpreter's small ones; nothing
-    kept when ``keep_logits`` is False."""
+                   keep_logits: bool = True, grad_buffer: bool = False) -> RecomputeLayout:
+    """The layout "recompute" runs with on ``props``: the GPU's budgets or the interpreter's small ones, and slices
+    kept in d_weight's memory when ``grad_buffer`` (the weight needs its gradient); nothing kept when
+    ``keep_logits`` is False."""
     props = props or runtime.device_props()
     budget = INTERPRETER_RECOMPUTE_BYTES if props.interpreter else GPU_RECOMPUTE_BYTES
-    layout = recompute_layout(n_rows, hidden, vocab, itemsize, _slice_bytes(props), budget)
-    return layout if keep_logits else RecomputeLayout(n_rows, vocab, layout.width, 0)
+    if not keep_logits:
+        return RecomputeLayout(n_rows, vocab, _width_within(n_rows, vocab, itemsize, _slice_bytes(props)), 0, hidden)
+    return recompute_layout(n_rows, hidden, vocab, itemsize, _slice_bytes(props), budget, grad_buffer)
 
 
 def chunk_rows(n_rows: int, vocab: int, itemsize: int, props: runtime.DeviceProps | None = None) -> int:
@@ -323,10 +363,28 @@ def _kept_slice(buffer: torch.Tensor, layout: RecomputeLayout, start: int, stop:
     return buffer[offset:offset + layout.n_rows * (stop - start)]
 
 
-def logsumexp_pass(hidden, weight, target, ignore_index: int, width: int, keep: int = 0):
+def _layout(n_rows: int, vocab: int, width: int, keep: int, hidden: int, in_grad: int) -> RecomputeLayout:
+    """The layout of one call, refusing an ``in_grad`` whose slices would not fit in d_weight's memory (or would
+    be written over by the backward pass before it has used them)."""
+    layout = RecomputeLayout(n_rows, vocab, width, keep, hidden, in_grad)
+    fits = _slices_in_grad(n_rows, hidden, layout.slices, layout.kept_start) if in_grad else 0
+    if not 0 <= in_grad <= fits:
+        raise ValueError(f"in_grad={in_grad}: at most {fits} slices of {width} fit in d_weight's memory here")
+    return layout
+
+
+def _in_grad_slice(grad_buffer: torch.Tensor, layout: RecomputeLayout, i: int) -> torch.Tensor:
+    """Where slice i (one of the first ``in_grad``) keeps its logits: a stretch of the flat d_weight buffer."""
+    start, stop = layout.slices[i]
+    offset = layout.grad_offsets[i]
+    return grad_buffer.view(-1)[offset:offset + layout.n_rows * (stop - start)]
+
+
+def logsumexp_pass(hidden, weight, target, ignore_index: int, width: int, keep: int = 0, in_grad: int = 0):
     """The forward pass of "recompute": per-row loss (0 for ignored rows, NaN for bad targets) and logsumexp, both
-    float32 [rows], from one matmul per slice of ``width`` rows of W; and the buffer holding the last ``keep``
-    slices' logits for the backward pass (empty when ``keep`` is 0). ``hidden`` is [rows, H], ``target`` [rows]."""
+    float32 [rows], from one matmul per slice of ``width`` rows of W; the buffer holding the last ``keep`` slices'
+    logits for the backward pass (empty when ``keep`` is 0); and d_weight's memory, allocated here, holding the
+    first ``in_grad`` slices' logits (empty when ``in_grad`` is 0). ``hidden`` is [rows, H], ``target`` [rows]."""
     n_rows, vocab = hidden.shape[0], weight.shape[0]
     device = hidden.device
     loss = torch.empty(n_rows, dtype=torch.float32, device=device)
@@ -335,39 +393,51 @@ def logsumexp_pass(hidden, weight, target, ignore_index: int, width: int, keep: 
     s = torch.empty(n_rows, dtype=torch.float32, device=device)
     target_logit = torch.empty(n_rows, dtype=torch.float32, device=device)
     if n_rows == 0:
-        return loss, lse, hidden.new_empty(0)
-    layout = RecomputeLayout(n_rows, vocab, width, keep)
+        return loss, lse, hidden.new_empty(0), weight.new_empty(0)
+    layout = _layout(n_rows, vocab, width, keep, hidden.shape[1], in_grad)
     buffer = torch.empty(layout.buffer_numel, dtype=hidden.dtype, device=device)
+    grad_buffer = torch.empty_like(weight) if in_grad else weight.new_empty(0)
     slices = layout.slices
     for i, (start, stop) in enumerate(slices):
         # The slices that are not kept come first, through the buffer's front; each kept one then gets its own place.
-        place = _kept_slice(buffer, layout, start, stop) if start >= layout.kept_start else buffer
+        if i < in_grad:
+            place = _in_grad_slice(grad_buffer, layout, i)
+        else:
+            place = _kept_slice(buffer, layout, start, stop) if start >= layout.kept_start else buffer
         logits = _logits_into(place, hidden, weight[start:stop])
         _slice_launch(_lse_slice_kernel, n_rows, stop - start, device,
                       logits, target, m, s, target_logit, loss, lse, n_rows, stop - start, start, vocab, ignore_index,
                       FIRST=i == 0, LAST=i == len(slices) - 1)
-    return loss, lse, buffer if keep else hidden.new_empty(0)
+    return loss, lse, buffer if keep else hidden.new_empty(0), grad_buffer
 
 
 def gradient_pass(hidden, weight, target, lse, scale, grad_output, ignore_index: int, width: int,
-                  need_hidden: bool, need_weight: bool, kept=None, keep: int = 0):
+                  need_hidden: bool, need_weight: bool, kept=None, keep: int = 0, grad_buffer=None,
+                  in_grad: int = 0):
     """The backward pass of "recompute": ``(d_hidden, d_weight)`` (an empty tensor for the one not needed).
 
-    Per slice: the logits (kept by the forward pass in ``kept`` for its last ``keep`` slices, recomputed for the
-    others), overwritten with their gradient; then d_weight[slice] = G_sliceᵀ @ hidden (one matmul over every token:
-    float32 accumulation, one rounding) and d_hidden += G_slice @ W[slice] (float32). The kept slices go first, and
-    their gradients are written over them: ``kept`` is used up.
+    Per slice: the logits (kept by the forward pass in ``kept`` for its last ``keep`` slices and in ``grad_buffer``
+    for its first ``in_grad``, recomputed for the others), overwritten with their gradient; then d_weight[slice] =
+    G_sliceᵀ @ hidden (one matmul over every token: float32 accumulation, one rounding) and d_hidden += G_slice @
+    W[slice] (float32). The slices kept in ``grad_buffer`` go first, in order, then those in ``kept``, then the
+    recomputed ones (through ``kept``'s front). Both buffers are used up: ``grad_buffer`` becomes d_weight.
     """
     n_rows, vocab = hidden.shape[0], weight.shape[0]
     device = hidden.device
+    layout = _layout(n_rows, vocab, width, keep, hidden.shape[1], in_grad)
+    if in_grad:
+        if not need_weight or grad_buffer is None or grad_buffer.shape != weight.shape \
+                or grad_buffer.dtype != weight.dtype:
+            raise ValueError(f"grad_buffer must be the forward pass's d_weight, holding its first {in_grad} slices")
+        d_weight = grad_buffer
+    else:
+        d_weight = torch.empty_like(weight) if need_weight else weight.new_empty(0)
     d_hidden_acc = torch.zeros(hidden.shape, dtype=torch.float32, device=device) if need_hidden else None
-    d_weight = torch.empty_like(weight) if need_weight else weight.new_empty(0)
     if n_rows == 0:  # a sum over no tokens
         return (hidden.new_zeros(hidden.shape) if need_hidden else hidden.new_empty(0),
                 d_weight.zero_() if need_weight else d_weight)
     go = grad_output.detach().reshape(-1)
     stride_go = 0 if go.numel() == 1 else go.stride(0)
-    layout = RecomputeLayout(n_rows, vocab, width, keep)
     if keep:
         if kept is None or kept.numel() < layout.buffer_numel or kept.dtype != hidden.dtype:
             raise ValueError(f"kept must hold the forward pass's last {keep} slices: {layout.buffer_numel} values of "
@@ -376,10 +446,14 @@ def gradient_pass(hidden, weight, target, lse, scale, grad_output, ignore_index:
     else:
         buffer = torch.empty(layout.buffer_numel, dtype=hidden.dtype, device=device)
     slices = layout.slices
-    for start, stop in slices[len(slices) - keep:] + slices[:len(slices) - keep]:
+    order = [*range(in_grad), *range(len(slices) - keep, len(slices)), *range(in_grad, len(slices) - keep)]
+    for i in order:
+        start, stop = slices[i]
         w = weight[start:stop]
         if start >= layout.kept_start:
             grad = _kept_slice(buffer, layout, start, stop).view(n_rows, stop - start)
+        elif i < in_grad:
+            grad = _in_grad_slice(d_weight, layout, i).view(n_rows, stop - start)
         else:
             grad = _logits_into(buffer, hidden, w)
         _slice_launch(_grad_slice_kernel, n_rows, stop - start, device,
@@ -388,8 +462,8 @@ def gradient_pass(hidden, weight, target, lse, scale, grad_output, ignore_index:
             torch.mm(grad.t(), hidden, out=d_weight[start:stop])
         if need_hidden:
             _accumulate_mm(d_hidden_acc, grad, w)
-    if keep:  # a Triton store is invisible to autograd: bump the version counter by hand, as in-place ops do
-        torch.autograd.graph.increment_version(kept)
+    # A Triton store is invisible to autograd: bump the version counters by hand, as in-place ops do.
+    torch.autograd.graph.increment_version(tuple(t for t, n in ((kept, keep), (grad_buffer, in_grad)) if n))
     d_hidden = d_hidden_acc.to(hidden.dtype) if need_hidden else hidden.new_empty(0)
     return d_hidden, d_weight
 
@@ -441,25 +515,28 @@ def chunked_forward(hidden, weight, target, ignore_index: int, reduction: str, n
 # as a tensor or a number, as in kernels.cross_entropy.
 
 
-def _fwd_impl(hidden, weight, target, ignore_index, reduction, normalizer, normalizer_value, width, keep):
-    loss_rows, lse, kept = logsumexp_pass(hidden, weight, target, ignore_index, width, keep)
+def _fwd_impl(hidden, weight, target, ignore_index, reduction, normalizer, normalizer_value, width, keep, in_grad):
+    loss_rows, lse, kept, grad_buffer = logsumexp_pass(hidden, weight, target, ignore_index, width, keep, in_grad)
     scale = _gradient_scale(target, ignore_index, reduction, _normalizer_arg(normalizer, normalizer_value),
                             hidden.device)
-    return _reduce(loss_rows, scale, reduction), lse, scale, kept
+    return _reduce(loss_rows, scale, reduction), lse, scale, kept, grad_buffer
 
 
-def _fwd_fake(hidden, weight, target, ignore_index, reduction, normalizer, normalizer_value, width, keep):
+def _fwd_fake(hidden, weight, target, ignore_index, reduction, normalizer, normalizer_value, width, keep, in_grad):
     n_rows = hidden.shape[0]
     loss = hidden.new_empty((n_rows,) if reduction == "none" else (), dtype=torch.float32)
     kept = RecomputeLayout(n_rows, weight.shape[0], width, keep).buffer_numel if keep and n_rows else 0
     return (loss, hidden.new_empty(n_rows, dtype=torch.float32), hidden.new_empty(2, dtype=torch.float32),
-            hidden.new_empty(kept))
+            hidden.new_empty(kept), torch.empty_like(weight) if in_grad and n_rows else weight.new_empty(0))
 
 
-def _bwd_impl(grad_output, hidden, weight, target, lse, scale, kept, ignore_index, width, keep, need_hidden,
-              need_weight):
-    return gradient_pass(hidden, weight, target, lse, scale, grad_output, ignore_index, width, need_hidden,
-                         need_weight, kept, keep)
+def _bwd_impl(grad_output, hidden, weight, target, lse, scale, kept, grad_buffer, ignore_index, width, keep, in_grad,
+              need_hidden, need_weight):
+    d_hidden, d_weight = gradient_pass(hidden, weight, target, lse, scale, grad_output, ignore_index, width,
+                                       need_hidden, need_weight, kept, keep, grad_buffer, in_grad)
+    # With slices kept in it, d_weight is grad_buffer itself, which the operator writes (its schema says so) and
+    # must not also return: the caller takes grad_buffer as the gradient.
+    return d_hidden, weight.new_empty(0) if in_grad else d_weight
 
 
 def _grads_fake(hidden, weight, need_hidden, need_weight):
@@ -480,17 +557,25 @@ def _chunked_fake(hidden, weight, target, ignore_index, reduction, normalizer, n
 
 linear_cross_entropy_fwd_op = ops.define(
     "linear_cross_entropy_fwd(Tensor hidden, Tensor weight, Tensor target, int ignore_index, str reduction, "
-    "Tensor? normalizer, float? normalizer_value, int width, int keep) -> (Tensor, Tensor, Tensor, Tensor)",
+    "Tensor? normalizer, float? normalizer_value, int width, int keep, int in_grad) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     _fwd_impl, _fwd_fake,
 )
-# The backward writes the gradient of the kept logits over them: the schema says so (Tensor(a!) kept), and the
-# implementation bumps kept's version counter, so a second backward through the same graph fails loudly.
+
+
+def _bwd_fake(go, hidden, weight, target, lse, scale, kept, grad_buffer, ii, width, keep, in_grad, nh, nw):
+    d_hidden, d_weight = _grads_fake(hidden, weight, nh, nw)
+    return d_hidden, weight.new_empty(0) if in_grad else d_weight
+
+
+# The backward writes the gradient of the kept logits over them, and d_weight into grad_buffer: the schema says so
+# (Tensor(a!) kept, Tensor(b!) grad_buffer), and the implementation bumps their version counters, so a second
+# backward through the same graph fails loudly.
 linear_cross_entropy_bwd_op = ops.define(
     "linear_cross_entropy_bwd(Tensor grad_output, Tensor hidden, Tensor weight, Tensor target, Tensor lse, "
-    "Tensor scale, Tensor(a!) kept, int ignore_index, int width, int keep, bool need_hidden, bool need_weight) "
-    "-> (Tensor, Tensor)",
-    _bwd_impl,
-    lambda go, hidden, weight, target, lse, scale, kept, ii, width, keep, nh, nw: _grads_fake(hidden, weight, nh, nw),
+    "Tensor scale, Tensor(a!) kept, Tensor(b!) grad_buffer, int ignore_index, int width, int keep, int in_grad, "
+    "bool need_hidden, bool need_weight) -> (Tensor, Tensor)",
+    _bwd_impl, _bwd_fake,
 )
 linear_cross_entropy_chunked_op = ops.define(
     "linear_cross_entropy_chunked(Tensor hidden, Tensor weight, Tensor target, int ignore_index, str reduction, "
@@ -506,29 +591,33 @@ linear_cross_entropy_chunked_op = ops.define(
 
 
 class RecomputeFunction(torch.autograd.Function):
-    """"recompute": the forward keeps one float32 logsumexp per row and the logits of the last ``keep`` slices; the
-    backward recomputes the other slices and writes every slice's gradient over its logits. Works for every
-    reduction (a per-row grad_output for "none" scales each row's gradient). With slices kept, the graph can be
-    run backward once only: a second run (``retain_graph=True``) raises PyTorch's in-place error."""
+    """"recompute": the forward keeps one float32 logsumexp per row and the logits of the last ``keep`` slices (and
+    of the first ``in_grad``, in d_weight's memory); the backward recomputes the other slices and writes every
+    slice's gradient over its logits. Works for every reduction (a per-row grad_output for "none" scales each row's
+    gradient). With slices kept, the graph can be run backward once only: a second run (``retain_graph=True``)
+    raises PyTorch's in-place error."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, ignore_index, reduction, normalizer, normalizer_value, width, keep):
-        loss, lse, scale, kept = linear_cross_entropy_fwd_op(hidden, weight, target, ignore_index, reduction,
-                                                             normalizer, normalizer_value, width, keep)
-        ctx.save_for_backward(hidden, weight, target, lse, scale, kept)
-        ctx.ignore_index, ctx.width, ctx.keep = ignore_index, width, keep
+    def forward(ctx, hidden, weight, target, ignore_index, reduction, normalizer, normalizer_value, width, keep,
+                in_grad):
+        loss, lse, scale, kept, grad_buffer = linear_cross_entropy_fwd_op(
+            hidden, weight, target, ignore_index, reduction, normalizer, normalizer_value, width, keep, in_grad)
+        ctx.save_for_backward(hidden, weight, target, lse, scale, kept, grad_buffer)
+        ctx.ignore_index, ctx.width, ctx.keep, ctx.in_grad = ignore_index, width, keep, in_grad
         return loss
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
-        hidden, weight, target, lse, scale, kept = ctx.saved_tensors
+        hidden, weight, target, lse, scale, kept, grad_buffer = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         d_hidden, d_weight = linear_cross_entropy_bwd_op(grad_output, hidden, weight, target, lse, scale, kept,
-                                                         ctx.ignore_index, ctx.width, ctx.keep, need_hidden,
-                                                         need_weight)
+                                                         grad_buffer, ctx.ignore_index, ctx.width, ctx.keep,
+                                                         ctx.in_grad, need_hidden, need_weight)
+        if ctx.in_grad:
+            d_weight = grad_buffer
         return (d_hidden if need_hidden else None, d_weight if need_weight else None,
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None)
 
 
 class ChunkedFunction(torch.autograd.Function):
@@ -607,13 +696,14 @@ def linear_cross_entropy(
         loss = ChunkedFunction.apply(rows, weight, target_rows, ignore_index, reduction, norm_tensor, norm_value, chunk)
         return loss
     keep = needs_grad and keep_logits and not torch.compiler.is_compiling()
-    layout = plan_recompute(rows.shape[0], rows.shape[1], vocab, hidden.element_size(), props, keep)
+    layout = plan_recompute(rows.shape[0], rows.shape[1], vocab, hidden.element_size(), props, keep,
+                            grad_buffer=needs_grad and weight.requires_grad)
     if needs_grad:
         loss = RecomputeFunction.apply(rows, weight, target_rows, ignore_index, reduction, norm_tensor, norm_value,
-                                       layout.width, layout.keep)
+                                       layout.width, layout.keep, layout.in_grad)
     else:
         loss = linear_cross_entropy_fwd_op(rows, weight, target_rows, ignore_index, reduction, norm_tensor,
-                                           norm_value, layout.width, 0)[0]
+                                           norm_value, layout.width, 0, 0)[0]
     return loss.view(hidden.shape[:-1]) if reduction == "none" else loss
 
 

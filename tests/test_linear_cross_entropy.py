@@ -2,6 +2,8 @@
 reductions, ignored and bad targets, views, the normalizer; the operators (opcheck, compile); bad input; the
 8B shape on a GPU."""
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -226,23 +228,41 @@ def test_bad_arguments(device, gen):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-@pytest.mark.parametrize("keep", [0, 2])
-def test_opcheck(device, gen, reduction, keep):
-    # 300 classes in slices of 128: with keep=2 the last two (128 + 44 columns) come from the forward pass.
+@pytest.mark.parametrize("keep, in_grad", [(0, 0), (2, 0), (0, 1), (2, 1)],
+                         ids=["none-kept", "two-kept", "one-in-grad", "both"])
+def test_opcheck(device, gen, reduction, keep, in_grad):
+    # 300 classes in slices of 128: with keep=2 the last two (128 + 44 columns) come from the forward pass; with
+    # in_grad=1 the first one, in d_weight's memory (19 × 128 logits past its 128 rows of 16).
     h, w, target = make_case(19, 16, 300, torch.float32, device, gen)
     width = 128
     fwd = torch.ops.kernels.linear_cross_entropy_fwd.default
-    torch.library.opcheck(fwd, (h, w, target, -100, reduction, None, None, width, keep))
-    loss, lse, scale, kept = fwd(h, w, target, -100, reduction, None, None, width, keep)
-    assert kept.numel() == (19 * 172 if keep else 0)
+    # With a slice kept in d_weight's memory, the rest of that buffer is uninitialised until the backward writes it
+    # (it is torch.empty_like(weight)), so comparing two runs' outputs bit for bit (the AOT test) cannot apply.
+    tests = ("test_schema", "test_autograd_registration", "test_faketensor") + (() if in_grad else
+                                                                                ("test_aot_dispatch_dynamic",))
+    torch.library.opcheck(fwd, (h, w, target, -100, reduction, None, None, width, keep, in_grad), test_utils=tests)
+    loss, lse, scale, kept, grad_buffer = fwd(h, w, target, -100, reduction, None, None, width, keep, in_grad)
+    assert kept.numel() == (19 * 172 if keep else 0) and grad_buffer.numel() == (300 * 16 if in_grad else 0)
     go = torch.rand(loss.shape, generator=gen).to(device)
     for need in ((True, True), (True, False), (False, True)):
+        if in_grad and not need[1]:
+            continue  # slices kept in d_weight's memory come with d_weight wanted
         torch.library.opcheck(torch.ops.kernels.linear_cross_entropy_bwd.default,
-                              (go, h, w, target, lse, scale, kept.clone(), -100, width, keep, *need))
+                              (go, h, w, target, lse, scale, kept.clone(), grad_buffer.clone(), -100, width, keep,
+                               in_grad, *need))
     if reduction != "none":
         torch.library.opcheck(torch.ops.kernels.linear_cross_entropy_chunked.default,
                               (h, w, target, -100, reduction, None, 5.0 if reduction == "sum" else None, True, True,
                                7))
+
+
+def test_slices_that_do_not_fit_in_d_weight_are_refused(device, gen):
+    h, w, target = make_case(19, 16, 300, torch.float32, device, gen)
+    fwd = torch.ops.kernels.linear_cross_entropy_fwd.default
+    with pytest.raises(ValueError, match="in_grad=2: at most 1"):
+        fwd(h, w, target, -100, "mean", None, None, 128, 0, 2)
+    with pytest.raises(ValueError, match="in_grad=1: at most 0"):  # every slice is kept in the budget already
+        fwd(h, w, target, -100, "mean", None, None, 128, 3, 1)
 
 
 @pytest.mark.parametrize("strategy", PLANS)
@@ -316,6 +336,26 @@ def test_computed_extra_memory_of_each_plan():
     assert extra["recompute_all"] < extra["recompute"] <= RECOMPUTE_BUDGET_BYTES < 1e9 < extra["chunked"] < extra["hf"]
 
 
+def test_d_weight_holds_the_first_slices_past_the_rows_written_before_them():
+    from kernels.linear_cross_entropy import recompute_layout
+
+    budget, slice_bytes = 896 << 20, 256 << 20
+    # The 8B head at 8,192 tokens: slices of 16,384 rows, the last three kept in the budget. Each slice's logits
+    # (8,192 × 16,384) take twice its rows of d_weight (16,384 × 4,096); one after another, past the first slice's
+    # rows, three fit: three of the five slices that the budget leaves.
+    at_8k = recompute_layout(8192, 4096, 128_256, 2, slice_bytes, budget, grad_buffer=True)
+    assert (at_8k.keep, at_8k.in_grad) == (3, 3)
+    assert at_8k.grad_offsets == [16_384 * 4096 + i * 8192 * 16_384 for i in range(3)]
+    end = at_8k.grad_offsets[-1] + 8192 * 16_384
+    assert end <= 128_256 * 4096 < end + 8192 * 16_384  # a fourth would not fit
+    for (_, stop), offset in zip(at_8k.slices, at_8k.grad_offsets):
+        assert offset >= stop * 4096  # past the slice's own rows, which its gradient is written into
+    # Shorter sequences need fewer elements per slice than d_weight has rows for it: all slices fit somewhere.
+    at_2k = recompute_layout(2048, 4096, 128_256, 2, slice_bytes, 400 << 20, grad_buffer=True)
+    assert at_2k.keep + at_2k.in_grad == len(at_2k.slices)
+    assert recompute_layout(8192, 4096, 128_256, 2, slice_bytes, budget).in_grad == 0
+
+
 def test_recompute_layout_spends_the_budget_on_whole_slices():
     from kernels.linear_cross_entropy import recompute_layout
 
@@ -340,6 +380,10 @@ def test_the_test_sizes_keep_some_slices_and_recompute_others(device):
         layout = plan_recompute(53, 40, 1037, itemsize, props)
         assert 0 < layout.keep < len(layout.slices) or not props.interpreter
         assert plan_recompute(53, 40, 1037, itemsize, props, keep_logits=False).keep == 0
+    # In float32 with d_weight wanted, the first slice is kept in d_weight's memory: all three places are tested.
+    layout = plan_recompute(53, 40, 1037, 4, props, grad_buffer=True)
+    assert layout.in_grad == 2 < len(layout.slices) - layout.keep or not props.interpreter
+    assert plan_recompute(53, 40, 1037, 4, props, keep_logits=False, grad_buffer=True).in_grad == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -350,6 +394,29 @@ def test_kept_logits_give_the_recomputed_result(device, gen, dtype):
     # The same logits either way: the loss and every row of dW are the same bits; dh adds its slices in another order.
     assert torch.equal(loss_kept, loss_all) and torch.equal(dw_kept, dw_all)
     torch.testing.assert_close(dh_kept, dh_all, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-6)
+
+
+def test_the_weight_gradient_is_the_buffer_that_kept_slices(device, gen, monkeypatch):
+    # d_weight is allocated by the forward pass (it holds kept slices until the backward writes it): autograd must
+    # take that tensor as the weight's .grad, not a copy (another [V, H] at the peak). Only its address is recorded
+    # here: a reference kept by the test would itself make autograd copy it.
+    import kernels.linear_cross_entropy  # noqa: F401  (the module, not the function of that name)
+
+    module = sys.modules["kernels.linear_cross_entropy"]
+    buffers, forward = [], module.logsumexp_pass
+
+    def recording(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        buffers.append((out[3].data_ptr(), out[3].numel()))
+        return out
+
+    monkeypatch.setattr(module, "logsumexp_pass", recording)
+    h, w, target = make_case(53, 40, 1037, torch.float32, device, gen)
+    w.requires_grad_()
+    linear_cross_entropy(h, w, target, strategy="recompute").backward()
+    (address, numel), = buffers
+    assert numel == w.numel() or not runtime.device_props(device).interpreter
+    assert w.grad.data_ptr() == address or numel == 0
 
 
 @pytest.mark.parametrize("vocab", [1037, 700], ids=["some-kept", "all-kept"])

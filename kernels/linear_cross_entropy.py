@@ -16,8 +16,9 @@ over every token inside one matmul, rounded once) and its share of dh (accumulat
 buffer). Recomputing everything costs 4 matmuls of 2·tokens·V·H FLOP where the unfused loss does 3, for one slice
 of logits and the float32 dh of memory. So the plan spends a fixed budget instead (``RECOMPUTE_BUDGET_BYTES``,
 896 MiB on a GPU): beside the float32 dh it keeps as many slices from the forward pass as fit, and the backward
-recomputes only the others. At 2,048 tokens of Llama 3's head every slice fits (3 matmuls); at 8,192, three of
-eight (3.6 matmuls).
+recomputes only the others. It also keeps the first slices in the memory of d_weight, which the step holds anyway
+and the backward pass writes one slice of rows at a time (``RecomputeLayout``). At 2,048 and 4,096 tokens of Llama
+3's head nothing is recomputed (3 matmuls); at 8,192, two slices of eight (3.26 matmuls).
 
 **"chunked"** (token chunks, the gradient during the forward; the default when ``weight`` is frozen, e.g. LoRA).
 For each chunk of tokens, one matmul makes its full rows of logits, the package's cross-entropy kernel writes their

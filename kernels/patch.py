@@ -626,10 +626,10 @@ def patch_llama(
 
     ``linear_cross_entropy``: in train mode with autograd on and labels given, no logits are computed at all; the
     loss is the linear cross-entropy of the LM head's input (see the module docstring). Off by default because it
-    is not always as fast as the logits path. Measured on an H200 at the Llama-3.1-8B shape with every kernel on, it
-    was level at 2,048 tokens (7,846 against 7,826 tokens/s: every logit fits its memory budget) and 0.75% slower
-    at 8,192 with checkpointing (8,035 against 8,096), where it recomputes part of the logits to hold about 1 GB
-    less.
+    is not always as fast as the logits path. Measured on an H200 at the Llama-3.1-8B shape, it was level at 2,048
+    tokens with every kernel on (7,846 against 7,826 tokens/s: every logit is kept) and, with RMSNorm and
+    checkpointing, 0.16% slower at 8,192 (1,412.1 against 1,409.8 ms per step), where it recomputes a quarter of a
+    matmul's logits to hold about 1 GB less.
 
     ``additive_mask``: a batch's padding mask reaches SDPA attention as one additive bias in the model's dtype
     instead of booleans each attention call copies (``kernels.attention_mask``); needs the model's attention to be

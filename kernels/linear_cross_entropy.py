@@ -207,8 +207,7 @@ class RecomputeLayout:
     @functools.cached_property
     def kept_start(self) -> int:
         """The first column of the kept slices (``vocab`` when none is kept)."""
-        slices = self.slices
-        return slices[len(slices) - self.keep][0] if self.keep else self.vocab
+        return _kept_start(self.slices, self.keep, self.vocab)
 
     @property
     def buffer_numel(self) -> int:
@@ -231,12 +230,18 @@ def _grad_offsets(n_rows: int, hidden: int, slices) -> list[int]:
     return offsets
 
 
+def _kept_start(slices, keep: int, vocab: int) -> int:
+    # Also called outside the cached property: under torch.compile Dynamo cannot enter a cached_property's lock.
+    return slices[len(slices) - keep][0] if keep else vocab
+
+
 def _slices_in_grad(n_rows: int, hidden: int, slices, kept_start: int) -> int:
     """How many of the first slices (before the kept ones) fit in d_weight's memory (``RecomputeLayout``)."""
-    count, vocab = 0, slices[-1][1] if slices else 0
-    for i, (start, stop) in enumerate(slices):
-        offset = _grad_offsets(n_rows, hidden, slices[:i + 1])[-1]
-        if stop > kept_start or offset + n_rows * (stop - start) > vocab * hidden:
+    candidates = [(start, stop) for start, stop in slices if stop <= kept_start]
+    size = slices[-1][1] * hidden if slices else 0  # d_weight's elements
+    count = 0
+    for (start, stop), offset in zip(candidates, _grad_offsets(n_rows, hidden, candidates)):
+        if offset + n_rows * (stop - start) > size:
             break
         count += 1
     return count
@@ -257,8 +262,7 @@ def recompute_layout(n_rows: int, hidden: int, vocab: int, itemsize: int, slice_
         if room < 0:
             break
         keep += 1
-    kept_start = slices[len(slices) - keep][0] if keep else vocab
-    in_grad = _slices_in_grad(n_rows, hidden, slices, kept_start) if grad_buffer else 0
+    in_grad = _slices_in_grad(n_rows, hidden, slices, _kept_start(slices, keep, vocab)) if grad_buffer else 0
     return RecomputeLayout(n_rows, vocab, width, keep, hidden, in_grad)
 
 

@@ -537,7 +537,8 @@ cross_entropy_scale_grad_op = ops.define(
 
 
 class CrossEntropyFunction(torch.autograd.Function):
-    """autograd glue. The forward computes the gradient already; backward multiplies it by grad_output.
+    """autograd glue. The forward computes the gradient already; backward multiplies it by grad_output. A plain
+    eager call runs the operators' implementations directly (``ops.direct``).
 
     Nothing but the gradient is saved (the logsumexp is not needed again). The gradient is scaled in place, so
     backward may run only once per forward (``retain_graph=True`` and a second backward raise).
@@ -551,12 +552,12 @@ class CrossEntropyFunction(torch.autograd.Function):
             # The operator writes the gradient over the logits and, declaring that write, bumps their version
             # counter: any autograd node that saved the logits for its own backward then fails loudly ("modified by
             # an inplace operation") instead of using the gradient as logits.
-            loss, _ = cross_entropy_fwd_inplace_op(logits, target, ignore_index, reduction, normalizer,
-                                                   normalizer_value)
+            fwd_inplace = _forward_inplace_op_impl if ops.direct(logits, target) else cross_entropy_fwd_inplace_op
+            loss, _ = fwd_inplace(logits, target, ignore_index, reduction, normalizer, normalizer_value)
             grad = logits.detach()  # the same memory, without autograd history: what backward hands on as the gradient
         else:
-            loss, _, grad = cross_entropy_fwd_op(logits, target, ignore_index, reduction, normalizer,
-                                                 normalizer_value, True)
+            fwd = _forward_op_impl if ops.direct(logits, target) else cross_entropy_fwd_op
+            loss, _, grad = fwd(logits, target, ignore_index, reduction, normalizer, normalizer_value, True)
         ctx.save_for_backward(grad)
         ctx.backward_done = False
         return loss
@@ -571,7 +572,7 @@ class CrossEntropyFunction(torch.autograd.Function):
             )
         ctx.backward_done = True
         (grad,) = ctx.saved_tensors
-        cross_entropy_scale_grad_op(grad, grad_output)
+        (_scale_grad_op_impl if ops.direct(grad, grad_output) else cross_entropy_scale_grad_op)(grad, grad_output)
         return grad, None, None, None, None, None, None
 
 
@@ -641,7 +642,8 @@ def cross_entropy(
         return CrossEntropyFunction.apply(
             logits, target, ignore_index, reduction, norm_tensor, norm_value, inplace_backward
         )
-    return cross_entropy_fwd_op(logits, target, ignore_index, reduction, norm_tensor, norm_value, False)[0]
+    fwd = _forward_op_impl if ops.direct(logits, target) else cross_entropy_fwd_op
+    return fwd(logits, target, ignore_index, reduction, norm_tensor, norm_value, False)[0]
 
 
 class TritonCrossEntropyLoss(torch.nn.Module):

@@ -15,6 +15,12 @@ Autograd is not registered on the operators themselves: each kernel family wraps
 operators in one ``torch.autograd.Function``, which ``torch.compile`` traces like any other. Measured on an H200
 host, ``torch.library.register_autograd`` costs about 230 µs more per RMSNorm forward + backward than the
 ``autograd.Function`` (468 against 243 µs for a tiny tensor), far more than the kernels themselves take.
+
+The operator is what a *tracer* needs: the compiler, fake tensors, a tensor subclass, a ``TorchDispatchMode``.
+A plain eager call needs none of it, and the trip through the dispatcher into a Python implementation costs host
+time on every call. So each ``autograd.Function`` asks ``direct(...)`` and, when nothing is tracing or
+intercepting, calls the implementation itself: the same function the operator would have run, with the same
+version-counter bumps for what it writes (chapter 09 measures what that saves).
 """
 
 from __future__ import annotations
@@ -39,6 +45,19 @@ def define(schema: str, impl: Callable, fake: Callable) -> torch._ops.OpOverload
     _LIBRARY.impl(name, impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIBRARY)
     return getattr(getattr(torch.ops, NAMESPACE), name).default
+
+
+# Tensors an eager call may hand straight to an implementation. Subclasses (FakeTensor while tracing, DTensor,
+# FunctionalTensor) go through the dispatcher, which routes each to the right kernel.
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def direct(*tensors: torch.Tensor) -> bool:
+    """Whether a call with ``tensors`` may run an operator's implementation itself instead of through the operator:
+    not while ``torch.compile`` traces, not under a ``TorchDispatchMode`` (which would miss the call), and only for
+    plain tensors and parameters."""
+    return (not torch.compiler.is_compiling() and not torch._C._len_torch_dispatch_stack()
+            and all(type(t) in _PLAIN for t in tensors))
 
 
 def registered() -> list[str]:

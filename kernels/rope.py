@@ -351,13 +351,19 @@ def _cos_sin_grads(dq, dk, q, k, cos, sin, need_cos: bool, need_sin: bool):
     return d_cos, d_sin
 
 
+def _forward(q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+    # The launch itself in a plain eager call, the operator for tracers (kernels/ops.py, ``direct``).
+    return (rope_forward if ops.direct(q, k, cos, sin) else rope_fwd_op)(q, k, cos, sin)
+
+
 class RotaryFunction(torch.autograd.Function):
-    """autograd glue around the two operators: only cos and sin are saved (q and k too, when cos or sin need a
-    gradient, which a Llama's never do)."""
+    """autograd glue around the two operators (their implementations directly in a plain eager call,
+    ``ops.direct``): only cos and sin are saved (q and k too, when cos or sin need a gradient, which a Llama's never
+    do)."""
 
     @staticmethod
     def forward(ctx, q, k, cos, sin):
-        q_embed, k_embed = rope_fwd_op(q, k, cos, sin)
+        q_embed, k_embed = _forward(q, k, cos, sin)
         trig_grad = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
         ctx.save_for_backward(cos, sin, *((q, k) if trig_grad else ()))
         ctx.x_dtype = q.dtype
@@ -368,7 +374,8 @@ class RotaryFunction(torch.autograd.Function):
     def backward(ctx, dq_embed, dk_embed):
         cos, sin, *qk = ctx.saved_tensors
         # An output that did not reach the loss arrives as zeros (autograd materialises it): its rotation is zeros.
-        dq, dk = rope_bwd_op(dq_embed, dk_embed, cos, sin, ctx.x_dtype, ctx.seq_major)
+        backward = rope_backward if ops.direct(dq_embed, dk_embed, cos, sin) else rope_bwd_op
+        dq, dk = backward(dq_embed, dk_embed, cos, sin, ctx.x_dtype, ctx.seq_major)
         d_cos = d_sin = None
         if qk:
             d_cos, d_sin = _cos_sin_grads(dq_embed, dk_embed, *qk, cos, sin, *ctx.needs_input_grad[2:4])
@@ -395,4 +402,4 @@ def apply_rotary(
     _check_inputs(q, k, cos, sin)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, cos, sin)):
         return RotaryFunction.apply(q, k, cos, sin)
-    return rope_fwd_op(q, k, cos, sin)
+    return _forward(q, k, cos, sin)

@@ -566,7 +566,8 @@ def measure_shape(case, chosen, passes, warmup: int = 25, rep: int = 50, rounds:
     The timing goes round by round, every implementation once per round, and each row keeps the median over the
     rounds. A host whose speed drifts (another process, clock changes) then slows every implementation of a round
     alike instead of whichever was being timed, which matters for eager times at small shapes, where the host sets
-    them. The per-round times are kept in the row (``eager_ms_rounds``, ``device_ms_rounds``).
+    them. The order rotates from round to round, so that no implementation always runs first or after the same
+    neighbour. The per-round times are kept in the row (``eager_ms_rounds``, ``device_ms_rounds``).
     """
     rows, timed = [], {}  # timed: per implementation, its checked rows and what times them
     for impl in chosen:
@@ -585,8 +586,8 @@ def measure_shape(case, chosen, passes, warmup: int = 25, rep: int = 50, rounds:
             rows.append(row)
             if row["status"] == "ok":
                 timed.setdefault(impl.key, []).append((row, fn, params, pass_))
-    for _ in range(rounds):
-        for impl in chosen:
+    for r in range(rounds):
+        for impl in chosen[r % len(chosen):] + chosen[:r % len(chosen)]:
             for row, fn, params, pass_ in timed.get(impl.key, ()):
                 if row["status"] == "ok":
                     _time_into(row, case, fn, params, pass_, warmup, rep)

@@ -267,17 +267,27 @@ swiglu_bwd_inplace_op = ops.define(
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def _forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    # The launch itself in a plain eager call, the operator for tracers (kernels/ops.py, ``direct``).
+    return (swiglu_forward if ops.direct(gate, up) else swiglu_fwd_op)(gate, up)
+
+
+def _backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return (swiglu_backward if ops.direct(dy, gate, up) else swiglu_bwd_op)(dy, gate, up)
+
+
 def _backward_in_place(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """d(gate) and d(up), written over the saved gate and up. The operator declares its writes and bumps their version
     counters, so any other autograd node that saved them fails loudly ("modified by an inplace operation") instead
     of reading gradients."""
-    swiglu_bwd_inplace_op(dy, gate, up)
+    (swiglu_backward_ if ops.direct(dy, gate, up) else swiglu_bwd_inplace_op)(dy, gate, up)
     return gate.detach(), up.detach()
 
 
 class SwiGLUFunction(torch.autograd.Function):
-    """autograd glue around the operators: the forward saves gate and up (the tensors autograd keeps for the
-    matmuls anyway, so no extra memory); nothing else is stored.
+    """autograd glue around the operators (their implementations directly in a plain eager call, ``ops.direct``):
+    the forward saves gate and up (the tensors autograd keeps for the matmuls anyway, so no extra memory); nothing
+    else is stored.
 
     With ``inplace_backward`` the backward writes d(gate) and d(up) over the saved gate and up, so no new
     [..., intermediate] tensors exist at that moment of the backward (``swiglu``'s docstring says when that is safe).
@@ -287,13 +297,13 @@ class SwiGLUFunction(torch.autograd.Function):
     def forward(ctx, gate, up, inplace_backward):
         ctx.save_for_backward(gate, up)
         ctx.inplace = inplace_backward and _in_place_addressable(gate, up)
-        return swiglu_fwd_op(gate, up)
+        return _forward(gate, up)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
-        d_gate, d_up = _backward_in_place(dy, gate, up) if ctx.inplace else swiglu_bwd_op(dy, gate, up)
+        d_gate, d_up = _backward_in_place(dy, gate, up) if ctx.inplace else _backward(dy, gate, up)
         return (d_gate if ctx.needs_input_grad[0] else None), (d_up if ctx.needs_input_grad[1] else None), None
 
 
@@ -318,7 +328,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = Fal
         inplace_backward = (inplace_backward and not torch.compiler.is_compiling()
                             and gate.grad_fn is not None and up.grad_fn is not None)
         return SwiGLUFunction.apply(gate, up, inplace_backward)
-    return swiglu_fwd_op(gate, up)
+    return _forward(gate, up)
 
 
 class SwiGLUDownFunction(torch.autograd.Function):
@@ -333,7 +343,7 @@ class SwiGLUDownFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate, up, weight, bias):
-        out = torch.nn.functional.linear(swiglu_fwd_op(gate, up), weight, bias)
+        out = torch.nn.functional.linear(_forward(gate, up), weight, bias)
         ctx.save_for_backward(gate, up, weight)
         return out
 
@@ -344,7 +354,7 @@ class SwiGLUDownFunction(torch.autograd.Function):
         d_rows = d_out.reshape(-1, d_out.shape[-1])
         d_weight = d_bias = d_gate = d_up = None
         if ctx.needs_input_grad[2]:
-            y = swiglu_fwd_op(gate, up)
+            y = _forward(gate, up)
             d_weight = d_rows.t().mm(y.reshape(-1, y.shape[-1]))
             del y  # gone before d(y) is allocated below: gate, up and one more tensor at most
         if ctx.needs_input_grad[3]:

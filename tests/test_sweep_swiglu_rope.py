@@ -85,17 +85,18 @@ def _logged_swiglu(name, log):
 
 
 def test_rounds_time_every_implementation_in_turn(device):
-    # Two rounds: each implementation is checked once, then timed once per round, in turn (A B A B), and each row
-    # keeps the median of its two rounds.
+    # Three rounds: each implementation is checked once, then timed once per round, in turn, the order rotated from
+    # one round to the next, and each row keeps the median of its rounds.
     log = []
     results = run_benchmark("swiglu", [6], 32, impls=["ours", _logged_swiglu("a", log), _logged_swiglu("b", log)],
-                            passes=["fwd"], progress=False, rep=1, warmup=1, rounds=2)
+                            passes=["fwd"], progress=False, rep=1, warmup=1, rounds=3)
     turns = [name for i, name in enumerate(log) if i == 0 or log[i - 1] != name]
-    assert turns == ["a", "b", "a", "b", "a", "b"]  # the checks, then round 1, then round 2
-    assert results["settings"]["rounds"] == 2
+    # The checks (a b), then round 1 (ours a b), round 2 (a b ours), round 3 (b ours a).
+    assert turns == ["a", "b", "a", "b", "a", "b", "a"]
+    assert results["settings"]["rounds"] == 3
     for row in results["rows"]:
-        assert row["status"] == "ok" and len(row["eager_ms_rounds"]) == 2
-        assert row["eager_ms"] == pytest.approx(sum(row["eager_ms_rounds"]) / 2)  # the median of two
+        assert row["status"] == "ok" and len(row["eager_ms_rounds"]) == 3
+        assert row["eager_ms"] == sorted(row["eager_ms_rounds"])[1]  # the median of three
     with pytest.raises(ValueError, match="rounds"):
         run_benchmark("swiglu", [6], 32, progress=False, rounds=0)
 

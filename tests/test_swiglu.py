@@ -223,8 +223,8 @@ def test_swiglu_down_with_a_frozen_weight_recomputes_nothing(device, gen, monkey
     _, _, gate, up, _ = _projection_outputs((5, 64), device, gen)
     weight = torch.randn(24, 64, generator=gen).to(device)  # frozen, as a LoRA model's base weights are
     calls = []
-    original = swiglu_module.swiglu_fwd_op
-    monkeypatch.setattr(swiglu_module, "swiglu_fwd_op", lambda g, u: calls.append(1) or original(g, u))
+    original = swiglu_module._forward
+    monkeypatch.setattr(swiglu_module, "_forward", lambda g, u: calls.append(1) or original(g, u))
     swiglu_module.SwiGLUDownFunction.apply(gate, up, weight, None).sum().backward()
     assert len(calls) == 1  # the forward's; no y again for a weight that needs no gradient
 

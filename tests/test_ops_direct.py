@@ -92,7 +92,8 @@ def _rope_case(device, gen):
 
 CASES = {
     "rmsnorm": (_rmsnorm_case, {"kernels::rms_norm_fwd", "kernels::rms_norm_bwd"}),
-    "cross_entropy": (_cross_entropy_case, {"kernels::cross_entropy_fwd_inplace", "kernels::cross_entropy_scale_grad_"}),
+    "cross_entropy": (_cross_entropy_case,
+                      {"kernels::cross_entropy_fwd_inplace", "kernels::cross_entropy_scale_grad_"}),
     "swiglu": (_swiglu_case, {"kernels::swiglu_fwd", "kernels::swiglu_bwd_"}),
     "rope": (_rope_case, {"kernels::rope_fwd", "kernels::rope_bwd"}),
 }

@@ -232,7 +232,7 @@ def _swiglu_layers(case) -> dict[str, Callable[[], object]]:
     def launches():
         sw._swiglu_fwd_kernel[fwd.grid](g, u, y, rows, cols, cols, cols, cols, ROWS=fwd.rows, BLOCK_N=fwd.block_n,
                                         num_warps=fwd.num_warps)
-        sw._launch_backward(dy, g, u, d_gate, d_up, bwd)
+        sw._launch_backward(dy, g, u, d_gate, d_up, rows, cols, (cols,) * 5, bwd)
 
     return {"total": total, "ops": ops, "impl": impl, "launches": launches, "n_launches": 2}
 

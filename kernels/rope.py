@@ -28,9 +28,13 @@ every head of q and then of k, as many heads per step as fit a tile (all of a Ll
 per position, not once per head, and q and k share one launch. The head counts are compile-time constants, so each
 model's shape gets its own compiled kernel, with the loop over heads unrolled. The backward writes dq and dk in q's
 and k's memory order (``seq_major``), so the gradients go back through the transposed views to the projections
-without a copy. Arithmetic is float32; outputs are stored in the dtype PyTorch's broadcasting gives Hugging Face's
-formula, ``promote_types(q.dtype, cos.dtype)`` (bfloat16 in a bf16 Llama, whose cos and sin come in the activation
-dtype).
+without a copy. Two kernels do the same rotation: one reads any strides (26 runtime arguments), the other takes
+dense tensors (Llama's q and k, attention's gradients, cos and sin as Llama makes them) and derives every stride
+from the shape and three layout flags (8 runtime arguments), because Triton's launcher inspects every argument on
+every call, and this launch runs twice per attention layer and step.
+
+Arithmetic is float32; outputs are stored in the dtype PyTorch's broadcasting gives Hugging Face's formula,
+``promote_types(q.dtype, cos.dtype)`` (bfloat16 in a bf16 Llama, whose cos and sin come in the activation dtype).
 """
 
 from __future__ import annotations
@@ -95,26 +99,17 @@ def _rotate_heads(x_at, o_at, stride_xh, stride_oh, c1, c2, s1, s2, ok,
 
 
 @triton.jit
-def _rope_kernel(
-    Q, K, COS, SIN, QO, KO,
-    n_rows, seq,
-    sq_b, sq_h, sq_t, sk_b, sk_h, sk_t,
-    sqo_b, sqo_h, sqo_t, sko_b, sko_h, sko_t,
-    sc_b, sc_t, ss_b, ss_t,
-    N_Q: tl.constexpr, N_K: tl.constexpr, HALF: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_H: tl.constexpr, Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr,
-    BACKWARD: tl.constexpr,
-):
-    # Rows are (batch, position) pairs, b * seq + t, in int64: offsets of [batch, heads, seq, D] tensors pass 2**31
-    # at 8B shapes (32 heads × 128 × seq 2048 × batch 256).
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    b = rows // seq
-    t = rows % seq
+def _rotate_rows(Q, K, COS, SIN, QO, KO, rows, n_rows, q_row, k_row, qo_row, ko_row, c_row, s_row,
+                 sq_h, sk_h, sqo_h, sko_h,
+                 N_Q: tl.constexpr, N_K: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                 Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr, BACKWARD: tl.constexpr):
+    # One program's rows, given where each row's head 0 starts in every tensor (q_row ... s_row, int64) and each
+    # tensor's head stride: both kernels below only differ in how they find those.
     cols = tl.arange(0, BLOCK_H)
     ok = (rows < n_rows)[:, None] & (cols < HALF)[None, :]
 
-    c_at = COS + (b * sc_b + t * sc_t)[:, None] + cols[None, :]
-    s_at = SIN + (b * ss_b + t * ss_t)[:, None] + cols[None, :]
+    c_at = COS + c_row[:, None] + cols[None, :]
+    s_at = SIN + s_row[:, None] + cols[None, :]
     c1 = tl.load(c_at, mask=ok, other=0.0).to(tl.float32)[None, :, :]
     c2 = tl.load(c_at + HALF, mask=ok, other=0.0).to(tl.float32)[None, :, :]
     s1 = tl.load(s_at, mask=ok, other=0.0).to(tl.float32)[None, :, :]
@@ -123,10 +118,10 @@ def _rope_kernel(
         # The transpose: dx1 = dy1·cos1 + dy2·sin2, dx2 = dy2·cos2 − dy1·sin1 (module docstring).
         s1, s2 = -s2, -s1
 
-    q_at = _head_tile(Q, b * sq_b + t * sq_t, sq_h, cols, Q_HEADS)
-    k_at = _head_tile(K, b * sk_b + t * sk_t, sk_h, cols, K_HEADS)
-    qo_at = _head_tile(QO, b * sqo_b + t * sqo_t, sqo_h, cols, Q_HEADS)
-    ko_at = _head_tile(KO, b * sko_b + t * sko_t, sko_h, cols, K_HEADS)
+    q_at = _head_tile(Q, q_row, sq_h, cols, Q_HEADS)
+    k_at = _head_tile(K, k_row, sk_h, cols, K_HEADS)
+    qo_at = _head_tile(QO, qo_row, sqo_h, cols, Q_HEADS)
+    ko_at = _head_tile(KO, ko_row, sko_h, cols, K_HEADS)
     if N_Q <= Q_HEADS and N_K <= K_HEADS:
         # One step each (every Llama shape): all of q's and k's loads are issued before the first store. The
         # compiler cannot move a load above a store that might write the same memory, so in two steps k's loads
@@ -139,6 +134,60 @@ def _rope_kernel(
     else:
         _rotate_heads(q_at, qo_at, sq_h, sqo_h, c1, c2, s1, s2, ok, N_Q, HALF, Q_HEADS)
         _rotate_heads(k_at, ko_at, sk_h, sko_h, c1, c2, s1, s2, ok, N_K, HALF, K_HEADS)
+
+
+@triton.jit
+def _rope_kernel(
+    Q, K, COS, SIN, QO, KO,
+    n_rows, seq,
+    sq_b, sq_h, sq_t, sk_b, sk_h, sk_t,
+    sqo_b, sqo_h, sqo_t, sko_b, sko_h, sko_t,
+    sc_b, sc_t, ss_b, ss_t,
+    N_Q: tl.constexpr, N_K: tl.constexpr, HALF: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_H: tl.constexpr, Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr,
+    BACKWARD: tl.constexpr,
+):
+    # Any strides. Rows are (batch, position) pairs, b * seq + t, in int64: offsets of [batch, heads, seq, D]
+    # tensors pass 2**31 at 8B shapes (32 heads × 128 × seq 2048 × batch 256).
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    b = rows // seq
+    t = rows % seq
+    _rotate_rows(Q, K, COS, SIN, QO, KO, rows, n_rows,
+                 b * sq_b + t * sq_t, b * sk_b + t * sk_t, b * sqo_b + t * sqo_t, b * sko_b + t * sko_t,
+                 b * sc_b + t * sc_t, b * ss_b + t * ss_t, sq_h, sk_h, sqo_h, sko_h,
+                 N_Q, N_K, HALF, BLOCK_H, Q_HEADS, K_HEADS, BACKWARD)
+
+
+@triton.jit
+def _dense_rows(rows, seq, N_HEADS: tl.constexpr, D: tl.constexpr, SEQ_MAJOR: tl.constexpr):
+    # Head 0 of each row, and the head stride, in a dense [batch, heads, seq, D] tensor: [batch, seq, heads, D]
+    # memory seen through a transpose (SEQ_MAJOR, Llama's q and k) or contiguous.
+    if SEQ_MAJOR:
+        return rows * (N_HEADS * D), D
+    else:
+        return (rows // seq) * (N_HEADS * D) * seq + (rows % seq) * D, seq * D
+
+
+@triton.jit
+def _rope_dense_kernel(
+    Q, K, COS, SIN, QO, KO,
+    n_rows, seq,
+    N_Q: tl.constexpr, N_K: tl.constexpr, HALF: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_H: tl.constexpr, Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr,
+    BACKWARD: tl.constexpr, X_SEQ_MAJOR: tl.constexpr, O_SEQ_MAJOR: tl.constexpr, TRIG_BATCHED: tl.constexpr,
+):
+    # The same rotation for dense tensors, whose strides follow from the shape and two layout flags: 8 runtime
+    # arguments instead of 26. Triton's launcher inspects every argument on every call (chapter 09), and this one
+    # runs twice per attention layer and step.
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    q_row, sq_h = _dense_rows(rows, seq, N_Q, 2 * HALF, X_SEQ_MAJOR)
+    k_row, sk_h = _dense_rows(rows, seq, N_K, 2 * HALF, X_SEQ_MAJOR)
+    qo_row, sqo_h = _dense_rows(rows, seq, N_Q, 2 * HALF, O_SEQ_MAJOR)
+    ko_row, sko_h = _dense_rows(rows, seq, N_K, 2 * HALF, O_SEQ_MAJOR)
+    # cos and sin: [batch, seq, D] contiguous, or [1, seq, D] for every batch.
+    trig_row = rows * (2 * HALF) if TRIG_BATCHED else (rows % seq) * (2 * HALF)
+    _rotate_rows(Q, K, COS, SIN, QO, KO, rows, n_rows, q_row, k_row, qo_row, ko_row, trig_row, trig_row,
+                 sq_h, sk_h, sqo_h, sko_h, N_Q, N_K, HALF, BLOCK_H, Q_HEADS, K_HEADS, BACKWARD)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -252,14 +301,57 @@ def _empty_like_layout(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty_like(t, dtype=dtype)
 
 
-def _launch(q, k, cos, sin, q_out, k_out, backward: bool, config: Config | None) -> None:
+def _head_order(t: torch.Tensor) -> bool | None:
+    # True: [batch, heads, seq, D] seen from dense [batch, seq, heads, D] memory (Llama's q and k); False: contiguous
+    # [batch, heads, seq, D] (attention's gradients); None: any other layout.
+    b, h, s, d = t.shape
+    strides = t.stride()
+    if strides == (s * h * d, d, h * d, 1):
+        return True
+    if strides == (h * s * d, s * d, d, 1):
+        return False
+    return None
+
+
+def _trig_batched(t: torch.Tensor) -> bool | None:
+    # True: contiguous [batch, seq, D]; False: one [seq, D] row block for every batch ([1, seq, D]); None: other.
+    n, s, d = t.shape
+    strides = t.stride()
+    if n == 1 and strides[1:] == (d, 1):
+        return False
+    return True if strides == (s * d, d, 1) else None
+
+
+def _dense_flags(q, k, cos, sin, q_out, k_out) -> tuple[bool, bool, bool] | None:
+    """The dense kernel's layout flags (inputs seq-major, outputs seq-major, cos and sin batched), or None when a
+    tensor is laid out otherwise and the strided kernel must read it."""
+    x, o, trig = _head_order(q), _head_order(q_out), _trig_batched(cos)
+    if x is None or o is None or trig is None:
+        return None
+    if _head_order(k) is not x or _head_order(k_out) is not o or _trig_batched(sin) is not trig:
+        return None
+    return x, o, trig
+
+
+def _launch(q, k, cos, sin, q_out, k_out, backward: bool, config: Config | None, strided: bool = False) -> None:
+    """One launch over q and k into q_out and k_out: the dense kernel when every tensor's layout allows it (always,
+    for a Llama) and ``strided`` is False, else the kernel that reads any strides."""
     batch, n_q_heads, seq, head_dim = q.shape
     n_rows = batch * seq
     if n_rows == 0 or head_dim == 0:
         return
-    cos, sin = cos.expand(batch, seq, head_dim), sin.expand(batch, seq, head_dim)  # stride 0 over a batch of 1
     n_k_heads = k.shape[1]
     cfg = config or _rope_config(n_rows, head_dim, n_q_heads, n_k_heads, runtime.device_props(q.device))
+    flags = None if strided else _dense_flags(q, k, cos, sin, q_out, k_out)
+    if flags is not None:
+        _rope_dense_kernel[cfg.grid](
+            q, k, cos, sin, q_out, k_out, n_rows, seq,
+            N_Q=n_q_heads, N_K=n_k_heads, HALF=head_dim // 2, ROWS=cfg.rows, BLOCK_H=cfg.block_h,
+            Q_HEADS=cfg.q_heads, K_HEADS=cfg.k_heads, BACKWARD=backward, X_SEQ_MAJOR=flags[0], O_SEQ_MAJOR=flags[1],
+            TRIG_BATCHED=flags[2], num_warps=cfg.num_warps,
+        )
+        return
+    cos, sin = cos.expand(batch, seq, head_dim), sin.expand(batch, seq, head_dim)  # stride 0 over a batch of 1
     _rope_kernel[cfg.grid](
         q, k, cos, sin, q_out, k_out,
         n_rows, seq,

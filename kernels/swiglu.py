@@ -162,13 +162,23 @@ def _check_inputs(gate: torch.Tensor, up: torch.Tensor) -> None:
 
 def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, config: Config | None = None) -> torch.Tensor:
     """Launch the forward kernel: ``silu(gate) * up``, a new contiguous tensor of gate's shape and dtype."""
-    y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    if y.numel():
+    if gate.is_contiguous() and up.is_contiguous():
+        # The common case, passed as it is: a kernel argument is a pointer, so contiguous tensors of any rank are
+        # already [numel / n_cols, n_cols] rows, and no view needs to be made on the host.
+        y = torch.empty_like(gate)
+        g, u = gate, up
+        n_cols = gate.shape[-1]
+        n_rows = gate.numel() // n_cols if n_cols else 0
+        stride_g = stride_u = n_cols
+    else:
+        y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
         g, u = _as_rows(gate), _as_rows(up)
         n_rows, n_cols = g.shape
+        stride_g, stride_u = g.stride(0), u.stride(0)
+    if n_rows and n_cols:
         cfg = config or _forward_config(n_rows, n_cols, runtime.device_props(gate.device))
         _swiglu_fwd_kernel[cfg.grid](
-            g, u, y, n_rows, n_cols, g.stride(0), u.stride(0), n_cols,
+            g, u, y, n_rows, n_cols, stride_g, stride_u, n_cols,
             ROWS=cfg.rows, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
         )
     return y
@@ -181,38 +191,43 @@ def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, config: Config | None =
 _RECUT_COLS = 1024
 
 
-def _recut_rows(*rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The same memory as rows of ``_RECUT_COLS`` when every tensor is dense and the size divides; else unchanged
-    (strided views such as the halves of a fused projection keep their rows)."""
-    n_rows, n_cols = rows[0].shape
-    dense = all(t.stride(0) == n_cols or n_rows == 1 for t in rows)
-    if not dense or rows[0].numel() % _RECUT_COLS:
-        return rows
-    return tuple(t.reshape(-1, _RECUT_COLS) for t in rows)
+def _dense_rows(numel: int, n_cols: int, config: Config | None) -> tuple[int, int]:
+    """(rows, columns) in which the backward reads dense tensors of ``numel`` elements and rows of ``n_cols``:
+    rows of ``_RECUT_COLS`` when the size divides and no ``config`` fixes the tensors' own rows."""
+    if config is None and numel % _RECUT_COLS == 0:
+        return numel // _RECUT_COLS, _RECUT_COLS
+    return (numel // n_cols if n_cols else 0), n_cols
 
 
 def swiglu_backward(
     dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, config: Config | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the backward kernel. Returns ``(d_gate, d_up)``, contiguous, in gate's shape and dtype."""
+    if gate.is_contiguous() and up.is_contiguous() and dy.is_contiguous():
+        d_gate, d_up = torch.empty_like(gate), torch.empty_like(up)
+        n_rows, n_cols = _dense_rows(gate.numel(), gate.shape[-1], config)
+        if n_rows and n_cols:
+            _launch_backward(dy, gate, up, d_gate, d_up, n_rows, n_cols, (n_cols,) * 5, config)
+        return d_gate, d_up
+    # Strided views (the halves of one fused projection): rows through their strides.
     d_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     d_up = torch.empty(up.shape, dtype=up.dtype, device=up.device)
-    if d_gate.numel():
-        g, u, d = _as_rows(gate), _as_rows(up), _as_rows(dy)
-        if config is None:
-            g, u, d = _recut_rows(g, u, d)
-        _launch_backward(d, g, u, d_gate.view(g.shape), d_up.view(g.shape), config)
+    g, u, d = _as_rows(gate), _as_rows(up), _as_rows(dy)
+    n_rows, n_cols = g.shape
+    if n_rows and n_cols:
+        strides = (d.stride(0), g.stride(0), u.stride(0), n_cols, n_cols)
+        _launch_backward(d, g, u, d_gate, d_up, n_rows, n_cols, strides, config)
     return d_gate, d_up
 
 
-def _launch_backward(d, g, u, d_gate, d_up, config: Config | None = None) -> None:
-    """The backward kernel on [rows, cols] views: d(gate) into ``d_gate``, d(up) into ``d_up`` (which may be ``g``
-    and ``u`` themselves)."""
-    n_rows, n_cols = g.shape
+def _launch_backward(d, g, u, d_gate, d_up, n_rows: int, n_cols: int, strides: tuple[int, ...],
+                     config: Config | None = None) -> None:
+    """The backward kernel on ``n_rows`` rows of ``n_cols``, each tensor's rows ``strides`` apart (dy, gate, up,
+    d(gate), d(up)): d(gate) into ``d_gate``, d(up) into ``d_up`` (which may be ``g`` and ``u`` themselves)."""
     cfg = config or _backward_config(n_rows, n_cols, runtime.device_props(g.device))
     _swiglu_bwd_kernel[cfg.grid](
-        d, g, u, d_gate, d_up, n_rows, n_cols, d.stride(0), g.stride(0), u.stride(0), d_gate.stride(0),
-        d_up.stride(0), ROWS=cfg.rows, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        d, g, u, d_gate, d_up, n_rows, n_cols, *strides,
+        ROWS=cfg.rows, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
     )
 
 
@@ -231,10 +246,15 @@ def swiglu_backward_(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> 
     """
     if not _in_place_addressable(gate, up):
         raise ValueError("swiglu_bwd_ writes over gate and up: each must be contiguous and in memory of its own")
-    if gate.numel():
-        n_cols = gate.shape[-1]
-        g, u, d = _recut_rows(gate.view(-1, n_cols), up.view(-1, n_cols), _as_rows(dy))
-        _launch_backward(d, g, u, g, u)
+    if dy.is_contiguous():
+        n_rows, n_cols = _dense_rows(gate.numel(), gate.shape[-1], None)
+        d, strides = dy, (n_cols,) * 5
+    else:
+        d = _as_rows(dy)
+        n_rows, n_cols = d.shape
+        strides = (d.stride(0),) + (n_cols,) * 4
+    if n_rows and n_cols:
+        _launch_backward(d, gate, up, gate, up, n_rows, n_cols, strides)
     # A Triton store is invisible to autograd: bump the version counters by hand, as PyTorch's in-place ops do.
     torch.autograd.graph.increment_version((gate, up))
 

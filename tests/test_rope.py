@@ -141,6 +141,55 @@ def test_a_loop_of_several_head_steps_gives_the_same_bits(device, gen):
         rope_module.rope_backward(dq, dk, cos, sin, q.dtype, True)))
 
 
+def _layout(kind, batch, seq, heads, d, device, gen):
+    x = torch.randn(batch, seq, heads, d, generator=gen).to(device)
+    if kind == "seq-major":  # Llama's q and k
+        return x.transpose(1, 2)
+    if kind == "contiguous":  # attention's gradients
+        return x.transpose(1, 2).contiguous()
+    return torch.randn(batch, heads, seq, 2 * d, generator=gen).to(device)[..., ::2]  # strided rows: neither
+
+
+@pytest.mark.parametrize("x_kind", ["seq-major", "contiguous"])
+@pytest.mark.parametrize("out_kind", ["seq-major", "contiguous"])
+@pytest.mark.parametrize("trig_batch", [1, 3])
+@pytest.mark.parametrize("backward", [False, True])
+def test_dense_kernel_gives_the_strided_kernels_bits(x_kind, out_kind, trig_batch, backward, device, gen):
+    # The dense kernel derives every stride from the shape and three flags; the strided one is told them.
+    batch, seq, d = 3, 5, 16
+    q, k = _layout(x_kind, batch, seq, 4, d, device, gen), _layout(x_kind, batch, seq, 2, d, device, gen)
+    cos, sin = rotary_cos_sin(trig_batch, seq, d, device=device, positions=random_positions(trig_batch, seq, gen,
+                                                                                            device))
+    outs = {}
+    for strided in (False, True):
+        q_out = _layout(out_kind, batch, seq, 4, d, device, gen).fill_(float("nan"))
+        k_out = _layout(out_kind, batch, seq, 2, d, device, gen).fill_(float("nan"))
+        rope_module._launch(q, k, cos, sin, q_out, k_out, backward, None, strided=strided)
+        outs[strided] = (q_out, k_out)
+    assert rope_module._dense_flags(q, k, cos, sin, *outs[False]) == (
+        x_kind == "seq-major", out_kind == "seq-major", trig_batch > 1)
+    assert all(torch.isfinite(t).all() for t in outs[False])
+    assert all(torch.equal(a, b) for a, b in zip(outs[False], outs[True]))
+    steps = rope_module.Config((batch * seq,), 1, 8, 4, q_heads=2, k_heads=1)  # a loop over heads, dense kernel
+    q_out, k_out = (torch.full_like(t, float("nan")) for t in outs[False])
+    rope_module._launch(q, k, cos, sin, q_out, k_out, backward, steps)
+    assert torch.equal(q_out, outs[True][0]) and torch.equal(k_out, outs[True][1])
+
+
+def test_other_layouts_take_the_strided_kernel(device, gen):
+    q, k = _layout("seq-major", 2, 5, 4, 8, device, gen), _layout("seq-major", 2, 5, 2, 8, device, gen)
+    cos, sin = rotary_cos_sin(2, 5, 8, device=device)
+    out = torch.empty_like(q), torch.empty_like(k)
+    assert rope_module._dense_flags(q, k, cos, sin, *out) == (True, True, True)
+    assert rope_module._dense_flags(_layout("strided", 2, 5, 4, 8, device, gen), k, cos, sin, *out) is None
+    assert rope_module._dense_flags(q, k.contiguous(), cos, sin, *out) is None  # q and k in different orders
+    wide = torch.randn(2, 5, 16, device=device)
+    assert rope_module._dense_flags(q, k, wide[..., :8], sin, *out) is None  # cos rows 16 apart
+    q_embed, k_embed = apply_rotary(*(t.requires_grad_() for t in (q, k)), wide[..., :8], sin)
+    ref = rotary_reference(q.detach().double(), k.detach().double(), wide[..., :8].double(), sin.double())
+    assert relative_error(q_embed, ref[0]) < TOL[torch.float32] and relative_error(k_embed, ref[1]) < TOL[torch.float32]
+
+
 def test_launch_config_for_a_gpu_gives_every_sm_work():
     h100 = rope_module.runtime.DeviceProps("H100", False, 132, 227 * 1024, 65536)
     cfg = rope_module.rope_config(2048, 128, 32, 8, h100)

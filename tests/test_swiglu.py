@@ -64,6 +64,7 @@ def test_halves_of_a_fused_projection_are_read_in_place(device, gen):
 def test_other_strided_views_and_a_transposed_gradient(device, gen):
     gate, up, _ = make_inputs((6, 11, 96), torch.float32, device, gen)
     views = {
+        "dense, only the gradient transposed": (gate, up),
         "every other token": (gate[:, ::2], up[:, ::2]),
         "transposed leading dims": (gate.transpose(0, 1), up.transpose(0, 1)),
         "last dim strided (copied)": (gate[..., ::2], up[..., ::2]),
@@ -160,6 +161,15 @@ def test_inplace_backward_writes_the_gradients_over_gate_and_up(shape, device, g
     assert relative_error(g0.grad, g64.grad) < TOL[torch.float32]
     assert relative_error(u0.grad, u64.grad) < TOL[torch.float32]
     assert relative_error(gate, seen["gate"]) == 0.0  # gate itself now holds its gradient
+
+
+def test_inplace_backward_with_a_transposed_gradient(device, gen):
+    g0, u0, gate, up, dy = _projection_outputs((4, 6, 48), device, gen)
+    dy_t = dy.transpose(0, 1).contiguous().transpose(0, 1)  # same values, rows no longer dense
+    swiglu(gate, up, inplace_backward=True).backward(dy_t)
+    g64, u64 = g0.detach().double().requires_grad_(), u0.detach().double().requires_grad_()
+    swiglu_reference(g64 * 1.5, u64 * 0.5).backward(dy.double())
+    assert max(relative_error(g0.grad, g64.grad), relative_error(u0.grad, u64.grad)) < TOL[torch.float32]
 
 
 def test_inplace_backward_fails_loudly_if_another_node_saved_gate(device, gen):

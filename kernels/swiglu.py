@@ -111,7 +111,8 @@ def _elementwise_config(n_rows: int, n_cols: int, props: runtime.DeviceProps, ma
     # 4,096 and 16,384 rows): the tiles within 2% of the best at every row count were one row tall. The forward's
     # best spans the whole row (16,384 columns, 32 warps: 16 elements per thread); the backward, which keeps three
     # inputs and σ(gate) live, prefers 2,048 columns with 16 warps (4 elements per thread). The first prediction,
-    # 1,024-column tiles of 4 to 8 rows, was 4-5% slower in the forward.
+    # 1,024-column tiles of 4 to 8 rows, was 4-5% slower in the forward. Dense tensors are read as rows of
+    # _RECUT_COLS (below) instead: one 1,024-column tile per program, 4 warps forward and 8 backward.
     block_n = min(triton.next_power_of_2(max(n_cols, 1)), max_block)
     num_warps = max(4, min(max_warps, block_n // elements_per_warp))
     return Config((n_rows, triton.cdiv(n_cols, block_n)), 1, block_n, num_warps)
@@ -160,15 +161,30 @@ def _check_inputs(gate: torch.Tensor, up: torch.Tensor) -> None:
         raise ValueError(f"in gpu mode gate and up must be CUDA tensors, got tensors on {gate.device}")
 
 
+# Elementwise work does not care where rows end. When gate, up (and dy) are each one dense block, both kernels read
+# them as rows of _RECUT_COLS elements instead of the model's rows (14,336 at the 8B shape). Measured on H200s
+# (assets/notes/swiglu_rope.md): the backward 2-4% faster at 1,024-16,384 tokens than with tiles of 14,336-wide
+# rows, the forward 0.3-3% faster at 512-16,384 tokens than with one 16,384-column tile per row (1,792 masked-off
+# lanes). An explicit ``config`` describes the tensors' own rows, so it turns the recut off.
+_RECUT_COLS = 1024
+
+
+def _dense_rows(numel: int, n_cols: int, config: Config | None) -> tuple[int, int]:
+    """(rows, columns) in which the kernels read dense tensors of ``numel`` elements and rows of ``n_cols``:
+    rows of ``_RECUT_COLS`` when the size divides and no ``config`` fixes the tensors' own rows."""
+    if config is None and numel % _RECUT_COLS == 0:
+        return numel // _RECUT_COLS, _RECUT_COLS
+    return (numel // n_cols if n_cols else 0), n_cols
+
+
 def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, config: Config | None = None) -> torch.Tensor:
     """Launch the forward kernel: ``silu(gate) * up``, a new contiguous tensor of gate's shape and dtype."""
     if gate.is_contiguous() and up.is_contiguous():
         # The common case, passed as it is: a kernel argument is a pointer, so contiguous tensors of any rank are
-        # already [numel / n_cols, n_cols] rows, and no view needs to be made on the host.
+        # already rows of any width that divides their size (here _RECUT_COLS), and no view is made on the host.
         y = torch.empty_like(gate)
         g, u = gate, up
-        n_cols = gate.shape[-1]
-        n_rows = gate.numel() // n_cols if n_cols else 0
+        n_rows, n_cols = _dense_rows(gate.numel(), gate.shape[-1], config)
         stride_g = stride_u = n_cols
     else:
         y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
@@ -182,21 +198,6 @@ def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, config: Config | None =
             ROWS=cfg.rows, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
         )
     return y
-
-
-# Elementwise work does not care where rows end. When gate, up and dy are each one dense block, the backward reads
-# them as rows of _RECUT_COLS elements instead of the model's rows (14,336 at the 8B shape). Measured on an H200
-# (assets/notes/swiglu_rope.md): 2-4% faster at 1,024-16,384 tokens than the tiles of 14,336-wide rows. An explicit
-# ``config`` describes the tensors' own rows, so it turns the recut off.
-_RECUT_COLS = 1024
-
-
-def _dense_rows(numel: int, n_cols: int, config: Config | None) -> tuple[int, int]:
-    """(rows, columns) in which the backward reads dense tensors of ``numel`` elements and rows of ``n_cols``:
-    rows of ``_RECUT_COLS`` when the size divides and no ``config`` fixes the tensors' own rows."""
-    if config is None and numel % _RECUT_COLS == 0:
-        return numel // _RECUT_COLS, _RECUT_COLS
-    return (numel // n_cols if n_cols else 0), n_cols
 
 
 def swiglu_backward(

@@ -116,24 +116,33 @@ def test_launch_configs_for_a_gpu_are_the_measured_ones():
     assert fwd.rows == bwd.rows == 1 and fwd.block_n == 16384 and bwd.block_n == 2048
     assert fwd.grid == (16384, 1) and bwd.grid == (16384, 7)
     assert (fwd.num_warps, bwd.num_warps) == (32, 16)
+    # Dense tensors at the 8B shape are read as rows of 1,024: one tile per program, 4 warps forward, 8 backward.
+    rows = 16384 * 14336 // 1024
+    assert swiglu_module._dense_rows(16384 * 14336, 14336, None) == (rows, 1024)
+    flat_fwd, flat_bwd = swiglu_module.forward_config(rows, 1024, h100), swiglu_module.backward_config(rows, 1024, h100)
+    assert (flat_fwd.grid, flat_fwd.block_n, flat_fwd.num_warps) == ((rows, 1), 1024, 4)
+    assert (flat_bwd.grid, flat_bwd.block_n, flat_bwd.num_warps) == ((rows, 1), 1024, 8)
     narrow = swiglu_module.forward_config(8, 100, h100)
     assert narrow.block_n == 128 and narrow.num_warps == 4 and narrow.grid == (8, 1)
     interp = swiglu_module.forward_config(2048, 14336, swiglu_module.runtime.INTERPRETER)
     assert interp.grid[0] * interp.grid[1] < 1000
 
 
-def test_dense_backward_reads_rows_of_1024_and_strided_keeps_its_rows(device, gen, monkeypatch):
+def test_dense_tensors_are_read_as_rows_of_1024_and_strided_keep_their_rows(device, gen, monkeypatch):
     seen = []
-    original = swiglu_module._backward_config
-    monkeypatch.setattr(swiglu_module, "_backward_config",
-                        lambda rows, cols, props: seen.append((rows, cols)) or original(rows, cols, props))
+    for name in ("_forward_config", "_backward_config"):
+        original = getattr(swiglu_module, name)
+        monkeypatch.setattr(swiglu_module, name, lambda rows, cols, props, name=name, original=original:
+                            seen.append((name[1:4], rows, cols)) or original(rows, cols, props))
     gu = torch.randn(6, 2 * 512, generator=gen).to(device)  # 6 × 512 = 3 rows of 1,024
     dy = torch.randn(6, 512, generator=gen).to(device)
     gate, up = gu[:, :512], gu[:, 512:]
-    strided = swiglu_module.swiglu_backward(dy, gate, up)
-    dense = swiglu_module.swiglu_backward(dy, gate.contiguous(), up.contiguous())
-    assert seen == [(6, 512), (3, 1024)]
+    strided = swiglu_module.swiglu_forward(gate, up), *swiglu_module.swiglu_backward(dy, gate, up)
+    dense = (swiglu_module.swiglu_forward(gate.contiguous(), up.contiguous()),
+             *swiglu_module.swiglu_backward(dy, gate.contiguous(), up.contiguous()))
+    assert seen == [("for", 6, 512), ("bac", 6, 512), ("for", 3, 1024), ("bac", 3, 1024)]
     assert all(torch.equal(a, b) for a, b in zip(strided, dense))
+    dense = dense[1:]
     g64, u64 = gate.double().requires_grad_(), up.double().requires_grad_()
     (torch.nn.functional.silu(g64) * u64).backward(dy.double())
     assert max(relative_error(dense[0], g64.grad), relative_error(dense[1], u64.grad)) < TOL[torch.float32]

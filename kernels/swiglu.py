@@ -164,7 +164,7 @@ def _check_inputs(gate: torch.Tensor, up: torch.Tensor) -> None:
 # Elementwise work does not care where rows end. When gate, up (and dy) are each one dense block, both kernels read
 # them as rows of _RECUT_COLS elements instead of the model's rows (14,336 at the 8B shape). Measured on H200s
 # (assets/notes/swiglu_rope.md): the backward 2-4% faster at 1,024-16,384 tokens than with tiles of 14,336-wide
-# rows, the forward 0.3-3% faster at 512-16,384 tokens than with one 16,384-column tile per row (1,792 masked-off
+# rows, the forward 0.3-3% faster at 512-16,384 tokens than with one 16,384-column tile per row (2,048 masked-off
 # lanes). An explicit ``config`` describes the tensors' own rows, so it turns the recut off.
 _RECUT_COLS = 1024
 

@@ -6,11 +6,14 @@ same bits; the run under a dispatch mode must show the family's operators, so a 
 would fail here.
 """
 
+import contextlib
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels import ops
+from kernels.adamw import TritonAdamW
 from kernels.cross_entropy import cross_entropy
 from kernels.reference import rotary_cos_sin
 from kernels.rmsnorm import rms_norm
@@ -105,6 +108,24 @@ def _forward_backward(inputs, run, grads):
     outputs = run(*inputs)
     torch.autograd.backward(outputs, grads)
     return [o.detach().clone() for o in outputs] + [t.grad.clone() for t in inputs]
+
+
+def test_adamw_direct_and_operator_paths_give_the_same_bits(device, gen):
+    weights = [torch.randn(37, generator=gen).to(device), torch.randn(5, 8, generator=gen).to(device)]
+    grads = [torch.randn(w.shape, generator=gen).to(device) for w in weights]
+    after = []
+    for record in (None, _RecordOps()):
+        params = [torch.nn.Parameter(w.clone()) for w in weights]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt = TritonAdamW(params, lr=1e-2, weight_decay=0.1)
+        with record or contextlib.nullcontext():
+            opt.step()
+            opt.step()
+        after.append([p.detach().clone() for p in params] + [opt.state[p]["exp_avg_sq"].clone() for p in params])
+    assert "kernels::adamw_step_" in record.seen
+    assert all(torch.equal(a, b) for a, b in zip(*after))
+    assert not any(torch.equal(a, w) for a, w in zip(after[0], weights))  # the step changed every parameter
 
 
 @pytest.mark.parametrize("family", CASES)

@@ -214,9 +214,7 @@ class TritonAdamW(torch.optim.Optimizer):
                     # would wait for the GPU.
                     state["step"] = state["step"].to("cpu", torch.float32)
                 state["step"] += 1
-                tensors = _local(p), _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"])
-                # The launch itself in a plain eager step, the operator for tracers (kernels/ops.py, ``direct``).
-                step_fn = adamw_step if ops.direct(*tensors) else adamw_step_op
-                step_fn(*tensors, float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
-                        float(group["weight_decay"]), float(state["step"]))
+                ops.call(adamw_step_op, _local(p), _local(p.grad), _local(state["exp_avg"]),
+                         _local(state["exp_avg_sq"]), float(group["lr"]), float(beta1), float(beta2),
+                         float(group["eps"]), float(group["weight_decay"]), float(state["step"]))
         return loss

@@ -538,7 +538,7 @@ cross_entropy_scale_grad_op = ops.define(
 
 class CrossEntropyFunction(torch.autograd.Function):
     """autograd glue. The forward computes the gradient already; backward multiplies it by grad_output. A plain
-    eager call runs the operators' implementations directly (``ops.direct``).
+    eager call runs the operators' implementations directly (``ops.call``).
 
     Nothing but the gradient is saved (the logsumexp is not needed again). The gradient is scaled in place, so
     backward may run only once per forward (``retain_graph=True`` and a second backward raise).
@@ -552,12 +552,12 @@ class CrossEntropyFunction(torch.autograd.Function):
             # The operator writes the gradient over the logits and, declaring that write, bumps their version
             # counter: any autograd node that saved the logits for its own backward then fails loudly ("modified by
             # an inplace operation") instead of using the gradient as logits.
-            fwd_inplace = _forward_inplace_op_impl if ops.direct(logits, target) else cross_entropy_fwd_inplace_op
-            loss, _ = fwd_inplace(logits, target, ignore_index, reduction, normalizer, normalizer_value)
+            loss, _ = ops.call(cross_entropy_fwd_inplace_op, logits, target, ignore_index, reduction, normalizer,
+                               normalizer_value)
             grad = logits.detach()  # the same memory, without autograd history: what backward hands on as the gradient
         else:
-            fwd = _forward_op_impl if ops.direct(logits, target) else cross_entropy_fwd_op
-            loss, _, grad = fwd(logits, target, ignore_index, reduction, normalizer, normalizer_value, True)
+            loss, _, grad = ops.call(cross_entropy_fwd_op, logits, target, ignore_index, reduction, normalizer,
+                                     normalizer_value, True)
         ctx.save_for_backward(grad)
         ctx.backward_done = False
         return loss
@@ -572,7 +572,7 @@ class CrossEntropyFunction(torch.autograd.Function):
             )
         ctx.backward_done = True
         (grad,) = ctx.saved_tensors
-        (_scale_grad_op_impl if ops.direct(grad, grad_output) else cross_entropy_scale_grad_op)(grad, grad_output)
+        ops.call(cross_entropy_scale_grad_op, grad, grad_output)
         return grad, None, None, None, None, None, None
 
 
@@ -642,8 +642,7 @@ def cross_entropy(
         return CrossEntropyFunction.apply(
             logits, target, ignore_index, reduction, norm_tensor, norm_value, inplace_backward
         )
-    fwd = _forward_op_impl if ops.direct(logits, target) else cross_entropy_fwd_op
-    return fwd(logits, target, ignore_index, reduction, norm_tensor, norm_value, False)[0]
+    return ops.call(cross_entropy_fwd_op, logits, target, ignore_index, reduction, norm_tensor, norm_value, False)[0]
 
 
 class TritonCrossEntropyLoss(torch.nn.Module):

@@ -18,9 +18,10 @@ host, ``torch.library.register_autograd`` costs about 230 µs more per RMSNorm f
 
 The operator is what a *tracer* needs: the compiler, fake tensors, a tensor subclass, a ``TorchDispatchMode``.
 A plain eager call needs none of it, and the trip through the dispatcher into a Python implementation costs host
-time on every call. So each ``autograd.Function`` asks ``direct(...)`` and, when nothing is tracing or
-intercepting, calls the implementation itself: the same function the operator would have run, with the same
-version-counter bumps for what it writes (chapter 09 measures what that saves).
+time on every call. So the ``autograd.Function``s call their operators through ``call(op, ...)``, which runs the
+registered implementation itself when ``direct(...)`` finds nothing tracing or intercepting: the same function the
+operator would have run, with the same version-counter bumps for what it writes (chapter 09 measures what that
+saves).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 
 NAMESPACE = "kernels"
 _LIBRARY = torch.library.Library(NAMESPACE, "DEF")
+_IMPLS: dict[torch._ops.OpOverload, Callable] = {}  # each operator's implementation, for ``call``
 
 
 def define(schema: str, impl: Callable, fake: Callable) -> torch._ops.OpOverload:
@@ -44,7 +46,9 @@ def define(schema: str, impl: Callable, fake: Callable) -> torch._ops.OpOverload
     # CompositeExplicitAutograd: one implementation for every device, and autograd is left to the caller.
     _LIBRARY.impl(name, impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIBRARY)
-    return getattr(getattr(torch.ops, NAMESPACE), name).default
+    op = getattr(getattr(torch.ops, NAMESPACE), name).default
+    _IMPLS[op] = impl
+    return op
 
 
 # Tensors an eager call may hand straight to an implementation. Subclasses (FakeTensor while tracing, DTensor,
@@ -52,12 +56,17 @@ def define(schema: str, impl: Callable, fake: Callable) -> torch._ops.OpOverload
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def direct(*tensors: torch.Tensor) -> bool:
-    """Whether a call with ``tensors`` may run an operator's implementation itself instead of through the operator:
-    not while ``torch.compile`` traces, not under a ``TorchDispatchMode`` (which would miss the call), and only for
-    plain tensors and parameters."""
+def direct(*args) -> bool:
+    """Whether a call with ``args`` may run an operator's implementation itself instead of through the operator:
+    not while ``torch.compile`` traces, not under a ``TorchDispatchMode`` (which would miss the call), and only when
+    every tensor among ``args`` is a plain tensor or parameter."""
     return (not torch.compiler.is_compiling() and not torch._C._len_torch_dispatch_stack()
-            and all(type(t) in _PLAIN for t in tensors))
+            and all(type(a) in _PLAIN for a in args if isinstance(a, torch.Tensor)))
+
+
+def call(op: torch._ops.OpOverload, *args):
+    """``op(*args)``: its implementation called directly when ``direct(*args)`` allows it, else the operator."""
+    return (_IMPLS[op] if direct(*args) else op)(*args)
 
 
 def registered() -> list[str]:

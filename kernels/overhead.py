@@ -14,7 +14,7 @@ few microseconds and the loop is bound by the host. ``measure_peers`` does that 
     launches        the Triton launches alone, with arguments and buffers prepared beforehand
 
 so that autograd and checks = total − impl, our Python around the launches = impl − launches. An eager call skips
-the dispatcher (``kernels.ops.direct``); what the trip through it would cost, which a traced or intercepted call
+the dispatcher (``kernels.ops.call``); what the trip through it would cost, which a traced or intercepted call
 still pays, is measured beside them: the operators called directly (``ops``) minus ``impl``.
 ``python -m kernels.overhead`` writes ``assets/results/overhead_<device>.json`` and a PNG.
 """

@@ -330,11 +330,11 @@ rms_norm_bwd_op = ops.define(
 class RMSNormFunction(torch.autograd.Function):
     """autograd glue around the two operators: the forward saves x (no copy), the weight and one float32 rstd per
     row; the backward computes dW only when the weight needs a gradient. A plain eager call runs the operators'
-    implementations directly (``ops.direct``): the dispatcher's trip costs host time and is needed only by tracers."""
+    implementations directly (``ops.call``): the dispatcher's trip costs host time and is needed only by tracers."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        y, rstd = (rms_norm_forward if ops.direct(x, weight) else rms_norm_fwd_op)(x, weight, eps)
+        y, rstd = ops.call(rms_norm_fwd_op, x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
         return y
 
@@ -342,7 +342,7 @@ class RMSNormFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
         compute_dw = ctx.needs_input_grad[1]
-        dx, dw = (rms_norm_backward if ops.direct(dy, x) else rms_norm_bwd_op)(dy, x, weight, rstd, compute_dw)
+        dx, dw = ops.call(rms_norm_bwd_op, dy, x, weight, rstd, compute_dw)
         return dx, (dw if compute_dw else None), None
 
 
@@ -356,8 +356,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     _check_inputs(x, weight)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return RMSNormFunction.apply(x, weight, float(eps))
-    # No autograd: skip the Function and its bookkeeping.
-    return (rms_norm_forward if ops.direct(x, weight) else rms_norm_fwd_op)(x, weight, float(eps))[0]
+    return ops.call(rms_norm_fwd_op, x, weight, float(eps))[0]  # no autograd: skip the Function and its bookkeeping
 
 
 class TritonRMSNorm(torch.nn.Module):

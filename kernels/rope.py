@@ -176,7 +176,7 @@ def _rope_dense_kernel(
     ROWS: tl.constexpr, BLOCK_H: tl.constexpr, Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr,
     BACKWARD: tl.constexpr, X_SEQ_MAJOR: tl.constexpr, O_SEQ_MAJOR: tl.constexpr, TRIG_BATCHED: tl.constexpr,
 ):
-    # The same rotation for dense tensors, whose strides follow from the shape and two layout flags: 8 runtime
+    # The same rotation for dense tensors, whose strides follow from the shape and three layout flags: 8 runtime
     # arguments instead of 26. Triton's launcher inspects every argument on every call (chapter 09), and this one
     # runs twice per attention layer and step.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -443,19 +443,14 @@ def _cos_sin_grads(dq, dk, q, k, cos, sin, need_cos: bool, need_sin: bool):
     return d_cos, d_sin
 
 
-def _forward(q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
-    # The launch itself in a plain eager call, the operator for tracers (kernels/ops.py, ``direct``).
-    return (rope_forward if ops.direct(q, k, cos, sin) else rope_fwd_op)(q, k, cos, sin)
-
-
 class RotaryFunction(torch.autograd.Function):
     """autograd glue around the two operators (their implementations directly in a plain eager call,
-    ``ops.direct``): only cos and sin are saved (q and k too, when cos or sin need a gradient, which a Llama's never
+    ``ops.call``): only cos and sin are saved (q and k too, when cos or sin need a gradient, which a Llama's never
     do)."""
 
     @staticmethod
     def forward(ctx, q, k, cos, sin):
-        q_embed, k_embed = _forward(q, k, cos, sin)
+        q_embed, k_embed = ops.call(rope_fwd_op, q, k, cos, sin)
         trig_grad = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
         ctx.save_for_backward(cos, sin, *((q, k) if trig_grad else ()))
         ctx.x_dtype = q.dtype
@@ -466,8 +461,7 @@ class RotaryFunction(torch.autograd.Function):
     def backward(ctx, dq_embed, dk_embed):
         cos, sin, *qk = ctx.saved_tensors
         # An output that did not reach the loss arrives as zeros (autograd materialises it): its rotation is zeros.
-        backward = rope_backward if ops.direct(dq_embed, dk_embed, cos, sin) else rope_bwd_op
-        dq, dk = backward(dq_embed, dk_embed, cos, sin, ctx.x_dtype, ctx.seq_major)
+        dq, dk = ops.call(rope_bwd_op, dq_embed, dk_embed, cos, sin, ctx.x_dtype, ctx.seq_major)
         d_cos = d_sin = None
         if qk:
             d_cos, d_sin = _cos_sin_grads(dq_embed, dk_embed, *qk, cos, sin, *ctx.needs_input_grad[2:4])
@@ -494,4 +488,4 @@ def apply_rotary(
     _check_inputs(q, k, cos, sin)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, cos, sin)):
         return RotaryFunction.apply(q, k, cos, sin)
-    return _forward(q, k, cos, sin)
+    return ops.call(rope_fwd_op, q, k, cos, sin)

@@ -289,24 +289,19 @@ swiglu_bwd_inplace_op = ops.define(
 
 
 def _forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    # The launch itself in a plain eager call, the operator for tracers (kernels/ops.py, ``direct``).
-    return (swiglu_forward if ops.direct(gate, up) else swiglu_fwd_op)(gate, up)
-
-
-def _backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return (swiglu_backward if ops.direct(dy, gate, up) else swiglu_bwd_op)(dy, gate, up)
+    return ops.call(swiglu_fwd_op, gate, up)
 
 
 def _backward_in_place(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """d(gate) and d(up), written over the saved gate and up. The operator declares its writes and bumps their version
     counters, so any other autograd node that saved them fails loudly ("modified by an inplace operation") instead
     of reading gradients."""
-    (swiglu_backward_ if ops.direct(dy, gate, up) else swiglu_bwd_inplace_op)(dy, gate, up)
+    ops.call(swiglu_bwd_inplace_op, dy, gate, up)
     return gate.detach(), up.detach()
 
 
 class SwiGLUFunction(torch.autograd.Function):
-    """autograd glue around the operators (their implementations directly in a plain eager call, ``ops.direct``):
+    """autograd glue around the operators (their implementations directly in a plain eager call, ``ops.call``):
     the forward saves gate and up (the tensors autograd keeps for the matmuls anyway, so no extra memory); nothing
     else is stored.
 
@@ -324,7 +319,7 @@ class SwiGLUFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
-        d_gate, d_up = _backward_in_place(dy, gate, up) if ctx.inplace else _backward(dy, gate, up)
+        d_gate, d_up = _backward_in_place(dy, gate, up) if ctx.inplace else ops.call(swiglu_bwd_op, dy, gate, up)
         return (d_gate if ctx.needs_input_grad[0] else None), (d_up if ctx.needs_input_grad[1] else None), None
 
 

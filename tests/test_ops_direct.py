@@ -1,4 +1,4 @@
-"""The eager shortcut past the dispatcher (``ops.direct``): when it applies, and that it changes no bit.
+"""The eager shortcut past the dispatcher (``ops.call``, ``ops.direct``): when it applies, and that it changes no bit.
 
 A plain eager call runs an operator's implementation itself; a tracer (``torch.compile``, a ``TorchDispatchMode``,
 a tensor subclass) gets the operator. Each kernel family is run both ways, forward and backward, and must give the

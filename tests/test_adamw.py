@@ -39,14 +39,19 @@ def test_matches_float64_after_several_steps(dtype, device, gen):
     grads = [[torch.randn(p.shape, generator=gen).to(device, dtype) for p in params] for _ in range(4)]
     lr, wd = 0.2, 0.1
     _steps(TritonAdamW(params, lr=lr, weight_decay=wd), params, grads)
-    for p, p0, i in zip(params, start, range(len(params))):
+    refs = [adamw_reference(p0, [g[i] for g in grads], lr, weight_decay=wd) for i, p0 in enumerate(start)]
+    for p, ref in zip(params, refs):
         if p.numel() == 0:
             continue
-        ref = adamw_reference(p0, [g[i] for g in grads], lr, weight_decay=wd)
         assert p.dtype == dtype
         assert relative_error(p.detach(), ref) < TOL[dtype]
-        # The steps moved the parameters far more than the tolerance: an optimizer that did nothing would fail.
-        assert relative_error(p0, ref) > 10 * TOL[dtype]
+    # The steps moved the parameters far more than the tolerance, so an optimizer that did nothing would fail. Judged
+    # over all values at once: a tensor of 5 values can move little (four random-sign steps may nearly cancel).
+    assert relative_error(_flat(start), _flat(refs)) > 10 * TOL[dtype]
+
+
+def _flat(tensors):
+    return torch.cat([t.detach().double().reshape(-1).cpu() for t in tensors])
 
 
 def test_bf16_step_matches_torch_fused_adamw_to_the_last_bit_or_one(device, gen):

@@ -95,6 +95,13 @@ def floor_ms(n_bytes: float, copy_gbps: float) -> float:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def rotated(items: list, r: int) -> list:
+    """``items`` in the order of timing round ``r``: rotated by ``r`` places, so that over the rounds no item always
+    runs first, or always right after the same neighbour."""
+    k = r % len(items) if items else 0
+    return items[k:] + items[:k]
+
+
 def reset_grads(tensors) -> None:
     """Set ``.grad`` of every tensor to None, so the next backward writes its gradient instead of adding to one."""
     for t in tensors or ():

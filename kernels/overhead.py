@@ -33,6 +33,7 @@ import torch
 import triton
 
 from . import runtime
+from .bench import rotated
 from .peers import implementations
 from .results import RESULTS, device_slug, first_line
 from .sweep import CASES
@@ -91,7 +92,7 @@ def interleaved_host_us(fns: dict[str, tuple[Callable[[], object], list]], calls
     names = list(fns)
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in rotated(names, r):
             fn, grads = fns[name]
             times[name].append(host_us(fn, per_round, grads=grads))
     return {name: statistics.median(values) for name, values in times.items()}

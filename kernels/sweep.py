@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from . import runtime
-from .bench import device_time_ms, gbps, measure_ceilings, peak_extra_mib, reset_grads, time_ms
+from .bench import device_time_ms, gbps, measure_ceilings, peak_extra_mib, reset_grads, rotated, time_ms
 from .peers import IMPLEMENTATIONS, Impl, implementations
 from .reference import relative_error, rms_norm_reference, rotary_cos_sin, rotary_reference, swiglu_reference
 from .results import (
@@ -587,7 +587,7 @@ def measure_shape(case, chosen, passes, warmup: int = 25, rep: int = 50, rounds:
             if row["status"] == "ok":
                 timed.setdefault(impl.key, []).append((row, fn, params, pass_))
     for r in range(rounds):
-        for impl in chosen[r % len(chosen):] + chosen[:r % len(chosen)]:
+        for impl in rotated(chosen, r):
             for row, fn, params, pass_ in timed.get(impl.key, ()):
                 if row["status"] == "ok":
                     _time_into(row, case, fn, params, pass_, warmup, rep)

@@ -16,7 +16,10 @@ few microseconds and the loop is bound by the host. ``measure_peers`` does that 
 so that autograd and checks = total − impl, our Python around the launches = impl − launches. An eager call skips
 the dispatcher (``kernels.ops.call``); what the trip through it would cost, which a traced or intercepted call
 still pays, is measured beside them: the operators called directly (``ops``) minus ``impl``.
-``python -m kernels.overhead`` writes ``assets/results/overhead_<device>.json`` and a PNG.
+``floor`` times what no Python-level operator can go below, on SwiGLU's tiny case: an ``autograd.Function`` that
+allocates its outputs and launches one empty Triton kernel per pass, against PyTorch's C++ operators doing the
+whole of Hugging Face's SwiGLU. ``python -m kernels.overhead`` writes ``assets/results/overhead_<device>.json`` and
+a PNG.
 """
 
 from __future__ import annotations
@@ -285,18 +288,72 @@ def breakdown(kernel: str, calls: int | None = None) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# The floor of a Python-level operator
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _nothing_kernel(X):
+    pass
+
+
+class _EmptyFunction(torch.autograd.Function):
+    """SwiGLU's host path with the work taken out: outputs allocated and inputs saved as ours does, and
+    ``launches`` empty Triton launches per pass (0 or 1). Its outputs hold whatever memory they were given."""
+
+    @staticmethod
+    def forward(ctx, gate, up, launches):
+        ctx.save_for_backward(gate, up)
+        ctx.launches = launches
+        y = torch.empty_like(gate)
+        if launches:
+            _nothing_kernel[(1,)](y)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        gate, up = ctx.saved_tensors
+        d_gate, d_up = torch.empty_like(gate), torch.empty_like(up)
+        if ctx.launches:
+            _nothing_kernel[(1,)](d_gate)
+        return d_gate, d_up, None
+
+
+FLOOR = ("Hugging Face's SwiGLU, C++ operators", "autograd.Function, no kernel",
+         "autograd.Function, one empty Triton launch per pass", "ours")
+
+
+def floor(calls: int | None = None) -> dict[str, float]:
+    """Host µs per forward + backward on SwiGLU's tiny case, timed in interleaved rounds: Hugging Face's
+    ``F.silu(gate) * up`` (three C++ autograd nodes, five kernels), ``_EmptyFunction`` without and with its two empty
+    launches, and ours. The third is the least any Python ``autograd.Function`` with a Triton kernel per pass can
+    cost on this host, whatever its kernels do."""
+    case = _case("swiglu")
+    gate, up, dy = case.gate, case.up, case.dy
+    sw = importlib.import_module("kernels.swiglu")
+    fns = {
+        FLOOR[0]: lambda: (torch.nn.functional.silu(gate) * up).backward(dy),
+        FLOOR[1]: lambda: _EmptyFunction.apply(gate, up, 0).backward(dy),
+        FLOOR[2]: lambda: _EmptyFunction.apply(gate, up, 1).backward(dy),
+        FLOOR[3]: lambda: sw.swiglu(gate, up).backward(dy),
+    }
+    return interleaved_host_us({name: (fn, [gate, up]) for name, fn in fns.items()}, calls)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # A whole run: results, table, plot
 # ---------------------------------------------------------------------------------------------------------------------
 
 
 def run(calls: int | None = None) -> dict:
-    """Every kernel and pass: peers' host µs and our breakdown, with the device and versions it ran on."""
+    """Every kernel and pass: peers' host µs, our breakdown and the floor, with the device and versions it ran on."""
     results = {"device": runtime.device_name(), "device_slug": device_slug(), "mode": runtime.MODE,
                "versions": runtime.versions(), "calls": calls or runtime.pick(5, 2000), "peers": [], "breakdown": {}}
     for kernel, passes in PASSES.items():
         for pass_ in passes:
             results["peers"] += measure_peers(kernel, pass_, calls)
         results["breakdown"][kernel] = breakdown(kernel, calls)
+    results["floor_us"] = floor(calls)
     return results
 
 
@@ -309,15 +366,19 @@ def format_table(results: dict) -> str:
         parts = ", ".join(f"{name} {us:.1f}" for name, us in b["parts_us"].items())
         lines.append(f"  ours, {kernel} fwd+bwd = {b['levels_us']['total']:.1f} µs: {parts} "
                      f"(operator dispatch skipped: {b['dispatch_skipped_us']:.1f})")
+    if results.get("floor_us"):
+        lines.append("  the floor, SwiGLU's tiny case, forward + backward:")
+        lines += [f"    {us:8.1f}  {name}" for name, us in results["floor_us"].items()]
     return "\n".join(lines)
 
 
 def plot(results: dict, ax=None):
-    """Stacked bars: where our microseconds go, next to the fastest peer's total, per kernel."""
+    """Stacked bars: where our microseconds go, next to the fastest peer's total, per kernel; on SwiGLU's bar, dotted,
+    the floor of a Python-level operator (``floor``)."""
     import matplotlib.pyplot as plt
 
     if ax is None:
-        _, ax = plt.subplots(figsize=(7.5, 3.8))
+        _, ax = plt.subplots(figsize=(7.5, 4.2))
     colors = ["#9467bd", "#ff7f0e", "#d62728"]
     names = list(results["breakdown"])
     for i, kernel in enumerate(names):
@@ -332,10 +393,15 @@ def plot(results: dict, ax=None):
             best = min(peers, key=lambda r: r["host_us"])
             ax.plot([best["host_us"]] * 2, [i - 0.4, i + 0.4], color="black", lw=2)
             ax.annotate(best["label"], (best["host_us"], i + 0.42), fontsize=8, ha="center", va="bottom")
+        if kernel == "swiglu" and results.get("floor_us"):
+            least = results["floor_us"][FLOOR[2]]
+            ax.plot([least] * 2, [i - 0.4, i + 0.4], color="white", lw=2, ls=(0, (2, 2)))
+            ax.annotate("dashed: an empty autograd.Function\nwith one Triton launch per pass",
+                        (max(left, least) * 1.02, i), fontsize=7.5, ha="left", va="center")
     ax.set_yticks(range(len(names)), [f"{k}\nfwd+bwd" for k in names])
     ax.set_xlabel("host time per call (µs)")
     ax.set_title(f"Where the microseconds go ({results['device']})", fontsize=10)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, frameon=False)
     return ax
 
 

@@ -28,6 +28,7 @@ def test_run_table_and_plot(tmp_path):
     results = overhead.run(calls=2)
     table = overhead.format_table(results)
     assert all(f"ours, {kernel} fwd+bwd" in table for kernel in overhead.PASSES)
+    assert all(name in table for name in overhead.FLOOR)
     json_path, png_path = overhead.save(results, tmp_path)
     assert json_path.exists() and png_path.exists()
 
@@ -39,3 +40,19 @@ def test_interleaved_timing_takes_every_function_in_turn():
     turns = [name for i, name in enumerate(log) if i == 0 or log[i - 1] != name]
     assert turns == ["a", "b", "a"] and set(result) == {"a", "b"}  # a b | b a: the order rotates between rounds
     assert all(us > 0 for us in result.values())
+
+
+def test_floor_times_the_empty_function_beside_hugging_face_and_ours():
+    result = overhead.floor(calls=2)
+    assert list(result) == list(overhead.FLOOR) and all(us > 0 for us in result.values())
+    table = overhead.format_table({"device": "cpu", "peers": [], "breakdown": {}, "floor_us": result})
+    assert all(name in table for name in overhead.FLOOR)
+
+
+@pytest.mark.parametrize("launches", [0, 1])
+def test_empty_function_has_the_shapes_and_graph_of_a_swiglu(launches):
+    case = overhead._case("swiglu")
+    y = overhead._EmptyFunction.apply(case.gate, case.up, launches)
+    assert y.shape == case.gate.shape and y.dtype == case.gate.dtype and y.requires_grad
+    y.backward(case.dy)
+    assert case.gate.grad.shape == case.gate.shape and case.up.grad.shape == case.up.shape

@@ -16,10 +16,10 @@ few microseconds and the loop is bound by the host. ``measure_peers`` does that 
 so that autograd and checks = total − impl, our Python around the launches = impl − launches. An eager call skips
 the dispatcher (``kernels.ops.call``); what the trip through it would cost, which a traced or intercepted call
 still pays, is measured beside them: the operators called directly (``ops``) minus ``impl``.
-``floor`` times what no Python-level operator can go below, on SwiGLU's tiny case: an ``autograd.Function`` that
-allocates its outputs and launches one empty Triton kernel per pass, against PyTorch's C++ operators doing the
-whole of Hugging Face's SwiGLU. ``python -m kernels.overhead`` writes ``assets/results/overhead_<device>.json`` and
-a PNG.
+``floor`` times what no Python-level operator with Triton launches can go below, on SwiGLU's tiny case: an
+``autograd.Function`` that allocates its outputs and launches one empty Triton kernel per pass, against PyTorch's
+C++ operators doing the whole of Hugging Face's SwiGLU. ``python -m kernels.overhead`` writes
+``assets/results/overhead_<device>.json`` and a PNG.
 """
 
 from __future__ import annotations
@@ -373,7 +373,7 @@ def format_table(results: dict) -> str:
 
 
 def plot(results: dict, ax=None):
-    """Stacked bars: where our microseconds go, next to the fastest peer's total, per kernel; on SwiGLU's bar, dotted,
+    """Stacked bars: where our microseconds go, next to the fastest peer's total, per kernel; on SwiGLU's bar, dashed,
     the floor of a Python-level operator (``floor``)."""
     import matplotlib.pyplot as plt
 

@@ -222,8 +222,9 @@ def _swiglu_layers(case) -> dict[str, Callable[[], object]]:
     y, d_gate, d_up = torch.empty_like(g), torch.empty_like(g), torch.empty_like(u)
 
     def total():
+        # The Python path, whose layers these are; on a GPU ``swiglu`` itself runs the C++ node (``floor``).
         gate.grad = up.grad = None
-        sw.swiglu(gate, up).backward(dy)
+        sw.SwiGLUFunction.apply(gate, up, False).backward(dy)
 
     def ops():
         sw.swiglu_fwd_op(g, u)
@@ -320,14 +321,15 @@ class _EmptyFunction(torch.autograd.Function):
 
 
 FLOOR = ("Hugging Face's SwiGLU, C++ operators", "autograd.Function, no kernel",
-         "autograd.Function, one empty Triton launch per pass", "ours")
+         "autograd.Function, one empty Triton launch per pass", "ours, Python path", "ours")
 
 
 def floor(calls: int | None = None) -> dict[str, float]:
     """Host µs per forward + backward on SwiGLU's tiny case, timed in interleaved rounds: Hugging Face's
     ``F.silu(gate) * up`` (three C++ autograd nodes, five kernels), ``_EmptyFunction`` without and with its two empty
-    launches, and ours. The third is the least any Python ``autograd.Function`` with a Triton kernel per pass can
-    cost on this host, whatever its kernels do."""
+    launches, ours through its Python ``autograd.Function``, and ours as called (on a GPU, the C++ node of
+    ``kernels.host_path`` where it is built). The third is the least any Python ``autograd.Function`` with a Triton
+    kernel per pass can cost on this host, whatever its kernels do."""
     case = _case("swiglu")
     gate, up, dy = case.gate, case.up, case.dy
     sw = importlib.import_module("kernels.swiglu")
@@ -335,7 +337,8 @@ def floor(calls: int | None = None) -> dict[str, float]:
         FLOOR[0]: lambda: (torch.nn.functional.silu(gate) * up).backward(dy),
         FLOOR[1]: lambda: _EmptyFunction.apply(gate, up, 0).backward(dy),
         FLOOR[2]: lambda: _EmptyFunction.apply(gate, up, 1).backward(dy),
-        FLOOR[3]: lambda: sw.swiglu(gate, up).backward(dy),
+        FLOOR[3]: lambda: sw.SwiGLUFunction.apply(gate, up, False).backward(dy),
+        FLOOR[4]: lambda: sw.swiglu(gate, up).backward(dy),
     }
     return interleaved_host_us({name: (fn, [gate, up]) for name, fn in fns.items()}, calls)
 
@@ -364,7 +367,7 @@ def format_table(results: dict) -> str:
         lines.append(f"  {row['kernel']:<14}{row['pass']:<9}{value}  {row['label']}  {row['note']}".rstrip())
     for kernel, b in results["breakdown"].items():
         parts = ", ".join(f"{name} {us:.1f}" for name, us in b["parts_us"].items())
-        lines.append(f"  ours, {kernel} fwd+bwd = {b['levels_us']['total']:.1f} µs: {parts} "
+        lines.append(f"  ours through Python, {kernel} fwd+bwd = {b['levels_us']['total']:.1f} µs: {parts} "
                      f"(operator dispatch skipped: {b['dispatch_skipped_us']:.1f})")
     if results.get("floor_us"):
         lines.append("  the floor, SwiGLU's tiny case, forward + backward:")
@@ -373,8 +376,8 @@ def format_table(results: dict) -> str:
 
 
 def plot(results: dict, ax=None):
-    """Stacked bars: where our microseconds go, next to the fastest peer's total, per kernel; on SwiGLU's bar, dashed,
-    the floor of a Python-level operator (``floor``)."""
+    """Stacked bars: where the microseconds of our Python path go, next to the fastest peer's total, per kernel; on
+    SwiGLU's bar, dashed, the floor of a Python-level operator, and what ours costs as called (``floor``)."""
     import matplotlib.pyplot as plt
 
     if ax is None:
@@ -396,8 +399,10 @@ def plot(results: dict, ax=None):
         if kernel == "swiglu" and results.get("floor_us"):
             least = results["floor_us"][FLOOR[2]]
             ax.plot([least] * 2, [i - 0.4, i + 0.4], color="white", lw=2, ls=(0, (2, 2)))
-            ax.annotate("dashed: an empty autograd.Function\nwith one Triton launch per pass",
-                        (max(left, least) * 1.02, i), fontsize=7.5, ha="left", va="center")
+            text = "dashed: an empty autograd.Function\nwith one Triton launch per pass"
+            if FLOOR[4] in results["floor_us"]:
+                text += f"\nours as called: {results['floor_us'][FLOOR[4]]:.0f} µs"
+            ax.annotate(text, (max(left, least) * 1.02, i), fontsize=7.5, ha="left", va="center")
     ax.set_yticks(range(len(names)), [f"{k}\nfwd+bwd" for k in names])
     ax.set_xlabel("host time per call (µs)")
     ax.set_title(f"Where the microseconds go ({results['device']})", fontsize=10)

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from torch.nn.modules import module as nn_module
 
-from . import ops, runtime
+from . import host_path, ops, runtime
 
 # Rows as the kernels read them: a view with any row stride (the halves gu[..., :I] of a fused projection are one,
 # with row stride 2·I), copied only when no such view exists. The same rule as RMSNorm's.
@@ -338,7 +338,11 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = Fal
     gradients.
     """
     _check_inputs(gate, up)
-    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+    with_grad = torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)
+    if host_path.takes(gate, up, inplace_backward):
+        # Dense tensors on a GPU, eagerly: the same kernels, with the autograd node and the launches in C++.
+        return host_path.swiglu(gate, up, with_grad)
+    if with_grad:
         # Leaves (parameters, a caller's inputs) are never overwritten: only outputs of other operations. Under
         # torch.compile the compiler plans the backward's memory itself: the out-of-place operator there.
         inplace_backward = (inplace_backward and not torch.compiler.is_compiling()

@@ -27,7 +27,7 @@ def test_peers_are_checked_then_timed_or_skipped_with_a_reason():
 def test_run_table_and_plot(tmp_path):
     results = overhead.run(calls=2)
     table = overhead.format_table(results)
-    assert all(f"ours, {kernel} fwd+bwd" in table for kernel in overhead.PASSES)
+    assert all(f"ours through Python, {kernel} fwd+bwd" in table for kernel in overhead.PASSES)
     assert all(name in table for name in overhead.FLOOR)
     json_path, png_path = overhead.save(results, tmp_path)
     assert json_path.exists() and png_path.exists()

@@ -1,22 +1,24 @@
-"""SwiGLU's host path in C++: the autograd node and the kernel launches out of Python, for dense tensors on a GPU.
+"""The host path in C++ of SwiGLU and RoPE: the autograd node and the kernel launches out of Python, on a GPU.
 
 ``kernels.overhead.floor`` shows why: an ``autograd.Function`` that launches one *empty* Triton kernel per pass
 costs more host time per forward + backward than Hugging Face's whole SwiGLU in C++ operators, so where the host
-decides (small tensors), no Python-level SwiGLU can keep up. ``kernels/csrc/swiglu_host.cpp`` is a C++
-``torch::autograd::Function`` that launches the very kernels of ``kernels/swiglu.py``, compiled by Triton as always,
-through the CUDA driver (``cuLaunchKernel``) with the handles Triton returns.
+decides (small tensors, or kernels as short as RoPE's), no Python-level operator can keep up.
+``kernels/csrc/host_path.cpp`` holds two C++ ``torch::autograd::Function``s that launch the very kernels of
+``kernels/swiglu.py`` and ``kernels/rope.py``, compiled by Triton as always, through the CUDA driver
+(``cuLaunchKernel``) with the handles Triton returns.
 
 How a variant gets there. The first call with a given set of argument properties (those Triton specialises on:
-16-byte alignment of each pointer, a row count equal to 1 or divisible by 16) misses in the C++ table and calls
-back into Python, which runs the Python path, asks Triton for the kernel it compiled for exactly those arguments
-(``JITFunction.warmup``), checks the kernel's parameter list against what the C++ launch passes
-(``cuFuncGetParamInfo``: a mismatch, say from another Triton version, leaves that variant to the Python path) and
-registers it. Every later call with the same properties runs in C++ only.
+16-byte alignment of each pointer, an integer equal to 1 or divisible by 16; and what the launch configuration
+depends on) misses in the C++ table and calls back into Python, which runs the Python path, asks Triton for the
+kernel it compiled for exactly those arguments (``JITFunction.warmup``), checks the kernel's parameter list against
+what the C++ launch passes (``cuFuncGetParamInfo``: a mismatch, say from another Triton version, leaves that
+variant to the Python path) and registers it. Every later call with the same properties runs in C++ only.
 
-``swiglu`` uses this path for dense ``gate`` and ``up`` whose size divides into rows of 1,024 (every Llama MLP),
-eagerly, on a GPU, with ``inplace_backward`` off; everything else (strided views, ``torch.compile``, tensor
+``swiglu`` takes this path for dense ``gate`` and ``up`` whose size divides into rows of 1,024 (every Llama MLP)
+without ``inplace_backward``; ``apply_rotary`` for the layouts of its dense kernel (Llama's q and k) when cos and
+sin need no gradient. Both only eagerly, on a GPU; everything else (strided views, ``torch.compile``, tensor
 subclasses, dispatch modes, the interpreter) takes the Python path, with the same kernels and the same bits. The
-extension is compiled on first use (``torch.utils.cpp_extension``, about 40 s, then cached by PyTorch);
+extension is compiled on first use (``torch.utils.cpp_extension``, under a minute, then cached by PyTorch);
 ``KERNELS_HOST_PATH=0`` turns the path off, and a machine without a C++ compiler or ninja runs the Python path.
 """
 
@@ -34,10 +36,10 @@ import torch
 from . import ops, runtime
 from .cuda_rmsnorm import CSRC, cpu_build_unavailable
 
-SOURCE = CSRC / "swiglu_host.cpp"
-EXTENSION = "kernels_swiglu_host"
+SOURCE = CSRC / "host_path.cpp"
+EXTENSION = "kernels_host_path"
 COLS = 1024  # dense tensors are read as rows of 1,024 (kernels/swiglu.py, _RECUT_COLS)
-_MAX_ROWS = 2**31 - 1  # the C++ launch passes the row count as a 32-bit integer, as Triton types it below this
+_MAX_INT = 2**31 - 1  # the C++ launch passes integers as 32-bit, as Triton types them below this
 
 _lock = threading.Lock()
 _state: dict = {"ext": None, "reason": None, "seconds": None}
@@ -67,7 +69,8 @@ def extension():
                     _state["ext"] = _build()
                 except Exception as exc:  # noqa: BLE001  (any build failure leaves the Python path, with a warning)
                     reason = f"the C++ build failed ({type(exc).__name__}: {str(exc).strip().splitlines()[-1:]})"
-                    warnings.warn(f"kernels.swiglu runs its Python host path: {reason}", stacklevel=3)
+                    warnings.warn(f"kernels.swiglu and apply_rotary run their Python host path: {reason}",
+                                  stacklevel=3)
             _state["reason"] = reason
     return _state["ext"]
 
@@ -82,13 +85,26 @@ def status() -> dict:
 def takes(gate: torch.Tensor, up: torch.Tensor, inplace_backward: bool) -> bool:
     """Whether ``swiglu(gate, up)`` runs through the C++ node (inputs already checked by ``swiglu``)."""
     return (not inplace_backward and gate.is_cuda and gate.is_contiguous() and up.is_contiguous()
-            and gate.numel() % COLS == 0 and gate.numel() // COLS <= _MAX_ROWS and ops.direct(gate, up)
+            and gate.numel() % COLS == 0 and gate.numel() // COLS <= _MAX_INT and ops.direct(gate, up)
             and extension() is not None)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, with_grad: bool) -> torch.Tensor:
     """``silu(gate) * up`` through the C++ node (``with_grad``: recorded for autograd) or its forward alone."""
     return _state["ext"].swiglu(gate, up, with_grad)
+
+
+def takes_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether ``apply_rotary(q, k, cos, sin)`` runs through the C++ node (inputs already checked). Layouts the
+    dense kernel does not read are found in C++ and handed back to the Python path there."""
+    return (q.is_cuda and q.size(3) > 0 and not (cos.requires_grad or sin.requires_grad)
+            and q.size(0) * q.size(2) <= _MAX_INT
+            and ops.direct(q, k, cos, sin) and extension() is not None)
+
+
+def rope(q, k, cos, sin, with_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q_embed, k_embed)`` through the C++ node (``with_grad``: recorded for autograd) or its forward alone."""
+    return _state["ext"].rope(q, k, cos, sin, with_grad)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -115,7 +131,8 @@ def _build():
     ext = load(name=EXTENSION, sources=[str(SOURCE)], with_cuda=True, extra_cflags=["-O2"], verbose=False)
     _state["seconds"] = time.perf_counter() - start
     launch = ctypes.cast(_driver_function("cuLaunchKernel"), ctypes.c_void_p).value
-    ext.set_launcher(launch, _forward_fallback, _backward_fallback)
+    ext.set_launcher(launch, _swiglu_forward_fallback, _swiglu_backward_fallback, _rope_forward_fallback,
+                     _rope_backward_fallback)
     return ext
 
 
@@ -128,10 +145,10 @@ def param_sizes(function: int) -> list[int]:
     return sizes
 
 
-def expected_sizes(n_pointers: int, n_rows: int) -> list[int]:
-    """The parameters the C++ launch passes before any scratch pointers: the tensors' pointers, the row count
-    (a 32-bit integer, absent when it is 1: Triton makes it a constant), then n_cols and one stride per tensor."""
-    return [8] * n_pointers + ([] if n_rows == 1 else [4]) + [4] * (1 + n_pointers)
+def expected_sizes(n_pointers: int, ints: list[int]) -> list[int]:
+    """The parameters the C++ launch passes before any scratch pointers: the tensors' pointers, then each integer as
+    a 32-bit value, except those equal to 1, which Triton makes constants of the variant."""
+    return [8] * n_pointers + [4 for v in ints if v != 1]
 
 
 def scratch_count(sizes: list[int], expected: list[int], metadata) -> int | None:
@@ -148,45 +165,83 @@ def scratch_count(sizes: list[int], expected: list[int], metadata) -> int | None
     return len(extra)
 
 
-def _compiled(kernel, args, cfg, device) -> tuple[int, int, int, object] | None:
-    """(handle, threads, shared bytes, metadata) of the variant Triton compiled for ``args`` with ``cfg``."""
+def _compiled(kernel, args, constants: dict, grid, device) -> tuple[int, int, int, object]:
+    """(handle, threads, shared bytes, metadata) of the variant Triton compiled for ``args`` and ``constants``."""
     with torch.cuda.device(device):
-        compiled = kernel.warmup(*args, ROWS=cfg.rows, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, grid=cfg.grid)
+        compiled = kernel.warmup(*args, grid=grid, **constants)
         if getattr(compiled, "function", None) is None:
             compiled._init_handles()
     md = compiled.metadata
     return int(compiled.function), md.num_warps * 32, md.shared, md
 
 
-def _register(kind: str, tensors: tuple[torch.Tensor, ...]) -> None:
-    """Register Triton's variant for these tensors (the inputs and outputs of one launch) if the C++ launch fits it."""
+def _checked(kernel, tensors, ints, constants, grid, device) -> tuple | None:
+    """The registration of Triton's variant for these arguments, if its parameter list fits the C++ launch."""
+    handle, threads, shared, md = _compiled(kernel, (*tensors, *ints), constants, grid, device)
+    n_scratch = scratch_count(param_sizes(handle), expected_sizes(len(tensors), ints), md)
+    return None if n_scratch is None else (handle, threads, shared, n_scratch)
+
+
+def _register_swiglu(backward: bool, tensors: tuple[torch.Tensor, ...]) -> None:
     sw = importlib.import_module("kernels.swiglu")
-    ext, gate = _state["ext"], tensors[0] if kind == "fwd" else tensors[1]
+    gate = tensors[1] if backward else tensors[0]
     n_rows = gate.numel() // COLS
-    props = runtime.device_props(gate.device)
-    cfg = (sw._forward_config if kind == "fwd" else sw._backward_config)(n_rows, COLS, props)
+    cfg = (sw._backward_config if backward else sw._forward_config)(n_rows, COLS, runtime.device_props(gate.device))
     if cfg.grid != (n_rows, 1) or cfg.rows != 1 or cfg.block_n != COLS:
         return  # not the one-row-per-program layout the C++ launch assumes
-    kernel = sw._swiglu_fwd_kernel if kind == "fwd" else sw._swiglu_bwd_kernel
-    args = (*tensors, n_rows, COLS, *(COLS,) * len(tensors))
-    handle, threads, shared, md = _compiled(kernel, args, cfg, gate.device)
-    n_scratch = scratch_count(param_sizes(handle), expected_sizes(len(tensors), n_rows), md)
-    if n_scratch is None:
-        return
-    register = ext.register_forward if kind == "fwd" else ext.register_backward
-    register(*tensors, handle, threads, shared, n_scratch)
+    kernel = sw._swiglu_bwd_kernel if backward else sw._swiglu_fwd_kernel
+    ints = [n_rows, COLS] + [COLS] * len(tensors)  # the row count, the columns, one stride per tensor
+    constants = {"ROWS": cfg.rows, "BLOCK_N": cfg.block_n, "num_warps": cfg.num_warps}
+    found = _checked(kernel, tensors, ints, constants, cfg.grid, gate.device)
+    if found is not None:
+        _state["ext"].register_swiglu(backward, list(tensors), *found)
 
 
-def _forward_fallback(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    # A miss in the C++ table: the Python path's launch (which compiles), then its variant registered.
+def _register_rope(backward: bool, tensors: tuple[torch.Tensor, ...]) -> None:
+    rope = importlib.import_module("kernels.rope")
+    x, y, cos, sin, x_out, y_out = tensors
+    flags = rope._dense_flags(*tensors)
+    batch, n_x, seq, head_dim = x.shape
+    n_rows = batch * seq
+    cfg = rope._rope_config(n_rows, head_dim, n_x, y.shape[1], runtime.device_props(x.device))
+    if flags is None or cfg.grid != (n_rows,) or cfg.rows != 1:
+        return  # not the dense kernel, one position per program, that the C++ launch assumes
+    constants = {"N_Q": n_x, "N_K": y.shape[1], "HALF": head_dim // 2, "ROWS": cfg.rows, "BLOCK_H": cfg.block_h,
+                 "Q_HEADS": cfg.q_heads, "K_HEADS": cfg.k_heads, "BACKWARD": backward, "X_SEQ_MAJOR": flags[0],
+                 "O_SEQ_MAJOR": flags[1], "TRIG_BATCHED": flags[2], "num_warps": cfg.num_warps}
+    found = _checked(rope._rope_dense_kernel, tensors, [n_rows, seq], constants, cfg.grid, x.device)
+    if found is not None:
+        _state["ext"].register_rope(backward, list(tensors), *found)
+
+
+# What the C++ side calls on a miss: the Python path's launch (which compiles), then its variant registered.
+
+
+def _swiglu_forward_fallback(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     y = importlib.import_module("kernels.swiglu").swiglu_forward(gate, up)
-    _register("fwd", (gate, up, y))
+    _register_swiglu(False, (gate, up, y))
     return y
 
 
-def _backward_fallback(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
+def _swiglu_backward_fallback(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
     sw = importlib.import_module("kernels.swiglu")
     d_gate, d_up = ops.call(sw.swiglu_bwd_op, dy, gate, up)
-    if (ops.direct(dy, gate, up) and dy.is_contiguous() and dy.dtype == gate.dtype and dy.shape == gate.shape):
-        _register("bwd", (dy, gate, up, d_gate, d_up))
+    if ops.direct(dy, gate, up) and dy.is_contiguous() and dy.dtype == gate.dtype and dy.shape == gate.shape:
+        _register_swiglu(True, (dy, gate, up, d_gate, d_up))
     return d_gate, d_up
+
+
+def _rope_forward_fallback(q, k, cos, sin):
+    q_out, k_out = importlib.import_module("kernels.rope").rope_forward(q, k, cos, sin)
+    if q.stride(-1) == 1 and k.stride(-1) == 1:  # read in place, not through a copy made by the Python path
+        _register_rope(False, (q, k, cos, sin, q_out, k_out))
+    return q_out, k_out
+
+
+def _rope_backward_fallback(dq_embed, dk_embed, cos, sin, like: torch.Tensor, seq_major: bool):
+    rope = importlib.import_module("kernels.rope")
+    dq, dk = ops.call(rope.rope_bwd_op, dq_embed, dk_embed, cos, sin, like.dtype, seq_major)
+    if (ops.direct(dq_embed, dk_embed, cos, sin) and dq_embed.dtype == dk_embed.dtype
+            and dq_embed.stride(-1) == 1 and dk_embed.stride(-1) == 1):
+        _register_rope(True, (dq_embed, dk_embed, cos, sin, dq, dk))
+    return dq, dk

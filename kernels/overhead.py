@@ -7,9 +7,10 @@ whenever the host cannot run ahead of the GPU, the caller waits for the host.
 
 ``host_us`` measures host time as the per-call wall time of a long loop on tiny tensors, where the device work is a
 few microseconds and the loop is bound by the host. ``measure_peers`` does that for ours and every peer;
-``breakdown`` splits ours into layers by calling each layer directly:
+``breakdown`` splits ours, as its Python path runs, into layers by calling each layer directly (on a GPU, SwiGLU's
+and RoPE's public functions take their C++ node instead, ``kernels.host_path``; ``measure_peers`` times those):
 
-    total           the public function, through autograd (``rms_norm(x, w).backward(dy)``)
+    total           the Python autograd.Function, through autograd (``rms_norm(x, w).backward(dy)``)
     impl            the Python launch functions behind the operators, no autograd.Function and no input checks
     launches        the Triton launches alone, with arguments and buffers prepared beforehand
 
@@ -250,8 +251,9 @@ def _rope_layers(case) -> dict[str, Callable[[], object]]:
     dq_in, dk_in = torch.empty_like(qd), torch.empty_like(kd)
 
     def total():
+        # The Python path, whose layers these are; on a GPU ``apply_rotary`` itself runs the C++ node.
         q.grad = k.grad = None
-        torch.autograd.backward(list(rope.apply_rotary(q, k, cos, sin)), [dq, dk])
+        torch.autograd.backward(list(rope.RotaryFunction.apply(q, k, cos, sin)), [dq, dk])
 
     def ops():
         rope.rope_fwd_op(qd, kd, cos, sin)

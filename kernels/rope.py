@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ops, runtime
+from . import host_path, ops, runtime
 from .triton_utils import cast_to
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -486,6 +486,10 @@ def apply_rotary(
         q_embed, k_embed = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin, 1)
         return q_embed.transpose(1, 2), k_embed.transpose(1, 2)
     _check_inputs(q, k, cos, sin)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, cos, sin)):
+    with_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, cos, sin))
+    if host_path.takes_rope(q, k, cos, sin):
+        # On a GPU, eagerly: the same kernel, with the autograd node and the launches in C++ (Llama's layouts).
+        return host_path.rope(q, k, cos, sin, with_grad)
+    if with_grad:
         return RotaryFunction.apply(q, k, cos, sin)
     return ops.call(rope_fwd_op, q, k, cos, sin)

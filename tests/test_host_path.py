@@ -1,5 +1,5 @@
-"""SwiGLU's C++ host path (kernels/host_path.py): the same bits as the Python path, for every variant it registers,
-and the Python path wherever the C++ launch does not fit."""
+"""The C++ host path of SwiGLU and RoPE (kernels/host_path.py): the same bits as the Python path, for every variant
+it registers, and the Python path wherever the C++ launch does not fit."""
 
 import importlib
 from types import SimpleNamespace
@@ -18,10 +18,10 @@ sw = importlib.import_module("kernels.swiglu")
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def test_expected_parameters_drop_a_row_count_of_one():
-    assert host_path.expected_sizes(3, 7) == [8, 8, 8, 4, 4, 4, 4, 4]
-    assert host_path.expected_sizes(3, 1) == [8, 8, 8, 4, 4, 4, 4]  # Triton makes an integer equal to 1 a constant
-    assert host_path.expected_sizes(5, 32) == [8] * 5 + [4] * 7
+def test_expected_parameters_drop_an_integer_equal_to_one():
+    assert host_path.expected_sizes(3, [7, 1024, 1024]) == [8, 8, 8, 4, 4, 4]
+    assert host_path.expected_sizes(3, [1, 1024]) == [8, 8, 8, 4]  # Triton makes an integer equal to 1 a constant
+    assert host_path.expected_sizes(6, [1, 1]) == [8] * 6
 
 
 @pytest.mark.parametrize("extra, metadata, expected", [
@@ -34,19 +34,21 @@ def test_expected_parameters_drop_a_row_count_of_one():
     ([], {"cluster_dims": (2, 1, 1)}, None),
 ])
 def test_scratch_count(extra, metadata, expected):
-    want = host_path.expected_sizes(3, 5)
+    want = host_path.expected_sizes(3, [5, 1024])
     assert host_path.scratch_count(want + extra, want, SimpleNamespace(**metadata)) == expected
 
 
 def test_a_parameter_list_that_differs_is_refused():
-    want = host_path.expected_sizes(3, 5)
-    assert host_path.scratch_count([8, 8, 8, 8, 4, 4, 4, 4], want, SimpleNamespace()) is None  # a 64-bit row count
+    want = host_path.expected_sizes(3, [5, 1024])
+    assert host_path.scratch_count([8, 8, 8, 8, 4], want, SimpleNamespace()) is None  # a 64-bit row count
 
 
 @pytest.mark.skipif(runtime.MODE == "gpu", reason="the interpreter's answer")
 def test_interpreter_runs_the_python_path(gen):
     gate = torch.randn(4, 1024, generator=gen)
+    q, cos = torch.randn(1, 4, 8, 16, generator=gen), torch.randn(1, 8, 16, generator=gen)
     assert host_path.unavailable() and not host_path.takes(gate, gate.clone(), False)
+    assert not host_path.takes_rope(q, q.clone(), cos, cos.clone())
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -195,3 +197,113 @@ def test_gpu_compiled_calls_keep_the_operators(gen):
     gate, up = _pair((8, 1024), torch.bfloat16, gen)
     compiled = torch.compile(lambda g, u: sw.swiglu(g, u) * 2, fullgraph=True)
     assert torch.equal(compiled(gate, up), sw.swiglu(gate, up) * 2)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# RoPE on a GPU
+# --------------------------------------------------------------------------------------------------------------------
+
+rope = importlib.import_module("kernels.rope")
+
+
+def _llama_qk(batch, seq, n_q, n_k, d, dtype, gen, offset=0):
+    # q and k as Llama's attention makes them: [batch, seq, heads, D] projections seen as [batch, heads, seq, D].
+    def one(heads):
+        n = batch * seq * heads * d
+        flat = _randn((n + offset,), dtype, gen)[offset:]
+        return flat.view(batch, seq, heads, d).transpose(1, 2).requires_grad_()
+    return one(n_q), one(n_k)
+
+
+def _trig(batch, seq, d, dtype, gen):
+    return _randn((batch, seq, d), dtype, gen), _randn((batch, seq, d), dtype, gen)
+
+
+def _rope_both_paths(q, k, cos, sin, dq, dk):
+    out = []
+    for python in (False, True):
+        q.grad = k.grad = None
+        qe, ke = rope.RotaryFunction.apply(q, k, cos, sin) if python else rope.apply_rotary(q, k, cos, sin)
+        torch.autograd.backward([qe, ke], [dq, dk])
+        out.append((qe.detach(), ke.detach(), q.grad, k.grad, qe.grad_fn.name()))
+    return out
+
+
+def _rope_equal(a, b):
+    return all(torch.equal(x, y) and x.stride() == y.stride() for x, y in zip(a[:4], b[:4]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, trig_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                                               (torch.float32, torch.float32), (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("batch, seq, n_q, n_k, d", [(1, 1, 4, 2, 64), (1, 7, 32, 8, 128), (2, 33, 32, 8, 128),
+                                                     (3, 16, 12, 4, 96)])
+def test_gpu_rope_same_bits_as_the_python_path(dtype, trig_dtype, batch, seq, n_q, n_k, d, gen):
+    _require_path()
+    q, k = _llama_qk(batch, seq, n_q, n_k, d, dtype, gen)
+    cos, sin = _trig(1 if batch == 3 else batch, seq, d, trig_dtype, gen)  # batch 3: cos and sin broadcast
+    out_dtype = torch.promote_types(dtype, trig_dtype)
+    dq = _randn((batch, n_q, seq, d), out_dtype, gen)  # attention's gradients: contiguous [batch, heads, seq, D]
+    dk = _randn((batch, n_k, seq, d), out_dtype, gen)
+    for _ in range(2):  # the first call registers the variants (through Python), the second runs in C++ only
+        ours, python = _rope_both_paths(q, k, cos, sin, dq, dk)
+        assert _rope_equal(ours, python)
+    assert "RotaryNode" in ours[4] and python[4] == "RotaryFunctionBackward"
+
+
+@pytest.mark.gpu
+def test_gpu_rope_unaligned_and_other_layouts(gen):
+    _require_path()
+    q, k = _llama_qk(1, 8, 32, 8, 128, torch.bfloat16, gen, offset=3)
+    cos, sin = _trig(1, 8, 128, torch.bfloat16, gen)
+    dq, dk = _randn((1, 32, 8, 128), torch.bfloat16, gen), _randn((1, 8, 8, 128), torch.bfloat16, gen)
+    for _ in range(2):
+        assert _rope_equal(*_rope_both_paths(q, k, cos, sin, dq, dk))
+    # Contiguous [batch, heads, seq, D] inputs (their own variant) and a strided q (the Python path, in C++'s hands).
+    qc, kc = (t.detach().contiguous().requires_grad_() for t in (q, k))
+    for _ in range(2):
+        assert _rope_equal(*_rope_both_paths(qc, kc, cos, sin, dq, dk))
+    wide = _randn((1, 32, 8, 256), torch.bfloat16, gen)[..., :128].requires_grad_()
+    ours, python = _rope_both_paths(wide, kc, cos, sin, dq, dk)
+    assert _rope_equal(ours, python)
+
+
+@pytest.mark.gpu
+def test_gpu_rope_gradient_of_one_output_only_and_no_grad(gen):
+    _require_path()
+    q, k = _llama_qk(1, 8, 8, 2, 64, torch.bfloat16, gen)
+    cos, sin = _trig(1, 8, 64, torch.bfloat16, gen)
+    qe, ke = rope.apply_rotary(q, k, cos, sin)
+    qe.float().sum().backward()  # k's output never reaches the loss: its incoming gradient is zeros
+    assert torch.count_nonzero(k.grad) == 0 and q.grad is not None
+    with torch.no_grad():
+        qe2, ke2 = rope.apply_rotary(q, k, cos, sin)
+    assert qe2.grad_fn is None and torch.equal(qe2, qe.detach()) and torch.equal(ke2, ke.detach())
+
+
+@pytest.mark.gpu
+def test_gpu_rope_cos_with_a_gradient_takes_the_python_path(gen):
+    _require_path()
+    q, k = _llama_qk(1, 8, 8, 2, 64, torch.float32, gen)
+    cos, sin = (t.requires_grad_() for t in _trig(1, 8, 64, torch.float32, gen))
+    qe, ke = rope.apply_rotary(q, k, cos, sin)
+    assert qe.grad_fn.name() == "RotaryFunctionBackward"
+
+
+@pytest.mark.gpu
+def test_gpu_rope_cuda_graph(gen):
+    _require_path()
+    q, k = _llama_qk(1, 16, 32, 8, 128, torch.bfloat16, gen)
+    cos, sin = _trig(1, 16, 128, torch.bfloat16, gen)
+    dq, dk = _randn((1, 32, 16, 128), torch.bfloat16, gen), _randn((1, 8, 16, 128), torch.bfloat16, gen)
+    ours, _ = _rope_both_paths(q, k, cos, sin, dq, dk)  # registers the variants
+    graph = torch.cuda.CUDAGraph()
+    q.grad = k.grad = None
+    with torch.cuda.graph(graph):
+        qe, ke = rope.apply_rotary(q, k, cos, sin)
+        torch.autograd.backward([qe, ke], [dq, dk])
+    with torch.no_grad():
+        q.grad.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(qe, ours[0]) and torch.equal(q.grad, ours[2]) and torch.equal(k.grad, ours[3])

@@ -1,0 +1,336 @@
+// The host path in C++ of SwiGLU and RoPE: the autograd nodes and the launches of the Triton-compiled kernels.
+//
+// A Python autograd.Function with one Triton launch per pass costs more host time per forward + backward than
+// Hugging Face's SwiGLU in C++ operators before its kernels do anything (kernels.overhead.floor). Here the kernels
+// of kernels/swiglu.py and kernels/rope.py, compiled by Triton as always, are launched from C++
+// torch::autograd::Functions: no Python runs between a forward's launch and its backward's. Only the dense layouts
+// take this path (SwiGLU: tensors read as rows of 1,024; RoPE: the layouts of its dense kernel); the Python side
+// (kernels/host_path.py) decides, compiles each kernel variant through Triton and registers it here.
+//
+// A Triton kernel is specialised on its arguments: an integer equal to 1 becomes a constant and leaves the
+// parameter list, and 16-byte alignment of a pointer or divisibility by 16 of an integer selects another compiled
+// variant. Variants are looked up by exactly those properties and by everything the launch configuration depends
+// on; a miss (or anything unusual: a layout the kernel does not read, a tensor subclass, a dispatch mode) calls
+// back into Python, which runs the Python path and registers the variant it compiled for the next call.
+
+#include <torch/extension.h>
+
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+namespace {
+
+// cuLaunchKernel, found by the Python side in the driver library (no link against libcuda needed here).
+using LaunchFn = int (*)(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                         unsigned shared, void* stream, void** params, void** extra);
+
+struct Variant {
+  void* function;    // the CUfunction Triton loaded for this device
+  unsigned threads;  // num_warps * 32
+  unsigned shared;   // bytes of dynamic shared memory
+  int n_scratch;     // trailing scratch-pointer parameters (passed as null; registered only when unused)
+};
+
+enum Kind : int64_t { kSwiGLUForward = 0, kSwiGLUBackward = 1, kRoPEForward = 2, kRoPEBackward = 3 };
+constexpr int64_t kCols = 1024;  // the rows dense SwiGLU tensors are read as (kernels/swiglu.py, _RECUT_COLS)
+
+LaunchFn g_launch = nullptr;
+std::mutex g_mutex;  // registrations come from Python, lookups also from autograd's device threads
+std::unordered_map<std::string, Variant> g_variants;
+// The Python paths, which also register what they compiled. Never freed: a py::object destroyed after the
+// interpreter has finalised would crash the process at exit.
+py::object* g_swiglu_forward_fallback = nullptr;   // (gate, up) -> y
+py::object* g_swiglu_backward_fallback = nullptr;  // (dy, gate, up) -> (d_gate, d_up)
+py::object* g_rope_forward_fallback = nullptr;     // (q, k, cos, sin) -> (q_embed, k_embed)
+py::object* g_rope_backward_fallback = nullptr;    // (dq_embed, dk_embed, cos, sin, like, seq_major) -> (dq, dk)
+
+// A launch's kernel arguments, and the properties of them that Triton specialises on.
+struct Args {
+  std::vector<void*> pointers;
+  std::vector<int64_t> ints;
+  std::vector<int64_t> key;
+
+  explicit Args(Kind kind, std::initializer_list<int64_t> config) : key{kind} { key.insert(key.end(), config); }
+  void pointer(const at::Tensor& t) {
+    pointers.push_back(t.data_ptr());
+    key.push_back(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0);
+    key.push_back(static_cast<int64_t>(t.scalar_type()));
+  }
+  void integer(int64_t v) {  // below 2**31 on these paths: Triton passes it as a 32-bit integer
+    ints.push_back(v);
+    key.push_back(v == 1);
+    key.push_back(v % 16 == 0);
+  }
+  std::string id() const { return std::string(reinterpret_cast<const char*>(key.data()), key.size() * 8); }
+};
+
+bool find(const Args& args, Variant* out) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto it = g_variants.find(args.id());
+  if (it == g_variants.end()) return false;
+  *out = it->second;
+  return true;
+}
+
+// One launch of a registered variant on the current stream of ``device``, ``grid`` programs.
+void launch(const Variant& v, const Args& args, at::Device device, int64_t grid) {
+  std::vector<void*> pointers = args.pointers;
+  std::vector<int32_t> ints;
+  for (int64_t i : args.ints) ints.push_back(static_cast<int32_t>(i));
+  void* null_pointer = nullptr;
+  std::vector<void*> params;
+  for (void*& p : pointers) params.push_back(&p);
+  for (size_t i = 0; i < ints.size(); ++i) {
+    if (args.ints[i] != 1) params.push_back(&ints[i]);  // an integer equal to 1 is a constant in that variant
+  }
+  for (int i = 0; i < v.n_scratch; ++i) params.push_back(&null_pointer);
+  c10::cuda::CUDAGuard guard(device);
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  int rc = g_launch(v.function, static_cast<unsigned>(grid), 1, 1, v.threads, 1, 1, v.shared, stream,
+                    params.data(), nullptr);
+  TORCH_CHECK(rc == 0, "cuLaunchKernel failed with CUDA driver error ", rc);
+}
+
+void do_register(const Args& args, int64_t function, int64_t threads, int64_t shared, int64_t n_scratch) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_variants[args.id()] = {reinterpret_cast<void*>(function), static_cast<unsigned>(threads),
+                           static_cast<unsigned>(shared), static_cast<int>(n_scratch)};
+}
+
+// Nothing that intercepts calls: no dispatch mode, no tensor subclass (the Python path goes through the operators).
+bool plain(std::initializer_list<const at::Tensor*> tensors) {
+  if (c10::impl::TorchDispatchModeTLS::stack_len() != 0) return false;
+  for (const at::Tensor* t : tensors) {
+    if (t->key_set().has(c10::DispatchKey::Python)) return false;
+  }
+  return true;
+}
+
+// ------------------------------------------------------------------------------------------------------------------
+// SwiGLU: _swiglu_fwd_kernel(GATE, UP, Y, n_rows, n_cols, 3 strides), _swiglu_bwd_kernel(DY, GATE, UP, DGATE, DUP,
+// n_rows, n_cols, 5 strides); dense tensors as rows of 1,024, one row per program.
+// ------------------------------------------------------------------------------------------------------------------
+
+Args swiglu_args(Kind kind, std::initializer_list<const at::Tensor*> tensors) {
+  Args args(kind, {(*tensors.begin())->get_device()});
+  for (const at::Tensor* t : tensors) args.pointer(*t);
+  args.integer((*tensors.begin())->numel() / kCols);
+  for (size_t i = 0; i <= tensors.size(); ++i) args.integer(kCols);  // n_cols, then one stride per tensor
+  return args;
+}
+
+at::Tensor swiglu_forward_impl(const at::Tensor& gate, const at::Tensor& up) {
+  at::Tensor y = at::empty_like(gate);
+  if (gate.numel() == 0) return y;
+  Args args = swiglu_args(kSwiGLUForward, {&gate, &up, &y});
+  Variant v;
+  if (!find(args, &v)) {
+    py::gil_scoped_acquire gil;
+    return (*g_swiglu_forward_fallback)(gate, up).cast<at::Tensor>();
+  }
+  launch(v, args, gate.device(), gate.numel() / kCols);
+  return y;
+}
+
+std::tuple<at::Tensor, at::Tensor> swiglu_backward_impl(const at::Tensor& dy, const at::Tensor& gate,
+                                                        const at::Tensor& up) {
+  at::Tensor d_gate = at::empty_like(gate), d_up = at::empty_like(up);
+  if (gate.numel() == 0) return {d_gate, d_up};
+  bool dense = dy.is_contiguous() && dy.scalar_type() == gate.scalar_type() && dy.sizes() == gate.sizes() &&
+               plain({&dy});
+  Variant v;
+  Args args = swiglu_args(kSwiGLUBackward, {&dy, &gate, &up, &d_gate, &d_up});
+  if (!dense || !find(args, &v)) {
+    py::gil_scoped_acquire gil;
+    return (*g_swiglu_backward_fallback)(dy, gate, up).cast<std::tuple<at::Tensor, at::Tensor>>();
+  }
+  launch(v, args, gate.device(), gate.numel() / kCols);
+  return {d_gate, d_up};
+}
+
+struct SwiGLUNode : public torch::autograd::Function<SwiGLUNode> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up) {
+    ctx->save_for_backward({gate, up});
+    return swiglu_forward_impl(gate, up);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    // The kernels are not differentiable: refuse a second backward, as Python's once_differentiable does.
+    TORCH_CHECK(!at::GradMode::is_enabled(), "kernels.swiglu: a second derivative (create_graph=True) is not "
+                "supported");
+    auto saved = ctx->get_saved_variables();
+    auto [d_gate, d_up] = swiglu_backward_impl(grads[0], saved[0], saved[1]);
+    return {ctx->needs_input_grad(0) ? d_gate : at::Tensor(), ctx->needs_input_grad(1) ? d_up : at::Tensor()};
+  }
+};
+
+// ------------------------------------------------------------------------------------------------------------------
+// RoPE: _rope_dense_kernel(Q, K, COS, SIN, QO, KO, n_rows, seq) with three layout flags, one position per program.
+// ------------------------------------------------------------------------------------------------------------------
+
+// As kernels/rope.py's _head_order: 1 for [batch, heads, seq, D] seen from dense [batch, seq, heads, D] memory
+// (Llama's q and k), 0 for contiguous [batch, heads, seq, D] (attention's gradients), -1 for any other layout.
+int head_order(const at::Tensor& t) {
+  auto s = t.strides();
+  int64_t h = t.size(1), n = t.size(2), d = t.size(3);
+  if (s[0] == n * h * d && s[1] == d && s[2] == h * d && s[3] == 1) return 1;
+  if (s[0] == h * n * d && s[1] == n * d && s[2] == d && s[3] == 1) return 0;
+  return -1;
+}
+
+// As _trig_batched: 0 for one [seq, D] block for every batch ([1, seq, D]), 1 for contiguous [batch, seq, D].
+int trig_batched(const at::Tensor& t) {
+  auto s = t.strides();
+  int64_t n = t.size(1), d = t.size(2);
+  if (t.size(0) == 1 && s[1] == d && s[2] == 1) return 0;
+  return s[0] == n * d && s[1] == d && s[2] == 1 ? 1 : -1;
+}
+
+// The launch's arguments, or false when a layout is not the dense kernel's (as _dense_flags).
+bool rope_args(Kind kind, const at::Tensor& x, const at::Tensor& y, const at::Tensor& cos, const at::Tensor& sin,
+               const at::Tensor& x_out, const at::Tensor& y_out, Args* out) {
+  int xo = head_order(x), oo = head_order(x_out), trig = trig_batched(cos);
+  if (xo < 0 || oo < 0 || trig < 0 || head_order(y) != xo || head_order(y_out) != oo || trig_batched(sin) != trig) {
+    return false;
+  }
+  *out = Args(kind, {x.get_device(), x.size(1), y.size(1), x.size(3), xo, oo, trig});
+  for (const at::Tensor* t : {&x, &y, &cos, &sin, &x_out, &y_out}) out->pointer(*t);
+  out->integer(x.size(0) * x.size(2));  // rows: (batch, position) pairs
+  out->integer(x.size(2));
+  return true;
+}
+
+std::tuple<at::Tensor, at::Tensor> rope_forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                                     const at::Tensor& sin) {
+  auto dtype = at::promote_types(q.scalar_type(), cos.scalar_type());
+  at::Tensor q_out = at::empty_like(q, q.options().dtype(dtype)), k_out = at::empty_like(k, k.options().dtype(dtype));
+  int64_t n_rows = q.size(0) * q.size(2);
+  if (n_rows == 0) return {q_out, k_out};
+  Args args(kRoPEForward, {});
+  Variant v;
+  if (!rope_args(kRoPEForward, q, k, cos, sin, q_out, k_out, &args) || !find(args, &v)) {
+    py::gil_scoped_acquire gil;
+    return (*g_rope_forward_fallback)(q, k, cos, sin).cast<std::tuple<at::Tensor, at::Tensor>>();
+  }
+  launch(v, args, q.device(), n_rows);
+  return {q_out, k_out};
+}
+
+// As _grad_buffer: the gradient in q's memory order when q was seq-major, else in the incoming gradient's layout.
+at::Tensor grad_buffer(const at::Tensor& like, at::ScalarType dtype, bool seq_major) {
+  if (!seq_major) return at::empty_like(like, like.options().dtype(dtype));
+  return at::empty({like.size(0), like.size(2), like.size(1), like.size(3)}, like.options().dtype(dtype))
+      .transpose(1, 2);
+}
+
+std::tuple<at::Tensor, at::Tensor> rope_backward_impl(const at::Tensor& dq_embed, const at::Tensor& dk_embed,
+                                                      const at::Tensor& cos, const at::Tensor& sin,
+                                                      at::ScalarType dtype, bool seq_major) {
+  at::Tensor dq = grad_buffer(dq_embed, dtype, seq_major), dk = grad_buffer(dk_embed, dtype, seq_major);
+  int64_t n_rows = dq_embed.size(0) * dq_embed.size(2);
+  if (n_rows == 0) return {dq, dk};
+  Args args(kRoPEBackward, {});
+  Variant v;
+  if (!plain({&dq_embed, &dk_embed}) || dq_embed.scalar_type() != dk_embed.scalar_type() ||
+      !rope_args(kRoPEBackward, dq_embed, dk_embed, cos, sin, dq, dk, &args) || !find(args, &v)) {
+    py::gil_scoped_acquire gil;
+    // The gradients' dtype travels as an empty tensor of it: a tensor is what both sides already convert.
+    at::Tensor like = at::empty({0}, dq_embed.options().dtype(dtype));
+    return (*g_rope_backward_fallback)(dq_embed, dk_embed, cos, sin, like, seq_major)
+        .cast<std::tuple<at::Tensor, at::Tensor>>();
+  }
+  launch(v, args, dq_embed.device(), n_rows);
+  return {dq, dk};
+}
+
+bool is_seq_major(const at::Tensor& t) { return t.transpose(1, 2).is_contiguous(); }
+
+struct RotaryNode : public torch::autograd::Function<RotaryNode> {
+  // cos and sin need no gradient on this path (the Python side checks): only they are saved.
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q,
+                                                const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
+    ctx->save_for_backward({cos, sin});
+    ctx->saved_data["dtype"] = static_cast<int64_t>(q.scalar_type());
+    ctx->saved_data["seq_major"] = is_seq_major(q) && is_seq_major(k);
+    auto [q_out, k_out] = rope_forward_impl(q, k, cos, sin);
+    return {q_out, k_out};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    TORCH_CHECK(!at::GradMode::is_enabled(), "kernels.apply_rotary: a second derivative (create_graph=True) is "
+                "not supported on this path");
+    auto saved = ctx->get_saved_variables();
+    auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
+    auto [dq, dk] = rope_backward_impl(grads[0], grads[1], saved[0], saved[1], dtype,
+                                       ctx->saved_data["seq_major"].toBool());
+    return {ctx->needs_input_grad(0) ? dq : at::Tensor(), ctx->needs_input_grad(1) ? dk : at::Tensor(),
+            at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+// gate and up: dense, same shape, dtype and CUDA device, numel divisible by 1,024 (the Python side checks).
+at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up, bool with_grad) {
+  if (with_grad) return SwiGLUNode::apply(gate, up);
+  return swiglu_forward_impl(gate, up);
+}
+
+// q, k, cos, sin: checked by the Python side (apply_rotary's checks, CUDA, cos and sin needing no gradient).
+std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                        const at::Tensor& sin, bool with_grad) {
+  if (!with_grad) return rope_forward_impl(q, k, cos, sin);
+  auto out = RotaryNode::apply(q, k, cos, sin);
+  return {out[0], out[1]};
+}
+
+void set_launcher(int64_t cu_launch_kernel, py::object swiglu_forward, py::object swiglu_backward,
+                  py::object rope_forward, py::object rope_backward) {
+  g_launch = reinterpret_cast<LaunchFn>(cu_launch_kernel);
+  g_swiglu_forward_fallback = new py::object(std::move(swiglu_forward));
+  g_swiglu_backward_fallback = new py::object(std::move(swiglu_backward));
+  g_rope_forward_fallback = new py::object(std::move(rope_forward));
+  g_rope_backward_fallback = new py::object(std::move(rope_backward));
+}
+
+// Register the variant Triton compiled for these very arguments (the Python side has checked its parameter list).
+void register_swiglu(bool backward, std::vector<at::Tensor> tensors, int64_t function, int64_t threads,
+                     int64_t shared, int64_t n_scratch) {
+  Kind kind = backward ? kSwiGLUBackward : kSwiGLUForward;
+  Args args = backward ? swiglu_args(kind, {&tensors[0], &tensors[1], &tensors[2], &tensors[3], &tensors[4]})
+                       : swiglu_args(kind, {&tensors[0], &tensors[1], &tensors[2]});
+  do_register(args, function, threads, shared, n_scratch);
+}
+
+bool register_rope(bool backward, std::vector<at::Tensor> t, int64_t function, int64_t threads, int64_t shared,
+                   int64_t n_scratch) {
+  Kind kind = backward ? kRoPEBackward : kRoPEForward;
+  Args args(kind, {});
+  if (!rope_args(kind, t[0], t[1], t[2], t[3], t[4], t[5], &args)) return false;
+  do_register(args, function, threads, shared, n_scratch);
+  return true;
+}
+
+int64_t n_variants() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return static_cast<int64_t>(g_variants.size());
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("swiglu", &swiglu, "silu(gate) * up through the C++ autograd node", py::arg("gate"), py::arg("up"),
+        py::arg("with_grad"));
+  m.def("rope", &rope, "(q_embed, k_embed) through the C++ autograd node", py::arg("q"), py::arg("k"),
+        py::arg("cos"), py::arg("sin"), py::arg("with_grad"));
+  m.def("set_launcher", &set_launcher);
+  m.def("register_swiglu", &register_swiglu);
+  m.def("register_rope", &register_rope);
+  m.def("n_variants", &n_variants);
+}

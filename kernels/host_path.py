@@ -84,8 +84,9 @@ def status() -> dict:
 
 def takes(gate: torch.Tensor, up: torch.Tensor, inplace_backward: bool) -> bool:
     """Whether ``swiglu(gate, up)`` runs through the C++ node (inputs already checked by ``swiglu``)."""
-    return (not inplace_backward and gate.is_cuda and gate.is_contiguous() and up.is_contiguous()
-            and gate.numel() % COLS == 0 and gate.numel() // COLS <= _MAX_INT and ops.direct(gate, up)
+    # ops.direct first: under torch.compile it is False, and nothing after it adds guards on sizes to the graph.
+    return (ops.direct(gate, up) and not inplace_backward and gate.is_cuda and gate.is_contiguous()
+            and up.is_contiguous() and gate.numel() % COLS == 0 and gate.numel() // COLS <= _MAX_INT
             and extension() is not None)
 
 
@@ -97,9 +98,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, with_grad: bool) -> torch.Tenso
 def takes_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether ``apply_rotary(q, k, cos, sin)`` runs through the C++ node (inputs already checked). Layouts the
     dense kernel does not read are found in C++ and handed back to the Python path there."""
-    return (q.is_cuda and q.size(3) > 0 and not (cos.requires_grad or sin.requires_grad)
-            and q.size(0) * q.size(2) <= _MAX_INT
-            and ops.direct(q, k, cos, sin) and extension() is not None)
+    return (ops.direct(q, k, cos, sin) and q.is_cuda and q.size(3) > 0 and not (cos.requires_grad or sin.requires_grad)
+            and q.size(0) * q.size(2) <= _MAX_INT and extension() is not None)
 
 
 def rope(q, k, cos, sin, with_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -68,7 +68,8 @@ def extension():
                 try:
                     _state["ext"] = _build()
                 except Exception as exc:  # noqa: BLE001  (any build failure leaves the Python path, with a warning)
-                    reason = f"the C++ build failed ({type(exc).__name__}: {str(exc).strip().splitlines()[-1:]})"
+                    last = (str(exc).strip().splitlines() or [""])[-1]
+                    reason = f"the C++ build failed ({type(exc).__name__}: {last})"
                     warnings.warn(f"kernels.swiglu and apply_rotary run their Python host path: {reason}",
                                   stacklevel=3)
             _state["reason"] = reason

@@ -2,6 +2,7 @@
 it registers, and the Python path wherever the C++ launch does not fit."""
 
 import importlib
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -41,6 +42,25 @@ def test_scratch_count(extra, metadata, expected):
 def test_a_parameter_list_that_differs_is_refused():
     want = host_path.expected_sizes(3, [5, 1024])
     assert host_path.scratch_count([8, 8, 8, 8, 4], want, SimpleNamespace()) is None  # a 64-bit row count
+
+
+def test_a_failed_build_warns_once_and_leaves_the_python_path(monkeypatch):
+    monkeypatch.setattr(host_path, "_state", {"ext": None, "reason": None, "seconds": None})
+    monkeypatch.setattr(host_path, "unavailable", lambda: None)
+    tries = []
+
+    def fail():
+        tries.append(1)
+        raise RuntimeError("the compiler said no\nError building extension 'kernels_host_path'")
+
+    monkeypatch.setattr(host_path, "_build", fail)
+    with pytest.warns(UserWarning, match="Python host path: the C\\+\\+ build failed"):
+        assert host_path.extension() is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert host_path.extension() is None  # no second try, no second warning
+    assert len(tries) == 1 and not host_path.status()["built"]
+    assert host_path.status()["reason"].endswith("Error building extension 'kernels_host_path')")
 
 
 @pytest.mark.skipif(runtime.MODE == "gpu", reason="the interpreter's answer")

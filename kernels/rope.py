@@ -477,7 +477,8 @@ def apply_rotary(
     last dimension: Llama's transposed views are read in place; kv_heads may differ from heads, as in GQA);
     ``cos``, ``sin`` [batch or 1, seq, head_dim]. ``unsqueeze_dim=2`` takes q and k as [batch, seq, heads,
     head_dim] instead. Outputs have dtype ``promote_types(q.dtype, cos.dtype)``, as Hugging Face's broadcasting
-    gives. Forward and backward are one Triton launch each (``torch.ops.kernels.rope_fwd``/``_bwd``).
+    gives. Forward and backward are one Triton launch each (``torch.ops.kernels.rope_fwd``/``_bwd``); eagerly on a
+    GPU, Llama's layouts go through a C++ autograd node that launches the same kernel (``kernels.host_path``).
     """
     if unsqueeze_dim not in (1, 2):
         raise ValueError(f"unsqueeze_dim must be 1 ([batch, heads, seq, D]) or 2 ([batch, seq, heads, D]), "

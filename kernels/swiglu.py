@@ -329,6 +329,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = Fal
     ``gate`` and ``up`` have the same shape (any leading dimensions), dtype and device; either may be a strided view
     whose last dimension is contiguous (e.g. ``gu[..., :I]`` and ``gu[..., I:]``). The output has their dtype and
     shape. Works under ``torch.compile`` and CUDA graphs: the kernels are ``torch.ops.kernels.swiglu_fwd``/``_bwd``.
+    Eagerly on a GPU, dense gate and up go through a C++ autograd node that launches the same kernels
+    (``kernels.host_path``).
 
     ``inplace_backward=True`` lets the backward write d(gate) and d(up) over gate and up when each is the output of
     another operation (never a leaf such as a parameter), contiguous, and in memory of its own; otherwise, and under

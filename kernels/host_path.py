@@ -25,6 +25,7 @@ extension is compiled on first use (``torch.utils.cpp_extension``, under a minut
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib
 import os
 import threading
@@ -38,11 +39,11 @@ from .cuda_rmsnorm import CSRC, cpu_build_unavailable
 
 SOURCE = CSRC / "host_path.cpp"
 EXTENSION = "kernels_host_path"
-COLS = 1024  # dense tensors are read as rows of 1,024 (kernels/swiglu.py, _RECUT_COLS)
 _MAX_INT = 2**31 - 1  # the C++ launch passes integers as 32-bit, as Triton types them below this
 
 _lock = threading.Lock()
-_state: dict = {"ext": None, "reason": None, "seconds": None}
+# cols: the row width dense SwiGLU tensors are read as, kernels/swiglu.py's _RECUT_COLS, handed to C++ at the build.
+_state: dict = {"ext": None, "reason": None, "seconds": None, "cols": None}
 
 
 def unavailable() -> str | None:
@@ -87,8 +88,8 @@ def takes(gate: torch.Tensor, up: torch.Tensor, inplace_backward: bool) -> bool:
     """Whether ``swiglu(gate, up)`` runs through the C++ node (inputs already checked by ``swiglu``)."""
     # ops.direct first: under torch.compile it is False, and nothing after it adds guards on sizes to the graph.
     return (ops.direct(gate, up) and not inplace_backward and gate.is_cuda and gate.is_contiguous()
-            and up.is_contiguous() and gate.numel() % COLS == 0 and gate.numel() // COLS <= _MAX_INT
-            and extension() is not None)
+            and up.is_contiguous() and extension() is not None and gate.numel() % _state["cols"] == 0
+            and gate.numel() // _state["cols"] <= _MAX_INT)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, with_grad: bool) -> torch.Tensor:
@@ -113,6 +114,7 @@ def rope(q, k, cos, sin, with_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+@functools.cache
 def _libcuda():
     try:
         return ctypes.CDLL("libcuda.so.1")
@@ -132,8 +134,9 @@ def _build():
     ext = load(name=EXTENSION, sources=[str(SOURCE)], with_cuda=True, extra_cflags=["-O2"], verbose=False)
     _state["seconds"] = time.perf_counter() - start
     launch = ctypes.cast(_driver_function("cuLaunchKernel"), ctypes.c_void_p).value
-    ext.set_launcher(launch, _swiglu_forward_fallback, _swiglu_backward_fallback, _rope_forward_fallback,
-                     _rope_backward_fallback)
+    _state["cols"] = importlib.import_module("kernels.swiglu")._RECUT_COLS
+    ext.set_launcher(launch, _state["cols"], _swiglu_forward_fallback, _swiglu_backward_fallback,
+                     _rope_forward_fallback, _rope_backward_fallback)
     return ext
 
 
@@ -185,13 +188,13 @@ def _checked(kernel, tensors, ints, constants, grid, device) -> tuple | None:
 
 def _register_swiglu(backward: bool, tensors: tuple[torch.Tensor, ...]) -> None:
     sw = importlib.import_module("kernels.swiglu")
-    gate = tensors[1] if backward else tensors[0]
-    n_rows = gate.numel() // COLS
-    cfg = (sw._backward_config if backward else sw._forward_config)(n_rows, COLS, runtime.device_props(gate.device))
-    if cfg.grid != (n_rows, 1) or cfg.rows != 1 or cfg.block_n != COLS:
+    gate, cols = tensors[1] if backward else tensors[0], _state["cols"]
+    n_rows = gate.numel() // cols
+    cfg = (sw._backward_config if backward else sw._forward_config)(n_rows, cols, runtime.device_props(gate.device))
+    if cfg.grid != (n_rows, 1) or cfg.rows != 1 or cfg.block_n != cols:
         return  # not the one-row-per-program layout the C++ launch assumes
     kernel = sw._swiglu_bwd_kernel if backward else sw._swiglu_fwd_kernel
-    ints = [n_rows, COLS] + [COLS] * len(tensors)  # the row count, the columns, one stride per tensor
+    ints = [n_rows, cols] + [cols] * len(tensors)  # the row count, the columns, one stride per tensor
     constants = {"ROWS": cfg.rows, "BLOCK_N": cfg.block_n, "num_warps": cfg.num_warps}
     found = _checked(kernel, tensors, ints, constants, cfg.grid, gate.device)
     if found is not None:
@@ -234,15 +237,15 @@ def _swiglu_backward_fallback(dy: torch.Tensor, gate: torch.Tensor, up: torch.Te
 
 def _rope_forward_fallback(q, k, cos, sin):
     q_out, k_out = importlib.import_module("kernels.rope").rope_forward(q, k, cos, sin)
-    if q.stride(-1) == 1 and k.stride(-1) == 1:  # read in place, not through a copy made by the Python path
-        _register_rope(False, (q, k, cos, sin, q_out, k_out))
+    # A layout the dense kernel does not read (a copy made by the Python path included) registers nothing.
+    _register_rope(False, (q, k, cos, sin, q_out, k_out))
     return q_out, k_out
 
 
 def _rope_backward_fallback(dq_embed, dk_embed, cos, sin, like: torch.Tensor, seq_major: bool):
     rope = importlib.import_module("kernels.rope")
     dq, dk = ops.call(rope.rope_bwd_op, dq_embed, dk_embed, cos, sin, like.dtype, seq_major)
-    if (ops.direct(dq_embed, dk_embed, cos, sin) and dq_embed.dtype == dk_embed.dtype
-            and dq_embed.stride(-1) == 1 and dk_embed.stride(-1) == 1):
+    # The C++ side takes only gradients of one dtype; layouts are checked where the variant is registered.
+    if ops.direct(dq_embed, dk_embed, cos, sin) and dq_embed.dtype == dk_embed.dtype:
         _register_rope(True, (dq_embed, dk_embed, cos, sin, dq, dk))
     return dq, dk

@@ -45,7 +45,7 @@ def test_a_parameter_list_that_differs_is_refused():
 
 
 def test_a_failed_build_warns_once_and_leaves_the_python_path(monkeypatch):
-    monkeypatch.setattr(host_path, "_state", {"ext": None, "reason": None, "seconds": None})
+    monkeypatch.setattr(host_path, "_state", {"ext": None, "reason": None, "seconds": None, "cols": None})
     monkeypatch.setattr(host_path, "unavailable", lambda: None)
     tries = []
 

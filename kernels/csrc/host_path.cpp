@@ -38,9 +38,9 @@ struct Variant {
 };
 
 enum Kind : int64_t { kSwiGLUForward = 0, kSwiGLUBackward = 1, kRoPEForward = 2, kRoPEBackward = 3 };
-constexpr int64_t kCols = 1024;  // the rows dense SwiGLU tensors are read as (kernels/swiglu.py, _RECUT_COLS)
 
 LaunchFn g_launch = nullptr;
+int64_t g_cols = 0;  // the row width dense SwiGLU tensors are read as (kernels/swiglu.py's _RECUT_COLS)
 std::mutex g_mutex;  // registrations come from Python, lookups also from autograd's device threads
 std::unordered_map<std::string, Variant> g_variants;
 // The Python paths, which also register what they compiled. Never freed: a py::object destroyed after the
@@ -120,8 +120,8 @@ bool plain(std::initializer_list<const at::Tensor*> tensors) {
 Args swiglu_args(Kind kind, std::initializer_list<const at::Tensor*> tensors) {
   Args args(kind, {(*tensors.begin())->get_device()});
   for (const at::Tensor* t : tensors) args.pointer(*t);
-  args.integer((*tensors.begin())->numel() / kCols);
-  for (size_t i = 0; i <= tensors.size(); ++i) args.integer(kCols);  // n_cols, then one stride per tensor
+  args.integer((*tensors.begin())->numel() / g_cols);
+  for (size_t i = 0; i <= tensors.size(); ++i) args.integer(g_cols);  // n_cols, then one stride per tensor
   return args;
 }
 
@@ -134,7 +134,7 @@ at::Tensor swiglu_forward_impl(const at::Tensor& gate, const at::Tensor& up) {
     py::gil_scoped_acquire gil;
     return (*g_swiglu_forward_fallback)(gate, up).cast<at::Tensor>();
   }
-  launch(v, args, gate.device(), gate.numel() / kCols);
+  launch(v, args, gate.device(), gate.numel() / g_cols);
   return y;
 }
 
@@ -150,7 +150,7 @@ std::tuple<at::Tensor, at::Tensor> swiglu_backward_impl(const at::Tensor& dy, co
     py::gil_scoped_acquire gil;
     return (*g_swiglu_backward_fallback)(dy, gate, up).cast<std::tuple<at::Tensor, at::Tensor>>();
   }
-  launch(v, args, gate.device(), gate.numel() / kCols);
+  launch(v, args, gate.device(), gate.numel() / g_cols);
   return {d_gate, d_up};
 }
 
@@ -193,14 +193,20 @@ int trig_batched(const at::Tensor& t) {
   return s[0] == n * d && s[1] == d && s[2] == 1 ? 1 : -1;
 }
 
+// Whether q and k (or their gradients), cos and sin are laid out as the dense kernel reads them (the inputs' half of
+// _dense_flags): checked before the outputs are allocated, since a miss hands the call to Python, which allocates
+// its own.
+bool dense_inputs(const at::Tensor& x, const at::Tensor& y, const at::Tensor& cos, const at::Tensor& sin) {
+  int xo = head_order(x), trig = trig_batched(cos);
+  return xo >= 0 && trig >= 0 && head_order(y) == xo && trig_batched(sin) == trig;
+}
+
 // The launch's arguments, or false when a layout is not the dense kernel's (as _dense_flags).
 bool rope_args(Kind kind, const at::Tensor& x, const at::Tensor& y, const at::Tensor& cos, const at::Tensor& sin,
                const at::Tensor& x_out, const at::Tensor& y_out, Args* out) {
-  int xo = head_order(x), oo = head_order(x_out), trig = trig_batched(cos);
-  if (xo < 0 || oo < 0 || trig < 0 || head_order(y) != xo || head_order(y_out) != oo || trig_batched(sin) != trig) {
-    return false;
-  }
-  *out = Args(kind, {x.get_device(), x.size(1), y.size(1), x.size(3), xo, oo, trig});
+  int oo = head_order(x_out);
+  if (!dense_inputs(x, y, cos, sin) || oo < 0 || head_order(y_out) != oo) return false;
+  *out = Args(kind, {x.get_device(), x.size(1), y.size(1), x.size(3), head_order(x), oo, trig_batched(cos)});
   for (const at::Tensor* t : {&x, &y, &cos, &sin, &x_out, &y_out}) out->pointer(*t);
   out->integer(x.size(0) * x.size(2));  // rows: (batch, position) pairs
   out->integer(x.size(2));
@@ -209,16 +215,18 @@ bool rope_args(Kind kind, const at::Tensor& x, const at::Tensor& y, const at::Te
 
 std::tuple<at::Tensor, at::Tensor> rope_forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
                                                      const at::Tensor& sin) {
+  auto fallback = [&] {
+    py::gil_scoped_acquire gil;
+    return (*g_rope_forward_fallback)(q, k, cos, sin).cast<std::tuple<at::Tensor, at::Tensor>>();
+  };
+  if (!dense_inputs(q, k, cos, sin)) return fallback();
   auto dtype = at::promote_types(q.scalar_type(), cos.scalar_type());
   at::Tensor q_out = at::empty_like(q, q.options().dtype(dtype)), k_out = at::empty_like(k, k.options().dtype(dtype));
   int64_t n_rows = q.size(0) * q.size(2);
   if (n_rows == 0) return {q_out, k_out};
   Args args(kRoPEForward, {});
   Variant v;
-  if (!rope_args(kRoPEForward, q, k, cos, sin, q_out, k_out, &args) || !find(args, &v)) {
-    py::gil_scoped_acquire gil;
-    return (*g_rope_forward_fallback)(q, k, cos, sin).cast<std::tuple<at::Tensor, at::Tensor>>();
-  }
+  if (!rope_args(kRoPEForward, q, k, cos, sin, q_out, k_out, &args) || !find(args, &v)) return fallback();
   launch(v, args, q.device(), n_rows);
   return {q_out, k_out};
 }
@@ -233,19 +241,23 @@ at::Tensor grad_buffer(const at::Tensor& like, at::ScalarType dtype, bool seq_ma
 std::tuple<at::Tensor, at::Tensor> rope_backward_impl(const at::Tensor& dq_embed, const at::Tensor& dk_embed,
                                                       const at::Tensor& cos, const at::Tensor& sin,
                                                       at::ScalarType dtype, bool seq_major) {
-  at::Tensor dq = grad_buffer(dq_embed, dtype, seq_major), dk = grad_buffer(dk_embed, dtype, seq_major);
-  int64_t n_rows = dq_embed.size(0) * dq_embed.size(2);
-  if (n_rows == 0) return {dq, dk};
-  Args args(kRoPEBackward, {});
-  Variant v;
-  if (!plain({&dq_embed, &dk_embed}) || dq_embed.scalar_type() != dk_embed.scalar_type() ||
-      !rope_args(kRoPEBackward, dq_embed, dk_embed, cos, sin, dq, dk, &args) || !find(args, &v)) {
+  auto fallback = [&] {
     py::gil_scoped_acquire gil;
     // The gradients' dtype travels as an empty tensor of it: a tensor is what both sides already convert.
     at::Tensor like = at::empty({0}, dq_embed.options().dtype(dtype));
     return (*g_rope_backward_fallback)(dq_embed, dk_embed, cos, sin, like, seq_major)
         .cast<std::tuple<at::Tensor, at::Tensor>>();
+  };
+  if (!plain({&dq_embed, &dk_embed}) || dq_embed.scalar_type() != dk_embed.scalar_type() ||
+      !dense_inputs(dq_embed, dk_embed, cos, sin)) {
+    return fallback();
   }
+  at::Tensor dq = grad_buffer(dq_embed, dtype, seq_major), dk = grad_buffer(dk_embed, dtype, seq_major);
+  int64_t n_rows = dq_embed.size(0) * dq_embed.size(2);
+  if (n_rows == 0) return {dq, dk};
+  Args args(kRoPEBackward, {});
+  Variant v;
+  if (!rope_args(kRoPEBackward, dq_embed, dk_embed, cos, sin, dq, dk, &args) || !find(args, &v)) return fallback();
   launch(v, args, dq_embed.device(), n_rows);
   return {dq, dk};
 }
@@ -292,9 +304,10 @@ std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k
   return {out[0], out[1]};
 }
 
-void set_launcher(int64_t cu_launch_kernel, py::object swiglu_forward, py::object swiglu_backward,
+void set_launcher(int64_t cu_launch_kernel, int64_t cols, py::object swiglu_forward, py::object swiglu_backward,
                   py::object rope_forward, py::object rope_backward) {
   g_launch = reinterpret_cast<LaunchFn>(cu_launch_kernel);
+  g_cols = cols;
   g_swiglu_forward_fallback = new py::object(std::move(swiglu_forward));
   g_swiglu_backward_fallback = new py::object(std::move(swiglu_backward));
   g_rope_forward_fallback = new py::object(std::move(rope_forward));

@@ -1,11 +1,12 @@
-"""The host path in C++ of SwiGLU and RoPE: the autograd node and the kernel launches out of Python, on a GPU.
+"""The host path in C++ of SwiGLU, RoPE and RMSNorm: the autograd nodes and the kernel launches out of Python, on a
+GPU.
 
 ``kernels.overhead.floor`` shows why: an ``autograd.Function`` that launches one *empty* Triton kernel per pass
 costs more host time per forward + backward than Hugging Face's whole SwiGLU in C++ operators, so where the host
 decides (small tensors, or kernels as short as RoPE's), no Python-level operator can keep up.
-``kernels/csrc/host_path.cpp`` holds two C++ ``torch::autograd::Function``s that launch the very kernels of
-``kernels/swiglu.py`` and ``kernels/rope.py``, compiled by Triton as always, through the CUDA driver
-(``cuLaunchKernel``) with the handles Triton returns.
+``kernels/csrc/host_path.cpp`` holds three C++ ``torch::autograd::Function``s that launch the very kernels of
+``kernels/swiglu.py``, ``kernels/rope.py`` and ``kernels/rmsnorm.py``, compiled by Triton as always, through the CUDA
+driver (``cuLaunchKernel``) with the handles Triton returns.
 
 How a variant gets there. The first call with a given set of argument properties (those Triton specialises on:
 16-byte alignment of each pointer, an integer equal to 1 or divisible by 16; and what the launch configuration
@@ -16,7 +17,8 @@ variant to the Python path) and registers it. Every later call with the same pro
 
 ``swiglu`` takes this path for dense ``gate`` and ``up`` whose size divides into rows of 1,024 (every Llama MLP)
 without ``inplace_backward``; ``apply_rotary`` for the layouts of its dense kernel (Llama's q and k) when cos and
-sin need no gradient. Both only eagerly, on a GPU; everything else (strided views, ``torch.compile``, tensor
+sin need no gradient; ``rms_norm`` for contiguous ``x`` and ``weight`` (and, in the backward, a contiguous incoming
+gradient). All only eagerly, on a GPU; everything else (strided views, ``torch.compile``, tensor
 subclasses, dispatch modes, the interpreter) takes the Python path, with the same kernels and the same bits. The
 extension is compiled on first use (``torch.utils.cpp_extension``, under a minute, then cached by PyTorch);
 ``KERNELS_HOST_PATH=0`` turns the path off, and a machine without a C++ compiler or ninja runs the Python path.
@@ -31,13 +33,15 @@ import os
 import threading
 import time
 import warnings
+from pathlib import Path
 
 import torch
 
 from . import ops, runtime
-from .cuda_rmsnorm import CSRC, cpu_build_unavailable
 
-SOURCE = CSRC / "host_path.cpp"
+# kernels/csrc, named here rather than imported from kernels.cuda_rmsnorm: that module imports kernels.rmsnorm,
+# which imports this one.
+SOURCE = Path(__file__).resolve().parent / "csrc" / "host_path.cpp"
 EXTENSION = "kernels_host_path"
 _MAX_INT = 2**31 - 1  # the C++ launch passes integers as 32-bit, as Triton types them below this
 
@@ -54,6 +58,8 @@ def unavailable() -> str | None:
         return "no GPU: the Triton interpreter runs the Python path"
     if _driver_function("cuLaunchKernel") is None or _driver_function("cuFuncGetParamInfo") is None:
         return "the CUDA driver library has no cuLaunchKernel or cuFuncGetParamInfo (a driver for CUDA 12.4+)"
+    from .cuda_rmsnorm import cpu_build_unavailable
+
     return cpu_build_unavailable()
 
 
@@ -71,7 +77,7 @@ def extension():
                 except Exception as exc:  # noqa: BLE001  (any build failure leaves the Python path, with a warning)
                     last = (str(exc).strip().splitlines() or [""])[-1]
                     reason = f"the C++ build failed ({type(exc).__name__}: {last})"
-                    warnings.warn(f"kernels.swiglu and apply_rotary run their Python host path: {reason}",
+                    warnings.warn(f"kernels.swiglu, apply_rotary and rms_norm run their Python host path: {reason}",
                                   stacklevel=3)
             _state["reason"] = reason
     return _state["ext"]
@@ -109,6 +115,17 @@ def rope(q, k, cos, sin, with_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return _state["ext"].rope(q, k, cos, sin, with_grad)
 
 
+def takes_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``rms_norm(x, weight)`` runs through the C++ node (inputs already checked by ``rms_norm``)."""
+    return (ops.direct(x, weight) and x.is_cuda and x.is_contiguous() and weight.is_contiguous() and x.numel() > 0
+            and x.numel() // x.size(-1) <= _MAX_INT and extension() is not None)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, with_grad: bool) -> torch.Tensor:
+    """RMSNorm through the C++ node (``with_grad``: recorded for autograd) or its forward alone."""
+    return _state["ext"].rms_norm(x, weight, eps, with_grad)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # The driver, the build, and the variants
 # --------------------------------------------------------------------------------------------------------------------
@@ -136,7 +153,8 @@ def _build():
     launch = ctypes.cast(_driver_function("cuLaunchKernel"), ctypes.c_void_p).value
     _state["cols"] = importlib.import_module("kernels.swiglu")._RECUT_COLS
     ext.set_launcher(launch, _state["cols"], _swiglu_forward_fallback, _swiglu_backward_fallback,
-                     _rope_forward_fallback, _rope_backward_fallback)
+                     _rope_forward_fallback, _rope_backward_fallback, _rms_norm_forward_fallback,
+                     _rms_norm_backward_fallback)
     return ext
 
 
@@ -149,10 +167,11 @@ def param_sizes(function: int) -> list[int]:
     return sizes
 
 
-def expected_sizes(n_pointers: int, ints: list[int]) -> list[int]:
+def expected_sizes(n_pointers: int, ints: list[int], n_floats: int = 0) -> list[int]:
     """The parameters the C++ launch passes before any scratch pointers: the tensors' pointers, then each integer as
-    a 32-bit value, except those equal to 1, which Triton makes constants of the variant."""
-    return [8] * n_pointers + [4 for v in ints if v != 1]
+    a 32-bit value, except those equal to 1, which Triton makes constants of the variant, then each float as 32
+    bits (a kernel's floats must come after its integers: sizes alone cannot tell the two apart)."""
+    return [8] * n_pointers + [4 for v in ints if v != 1] + [4] * n_floats
 
 
 def scratch_count(sizes: list[int], expected: list[int], metadata) -> int | None:
@@ -179,10 +198,10 @@ def _compiled(kernel, args, constants: dict, grid, device) -> tuple[int, int, in
     return int(compiled.function), md.num_warps * 32, md.shared, md
 
 
-def _checked(kernel, tensors, ints, constants, grid, device) -> tuple | None:
+def _checked(kernel, tensors, ints, constants, grid, device, floats=()) -> tuple | None:
     """The registration of Triton's variant for these arguments, if its parameter list fits the C++ launch."""
-    handle, threads, shared, md = _compiled(kernel, (*tensors, *ints), constants, grid, device)
-    n_scratch = scratch_count(param_sizes(handle), expected_sizes(len(tensors), ints), md)
+    handle, threads, shared, md = _compiled(kernel, (*tensors, *ints, *floats), constants, grid, device)
+    n_scratch = scratch_count(param_sizes(handle), expected_sizes(len(tensors), ints, len(floats)), md)
     return None if n_scratch is None else (handle, threads, shared, n_scratch)
 
 
@@ -218,6 +237,46 @@ def _register_rope(backward: bool, tensors: tuple[torch.Tensor, ...]) -> None:
         _state["ext"].register_rope(backward, list(tensors), *found)
 
 
+def _register_rms_norm_forward(x, weight, y, rstd, eps: float) -> None:
+    rms = importlib.import_module("kernels.rmsnorm")
+    n_cols = x.size(-1)
+    n_rows = x.numel() // n_cols
+    cfg = rms._forward_config(n_rows, n_cols, runtime.device_props(x.device))
+    constants = {"ROWS": cfg.rows, "BLOCK_N": cfg.block_n, "num_warps": cfg.num_warps}
+    found = _checked(rms._rms_norm_fwd_kernel, (x, weight, y, rstd), [n_rows, n_cols, n_cols, n_cols], constants,
+                     cfg.grid, x.device, floats=(eps,))
+    if found is not None:
+        _state["ext"].register_rms_norm(0, [x, weight, y, rstd], False, *found, cfg.rows, 0)
+
+
+def _register_rms_norm_backward(dy, x, weight, rstd, dx, dw, compute_dw: bool) -> None:
+    # The backward kernel and, with dW, the sum of its partials: both or neither, as the C++ side needs both.
+    rms = importlib.import_module("kernels.rmsnorm")
+    n_cols = x.size(-1)
+    n_rows = x.numel() // n_cols
+    props = runtime.device_props(x.device)
+    cfg = rms._backward_config(n_rows, n_cols, x.element_size(), props)
+    programs = cfg.grid[0]
+    if programs != max(1, min(props.sm_count, -(-n_rows // cfg.rows))):
+        return  # not the persistent grid the C++ launch computes
+    partial = torch.empty((programs, n_cols), dtype=torch.float32, device=x.device) if compute_dw else dx
+    constants = {"ROWS": cfg.rows, "BLOCK_N": cfg.block_n, "COMPUTE_DW": compute_dw, "STAGES": cfg.stages,
+                 "num_warps": cfg.num_warps}
+    found = _checked(rms._rms_norm_bwd_kernel, (x, weight, dy, rstd, dx, partial), [n_rows] + [n_cols] * 4,
+                     constants, cfg.grid, x.device)
+    dw_found = None
+    if compute_dw:
+        dw_constants = {"BLOCK_P": cfg.dw_block_p, "BLOCK_C": cfg.dw_block_c, "num_warps": 4}
+        dw_found = _checked(rms._rms_norm_dw_kernel, (partial, dw), [programs, n_cols], dw_constants, cfg.dw_grid,
+                            x.device)
+    if found is None or (compute_dw and dw_found is None):
+        return
+    ext = _state["ext"]
+    ext.register_rms_norm(1, [x, weight, dy, rstd, dx], compute_dw, *found, cfg.rows, props.sm_count)
+    if compute_dw:
+        ext.register_rms_norm(2, [partial, dw], False, *dw_found, 1, cfg.dw_grid[0])
+
+
 # What the C++ side calls on a miss: the Python path's launch (which compiles), then its variant registered.
 
 
@@ -249,3 +308,17 @@ def _rope_backward_fallback(dq_embed, dk_embed, cos, sin, like: torch.Tensor, se
     if ops.direct(dq_embed, dk_embed, cos, sin) and dq_embed.dtype == dk_embed.dtype:
         _register_rope(True, (dq_embed, dk_embed, cos, sin, dq, dk))
     return dq, dk
+
+
+def _rms_norm_forward_fallback(x: torch.Tensor, weight: torch.Tensor, eps: float):
+    y, rstd = importlib.import_module("kernels.rmsnorm").rms_norm_forward(x, weight, eps)
+    _register_rms_norm_forward(x, weight, y, rstd, eps)
+    return y, rstd
+
+
+def _rms_norm_backward_fallback(dy, x, weight, rstd, compute_dw: bool):
+    rms = importlib.import_module("kernels.rmsnorm")
+    dx, dw = ops.call(rms.rms_norm_bwd_op, dy, x, weight, rstd, compute_dw)
+    if ops.direct(dy, x, weight) and dy.is_contiguous() and dy.shape == x.shape:
+        _register_rms_norm_backward(dy, x, weight, rstd, dx, dw, compute_dw)
+    return dx, dw

@@ -7,10 +7,12 @@ whenever the host cannot run ahead of the GPU, the caller waits for the host.
 
 ``host_us`` measures host time as the per-call wall time of a long loop on tiny tensors, where the device work is a
 few microseconds and the loop is bound by the host. ``measure_peers`` does that for ours and every peer;
-``breakdown`` splits ours, as its Python path runs, into layers by calling each layer directly (on a GPU, SwiGLU's
-and RoPE's public functions take their C++ node instead, ``kernels.host_path``; ``measure_peers`` times those):
+``breakdown`` splits ours, as its Python path runs, into layers by calling each layer directly (on a GPU, the public
+functions of RMSNorm, SwiGLU and RoPE take their C++ node instead, ``kernels.host_path``; ``measure_peers`` times
+those):
 
-    total           the Python autograd.Function, through autograd (``rms_norm(x, w).backward(dy)``)
+    total           the Python autograd.Function, through autograd (``RMSNormFunction.apply(x, w, eps)`` and its
+                    backward)
     impl            the Python launch functions behind the operators, no autograd.Function and no input checks
     launches        the Triton launches alone, with arguments and buffers prepared beforehand
 
@@ -155,8 +157,9 @@ def _rmsnorm_layers(case) -> dict[str, Callable[[], object]]:
     partial = torch.empty((bwd.grid[0], cols), dtype=torch.float32, device=xd.device)
 
     def total():
+        # The Python path, whose layers these are; on a GPU ``rms_norm`` itself runs the C++ node.
         x.grad = w.grad = None
-        rms.rms_norm(x, w, eps).backward(dy)
+        rms.RMSNormFunction.apply(x, w, eps).backward(dy)
 
     def ops():
         y, rstd = rms.rms_norm_fwd_op(xd, w.detach(), eps)

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ops, runtime
+from . import host_path, ops, runtime
 from .triton_utils import cast_to
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -352,9 +352,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     ``x`` may have any number of leading dimensions and be a strided view; ``weight`` has shape ``(x.shape[-1],)``.
     The output's dtype is that of ``weight * x`` in PyTorch (bfloat16 for a bfloat16 model). Works under
     ``torch.compile`` and CUDA graphs: the kernels are the operators ``torch.ops.kernels.rms_norm_fwd``/``_bwd``.
+    Eager calls on a GPU with contiguous ``x`` and ``weight`` go through a C++ autograd node that launches the same
+    kernels (``kernels.host_path``): same bits, a fraction of the host time.
     """
     _check_inputs(x, weight)
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+    with_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if host_path.takes_rms_norm(x, weight):
+        return host_path.rms_norm(x, weight, float(eps), with_grad)
+    if with_grad:
         return RMSNormFunction.apply(x, weight, float(eps))
     return ops.call(rms_norm_fwd_op, x, weight, float(eps))[0]  # no autograd: skip the Function and its bookkeeping
 

@@ -44,6 +44,16 @@ def test_a_parameter_list_that_differs_is_refused():
     assert host_path.scratch_count([8, 8, 8, 8, 4], want, SimpleNamespace()) is None  # a 64-bit row count
 
 
+def test_floats_come_after_the_integers():
+    assert host_path.expected_sizes(4, [5, 1024, 1024, 1024], 1) == [8] * 4 + [4] * 4 + [4]
+    # The C++ launch passes a kernel's floats after its integers, and parameter sizes cannot tell an fp32 from an
+    # int32: RMSNorm's forward, the one kernel on the path with a float, must declare eps after every integer.
+    rms = importlib.import_module("kernels.rmsnorm")
+    names = rms._rms_norm_fwd_kernel.arg_names
+    runtime_args = [n for n in names if n not in ("ROWS", "BLOCK_N")]
+    assert runtime_args[-1] == "eps" and runtime_args[4:8] == ["n_rows", "n_cols", "stride_x", "stride_y"]
+
+
 def test_a_failed_build_warns_once_and_leaves_the_python_path(monkeypatch):
     monkeypatch.setattr(host_path, "_state", {"ext": None, "reason": None, "seconds": None, "cols": None})
     monkeypatch.setattr(host_path, "unavailable", lambda: None)
@@ -327,3 +337,106 @@ def test_gpu_rope_cuda_graph(gen):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(qe, ours[0]) and torch.equal(q.grad, ours[2]) and torch.equal(k.grad, ours[3])
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# RMSNorm on a GPU
+# --------------------------------------------------------------------------------------------------------------------
+
+rms = importlib.import_module("kernels.rmsnorm")
+
+
+def _rms_inputs(shape, dtype, w_dtype, gen, offset=0):
+    n = torch.Size(shape).numel()
+    x = _randn((n + offset,), dtype, gen)[offset:].view(shape).requires_grad_()
+    w = (1 + 0.1 * _randn((shape[-1],), w_dtype, gen)).requires_grad_()
+    return x, w
+
+
+def _rms_both_paths(x, w, dy, eps=1e-6):
+    """(y, dx, dw, node name) through ``rms_norm`` (the C++ node) and through the Python autograd.Function."""
+    out = []
+    for python in (False, True):
+        x.grad = w.grad = None
+        y = rms.RMSNormFunction.apply(x, w, eps) if python else rms.rms_norm(x, w, eps)
+        y.backward(dy)
+        out.append((y.detach(), x.grad, w.grad, y.grad_fn.name()))
+    return out
+
+
+def _rms_equal(a, b):
+    return all((x is None and y is None) or torch.equal(x, y) for x, y in zip(a[:3], b[:3]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, w_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                                            (torch.float32, torch.float32), (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("shape", [(1, 64), (7, 1000), (2, 33, 4096), (300, 2048), (4096,)])
+def test_gpu_rms_norm_same_bits_as_the_python_path(dtype, w_dtype, shape, gen):
+    _require_path()
+    x, w = _rms_inputs(shape, dtype, w_dtype, gen)
+    dy = _randn(shape, torch.promote_types(dtype, w_dtype), gen)
+    for _ in range(2):  # the first call registers the variants (through Python), the second runs in C++ only
+        ours, python = _rms_both_paths(x, w, dy)
+        assert _rms_equal(ours, python)
+    assert "RMSNormNode" in ours[3] and python[3] == "RMSNormFunctionBackward"
+
+
+@pytest.mark.gpu
+def test_gpu_rms_norm_unaligned_frozen_weight_and_no_grad(gen):
+    _require_path()
+    x, w = _rms_inputs((5, 512), torch.bfloat16, torch.bfloat16, gen, offset=3)
+    assert x.data_ptr() % 16 != 0
+    dy = _randn((5, 512), torch.bfloat16, gen)
+    for _ in range(2):
+        assert _rms_equal(*_rms_both_paths(x, w, dy))
+    w.requires_grad_(False)  # a frozen weight (LoRA): no dW, no sum of partials
+    for _ in range(2):
+        ours, python = _rms_both_paths(x, w, dy)
+        assert _rms_equal(ours, python) and ours[2] is None
+    x2 = x.detach().requires_grad_(False)
+    w.requires_grad_(True)  # only the weight trains: dx is not returned
+    y = rms.rms_norm(x2, w)
+    y.backward(dy)
+    assert w.grad is not None and x2.grad is None
+    with torch.no_grad():
+        y2 = rms.rms_norm(x, w)
+    assert y2.grad_fn is None and torch.equal(y2, rms.RMSNormFunction.apply(x, w, 1e-6).detach())
+
+
+@pytest.mark.gpu
+def test_gpu_rms_norm_strided_inputs_and_gradients(gen):
+    _require_path()
+    x, w = _rms_inputs((6, 256), torch.bfloat16, torch.bfloat16, gen)
+    dy = _randn((256, 6), torch.bfloat16, gen).t()  # a strided incoming gradient: the Python backward
+    assert _rms_equal(*_rms_both_paths(x, w, dy))
+    xt = _randn((256, 6), torch.bfloat16, gen).t().requires_grad_()  # a strided x: the Python path altogether
+    assert rms.rms_norm(xt, w).grad_fn.name() == "RMSNormFunctionBackward"
+    with pytest.raises(RuntimeError, match="second derivative"):
+        torch.autograd.grad(rms.rms_norm(x, w).sum(), x, create_graph=True)
+
+
+@pytest.mark.gpu
+def test_gpu_rms_norm_cuda_graph_and_dispatch_mode(gen):
+    _require_path()
+    x, w = _rms_inputs((64, 1024), torch.bfloat16, torch.bfloat16, gen)
+    dy = _randn((64, 1024), torch.bfloat16, gen)
+    ours, _ = _rms_both_paths(x, w, dy)  # registers the variants
+    graph = torch.cuda.CUDAGraph()
+    x.grad = w.grad = None
+    with torch.cuda.graph(graph):
+        y = rms.rms_norm(x, w)
+        y.backward(dy)
+    with torch.no_grad():
+        x.grad.zero_()
+        w.grad.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, ours[0]) and torch.equal(x.grad, ours[1]) and torch.equal(w.grad, ours[2])
+    with _Recorder() as rec:
+        y = rms.rms_norm(x, w)
+    assert any("rms_norm_fwd" in op for op in rec.ops) and "RMSNormNode" not in y.grad_fn.name()
+    y = rms.rms_norm(x, w)
+    with _Recorder() as rec:
+        y.backward(dy)
+    assert any("rms_norm_bwd" in op for op in rec.ops)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import kernels
+from kernels import host_path
 from kernels.reference import relative_error, rms_norm_reference
 from kernels.rmsnorm import TritonRMSNorm, rms_norm
 from kernels.tolerances import RELATIVE_ERROR_TOL as TOL
@@ -171,7 +172,10 @@ def test_gpu_llama_shapes_bf16(rows, hidden, gen):
 
 @pytest.mark.gpu
 def test_gpu_every_element_written(gen, monkeypatch):
-    # Poison: make torch.empty hand out NaN-filled memory, so any element a kernel forgets to write stays NaN.
+    # Poison: make torch.empty hand out NaN-filled memory, so any element a kernel forgets to write stays NaN. The
+    # Python path allocates through torch.empty; the C++ node (same kernels, same bits: tests/test_host_path.py)
+    # allocates in C++, which the poison cannot reach, so it is turned off here.
+    monkeypatch.setattr(host_path, "takes_rms_norm", lambda *args: False)
     real_empty = torch.empty
 
     def poisoned_empty(*args, **kwargs):

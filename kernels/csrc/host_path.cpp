@@ -1,11 +1,13 @@
-// The host path in C++ of SwiGLU and RoPE: the autograd nodes and the launches of the Triton-compiled kernels.
+// The host path in C++ of SwiGLU, RoPE and RMSNorm: the autograd nodes and the launches of the Triton-compiled
+// kernels.
 //
 // A Python autograd.Function with one Triton launch per pass costs more host time per forward + backward than
 // Hugging Face's SwiGLU in C++ operators before its kernels do anything (kernels.overhead.floor). Here the kernels
-// of kernels/swiglu.py and kernels/rope.py, compiled by Triton as always, are launched from C++
+// of kernels/swiglu.py, kernels/rope.py and kernels/rmsnorm.py, compiled by Triton as always, are launched from C++
 // torch::autograd::Functions: no Python runs between a forward's launch and its backward's. Only the dense layouts
-// take this path (SwiGLU: tensors read as rows of 1,024; RoPE: the layouts of its dense kernel); the Python side
-// (kernels/host_path.py) decides, compiles each kernel variant through Triton and registers it here.
+// take this path (SwiGLU: tensors read as rows of 1,024; RoPE: the layouts of its dense kernel; RMSNorm: contiguous
+// x and dy); the Python side (kernels/host_path.py) decides, compiles each kernel variant through Triton and
+// registers it here.
 //
 // A Triton kernel is specialised on its arguments: an integer equal to 1 becomes a constant and leaves the
 // parameter list, and 16-byte alignment of a pointer or divisibility by 16 of an integer selects another compiled
@@ -19,6 +21,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -35,9 +38,14 @@ struct Variant {
   unsigned threads;  // num_warps * 32
   unsigned shared;   // bytes of dynamic shared memory
   int n_scratch;     // trailing scratch-pointer parameters (passed as null; registered only when unused)
+  int64_t rows;      // RMSNorm: rows per program (forward) or per loop step (backward)
+  int64_t programs;  // RMSNorm: the most programs of the persistent backward (one per SM); the dW sum's grid
 };
 
-enum Kind : int64_t { kSwiGLUForward = 0, kSwiGLUBackward = 1, kRoPEForward = 2, kRoPEBackward = 3 };
+enum Kind : int64_t {
+  kSwiGLUForward = 0, kSwiGLUBackward = 1, kRoPEForward = 2, kRoPEBackward = 3,
+  kRMSNormForward = 4, kRMSNormBackward = 5, kRMSNormDW = 6
+};
 
 LaunchFn g_launch = nullptr;
 int64_t g_cols = 0;  // the row width dense SwiGLU tensors are read as (kernels/swiglu.py's _RECUT_COLS)
@@ -49,11 +57,14 @@ py::object* g_swiglu_forward_fallback = nullptr;   // (gate, up) -> y
 py::object* g_swiglu_backward_fallback = nullptr;  // (dy, gate, up) -> (d_gate, d_up)
 py::object* g_rope_forward_fallback = nullptr;     // (q, k, cos, sin) -> (q_embed, k_embed)
 py::object* g_rope_backward_fallback = nullptr;    // (dq_embed, dk_embed, cos, sin, like, seq_major) -> (dq, dk)
+py::object* g_rms_norm_forward_fallback = nullptr;   // (x, weight, eps) -> (y, rstd)
+py::object* g_rms_norm_backward_fallback = nullptr;  // (dy, x, weight, rstd, compute_dw) -> (dx, dw)
 
 // A launch's kernel arguments, and the properties of them that Triton specialises on.
 struct Args {
   std::vector<void*> pointers;
   std::vector<int64_t> ints;
+  std::vector<float> reals;  // float arguments (RMSNorm's eps): Triton passes them as 32-bit, specialises on nothing
   std::vector<int64_t> key;
 
   explicit Args(Kind kind, std::initializer_list<int64_t> config) : key{kind} { key.insert(key.end(), config); }
@@ -67,6 +78,7 @@ struct Args {
     key.push_back(v == 1);
     key.push_back(v % 16 == 0);
   }
+  void real(double v) { reals.push_back(static_cast<float>(v)); }
   std::string id() const { return std::string(reinterpret_cast<const char*>(key.data()), key.size() * 8); }
 };
 
@@ -83,12 +95,14 @@ void launch(const Variant& v, const Args& args, at::Device device, int64_t grid)
   std::vector<void*> pointers = args.pointers;
   std::vector<int32_t> ints;
   for (int64_t i : args.ints) ints.push_back(static_cast<int32_t>(i));
+  std::vector<float> reals = args.reals;
   void* null_pointer = nullptr;
   std::vector<void*> params;
   for (void*& p : pointers) params.push_back(&p);
   for (size_t i = 0; i < ints.size(); ++i) {
     if (args.ints[i] != 1) params.push_back(&ints[i]);  // an integer equal to 1 is a constant in that variant
   }
+  for (float& r : reals) params.push_back(&r);  // after the integers: the kernels declare their floats last
   for (int i = 0; i < v.n_scratch; ++i) params.push_back(&null_pointer);
   c10::cuda::CUDAGuard guard(device);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
@@ -97,11 +111,14 @@ void launch(const Variant& v, const Args& args, at::Device device, int64_t grid)
   TORCH_CHECK(rc == 0, "cuLaunchKernel failed with CUDA driver error ", rc);
 }
 
-void do_register(const Args& args, int64_t function, int64_t threads, int64_t shared, int64_t n_scratch) {
+void do_register(const Args& args, int64_t function, int64_t threads, int64_t shared, int64_t n_scratch,
+                 int64_t rows = 1, int64_t programs = 0) {
   std::lock_guard<std::mutex> lock(g_mutex);
   g_variants[args.id()] = {reinterpret_cast<void*>(function), static_cast<unsigned>(threads),
-                           static_cast<unsigned>(shared), static_cast<int>(n_scratch)};
+                           static_cast<unsigned>(shared), static_cast<int>(n_scratch), rows, programs};
 }
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Nothing that intercepts calls: no dispatch mode, no tensor subclass (the Python path goes through the operators).
 bool plain(std::initializer_list<const at::Tensor*> tensors) {
@@ -288,6 +305,107 @@ struct RotaryNode : public torch::autograd::Function<RotaryNode> {
   }
 };
 
+
+// ------------------------------------------------------------------------------------------------------------------
+// RMSNorm: _rms_norm_fwd_kernel(X, W, Y, RSTD, n_rows, n_cols, stride_x, stride_y, eps), cdiv(n_rows, ROWS)
+// programs; _rms_norm_bwd_kernel(X, W, DY, RSTD, DX, DW_PARTIAL, n_rows, n_cols, stride_x, stride_dy, stride_dx) on
+// a persistent grid, then _rms_norm_dw_kernel(PARTIAL, DW, n_partials, n_cols) when the weight needs a gradient.
+// Contiguous x and dy only (the Python side checks x; dy is checked here), so every row stride is n_cols.
+// ------------------------------------------------------------------------------------------------------------------
+
+int64_t n_cols_of(const at::Tensor& x) { return x.size(-1); }
+int64_t n_rows_of(const at::Tensor& x) { return x.numel() / x.size(-1); }
+
+// The launch configurations depend on the width (and the device): it is part of every key, exactly.
+Args rms_forward_args(const at::Tensor& x, const at::Tensor& w, const at::Tensor& y, const at::Tensor& rstd) {
+  int64_t n_cols = n_cols_of(x);
+  Args args(kRMSNormForward, {x.get_device(), n_cols});
+  for (const at::Tensor* t : {&x, &w, &y, &rstd}) args.pointer(*t);
+  for (int64_t v : {n_rows_of(x), n_cols, n_cols, n_cols}) args.integer(v);
+  return args;
+}
+
+// Without DW_PARTIAL, which is allocated once the variant's grid is known: a fresh float32 buffer, or dx itself
+// when no dW is computed, so compute_dw and dx's properties already fix its own.
+Args rms_backward_args(const at::Tensor& x, const at::Tensor& w, const at::Tensor& dy, const at::Tensor& rstd,
+                       const at::Tensor& dx, bool compute_dw) {
+  int64_t n_cols = n_cols_of(x);
+  Args args(kRMSNormBackward, {x.get_device(), n_cols, compute_dw});
+  for (const at::Tensor* t : {&x, &w, &dy, &rstd, &dx}) args.pointer(*t);
+  for (int64_t v : {n_rows_of(x), n_cols, n_cols, n_cols, n_cols}) args.integer(v);
+  return args;
+}
+
+// The dW sum's tile of partials depends on how many there are (one per program of the backward).
+Args rms_dw_args(const at::Tensor& partial, const at::Tensor& dw) {
+  Args args(kRMSNormDW, {partial.get_device(), partial.size(1), partial.size(0)});
+  args.pointer(partial);
+  args.pointer(dw);
+  args.integer(partial.size(0));
+  args.integer(partial.size(1));
+  return args;
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_forward_impl(const at::Tensor& x, const at::Tensor& w, double eps) {
+  auto dtype = at::promote_types(x.scalar_type(), w.scalar_type());
+  at::Tensor y = at::empty(x.sizes(), x.options().dtype(dtype));
+  at::Tensor rstd = at::empty({n_rows_of(x)}, x.options().dtype(at::kFloat));
+  Args args = rms_forward_args(x, w, y, rstd);
+  Variant v;
+  if (!find(args, &v)) {
+    py::gil_scoped_acquire gil;
+    return (*g_rms_norm_forward_fallback)(x, w, eps).cast<std::tuple<at::Tensor, at::Tensor>>();
+  }
+  args.real(eps);
+  launch(v, args, x.device(), ceil_div(n_rows_of(x), v.rows));
+  return {y, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward_impl(const at::Tensor& dy, const at::Tensor& x,
+                                                          const at::Tensor& w, const at::Tensor& rstd,
+                                                          bool compute_dw) {
+  auto fallback = [&] {
+    py::gil_scoped_acquire gil;
+    return (*g_rms_norm_backward_fallback)(dy, x, w, rstd, compute_dw).cast<std::tuple<at::Tensor, at::Tensor>>();
+  };
+  if (!plain({&dy}) || !dy.is_contiguous() || dy.sizes() != x.sizes()) return fallback();
+  at::Tensor dx = at::empty(x.sizes(), x.options());
+  Args args = rms_backward_args(x, w, dy, rstd, dx, compute_dw);
+  Variant v, dv;
+  if (!find(args, &v)) return fallback();
+  int64_t programs = std::max<int64_t>(1, std::min(v.programs, ceil_div(n_rows_of(x), v.rows)));
+  at::Tensor partial = compute_dw ? at::empty({programs, n_cols_of(x)}, x.options().dtype(at::kFloat)) : dx;
+  at::Tensor dw = compute_dw ? at::empty_like(w) : w.new_empty({0});
+  Args dw_args = compute_dw ? rms_dw_args(partial, dw) : Args(kRMSNormDW, {});
+  if (compute_dw && !find(dw_args, &dv)) return fallback();
+  args.pointers.push_back(partial.data_ptr());  // DW_PARTIAL: the last pointer parameter
+  launch(v, args, x.device(), programs);
+  if (compute_dw) launch(dv, dw_args, x.device(), dv.programs);
+  return {dx, dw};
+}
+
+struct RMSNormNode : public torch::autograd::Function<RMSNormNode> {
+  // Saved: x and the weight (inputs), and the float32 rstd per row, which needs no gradient.
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                            double eps) {
+    auto [y, rstd] = rms_norm_forward_impl(x, w, eps);
+    ctx->save_for_backward({x, w});
+    ctx->saved_data["rstd"] = rstd;
+    return y;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    TORCH_CHECK(!at::GradMode::is_enabled(), "kernels.rms_norm: a second derivative (create_graph=True) is not "
+                "supported");
+    auto saved = ctx->get_saved_variables();
+    bool compute_dw = ctx->needs_input_grad(1);  // a frozen weight skips the dW sum
+    auto [dx, dw] = rms_norm_backward_impl(grads[0], saved[0], saved[1], ctx->saved_data["rstd"].toTensor(),
+                                           compute_dw);
+    return {ctx->needs_input_grad(0) ? dx : at::Tensor(), compute_dw ? dw : at::Tensor(), at::Tensor()};
+  }
+};
+
 }  // namespace
 
 // gate and up: dense, same shape, dtype and CUDA device, numel divisible by 1,024 (the Python side checks).
@@ -304,14 +422,23 @@ std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k
   return {out[0], out[1]};
 }
 
+// x: contiguous, on a CUDA device, at least one element; weight: contiguous, [x.size(-1)] (the Python side checks).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool with_grad) {
+  if (with_grad) return RMSNormNode::apply(x, weight, eps);
+  return std::get<0>(rms_norm_forward_impl(x, weight, eps));
+}
+
 void set_launcher(int64_t cu_launch_kernel, int64_t cols, py::object swiglu_forward, py::object swiglu_backward,
-                  py::object rope_forward, py::object rope_backward) {
+                  py::object rope_forward, py::object rope_backward, py::object rms_norm_forward,
+                  py::object rms_norm_backward) {
   g_launch = reinterpret_cast<LaunchFn>(cu_launch_kernel);
   g_cols = cols;
   g_swiglu_forward_fallback = new py::object(std::move(swiglu_forward));
   g_swiglu_backward_fallback = new py::object(std::move(swiglu_backward));
   g_rope_forward_fallback = new py::object(std::move(rope_forward));
   g_rope_backward_fallback = new py::object(std::move(rope_backward));
+  g_rms_norm_forward_fallback = new py::object(std::move(rms_norm_forward));
+  g_rms_norm_backward_fallback = new py::object(std::move(rms_norm_backward));
 }
 
 // Register the variant Triton compiled for these very arguments (the Python side has checked its parameter list).
@@ -332,6 +459,16 @@ bool register_rope(bool backward, std::vector<at::Tensor> t, int64_t function, i
   return true;
 }
 
+// stage 0: the forward (x, weight, y, rstd); 1: the backward (x, weight, dy, rstd, dx, with compute_dw); 2: the dW
+// sum (partial, dw). ``rows`` and ``programs`` as in Variant.
+void register_rms_norm(int64_t stage, std::vector<at::Tensor> t, bool compute_dw, int64_t function, int64_t threads,
+                       int64_t shared, int64_t n_scratch, int64_t rows, int64_t programs) {
+  Args args = stage == 0   ? rms_forward_args(t[0], t[1], t[2], t[3])
+              : stage == 1 ? rms_backward_args(t[0], t[1], t[2], t[3], t[4], compute_dw)
+                           : rms_dw_args(t[0], t[1]);
+  do_register(args, function, threads, shared, n_scratch, rows, programs);
+}
+
 int64_t n_variants() {
   std::lock_guard<std::mutex> lock(g_mutex);
   return static_cast<int64_t>(g_variants.size());
@@ -342,7 +479,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("with_grad"));
   m.def("rope", &rope, "(q_embed, k_embed) through the C++ autograd node", py::arg("q"), py::arg("k"),
         py::arg("cos"), py::arg("sin"), py::arg("with_grad"));
+  m.def("rms_norm", &rms_norm, "RMSNorm through the C++ autograd node", py::arg("x"), py::arg("weight"),
+        py::arg("eps"), py::arg("with_grad"));
   m.def("set_launcher", &set_launcher);
+  m.def("register_rms_norm", &register_rms_norm);
   m.def("register_swiglu", &register_swiglu);
   m.def("register_rope", &register_rope);
   m.def("n_variants", &n_variants);

@@ -10,6 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels import host_path, runtime
+from kernels.profiling import PROFILER_OVERHEAD
 
 sw = importlib.import_module("kernels.swiglu")
 
@@ -440,3 +441,42 @@ def test_gpu_rms_norm_cuda_graph_and_dispatch_mode(gen):
     with _Recorder() as rec:
         y.backward(dy)
     assert any("rms_norm_bwd" in op for op in rec.ops)
+
+
+@pytest.mark.gpu
+def test_gpu_the_profiler_links_every_launch_to_a_node(gen):
+    # A profile attributes each kernel to the operator active at its launch (kernels.profiling's families): the C++
+    # entry points open a record for their forward launches, as a Python autograd.Function's apply does.
+    _require_path()
+    x, w = _rms_inputs((64, 1024), torch.bfloat16, torch.bfloat16, gen)
+    gate, up = _pair((8, 1024), torch.bfloat16, gen)
+    q, k = _llama_qk(1, 8, 8, 2, 64, torch.bfloat16, gen)
+    cos, sin = _trig(1, 8, 64, torch.bfloat16, gen)
+    grads = [_randn(shape, torch.bfloat16, gen) for shape in ((64, 1024), (8, 1024), (1, 8, 8, 64), (1, 2, 8, 64))]
+
+    def step():  # dense incoming gradients, so that every backward runs in C++ too
+        rms.rms_norm(x, w).backward(grads[0])
+        sw.swiglu(gate, up).backward(grads[1])
+        torch.autograd.backward(list(rope.apply_rotary(q, k, cos, sin)), grads[2:])
+
+    step()  # registers the variants
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = prof.events()
+    ours = ("_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel", "_rms_norm_dw_kernel", "_swiglu_fwd_kernel",
+            "_swiglu_bwd_kernel", "_rope_dense_kernel")
+    launched = {name: 0 for name in ours}
+    linked = {name: [] for name in ours}
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.name in launched:
+            launched[e.name] += 1
+        if e.name in PROFILER_OVERHEAD:  # the profiler's own records, which also list a kernel they waited on
+            continue
+        for kernel in getattr(e, "kernels", []):
+            if kernel.name in linked:
+                linked[kernel.name].append(e.name)
+    assert launched == {**{name: 1 for name in ours}, "_rope_dense_kernel": 2}, launched
+    assert {name: len(ops) for name, ops in linked.items()} == launched, linked
+    assert linked["_rms_norm_fwd_kernel"] == ["RMSNormNode"] and linked["_swiglu_fwd_kernel"] == ["SwiGLUNode"]

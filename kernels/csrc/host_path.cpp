@@ -17,6 +17,7 @@
 
 #include <torch/extension.h>
 
+#include <ATen/record_function.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -408,8 +409,13 @@ struct RMSNormNode : public torch::autograd::Function<RMSNormNode> {
 
 }  // namespace
 
+// Each entry point opens a profiler record, as a Python autograd.Function's apply does: a profiler attributes a
+// kernel to the operator active when it was launched, and without one the forward's launches would show up as device
+// work linked to nothing. (Backward launches run inside the autograd engine's record of the node.)
+
 // gate and up: dense, same shape, dtype and CUDA device, numel divisible by 1,024 (the Python side checks).
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up, bool with_grad) {
+  RECORD_FUNCTION("SwiGLUNode", std::vector<c10::IValue>({gate, up}));
   if (with_grad) return SwiGLUNode::apply(gate, up);
   return swiglu_forward_impl(gate, up);
 }
@@ -417,6 +423,7 @@ at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up, bool with_grad) 
 // q, k, cos, sin: checked by the Python side (apply_rotary's checks, CUDA, cos and sin needing no gradient).
 std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
                                         const at::Tensor& sin, bool with_grad) {
+  RECORD_FUNCTION("RotaryNode", std::vector<c10::IValue>({q, k, cos, sin}));
   if (!with_grad) return rope_forward_impl(q, k, cos, sin);
   auto out = RotaryNode::apply(q, k, cos, sin);
   return {out[0], out[1]};
@@ -424,6 +431,7 @@ std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k
 
 // x: contiguous, on a CUDA device, at least one element; weight: contiguous, [x.size(-1)] (the Python side checks).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool with_grad) {
+  RECORD_FUNCTION("RMSNormNode", std::vector<c10::IValue>({x, weight}));
   if (with_grad) return RMSNormNode::apply(x, weight, eps);
   return std::get<0>(rms_norm_forward_impl(x, weight, eps));
 }

@@ -109,6 +109,22 @@ def _both_paths(gate, up, dy):
     return out
 
 
+def _replayed(step, leaves):
+    """Capture ``step()`` (a forward and its backward) in a CUDA graph, zero the leaves' gradients, replay: what it
+    returns and the gradients then come from the replay alone."""
+    graph = torch.cuda.CUDAGraph()
+    for t in leaves:
+        t.grad = None
+    with torch.cuda.graph(graph):
+        out = step()
+    with torch.no_grad():
+        for t in leaves:
+            t.grad.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    return out
+
+
 def _require_path():
     if host_path.extension() is None:
         pytest.skip(f"the C++ host path is off here: {host_path.status()['reason']}")
@@ -187,15 +203,7 @@ def test_gpu_side_stream_and_cuda_graph(gen):
     torch.cuda.current_stream().wait_stream(side)
     assert torch.equal(y, y0) and torch.equal(gate.grad, dg0)
 
-    graph = torch.cuda.CUDAGraph()
-    gate.grad = up.grad = None
-    with torch.cuda.graph(graph):
-        y = sw.swiglu(gate, up)
-        y.backward(dy)
-    with torch.no_grad():
-        gate.grad.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
+    y = _replayed(step, (gate, up))
     assert torch.equal(y, y0) and torch.equal(gate.grad, dg0) and torch.equal(up.grad, du0)
 
 
@@ -328,15 +336,13 @@ def test_gpu_rope_cuda_graph(gen):
     cos, sin = _trig(1, 16, 128, torch.bfloat16, gen)
     dq, dk = _randn((1, 32, 16, 128), torch.bfloat16, gen), _randn((1, 8, 16, 128), torch.bfloat16, gen)
     ours, _ = _rope_both_paths(q, k, cos, sin, dq, dk)  # registers the variants
-    graph = torch.cuda.CUDAGraph()
-    q.grad = k.grad = None
-    with torch.cuda.graph(graph):
+
+    def step():
         qe, ke = rope.apply_rotary(q, k, cos, sin)
         torch.autograd.backward([qe, ke], [dq, dk])
-    with torch.no_grad():
-        q.grad.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
+        return qe
+
+    qe = _replayed(step, (q, k))
     assert torch.equal(qe, ours[0]) and torch.equal(q.grad, ours[2]) and torch.equal(k.grad, ours[3])
 
 
@@ -423,16 +429,13 @@ def test_gpu_rms_norm_cuda_graph_and_dispatch_mode(gen):
     x, w = _rms_inputs((64, 1024), torch.bfloat16, torch.bfloat16, gen)
     dy = _randn((64, 1024), torch.bfloat16, gen)
     ours, _ = _rms_both_paths(x, w, dy)  # registers the variants
-    graph = torch.cuda.CUDAGraph()
-    x.grad = w.grad = None
-    with torch.cuda.graph(graph):
+
+    def step():
         y = rms.rms_norm(x, w)
         y.backward(dy)
-    with torch.no_grad():
-        x.grad.zero_()
-        w.grad.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
+        return y
+
+    y = _replayed(step, (x, w))
     assert torch.equal(y, ours[0]) and torch.equal(x.grad, ours[1]) and torch.equal(w.grad, ours[2])
     with _Recorder() as rec:
         y = rms.rms_norm(x, w)

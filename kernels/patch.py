@@ -42,8 +42,10 @@
   instance-level ``forward``: the class's own forward function, rebuilt over a copy of its module's globals in which
   ``apply_rotary_pos_emb`` is ``kernels.rope.apply_rotary``. Same code, same arguments, one name resolved
   differently, for these module objects only; ``undo()`` deletes the instance attribute and the class's forward
-  is seen again. Refused: an attention class the patch does not know, a forward that does not call
-  ``apply_rotary_pos_emb`` by name, a rotary function whose signature is not ``(q, k, cos, sin, unsqueeze_dim)``,
+  is seen again. A forward wrapped by a decorator that keeps the function it wraps (``functools.wraps``, as
+  transformers' ``deprecate_kwarg`` does) keeps its wrapper, rebuilt around the rebuilt function. Refused: an
+  attention class the patch does not know, a forward that does not call ``apply_rotary_pos_emb`` by name (through
+  such wrappers), a rotary function whose signature is not ``(q, k, cos, sin, unsqueeze_dim)``,
   and a module whose forward was already replaced on the instance (e.g. by accelerate's hooks).
 
 * **The padding mask** (``additive_mask=True``, off by default). Where a batch needs its mask, SDPA attention
@@ -339,16 +341,21 @@ def _find_mlps(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str, 
     return found
 
 
+def _calls_rotary(forward) -> bool:
+    # The function under any functools.wraps-style decorators (transformers' deprecate_kwarg wraps some forwards).
+    return _ROTARY_NAME in getattr(getattr(inspect.unwrap(forward), "__code__", None), "co_names", ())
+
+
 def _rotary_of(cls: type, where: str):
-    """The module-level rotary function that ``cls.forward`` calls by name, after checking that it does."""
-    forward = cls.forward
-    code = getattr(forward, "__code__", None)
-    if code is None or _ROTARY_NAME not in code.co_names:
+    """The module-level rotary function that ``cls.forward`` calls by name, after checking that it does and that
+    any decorator around it can be rebuilt around the patched function (``_rebuilt_with_kernel_rotary``)."""
+    if not _calls_rotary(cls.forward):
         raise ValueError(
             f"cannot patch the rotary embedding of {where} ({cls.__name__}): its forward does not call "
             f"{_ROTARY_NAME} by name (a transformers version this patch does not know). Use rope=False"
         )
-    original = forward.__globals__.get(_ROTARY_NAME)
+    _forward_with_kernel_rotary(cls, where)
+    original = inspect.unwrap(cls.forward).__globals__.get(_ROTARY_NAME)
     try:
         parameters = list(inspect.signature(original).parameters)
     except (TypeError, ValueError):
@@ -375,8 +382,7 @@ def _find_attention(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]
                     "instance (by another patch, or accelerate's hooks). Use rope=False"
                 )
             found.append((where, module))
-        elif cls.__name__.endswith("Attention") and _ROTARY_NAME in getattr(
-                getattr(cls.forward, "__code__", None), "co_names", ()):
+        elif cls.__name__.endswith("Attention") and _calls_rotary(cls.forward):
             raise ValueError(
                 f"cannot patch the rotary embedding of {where}: {cls.__module__}.{cls.__name__} is not an attention "
                 f"class patch_llama knows (it patches {sorted(c.__name__ for c in accepted)}). Use rope=False"
@@ -384,17 +390,46 @@ def _find_attention(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]
     return found
 
 
-def _forward_with_kernel_rotary(cls: type) -> types.FunctionType:
+def _forward_with_kernel_rotary(cls: type, where: str) -> types.FunctionType:
     """``cls.forward`` rebuilt over a copy of its module's globals in which ``apply_rotary_pos_emb`` is ours."""
-    forward = cls.forward
-    namespace = dict(forward.__globals__)
-    namespace[_ROTARY_NAME] = apply_rotary
-    rebuilt = types.FunctionType(forward.__code__, namespace, forward.__name__, forward.__defaults__,
-                                 forward.__closure__)
-    rebuilt.__kwdefaults__ = forward.__kwdefaults__
-    rebuilt.__qualname__ = forward.__qualname__
+    rebuilt = _rebuilt_with_kernel_rotary(cls.forward, where)
     rebuilt.__doc__ = f"{cls.__name__}.forward with {_ROTARY_NAME} computed by the Triton RoPE kernel (patch_llama)."
     return rebuilt
+
+
+def _rebuilt_with_kernel_rotary(fn: types.FunctionType, where: str) -> types.FunctionType:
+    """``fn`` with ``apply_rotary_pos_emb`` resolved to ours. A decorator's wrapper (``functools.wraps`` keeps the
+    wrapped function as ``__wrapped__``, and the wrapper finds it in a cell of its closure) is rebuilt around the
+    rebuilt function, so what the decorator does (a renamed keyword argument, a warning) still happens."""
+    inner = getattr(fn, "__wrapped__", None)
+    if inner is None:
+        namespace = dict(fn.__globals__)
+        namespace[_ROTARY_NAME] = apply_rotary
+        rebuilt = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+    else:
+        cells = fn.__closure__ or ()
+        holding = [i for i, cell in enumerate(cells) if _cell_holds(cell, inner)]
+        if len(holding) != 1:
+            raise ValueError(
+                f"cannot patch the rotary embedding of {where}: {fn.__qualname__} is wrapped by a decorator that "
+                "does not keep the function it wraps in its closure, so it cannot be rebuilt around the patched "
+                "function. Use rope=False"
+            )
+        new_inner = _rebuilt_with_kernel_rotary(inner, where)
+        closure = tuple(types.CellType(new_inner) if i == holding[0] else cell for i, cell in enumerate(cells))
+        rebuilt = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, closure)
+        rebuilt.__dict__.update(fn.__dict__)
+        rebuilt.__wrapped__ = new_inner
+    rebuilt.__kwdefaults__ = fn.__kwdefaults__
+    rebuilt.__qualname__ = fn.__qualname__
+    return rebuilt
+
+
+def _cell_holds(cell, value) -> bool:
+    try:
+        return cell.cell_contents is value
+    except ValueError:  # an empty cell
+        return False
 
 
 def _count(names) -> str:
@@ -684,7 +719,7 @@ def patch_llama(
     for where, module in attention:
         cls = type(module)
         if cls not in rebuilt:
-            rebuilt[cls] = _forward_with_kernel_rotary(cls)
+            rebuilt[cls] = _forward_with_kernel_rotary(cls, where)
         module.forward = types.MethodType(rebuilt[cls], module)
         patch.rotary.append(_RotarySwap(where, module, module.forward))
     if patch_loss:

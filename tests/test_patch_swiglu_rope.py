@@ -1,7 +1,9 @@
 """patch_llama(swiglu=True, rope=True): equal losses and gradients, one model only, undo, refusals, PEFT, compile."""
 
 import copy
+import functools
 import importlib
+import inspect
 
 import pytest
 import torch
@@ -9,12 +11,14 @@ from test_patch import assert_grads_close, loss_and_grads, random_batch, seed_fr
 
 from kernels import host_path, runtime
 from kernels.patch import SWITCHES, patch_llama
+from kernels.rope import apply_rotary
 from kernels.swiglu import TritonSwiGLUMLP
 
 BACKEND = runtime.COMPILE_BACKEND
 # The modules by their paths: ``kernels.swiglu`` at the top level is the function.
 rope_module = importlib.import_module("kernels.rope")
 swiglu_module = importlib.import_module("kernels.swiglu")
+patch_module = importlib.import_module("kernels.patch")
 ONLY_NEW = dict(rms_norm=False, cross_entropy=False, swiglu=True, rope=True)
 
 
@@ -150,6 +154,39 @@ def test_refusals_leave_the_model_unchanged(device, gen):
     with pytest.raises(ValueError, match="MyMLP is not an MLP whose code patch_llama knows"):
         patch_llama(model, rms_norm=False, cross_entropy=False, swiglu=True)
     assert all("forward" not in layer.self_attn.__dict__ for layer in model.model.layers)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):  # the name a patched forward resolves to our kernel
+    raise AssertionError("the patched function called the original")
+
+
+def _renaming(fn):
+    # A decorator that keeps the function it wraps, as transformers' deprecate_kwarg does around some forwards.
+    @functools.wraps(fn)
+    def wrapper(*args, old=None, **kwargs):
+        if old is not None:
+            kwargs["new"] = old
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+@_renaming
+def _wrapped_forward(new=None):
+    return apply_rotary_pos_emb, new
+
+
+def test_a_wrapped_forward_keeps_its_wrapper_around_the_rebuilt_function():
+    rebuilt = patch_module._rebuilt_with_kernel_rotary(_wrapped_forward, "here")
+    assert rebuilt(old=3) == (apply_rotary, 3)  # our kernel inside, and the wrapper still renames the argument
+    assert _wrapped_forward(old=3) == (apply_rotary_pos_emb, 3)  # the original untouched
+    assert inspect.unwrap(rebuilt).__globals__["apply_rotary_pos_emb"] is apply_rotary
+
+    def opaque(*args, **kwargs):  # says what it wraps but calls it through something else
+        return registry["fn"](*args, **kwargs)
+    registry = {"fn": inspect.unwrap(_wrapped_forward)}
+    opaque.__wrapped__ = registry["fn"]
+    with pytest.raises(ValueError, match="cannot be rebuilt around the patched function"):
+        patch_module._rebuilt_with_kernel_rotary(opaque, "here")
 
 
 # LoRA on gate and up leaves down_proj a frozen nn.Linear (the MLP's fused down projection, nothing recomputed); LoRA

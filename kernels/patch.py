@@ -346,15 +346,14 @@ def _calls_rotary(forward) -> bool:
     return _ROTARY_NAME in getattr(getattr(inspect.unwrap(forward), "__code__", None), "co_names", ())
 
 
-def _rotary_of(cls: type, where: str):
-    """The module-level rotary function that ``cls.forward`` calls by name, after checking that it does and that
-    any decorator around it can be rebuilt around the patched function (``_rebuilt_with_kernel_rotary``)."""
+def _forward_with_kernel_rotary(cls: type, where: str) -> types.FunctionType:
+    """``cls.forward`` rebuilt over a copy of its module's globals in which ``apply_rotary_pos_emb`` is ours, after
+    checking that it calls that function by name and that the function has the kernel's signature."""
     if not _calls_rotary(cls.forward):
         raise ValueError(
             f"cannot patch the rotary embedding of {where} ({cls.__name__}): its forward does not call "
             f"{_ROTARY_NAME} by name (a transformers version this patch does not know). Use rope=False"
         )
-    _forward_with_kernel_rotary(cls, where)
     original = inspect.unwrap(cls.forward).__globals__.get(_ROTARY_NAME)
     try:
         parameters = list(inspect.signature(original).parameters)
@@ -365,36 +364,34 @@ def _rotary_of(cls: type, where: str):
             f"cannot patch the rotary embedding of {where}: {cls.__module__}.{_ROTARY_NAME} takes {parameters}, "
             f"not {_ROTARY_PARAMETERS} as the kernel does. Use rope=False"
         )
-    return original
+    rebuilt = _rebuilt_with_kernel_rotary(cls.forward, where)
+    rebuilt.__doc__ = f"{cls.__name__}.forward with {_ROTARY_NAME} computed by the Triton RoPE kernel (patch_llama)."
+    return rebuilt
 
 
-def _find_attention(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """(qualified name, module) of every attention module whose rotary call is swapped; raises before any change."""
+def _find_attention(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, types.FunctionType]]:
+    """(qualified name, module, the forward to give it) of every attention module whose rotary call is swapped, the
+    forward rebuilt once per class; raises before any change."""
     accepted = set(_classes(SUPPORTED_ATTENTION).values())
+    forwards: dict[type, types.FunctionType] = {}
     found = []
     for where, module in model.named_modules():
         cls = type(module)
         if cls in accepted:
-            _rotary_of(cls, where)
+            if cls not in forwards:
+                forwards[cls] = _forward_with_kernel_rotary(cls, where)
             if "forward" in module.__dict__:
                 raise ValueError(
                     f"cannot patch the rotary embedding of {where}: its forward was already replaced on the "
                     "instance (by another patch, or accelerate's hooks). Use rope=False"
                 )
-            found.append((where, module))
+            found.append((where, module, forwards[cls]))
         elif cls.__name__.endswith("Attention") and _calls_rotary(cls.forward):
             raise ValueError(
                 f"cannot patch the rotary embedding of {where}: {cls.__module__}.{cls.__name__} is not an attention "
                 f"class patch_llama knows (it patches {sorted(c.__name__ for c in accepted)}). Use rope=False"
             )
     return found
-
-
-def _forward_with_kernel_rotary(cls: type, where: str) -> types.FunctionType:
-    """``cls.forward`` rebuilt over a copy of its module's globals in which ``apply_rotary_pos_emb`` is ours."""
-    rebuilt = _rebuilt_with_kernel_rotary(cls.forward, where)
-    rebuilt.__doc__ = f"{cls.__name__}.forward with {_ROTARY_NAME} computed by the Triton RoPE kernel (patch_llama)."
-    return rebuilt
 
 
 def _rebuilt_with_kernel_rotary(fn: types.FunctionType, where: str) -> types.FunctionType:
@@ -715,12 +712,8 @@ def patch_llama(
         replacement = TritonSwiGLUMLP.from_hf(module)
         setattr(parent, name, replacement)
         patch.mlp_swaps.append(_Swap(where, parent, name, module, replacement))
-    rebuilt: dict[type, types.FunctionType] = {}
-    for where, module in attention:
-        cls = type(module)
-        if cls not in rebuilt:
-            rebuilt[cls] = _forward_with_kernel_rotary(cls, where)
-        module.forward = types.MethodType(rebuilt[cls], module)
+    for where, module, forward in attention:
+        module.forward = types.MethodType(forward, module)
         patch.rotary.append(_RotarySwap(where, module, module.forward))
     if patch_loss:
         patch._had_own_loss = "_loss_function" in model.__dict__

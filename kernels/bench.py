@@ -152,6 +152,20 @@ def device_time_ms(fn: Callable[[], object], grad_to_none=(), warmup: int = 25, 
         torch.cuda.empty_cache()
 
 
+def same_bytes_copy_ms(n_bytes: int, warmup: int = 25, rep: int = 50) -> float | None:
+    """Device time of a copy that moves ``n_bytes`` (half of them read, half written), timed as a kernel's device
+    time is (``device_time_ms``): the ceiling at that size. The copy ceiling of ``measure_ceilings`` moves
+    gigabytes; a launch that moves a few megabytes spends a larger share of its time starting up and draining, and
+    no kernel that moves those bytes can beat a copy of them. None in the interpreter.
+    """
+    if runtime.MODE != "gpu":
+        return None
+    src = torch.empty(max(n_bytes // 4, 1), device="cuda", dtype=torch.bfloat16)  # n_bytes / 2 bytes each way
+    dst = torch.empty_like(src)
+    ms, _ = device_time_ms(functools.partial(dst.copy_, src), warmup=warmup, rep=rep)
+    return ms
+
+
 def peak_extra_mib(fn: Callable[[], object], grad_to_none=()) -> float | None:
     """Peak memory allocated during one ``fn()`` beyond what existed before it, in MiB (GPU; None in the interpreter).
 

@@ -124,8 +124,21 @@ def plot_bandwidth(results: dict, pass_: str = "fwd+bwd", sweep: str = "tokens",
     copy = (results.get("ceilings") or {}).get("copy_gbps")
     if copy:
         ax.axhline(copy, color="black", ls="--", lw=1, label=f"measured copy {copy:,.0f} GB/s")
+    same = _same_bytes_copy_points(results, pass_, sweep, key)
+    if same:
+        ax.plot(*zip(*same), ":", color="black", lw=1, label="a copy of the same bytes")
     return _finish_line_plot(ax, results, sweep, xs, "GB/s (minimal bytes / device time)", f"bandwidth, {pass_}",
                              log_y=False)
+
+
+def _same_bytes_copy_points(results: dict, pass_: str, sweep: str, key: str) -> list[tuple[float, float]]:
+    # The ceiling at each size: ours' minimal bytes over the device time of a copy of them (the row's
+    # copy_same_bytes_ms; absent from results written before the sweep timed it).
+    n_bytes = "bytes_floor" if key == "gbps_floor" else "bytes"
+    ours = next((rows for impl, rows in sweep_rows(results, pass_, sweep).items()
+                 if results["implementations"].get(impl, {}).get("role") == "ours"), [])
+    return [(_x(r, sweep), r[n_bytes] / (r["copy_same_bytes_ms"] * 1e-3) / 1e9) for r in ours
+            if r.get("copy_same_bytes_ms")]
 
 
 def plot_times(results: dict, pass_: str = "fwd+bwd", sweep: str = "tokens", basis: str = "device", ax=None):

@@ -138,7 +138,8 @@ def targets(results: dict, min_speedup: float = 1.0, bases=BASES) -> list[dict]:
     """Is ours at least ``min_speedup`` × as fast as the fastest peer? One entry per shape, pass and time basis.
 
     Each entry: shape, pass, basis, ours_ms, fastest_peer (its label), fastest_peer_ms, speedup, met (True/False,
-    or None when there is nothing to compare), and for the device basis ours' fraction of the copy bandwidth.
+    or None when there is nothing to compare), and for the device basis ours' fraction of the copy bandwidth and of
+    a copy of the same bytes (``frac_same_bytes_copy``: the copy's time over ours, 1 at the ceiling of that size).
     """
     labels = {k: v["label"] for k, v in results.get("implementations", {}).items()}
     ours_rows = {(r["tokens"], r["width"], r["pass"]): r for r in results["rows"] if r["role"] == "ours"}
@@ -153,6 +154,7 @@ def targets(results: dict, min_speedup: float = 1.0, bases=BASES) -> list[dict]:
                 "fastest_peer_ms": e["fastest_peer_ms"], "speedup": e["vs_fastest"],
                 "met": None if e["vs_fastest"] is None else e["vs_fastest"] >= min_speedup,
                 "frac_copy": ours.get("frac_copy") if (ours and basis == "device") else None,
+                "frac_same_bytes_copy": ours.get("frac_same_bytes_copy") if (ours and basis == "device") else None,
             })
     return out
 
@@ -221,6 +223,10 @@ def summarize(results: dict, min_speedup: float = 1.0) -> str:
                     f"{biggest['fastest_peer']}")
             if biggest.get("frac_copy"):
                 line += f", {biggest['frac_copy']:.0%} of copy bandwidth"
+            smallest = min(entries, key=lambda t: t["tokens"] * t["width"])
+            if smallest.get("frac_same_bytes_copy") and smallest is not biggest:
+                line += (f"; at {smallest['shape']}, {smallest['frac_same_bytes_copy']:.0%} of a copy of the same "
+                         "bytes")
             lines.append(line)
     problems = [r for r in results["rows"] if r["status"] in ("check failed", "error")]
     for r in problems:
@@ -238,7 +244,7 @@ def format_table(results: dict) -> str:
     eag = {(e["tokens"], e["width"], e["pass"]): e["ours_ms"] for e in speedups(results, "eager")}
     eager_head = "eager ms" if results["mode"] == "gpu" else "wall ms*"
     head = (f"{'implementation':<44} {'shape':>12} {'pass':>7} {eager_head:>9} {'device ms':>9} {'GB/s':>7} "
-            f"{'% copy':>6} {'ours× dev':>9} {'ours× eag':>9} {'peak MiB':>9}  status")
+            f"{'% copy':>6} {'% same':>6} {'ours× dev':>9} {'ours× eag':>9} {'peak MiB':>9}  status")
     lines = [head, "-" * len(head)]
     for row in results["rows"]:
         key = (row["tokens"], row["width"], row["pass"])
@@ -250,10 +256,14 @@ def format_table(results: dict) -> str:
         lines.append(
             f"{row['label'][:44]:<44} {row['shape']:>12} {row['pass']:>7} {_fmt(row['eager_ms'], '9.3f'):>9} "
             f"{_fmt(row['device_ms'], '9.3f'):>9} {_fmt(row['gbps'], '7.0f'):>7} "
-            f"{_fmt(row['frac_copy'] and 100 * row['frac_copy'], '6.1f'):>6} {_fmt(x_dev, '9.3g'):>9} "
+            f"{_fmt(row['frac_copy'] and 100 * row['frac_copy'], '6.1f'):>6} "
+            f"{_fmt(row.get('frac_same_bytes_copy') and 100 * row['frac_same_bytes_copy'], '6.1f'):>6} "
+            f"{_fmt(x_dev, '9.3g'):>9} "
             f"{_fmt(x_eag, '9.3g'):>9} {_fmt(row['peak_extra_mib'], '9.1f'):>9}  {status}"
         )
     if results["mode"] != "gpu":
         lines.append("* wall-clock of Triton's CPU interpreter: meaningless as GPU time; no device times without a GPU")
     lines.append("ours× = this row's time / ours' time at the same shape and pass (above 1: ours is faster)")
+    lines.append("% copy: of the copy bandwidth measured on gigabytes; % same: a copy of this row's bytes, timed the "
+                 "same way, over this row's device time (100: the ceiling at this size)")
     return "\n".join(lines)

@@ -28,7 +28,16 @@ from pathlib import Path
 import torch
 
 from . import runtime
-from .bench import device_time_ms, gbps, measure_ceilings, peak_extra_mib, reset_grads, rotated, time_ms
+from .bench import (
+    device_time_ms,
+    gbps,
+    measure_ceilings,
+    peak_extra_mib,
+    reset_grads,
+    rotated,
+    same_bytes_copy_ms,
+    time_ms,
+)
 from .peers import IMPLEMENTATIONS, Impl, implementations
 from .reference import relative_error, rms_norm_reference, rotary_cos_sin, rotary_reference, swiglu_reference
 from .results import (
@@ -510,6 +519,7 @@ def _base_row(case, impl: Impl, pass_: str) -> dict:
         "eager_ms": None, "device_ms": None, "device_note": None, "eager_ms_rounds": [], "device_ms_rounds": [],
         "bytes": n_bytes, "bytes_floor": n_floor,
         "gbps": None, "frac_copy": None, "gbps_floor": None, "frac_copy_floor": None,
+        "copy_same_bytes_ms": None, "frac_same_bytes_copy": None,
         "peak_extra_mib": None, "check": None,
     }
 
@@ -567,7 +577,9 @@ def measure_shape(case, chosen, passes, warmup: int = 25, rep: int = 50, rounds:
     rounds. A host whose speed drifts (another process, clock changes) then slows every implementation of a round
     alike instead of whichever was being timed, which matters for eager times at small shapes, where the host sets
     them. The order rotates from round to round, so that no implementation always runs first or after the same
-    neighbour. The per-round times are kept in the row (``eager_ms_rounds``, ``device_ms_rounds``).
+    neighbour. The per-round times are kept in the row (``eager_ms_rounds``, ``device_ms_rounds``). Each round also
+    times a copy of each pass's bytes (``same_bytes_copy_ms``); every row of the pass gets the median
+    (``copy_same_bytes_ms``), the ceiling at this size.
     """
     rows, timed = [], {}  # timed: per implementation, its checked rows and what times them
     for impl in chosen:
@@ -586,6 +598,7 @@ def measure_shape(case, chosen, passes, warmup: int = 25, rep: int = 50, rounds:
             rows.append(row)
             if row["status"] == "ok":
                 timed.setdefault(impl.key, []).append((row, fn, params, pass_))
+    copies: dict[str, list[float]] = {p: [] for p in passes}
     for r in range(rounds):
         for impl in rotated(chosen, r):
             for row, fn, params, pass_ in timed.get(impl.key, ()):
@@ -593,18 +606,27 @@ def measure_shape(case, chosen, passes, warmup: int = 25, rep: int = 50, rounds:
                     _time_into(row, case, fn, params, pass_, warmup, rep)
             if bar is not None:
                 bar.update(1)
+        for pass_ in copies if timed else ():
+            ms = same_bytes_copy_ms(case.bytes(pass_)[0], warmup, rep)
+            if ms is not None:
+                copies[pass_].append(ms)
     for row, *_ in (entry for entries in timed.values() for entry in entries):
         row["eager_ms"] = _median(row["eager_ms_rounds"])
         row["device_ms"] = _median(row["device_ms_rounds"])
+    for row in rows:
+        row["copy_same_bytes_ms"] = _median(copies[row["pass"]])
     return rows
 
 
 def add_rates(rows: list[dict], ceilings: dict | None) -> None:
-    """Fill GB/s (from device time; minimal bytes) and the fraction of the measured copy bandwidth, in place."""
+    """Fill GB/s (from device time; minimal bytes), the fraction of the measured copy bandwidth, and the fraction of
+    a copy of the row's own bytes (its time over the row's: 1 is the ceiling at that size), in place."""
     copy = ceilings.get("copy_gbps") if ceilings else None
     for row in rows:
         if row["device_ms"] is None:
             continue
+        if row.get("copy_same_bytes_ms"):
+            row["frac_same_bytes_copy"] = row["copy_same_bytes_ms"] / row["device_ms"]
         row["gbps"] = gbps(row["bytes"], row["device_ms"])
         row["gbps_floor"] = gbps(row["bytes_floor"], row["device_ms"])
         if copy:

@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels import plots, runtime, sweep
 from kernels import results as results_module
-from kernels import runtime, sweep
-from kernels.bench import floor_ms
+from kernels.bench import floor_ms, measure_copy_gbps, same_bytes_copy_ms
 from kernels.peers import Impl
 from kernels.results import format_table, load_results, save_results, speedups, summarize, targets
 from kernels.sweep import cross_entropy_bytes, rmsnorm_bytes, run_benchmark
@@ -116,6 +116,47 @@ def test_summary_and_table_name_the_failed_row():
     assert "at 1 of 2 shapes" in text and "CHECK FAILED: HF" in text
     table = format_table(results)
     assert "check failed" in table and "1.2" in table  # native at 1024: 0.06 / 0.05
+
+
+def test_a_copy_of_the_same_bytes_is_the_ceiling_at_each_size():
+    # add_rates: the copy's time over the row's; the summary quotes it at the smallest shape, the table per row
+    results = _synthetic_results()
+    for row in results["rows"]:
+        row.update(bytes=8_000_000, bytes_floor=8_000_000, copy_same_bytes_ms=0.04 if row["tokens"] == 1024 else 0.2)
+    sweep.add_rates(results["rows"], results["ceilings"])
+    ours = {r["tokens"]: r for r in results["rows"] if r["impl"] == "ours"}
+    assert ours[1024]["frac_same_bytes_copy"] == pytest.approx(0.04 / 0.05)
+    assert ours[16384]["frac_same_bytes_copy"] == pytest.approx(0.2 / 0.30)
+    assert ours[1024]["gbps"] == pytest.approx(8_000_000 / 0.05e-3 / 1e9)
+    failed = next(r for r in results["rows"] if r["status"] == "check failed")
+    assert failed.get("frac_same_bytes_copy") is None  # no device time, no fraction
+    found = {(t["tokens"], t["basis"]): t for t in targets(results)}
+    assert found[(1024, "device")]["frac_same_bytes_copy"] == pytest.approx(0.8)
+    assert found[(1024, "eager")]["frac_same_bytes_copy"] is None
+    assert "at 1024×4096, 80% of a copy of the same bytes" in summarize(results)
+    assert " 80.0 " in format_table(results).splitlines()[2]  # ours at 1,024 tokens, the first row
+    # the bandwidth plot draws that ceiling per size: ours' bytes over the copy's time
+    results["settings"].update(width=4096, tokens=[1024, 16384])
+    ax = plots.plot_bandwidth(results)
+    line = next(ln for ln in ax.get_lines() if ln.get_label() == "a copy of the same bytes")
+    assert list(line.get_ydata()) == pytest.approx([8_000_000 / 0.04e-3 / 1e9, 8_000_000 / 0.2e-3 / 1e9])
+
+
+def test_the_same_bytes_copy_needs_a_gpu():
+    if runtime.MODE == "gpu":
+        pytest.skip("the GPU test below measures it")
+    assert same_bytes_copy_ms(1 << 20) is None
+
+
+@pytest.mark.gpu
+def test_gpu_a_large_same_bytes_copy_runs_at_the_copy_bandwidth():
+    # At 1 GiB the size no longer matters: the copy's time matches the copy ceiling measured the other way
+    # (do_bench of the plain call); a few megabytes take longer than their bytes at that bandwidth.
+    n_bytes = 1 << 30
+    ceiling_ms = floor_ms(n_bytes, measure_copy_gbps(n_bytes // 2))
+    assert same_bytes_copy_ms(n_bytes) == pytest.approx(ceiling_ms, rel=0.1)
+    small = 8 << 20
+    assert same_bytes_copy_ms(small) > floor_ms(small, measure_copy_gbps(n_bytes // 2))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -229,7 +270,8 @@ def test_bad_arguments_are_named():
 
 ROW_KEYS = {"kernel", "impl", "label", "role", "tokens", "width", "shape", "pass", "dtype", "status", "note",
             "eager_ms", "device_ms", "device_note", "eager_ms_rounds", "device_ms_rounds", "bytes", "bytes_floor",
-            "gbps", "frac_copy", "gbps_floor", "frac_copy_floor", "peak_extra_mib", "check"}
+            "gbps", "frac_copy", "gbps_floor", "frac_copy_floor", "copy_same_bytes_ms", "frac_same_bytes_copy",
+            "peak_extra_mib", "check"}
 
 
 @pytest.mark.skipif(runtime.MODE == "gpu", reason="the CPU run of the command line; the GPU test below covers GPUs")
@@ -283,7 +325,6 @@ def test_plots_draw_gpu_like_and_interpreter_results():
     import matplotlib
 
     matplotlib.use("Agg")
-    from kernels import plots
 
     results = _synthetic_results()
     results["settings"] = {"passes": ["fwd+bwd"], "width": 4096, "tokens": [1024, 16384], "width_sweep": [],
@@ -317,6 +358,7 @@ def test_gpu_rmsnorm_device_times():
             continue
         assert row["status"] == "ok" and row["device_ms"] > 0 and row["eager_ms"] > 0, row
         assert row["gbps"] > 0 and 0 < row["frac_copy"] < 1.2 and row["peak_extra_mib"] >= 0
+        assert row["copy_same_bytes_ms"] > 0 and 0 < row["frac_same_bytes_copy"] < 1.3
 
 
 _PLANTED_SYNC = textwrap.dedent(

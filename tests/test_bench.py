@@ -150,8 +150,8 @@ def test_the_same_bytes_copy_needs_a_gpu():
 
 @pytest.mark.gpu
 def test_gpu_a_large_same_bytes_copy_runs_at_the_copy_bandwidth():
-    # At 1 GiB the size no longer matters: the copy's time matches the copy ceiling measured the other way
-    # (do_bench of the plain call); a few megabytes take longer than their bytes at that bandwidth.
+    # At 1 GiB the size no longer matters: the copy's time matches the copy ceiling; a few megabytes take longer
+    # than their bytes at that bandwidth.
     n_bytes = 1 << 30
     ceiling_ms = floor_ms(n_bytes, measure_copy_gbps(n_bytes // 2))
     assert same_bytes_copy_ms(n_bytes) == pytest.approx(ceiling_ms, rel=0.1)

@@ -132,7 +132,7 @@ def plot_bandwidth(results: dict, pass_: str = "fwd+bwd", sweep: str = "tokens",
 
 
 def _same_bytes_copy_points(results: dict, pass_: str, sweep: str, key: str) -> list[tuple[float, float]]:
-    # The ceiling at each size: ours' minimal bytes over the device time of a copy of them (the row's
+    # The yardstick at each size: ours' minimal bytes over the device time of PyTorch's copy of them (the row's
     # copy_same_bytes_ms; absent from results written before the sweep timed it).
     n_bytes = "bytes_floor" if key == "gbps_floor" else "bytes"
     ours = next((rows for impl, rows in sweep_rows(results, pass_, sweep).items()

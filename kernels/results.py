@@ -139,7 +139,7 @@ def targets(results: dict, min_speedup: float = 1.0, bases=BASES) -> list[dict]:
 
     Each entry: shape, pass, basis, ours_ms, fastest_peer (its label), fastest_peer_ms, speedup, met (True/False,
     or None when there is nothing to compare), and for the device basis ours' fraction of the copy bandwidth and of
-    a copy of the same bytes (``frac_same_bytes_copy``: the copy's time over ours, 1 at the ceiling of that size).
+    a copy of the same bytes (``frac_same_bytes_copy``: the copy's time over ours, 1 as fast as that copy).
     """
     labels = {k: v["label"] for k, v in results.get("implementations", {}).items()}
     ours_rows = {(r["tokens"], r["width"], r["pass"]): r for r in results["rows"] if r["role"] == "ours"}
@@ -265,5 +265,5 @@ def format_table(results: dict) -> str:
         lines.append("* wall-clock of Triton's CPU interpreter: meaningless as GPU time; no device times without a GPU")
     lines.append("ours× = this row's time / ours' time at the same shape and pass (above 1: ours is faster)")
     lines.append("% copy: of the copy bandwidth measured on gigabytes; % same: a copy of this row's bytes, timed the "
-                 "same way, over this row's device time (100: the ceiling at this size)")
+                 "same way, over this row's device time (100: as fast as that copy)")
     return "\n".join(lines)

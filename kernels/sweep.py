@@ -579,7 +579,7 @@ def measure_shape(case, chosen, passes, warmup: int = 25, rep: int = 50, rounds:
     them. The order rotates from round to round, so that no implementation always runs first or after the same
     neighbour. The per-round times are kept in the row (``eager_ms_rounds``, ``device_ms_rounds``). Each round also
     times a copy of each pass's bytes (``same_bytes_copy_ms``); every row of the pass gets the median
-    (``copy_same_bytes_ms``), the ceiling at this size.
+    (``copy_same_bytes_ms``), the yardstick at this size.
     """
     rows, timed = [], {}  # timed: per implementation, its checked rows and what times them
     for impl in chosen:
@@ -620,7 +620,7 @@ def measure_shape(case, chosen, passes, warmup: int = 25, rep: int = 50, rounds:
 
 def add_rates(rows: list[dict], ceilings: dict | None) -> None:
     """Fill GB/s (from device time; minimal bytes), the fraction of the measured copy bandwidth, and the fraction of
-    a copy of the row's own bytes (its time over the row's: 1 is the ceiling at that size), in place."""
+    a copy of the row's own bytes (the copy's time over the row's: 1 is as fast as PyTorch's copy of them), in place."""
     copy = ceilings.get("copy_gbps") if ceilings else None
     for row in rows:
         if row["device_ms"] is None:

@@ -118,7 +118,7 @@ def test_summary_and_table_name_the_failed_row():
     assert "check failed" in table and "1.2" in table  # native at 1024: 0.06 / 0.05
 
 
-def test_a_copy_of_the_same_bytes_is_the_ceiling_at_each_size():
+def test_a_copy_of_the_same_bytes_is_the_yardstick_at_each_size():
     # add_rates: the copy's time over the row's; the summary quotes it at the smallest shape, the table per row
     results = _synthetic_results()
     for row in results["rows"]:
@@ -135,7 +135,7 @@ def test_a_copy_of_the_same_bytes_is_the_ceiling_at_each_size():
     assert found[(1024, "eager")]["frac_same_bytes_copy"] is None
     assert "at 1024×4096, 80% of a copy of the same bytes" in summarize(results)
     assert " 80.0 " in format_table(results).splitlines()[2]  # ours at 1,024 tokens, the first row
-    # the bandwidth plot draws that ceiling per size: ours' bytes over the copy's time
+    # the bandwidth plot draws that yardstick per size: ours' bytes over the copy's time
     results["settings"].update(width=4096, tokens=[1024, 16384])
     ax = plots.plot_bandwidth(results)
     line = next(ln for ln in ax.get_lines() if ln.get_label() == "a copy of the same bytes")

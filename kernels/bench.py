@@ -51,11 +51,14 @@ def measure_copy_gbps(copy_bytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth of this GPU in GB/s (read + write): ``copy_bytes`` copied one way."""
     if runtime.MODE != "gpu":
         raise RuntimeError("the ceilings can only be measured on a GPU; in the interpreter there is nothing to measure")
-    src = torch.randn(copy_bytes // 2, device="cuda", dtype=torch.bfloat16)
+    return 2 * copy_bytes / (_copy_ms(copy_bytes, warmup=50, rep=200) * 1e-3) / 1e9
+
+
+def _copy_ms(one_way_bytes: int, warmup: int, rep: int) -> float:
+    # do_bench of PyTorch's device-to-device copy of one_way_bytes (a copy's speed does not depend on the values)
+    src = torch.empty(max(one_way_bytes // 2, 1), device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(src)
-    copy_ms = time_ms(functools.partial(dst.copy_, src), warmup=50, rep=200)
-    del src, dst
-    return 2 * copy_bytes / (copy_ms * 1e-3) / 1e9
+    return time_ms(functools.partial(dst.copy_, src), warmup=warmup, rep=rep)
 
 
 def measure_ceilings(copy_bytes: int = 2 << 30, matmul_n: int = 8192) -> dict:
@@ -166,9 +169,7 @@ def same_bytes_copy_ms(n_bytes: int, warmup: int = 25, rep: int = 50) -> float |
     """
     if runtime.MODE != "gpu":
         return None
-    src = torch.empty(max(n_bytes // 4, 1), device="cuda", dtype=torch.bfloat16)  # n_bytes / 2 bytes each way
-    dst = torch.empty_like(src)
-    return time_ms(functools.partial(dst.copy_, src), warmup=warmup, rep=rep)
+    return _copy_ms(n_bytes // 2, warmup, rep)
 
 
 def peak_extra_mib(fn: Callable[[], object], grad_to_none=()) -> float | None:

@@ -152,11 +152,10 @@ def test_the_same_bytes_copy_needs_a_gpu():
 def test_gpu_a_large_same_bytes_copy_runs_at_the_copy_bandwidth():
     # At 1 GiB the size no longer matters: the copy's time matches the copy ceiling; a few megabytes take longer
     # than their bytes at that bandwidth.
-    n_bytes = 1 << 30
-    ceiling_ms = floor_ms(n_bytes, measure_copy_gbps(n_bytes // 2))
-    assert same_bytes_copy_ms(n_bytes) == pytest.approx(ceiling_ms, rel=0.1)
-    small = 8 << 20
-    assert same_bytes_copy_ms(small) > floor_ms(small, measure_copy_gbps(n_bytes // 2))
+    n_bytes, small = 1 << 30, 8 << 20
+    copy_gbps = measure_copy_gbps(n_bytes // 2)
+    assert same_bytes_copy_ms(n_bytes) == pytest.approx(floor_ms(n_bytes, copy_gbps), rel=0.1)
+    assert same_bytes_copy_ms(small) > floor_ms(small, copy_gbps)
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -18,10 +18,14 @@ Three names are both: ``kernels.cross_entropy``, ``kernels.linear_cross_entropy`
 imported by their paths (``from kernels.cross_entropy import cross_entropy_forward``, ``from kernels.swiglu import
 forward_config``). No other top-level name hides a submodule. Everything the chapters use besides (models, data,
 profiling, the benchmark, the training loop, the references) is imported from its module, e.g.
-``from kernels.models import build_model``; ``docs/ARCHITECTURE.md`` says which file holds what.
+``from kernels.training.models import build_model``; ``docs/ARCHITECTURE.md`` says which file holds what.
 """
 
-from . import runtime  # noqa: I001  (must come first: it sets TRITON_INTERPRET)
+from .name_check import require_ours
+
+require_ours()  # another distribution named kernels (Hugging Face's Kernel Hub) beside ours: stop, with the fix
+
+from . import runtime  # noqa: E402, I001  (must come before any kernel: it sets TRITON_INTERPRET)
 from .runtime import describe
 
 from .rmsnorm import TritonRMSNorm, rms_norm
@@ -29,7 +33,7 @@ from .cross_entropy import TritonCrossEntropyLoss, cross_entropy
 from .linear_cross_entropy import TritonLinearCrossEntropyLoss, linear_cross_entropy
 from .swiglu import TritonSwiGLUMLP, swiglu
 from .rope import apply_rotary
-from .patch import LlamaPatch, patch_llama
+from .hf.patch import LlamaPatch, patch_llama
 from .adamw import TritonAdamW
 
 __all__ = [

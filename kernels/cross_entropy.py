@@ -53,12 +53,13 @@ def _row_offsets(rows, inner_rows, stride_outer, stride_inner):
 
 
 @triton.jit
-def _cross_entropy_fwd_kernel(
+def cross_entropy_fwd_kernel(
     LOGITS, TARGET, LOSS, LSE, GRAD, SCALE,
     n_rows, n_cols, inner_rows, stride_outer, stride_inner, grad_stride_outer, grad_stride_inner,
     ignore_index,
     ROWS: tl.constexpr, BLOCK_V: tl.constexpr, COMPUTE_GRAD: tl.constexpr,
 ):
+    """The forward pass: each row's loss and logsumexp and, with COMPUTE_GRAD, its gradient (``launch_forward``)."""
     # Row r of the logits is element (r // inner_rows, r % inner_rows) of two strided levels; the gradient buffer
     # uses the same decomposition with its own strides.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -122,7 +123,9 @@ def _cross_entropy_fwd_kernel(
 
 
 @triton.jit
-def _reduce_loss_kernel(LOSS, SCALE, OUT, n_rows, BLOCK_R: tl.constexpr):
+def reduce_loss_kernel(LOSS, SCALE, OUT, n_rows, BLOCK_R: tl.constexpr):
+    """The reduced loss: the per-row losses summed and divided by SCALE[1], in one program (``launch_forward``, and
+    ``kernels.linear_cross_entropy``'s passes)."""
     # One program sums the per-row losses in a fixed order (the same loss on every run) and divides by SCALE[1]:
     # n_valid for "mean" (0 when every target is ignored: 0 / 0 = NaN, as F.cross_entropy), the normalizer, or 1.
     # (Finishing inside the main kernel instead, with a ticket per program, put 16K atomics on one address.)
@@ -134,8 +137,9 @@ def _reduce_loss_kernel(LOSS, SCALE, OUT, n_rows, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
-def _cross_entropy_setup_kernel(TARGET, NORMALIZER, SCALE, n_rows, ignore_index, normalizer_value,
-                                MODE: tl.constexpr, BLOCK: tl.constexpr):
+def cross_entropy_setup_kernel(TARGET, NORMALIZER, SCALE, n_rows, ignore_index, normalizer_value,
+                               MODE: tl.constexpr, BLOCK: tl.constexpr):
+    """SCALE = [gradient factor, divisor] of a reduction, in one program (``gradient_scale`` launches it)."""
     # One program writes SCALE = [gradient factor, divisor] on the device, so the host never needs n_valid.
     # MODE 0: mean (divisor = number of targets that are not ignored); 1: divisor read from NORMALIZER (a tensor);
     # 2: divisor = normalizer_value (a number); 3: no divisor.
@@ -158,10 +162,11 @@ def _cross_entropy_setup_kernel(TARGET, NORMALIZER, SCALE, n_rows, ignore_index,
 
 
 @triton.jit
-def _scale_grad_kernel(
+def scale_grad_kernel(
     GRAD, GRAD_OUT, n_rows, n_cols, inner_rows, stride_outer, stride_inner, stride_go,
     ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
+    """The backward pass: the gradient the forward wrote, times grad_output, in place (``scale_gradient_``)."""
     # grad *= grad_output, in place. grad_output is a scalar (stride_go = 0: every row reads the same element) or one
     # value per row (reduction="none"). Programs whose factors are all exactly 1.0 return without touching the
     # gradient: the common case (loss.backward() on an unscaled loss) costs one 4-byte load per program.
@@ -288,7 +293,9 @@ def _check_inputs(logits, target, ignore_index, reduction, normalizer) -> None:
                     reduction, normalizer)
 
 
-def _check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int) -> None:
+def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int) -> None:
+    """Raise a ValueError naming the first target outside [0, ``n_classes``) that is not ``ignore_index``: what
+    ``check_targets=True`` asks of the losses of this module and of ``kernels.linear_cross_entropy``."""
     # One device-to-host transfer: the price of a clear error for a bad label. Callers under CUDA graphs or
     # torch.compile pass check_targets=False; the kernel then makes such rows NaN instead of reading out of bounds.
     bad = (target != ignore_index) & ((target < 0) | (target >= n_classes))
@@ -301,8 +308,9 @@ def _check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int)
 
 
 @dataclass(frozen=True)
-class _RowLayout:
-    """Where row r of ``tensor`` lives: (r // inner_rows) · stride_outer + (r % inner_rows) · stride_inner."""
+class RowLayout:
+    """Where row r of ``tensor`` lives: (r // inner_rows) · stride_outer + (r % inner_rows) · stride_inner, the
+    row arguments the kernels take (``row_layout``)."""
 
     tensor: torch.Tensor  # what the kernel reads (and writes): the caller's tensor, or a contiguous copy of it
     n_rows: int
@@ -351,21 +359,24 @@ def _in_place_addressable(t: torch.Tensor) -> bool:
     return _row_decomposition.__wrapped__(tuple(t.shape), tuple(t.stride()), True) is not None
 
 
-def _rows_in_place(t: torch.Tensor, for_writing: bool) -> _RowLayout | None:
+def _rows_in_place(t: torch.Tensor, for_writing: bool) -> RowLayout | None:
     """The kernels' view of the rows of ``t``, or None when they cannot address them without a copy."""
     found = _row_decomposition(tuple(t.shape), t.stride(), for_writing)
-    return None if found is None else _RowLayout(t, *found)
+    return None if found is None else RowLayout(t, *found)
 
 
-def _row_layout(t: torch.Tensor, for_writing: bool) -> _RowLayout:
-    """The rows of ``t`` in place when possible, else those of a contiguous copy (``layout.tensor``)."""
+def row_layout(t: torch.Tensor, for_writing: bool) -> RowLayout:
+    """The rows of ``t`` in place when possible, else those of a contiguous copy (``layout.tensor``). With
+    ``for_writing`` (a gradient written over ``t``), rows that overlap in memory count as not addressable."""
     return _rows_in_place(t, for_writing) or _rows_in_place(t.contiguous(), for_writing)
 
 
-def _gradient_scale(target_rows, ignore_index, reduction, normalizer, device) -> torch.Tensor:
+def gradient_scale(target_rows, ignore_index, reduction, normalizer, device) -> torch.Tensor:
     """[gradient factor, divisor] as a float32 tensor on ``device``, computed by one small kernel: no host sync.
 
     mean → divisor n_valid, the number of targets that are not ignored; sum → the normalizer, if any; else 1.
+    The forward kernel scales the gradient by the factor and ``reduce_loss_kernel`` divides by the divisor, here
+    and in ``kernels.linear_cross_entropy``.
     """
     scale = torch.empty(2, dtype=torch.float32, device=device)
     norm_ptr, norm_value, mode = scale, 1.0, 3
@@ -377,24 +388,26 @@ def _gradient_scale(target_rows, ignore_index, reduction, normalizer, device) ->
     elif reduction == "sum" and normalizer is not None:
         norm_value, mode = float(normalizer), 2
     block = min(triton.next_power_of_2(max(target_rows.numel(), 1)), 4096)
-    _cross_entropy_setup_kernel[(1,)](target_rows, norm_ptr, scale, target_rows.numel(), ignore_index, norm_value,
-                                      MODE=mode, BLOCK=block)
+    cross_entropy_setup_kernel[(1,)](target_rows, norm_ptr, scale, target_rows.numel(), ignore_index, norm_value,
+                                     MODE=mode, BLOCK=block)
     return scale
 
 
-def _launch_forward(layout, target_rows, loss_rows, lse, grad_layout, scale, out, ignore_index, cfg):
+def launch_forward(layout, target_rows, loss_rows, lse, grad_layout, scale, out, ignore_index, cfg):
+    """The forward kernel over ``layout``'s rows into the caller's buffers (the gradient into ``grad_layout``'s
+    tensor, none when it is None), then, when ``out`` is given, the reduction of the loss into it."""
     compute_grad = grad_layout is not None
     if not compute_grad:  # the pointers are never dereferenced: COMPUTE_GRAD compiles the gradient sweep out
         grad_layout = layout
-    _cross_entropy_fwd_kernel[(triton.cdiv(layout.n_rows, cfg.rows),)](
+    cross_entropy_fwd_kernel[(triton.cdiv(layout.n_rows, cfg.rows),)](
         layout.tensor, target_rows, loss_rows, lse, grad_layout.tensor, scale,
         layout.n_rows, layout.n_cols, layout.inner_rows, layout.stride_outer, layout.stride_inner,
         grad_layout.stride_outer, grad_layout.stride_inner, ignore_index,
         ROWS=cfg.rows, BLOCK_V=cfg.block_v, COMPUTE_GRAD=compute_grad, num_warps=cfg.num_warps,
     )
     if out is not None:
-        _reduce_loss_kernel[(1,)](loss_rows, scale, out, layout.n_rows,
-                                  BLOCK_R=min(triton.next_power_of_2(layout.n_rows), 4096), num_warps=8)
+        reduce_loss_kernel[(1,)](loss_rows, scale, out, layout.n_rows,
+                                 BLOCK_R=min(triton.next_power_of_2(layout.n_rows), 4096), num_warps=8)
 
 
 def cross_entropy_forward(
@@ -412,9 +425,9 @@ def cross_entropy_forward(
     ``loss`` is reduced as asked (float32); ``lse`` is the float32 logsumexp of every row, shape ``[rows]``;
     ``grad`` is d(loss)/d(logits) in the shape and dtype of ``logits``, or ``None`` when ``compute_grad`` is false.
     With ``inplace`` the gradient is written over the logits' memory and ``grad`` is ``logits`` itself (or, when
-    the logits had to be copied, see ``_row_layout``, that copy).
+    the logits had to be copied, see ``row_layout``, that copy).
     """
-    layout = _row_layout(logits, for_writing=compute_grad and inplace)
+    layout = row_layout(logits, for_writing=compute_grad and inplace)
     device = logits.device
     target_rows = target.reshape(-1)
     if target_rows.stride(0) != 1:
@@ -427,14 +440,14 @@ def cross_entropy_forward(
             grad_layout = layout
         else:  # a contiguous buffer, addressed with the logits' row decomposition (the kernel has one inner_rows)
             grad = torch.empty(logits.shape, dtype=logits.dtype, device=device)
-            grad_layout = _RowLayout(grad, layout.n_rows, layout.n_cols, layout.inner_rows,
-                                     layout.inner_rows * layout.n_cols, layout.n_cols)
+            grad_layout = RowLayout(grad, layout.n_rows, layout.n_cols, layout.inner_rows,
+                                    layout.inner_rows * layout.n_cols, layout.n_cols)
     reduce = reduction != "none"
     out = torch.empty((), dtype=torch.float32, device=device) if reduce else None
     if layout.n_rows:
-        scale = _gradient_scale(target_rows, ignore_index, reduction, normalizer, device)
+        scale = gradient_scale(target_rows, ignore_index, reduction, normalizer, device)
         cfg = config or _forward_config(layout.n_rows, layout.n_cols, runtime.device_props(device))
-        _launch_forward(layout, target_rows, loss_rows, lse, grad_layout, scale, out, ignore_index, cfg)
+        launch_forward(layout, target_rows, loss_rows, lse, grad_layout, scale, out, ignore_index, cfg)
     elif reduce:  # no rows: the sum is 0, and a mean over no targets is 0 / 0
         out.fill_(float("nan") if reduction == "mean" else 0.0)
     loss = out if reduce else loss_rows.view(logits.shape[:-1])
@@ -457,7 +470,7 @@ def scale_gradient_(grad: torch.Tensor, grad_output: torch.Tensor, config: Cross
         raise ValueError(f"grad_output must be a scalar or have one value per row ({layout.n_rows}), got {go.numel()}")
     stride_go = 0 if go.numel() == 1 else go.stride(0)  # an expanded gradient (loss.sum() of "none") has stride 0
     cfg = config or _backward_config(layout.n_rows, layout.n_cols, runtime.device_props(grad.device))
-    _scale_grad_kernel[(triton.cdiv(layout.n_rows, cfg.rows),)](
+    scale_grad_kernel[(triton.cdiv(layout.n_rows, cfg.rows),)](
         grad, go, layout.n_rows, layout.n_cols, layout.inner_rows, layout.stride_outer, layout.stride_inner,
         stride_go, ROWS=cfg.rows, BLOCK_V=cfg.block_v, num_warps=cfg.num_warps,
     )
@@ -473,20 +486,21 @@ def scale_gradient_(grad: torch.Tensor, grad_output: torch.Tensor, config: Cross
 # ``logits``.
 
 
-def _normalizer_arg(normalizer, normalizer_value):
+def normalizer_arg(normalizer, normalizer_value):
+    """The normalizer an operator was given, as one argument again: the tensor, else the number (or None)."""
     return normalizer if normalizer is not None else normalizer_value
 
 
 def _forward_op_impl(logits, target, ignore_index, reduction, normalizer, normalizer_value, compute_grad):
     loss, lse, grad = cross_entropy_forward(
-        logits, target, ignore_index, reduction, _normalizer_arg(normalizer, normalizer_value), compute_grad
+        logits, target, ignore_index, reduction, normalizer_arg(normalizer, normalizer_value), compute_grad
     )
     return loss, lse, (grad if grad is not None else logits.new_empty(0))
 
 
 def _forward_inplace_op_impl(logits, target, ignore_index, reduction, normalizer, normalizer_value):
     loss, lse, grad = cross_entropy_forward(
-        logits, target, ignore_index, reduction, _normalizer_arg(normalizer, normalizer_value), True, True
+        logits, target, ignore_index, reduction, normalizer_arg(normalizer, normalizer_value), True, True
     )
     if grad is not logits:  # CrossEntropyFunction only asks for rows the kernel can write in place
         raise ValueError("cross_entropy_fwd_inplace needs logits whose rows the kernel can address in place")
@@ -576,8 +590,9 @@ class CrossEntropyFunction(torch.autograd.Function):
         return grad, None, None, None, None, None, None
 
 
-def _split_normalizer(normalizer, device: torch.device):
-    """(tensor, number): the operators take a tensor normalizer and a numeric one as separate arguments.
+def split_normalizer(normalizer, device: torch.device):
+    """(tensor, number): the operators take a tensor normalizer and a numeric one as separate arguments
+    (``normalizer_arg`` joins them again).
 
     Under ``torch.compile`` a number becomes a tensor: the compiler treats a Python float as a constant, so a count
     that changes every step (Hugging Face's ``num_items_in_batch``) would recompile the model at every step.
@@ -636,8 +651,8 @@ def cross_entropy(
     """
     _check_inputs(logits, target, ignore_index, reduction, normalizer)
     if check_targets:
-        _check_target_range(target, logits.shape[-1], ignore_index)
-    norm_tensor, norm_value = _split_normalizer(normalizer, logits.device)
+        check_target_range(target, logits.shape[-1], ignore_index)
+    norm_tensor, norm_value = split_normalizer(normalizer, logits.device)
     if torch.is_grad_enabled() and logits.requires_grad:
         return CrossEntropyFunction.apply(
             logits, target, ignore_index, reduction, norm_tensor, norm_value, inplace_backward

@@ -20,8 +20,6 @@ own (same schema, same outputs), registered here from Python.
 
 from __future__ import annotations
 
-import os
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,9 +27,9 @@ from pathlib import Path
 import torch
 
 from . import runtime
-from .rmsnorm import _backward_fake, _check_tensors, _forward_fake
+from .host_path import CSRC, cpu_build_unavailable
+from .rmsnorm import check_tensors, rms_norm_bwd_fake, rms_norm_fwd_fake
 
-CSRC = Path(__file__).resolve().parent / "csrc"
 CPU_SOURCE = CSRC / "rmsnorm_cpu.cpp"
 CUDA_SOURCE = CSRC / "rmsnorm_cuda.cu"
 
@@ -67,36 +65,8 @@ _BUILDS: dict[str, BuildInfo] = {}  # one build per extension and process: loade
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# What a build needs: a C++ compiler and ninja (and, for CUDA, nvcc and a GPU)
+# What a build needs: a C++ compiler and ninja (kernels.host_path checks both) and, for CUDA, nvcc and a GPU
 # --------------------------------------------------------------------------------------------------------------------
-
-
-def _make_ninja_findable() -> bool:
-    """True when ``ninja`` can be run. PyTorch looks for it on PATH; the ``ninja`` package from pip installs it in
-    the environment's ``bin`` folder, which is not on PATH when Python is started without activating the
-    environment (a Jupyter kernel, for instance): add that folder if so."""
-    from torch.utils.cpp_extension import is_ninja_available
-
-    if is_ninja_available():
-        return True
-    try:
-        import ninja  # the pip package: a ninja binary in ninja.BIN_DIR
-    except ImportError:
-        return False
-    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    return is_ninja_available()
-
-
-def cpu_build_unavailable() -> str | None:
-    """Why the C++ CPU extension cannot be built here, or None when it can."""
-    from torch.utils.cpp_extension import get_cxx_compiler
-
-    compiler = get_cxx_compiler()
-    if shutil.which(compiler) is None:
-        return f"no C++ compiler: `{compiler}` is not on PATH (install g++ or clang++, or set CXX)"
-    if not _make_ninja_findable():
-        return "ninja is not installed: `pip install ninja` (torch.utils.cpp_extension builds with it)"
-    return None
 
 
 def cuda_build_unavailable() -> str | None:
@@ -152,7 +122,7 @@ def build_cpu(verbose: bool = False, build_directory: str | None = None) -> Buil
         if reason:
             raise RuntimeError(f"cannot build the C++ extension: {reason}")
         info = _build(CPU_EXTENSION, [CPU_SOURCE], verbose, build_directory, extra_cflags=CPU_FLAGS)
-        torch.library.register_fake(f"{CPU_NAMESPACE}::rms_norm_fwd", _forward_fake)
+        torch.library.register_fake(f"{CPU_NAMESPACE}::rms_norm_fwd", rms_norm_fwd_fake)
         _BUILDS[CPU_EXTENSION] = info
     return _BUILDS[CPU_EXTENSION]
 
@@ -170,8 +140,8 @@ def build_cuda(verbose: bool = False, build_directory: str | None = None) -> Bui
             raise RuntimeError(f"cannot build the CUDA extension: {reason}")
         info = _build(CUDA_EXTENSION, [CUDA_SOURCE], verbose, build_directory, extra_cflags=CPU_FLAGS,
                       extra_cuda_cflags=CUDA_FLAGS)
-        torch.library.register_fake(f"{CUDA_NAMESPACE}::rms_norm_fwd", _forward_fake)
-        torch.library.register_fake(f"{CUDA_NAMESPACE}::rms_norm_bwd", _backward_fake)
+        torch.library.register_fake(f"{CUDA_NAMESPACE}::rms_norm_fwd", rms_norm_fwd_fake)
+        torch.library.register_fake(f"{CUDA_NAMESPACE}::rms_norm_bwd", rms_norm_bwd_fake)
         _BUILDS[CUDA_EXTENSION] = info
     return _BUILDS[CUDA_EXTENSION]
 
@@ -208,7 +178,7 @@ def rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> t
     """RMSNorm over the last dimension of ``x`` by the CUDA C++ kernels (built on first use): what
     ``kernels.rms_norm`` computes, for CUDA tensors of float32, bfloat16 or float16 (a float32 weight may go with
     a 16-bit ``x``). Differentiable in ``x`` and ``weight``."""
-    _check_tensors(x, weight)
+    check_tensors(x, weight)
     if x.device.type != "cuda":
         raise ValueError(f"rms_norm_cuda needs CUDA tensors, got x on {x.device}")
     build_cuda()
@@ -221,7 +191,7 @@ def rms_norm_cpp(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> to
     """RMSNorm forward over the last dimension of ``x`` by the C++ CPU extension (built on first use). CPU tensors
     of float32, bfloat16 or float16, on any machine; forward only (no autograd: the extension exists to show the
     mechanics)."""
-    _check_tensors(x, weight)
+    check_tensors(x, weight)
     if x.device.type != "cpu":
         raise ValueError(f"rms_norm_cpp runs on the CPU, got x on {x.device}")
     build_cpu()
@@ -234,23 +204,3 @@ def default_device_note() -> str:
     if reason is None:
         return f"CUDA extension available on {runtime.device_name()}"
     return f"CUDA extension unavailable ({reason}); the C++ CPU extension shows the same path"
-
-
-def main(argv=None) -> None:
-    """``python -m kernels.cuda_rmsnorm [--bench ...]``: build what this machine can build; ``--bench`` runs the
-    side-by-side benchmark (``kernels.cuda_compare``) with the arguments that follow."""
-    import sys
-
-    args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] == "--bench":
-        from .cuda_compare import main as bench_main
-
-        bench_main(args[1:])
-        return
-    print(build_cpu().describe())
-    reason = cuda_build_unavailable()
-    print(build_cuda().describe() if reason is None else f"CUDA extension not built: {reason}")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
 """The host path in C++ of SwiGLU, RoPE and RMSNorm: the autograd nodes and the kernel launches out of Python, on a
 GPU.
 
-``kernels.overhead.floor`` shows why: an ``autograd.Function`` that launches one *empty* Triton kernel per pass
+``kernels.bench.overhead.floor`` shows why: an ``autograd.Function`` that launches one *empty* Triton kernel per pass
 costs more host time per forward + backward than Hugging Face's whole SwiGLU in C++ operators, so where the host
 decides (small tensors, or kernels as short as RoPE's), no Python-level operator can keep up.
 ``kernels/csrc/host_path.cpp`` holds three C++ ``torch::autograd::Function``s that launch the very kernels of
@@ -21,33 +21,146 @@ sin need no gradient; ``rms_norm`` for contiguous ``x`` and ``weight`` (and, in 
 gradient). All only eagerly, on a GPU; everything else (strided views, ``torch.compile``, tensor
 subclasses, dispatch modes, the interpreter) takes the Python path, with the same kernels and the same bits. The
 extension is compiled on first use (``torch.utils.cpp_extension``, under a minute, then cached by PyTorch);
-``KERNELS_HOST_PATH=0`` turns the path off, and a machine without a C++ compiler or ninja runs the Python path.
+``KERNELS_HOST_PATH=0`` turns the path off, and a machine without a C++ compiler or ninja runs the Python path
+(``cpu_build_unavailable`` says which is missing; ``kernels.cuda_rmsnorm`` asks it too before its builds).
+
+What it launches comes from the kernel families themselves. This module sits below them (their functions ask
+``takes``, ``takes_rope`` and ``takes_rms_norm`` here, then call ``swiglu``, ``rope`` or ``rms_norm``) and imports
+none of them: ``kernels/swiglu.py``, ``kernels/rope.py`` and ``kernels/rmsnorm.py`` each hand over, when imported,
+their kernels, launch configurations and Python path with ``register_family`` (a ``SwiGLUFamily``, ``RopeFamily`` or
+``RMSNormFamily``), which the build and every miss read.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import importlib
 import os
+import shutil
 import threading
 import time
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
 from . import ops, runtime
 
-# kernels/csrc, named here rather than imported from kernels.cuda_rmsnorm: that module imports kernels.rmsnorm,
-# which imports this one.
-SOURCE = Path(__file__).resolve().parent / "csrc" / "host_path.cpp"
+# The C++ and CUDA sources of the package, shipped as package data (pyproject.toml): this module's and those of
+# kernels.cuda_rmsnorm, which takes the folder and the build checks below from here.
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCE = CSRC / "host_path.cpp"
 EXTENSION = "kernels_host_path"
 _MAX_INT = 2**31 - 1  # the C++ launch passes integers as 32-bit, as Triton types them below this
 
 _lock = threading.Lock()
-# cols: the row width dense SwiGLU tensors are read as, kernels/swiglu.py's _RECUT_COLS, handed to C++ at the build.
+# cols: the row width dense SwiGLU tensors are read as (SwiGLUFamily.cols), handed to C++ at the build.
 _state: dict = {"ext": None, "reason": None, "seconds": None, "cols": None}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# What the kernel families hand over
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SwiGLUFamily:
+    """What the host path takes from ``kernels.swiglu``: its Python path, launch configurations and kernels."""
+
+    module: ClassVar[str] = "kernels.swiglu"
+    cols: int  # the row width dense gate and up are read as (swiglu's recut rows), one tile per program
+    forward: Callable  # swiglu_forward(gate, up): the Python path's forward launch
+    backward_op: torch._ops.OpOverload  # swiglu_bwd(dy, gate, up), called through ops.call on a missed backward
+    forward_config: Callable  # (n_rows, n_cols, props) -> Config, as the Python path's launches ask for it
+    backward_config: Callable  # the same for the backward kernel
+    forward_kernel: object  # the @triton.jit kernels the C++ side launches by handle
+    backward_kernel: object
+
+
+@dataclass(frozen=True)
+class RopeFamily:
+    """What the host path takes from ``kernels.rope``: its Python path, launch configuration and dense kernel."""
+
+    module: ClassVar[str] = "kernels.rope"
+    forward: Callable  # rope_forward(q, k, cos, sin): the Python path's forward launch
+    backward_op: torch._ops.OpOverload  # rope_bwd(dq_embed, dk_embed, cos, sin, dtype, seq_major)
+    config: Callable  # (n_rows, head_dim, n_q_heads, n_k_heads, props) -> Config, both directions
+    dense_flags: Callable  # (q, k, cos, sin, q_out, k_out) -> the dense kernel's layout flags, or None
+    dense_kernel: object  # the @triton.jit kernel the C++ side launches by handle
+
+
+@dataclass(frozen=True)
+class RMSNormFamily:
+    """What the host path takes from ``kernels.rmsnorm``: its Python path, launch configurations and kernels."""
+
+    module: ClassVar[str] = "kernels.rmsnorm"
+    forward: Callable  # rms_norm_forward(x, weight, eps) -> (y, rstd): the Python path's forward launch
+    backward_op: torch._ops.OpOverload  # rms_norm_bwd(dy, x, weight, rstd, compute_dw)
+    forward_config: Callable  # (n_rows, n_cols, props) -> ForwardConfig
+    backward_config: Callable  # (n_rows, n_cols, itemsize, props) -> BackwardConfig
+    forward_kernel: object  # the @triton.jit kernels the C++ side launches by handle
+    backward_kernel: object
+    dw_kernel: object
+
+
+_FAMILIES = (SwiGLUFamily, RopeFamily, RMSNormFamily)
+_families_given: dict[type, SwiGLUFamily | RopeFamily | RMSNormFamily] = {}
+
+
+def register_family(family: SwiGLUFamily | RopeFamily | RMSNormFamily) -> None:
+    """Hand the host path what it launches and falls back to for one kernel family. Each family's module calls this
+    once, when it is imported; a later call for the same family replaces the earlier one."""
+    if not isinstance(family, _FAMILIES):
+        raise TypeError(f"family must be a SwiGLUFamily, RopeFamily or RMSNormFamily, got {type(family).__name__}")
+    _families_given[type(family)] = family
+
+
+def _family(kind: type):
+    found = _families_given.get(kind)
+    if found is None:
+        raise RuntimeError(f"no {kind.__name__}: {kind.module} hands it over with register_family when imported")
+    return found
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# What a C++ build needs: a compiler and ninja (kernels.cuda_rmsnorm asks the same before its builds)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _make_ninja_findable() -> bool:
+    """True when ``ninja`` can be run. PyTorch looks for it on PATH; the ``ninja`` package from pip installs it in
+    the environment's ``bin`` folder, which is not on PATH when Python is started without activating the
+    environment (a Jupyter kernel, for instance): add that folder if so."""
+    from torch.utils.cpp_extension import is_ninja_available
+
+    if is_ninja_available():
+        return True
+    try:
+        import ninja  # the pip package: a ninja binary in ninja.BIN_DIR
+    except ImportError:
+        return False
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    return is_ninja_available()
+
+
+def cpu_build_unavailable() -> str | None:
+    """Why a C++ extension (this one, or the CPU part of any) cannot be built here, or None when it can."""
+    from torch.utils.cpp_extension import get_cxx_compiler
+
+    compiler = get_cxx_compiler()
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler: `{compiler}` is not on PATH (install g++ or clang++, or set CXX)"
+    if not _make_ninja_findable():
+        return "ninja is not installed: `pip install ninja` (torch.utils.cpp_extension builds with it)"
+    return None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The path: can it run here, is it built, does a call take it
+# --------------------------------------------------------------------------------------------------------------------
 
 
 def unavailable() -> str | None:
@@ -58,8 +171,6 @@ def unavailable() -> str | None:
         return "no GPU: the Triton interpreter runs the Python path"
     if _driver_function("cuLaunchKernel") is None or _driver_function("cuFuncGetParamInfo") is None:
         return "the CUDA driver library has no cuLaunchKernel or cuFuncGetParamInfo (a driver for CUDA 12.4+)"
-    from .cuda_rmsnorm import cpu_build_unavailable
-
     return cpu_build_unavailable()
 
 
@@ -147,11 +258,13 @@ def _driver_function(name: str):
 def _build():
     from torch.utils.cpp_extension import load
 
+    for kind in _FAMILIES:  # every family's misses come back to Python through the launcher: all three, or no build
+        _family(kind)
     start = time.perf_counter()
     ext = load(name=EXTENSION, sources=[str(SOURCE)], with_cuda=True, extra_cflags=["-O2"], verbose=False)
     _state["seconds"] = time.perf_counter() - start
     launch = ctypes.cast(_driver_function("cuLaunchKernel"), ctypes.c_void_p).value
-    _state["cols"] = importlib.import_module("kernels.swiglu")._RECUT_COLS
+    _state["cols"] = _family(SwiGLUFamily).cols
     ext.set_launcher(launch, _state["cols"], _swiglu_forward_fallback, _swiglu_backward_fallback,
                      _rope_forward_fallback, _rope_backward_fallback, _rms_norm_forward_fallback,
                      _rms_norm_backward_fallback)
@@ -206,13 +319,13 @@ def _checked(kernel, tensors, ints, constants, grid, device, floats=()) -> tuple
 
 
 def _register_swiglu(backward: bool, tensors: tuple[torch.Tensor, ...]) -> None:
-    sw = importlib.import_module("kernels.swiglu")
+    sw = _family(SwiGLUFamily)
     gate, cols = tensors[1] if backward else tensors[0], _state["cols"]
     n_rows = gate.numel() // cols
-    cfg = (sw._backward_config if backward else sw._forward_config)(n_rows, cols, runtime.device_props(gate.device))
+    cfg = (sw.backward_config if backward else sw.forward_config)(n_rows, cols, runtime.device_props(gate.device))
     if cfg.grid != (n_rows, 1) or cfg.rows != 1 or cfg.block_n != cols:
         return  # not the one-row-per-program layout the C++ launch assumes
-    kernel = sw._swiglu_bwd_kernel if backward else sw._swiglu_fwd_kernel
+    kernel = sw.backward_kernel if backward else sw.forward_kernel
     ints = [n_rows, cols] + [cols] * len(tensors)  # the row count, the columns, one stride per tensor
     constants = {"ROWS": cfg.rows, "BLOCK_N": cfg.block_n, "num_warps": cfg.num_warps}
     found = _checked(kernel, tensors, ints, constants, cfg.grid, gate.device)
@@ -221,29 +334,29 @@ def _register_swiglu(backward: bool, tensors: tuple[torch.Tensor, ...]) -> None:
 
 
 def _register_rope(backward: bool, tensors: tuple[torch.Tensor, ...]) -> None:
-    rope = importlib.import_module("kernels.rope")
+    rope = _family(RopeFamily)
     x, y, cos, sin, x_out, y_out = tensors
-    flags = rope._dense_flags(*tensors)
+    flags = rope.dense_flags(*tensors)
     batch, n_x, seq, head_dim = x.shape
     n_rows = batch * seq
-    cfg = rope._rope_config(n_rows, head_dim, n_x, y.shape[1], runtime.device_props(x.device))
+    cfg = rope.config(n_rows, head_dim, n_x, y.shape[1], runtime.device_props(x.device))
     if flags is None or cfg.grid != (n_rows,) or cfg.rows != 1:
         return  # not the dense kernel, one position per program, that the C++ launch assumes
     constants = {"N_Q": n_x, "N_K": y.shape[1], "HALF": head_dim // 2, "ROWS": cfg.rows, "BLOCK_H": cfg.block_h,
                  "Q_HEADS": cfg.q_heads, "K_HEADS": cfg.k_heads, "BACKWARD": backward, "X_SEQ_MAJOR": flags[0],
                  "O_SEQ_MAJOR": flags[1], "TRIG_BATCHED": flags[2], "num_warps": cfg.num_warps}
-    found = _checked(rope._rope_dense_kernel, tensors, [n_rows, seq], constants, cfg.grid, x.device)
+    found = _checked(rope.dense_kernel, tensors, [n_rows, seq], constants, cfg.grid, x.device)
     if found is not None:
         _state["ext"].register_rope(backward, list(tensors), *found)
 
 
 def _register_rms_norm_forward(x, weight, y, rstd, eps: float) -> None:
-    rms = importlib.import_module("kernels.rmsnorm")
+    rms = _family(RMSNormFamily)
     n_cols = x.size(-1)
     n_rows = x.numel() // n_cols
-    cfg = rms._forward_config(n_rows, n_cols, runtime.device_props(x.device))
+    cfg = rms.forward_config(n_rows, n_cols, runtime.device_props(x.device))
     constants = {"ROWS": cfg.rows, "BLOCK_N": cfg.block_n, "num_warps": cfg.num_warps}
-    found = _checked(rms._rms_norm_fwd_kernel, (x, weight, y, rstd), [n_rows, n_cols, n_cols, n_cols], constants,
+    found = _checked(rms.forward_kernel, (x, weight, y, rstd), [n_rows, n_cols, n_cols, n_cols], constants,
                      cfg.grid, x.device, floats=(eps,))
     if found is not None:
         _state["ext"].register_rms_norm(0, [x, weight, y, rstd], False, *found, cfg.rows, 0)
@@ -251,23 +364,23 @@ def _register_rms_norm_forward(x, weight, y, rstd, eps: float) -> None:
 
 def _register_rms_norm_backward(dy, x, weight, rstd, dx, dw, compute_dw: bool) -> None:
     # The backward kernel and, with dW, the sum of its partials: both or neither, as the C++ side needs both.
-    rms = importlib.import_module("kernels.rmsnorm")
+    rms = _family(RMSNormFamily)
     n_cols = x.size(-1)
     n_rows = x.numel() // n_cols
     props = runtime.device_props(x.device)
-    cfg = rms._backward_config(n_rows, n_cols, x.element_size(), props)
+    cfg = rms.backward_config(n_rows, n_cols, x.element_size(), props)
     programs = cfg.grid[0]
     if programs != max(1, min(props.sm_count, -(-n_rows // cfg.rows))):
         return  # not the persistent grid the C++ launch computes
     partial = torch.empty((programs, n_cols), dtype=torch.float32, device=x.device) if compute_dw else dx
     constants = {"ROWS": cfg.rows, "BLOCK_N": cfg.block_n, "COMPUTE_DW": compute_dw, "STAGES": cfg.stages,
                  "num_warps": cfg.num_warps}
-    found = _checked(rms._rms_norm_bwd_kernel, (x, weight, dy, rstd, dx, partial), [n_rows] + [n_cols] * 4,
+    found = _checked(rms.backward_kernel, (x, weight, dy, rstd, dx, partial), [n_rows] + [n_cols] * 4,
                      constants, cfg.grid, x.device)
     dw_found = None
     if compute_dw:
         dw_constants = {"BLOCK_P": cfg.dw_block_p, "BLOCK_C": cfg.dw_block_c, "num_warps": 4}
-        dw_found = _checked(rms._rms_norm_dw_kernel, (partial, dw), [programs, n_cols], dw_constants, cfg.dw_grid,
+        dw_found = _checked(rms.dw_kernel, (partial, dw), [programs, n_cols], dw_constants, cfg.dw_grid,
                             x.device)
     if found is None or (compute_dw and dw_found is None):
         return
@@ -281,29 +394,27 @@ def _register_rms_norm_backward(dy, x, weight, rstd, dx, dw, compute_dw: bool) -
 
 
 def _swiglu_forward_fallback(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    y = importlib.import_module("kernels.swiglu").swiglu_forward(gate, up)
+    y = _family(SwiGLUFamily).forward(gate, up)
     _register_swiglu(False, (gate, up, y))
     return y
 
 
 def _swiglu_backward_fallback(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
-    sw = importlib.import_module("kernels.swiglu")
-    d_gate, d_up = ops.call(sw.swiglu_bwd_op, dy, gate, up)
+    d_gate, d_up = ops.call(_family(SwiGLUFamily).backward_op, dy, gate, up)
     if ops.direct(dy, gate, up) and dy.is_contiguous() and dy.dtype == gate.dtype and dy.shape == gate.shape:
         _register_swiglu(True, (dy, gate, up, d_gate, d_up))
     return d_gate, d_up
 
 
 def _rope_forward_fallback(q, k, cos, sin):
-    q_out, k_out = importlib.import_module("kernels.rope").rope_forward(q, k, cos, sin)
+    q_out, k_out = _family(RopeFamily).forward(q, k, cos, sin)
     # A layout the dense kernel does not read (a copy made by the Python path included) registers nothing.
     _register_rope(False, (q, k, cos, sin, q_out, k_out))
     return q_out, k_out
 
 
 def _rope_backward_fallback(dq_embed, dk_embed, cos, sin, like: torch.Tensor, seq_major: bool):
-    rope = importlib.import_module("kernels.rope")
-    dq, dk = ops.call(rope.rope_bwd_op, dq_embed, dk_embed, cos, sin, like.dtype, seq_major)
+    dq, dk = ops.call(_family(RopeFamily).backward_op, dq_embed, dk_embed, cos, sin, like.dtype, seq_major)
     # The C++ side takes only gradients of one dtype; layouts are checked where the variant is registered.
     if ops.direct(dq_embed, dk_embed, cos, sin) and dq_embed.dtype == dk_embed.dtype:
         _register_rope(True, (dq_embed, dk_embed, cos, sin, dq, dk))
@@ -311,14 +422,13 @@ def _rope_backward_fallback(dq_embed, dk_embed, cos, sin, like: torch.Tensor, se
 
 
 def _rms_norm_forward_fallback(x: torch.Tensor, weight: torch.Tensor, eps: float):
-    y, rstd = importlib.import_module("kernels.rmsnorm").rms_norm_forward(x, weight, eps)
+    y, rstd = _family(RMSNormFamily).forward(x, weight, eps)
     _register_rms_norm_forward(x, weight, y, rstd, eps)
     return y, rstd
 
 
 def _rms_norm_backward_fallback(dy, x, weight, rstd, compute_dw: bool):
-    rms = importlib.import_module("kernels.rmsnorm")
-    dx, dw = ops.call(rms.rms_norm_bwd_op, dy, x, weight, rstd, compute_dw)
+    dx, dw = ops.call(_family(RMSNormFamily).backward_op, dy, x, weight, rstd, compute_dw)
     if ops.direct(dy, x, weight) and dy.is_contiguous() and dy.shape == x.shape:
         _register_rms_norm_backward(dy, x, weight, rstd, dx, dw, compute_dw)
     return dx, dw

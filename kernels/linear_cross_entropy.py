@@ -44,16 +44,16 @@ import triton.language as tl
 
 from . import ops, runtime
 from .cross_entropy import (
-    _check_target_range,
-    _gradient_scale,
-    _normalizer_arg,
-    _reduce_loss_kernel,
-    _split_normalizer,
     check_loss_args,
     check_scores,
+    check_target_range,
     cross_entropy_forward,
+    gradient_scale,
+    normalizer_arg,
+    reduce_loss_kernel,
+    split_normalizer,
 )
-from .memory import LOGITS_BUFFER_BYTES, RECOMPUTE_BUDGET_BYTES
+from .memory import FP32, LOGITS_BUFFER_BYTES, RECOMPUTE_BUDGET_BYTES, hf_loss_buffers, hf_loss_peak
 from .triton_utils import cast_to
 
 STRATEGIES = ("auto", "recompute", "chunked")
@@ -284,6 +284,34 @@ def chunk_rows(n_rows: int, vocab: int, itemsize: int, props: runtime.DeviceProp
     return max(1, min(n_rows, _slice_bytes(props) // max(vocab * itemsize, 1)))
 
 
+def linear_loss_extra_bytes(tokens: int, hidden: int, vocab: int, itemsize: int = 2,
+                            buffer_bytes: int = LOGITS_BUFFER_BYTES,
+                            budget_bytes: int = RECOMPUTE_BUDGET_BYTES) -> dict[str, int]:
+    """Computed peak bytes each way of computing an LM head's loss adds beyond its inputs (hidden, weight) and the
+    two gradients every way writes (d_hidden, d_weight), for a trainable weight:
+
+    * ``hf``: the logits and Hugging Face's loss buffers (``kernels.memory.hf_loss_peak``);
+    * ``logits_in_place``: the logits, which receive their own gradient (``kernels.cross_entropy`` in place);
+    * ``chunked``: a chunk of logits and the float32 [V, H] accumulator of d_weight;
+    * ``recompute_all``: a slice of logits, the float32 [tokens, H] accumulator of d_hidden and one float32
+      logsumexp per token;
+    * ``recompute``: the same with the slices kept for the backward pass within ``budget_bytes``
+      (``recompute_layout``), what the package runs.
+    """
+    logits = tokens * vocab * itemsize
+    buffer = min(logits, buffer_bytes)
+    hf = hf_loss_buffers(tokens, vocab, torch.bfloat16 if itemsize == 2 else torch.float32)
+    accumulators = tokens * hidden * FP32 + tokens * FP32
+    layout = recompute_layout(tokens, hidden, vocab, itemsize, buffer_bytes, budget_bytes)
+    return {
+        "hf": hf_loss_peak(**hf),
+        "logits_in_place": logits,
+        "chunked": buffer + vocab * hidden * FP32,
+        "recompute_all": buffer + accumulators,
+        "recompute": layout.buffer_numel * itemsize + accumulators,
+    }
+
+
 @functools.lru_cache(maxsize=512)
 def slice_config(n_rows: int, width: int, props: runtime.DeviceProps) -> SliceConfig:
     """Launch configuration of both slice kernels for a [n_rows, width] slice on ``props``."""
@@ -479,8 +507,8 @@ def _reduce(loss_rows: torch.Tensor, scale: torch.Tensor, reduction: str) -> tor
     out = torch.empty((), dtype=torch.float32, device=loss_rows.device)
     if loss_rows.numel() == 0:  # a sum over nothing is 0, a mean over nothing 0 / 0
         return out.fill_(float("nan") if reduction == "mean" else 0.0)
-    _reduce_loss_kernel[(1,)](loss_rows, scale, out, loss_rows.numel(),
-                              BLOCK_R=min(triton.next_power_of_2(loss_rows.numel()), 4096), num_warps=8)
+    reduce_loss_kernel[(1,)](loss_rows, scale, out, loss_rows.numel(),
+                             BLOCK_R=min(triton.next_power_of_2(loss_rows.numel()), 4096), num_warps=8)
     return out
 
 
@@ -491,7 +519,7 @@ def chunked_forward(hidden, weight, target, ignore_index: int, reduction: str, n
     n_rows = hidden.shape[0]
     device = hidden.device
     # The divisor of the whole batch, on the device: each chunk's sum is divided by it, so chunks add up to the loss.
-    scale = _gradient_scale(target, ignore_index, reduction, normalizer, device)
+    scale = gradient_scale(target, ignore_index, reduction, normalizer, device)
     divisor = scale[1:]
     loss = torch.zeros((), dtype=torch.float32, device=device)
     d_hidden = torch.empty_like(hidden) if need_hidden else hidden.new_empty(0)
@@ -522,7 +550,7 @@ def chunked_forward(hidden, weight, target, ignore_index: int, reduction: str, n
 
 def _fwd_impl(hidden, weight, target, ignore_index, reduction, normalizer, normalizer_value, width, keep, in_grad):
     loss_rows, lse, kept, grad_buffer = logsumexp_pass(hidden, weight, target, ignore_index, width, keep, in_grad)
-    scale = _gradient_scale(target, ignore_index, reduction, _normalizer_arg(normalizer, normalizer_value),
+    scale = gradient_scale(target, ignore_index, reduction, normalizer_arg(normalizer, normalizer_value),
                             hidden.device)
     return _reduce(loss_rows, scale, reduction), lse, scale, kept, grad_buffer
 
@@ -552,7 +580,7 @@ def _grads_fake(hidden, weight, need_hidden, need_weight):
 def _chunked_impl(hidden, weight, target, ignore_index, reduction, normalizer, normalizer_value, need_hidden,
                   need_weight, chunk):
     return chunked_forward(hidden, weight, target, ignore_index, reduction,
-                           _normalizer_arg(normalizer, normalizer_value), need_hidden, need_weight, chunk)
+                           normalizer_arg(normalizer, normalizer_value), need_hidden, need_weight, chunk)
 
 
 def _chunked_fake(hidden, weight, target, ignore_index, reduction, normalizer, normalizer_value, need_hidden,
@@ -686,12 +714,12 @@ def linear_cross_entropy(
     _check_inputs(hidden, weight, target, ignore_index, reduction, normalizer, strategy)
     vocab = weight.shape[0]
     if check_targets:
-        _check_target_range(target, vocab, ignore_index)
+        check_target_range(target, vocab, ignore_index)
     rows = hidden.reshape(-1, hidden.shape[-1])
     target_rows = target.reshape(-1)
     if target_rows.stride(0) != 1:
         target_rows = target_rows.contiguous()
-    norm_tensor, norm_value = _split_normalizer(normalizer, hidden.device)
+    norm_tensor, norm_value = split_normalizer(normalizer, hidden.device)
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     if strategy == "auto":
         strategy = choose_strategy(needs_grad and weight.requires_grad, reduction)

@@ -6,6 +6,9 @@ model's dtype, their float32 copy, and the float32 log-softmax that ``F.cross_en
 backward pass then holds two float32 gradients of the logits (``nll_loss``'s and ``log_softmax``'s) beside that
 log-softmax. The fused kernel keeps only the logits, which receive their own gradient. ``models``, ``profiling``,
 ``fit`` and the chapters all count the loss with the functions here.
+
+The linear cross-entropy's budgets are set here too (``LOGITS_BUFFER_BYTES``, ``RECOMPUTE_BUDGET_BYTES``); what its
+plans add within them is counted beside the plans, by ``kernels.linear_cross_entropy.linear_loss_extra_bytes``.
 """
 
 from __future__ import annotations
@@ -79,33 +82,3 @@ LOGITS_BUFFER_BYTES = 256 << 20
 # d_hidden and as many slices of logits, kept from the forward pass for the backward, as fit beside it. 896 MiB keeps
 # the plan under 1 GB; every slice kept is one matmul the backward pass does not redo.
 RECOMPUTE_BUDGET_BYTES = 896 << 20
-
-
-def linear_loss_extra_bytes(tokens: int, hidden: int, vocab: int, itemsize: int = 2,
-                            buffer_bytes: int = LOGITS_BUFFER_BYTES,
-                            budget_bytes: int = RECOMPUTE_BUDGET_BYTES) -> dict[str, int]:
-    """Computed peak bytes each way of computing an LM head's loss adds beyond its inputs (hidden, weight) and the
-    two gradients every way writes (d_hidden, d_weight), for a trainable weight:
-
-    * ``hf``: the logits and Hugging Face's loss buffers (``hf_loss_peak``);
-    * ``logits_in_place``: the logits, which receive their own gradient (``kernels.cross_entropy`` in place);
-    * ``chunked``: a chunk of logits and the float32 [V, H] accumulator of d_weight;
-    * ``recompute_all``: a slice of logits, the float32 [tokens, H] accumulator of d_hidden and one float32
-      logsumexp per token;
-    * ``recompute``: the same with the slices kept for the backward pass within ``budget_bytes``
-      (``kernels.linear_cross_entropy.recompute_layout``), what the package runs.
-    """
-    from .linear_cross_entropy import recompute_layout  # it imports this module's budgets
-
-    logits = tokens * vocab * itemsize
-    buffer = min(logits, buffer_bytes)
-    hf = hf_loss_buffers(tokens, vocab, torch.bfloat16 if itemsize == 2 else torch.float32)
-    accumulators = tokens * hidden * FP32 + tokens * FP32
-    layout = recompute_layout(tokens, hidden, vocab, itemsize, buffer_bytes, budget_bytes)
-    return {
-        "hf": hf_loss_peak(**hf),
-        "logits_in_place": logits,
-        "chunked": buffer + vocab * hidden * FP32,
-        "recompute_all": buffer + accumulators,
-        "recompute": layout.buffer_numel * itemsize + accumulators,
-    }

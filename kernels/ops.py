@@ -70,6 +70,12 @@ def call(op: torch._ops.OpOverload, *args):
     return (_IMPLS[op] if direct(*args) else op)(*args)
 
 
+def implementation(op: torch._ops.OpOverload) -> Callable:
+    """The function registered as ``op``'s implementation: what ``call`` runs when ``direct`` allows it. A benchmark
+    that times the layers of a call (``kernels.bench.overhead``) calls it on its own."""
+    return _IMPLS[op]
+
+
 def registered() -> list[str]:
     """Qualified names of the operators registered so far, e.g. ``["kernels::rms_norm_fwd", ...]``."""
     return sorted(

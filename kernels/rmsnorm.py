@@ -31,11 +31,12 @@ from .triton_utils import cast_to
 
 
 @triton.jit
-def _rms_norm_fwd_kernel(
+def rms_norm_fwd_kernel(
     X, W, Y, RSTD,
     n_rows, n_cols, stride_x, stride_y, eps,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """The forward pass: y and one float32 rstd per row, ROWS rows per program (``rms_norm_forward`` launches it)."""
     # Each program normalises ROWS consecutive rows, held as one [ROWS, BLOCK_N] tile.
     # int64 row indices: row * stride overflows int32 once rows × hidden passes 2**31.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -58,11 +59,13 @@ def _rms_norm_fwd_kernel(
 
 
 @triton.jit
-def _rms_norm_bwd_kernel(
+def rms_norm_bwd_kernel(
     X, W, DY, RSTD, DX, DW_PARTIAL,
     n_rows, n_cols, stride_x, stride_dy, stride_dx,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, COMPUTE_DW: tl.constexpr, STAGES: tl.constexpr,
 ):
+    """The backward pass: dx, and with COMPUTE_DW one row of float32 dW partials per program
+    (``rms_norm_backward`` launches it)."""
     # A persistent grid: program p handles row blocks p, p + P, p + 2P, ... and accumulates its part of dW in
     # registers, so dW costs one [P, hidden] float32 write at the end instead of a [rows, hidden] buffer.
     pid = tl.program_id(0)
@@ -100,7 +103,8 @@ def _rms_norm_bwd_kernel(
 
 
 @triton.jit
-def _rms_norm_dw_kernel(PARTIAL, DW, n_partials, n_cols, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+def rms_norm_dw_kernel(PARTIAL, DW, n_partials, n_cols, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dW from the backward kernel's partials (``rms_norm_backward`` launches it after ``rms_norm_bwd_kernel``)."""
     # dW = the column sums of the [P, hidden] float32 partials. Each program owns BLOCK_C columns and adds the P
     # partials in the same order on every run, so dW is deterministic (no float atomics).
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -141,11 +145,14 @@ class BackwardConfig:
     dw_block_c: int  # columns per program in the dW sum
 
 
-def _block_n(n_cols: int) -> int:
+def tile_width(n_cols: int) -> int:
+    """The width of the kernels' tiles for rows of ``n_cols``: ``n_cols`` rounded up to a power of two, as the sides
+    of a Triton tile must be."""
     return triton.next_power_of_2(n_cols)
 
 
-def _tile_elements(props: runtime.DeviceProps) -> int:
+def tile_elements(props: runtime.DeviceProps) -> int:
+    """How many values one program's tile may hold on ``props``: a program takes as many rows as fit in it."""
     # A program of 8 warps keeps its tile in float32 registers. With two programs resident per SM and two live
     # tiles (x and dy in the backward), regs_per_sm / 8 values per tile leaves half of each program's registers
     # for addresses and temporaries: 8,192 on every NVIDIA GPU since Volta (65,536 registers per SM). Measured on an
@@ -155,24 +162,25 @@ def _tile_elements(props: runtime.DeviceProps) -> int:
 
 def forward_config(n_rows: int, n_cols: int, props: runtime.DeviceProps | None = None) -> ForwardConfig:
     """Launch configuration of the forward kernel on ``props`` (default: this machine's device)."""
-    return _forward_config(n_rows, n_cols, props or runtime.device_props())
+    return cached_forward_config(n_rows, n_cols, props or runtime.device_props())
 
 
 @functools.lru_cache(maxsize=512)
-def _forward_config(n_rows: int, n_cols: int, props: runtime.DeviceProps) -> ForwardConfig:
-    block_n = _block_n(n_cols)
+def cached_forward_config(n_rows: int, n_cols: int, props: runtime.DeviceProps) -> ForwardConfig:
+    """``forward_config`` for given ``props``, cached: what the launches ask for on every call."""
+    block_n = tile_width(n_cols)
     if props.interpreter:
         rows = min(triton.next_power_of_2(max(n_rows, 1)), max(1, _INTERPRETER_MAX_TILE // block_n))
         return ForwardConfig(grid=(triton.cdiv(n_rows, rows),), rows=rows, block_n=block_n, num_warps=4)
-    rows = max(1, min(16, _tile_elements(props) // block_n))
+    rows = max(1, min(16, tile_elements(props) // block_n))
     num_warps = 4 if rows * block_n <= 2048 else 8
     return ForwardConfig(grid=(triton.cdiv(n_rows, rows),), rows=rows, block_n=block_n, num_warps=num_warps)
 
 
-def _dw_tiles(n_cols: int, programs: int, props: runtime.DeviceProps) -> tuple[tuple[int], int, int]:
+def dw_tiles(n_cols: int, programs: int, props: runtime.DeviceProps) -> tuple[tuple[int], int, int]:
     """Grid and tile of the dW sum: about one program per SM, each summing all partials of its columns."""
     if props.interpreter:
-        block_c = min(_block_n(n_cols), 4096)
+        block_c = min(tile_width(n_cols), 4096)
         return (triton.cdiv(n_cols, block_c),), triton.next_power_of_2(programs), block_c
     block_c = max(16, min(256, triton.next_power_of_2(triton.cdiv(n_cols, props.sm_count))))
     block_p = min(triton.next_power_of_2(programs), max(1, 8192 // block_c))
@@ -184,27 +192,28 @@ def backward_config(
 ) -> BackwardConfig:
     """Launch configuration of the backward kernels on ``props`` (default: this machine's device). ``itemsize``:
     bytes per element of x and dy, which sets how many pipeline stages fit in shared memory."""
-    return _backward_config(n_rows, n_cols, itemsize, props or runtime.device_props())
+    return cached_backward_config(n_rows, n_cols, itemsize, props or runtime.device_props())
 
 
 @functools.lru_cache(maxsize=512)
-def _backward_config(n_rows: int, n_cols: int, itemsize: int, props: runtime.DeviceProps) -> BackwardConfig:
-    block_n = _block_n(n_cols)
+def cached_backward_config(n_rows: int, n_cols: int, itemsize: int, props: runtime.DeviceProps) -> BackwardConfig:
+    """``backward_config`` for given ``props``, cached: what the launches ask for on every call."""
+    block_n = tile_width(n_cols)
     if props.interpreter:
         rows = min(triton.next_power_of_2(max(n_rows, 1)), max(1, _INTERPRETER_MAX_TILE // block_n))
         programs = max(1, min(props.sm_count, triton.cdiv(n_rows, rows)))
-        dw_grid, dw_block_p, dw_block_c = _dw_tiles(n_cols, programs, props)
+        dw_grid, dw_block_p, dw_block_c = dw_tiles(n_cols, programs, props)
         return BackwardConfig((programs,), rows, block_n, 4, 1, dw_grid, dw_block_p, dw_block_c)
     # One program per SM (persistent), tiles of x and dy as large as the registers allow, and for narrow tiles a
     # software pipeline so the next tiles' loads are in flight while this one is computed: as many stages (up to
     # 3) as the shared memory of one program holds, each stage one tile of x and one of dy. Measured on an H200
     # (assets/notes/rmsnorm.md): 3 stages at 16,384 × 4,096 bf16 reach 88% of the copy bandwidth; 16K-element
     # tiles without pipelining were 15% slower.
-    rows = max(1, min(16, _tile_elements(props) // block_n))
+    rows = max(1, min(16, tile_elements(props) // block_n))
     stage_bytes = 2 * rows * block_n * itemsize
     stages = max(1, min(3, props.shared_mem_per_block // stage_bytes)) if rows <= 2 else 1
     programs = max(1, min(props.sm_count, triton.cdiv(n_rows, rows)))
-    dw_grid, dw_block_p, dw_block_c = _dw_tiles(n_cols, programs, props)
+    dw_grid, dw_block_p, dw_block_c = dw_tiles(n_cols, programs, props)
     return BackwardConfig((programs,), rows, block_n, 8, stages, dw_grid, dw_block_p, dw_block_c)
 
 
@@ -213,8 +222,9 @@ def _backward_config(n_rows: int, n_cols: int, itemsize: int, props: runtime.Dev
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _check_tensors(x: torch.Tensor, weight: torch.Tensor) -> None:
-    """Types, dtypes, shapes and one device for x and weight, whatever that device is."""
+def check_tensors(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """Types, dtypes, shapes and one device for x and weight, whatever that device is: the checks every RMSNorm
+    entry point makes, the C++ ones of ``kernels.cuda_rmsnorm`` too."""
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise TypeError(f"x and weight must be tensors, got {type(x).__name__} and {type(weight).__name__}")
     if not x.is_floating_point():
@@ -233,14 +243,15 @@ def _check_tensors(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 
 def _check_inputs(x: torch.Tensor, weight: torch.Tensor) -> None:
-    """``_check_tensors``, and CUDA tensors in gpu mode (the Triton kernels run where the mode says)."""
-    _check_tensors(x, weight)
+    """``check_tensors``, and CUDA tensors in gpu mode (the Triton kernels run where the mode says)."""
+    check_tensors(x, weight)
     if not runtime.INTERPRET and x.device.type != "cuda":
         raise ValueError(f"in gpu mode the inputs must be CUDA tensors, got a tensor on {x.device}")
 
 
-def _as_rows(t: torch.Tensor) -> torch.Tensor:
-    """View ``t`` as [rows, hidden] with unit stride along hidden; copies only when no such view exists."""
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """View ``t`` as [rows, hidden] with unit stride along hidden; copies only when no such view exists. Rows as the
+    row kernels read them, with any row stride (``kernels.swiglu`` reads its strided inputs so too)."""
     if t.stride(-1) != 1:
         t = t.contiguous()
     try:
@@ -250,20 +261,21 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def _out_dtype(x_dtype: torch.dtype, w_dtype: torch.dtype) -> torch.dtype:
-    # What `weight * x_hat.to(x.dtype)` gives in PyTorch: a float32 weight makes a bfloat16 model's output float32.
+def out_dtype(x_dtype: torch.dtype, w_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of ``weight * x_hat.to(x.dtype)`` in PyTorch, that of RMSNorm's output: a float32 weight makes a
+    bfloat16 model's output float32."""
     return torch.promote_types(x_dtype, w_dtype)
 
 
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, config: ForwardConfig | None = None):
     """Launch the forward kernel. Returns ``(y, rstd)``: the output (x's shape) and a float32 rstd per row."""
-    x_rows = _as_rows(x)
+    x_rows = as_rows(x)
     n_rows, n_cols = x_rows.shape
-    y = torch.empty(x.shape, dtype=_out_dtype(x.dtype, weight.dtype), device=x.device)  # row r at r * n_cols
+    y = torch.empty(x.shape, dtype=out_dtype(x.dtype, weight.dtype), device=x.device)  # row r at r * n_cols
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if n_rows:
-        cfg = config or _forward_config(n_rows, n_cols, runtime.device_props(x.device))
-        _rms_norm_fwd_kernel[cfg.grid](
+        cfg = config or cached_forward_config(n_rows, n_cols, runtime.device_props(x.device))
+        rms_norm_fwd_kernel[cfg.grid](
             x_rows, weight, y, rstd, n_rows, n_cols, x_rows.stride(0), n_cols, eps,
             ROWS=cfg.rows, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
         )
@@ -276,22 +288,22 @@ def rms_norm_backward(
 ):
     """Launch the backward kernels. Returns ``(dx, dw)``: dx in x's shape, dw like ``weight`` (empty, shape [0],
     when ``compute_dw`` is false: a frozen weight skips the dW reduction entirely)."""
-    x_rows = _as_rows(x)
-    dy_rows = _as_rows(dy)
+    x_rows = as_rows(x)
+    dy_rows = as_rows(dy)
     n_rows, n_cols = x_rows.shape
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if n_rows == 0:  # no rows: dW is a sum over nothing
         return dx, (torch.zeros_like(weight) if compute_dw else weight.new_empty(0))
     dw = torch.empty_like(weight) if compute_dw else weight.new_empty(0)
-    cfg = config or _backward_config(n_rows, n_cols, x.element_size(), runtime.device_props(x.device))
+    cfg = config or cached_backward_config(n_rows, n_cols, x.element_size(), runtime.device_props(x.device))
     partial = torch.empty((cfg.grid[0], n_cols), dtype=torch.float32, device=x.device) if compute_dw else dx
-    _rms_norm_bwd_kernel[cfg.grid](
+    rms_norm_bwd_kernel[cfg.grid](
         x_rows, weight, dy_rows, rstd, dx, partial,
         n_rows, n_cols, x_rows.stride(0), dy_rows.stride(0), n_cols,
         ROWS=cfg.rows, BLOCK_N=cfg.block_n, COMPUTE_DW=compute_dw, STAGES=cfg.stages, num_warps=cfg.num_warps,
     )
     if compute_dw:
-        _rms_norm_dw_kernel[cfg.dw_grid](
+        rms_norm_dw_kernel[cfg.dw_grid](
             partial, dw, cfg.grid[0], n_cols, BLOCK_P=cfg.dw_block_p, BLOCK_C=cfg.dw_block_c, num_warps=4,
         )
     return dx, dw
@@ -302,24 +314,41 @@ def rms_norm_backward(
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _forward_fake(x, weight, eps):
+def rms_norm_fwd_fake(x, weight, eps):
+    """The fake implementation of ``rms_norm_fwd``: ``(y, rstd)`` as empty tensors of the right shapes and dtypes.
+    ``kernels.cuda_rmsnorm`` registers it for its C++ operators of the same schema."""
     n_rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    y = torch.empty(x.shape, dtype=_out_dtype(x.dtype, weight.dtype), device=x.device)
+    y = torch.empty(x.shape, dtype=out_dtype(x.dtype, weight.dtype), device=x.device)
     return y, torch.empty(n_rows, dtype=torch.float32, device=x.device)
 
 
-def _backward_fake(dy, x, weight, rstd, compute_dw):
+def rms_norm_bwd_fake(dy, x, weight, rstd, compute_dw):
+    """The fake implementation of ``rms_norm_bwd``: ``(dx, dw)`` as empty tensors (dw empty, shape [0], without
+    ``compute_dw``). ``kernels.cuda_rmsnorm`` registers it for its C++ operator of the same schema."""
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     return dx, (torch.empty_like(weight) if compute_dw else weight.new_empty(0))
 
 
 rms_norm_fwd_op = ops.define(
-    "rms_norm_fwd(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)", rms_norm_forward, _forward_fake
+    "rms_norm_fwd(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)", rms_norm_forward, rms_norm_fwd_fake
 )
 rms_norm_bwd_op = ops.define(
     "rms_norm_bwd(Tensor dy, Tensor x, Tensor weight, Tensor rstd, bool compute_dw) -> (Tensor, Tensor)",
-    rms_norm_backward, _backward_fake,
+    rms_norm_backward, rms_norm_bwd_fake,
 )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The C++ host path (kernels.host_path): what it launches, and the Python path it falls back to
+# --------------------------------------------------------------------------------------------------------------------
+
+# The host path launches these kernels by handle and, on a miss, runs this Python path. It imports no kernel
+# family: each hands over what the host path needs when it is imported.
+host_path.register_family(host_path.RMSNormFamily(
+    forward=rms_norm_forward, backward_op=rms_norm_bwd_op, forward_config=cached_forward_config,
+    backward_config=cached_backward_config, forward_kernel=rms_norm_fwd_kernel, backward_kernel=rms_norm_bwd_kernel,
+    dw_kernel=rms_norm_dw_kernel,
+))
 
 
 # --------------------------------------------------------------------------------------------------------------------

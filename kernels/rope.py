@@ -333,9 +333,10 @@ def _dense_flags(q, k, cos, sin, q_out, k_out) -> tuple[bool, bool, bool] | None
     return x, o, trig
 
 
-def _launch(q, k, cos, sin, q_out, k_out, backward: bool, config: Config | None, strided: bool = False) -> None:
-    """One launch over q and k into q_out and k_out: the dense kernel when every tensor's layout allows it (always,
-    for a Llama) and ``strided`` is False, else the kernel that reads any strides."""
+def launch(q, k, cos, sin, q_out, k_out, backward: bool, config: Config | None, strided: bool = False) -> None:
+    """One launch over q and k into q_out and k_out (``backward``: the rotation by −θ), allocated by the caller: the
+    dense kernel when every tensor's layout allows it (always, for a Llama) and ``strided`` is False, else the
+    kernel that reads any strides. ``rope_forward`` and ``rope_backward`` call it after allocating the outputs."""
     batch, n_q_heads, seq, head_dim = q.shape
     n_rows = batch * seq
     if n_rows == 0 or head_dim == 0:
@@ -368,7 +369,7 @@ def rope_forward(q, k, cos, sin, config: Config | None = None) -> tuple[torch.Te
     q, k, cos, sin = (_unit_last(t) for t in (q, k, cos, sin))
     dtype = out_dtype(q.dtype, cos.dtype)
     q_out, k_out = _empty_like_layout(q, dtype), _empty_like_layout(k, dtype)
-    _launch(q, k, cos, sin, q_out, k_out, False, config)
+    launch(q, k, cos, sin, q_out, k_out, False, config)
     return q_out, k_out
 
 
@@ -394,7 +395,7 @@ def rope_backward(dq_embed, dk_embed, cos, sin, dtype: torch.dtype, seq_major: b
     in the layout of dq_embed and dk_embed."""
     dq_embed, dk_embed, cos, sin = (_unit_last(t) for t in (dq_embed, dk_embed, cos, sin))
     dq, dk = _grad_buffer(dq_embed, dtype, seq_major), _grad_buffer(dk_embed, dtype, seq_major)
-    _launch(dq_embed, dk_embed, cos, sin, dq, dk, True, config)
+    launch(dq_embed, dk_embed, cos, sin, dq, dk, True, config)
     return dq, dk
 
 
@@ -420,6 +421,18 @@ rope_bwd_op = ops.define(
     "-> (Tensor, Tensor)",
     rope_backward, _backward_fake,
 )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The C++ host path (kernels.host_path): what it launches, and the Python path it falls back to
+# --------------------------------------------------------------------------------------------------------------------
+
+# The host path launches the dense kernel by handle and, on a miss, runs this Python path. It imports no kernel
+# family: each hands over what the host path needs when it is imported.
+host_path.register_family(host_path.RopeFamily(
+    forward=rope_forward, backward_op=rope_bwd_op, config=_rope_config, dense_flags=_dense_flags,
+    dense_kernel=_rope_dense_kernel,
+))
 
 
 # --------------------------------------------------------------------------------------------------------------------

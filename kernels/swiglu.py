@@ -33,7 +33,7 @@ from . import host_path, ops, runtime
 
 # Rows as the kernels read them: a view with any row stride (the halves gu[..., :I] of a fused projection are one,
 # with row stride 2·I), copied only when no such view exists. The same rule as RMSNorm's.
-from .rmsnorm import _as_rows
+from .rmsnorm import as_rows
 from .triton_utils import cast_to
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -52,11 +52,12 @@ def _tile(pid_row, pid_col, n_rows, n_cols, ROWS: tl.constexpr, BLOCK_N: tl.cons
 
 
 @triton.jit
-def _swiglu_fwd_kernel(
+def swiglu_fwd_kernel(
     GATE, UP, Y,
     n_rows, n_cols, stride_gate, stride_up, stride_y,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """The forward pass: ``silu(gate) * up`` into Y, one [ROWS, BLOCK_N] tile per program (``swiglu_forward``)."""
     rows, cols, ok = _tile(tl.program_id(0), tl.program_id(1), n_rows, n_cols, ROWS, BLOCK_N)
     g = tl.load(GATE + rows[:, None] * stride_gate + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     u = tl.load(UP + rows[:, None] * stride_up + cols[None, :], mask=ok, other=0.0).to(tl.float32)
@@ -65,11 +66,12 @@ def _swiglu_fwd_kernel(
 
 
 @triton.jit
-def _swiglu_bwd_kernel(
+def swiglu_bwd_kernel(
     DY, GATE, UP, DGATE, DUP,
     n_rows, n_cols, stride_dy, stride_gate, stride_up, stride_dgate, stride_dup,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """The backward pass: d(gate) and d(up) from dy, gate and up, one tile per program (``launch_backward``)."""
     rows, cols, ok = _tile(tl.program_id(0), tl.program_id(1), n_rows, n_cols, ROWS, BLOCK_N)
     dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     g = tl.load(GATE + rows[:, None] * stride_gate + cols[None, :], mask=ok, other=0.0).to(tl.float32)
@@ -188,12 +190,12 @@ def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, config: Config | None =
         stride_g = stride_u = n_cols
     else:
         y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-        g, u = _as_rows(gate), _as_rows(up)
+        g, u = as_rows(gate), as_rows(up)
         n_rows, n_cols = g.shape
         stride_g, stride_u = g.stride(0), u.stride(0)
     if n_rows and n_cols:
         cfg = config or _forward_config(n_rows, n_cols, runtime.device_props(gate.device))
-        _swiglu_fwd_kernel[cfg.grid](
+        swiglu_fwd_kernel[cfg.grid](
             g, u, y, n_rows, n_cols, stride_g, stride_u, n_cols,
             ROWS=cfg.rows, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
         )
@@ -208,25 +210,25 @@ def swiglu_backward(
         d_gate, d_up = torch.empty_like(gate), torch.empty_like(up)
         n_rows, n_cols = _dense_rows(gate.numel(), gate.shape[-1], config)
         if n_rows and n_cols:
-            _launch_backward(dy, gate, up, d_gate, d_up, n_rows, n_cols, (n_cols,) * 5, config)
+            launch_backward(dy, gate, up, d_gate, d_up, n_rows, n_cols, (n_cols,) * 5, config)
         return d_gate, d_up
     # Strided views (the halves of one fused projection): rows through their strides.
     d_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     d_up = torch.empty(up.shape, dtype=up.dtype, device=up.device)
-    g, u, d = _as_rows(gate), _as_rows(up), _as_rows(dy)
+    g, u, d = as_rows(gate), as_rows(up), as_rows(dy)
     n_rows, n_cols = g.shape
     if n_rows and n_cols:
         strides = (d.stride(0), g.stride(0), u.stride(0), n_cols, n_cols)
-        _launch_backward(d, g, u, d_gate, d_up, n_rows, n_cols, strides, config)
+        launch_backward(d, g, u, d_gate, d_up, n_rows, n_cols, strides, config)
     return d_gate, d_up
 
 
-def _launch_backward(d, g, u, d_gate, d_up, n_rows: int, n_cols: int, strides: tuple[int, ...],
-                     config: Config | None = None) -> None:
+def launch_backward(d, g, u, d_gate, d_up, n_rows: int, n_cols: int, strides: tuple[int, ...],
+                    config: Config | None = None) -> None:
     """The backward kernel on ``n_rows`` rows of ``n_cols``, each tensor's rows ``strides`` apart (dy, gate, up,
     d(gate), d(up)): d(gate) into ``d_gate``, d(up) into ``d_up`` (which may be ``g`` and ``u`` themselves)."""
     cfg = config or _backward_config(n_rows, n_cols, runtime.device_props(g.device))
-    _swiglu_bwd_kernel[cfg.grid](
+    swiglu_bwd_kernel[cfg.grid](
         d, g, u, d_gate, d_up, n_rows, n_cols, *strides,
         ROWS=cfg.rows, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
     )
@@ -251,11 +253,11 @@ def swiglu_backward_(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> 
         n_rows, n_cols = _dense_rows(gate.numel(), gate.shape[-1], None)
         d, strides = dy, (n_cols,) * 5
     else:
-        d = _as_rows(dy)
+        d = as_rows(dy)
         n_rows, n_cols = d.shape
         strides = (d.stride(0),) + (n_cols,) * 4
     if n_rows and n_cols:
-        _launch_backward(d, gate, up, gate, up, n_rows, n_cols, strides)
+        launch_backward(d, gate, up, gate, up, n_rows, n_cols, strides)
     # A Triton store is invisible to autograd: bump the version counters by hand, as PyTorch's in-place ops do.
     torch.autograd.graph.increment_version((gate, up))
 
@@ -281,6 +283,18 @@ swiglu_bwd_op = ops.define(
 swiglu_bwd_inplace_op = ops.define(
     "swiglu_bwd_(Tensor dy, Tensor(a!) gate, Tensor(b!) up) -> ()", swiglu_backward_, lambda dy, gate, up: None
 )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The C++ host path (kernels.host_path): what it launches, and the Python path it falls back to
+# --------------------------------------------------------------------------------------------------------------------
+
+# The host path launches these kernels by handle and, on a miss, runs this Python path. It imports no kernel
+# family: each hands over what the host path needs when it is imported.
+host_path.register_family(host_path.SwiGLUFamily(
+    cols=_RECUT_COLS, forward=swiglu_forward, backward_op=swiglu_bwd_op, forward_config=_forward_config,
+    backward_config=_backward_config, forward_kernel=swiglu_fwd_kernel, backward_kernel=swiglu_bwd_kernel,
+))
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -8,16 +8,33 @@ and ``random`` generators are seeded with it. A failing test's report names both
 replays it.
 """
 
+import importlib.util
 import os
 import random
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-import kernels  # noqa: F401  (sets the runtime mode before any kernel is defined)
-from kernels import runtime
+
+def _require_our_kernels() -> None:
+    """Stop the run, with the fix, when ``import kernels`` would give another distribution's package (Hugging Face's
+    Kernel Hub is also named ``kernels``). The check is loaded by its path: imported by name, it would be theirs."""
+    path = Path(__file__).resolve().parent.parent / "kernels" / "name_check.py"
+    spec = importlib.util.spec_from_file_location("kernels_name_check", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    message = module.problem(path.parent)
+    if message is not None:
+        raise pytest.UsageError(message)
+
+
+_require_our_kernels()
+
+import kernels  # noqa: E402, F401  (sets the runtime mode before any kernel is defined)
+from kernels import runtime  # noqa: E402
 
 SEED_ENV = "KERNELS_TEST_SEED"
 _SESSION_SEED = pytest.StashKey[int]()

@@ -12,11 +12,11 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 import kernels  # noqa: F401  (interpreter mode before any kernel is defined)
-from kernels.distributed import prepare_model, setup, shard_llama, teardown
-from kernels.models import build_model
-from kernels.parallel import train_fsdp
-from kernels.patch import SWITCHES, patch_llama
-from kernels.train import make_run_batches
+from kernels.distributed.fsdp import prepare_model, setup, shard_llama, teardown
+from kernels.distributed.parallel import train_fsdp
+from kernels.hf.patch import SWITCHES, patch_llama
+from kernels.training.loop import make_run_batches
+from kernels.training.models import build_model
 
 
 def first_step_grads(store: dict):
@@ -60,7 +60,7 @@ def main() -> None:
     p.add_argument("--prefetch", type=int, default=0)
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--kernels", default="rms_norm,cross_entropy", help="patch_llama switches to turn on")
-    p.add_argument("--adamw", default="foreach", help="kernels.train.make_adamw's choice")
+    p.add_argument("--adamw", default="foreach", help="kernels.training.loop.make_adamw's choice")
     args = p.parse_args()
     patch_options = {name: name in args.kernels.split(",") for name in SWITCHES}
     env = setup()

@@ -189,17 +189,17 @@ def test_gpu_8b_sized_tensor_matches_torch_fused(gen):
 
 @pytest.mark.parametrize("preset", ["tiny", "llama-3.2-1b", "llama-3.1-8b"])
 def test_benchmark_shapes_are_the_models_parameters(preset):
-    from kernels.adamw_bench import parameter_shapes
-    from kernels.models import count_parameters, llama_config
+    from kernels.bench.adamw import parameter_shapes
+    from kernels.training.models import count_parameters, llama_config
 
     assert sum(math.prod(s) for s in parameter_shapes(preset)) == count_parameters(llama_config(preset))
 
 
 def test_benchmark_runs_and_writes_json(tmp_path, capsys):
-    from kernels.adamw_bench import main
+    from kernels.bench.adamw import main
 
     assert main(["--preset", "tiny", "--reps", "1", "--out", str(tmp_path)]) == 0
-    result = json.loads(next(tmp_path.glob("adamw_*.json")).read_text())
+    result = json.loads(next((tmp_path / "adamw").glob("*.json")).read_text())
     assert [r["impl"] for r in result["rows"]] == ["foreach", "fused", "ours"]
     assert result["check_max_spacings"] <= 1
     assert "ours: TritonAdamW" in capsys.readouterr().out

@@ -5,11 +5,11 @@ per-layer copies it saves."""
 import pytest
 import torch
 
-from kernels import attention_mask
-from kernels.attention_mask import IMPLEMENTATION, additive_sdpa_mask
-from kernels.models import build_model
-from kernels.patch import patch_llama
+from kernels.hf import attention_mask
+from kernels.hf.attention_mask import IMPLEMENTATION, additive_sdpa_mask
+from kernels.hf.patch import patch_llama
 from kernels.reference import relative_error
+from kernels.training.models import build_model
 
 
 def masked_batch(vocab, gen, device, rows=2, seq=24):

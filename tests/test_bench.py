@@ -12,12 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import plots, runtime, sweep
-from kernels import results as results_module
-from kernels.bench import floor_ms, measure_copy_gbps, same_bytes_copy_ms
-from kernels.peers import Impl
-from kernels.results import format_table, load_results, save_results, speedups, summarize, targets
-from kernels.sweep import cross_entropy_bytes, rmsnorm_bytes, run_benchmark
+from kernels import runtime
+from kernels.bench import plots, sweep
+from kernels.bench import results as results_module
+from kernels.bench.peers import Impl
+from kernels.bench.results import format_table, load_results, save_results, speedups, summarize, targets
+from kernels.bench.sweep import cross_entropy_bytes, rmsnorm_bytes, run_benchmark
+from kernels.bench.timing import floor_ms, measure_copy_gbps, same_bytes_copy_ms
 
 # --------------------------------------------------------------------------------------------------------------------
 # Bytes
@@ -281,10 +282,10 @@ def test_command_line_writes_json_and_png(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "mode=interpreter" in printed and "wall ms*" in printed
 
-    rms = json.loads((tmp_path / "rmsnorm_cpu-interpreter.json").read_text())
-    ce = json.loads((tmp_path / "cross_entropy_cpu-interpreter.json").read_text())
-    assert (tmp_path / "rmsnorm_cpu-interpreter.png").stat().st_size > 10_000
-    assert (tmp_path / "cross_entropy_cpu-interpreter.png").stat().st_size > 10_000
+    rms = json.loads((tmp_path / "rmsnorm" / "cpu-interpreter.json").read_text())
+    ce = json.loads((tmp_path / "cross_entropy" / "cpu-interpreter.json").read_text())
+    assert (tmp_path / "rmsnorm" / "cpu-interpreter.png").stat().st_size > 10_000
+    assert (tmp_path / "cross_entropy" / "cpu-interpreter.png").stat().st_size > 10_000
     for results, n_shapes, n_impls, n_passes in ((rms, 3, 5, 2), (ce, 2, 6, 1)):
         assert results["schema"] == results_module.SCHEMA_VERSION and results["mode"] == "interpreter"
         expected_keys = {"device", "date", "versions", "git_commit", "ceilings", "settings", "time_basis", "rows"}
@@ -304,7 +305,7 @@ def test_command_line_writes_json_and_png(tmp_path, capsys):
 
 
 def test_module_entry_point_help():
-    out = subprocess.run([sys.executable, "-m", "kernels.sweep", "--help"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "kernels.bench.sweep", "--help"], capture_output=True, text=True,
                          timeout=120, check=True).stdout
     for flag in ("--kernel", "--tokens", "--hidden", "--vocab", "--out", "--quick"):
         assert flag in out
@@ -364,8 +365,8 @@ _PLANTED_SYNC = textwrap.dedent(
     """
     import json
     import torch.nn.functional as F
-    from kernels.peers import Impl
-    from kernels.sweep import run_benchmark
+    from kernels.bench.peers import Impl
+    from kernels.bench.sweep import run_benchmark
 
     def syncs_the_host(case):
         def fn(x):

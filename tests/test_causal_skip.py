@@ -1,4 +1,4 @@
-"""The causal mask under torch.compile (``patch_llama(..., skip_causal_mask=True)``): a call without mask, positions
+"""The causal mask under torch.compile (``patch_llama``'s ``skip_causal_mask``): a call without mask, positions
 or cache reaches SDPA as ``is_causal`` with shared key/value heads, in the compiled graph itself; any call that may
 need a mask (packed sequences, padding) still gets one; same losses and gradients; undoable."""
 
@@ -9,13 +9,15 @@ import torch
 import torch.nn.functional as F
 
 from kernels import runtime
-from kernels.attention_mask import CAUSAL_CALL, CAUSAL_IMPLEMENTATION, causal_skip_sdpa_mask, is_plain_causal_call
-from kernels.models import build_model
-from kernels.patch import patch_llama
+from kernels.hf.attention_mask import CAUSAL_CALL, CAUSAL_IMPLEMENTATION, causal_skip_sdpa_mask, is_plain_causal_call
+from kernels.hf.patch import patch_llama
 from kernels.reference import relative_error
-from kernels.train import enable_checkpointing
+from kernels.training.loop import enable_checkpointing
+from kernels.training.models import build_model
 
 BACKEND = runtime.COMPILE_BACKEND
+NORM_AND_LOSS = ("rms_norm", "cross_entropy")
+WITH_SKIP = (*NORM_AND_LOSS, "skip_causal_mask")
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -50,7 +52,7 @@ def loss_and_grads(model, batch):
 def test_a_plain_call_compiles_to_causal_attention_with_shared_heads(device, gen):
     model = tiny(device)
     ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=gen).to(device)
-    with patch_llama(model, skip_causal_mask=True) as patch:
+    with patch_llama(model, kernels=WITH_SKIP) as patch:
         assert "causal mask: skipped" in patch.summary()
         calls = attention_calls_in_graph(model, input_ids=ids, labels=ids)
     layers = model.config.num_hidden_layers
@@ -70,7 +72,7 @@ def test_a_call_that_may_need_a_mask_still_gets_one(device, gen, given):
         extra[0, :4] = 0
     batch = dict(input_ids=ids, labels=ids, **{given: extra})
     loss_ref, grads_ref = loss_and_grads(model, batch)
-    with patch_llama(model, rms_norm=False, cross_entropy=False, skip_causal_mask=True):
+    with patch_llama(model, kernels=("skip_causal_mask",)):
         calls = attention_calls_in_graph(model, **batch)
         torch._dynamo.reset()
         loss, grads = loss_and_grads(torch.compile(model, backend=BACKEND), batch)
@@ -90,9 +92,9 @@ def test_compiled_with_the_skip_trains_like_eager_without_it(device, gen, checkp
     labels = ids.clone()
     labels[:, :5] = -100
     batch = dict(input_ids=ids, labels=labels)
-    with patch_llama(model):
+    with patch_llama(model, kernels=NORM_AND_LOSS):
         loss_ref, grads_ref = loss_and_grads(model, batch)
-    with patch_llama(model, skip_causal_mask=True):
+    with patch_llama(model, kernels=WITH_SKIP):
         loss, grads = loss_and_grads(torch.compile(model, backend=BACKEND), batch)
     assert relative_error(loss, loss_ref) < 1e-5
     assert max(relative_error(grads[n], grads_ref[n]) for n in grads) < 1e-4
@@ -101,7 +103,7 @@ def test_compiled_with_the_skip_trains_like_eager_without_it(device, gen, checkp
 def test_with_the_additive_mask_a_plain_call_also_skips(device, gen):
     model = tiny(device, torch.bfloat16)
     ids = torch.randint(0, model.config.vocab_size, (1, 24), generator=gen).to(device)
-    with patch_llama(model, additive_mask=True, skip_causal_mask=True) as patch:
+    with patch_llama(model, kernels=(*NORM_AND_LOSS, "additive_mask", "skip_causal_mask")) as patch:
         assert "additive bias" in patch.summary() and "causal mask: skipped" in patch.summary()
         assert attention_calls_in_graph(model, input_ids=ids, labels=ids) == [(False, True, True)] * 4
 
@@ -147,10 +149,10 @@ def test_refused_without_sdpa_and_undone_exactly():
     model = build_model("tiny", dtype=torch.float32, seed=0)
     model.config._attn_implementation = "eager"
     with pytest.raises(ValueError, match="skip_causal_mask=True needs SDPA attention"):
-        patch_llama(model, skip_causal_mask=True)
+        patch_llama(model, kernels=WITH_SKIP)
     assert "forward" not in model.__dict__
     model.config._attn_implementation = "sdpa"
-    patch = patch_llama(model, cross_entropy=False, skip_causal_mask=True)
+    patch = patch_llama(model, kernels=("rms_norm", "skip_causal_mask"))
     assert model.config._attn_implementation == CAUSAL_IMPLEMENTATION and "forward" in model.__dict__
     patch.undo()
     assert model.config._attn_implementation == "sdpa" and "forward" not in model.__dict__
@@ -162,7 +164,7 @@ def test_generate_is_unchanged(device, gen):
     ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=gen).to(device)
     settings = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
     expected = model.generate(ids, **settings)
-    with patch_llama(model, skip_causal_mask=True):
+    with patch_llama(model, kernels=WITH_SKIP):
         assert torch.equal(model.generate(ids, **settings), expected)
 
 
@@ -172,6 +174,6 @@ def test_a_lora_model_compiles_to_causal_attention(device, gen):
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     model = peft.get_peft_model(tiny(device), config)
     ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=gen).to(device)
-    with patch_llama(model, skip_causal_mask=True):
+    with patch_llama(model, kernels=WITH_SKIP):
         calls = attention_calls_in_graph(model, input_ids=ids, labels=ids)
     assert calls == [(False, True, True)] * model.config.num_hidden_layers

@@ -8,10 +8,11 @@ import importlib
 import pytest
 import torch
 
-from kernels.models import build_model
-from kernels.patch import patch_llama
+from kernels.hf.patch import patch_llama
+from kernels.training.models import build_model
 
 transformers = pytest.importorskip("transformers")
+NORM_AND_LOSS = ("rms_norm", "cross_entropy")
 
 
 def _tiny(device, gen):
@@ -66,8 +67,8 @@ def test_trainer_with_gradient_accumulation(device, gen, tmp_path, monkeypatch, 
     data = _dataset(base.config.vocab_size, gen)
     expected = _train_with_trainer(copy.deepcopy(base), data, tmp_path / "hf", gradient_checkpointing=checkpointing)
     patched = copy.deepcopy(base)
-    patch = patch_llama(patched)
-    loss_calls = _count_calls(monkeypatch, "kernels.patch", "causal_lm_loss")
+    patch = patch_llama(patched, kernels=NORM_AND_LOSS)
+    loss_calls = _count_calls(monkeypatch, "kernels.hf.patch", "causal_lm_loss")
     norm_calls = _count_calls(monkeypatch, "kernels.rmsnorm", "rms_norm")
     losses = _train_with_trainer(patched, data, tmp_path / "patched", gradient_checkpointing=checkpointing)
     # Our kernels ran: 2 steps × 2 micro-batches, each with the Trainer's count of trained tokens.
@@ -134,7 +135,7 @@ def test_generate_is_unchanged(device, gen):
     prompt = torch.randint(0, model.config.vocab_size, (2, 7), generator=gen).to(device)
     settings = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     expected = model.generate(prompt, **settings)
-    with patch_llama(model):
+    with patch_llama(model, kernels=NORM_AND_LOSS):
         tokens = model.generate(prompt, **settings)
     assert torch.equal(tokens, expected)
 
@@ -142,14 +143,14 @@ def test_generate_is_unchanged(device, gen):
 def test_trainer_with_the_redundant_mask_dropped(device, gen, tmp_path, monkeypatch):
     # Right-padded rows whose padding carries no label: DropRedundantMask hands the model no attention_mask, and the
     # Trainer's losses are those of Hugging Face's model with the masks.
-    from kernels.padding_mask import DropRedundantMask
+    from kernels.hf.padding_mask import DropRedundantMask
 
     base = _tiny(device, gen).train()
     base.config.use_cache = False
     data = _dataset(base.config.vocab_size, gen)
     expected = _train_with_trainer(copy.deepcopy(base), data, tmp_path / "hf")
     patched = copy.deepcopy(base)
-    patch_llama(patched, skip_causal_mask=True)
+    patch_llama(patched, kernels=(*NORM_AND_LOSS, "skip_causal_mask"))
     masks, inner = [], patched.forward
 
     @functools.wraps(inner)  # the Trainer keeps the dataset columns the forward's signature names

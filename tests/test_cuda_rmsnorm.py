@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from kernels import cuda_compare, cuda_rmsnorm
+from kernels import cuda_rmsnorm
+from kernels.bench import cuda_compare
 from kernels.reference import relative_error, rms_norm_reference
 from kernels.tolerances import RELATIVE_ERROR_TOL as TOL
 
@@ -321,7 +322,7 @@ def test_gpu_compiles_and_captures_in_a_cuda_graph(cuda_extension, gen):
     torch._dynamo.reset()
     compiled = torch.compile(cuda_rmsnorm.rms_norm_cuda, fullgraph=True)
     assert relative_error(compiled(x, w), reference(x, w)) < TOL[torch.bfloat16]
-    from kernels.bench import device_time_ms
+    from kernels.bench.timing import device_time_ms
 
     xg = x.clone().requires_grad_()
     ms, note = device_time_ms(lambda: cuda_rmsnorm.rms_norm_cuda(xg, w).backward(dy), grad_to_none=[xg])

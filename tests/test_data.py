@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 
-from kernels.data import (
+from kernels.training.data import (
     IGNORE_INDEX,
     PAD,
     PROMPT,
@@ -17,7 +17,7 @@ from kernels.data import (
     render_row,
     train_default_tokenizer,
 )
-from kernels.models import llama_config
+from kernels.training.models import llama_config
 
 
 @pytest.fixture(scope="module")

@@ -11,13 +11,13 @@ import torch
 from conftest import seed_of_test  # the module pytest loaded (its stash key holds the session's seed)
 
 from kernels import runtime
-from kernels.distributed import backend_for, free_port
-from kernels.models import build_model, llama_config
-from kernels.parallel import global_label_counts, shard_batches, split_rows, torchrun_command
-from kernels.patch import SWITCHES, patch_llama
+from kernels.distributed.fsdp import backend_for, free_port
+from kernels.distributed.parallel import global_label_counts, shard_batches, split_rows, torchrun_command
+from kernels.hf.patch import SWITCHES, patch_llama
 from kernels.reference import relative_error
 from kernels.tolerances import RELATIVE_ERROR_TOL
-from kernels.train import count_trained_labels, make_run_batches, train
+from kernels.training.loop import count_trained_labels, make_run_batches, train
+from kernels.training.models import build_model, llama_config
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 STEPS, SEQ_LEN, BATCH, GRAD_ACCUM, LR = 3, 64, 4, 2, 1e-3
@@ -26,7 +26,7 @@ STEPS, SEQ_LEN, BATCH, GRAD_ACCUM, LR = 3, 64, 4, 2, 1e-3
 KERNELS = ("rms_norm", "cross_entropy", "swiglu", "rope")
 # Both runs step with the package's AdamW: on the sharded run it updates each rank's DTensor shards in place, and the
 # losses after the first step show whether that is the update one process makes. (torch.optim.AdamW, the default of
-# --fsdp, is the optimizer of the command-line run in test_scaling.)
+# kernels.distributed.finetune, is the optimizer of the command-line run in test_scaling.)
 ADAMW = "triton"
 # Both runs compute in float32 and differ only in the order of additions: the weight gradients of the two ranks'
 # rows are computed separately and summed by the reduce-scatter, where one process sums all rows in one matmul.
@@ -66,19 +66,26 @@ def test_backend_follows_the_device():
     assert backend_for(torch.device("cuda", 1)) == "nccl"
 
 
-def test_fsdp_refuses_compile_and_fit():
-    from kernels.finetune import main
+def test_sharded_run_refuses_compile_and_fit():
+    from kernels.distributed.finetune import main
 
     for flag in ("--compile", "--fit"):
-        with pytest.raises(SystemExit, match="--fsdp runs the eager loop"):
-            main(["--fsdp", flag])
+        with pytest.raises(SystemExit, match="a sharded run trains the eager loop"):
+            main([flag])
+
+
+def test_single_gpu_command_line_points_sharded_runs_to_torchrun():
+    from kernels.training.finetune import main
+
+    with pytest.raises(SystemExit, match="-m kernels.distributed.finetune"):
+        main(["--fsdp"])
 
 
 def test_torchrun_command_uses_loopback_and_the_finetune_module():
     cmd = torchrun_command(2, ["--steps", "2"], port=29555)
     assert cmd[1:3] == ["-m", "torch.distributed.run"]
     assert "--master-addr=127.0.0.1" in cmd and "--master-port=29555" in cmd and "--nproc-per-node=2" in cmd
-    assert cmd[-4:] == ["kernels.finetune", "--fsdp", "--steps", "2"]
+    assert cmd[-3:] == ["kernels.distributed.finetune", "--steps", "2"]
 
 
 def _first_step_grads(store):
@@ -193,7 +200,7 @@ def test_gpu_200_patched_steps_on_two_gpus_with_prefetch(tmp_path):
     their mean (a wrong gradient moves the whole curve, rounding only jitters it)."""
     import math
 
-    from kernels.parallel import launch
+    from kernels.distributed.parallel import launch
 
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 GPUs, this host has {torch.cuda.device_count()}")
@@ -209,7 +216,7 @@ def test_gpu_200_patched_steps_on_two_gpus_with_prefetch(tmp_path):
 
 @two_processes
 def test_a_global_batch_the_ranks_cannot_share_is_refused(tmp_path):
-    from kernels.parallel import launch
+    from kernels.distributed.parallel import launch
 
     result = launch(2, ["--steps", "1", "--seq-len", "32", "--batch-size", "3"], tmp_path, timeout_s=120)
     assert result.returncode != 0 and result.results is None

@@ -1,4 +1,4 @@
-"""``python -m kernels.finetune``: the command line runs, prints the table and writes the JSON and the PNG."""
+"""``python -m kernels.training.finetune``: the command line runs, prints the table and writes the JSON and the PNG."""
 
 import json
 import os
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kernels import runtime
-from kernels.finetune import build_parser, main, run_stem
+from kernels.training.finetune import build_parser, main
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -18,19 +18,19 @@ def test_compare_on_the_command_line(tmp_path):
     if runtime.MODE == "gpu":
         pytest.skip("on a GPU the default preset is a full-size model; the CLI is exercised by test_single_run")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "kernels.finetune", "--compare", "--steps", "2", "--seq-len", "96",
+    cmd = [sys.executable, "-m", "kernels.training.finetune", "--compare", "--steps", "2", "--seq-len", "96",
            "--batch-size", "1",
            "--grad-accum", "2", "--out", str(tmp_path), "--no-progress"]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "baseline (HF)" in done.stdout and "max |loss difference|" in done.stdout
-    data = json.loads((tmp_path / "finetune_tiny.json").read_text())
+    data = json.loads((tmp_path / "finetune" / "tiny.json").read_text())
     assert data["settings"] == {**data["settings"], "preset": "tiny", "steps": 2, "seq_len": 96, "grad_accum": 2}
     assert len(data["baseline"]["steps"]) == len(data["patched"]["steps"]) == 2
     assert data["summary"]["max_abs_loss_difference"] < 0.05
     assert "LlamaRMSNorm" in data["baseline"]["what_ran"]["norms"]
     assert "TritonRMSNorm" in data["patched"]["what_ran"]["norms"]
-    assert (tmp_path / "finetune_tiny.png").stat().st_size > 10_000
+    assert (tmp_path / "finetune" / "tiny.png").stat().st_size > 10_000
 
 
 def test_single_run_and_fit_message(tmp_path, capsys):
@@ -40,7 +40,7 @@ def test_single_run_and_fit_message(tmp_path, capsys):
     assert "patched:" in out and "tokens/s" in out
     if runtime.MODE != "gpu":
         assert "GPU-only" in out
-    data = json.loads((tmp_path / "finetune_tiny_patched.json").read_text())
+    data = json.loads((tmp_path / "finetune" / "tiny_patched.json").read_text())
     assert len(data["patched"]["steps"]) == 2 and "baseline" not in data
 
 
@@ -56,7 +56,7 @@ def test_help_and_bad_arguments(capsys):
 
 
 def test_lr_help_states_the_default_learning_rates():
-    from kernels.train import default_lr
+    from kernels.training.loop import default_lr
 
     help_text = " ".join(build_parser().format_help().split())
     assert f"{default_lr('tiny'):g} for tiny" in help_text
@@ -64,12 +64,12 @@ def test_lr_help_states_the_default_learning_rates():
 
 
 def test_kernels_switches_and_checkpointing_reach_the_patched_run(tmp_path, capsys):
-    from kernels.patch import SWITCHES
+    from kernels.hf.patch import SWITCHES
 
     assert main(["--preset", "tiny", "--steps", "1", "--seq-len", "48", "--batch-size", "1", "--grad-accum", "1",
                  "--kernels", "cross_entropy", "--gradient-checkpointing", "--out", str(tmp_path),
                  "--no-progress"]) == 0
-    data = json.loads((tmp_path / "finetune_tiny_patched.json").read_text())
+    data = json.loads((tmp_path / "finetune" / "tiny_patched.json").read_text())
     assert data["settings"]["patch_options"] == {name: name == "cross_entropy" for name in SWITCHES}
     assert data["settings"]["gradient_checkpointing"] is True
     # Only the loss was patched: the norms stay Hugging Face's.
@@ -80,7 +80,7 @@ def test_kernels_switches_and_checkpointing_reach_the_patched_run(tmp_path, caps
 
 
 def test_compare_with_checkpointing_gives_the_same_losses(gen):
-    from kernels.train import compare
+    from kernels.training.loop import compare
 
     plain = compare("tiny", steps=2, seq_len=40, batch_size=1, warmup_steps=1, progress=False)
     ckpt = compare("tiny", steps=2, seq_len=40, batch_size=1, warmup_steps=1, progress=False,
@@ -93,31 +93,33 @@ def test_compare_with_checkpointing_gives_the_same_losses(gen):
 def test_fused_adamw_reaches_the_run(tmp_path):
     assert main(["--preset", "tiny", "--steps", "2", "--seq-len", "48", "--batch-size", "1", "--grad-accum", "1",
                  "--adamw", "fused", "--out", str(tmp_path), "--no-progress"]) == 0
-    data = json.loads((tmp_path / "finetune_tiny_patched.json").read_text())
+    data = json.loads((tmp_path / "finetune" / "tiny_patched.json").read_text())
     assert data["settings"]["adamw"] == "fused"
     assert "fused=True" in data["patched"]["what_ran"]["optimizer"]
-    args = build_parser().parse_args(["--compare", "--adamw", "fused", "--no-padding-mask"])
-    assert run_stem(args, "tiny") == "finetune_tiny_nomask_adamw-fused"  # a comparison's files say so
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--name", "runs/fused"])  # a file name, not a folder
 
 
 def test_the_patched_run_can_have_its_own_adamw(tmp_path):
     # Hugging Face with torch's fused AdamW (its Trainer's default) against the patched model with the Triton AdamW.
     assert main(["--compare", "--preset", "tiny", "--steps", "2", "--seq-len", "48", "--batch-size", "1",
                  "--adamw", "fused", "--patched-adamw", "triton", "--out", str(tmp_path), "--no-progress"]) == 0
-    data = json.loads((tmp_path / "finetune_tiny_adamw-fused_patched-adamw-triton.json").read_text())
+    data = json.loads((tmp_path / "finetune" / "tiny.json").read_text())  # the flags are in its settings
     assert (data["settings"]["adamw"], data["settings"]["patched_adamw"]) == ("fused", "triton")
     assert "fused=True" in data["baseline"]["what_ran"]["optimizer"]
     assert "TritonAdamW" in data["patched"]["what_ran"]["optimizer"]
     losses = [[step["loss"] for step in data[run]["steps"]] for run in ("baseline", "patched")]
     assert max(abs(a - b) for a, b in zip(*losses)) < 0.05
+    from kernels.distributed.finetune import main as sharded_main
+
     with pytest.raises(SystemExit, match="leave out --adamw fused and --patched-adamw"):
-        main(["--fsdp", "--patched-adamw", "triton"])
+        sharded_main(["--patched-adamw", "triton"])
 
 
 def test_every_adamw_takes_the_same_steps(gen, device):
     import torch
 
-    from kernels.train import make_adamw
+    from kernels.training.loop import make_adamw
 
     weights = torch.randn(7, 33, generator=gen).to(device)
     grads = [torch.randn(7, 33, generator=gen).to(device) for _ in range(3)]

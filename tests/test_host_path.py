@@ -7,10 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils import cpp_extension
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels import host_path, runtime
-from kernels.profiling import PROFILER_OVERHEAD
+from kernels.training.profiling import PROFILER_OVERHEAD
 
 sw = importlib.import_module("kernels.swiglu")
 
@@ -50,7 +51,7 @@ def test_floats_come_after_the_integers():
     # The C++ launch passes a kernel's floats after its integers, and parameter sizes cannot tell an fp32 from an
     # int32: RMSNorm's forward, the one kernel on the path with a float, must declare eps after every integer.
     rms = importlib.import_module("kernels.rmsnorm")
-    names = rms._rms_norm_fwd_kernel.arg_names
+    names = rms.rms_norm_fwd_kernel.arg_names
     runtime_args = [n for n in names if n not in ("ROWS", "BLOCK_N")]
     assert runtime_args[-1] == "eps" and runtime_args[4:8] == ["n_rows", "n_cols", "stride_x", "stride_y"]
 
@@ -72,6 +73,36 @@ def test_a_failed_build_warns_once_and_leaves_the_python_path(monkeypatch):
         assert host_path.extension() is None  # no second try, no second warning
     assert len(tries) == 1 and not host_path.status()["built"]
     assert host_path.status()["reason"].endswith("Error building extension 'kernels_host_path')")
+
+
+def test_each_family_hands_over_what_the_path_launches():
+    # host_path imports no kernel family: each registered its parts when `import kernels` imported it.
+    rms = importlib.import_module("kernels.rmsnorm")
+    rope = importlib.import_module("kernels.rope")
+    given = host_path._families_given
+    assert set(given) == {host_path.SwiGLUFamily, host_path.RopeFamily, host_path.RMSNormFamily}
+    swiglu_parts = given[host_path.SwiGLUFamily]
+    assert swiglu_parts.cols == 1024 and swiglu_parts.forward is sw.swiglu_forward
+    assert swiglu_parts.forward_kernel is sw.swiglu_fwd_kernel and swiglu_parts.backward_op is sw.swiglu_bwd_op
+    assert given[host_path.RopeFamily].forward is rope.rope_forward
+    rms_parts = given[host_path.RMSNormFamily]
+    assert rms_parts.dw_kernel is rms.rms_norm_dw_kernel and rms_parts.backward_config is rms.cached_backward_config
+    with pytest.raises(TypeError, match="SwiGLUFamily, RopeFamily or RMSNormFamily"):
+        host_path.register_family(object())
+
+
+def test_a_build_without_every_family_is_refused(monkeypatch):
+    monkeypatch.setattr(host_path, "_state", {"ext": None, "reason": None, "seconds": None, "cols": None})
+    monkeypatch.setattr(host_path, "unavailable", lambda: None)
+    monkeypatch.setattr(host_path, "_families_given", {})
+
+    def compile_nothing(*args, **kwargs):
+        raise AssertionError("compiled without the families")
+
+    monkeypatch.setattr(cpp_extension, "load", compile_nothing)
+    with pytest.warns(UserWarning, match="no SwiGLUFamily: kernels.swiglu hands it over"):
+        assert host_path.extension() is None
+    assert not host_path.status()["built"]
 
 
 @pytest.mark.skipif(runtime.MODE == "gpu", reason="the interpreter's answer")
@@ -448,8 +479,8 @@ def test_gpu_rms_norm_cuda_graph_and_dispatch_mode(gen):
 
 @pytest.mark.gpu
 def test_gpu_the_profiler_links_every_launch_to_a_node(gen):
-    # A profile attributes each kernel to the operator active at its launch (kernels.profiling's families): the C++
-    # entry points open a record for their forward launches, as a Python autograd.Function's apply does.
+    # A profile attributes each kernel to the operator active at its launch (kernels.training.profiling's families):
+    # the C++ entry points open a record for their forward launches, as a Python autograd.Function's apply does.
     _require_path()
     x, w = _rms_inputs((64, 1024), torch.bfloat16, torch.bfloat16, gen)
     gate, up = _pair((8, 1024), torch.bfloat16, gen)
@@ -468,8 +499,8 @@ def test_gpu_the_profiler_links_every_launch_to_a_node(gen):
         step()
         torch.cuda.synchronize()
     events = prof.events()
-    ours = ("_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel", "_rms_norm_dw_kernel", "_swiglu_fwd_kernel",
-            "_swiglu_bwd_kernel", "_rope_dense_kernel")
+    ours = ("rms_norm_fwd_kernel", "rms_norm_bwd_kernel", "rms_norm_dw_kernel", "swiglu_fwd_kernel",
+            "swiglu_bwd_kernel", "_rope_dense_kernel")
     launched = {name: 0 for name in ours}
     linked = {name: [] for name in ours}
     for e in events:
@@ -482,4 +513,4 @@ def test_gpu_the_profiler_links_every_launch_to_a_node(gen):
                 linked[kernel.name].append(e.name)
     assert launched == {**{name: 1 for name in ours}, "_rope_dense_kernel": 2}, launched
     assert {name: len(ops) for name, ops in linked.items()} == launched, linked
-    assert linked["_rms_norm_fwd_kernel"] == ["RMSNormNode"] and linked["_swiglu_fwd_kernel"] == ["SwiGLUNode"]
+    assert linked["rms_norm_fwd_kernel"] == ["RMSNormNode"] and linked["swiglu_fwd_kernel"] == ["SwiGLUNode"]

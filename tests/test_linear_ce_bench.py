@@ -6,16 +6,16 @@ import json
 
 import torch
 
-from kernels import linear_ce_bench as bench
 from kernels import runtime
-from kernels.linear_ce_bench import LinearImpl, main, matmul_flop, measure
-from kernels.results import device_slug
+from kernels.bench import linear_ce as bench
+from kernels.bench.linear_ce import LinearImpl, main, matmul_flop, measure
+from kernels.bench.results import device_slug
 
 
 def test_command_line_writes_json_and_png(tmp_path, capsys):
     assert main(["--tokens", "6,10", "--hidden", "16", "--vocab", "300", "--out", str(tmp_path),
                  "--no-progress", "--impls", "ours,ours-recompute-all,ours-chunked,torch-fp32,trl,liger"]) == 0
-    data = json.loads((tmp_path / f"linear_cross_entropy_{device_slug()}.json").read_text())
+    data = json.loads((tmp_path / "linear_cross_entropy" / f"{device_slug()}.json").read_text())
     rows = {(r["impl"], r["tokens"]): r for r in data["rows"]}
     assert set(rows) == {(k, n) for k in ("ours", "ours-recompute-all", "ours-chunked", "torch-fp32", "trl", "liger")
                          for n in (6, 10)}
@@ -24,7 +24,7 @@ def test_command_line_writes_json_and_png(tmp_path, capsys):
     for key in ("ours", "ours-recompute-all", "ours-chunked", "torch-fp32") + (("trl",) if _trl_installed() else ()):
         assert rows[(key, 10)]["check"]["ok"] and rows[(key, 10)]["eager_ms"] > 0
     assert "skipped" in rows[("liger", 6)] or runtime.MODE == "gpu"  # Liger runs only on a GPU
-    assert (tmp_path / f"linear_cross_entropy_{device_slug()}.png").stat().st_size > 10_000
+    assert (tmp_path / "linear_cross_entropy" / f"{device_slug()}.png").stat().st_size > 10_000
     assert "Cut Cross-Entropy" not in capsys.readouterr().out  # only the implementations asked for
 
 

@@ -324,7 +324,8 @@ def test_gpu_extra_memory_is_the_budget_not_the_logits(gen, keep_logits):
 
 
 def test_computed_extra_memory_of_each_plan():
-    from kernels.memory import LOGITS_BUFFER_BYTES, RECOMPUTE_BUDGET_BYTES, linear_loss_extra_bytes
+    from kernels.linear_cross_entropy import linear_loss_extra_bytes
+    from kernels.memory import LOGITS_BUFFER_BYTES, RECOMPUTE_BUDGET_BYTES
 
     n, h, v = 8192, 4096, 128_256
     extra = linear_loss_extra_bytes(n, h, v)

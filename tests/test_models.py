@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kernels import runtime
-from kernels.models import (
+from kernels.training.models import (
     PRESETS,
     GiB,
     activation_bytes_per_token_layer,

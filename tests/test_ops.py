@@ -13,9 +13,9 @@ import torch._dynamo.testing
 
 from kernels import ops, runtime
 from kernels.cross_entropy import cross_entropy
-from kernels.models import build_model
-from kernels.patch import patch_llama
+from kernels.hf.patch import patch_llama
 from kernels.rmsnorm import rms_norm
+from kernels.training.models import build_model
 
 BACKEND = runtime.COMPILE_BACKEND
 EXPECTED_OPS = {

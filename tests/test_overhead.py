@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from kernels import overhead
+from kernels.bench import overhead
 
 
 @pytest.mark.parametrize("kernel, n_launches", [("rmsnorm", 3), ("cross_entropy", 4), ("swiglu", 2), ("rope", 2)])

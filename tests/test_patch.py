@@ -1,4 +1,5 @@
-"""patch_llama: the loss against Hugging Face's, norms of every supported family, logits in training, undo, refusals."""
+"""patch_llama: the loss against Hugging Face's, norms of every supported family, logits in training, undo, refusals,
+and which kernels it turns on (the defaults, a list, a keyword)."""
 
 import importlib
 
@@ -6,15 +7,26 @@ import pytest
 import torch
 
 from kernels import runtime
-from kernels.models import build_model, init_weights_, llama_config
-from kernels.patch import causal_lm_loss, patch_llama, shift_labels_like_hf, supported_norm_classes
+from kernels.hf.attention_mask import IMPLEMENTATION
+from kernels.hf.patch import (
+    DEFAULT_KERNELS,
+    SWITCHES,
+    causal_lm_loss,
+    patch_llama,
+    shift_labels_like_hf,
+    supported_norm_classes,
+)
 from kernels.reference import relative_error
 from kernels.rmsnorm import TritonRMSNorm
+from kernels.swiglu import TritonSwiGLUMLP
 from kernels.tolerances import RELATIVE_ERROR_TOL
+from kernels.training.models import build_model, init_weights_, llama_config
 
 VOCAB = 512
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+# The norms and the loss: what the tests of those two kernels patch (chapter 08's pair).
+NORM_AND_LOSS = ("rms_norm", "cross_entropy")
 
 # model family -> (module, config class, model class, norm class)
 FAMILIES = {
@@ -138,7 +150,7 @@ def test_patched_model_matches_original(family, device, gen):
     ref_loss, ref_grads = loss_and_grads(model, batch)
     ref_loss_n, ref_grads_n = loss_and_grads(model, batch, num_items_in_batch=29)
 
-    patch = patch_llama(model)
+    patch = patch_llama(model, kernels=NORM_AND_LOSS)
     norm_cls = FAMILIES[family][3]
     assert not any(type(m).__name__ == norm_cls for m in model.modules())
     n_norms = sum(isinstance(m, TritonRMSNorm) for m in model.modules())
@@ -159,7 +171,7 @@ def test_qwen3_head_norms_are_replaced_and_correct(device, gen):
     original = attention.q_norm
     x = torch.randn(2, 5, TINY["num_attention_heads"], TINY["head_dim"], generator=gen).to(device)  # [B, S, H, D]
     expected = original(x)
-    patch = patch_llama(model)
+    patch = patch_llama(model, kernels=NORM_AND_LOSS)
     assert isinstance(attention.q_norm, TritonRMSNorm) and isinstance(attention.k_norm, TritonRMSNorm)
     assert attention.q_norm.weight is original.weight
     assert relative_error(attention.q_norm(x), expected) < 1e-6
@@ -175,7 +187,7 @@ def test_parameters_state_dict_and_optimizer_unchanged(device, gen):
     params = dict(model.named_parameters())
     keys = list(model.state_dict().keys())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # created before the patch
-    patch = patch_llama(model)
+    patch = patch_llama(model, kernels=NORM_AND_LOSS)
     assert list(model.state_dict().keys()) == keys
     after = dict(model.named_parameters())
     assert after.keys() == params.keys() and all(after[k] is params[k] for k in params)
@@ -189,7 +201,7 @@ def test_logits_are_none_only_when_overwritten(device, gen):
     batch = random_batch(gen, device=device)
     with torch.no_grad():
         expected = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    with patch_llama(model):
+    with patch_llama(model, kernels=NORM_AND_LOSS):
         train_out = model(**batch)
         assert train_out.logits is None and train_out.loss is not None  # the logits now hold their gradient
         assert "logits" not in train_out.keys() and train_out.to_tuple()[0] is train_out.loss
@@ -202,7 +214,7 @@ def test_logits_are_none_only_when_overwritten(device, gen):
         model.train()
         assert relative_error(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
                               expected) < 1e-5  # no labels, no loss: nothing overwritten
-    with patch_llama(model, inplace_logits=False):
+    with patch_llama(model, kernels=NORM_AND_LOSS, inplace_logits=False):
         kept = model(**batch)
         assert relative_error(kept.logits, expected) < 1e-5
         kept.loss.backward()  # a separate gradient buffer: the logits stay valid after backward too
@@ -217,7 +229,7 @@ def test_undo_restores_the_model(device, gen):
     modules_before = dict(model.named_modules())
     batch = random_batch(gen, device=device)
 
-    patch = patch_llama(model)
+    patch = patch_llama(model, kernels=NORM_AND_LOSS)
     assert "TritonRMSNorm" in patch.summary()
     with pytest.raises(RuntimeError, match="already patched"):
         patch_llama(model)
@@ -235,7 +247,7 @@ def test_undo_restores_the_model(device, gen):
     assert torch.equal(out.logits, ref_out.logits)
     sd, ref_sd = model.state_dict(), reference.state_dict()
     assert list(sd) == list(ref_sd) and all(torch.equal(sd[k], ref_sd[k]) for k in sd)
-    patch_llama(model).undo()  # patching again after an undo works
+    patch_llama(model, kernels=NORM_AND_LOSS).undo()  # patching again after an undo works
 
 
 def test_undo_keeps_a_loss_function_set_before(device, gen):
@@ -246,7 +258,7 @@ def test_undo_keeps_a_loss_function_set_before(device, gen):
         return ForCausalLMLoss(*args, **kwargs)
 
     model.loss_function = custom
-    with patch_llama(model):
+    with patch_llama(model, kernels=NORM_AND_LOSS):
         assert model.loss_function is not custom
     assert model.loss_function is custom
 
@@ -260,10 +272,10 @@ def test_gemma_norm_is_refused_and_nothing_changes(gen):
     model = tiny_model("gemma", seed_from(gen))
     before = {k: type(v) for k, v in model.named_modules()}
     with pytest.raises(ValueError, match=r"GemmaRMSNorm.*1 \+ weight"):
-        patch_llama(model)
+        patch_llama(model, kernels=NORM_AND_LOSS)
     assert {k: type(v) for k, v in model.named_modules()} == before
     assert "_loss_function" not in model.__dict__ and "_kernels_patch" not in model.__dict__
-    with patch_llama(model, rms_norm=False):  # the loss alone is fine: it does not depend on the norm
+    with patch_llama(model, kernels=("cross_entropy",)):  # the loss alone is fine: it does not depend on the norm
         assert model.loss_function.__class__.__name__ == "_PatchedLoss"
 
 
@@ -277,7 +289,7 @@ def test_unknown_rmsnorm_class_is_refused(device, gen):
     model.model.layers[1].post_attention_layernorm = MyRMSNorm(128)
     expected = r"model\.layers\.1\.post_attention_layernorm.*MyRMSNorm.*refuses rather than guess"
     with pytest.raises(ValueError, match=expected):
-        patch_llama(model)
+        patch_llama(model, kernels=NORM_AND_LOSS)
     assert type(model.model.norm).__name__ == "LlamaRMSNorm"  # nothing was swapped before the refusal
 
 
@@ -288,13 +300,141 @@ def test_bad_arguments(device, gen):
     with pytest.raises(TypeError, match="inplace_logits must be True or False"):
         patch_llama(model, inplace_logits=1)
     with pytest.raises(TypeError, match="loss_function"):
-        patch_llama(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+        patch_llama(torch.nn.Sequential(torch.nn.Linear(2, 2)), kernels=NORM_AND_LOSS)
     with pytest.raises(TypeError, match="causal-LM loss"):
-        patch_llama(model.model)  # LlamaModel has no language-model head
-    with patch_llama(model.model, cross_entropy=False) as patch:  # the norms alone are fine
+        patch_llama(model.model, kernels=NORM_AND_LOSS)  # LlamaModel has no language-model head
+    with patch_llama(model.model, kernels=("rms_norm",)) as patch:  # the norms alone are fine
         assert len(patch.swaps) == 9
 
 
 def test_supported_classes_are_found():
     names = set(supported_norm_classes())
     assert "LlamaRMSNorm" in names and names <= {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Which kernels: the defaults, a list, a keyword
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def llama_with(seed: int, hidden_act: str = "silu", attention: str = "sdpa"):
+    """A two-layer Llama (float32, seeded weights) with the MLP activation and attention implementation given."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**TINY, hidden_act=hidden_act, use_cache=False)
+    config._attn_implementation = attention
+    with torch.device(runtime.device()):
+        model = LlamaForCausalLM(config)
+    return init_weights_(model, seed).train()
+
+
+def three_ways(model, batch):
+    """Loss and gradients with the padding mask, with ``num_items_in_batch``, and without any mask (a plain causal
+    call, the one ``skip_causal_mask`` recognises)."""
+    plain = {k: v for k, v in batch.items() if k != "attention_mask"}
+    return [loss_and_grads(model, batch), loss_and_grads(model, batch, num_items_in_batch=29),
+            loss_and_grads(model, plain)]
+
+
+def assert_same_as(got, expected):
+    for (loss, grads), (ref_loss, ref_grads) in zip(got, expected):
+        assert relative_error(loss, ref_loss) < 1e-5
+        assert_grads_close(grads, ref_grads, 1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_the_default_turns_on_every_default_kernel_and_matches_hf(family, device, gen):
+    model = tiny_model(family, seed_from(gen))
+    batch = random_batch(gen, device=device)
+    expected = three_ways(model, batch)
+    patch = patch_llama(model)
+    assert patch.kernels == DEFAULT_KERNELS and patch.left_off == {}
+    layers = TINY["num_hidden_layers"]
+    assert not any(type(m).__name__ == FAMILIES[family][3] for m in model.modules())
+    assert sum(isinstance(m, TritonSwiGLUMLP) for m in model.modules()) == layers
+    assert len(patch.rotary) == layers and model.loss_function is patch.loss and patch.head is None
+    assert model.config._attn_implementation == IMPLEMENTATION and "causal mask: skipped" in patch.summary()
+    assert_same_as(three_ways(model, batch), expected)
+    patch.undo()
+    assert model.config._attn_implementation == "sdpa" and "forward" not in model.__dict__
+
+
+def test_a_list_turns_on_exactly_those_kernels(device, gen):
+    model = tiny_model("llama", seed_from(gen))
+    with patch_llama(model, kernels=["rms_norm", "swiglu"]) as patch:
+        assert patch.kernels == ("rms_norm", "swiglu") and patch.left_off == {}
+        assert all(isinstance(layer.mlp, TritonSwiGLUMLP) for layer in model.model.layers)
+        assert isinstance(model.model.norm, TritonRMSNorm) and not patch.rotary and patch.loss is None
+        assert "_loss_function" not in model.__dict__ and "forward" not in model.__dict__
+        assert model.config._attn_implementation == "sdpa"
+    with patch_llama(model, kernels=()) as patch:  # nothing asked, nothing done
+        assert patch.kernels == () and not patch.swaps and "forward" not in model.__dict__
+    with patch_llama(model, kernels=reversed(SWITCHES)) as patch:  # any iterable; reported in SWITCHES' order
+        assert patch.kernels == SWITCHES and patch.head is model.lm_head
+
+
+def test_a_keyword_overrides_the_selector(device, gen):
+    model = tiny_model("llama", seed_from(gen))
+    cases = [
+        (dict(swiglu=False), ("rms_norm", "cross_entropy", "rope", "additive_mask", "skip_causal_mask")),
+        (dict(linear_cross_entropy=True), SWITCHES),  # the defaults and the one kernel off by default
+        (dict(kernels=("rms_norm",), cross_entropy=True), NORM_AND_LOSS),
+        (dict(kernels=NORM_AND_LOSS, cross_entropy=False), ("rms_norm",)),
+        (dict(kernels=NORM_AND_LOSS, rope=None, swiglu=False), NORM_AND_LOSS),  # None follows the selector
+    ]
+    for switches, turned_on in cases:
+        with patch_llama(model, **switches) as patch:
+            assert patch.kernels == turned_on, switches
+    # True requires the kernel even in "auto": on eager attention the mask kernels cannot apply.
+    model.config._attn_implementation = "eager"
+    with pytest.raises(ValueError, match="skip_causal_mask=True needs SDPA attention"):
+        patch_llama(model, skip_causal_mask=True)
+    assert "_kernels_patch" not in model.__dict__ and isinstance(model.model.layers[0].mlp, torch.nn.Module)
+    assert type(model.model.norm).__name__ == "LlamaRMSNorm"
+
+
+def test_unknown_names_and_values_are_refused(device, gen):
+    model = tiny_model("llama", seed_from(gen))
+    with pytest.raises(ValueError, match="'flash' in kernels=: choose from rms_norm, cross_entropy, linear_cross"):
+        patch_llama(model, kernels=("rms_norm", "flash"))
+    with pytest.raises(ValueError, match=r"kernels=\('rms_norm',\)"):  # a bare name is not a tuple of names
+        patch_llama(model, kernels="rms_norm")
+    with pytest.raises(TypeError, match='kernels must be "auto" or a tuple of names'):
+        patch_llama(model, False)  # the per-kernel switches are keyword-only: a positional one is refused
+    with pytest.raises(TypeError, match="rope must be True or False"):
+        patch_llama(model, rope=1)
+    assert "_kernels_patch" not in model.__dict__ and "forward" not in model.__dict__
+    assert type(model.model.norm).__name__ == "LlamaRMSNorm"
+
+
+def test_auto_leaves_off_what_does_not_apply_and_a_request_for_it_raises(device, gen):
+    model = llama_with(seed_from(gen), hidden_act="gelu", attention="eager")
+    batch = random_batch(gen, device=device)
+    expected = three_ways(model, batch)
+    patch = patch_llama(model)
+    assert patch.kernels == ("rms_norm", "cross_entropy", "rope")
+    assert set(patch.left_off) == {"swiglu", "additive_mask", "skip_causal_mask"}
+    assert "hidden_act='gelu'" in patch.left_off["swiglu"] and "SDPA" in patch.left_off["skip_causal_mask"]
+    assert_same_as(three_ways(model, batch), expected)
+    patch.undo()
+    for request, message in [(dict(kernels=("swiglu",)), "hidden_act='gelu'"), (dict(swiglu=True), "hidden_act='gelu'"),
+                             (dict(kernels=("additive_mask",)), "additive_mask=True needs SDPA attention")]:
+        with pytest.raises(ValueError, match=message):
+            patch_llama(model, **request)
+        assert "_kernels_patch" not in model.__dict__ and "forward" not in model.__dict__
+        assert type(model.model.norm).__name__ == "LlamaRMSNorm"
+
+
+def test_auto_on_gemma_patches_the_loss_and_leaves_the_rest(device, gen):
+    model = tiny_model("gemma", seed_from(gen))
+    batch = random_batch(gen, device=device)
+    expected = three_ways(model, batch)
+    with patch_llama(model) as patch:
+        assert patch.kernels == ("cross_entropy", "additive_mask", "skip_causal_mask")
+        assert set(patch.left_off) == {"rms_norm", "swiglu", "rope"} and "1 + weight" in patch.left_off["rms_norm"]
+        assert_same_as(three_ways(model, batch), expected)
+
+
+def test_auto_refuses_a_model_none_applies_to():
+    with pytest.raises(TypeError, match="no kernel of patch_llama applies to Sequential: cross_entropy: .*loss_func"):
+        patch_llama(torch.nn.Sequential(torch.nn.Linear(2, 2)))

@@ -1,4 +1,4 @@
-"""patch_llama(linear_cross_entropy=True): no [tokens, vocab] tensor in training, the same losses and gradients as
+"""patch_llama's linear_cross_entropy: no [tokens, vocab] tensor in training, the same losses and gradients as
 Hugging Face for every family (tied embeddings, checkpointing, num_items_in_batch), logits where they are wanted,
 undo, the Trainer, PEFT and torch.compile."""
 
@@ -11,11 +11,12 @@ from test_patch import TINY, assert_grads_close, loss_and_grads, random_batch, s
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels import runtime
-from kernels.patch import patch_llama
+from kernels.hf.patch import patch_llama
 from kernels.reference import relative_error
-from kernels.train import enable_checkpointing
+from kernels.training.loop import enable_checkpointing
 
-ONLY_LINEAR = dict(rms_norm=False, cross_entropy=False, linear_cross_entropy=True)
+ONLY_LINEAR = dict(kernels=("linear_cross_entropy",))
+WITH_LINEAR = dict(kernels=("rms_norm", "cross_entropy", "linear_cross_entropy"))  # the logits' loss in eval mode
 
 
 class RowsOfWidth(TorchDispatchMode):
@@ -43,7 +44,8 @@ def assert_patch_keeps_loss_and_grads(model, batch, measure=loss_and_grads, **sw
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-@pytest.mark.parametrize("switches", [ONLY_LINEAR, dict(linear_cross_entropy=True)], ids=["linear-only", "all"])
+@pytest.mark.parametrize("switches", [ONLY_LINEAR, WITH_LINEAR, dict(linear_cross_entropy=True)],
+                         ids=["linear-only", "with-norm-and-loss", "defaults-and-linear"])
 def test_same_loss_and_gradients_without_logits(family, switches, device, gen):
     model = tiny_model(family, seed_from(gen))
     batch = random_batch(gen, device=device)
@@ -71,7 +73,7 @@ def test_tied_embeddings_and_checkpointing(device, gen):
     model.tie_weights()
     assert model.lm_head.weight is model.model.embed_tokens.weight
     enable_checkpointing(model)
-    assert_patch_keeps_loss_and_grads(model, random_batch(gen, device=device), linear_cross_entropy=True)
+    assert_patch_keeps_loss_and_grads(model, random_batch(gen, device=device), **WITH_LINEAR)
 
 
 def test_logits_only_where_they_are_wanted(device, gen):
@@ -103,7 +105,7 @@ def test_lora_on_the_head_is_refused_and_nothing_changes(device, gen):
     model = tiny_model("llama", seed_from(gen))
     wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["lm_head", "q_proj"]))
     with pytest.raises(TypeError, match="plain nn.Linear"):
-        patch_llama(wrapped, linear_cross_entropy=True)
+        patch_llama(wrapped, **WITH_LINEAR)
     assert "_kernels_patch" not in model.__dict__
 
 
@@ -115,7 +117,7 @@ def test_lora_on_attention_trains_like_unpatched(device, gen):
         if "lora_B" in name:  # LoRA starts B at zero; give it values so that the adapters' gradients are tested
             torch.nn.init.normal_(p, std=0.05)
     assert_patch_keeps_loss_and_grads(wrapped, random_batch(gen, device=device), _adapter_grads,
-                                      linear_cross_entropy=True)
+                                      **WITH_LINEAR)
 
 
 def _adapter_grads(model, batch):
@@ -131,8 +133,8 @@ def test_trainer_with_gradient_accumulation(device, gen, tmp_path, monkeypatch):
     data = _dataset(base.config.vocab_size, gen)
     expected = _train_with_trainer(copy.deepcopy(base), data, tmp_path / "hf")
     patched = copy.deepcopy(base)
-    patch = patch_llama(patched, linear_cross_entropy=True)
-    calls = _count_calls(monkeypatch, "kernels.patch", "causal_lm_linear_loss")
+    patch = patch_llama(patched, **WITH_LINEAR)
+    calls = _count_calls(monkeypatch, "kernels.hf.patch", "causal_lm_linear_loss")
     losses = _train_with_trainer(patched, data, tmp_path / "patched")
     assert len(calls) == 4 and all(n is not None for n in calls)  # 2 steps × 2 micro-batches, each with the count
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=1e-4)
@@ -145,7 +147,7 @@ def test_compiled_patched_model_without_graph_break(device, gen):
     batch = random_batch(gen, device=device)
     ref_loss, ref_grads = loss_and_grads(model, batch)
     torch._dynamo.reset()
-    with patch_llama(model, linear_cross_entropy=True):
+    with patch_llama(model, **WITH_LINEAR):
         explanation = torch._dynamo.explain(model)(**batch)
         assert explanation.graph_break_count == 0, explanation.break_reasons
         compiled = torch.compile(model, backend=backend)

@@ -1,4 +1,5 @@
-"""patch_llama(swiglu=True, rope=True): equal losses and gradients, one model only, undo, refusals, PEFT, compile."""
+"""SwiGLU and RoPE in patch_llama (``kernels=("swiglu", "rope")``): equal losses and gradients, one model only, undo,
+refusals, PEFT, compile."""
 
 import copy
 import functools
@@ -10,7 +11,7 @@ import torch
 from test_patch import assert_grads_close, loss_and_grads, random_batch, seed_from, tiny_model
 
 from kernels import host_path, runtime
-from kernels.patch import SWITCHES, patch_llama
+from kernels.hf.patch import SWITCHES, patch_llama
 from kernels.rope import apply_rotary
 from kernels.swiglu import TritonSwiGLUMLP
 
@@ -18,8 +19,8 @@ BACKEND = runtime.COMPILE_BACKEND
 # The modules by their paths: ``kernels.swiglu`` at the top level is the function.
 rope_module = importlib.import_module("kernels.rope")
 swiglu_module = importlib.import_module("kernels.swiglu")
-patch_module = importlib.import_module("kernels.patch")
-ONLY_NEW = dict(rms_norm=False, cross_entropy=False, swiglu=True, rope=True)
+patch_module = importlib.import_module("kernels.hf.patch")
+ONLY_NEW = dict(kernels=("swiglu", "rope"))
 
 
 @pytest.fixture
@@ -36,7 +37,7 @@ def calls(monkeypatch):
 
         monkeypatch.setattr(module, name, counted)
 
-    spy(rope_module, "_launch", "rope")
+    spy(rope_module, "launch", "rope")
     spy(swiglu_module, "_forward_config", "swiglu_fwd")
     spy(swiglu_module, "_backward_config", "swiglu_bwd")
     return counts
@@ -45,7 +46,7 @@ def calls(monkeypatch):
 @pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
 def test_patched_model_matches_original(family, device, gen, calls, monkeypatch):
     # The counts below are the Python path's launches: on a GPU, RoPE's C++ node launches the same kernel without
-    # passing through _launch (tests/test_host_path.py compares the two; the next test runs the model through it).
+    # passing through launch (tests/test_host_path.py compares the two; the next test runs the model through it).
     monkeypatch.setattr(host_path, "takes_rope", lambda *args: False)
     model = tiny_model(family, seed_from(gen))
     reference = copy.deepcopy(model)
@@ -91,7 +92,7 @@ def test_inplace_backward_under_gradient_checkpointing(reentrant, device, gen, m
     original = swiglu_module._in_place_addressable
     monkeypatch.setattr(swiglu_module, "_in_place_addressable",
                         lambda g, u: in_place.append(original(g, u)) or in_place[-1])
-    patch_llama(model, rms_norm=False, cross_entropy=False, swiglu=True)
+    patch_llama(model, kernels=("swiglu",))
     loss, grads = loss_and_grads(model, batch)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
     assert_grads_close(grads, ref_grads, 1e-5)
@@ -133,14 +134,14 @@ def test_refusals_leave_the_model_unchanged(device, gen):
         patch_llama(model, **ONLY_NEW)
     assert not any(isinstance(layer.mlp, TritonSwiGLUMLP) for layer in model.model.layers)
     assert all("forward" not in layer.self_attn.__dict__ for layer in model.model.layers)
-    patch_llama(model, rms_norm=False, cross_entropy=False, rope=True).undo()  # rope alone is fine
+    patch_llama(model, kernels=("rope",)).undo()  # rope alone is fine
 
     model = tiny_model("llama", seed_from(gen))
     model.model.layers[1].self_attn.forward = lambda *a, **k: None  # e.g. a hook that wraps forward
     with pytest.raises(ValueError, match="already replaced on the instance"):
         patch_llama(model, **ONLY_NEW)
     with pytest.raises(ValueError, match="has no attention module"):
-        patch_llama(torch.nn.Sequential(torch.nn.Linear(2, 2)), rms_norm=False, cross_entropy=False, rope=True)
+        patch_llama(torch.nn.Sequential(torch.nn.Linear(2, 2)), kernels=("rope",))
     with pytest.raises(TypeError, match="swiglu must be True or False"):
         patch_llama(model, swiglu="yes")
 
@@ -149,10 +150,10 @@ def test_refusals_leave_the_model_unchanged(device, gen):
     attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     attention.__class__ = type("MyAttention", (type(attention),), {})
     with pytest.raises(ValueError, match="MyAttention is not an attention class patch_llama knows"):
-        patch_llama(model, rms_norm=False, cross_entropy=False, rope=True)
+        patch_llama(model, kernels=("rope",))
     mlp.__class__ = type("MyMLP", (type(mlp),), {})
     with pytest.raises(ValueError, match="MyMLP is not an MLP whose code patch_llama knows"):
-        patch_llama(model, rms_norm=False, cross_entropy=False, swiglu=True)
+        patch_llama(model, kernels=("swiglu",))
     assert all("forward" not in layer.self_attn.__dict__ for layer in model.model.layers)
 
 

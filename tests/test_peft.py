@@ -5,10 +5,11 @@ import copy
 import pytest
 import torch
 
-from kernels.models import build_model
-from kernels.patch import patch_llama
+from kernels.hf.patch import patch_llama
+from kernels.training.models import build_model
 
 peft = pytest.importorskip("peft", reason="peft is a test requirement (requirements.txt)")
+NORM_AND_LOSS = ("rms_norm", "cross_entropy")
 
 
 def _lora_config():
@@ -57,11 +58,12 @@ def lora_reference(base_and_batch):
     return reference, _loss_and_grads(reference, ids, labels)
 
 
-def test_wrap_then_patch(base_and_batch, lora_reference):
+@pytest.mark.parametrize("kernels", [NORM_AND_LOSS, "auto"], ids=["norm-and-loss", "defaults"])
+def test_wrap_then_patch(base_and_batch, lora_reference, kernels):
     _, ids, labels = base_and_batch
     reference, expected = lora_reference
     model = copy.deepcopy(reference)
-    patch = patch_llama(model)
+    patch = patch_llama(model, kernels=kernels)
     assert len(patch.replaced) > 0 and patch.model is model.get_base_model()
     _assert_same(_loss_and_grads(model, ids, labels), expected)
     patch.undo()
@@ -73,7 +75,7 @@ def test_patch_then_wrap(base_and_batch, lora_reference):
     base, ids, labels = base_and_batch
     reference, expected = lora_reference
     inner = copy.deepcopy(base)
-    patch = patch_llama(inner)
+    patch = patch_llama(inner, kernels=NORM_AND_LOSS)
     model = peft.get_peft_model(inner, _lora_config())
     model.load_state_dict(reference.state_dict())  # the same adapter weights as the reference
     _assert_same(_loss_and_grads(model, ids, labels), expected)
@@ -84,6 +86,6 @@ def test_patch_then_wrap(base_and_batch, lora_reference):
 def test_patching_a_patched_peft_model_twice_is_refused(base_and_batch):
     base, _, _ = base_and_batch
     model = _lora(copy.deepcopy(base))
-    patch_llama(model)
+    patch_llama(model, kernels=NORM_AND_LOSS)
     with pytest.raises(RuntimeError, match="already patched"):
         patch_llama(model)

@@ -10,9 +10,9 @@ import torch
 from torch.autograd import DeviceType
 
 from kernels import runtime
-from kernels.data import get_tokenizer, make_sft_batches
-from kernels.models import build_model, full_finetune_memory, llama_config
-from kernels.profiling import (
+from kernels.training.data import get_tokenizer, make_sft_batches
+from kernels.training.models import build_model, full_finetune_memory, llama_config
+from kernels.training.profiling import (
     FAMILIES,
     amdahl,
     attribute_events,

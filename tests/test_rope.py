@@ -164,7 +164,7 @@ def test_dense_kernel_gives_the_strided_kernels_bits(x_kind, out_kind, trig_batc
     for strided in (False, True):
         q_out = _layout(out_kind, batch, seq, 4, d, device, gen).fill_(float("nan"))
         k_out = _layout(out_kind, batch, seq, 2, d, device, gen).fill_(float("nan"))
-        rope_module._launch(q, k, cos, sin, q_out, k_out, backward, None, strided=strided)
+        rope_module.launch(q, k, cos, sin, q_out, k_out, backward, None, strided=strided)
         outs[strided] = (q_out, k_out)
     assert rope_module._dense_flags(q, k, cos, sin, *outs[False]) == (
         x_kind == "seq-major", out_kind == "seq-major", trig_batch > 1)
@@ -172,7 +172,7 @@ def test_dense_kernel_gives_the_strided_kernels_bits(x_kind, out_kind, trig_batc
     assert all(torch.equal(a, b) for a, b in zip(outs[False], outs[True]))
     steps = rope_module.Config((batch * seq,), 1, 8, 4, q_heads=2, k_heads=1)  # a loop over heads, dense kernel
     q_out, k_out = (torch.full_like(t, float("nan")) for t in outs[False])
-    rope_module._launch(q, k, cos, sin, q_out, k_out, backward, steps)
+    rope_module.launch(q, k, cos, sin, q_out, k_out, backward, steps)
     assert torch.equal(q_out, outs[True][0]) and torch.equal(k_out, outs[True][1])
 
 
@@ -236,7 +236,7 @@ def test_gpu_llama_8b_shape_bf16_every_element_written(gen):
     q, k = llama_qk(1, 2048, 32, 8, 128, torch.bfloat16, "cuda", gen)
     cos, sin = rotary_cos_sin(1, 2048, 128, dtype=torch.bfloat16, device="cuda")
     q_out, k_out = torch.full_like(q, float("nan")), torch.full_like(k, float("nan"))
-    rope_module._launch(q, k, cos, sin, q_out, k_out, False, None)
+    rope_module.launch(q, k, cos, sin, q_out, k_out, False, None)
     assert torch.isfinite(q_out).all() and torch.isfinite(k_out).all()
     errors = errors_against_float64(q, k, cos, sin, gen)
     assert all(e < TOL[torch.bfloat16] for e in errors), errors

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from kernels import runtime
-from kernels.models import count_parameters, llama_config
-from kernels.scaling import (
+from kernels.bench.results import find_run
+from kernels.distributed.scaling import (
     INFINIBAND_PORT_GB_S,
     NVLINK_GB_S,
+    SINGLE_GPU_SETTINGS,
     bytes_sent_per_step,
     fsdp_budget,
     gathered_once_count,
@@ -21,6 +22,7 @@ from kernels.scaling import (
     root_parameter_count,
     state_bytes_per_param,
 )
+from kernels.training.models import count_parameters, llama_config
 
 matplotlib.use("Agg")
 
@@ -28,14 +30,14 @@ matplotlib.use("Agg")
 @pytest.mark.skipif(runtime.MODE == "gpu" and torch.cuda.device_count() < 2,
                     reason="two processes in GPU mode need two GPUs (one per process)")
 def test_scaling_command_runs_one_and_two_processes(tmp_path, capsys):
-    """``python -m kernels.scaling`` on the CPU: torchrun with 1 and 2 gloo processes, baseline and patched, each
-    through ``python -m kernels.finetune --fsdp``; JSON and plot written. At the same per-GPU batch the 1- and
+    """``python -m kernels.distributed.scaling`` on the CPU: torchrun with 1 and 2 gloo processes, baseline and patched,
+    each through ``python -m kernels.distributed.finetune``; JSON and plot written. At the same per-GPU batch the 1- and
     2-process runs see different global batches, so their losses are not compared here (tests/test_distributed.py
     does that at the same global batch); baseline and patched are, at each size."""
     assert main(["--preset", "tiny", "--gpus", "1,2", "--seq-lens", "48", "--steps", "2", "--out", str(tmp_path),
                  "--timeout", "240"]) == 0
-    data = json.loads((tmp_path / "scaling_tiny.json").read_text())
-    assert (tmp_path / "scaling_tiny.png").exists()
+    data = json.loads((tmp_path / "scaling" / "tiny.json").read_text())
+    assert (tmp_path / "scaling" / "tiny.png").exists()
     runs = data["runs"]
     assert [(r["gpus"], r["variant"]) for r in runs] == [(1, "baseline"), (1, "patched"), (2, "baseline"),
                                                          (2, "patched")]
@@ -78,8 +80,7 @@ def test_fsdp_budget_of_the_8b_shape():
     one, eight = fsdp_budget(1), fsdp_budget(8)
     assert one.sent_bytes_per_gpu == 0 and one.comm_s == 0
     # One GPU: the state plus the rest is the committed run's measured peak.
-    single = json.loads((__import__("kernels.results", fromlist=["RESULTS"]).RESULTS
-                         / "finetune_llama-3.1-8b.json").read_text())
+    single = find_run("finetune", **SINGLE_GPU_SETTINGS)
     assert one.memory_bytes_per_gpu == pytest.approx(max(single["summary"]["peak_memory_bytes"].values()))
     assert eight.state_bytes_per_gpu == pytest.approx(8 * params / 8)
     assert eight.speedup == pytest.approx(single["summary"]["speedup"])  # comm hidden: the kernels' gain stays
@@ -99,7 +100,7 @@ def _row(gpus, variant, seq_len, fits, tps=1000.0, peak=None):
 def test_longest_fitting_and_the_memory_panel_of_a_gpu_grid():
     """A grid as a GPU run leaves it (peaks per GPU, a length that did not fit): the longest length that ran per
     variant and GPU count, and both panels drawn, the unfit point left out."""
-    from kernels.scaling import longest_fitting
+    from kernels.distributed.scaling import longest_fitting
 
     rows = [_row(1, "baseline", 2048, True, 6500, 75 * 2**30), _row(1, "baseline", 4096, False),
             _row(2, "baseline", 2048, True, 6400, 45 * 2**30), _row(2, "baseline", 4096, True, 6600, 60 * 2**30),

@@ -5,9 +5,10 @@ import json
 import pytest
 import torch
 
-from kernels import runtime, sweep
-from kernels.peers import Impl
-from kernels.sweep import rope_bytes, run_benchmark, swiglu_bytes
+from kernels import runtime
+from kernels.bench import sweep
+from kernels.bench.peers import Impl
+from kernels.bench.sweep import rope_bytes, run_benchmark, swiglu_bytes
 
 
 def test_swiglu_bytes_at_llama_8b_shape():
@@ -108,8 +109,8 @@ def test_command_line_runs_swiglu_and_rope_on_the_cpu(tmp_path, capsys):
                 "--warmup", "1", "--rep", "1"]
         assert sweep.main(argv) == 0
         printed = capsys.readouterr().out
-        assert "mode=interpreter" in printed and f"wrote {tmp_path / kernel}_cpu-interpreter.png" in printed
-        results = json.loads((tmp_path / f"{kernel}_cpu-interpreter.json").read_text())
+        assert "mode=interpreter" in printed and f"wrote {tmp_path / kernel / 'cpu-interpreter.png'}" in printed
+        results = json.loads((tmp_path / kernel / "cpu-interpreter.json").read_text())
         assert {r["shape"] for r in results["rows"]} == {"3×24"} and results["settings"]["width"] == 24
         for row in results["rows"]:
             if row["impl"] in ("compile", "liger"):

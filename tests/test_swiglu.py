@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kernels.reference import relative_error, swiglu_reference
+from kernels.rmsnorm import as_rows
 from kernels.swiglu import TritonSwiGLUMLP, swiglu
 from kernels.tolerances import RELATIVE_ERROR_TOL as TOL
 
@@ -51,7 +52,7 @@ def test_halves_of_a_fused_projection_are_read_in_place(device, gen):
     inter = 77
     gu = (torch.randn(2, 9, 2 * inter, generator=gen) * 2).to(device).requires_grad_()
     gate, up = gu[..., :inter], gu[..., inter:]
-    assert swiglu_module._as_rows(gate).data_ptr() == gate.data_ptr()  # a view, not a copy
+    assert as_rows(gate).data_ptr() == gate.data_ptr()  # a view, not a copy
     dy = torch.randn(2, 9, inter, generator=gen).to(device)
     swiglu(gate, up).backward(dy)
     gu64 = gu.detach().double().requires_grad_()
@@ -331,8 +332,8 @@ def test_gpu_llama_8b_shape_bf16_every_element_written(gen):
     gate, up, dy = make_inputs((4096, 14336), torch.bfloat16, "cuda", gen)
     cfg = swiglu_module.forward_config(4096, 14336)
     y = torch.full_like(gate, float("nan"))
-    swiglu_module._swiglu_fwd_kernel[cfg.grid](gate, up, y, 4096, 14336, 14336, 14336, 14336,
-                                                ROWS=cfg.rows, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
+    swiglu_module.swiglu_fwd_kernel[cfg.grid](gate, up, y, 4096, 14336, 14336, 14336, 14336,
+                                               ROWS=cfg.rows, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
     assert torch.isfinite(y).all()
     errors = errors_against_float64(gate, up, dy)
     assert all(e < TOL[torch.bfloat16] for e in errors), errors

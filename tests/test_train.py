@@ -7,13 +7,12 @@ import pytest
 import torch
 
 from kernels import runtime
-from kernels.data import get_tokenizer, make_sft_batches
-from kernels.fit import Probe, growth_bytes_per_token, max_seq_len_that_fits, search_longest
+from kernels.hf.patch import patch_llama
 from kernels.memory import logits_bytes_per_token
-from kernels.models import build_model, llama_config
-from kernels.patch import patch_llama
 from kernels.reference import relative_error
-from kernels.train import (
+from kernels.training.data import get_tokenizer, make_sft_batches
+from kernels.training.fit import Probe, growth_bytes_per_token, max_seq_len_that_fits, search_longest
+from kernels.training.loop import (
     Comparison,
     compare,
     compile_model,
@@ -22,6 +21,7 @@ from kernels.train import (
     parameter_kind,
     train,
 )
+from kernels.training.models import build_model, llama_config
 
 matplotlib.use("Agg")
 
@@ -239,7 +239,7 @@ def simulated_gpu(monkeypatch):
     one. Real training steps, real patch. Yields the state: the models built and the memory fractions set."""
     if runtime.MODE == "gpu":
         pytest.skip("a GPU runs the real thing: see test_fit_on_gpu")
-    import kernels.fit as fit_module
+    import kernels.training.fit as fit_module
 
     state = {"seq": 0, "built": [], "limit": 1024, "fractions": []}
 
@@ -279,7 +279,7 @@ def test_fit_search_code_path_with_a_simulated_gpu(simulated_gpu, gen):
 
 
 def test_fit_options_and_memory_slope_with_a_simulated_gpu(simulated_gpu, gen):
-    from kernels.fit import memory_slope
+    from kernels.training.fit import memory_slope
 
     result = max_seq_len_that_fits("tiny", patched=True, lo=256, hi=2048, max_probes=6, seed=seed_from(gen),
                                    patch_options=dict(rms_norm=False, linear_cross_entropy=True),

@@ -6,12 +6,13 @@ import copy
 import pytest
 import torch
 
-from kernels.models import build_model
-from kernels.patch import patch_llama
-from kernels.trl_loss import ModelLossMixin
+from kernels.hf.patch import patch_llama
+from kernels.hf.trl_loss import ModelLossMixin
+from kernels.training.models import build_model
 
 trl = pytest.importorskip("trl", reason="trl is a test requirement (requirements.txt)")
 datasets = pytest.importorskip("datasets")
+WITH_LINEAR = ("rms_norm", "cross_entropy", "linear_cross_entropy")
 
 
 def _sft_data(vocab: int, gen, rows: int = 8, seq: int = 20):
@@ -25,7 +26,7 @@ def _sft_data(vocab: int, gen, rows: int = 8, seq: int = 20):
 
 
 def _train(trainer_cls, model, data, tmp_path):
-    from kernels.data import get_tokenizer
+    from kernels.training.data import get_tokenizer
 
     args = trl.SFTConfig(
         output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=2,
@@ -48,21 +49,21 @@ def test_sft_trainer_trains_with_the_patched_loss_only_through_the_mixin(device,
     data = _sft_data(base.config.vocab_size, gen)
     expected = _train(trl.SFTTrainer, copy.deepcopy(base), data, tmp_path / "trl")
 
-    import kernels.patch
+    import kernels.hf.patch
 
     calls = []
-    real = kernels.patch.causal_lm_linear_loss
-    monkeypatch.setattr(kernels.patch, "causal_lm_linear_loss",
+    real = kernels.hf.patch.causal_lm_linear_loss
+    monkeypatch.setattr(kernels.hf.patch, "causal_lm_linear_loss",
                         lambda *a, **k: calls.append(k.get("num_items_in_batch")) or real(*a, **k))
 
     plain = copy.deepcopy(base)
-    with patch_llama(plain, linear_cross_entropy=True):
+    with patch_llama(plain, kernels=WITH_LINEAR):
         under_trl = _train(trl.SFTTrainer, plain, data, tmp_path / "plain")
     assert calls == []  # TRL's own head computed the loss: the patched loss was never called
     torch.testing.assert_close(torch.tensor(under_trl), torch.tensor(expected), rtol=1e-4, atol=1e-4)
 
     mixed = copy.deepcopy(base)
-    with patch_llama(mixed, linear_cross_entropy=True):
+    with patch_llama(mixed, kernels=WITH_LINEAR):
         losses = _train(KernelsSFTTrainer, mixed, data, tmp_path / "mixin")
     assert len(calls) == 4 and all(n is not None for n in calls)  # 2 steps × 2 micro-batches, with the token count
     # Two different implementations of the loss (TRL's head, ours) under gradient accumulation and AdamW, which turns

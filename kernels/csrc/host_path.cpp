@@ -2,12 +2,12 @@
 // kernels.
 //
 // A Python autograd.Function with one Triton launch per pass costs more host time per forward + backward than
-// Hugging Face's SwiGLU in C++ operators before its kernels do anything (kernels.overhead.floor). Here the kernels
-// of kernels/swiglu.py, kernels/rope.py and kernels/rmsnorm.py, compiled by Triton as always, are launched from C++
-// torch::autograd::Functions: no Python runs between a forward's launch and its backward's. Only the dense layouts
-// take this path (SwiGLU: tensors read as rows of 1,024; RoPE: the layouts of its dense kernel; RMSNorm: contiguous
-// x and dy); the Python side (kernels/host_path.py) decides, compiles each kernel variant through Triton and
-// registers it here.
+// Hugging Face's SwiGLU in C++ operators before its kernels do anything (kernels.bench.overhead.floor). Here the
+// kernels of kernels/swiglu.py, kernels/rope.py and kernels/rmsnorm.py, compiled by Triton as always, are launched
+// from C++ torch::autograd::Functions: no Python runs between a forward's launch and its backward's. Only the dense
+// layouts take this path (SwiGLU: tensors read as rows of 1,024; RoPE: the layouts of its dense kernel; RMSNorm:
+// contiguous x and dy); the Python side (kernels/host_path.py) decides, compiles each kernel variant through Triton
+// and registers it here.
 //
 // A Triton kernel is specialised on its arguments: an integer equal to 1 becomes a constant and leaves the
 // parameter list, and 16-byte alignment of a pointer or divisibility by 16 of an integer selects another compiled
@@ -131,7 +131,7 @@ bool plain(std::initializer_list<const at::Tensor*> tensors) {
 }
 
 // ------------------------------------------------------------------------------------------------------------------
-// SwiGLU: _swiglu_fwd_kernel(GATE, UP, Y, n_rows, n_cols, 3 strides), _swiglu_bwd_kernel(DY, GATE, UP, DGATE, DUP,
+// SwiGLU: swiglu_fwd_kernel(GATE, UP, Y, n_rows, n_cols, 3 strides), swiglu_bwd_kernel(DY, GATE, UP, DGATE, DUP,
 // n_rows, n_cols, 5 strides); dense tensors as rows of 1,024, one row per program.
 // ------------------------------------------------------------------------------------------------------------------
 
@@ -308,9 +308,9 @@ struct RotaryNode : public torch::autograd::Function<RotaryNode> {
 
 
 // ------------------------------------------------------------------------------------------------------------------
-// RMSNorm: _rms_norm_fwd_kernel(X, W, Y, RSTD, n_rows, n_cols, stride_x, stride_y, eps), cdiv(n_rows, ROWS)
-// programs; _rms_norm_bwd_kernel(X, W, DY, RSTD, DX, DW_PARTIAL, n_rows, n_cols, stride_x, stride_dy, stride_dx) on
-// a persistent grid, then _rms_norm_dw_kernel(PARTIAL, DW, n_partials, n_cols) when the weight needs a gradient.
+// RMSNorm: rms_norm_fwd_kernel(X, W, Y, RSTD, n_rows, n_cols, stride_x, stride_y, eps), cdiv(n_rows, ROWS)
+// programs; rms_norm_bwd_kernel(X, W, DY, RSTD, DX, DW_PARTIAL, n_rows, n_cols, stride_x, stride_dy, stride_dx) on
+// a persistent grid, then rms_norm_dw_kernel(PARTIAL, DW, n_partials, n_cols) when the weight needs a gradient.
 // Contiguous x and dy only (the Python side checks x; dy is checked here), so every row stride is n_cols.
 // ------------------------------------------------------------------------------------------------------------------
 

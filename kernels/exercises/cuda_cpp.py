@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..reference import relative_error, rms_norm_reference
-from ..tolerances import RELATIVE_ERROR_TOL
-from .rmsnorm import Report
+from kernels.reference import relative_error, rms_norm_reference
+from kernels.tolerances import RELATIVE_ERROR_TOL
+
+from .rmsnorm import Report, verdict
 
 FUNCTION = "rms_norm_rows"
 
@@ -73,7 +74,7 @@ CASES = (
 def compile_rows_function(source: str):
     """Compile ``source`` (C++ defining ``extern "C" void rms_norm_rows(...)``) and return ``(function, None)``,
     or ``(None, what went wrong)``. Each distinct source is built once, under a name derived from its hash."""
-    from ..cuda_rmsnorm import cpu_build_unavailable
+    from kernels.cuda_rmsnorm import cpu_build_unavailable
 
     reason = cpu_build_unavailable()
     if reason:
@@ -181,7 +182,7 @@ def check_rms_norm_rows(source: str, seed: int | None = None, verbose: bool = Tr
     """
     fn, problem = compile_rows_function(source)
     if problem is not None:
-        return _report(False, problem, verbose)
+        return verdict(False, problem, verbose)
     gen = torch.Generator()
     gen.manual_seed(seed) if seed is not None else gen.seed()  # fresh inputs unless a seed replays some
     worst = 0.0
@@ -190,15 +191,8 @@ def check_rms_norm_rows(source: str, seed: int | None = None, verbose: bool = Tr
         y, rstd = run_rows_function(fn, x, w, case.eps)
         problem = _diagnose(y, rstd, x, w, case)
         if problem is not None:
-            return _report(False, problem, verbose)
+            return verdict(False, problem, verbose)
         worst = max(worst, relative_error(y, rms_norm_reference(x.double(), w.double(), case.eps)))
     widths = "/".join(str(c.cols) for c in CASES)
-    return _report(True, f"rms_norm_rows is right on {len(CASES)} inputs (widths {widths}, tiny values, a strided "
+    return verdict(True, f"rms_norm_rows is right on {len(CASES)} inputs (widths {widths}, tiny values, a strided "
                          f"view); largest relative error of y {worst:.1e}.", verbose)
-
-
-def _report(passed: bool, message: str, verbose: bool) -> Report:
-    report = Report(passed, ("✓ " if passed else "✗ ") + message)
-    if verbose:
-        print(report.message)
-    return report

@@ -15,9 +15,10 @@ from collections.abc import Callable
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from .. import runtime
-from ..rmsnorm import rms_norm_fwd_op
-from .rmsnorm import Report
+from kernels import runtime
+from kernels.rmsnorm import rms_norm_fwd_op
+
+from .rmsnorm import Report, verdict
 
 
 def _cases(device: torch.device) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
@@ -50,14 +51,14 @@ def check_rms_norm_fake(fake: Callable, verbose: bool = True) -> Report:
             with FakeTensorMode(allow_non_fake_inputs=False) as mode:
                 out = fake(mode.from_tensor(x), mode.from_tensor(w), 1e-6)
         except Exception as exc:  # noqa: BLE001  (the reader's code may raise anything)
-            return _verdict(False, f"on a {name}, your fake raised {type(exc).__name__}: {exc}. A fake may only "
-                                   "look at shapes, dtypes and devices, never at values.", verbose)
+            return verdict(False, f"on a {name}, your fake raised {type(exc).__name__}: {exc}. A fake may only "
+                                  "look at shapes, dtypes and devices, never at values.", verbose)
         if not (isinstance(out, (tuple, list)) and len(out) == 2):
-            return _verdict(False, f"on a {name}, your fake returned {_describe(out)}; the operator returns two "
-                                   "tensors, (y, rstd).", verbose)
+            return verdict(False, f"on a {name}, your fake returned {_describe(out)}; the operator returns two "
+                                  "tensors, (y, rstd).", verbose)
         for what, got, real in (("y", out[0], y_real), ("rstd", out[1], rstd_real)):
             if not isinstance(got, torch.Tensor):
-                return _verdict(False, f"on a {name}, {what} is {_describe(got)}, not a tensor.", verbose)
+                return verdict(False, f"on a {name}, {what} is {_describe(got)}, not a tensor.", verbose)
             problems = [field for field, a, b in (("shape", tuple(got.shape), tuple(real.shape)),
                                                   ("dtype", got.dtype, real.dtype),
                                                   ("device", got.device.type, real.device.type)) if a != b]
@@ -70,13 +71,6 @@ def check_rms_norm_fake(fake: Callable, verbose: bool = True) -> Report:
                     hint = " Hint: one rstd per row, and rows = all elements / the last dimension."
                 elif what == "rstd" and "dtype" in problems:
                     hint = " Hint: rstd is kept in float32 whatever the input's dtype."
-                return _verdict(False, f"on a {name}, {what} has the wrong {' and '.join(problems)}: yours has "
-                                       f"{_describe(got)}, the real operator gives {_describe(real)}.{hint}", verbose)
-    return _verdict(True, f"your fake describes the real outputs on all {len(_cases(device))} inputs.", verbose)
-
-
-def _verdict(passed: bool, message: str, verbose: bool) -> Report:
-    report = Report(passed, ("✓ " if passed else "✗ ") + message)
-    if verbose:
-        print(report.message)
-    return report
+                return verdict(False, f"on a {name}, {what} has the wrong {' and '.join(problems)}: yours has "
+                                      f"{_describe(got)}, the real operator gives {_describe(real)}.{hint}", verbose)
+    return verdict(True, f"your fake describes the real outputs on all {len(_cases(device))} inputs.", verbose)

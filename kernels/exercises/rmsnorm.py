@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .. import runtime
-from ..reference import relative_error, rms_norm_reference
-from ..tolerances import ELEMENT_TOL, RELATIVE_ERROR_TOL
+from kernels import runtime
+from kernels.reference import relative_error, rms_norm_reference
+from kernels.tolerances import ELEMENT_TOL, RELATIVE_ERROR_TOL
 
 # A bfloat16 forward output must equal Hugging Face's bit for bit except in at most this fraction of values. The
 # right cast order gives (almost) no differences; multiplying by the weight before rounding changes about a fifth.
@@ -82,7 +82,7 @@ def check_rms_norm_forward(fn: Callable, seed: int | None = None, verbose: bool 
     the float64 result, and for bfloat16 the same bits (normalise in float32, round to bfloat16, then multiply by
     the weight). Prints the verdict (unless ``verbose=False``) and returns it.
     """
-    gen = _generator(seed)
+    gen = generator(seed)
     worst = {}
     same_bits = []
     for case in FORWARD_CASES:
@@ -95,14 +95,14 @@ def check_rms_norm_forward(fn: Callable, seed: int | None = None, verbose: bool 
             problem, fraction = _bf16_cast_order(out, x, w, case)
             same_bits.append(1 - fraction)
         if problem is not None:
-            return _report(False, problem, verbose)
+            return verdict(False, problem, verbose)
         worst[case.dtype] = max(worst.get(case.dtype, 0.0), relative_error(out, ref))
     summary = (
         f"forward correct on {len(FORWARD_CASES)} inputs (widths {_widths(FORWARD_CASES)}, float32 and bfloat16, "
         f"tiny values, a strided view). Largest relative errors: {_format_errors(worst)}; bfloat16 outputs "
         f"identical to Hugging Face's in {100 * min(same_bits):.2f}% of values."
     )
-    return _report(True, summary, verbose)
+    return verdict(True, summary, verbose)
 
 
 def check_rms_norm_backward(fn: Callable, seed: int | None = None, verbose: bool = True) -> Report:
@@ -111,7 +111,7 @@ def check_rms_norm_backward(fn: Callable, seed: int | None = None, verbose: bool
     ``rstd`` is the float32 ``1 / sqrt(mean(x²) + eps)`` per row that the forward pass saved; ``dx`` must have ``x``'s
     shape and dtype. Prints the verdict (unless ``verbose=False``) and returns it.
     """
-    gen = _generator(seed)
+    gen = generator(seed)
     worst = {}
     for case in BACKWARD_CASES:
         x, w, dy = _matrix(case, gen), _weight(case, gen), _matrix(case, gen)
@@ -121,13 +121,13 @@ def check_rms_norm_backward(fn: Callable, seed: int | None = None, verbose: bool
         if problem is None:
             problem = _compare(out, ref, case, "dx", suspects)
         if problem is not None:
-            return _report(False, problem, verbose)
+            return verdict(False, problem, verbose)
         worst[case.dtype] = max(worst.get(case.dtype, 0.0), relative_error(out, ref))
     summary = (
         f"backward (dx) correct on {len(BACKWARD_CASES)} inputs (widths {_widths(BACKWARD_CASES)}, float32 and "
         f"bfloat16, a strided view). Largest relative errors: {_format_errors(worst)}."
     )
-    return _report(True, summary, verbose)
+    return verdict(True, summary, verbose)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -135,7 +135,8 @@ def check_rms_norm_backward(fn: Callable, seed: int | None = None, verbose: bool
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def _generator(seed: int | None) -> torch.Generator:
+def generator(seed: int | None) -> torch.Generator:
+    """The CPU generator a check draws its inputs from: seeded with ``seed``, or fresh on every call when None."""
     gen = torch.Generator()
     if seed is None:
         gen.seed()  # fresh inputs on every call: a function must be right for any input, not for one
@@ -161,7 +162,7 @@ def _call(fn, args, case: Case, expect_like: torch.Tensor):
     try:
         out = fn(*args)
     except Exception as error:  # noqa: BLE001  (any failure of the reader's code is reported, not raised)
-        return None, f"on a {case}, your function raised {type(error).__name__}: {_last_line(error)}"
+        return None, f"on a {case}, your function raised {type(error).__name__}: {last_line(error)}"
     if not isinstance(out, torch.Tensor):
         return None, f"on a {case}, your function returned {type(out).__name__}, expected a tensor shaped like x"
     if out.shape != expect_like.shape:
@@ -176,13 +177,16 @@ def _call(fn, args, case: Case, expect_like: torch.Tensor):
     return out.detach(), None
 
 
-def _last_line(error: Exception) -> str:
+def last_line(error: Exception) -> str:
+    """The last non-empty line of ``error``'s message (at most 300 characters): what a check tells the reader of an
+    exception their function raised."""
     lines = [line for line in str(error).strip().splitlines() if line.strip()]
     text = lines[-1] if lines else repr(error)
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def _report(passed: bool, message: str, verbose: bool) -> Report:
+def verdict(passed: bool, message: str, verbose: bool) -> Report:
+    """A check's ``Report``: ``message`` marked ✓ or ✗, printed when ``verbose``."""
     report = Report(passed, ("✓ " if passed else "✗ ") + message)
     if verbose:
         print(report.message)

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import runtime
-from ..reference import relative_error, rotary_cos_sin
-from ..tolerances import RELATIVE_ERROR_TOL
-from .rmsnorm import Report, _generator, _last_line, _report
+from kernels import runtime
+from kernels.reference import relative_error, rotary_cos_sin
+from kernels.tolerances import RELATIVE_ERROR_TOL
+
+from .rmsnorm import Report, generator, last_line, verdict
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ def _call(fn, dy, cos, sin, case):
     try:
         out = fn(dy, cos, sin)
     except Exception as error:  # noqa: BLE001  (any failure of the reader's code is reported, not raised)
-        return None, f"on a {case}, your function raised {type(error).__name__}: {_last_line(error)}"
+        return None, f"on a {case}, your function raised {type(error).__name__}: {last_line(error)}"
     if not isinstance(out, torch.Tensor):
         return None, f"on a {case}, your function returned {type(out).__name__}, expected a tensor shaped like dy"
     if out.shape != dy.shape or out.dtype != dy.dtype:
@@ -134,7 +135,7 @@ def check_rope_backward(fn: Callable, seed: int | None = None, verbose: bool = T
     ``dy`` is [batch, heads, seq, head_dim] (possibly Llama's transposed view), ``cos`` and ``sin`` are [batch, seq,
     head_dim]; dx must have dy's shape and dtype. Prints the verdict (unless ``verbose=False``) and returns it.
     """
-    gen = _generator(seed)
+    gen = generator(seed)
     worst: dict[torch.dtype, float] = {}
     for case in ROPE_CASES:
         dy, cos, sin = _inputs(case, gen)
@@ -145,8 +146,8 @@ def check_rope_backward(fn: Callable, seed: int | None = None, verbose: bool = T
                 problem = _diagnose(out, dy, cos, sin, case)
             worst[case.dtype] = max(worst.get(case.dtype, 0.0), error)
         if problem is not None:
-            return _report(False, problem, verbose)
+            return verdict(False, problem, verbose)
     errors = ", ".join(f"{str(d).removeprefix('torch.')} {e:.1e}" for d, e in worst.items())
-    return _report(True, f"RoPE backward correct on {len(ROPE_CASES)} inputs (Llama's strided layout, head_dim "
+    return verdict(True, f"RoPE backward correct on {len(ROPE_CASES)} inputs (Llama's strided layout, head_dim "
                          f"8/16/12/32, cos and sin with unequal halves, bfloat16). Largest relative errors: {errors}.",
                    verbose)

@@ -1,0 +1,919 @@
+"""The benchmark sweep: check, then time, every implementation of a kernel at every shape
+(``python -m kernels.bench.sweep``).
+
+Every implementation × shape × pass gets two times:
+
+  eager_ms   the plain Python call: what an eager training loop sees, host overhead included (Python, autograd,
+             Triton's launcher). On a slow host CPU small shapes are host-bound here.
+  device_ms  the replay of a CUDA graph captured once from the same call: pure GPU time, what a step sees when the
+             host runs ahead of the GPU. Bandwidth and the fraction of the copy ceiling use it.
+
+Before anything is timed, its output (and its gradients, for forward+backward) is checked against float64. A row
+that fails is recorded as such and never timed. With ``rounds`` > 1 (the command line's default on a GPU) every
+implementation is timed once per round, in turn, and each row keeps the median over the rounds (``measure_shape``).
+
+Here: the sizes of the sweeps, the minimal bytes each kernel must move, the cases (inputs of one shape, their
+float64 reference, the check and the timed step), running the sweep, and the command line. The implementations are
+in ``kernels.bench.peers``, the timing in ``kernels.bench.timing``, reading and saving results in
+``kernels.bench.results``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kernels import runtime
+from kernels.reference import relative_error, rms_norm_reference, rotary_cos_sin, rotary_reference, swiglu_reference
+from kernels.tolerances import RELATIVE_ERROR_TOL
+
+from .peers import IMPLEMENTATIONS, Impl, implementations
+from .results import (
+    ASSETS,
+    DTYPES,
+    KERNELS,
+    RESULTS,
+    SCHEMA_VERSION,
+    check_kernel,
+    device_slug,
+    first_line,
+    format_table,
+    save_results,
+    summarize,
+)
+from .timing import (
+    device_time_ms,
+    gbps,
+    measure_ceilings,
+    peak_extra_mib,
+    reset_grads,
+    rotated,
+    same_bytes_copy_ms,
+    time_ms,
+)
+
+PASSES = ("fwd", "fwd+bwd")
+# Which passes each kernel is measured in. The cross-entropy of a training step is always forward+backward (the
+# fused kernel even computes the gradient in its forward), so that is the one pass it is compared in.
+KERNEL_PASSES = {"rmsnorm": ("fwd", "fwd+bwd"), "cross_entropy": ("fwd+bwd",), "swiglu": ("fwd", "fwd+bwd"),
+                 "rope": ("fwd", "fwd+bwd")}
+# What a case's width is, by kernel: the name in results and in the sizes tables.
+WIDTH_NAMES = {"rmsnorm": "hidden", "cross_entropy": "vocab", "swiglu": "intermediate", "rope": "head_dim"}
+# Llama-3.1-8B's attention: 32 query heads and 8 key-value heads of head_dim 128 (GQA). The tiny profile keeps the
+# ratio with fewer heads.
+ROPE_HEADS = runtime.pick((4, 2), (32, 8))
+
+
+# Sweeps. GPU: sizes that fill the chip, as in the chapters; interpreter: tiny, so the CPU gets through in seconds.
+GPU_SIZES = {
+    "rmsnorm": dict(tokens=(256, 512, 1024, 2048, 4096, 8192, 16384, 32768), hidden=4096,
+                    hidden_sweep=(1024, 2048, 4096, 8192), hidden_sweep_tokens=16384),
+    "cross_entropy": dict(tokens=(256, 512, 1024, 2048, 4096, 8192, 16384), vocab=128_256),
+    "swiglu": dict(tokens=(512, 1024, 2048, 4096, 8192, 16384), intermediate=14_336),
+    "rope": dict(tokens=(512, 1024, 2048, 4096, 8192, 16384), head_dim=128),
+}
+GPU_QUICK_SIZES = {
+    "rmsnorm": dict(tokens=(1024, 4096, 16384), hidden=4096, hidden_sweep=(1024, 8192), hidden_sweep_tokens=16384),
+    "cross_entropy": dict(tokens=(1024, 4096, 16384), vocab=128_256),
+    "swiglu": dict(tokens=(1024, 4096, 16384), intermediate=14_336),
+    "rope": dict(tokens=(1024, 4096, 16384), head_dim=128),
+}
+CPU_SIZES = {
+    "rmsnorm": dict(tokens=(16, 64), hidden=128, hidden_sweep=(64, 200), hidden_sweep_tokens=32),
+    "cross_entropy": dict(tokens=(8, 32), vocab=1000),
+    "swiglu": dict(tokens=(16, 64), intermediate=224),
+    "rope": dict(tokens=(16, 64), head_dim=32),
+}
+CPU_QUICK_SIZES = {
+    "rmsnorm": dict(tokens=(8, 24), hidden=96, hidden_sweep=(), hidden_sweep_tokens=8),
+    "cross_entropy": dict(tokens=(4, 12), vocab=500),
+    "swiglu": dict(tokens=(8, 24), intermediate=112),
+    "rope": dict(tokens=(8, 24), head_dim=16),
+}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Minimal bytes: the floor every time is judged against
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def rmsnorm_bytes(tokens: int, hidden: int, itemsize: int = 2, pass_: str = "fwd+bwd") -> int:
+    """Least bytes an RMSNorm over [tokens, hidden] must move.
+
+    Forward reads x and writes y: 2·M·N·s. Backward reads x and dy and writes dx: 3·M·N·s more, 5·M·N·s in all.
+    The weight, dW and one float32 rstd per row are a rounding error at Llama sizes and are left out.
+    """
+    _check_pass(pass_)
+    return (2 if pass_ == "fwd" else 5) * tokens * hidden * itemsize
+
+
+# Logit-sized transfers per logit for a forward+backward cross-entropy.
+CE_DESIGNS = {
+    "two_read": 3,  # read the row for the logsumexp, read it again for the gradient, write the gradient
+    "single_read": 2,  # read once (the row kept on chip), write the gradient: the floor
+}
+
+
+def cross_entropy_bytes(tokens: int, vocab: int, itemsize: int = 2, design: str = "two_read") -> int:
+    """Bytes a forward+backward cross-entropy over [tokens, vocab] logits moves.
+
+    ``"two_read"`` is the design of this package's kernel: 3 logit-sized transfers, 6 bytes per logit in bf16.
+    ``"single_read"`` is the floor: 4 bytes per logit in bf16. Targets and per-row scalars are left out.
+    """
+    if design not in CE_DESIGNS:
+        raise ValueError(f"design must be one of {tuple(CE_DESIGNS)}, got {design!r}")
+    return CE_DESIGNS[design] * tokens * vocab * itemsize
+
+
+def swiglu_bytes(tokens: int, intermediate: int, itemsize: int = 2, pass_: str = "fwd+bwd") -> int:
+    """Least bytes a SwiGLU over [tokens, intermediate] must move.
+
+    Forward reads gate and up and writes y: 3·M·I·s. Backward reads dy, gate and up and writes d(gate) and d(up):
+    5·M·I·s more, 8·M·I·s in all. Storing silu(gate) for the backward instead of recomputing it would add a write
+    and a read: 10·M·I·s.
+    """
+    _check_pass(pass_)
+    return (3 if pass_ == "fwd" else 8) * tokens * intermediate * itemsize
+
+
+def rope_bytes(tokens: int, head_dim: int, q_heads: int = 32, kv_heads: int = 8, itemsize: int = 2,
+               pass_: str = "fwd+bwd", trig_itemsize: int | None = None) -> int:
+    """Least bytes RoPE on q [tokens, q_heads, D] and k [tokens, kv_heads, D] must move.
+
+    Forward reads q and k and writes both rotated: 2·(Hq + Hkv)·T·D·s, plus cos and sin read once per position
+    (2·T·D·s_trig), not once per head. Backward is the same traffic again with dy in and dx out.
+    """
+    _check_pass(pass_)
+    trig = itemsize if trig_itemsize is None else trig_itemsize
+    one = 2 * (q_heads + kv_heads) * tokens * head_dim * itemsize + 2 * tokens * head_dim * trig
+    return one if pass_ == "fwd" else 2 * one
+
+
+def _check_pass(pass_: str) -> None:
+    if pass_ not in PASSES:
+        raise ValueError(f"pass_ must be one of {PASSES}, got {pass_!r}")
+
+
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Cases: the inputs of one shape, their float64 reference, the check and the timed step
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Check:
+    """The result of comparing one implementation with float64: relative error per checked tensor."""
+
+    ok: bool
+    errors: dict[str, float]
+    tol: float
+    message: str = ""
+
+    def to_json(self) -> dict:
+        return {"ok": self.ok, "errors": {k: _finite_or_none(v) for k, v in self.errors.items()}, "tol": self.tol,
+                "message": self.message}
+
+
+def _finite_or_none(v: float) -> float | None:
+    return v if v == v and abs(v) != float("inf") else None
+
+
+def _judge(errors: dict[str, float], tol: float) -> Check:
+    bad = [f"{name} relative error {err:.3g} > {tol:g}" for name, err in errors.items() if not err <= tol]
+    return Check(not bad, errors, tol, "; ".join(bad) or f"all relative errors ≤ {tol:g}")
+
+
+def _generator(device: torch.device, seed: int) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+class RMSNormCase:
+    """Inputs of one RMSNorm shape: x (requires grad), a weight around 1 (never all ones), dy; float64 references."""
+
+    kernel = "rmsnorm"
+
+    def __init__(self, tokens: int, hidden: int, dtype=torch.bfloat16, device=None, seed: int = 0, eps: float = 1e-6):
+        self.tokens, self.hidden, self.dtype, self.eps, self.seed = tokens, hidden, dtype, eps, seed
+        self.device = torch.device(device) if device is not None else runtime.device()
+        self.x = torch.empty(tokens, hidden, dtype=dtype, device=self.device, requires_grad=True)
+        self.dy = torch.empty(tokens, hidden, dtype=dtype, device=self.device)
+        g = _generator(self.device, seed + 1)
+        self.weight = (0.5 + torch.rand(hidden, generator=g, device=self.device)).to(dtype)
+        self.reset_inputs()
+        self._ref = None
+
+    @property
+    def width(self) -> int:
+        return self.hidden
+
+    def reset_inputs(self) -> None:
+        """Refill x and dy with the same values (an implementation may have written into dy: Liger does)."""
+        g = _generator(self.device, self.seed)
+        with torch.no_grad():
+            self.x.normal_(generator=g)
+            self.dy.normal_(generator=g)
+        self.x.grad = None
+
+    def bytes(self, pass_: str) -> tuple[int, int]:
+        n = rmsnorm_bytes(self.tokens, self.hidden, self.dtype.itemsize, pass_)
+        return n, n
+
+    def reference(self) -> dict[str, torch.Tensor]:
+        if self._ref is None:
+            x64 = self.x.detach().double().requires_grad_()
+            w64 = self.weight.double().requires_grad_()
+            y64 = rms_norm_reference(x64, w64, self.eps)
+            y64.backward(self.dy.double())
+            self._ref = {"y": y64.detach(), "dx": x64.grad, "dw": w64.grad}
+        return self._ref
+
+    def check(self, fn, params, pass_: str) -> Check:
+        ref = self.reference()
+        reset_grads([self.x, *params])
+        with torch.enable_grad():
+            y = fn(self.x)
+            errors = {"y": relative_error(y, ref["y"], on_device=True)}
+            if pass_ == "fwd+bwd":
+                y.backward(self.dy.clone())
+                errors["dx"] = _grad_error(self.x, ref["dx"])
+                errors["dw"] = _grad_error(params[0], ref["dw"]) if params else float("inf")
+        reset_grads([self.x, *params])
+        return _judge(errors, RELATIVE_ERROR_TOL[self.dtype])
+
+    def step(self, fn, params, pass_: str):
+        """``(call, grad_to_none)``: one timed call, and the tensors whose .grad must be reset between calls."""
+        x, dy = self.x, self.dy
+        if pass_ == "fwd":
+            return (lambda: fn(x)), [x, *params]
+
+        def fwd_bwd():
+            fn(x).backward(dy)
+
+        return fwd_bwd, [x, *params]
+
+
+def _grad_error(t: torch.Tensor, expected: torch.Tensor) -> float:
+    return float("inf") if t.grad is None else relative_error(t.grad, expected, on_device=True)
+
+
+class CrossEntropyCase:
+    """Inputs of one cross-entropy shape: bf16 logits (requires grad), targets with some ignored (-100) rows.
+
+    The float64 reference is the mean loss over all rows (in chunks, so it never needs a float64 copy of all the
+    logits) and the gradient of a sample of rows, which always includes an ignored one.
+    """
+
+    kernel = "cross_entropy"
+    IGNORE_INDEX = -100
+    SAMPLE_ROWS = 64
+    SCALE = 3.0  # logits spread enough that the softmax is far from uniform
+
+    def __init__(self, tokens: int, vocab: int, dtype=torch.bfloat16, device=None, seed: int = 0):
+        self.tokens, self.vocab, self.dtype, self.seed = tokens, vocab, dtype, seed
+        self.device = torch.device(device) if device is not None else runtime.device()
+        self.logits = torch.empty(tokens, vocab, dtype=dtype, device=self.device, requires_grad=True)
+        g = _generator(self.device, seed + 1)
+        target = torch.randint(0, vocab, (tokens,), generator=g, device=self.device)
+        ignored = torch.arange(tokens, device=self.device) % 16 == 3  # one row in 16 masked, like prompt tokens
+        self.target = torch.where(ignored, torch.full_like(target, self.IGNORE_INDEX), target)
+        self.reset_inputs()
+        self._ref = None
+
+    @property
+    def width(self) -> int:
+        return self.vocab
+
+    def reset_inputs(self) -> None:
+        """Refill the logits with the same values (the in-place implementations overwrite them with the gradient)."""
+        g = _generator(self.device, self.seed)
+        with torch.no_grad():
+            self.logits.normal_(generator=g).mul_(self.SCALE)
+        self.logits.grad = None
+
+    def bytes(self, pass_: str) -> tuple[int, int]:
+        s = self.dtype.itemsize
+        return (cross_entropy_bytes(self.tokens, self.vocab, s, "two_read"),
+                cross_entropy_bytes(self.tokens, self.vocab, s, "single_read"))
+
+    def sample_rows(self) -> torch.Tensor:
+        n = min(self.tokens, self.SAMPLE_ROWS)
+        g = _generator(torch.device("cpu"), self.seed + 2)
+        rows = torch.randperm(self.tokens, generator=g)[:n]
+        if self.tokens > 3:
+            rows[0] = 3  # an ignored row: its gradient must be exactly zero
+        return rows.to(self.device)
+
+    def reference(self) -> dict[str, torch.Tensor]:
+        if self._ref is None:
+            logits, target = self.logits.detach(), self.target
+            valid = target != self.IGNORE_INDEX
+            n_valid = valid.sum().double()
+            chunk = max(1, (1 << 30) // (8 * self.vocab))  # 1 GiB of float64 at a time
+            total = torch.zeros((), dtype=torch.float64, device=self.device)
+            for start in range(0, self.tokens, chunk):
+                total += self._loss_sum(logits[start:start + chunk], target[start:start + chunk])
+            rows = self.sample_rows()
+            x = logits[rows].double()
+            t = target[rows]
+            grad = torch.softmax(x, dim=-1)
+            keep = t != self.IGNORE_INDEX
+            grad[torch.arange(len(rows), device=self.device)[keep], t[keep]] -= 1.0
+            grad[~keep] = 0.0
+            self._ref = {"loss": total / n_valid, "rows": rows, "grad_rows": grad / n_valid}
+        return self._ref
+
+    def _loss_sum(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        x = x.double()
+        keep = t != self.IGNORE_INDEX
+        picked = x.gather(1, t.clamp(min=0)[:, None])[:, 0]
+        return ((torch.logsumexp(x, dim=-1) - picked) * keep).sum()
+
+    def check(self, fn, params, pass_: str) -> Check:
+        ref = self.reference()
+        self.logits.grad = None
+        with torch.enable_grad():
+            loss = fn(self.logits, self.target)
+            errors = {"loss": relative_error(loss.reshape(()), ref["loss"], on_device=True)}
+            if pass_ == "fwd+bwd":
+                loss.backward()
+                grad = self.logits.grad
+                errors["grad (sampled rows)"] = (
+                    float("inf") if grad is None
+                    else relative_error(grad[ref["rows"]], ref["grad_rows"], on_device=True))
+        self.logits.grad = None
+        return _judge(errors, RELATIVE_ERROR_TOL[self.dtype])
+
+    def step(self, fn, params, pass_: str):
+        if pass_ != "fwd+bwd":
+            raise ValueError(f"cross-entropy is measured forward+backward only, got pass_={pass_!r}")
+        logits, target = self.logits, self.target
+
+        def fwd_bwd():
+            fn(logits, target).backward()
+
+        return fwd_bwd, [logits]
+
+
+class SwiGLUCase:
+    """Inputs of one SwiGLU shape: gate (spread over the sigmoid's range) and up, both requiring grad, and dy;
+    float64 references of y, d(gate) and d(up)."""
+
+    kernel = "swiglu"
+    GATE_SCALE = 2.0
+
+    def __init__(self, tokens: int, intermediate: int, dtype=torch.bfloat16, device=None, seed: int = 0):
+        self.tokens, self.intermediate, self.dtype, self.seed = tokens, intermediate, dtype, seed
+        self.device = torch.device(device) if device is not None else runtime.device()
+        shape = (tokens, intermediate)
+        self.gate = torch.empty(shape, dtype=dtype, device=self.device, requires_grad=True)
+        self.up = torch.empty(shape, dtype=dtype, device=self.device, requires_grad=True)
+        self.dy = torch.empty(shape, dtype=dtype, device=self.device)
+        self.reset_inputs()
+        self._ref = None
+
+    @property
+    def width(self) -> int:
+        return self.intermediate
+
+    def reset_inputs(self) -> None:
+        """Refill gate, up and dy with the same values (Liger's backward overwrites gate and up)."""
+        g = _generator(self.device, self.seed)
+        with torch.no_grad():
+            self.gate.normal_(generator=g).mul_(self.GATE_SCALE)
+            self.up.normal_(generator=g)
+            self.dy.normal_(generator=g)
+        self.gate.grad = self.up.grad = None
+
+    def bytes(self, pass_: str) -> tuple[int, int]:
+        n = swiglu_bytes(self.tokens, self.intermediate, self.dtype.itemsize, pass_)
+        return n, n
+
+    def reference(self) -> dict[str, torch.Tensor]:
+        if self._ref is None:
+            g64 = self.gate.detach().double().requires_grad_()
+            u64 = self.up.detach().double().requires_grad_()
+            y64 = swiglu_reference(g64, u64)
+            y64.backward(self.dy.double())
+            self._ref = {"y": y64.detach(), "d_gate": g64.grad, "d_up": u64.grad}
+        return self._ref
+
+    def check(self, fn, params, pass_: str) -> Check:
+        ref = self.reference()
+        reset_grads([self.gate, self.up])
+        with torch.enable_grad():
+            y = fn(self.gate, self.up)
+            errors = {"y": relative_error(y, ref["y"], on_device=True)}
+            if pass_ == "fwd+bwd":
+                y.backward(self.dy.clone())
+                errors["d_gate"] = _grad_error(self.gate, ref["d_gate"])
+                errors["d_up"] = _grad_error(self.up, ref["d_up"])
+        reset_grads([self.gate, self.up])
+        return _judge(errors, RELATIVE_ERROR_TOL[self.dtype])
+
+    def step(self, fn, params, pass_: str):
+        gate, up, dy = self.gate, self.up, self.dy
+        if pass_ == "fwd":
+            return (lambda: fn(gate, up)), [gate, up]
+
+        def fwd_bwd():
+            fn(gate, up).backward(dy)
+
+        return fwd_bwd, [gate, up]
+
+
+class RoPECase:
+    """Inputs of one RoPE shape, batch 1 × ``tokens`` positions: q [1, Hq, T, D] and k [1, Hkv, T, D] as Llama's
+    attention makes them (transposed views of [1, T, heads, D], requiring grad), cos and sin in the activation dtype
+    at random positions, and the two upstream gradients; float64 references of both outputs and both gradients."""
+
+    kernel = "rope"
+
+    def __init__(self, tokens: int, head_dim: int, dtype=torch.bfloat16, device=None, seed: int = 0,
+                 heads: tuple[int, int] | None = None):
+        self.tokens, self.head_dim, self.dtype, self.seed = tokens, head_dim, dtype, seed
+        self.q_heads, self.kv_heads = heads or ROPE_HEADS
+        self.device = torch.device(device) if device is not None else runtime.device()
+
+        def llama_view(n_heads):
+            t = torch.empty(1, tokens, n_heads, head_dim, dtype=dtype, device=self.device).transpose(1, 2)
+            return t.requires_grad_()
+
+        self.q, self.k = llama_view(self.q_heads), llama_view(self.kv_heads)
+        self.dq = torch.empty(self.q.shape, dtype=dtype, device=self.device)
+        self.dk = torch.empty(self.k.shape, dtype=dtype, device=self.device)
+        positions = torch.randint(0, 8192, (1, tokens), generator=_generator(self.device, seed + 1),
+                                  device=self.device)
+        self.cos, self.sin = rotary_cos_sin(1, tokens, head_dim, dtype=dtype, device=self.device,
+                                            positions=positions)
+        self.reset_inputs()
+        self._ref = None
+
+    @property
+    def width(self) -> int:
+        return self.head_dim
+
+    def reset_inputs(self) -> None:
+        g = _generator(self.device, self.seed)
+        with torch.no_grad():
+            for t in (self.q, self.k, self.dq, self.dk):
+                t.normal_(generator=g)
+        self.q.grad = self.k.grad = None
+
+    def bytes(self, pass_: str) -> tuple[int, int]:
+        n = rope_bytes(self.tokens, self.head_dim, self.q_heads, self.kv_heads, self.dtype.itemsize, pass_)
+        return n, n
+
+    def reference(self) -> dict[str, torch.Tensor]:
+        if self._ref is None:
+            q64 = self.q.detach().double().requires_grad_()
+            k64 = self.k.detach().double().requires_grad_()
+            q_out, k_out = rotary_reference(q64, k64, self.cos.double(), self.sin.double())
+            torch.autograd.backward([q_out, k_out], [self.dq.double(), self.dk.double()])
+            self._ref = {"q_embed": q_out.detach(), "k_embed": k_out.detach(), "dq": q64.grad, "dk": k64.grad}
+        return self._ref
+
+    def check(self, fn, params, pass_: str) -> Check:
+        ref = self.reference()
+        reset_grads([self.q, self.k])
+        with torch.enable_grad():
+            q_out, k_out = fn(self.q, self.k, self.cos, self.sin)
+            errors = {"q_embed": relative_error(q_out, ref["q_embed"], on_device=True),
+                      "k_embed": relative_error(k_out, ref["k_embed"], on_device=True)}
+            if pass_ == "fwd+bwd":
+                torch.autograd.backward([q_out, k_out], [self.dq.clone(), self.dk.clone()])
+                errors["dq"] = _grad_error(self.q, ref["dq"])
+                errors["dk"] = _grad_error(self.k, ref["dk"])
+        reset_grads([self.q, self.k])
+        return _judge(errors, RELATIVE_ERROR_TOL[self.dtype])
+
+    def step(self, fn, params, pass_: str):
+        q, k, cos, sin, dq, dk = self.q, self.k, self.cos, self.sin, self.dq, self.dk
+        if pass_ == "fwd":
+            return (lambda: fn(q, k, cos, sin)), [q, k]
+
+        def fwd_bwd():
+            torch.autograd.backward(list(fn(q, k, cos, sin)), [dq, dk])
+
+        return fwd_bwd, [q, k]
+
+
+CASES = {"rmsnorm": RMSNormCase, "cross_entropy": CrossEntropyCase, "swiglu": SwiGLUCase, "rope": RoPECase}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The sweep: check, then time, every implementation at every shape
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _base_row(case, impl: Impl, pass_: str) -> dict:
+    n_bytes, n_floor = case.bytes(pass_)
+    return {
+        "kernel": case.kernel, "impl": impl.key, "label": impl.label, "role": impl.role,
+        "tokens": case.tokens, "width": case.width, "shape": f"{case.tokens}×{case.width}", "pass": pass_,
+        "dtype": str(case.dtype).removeprefix("torch."),
+        "status": "ok", "note": "",
+        "eager_ms": None, "device_ms": None, "device_note": None, "eager_ms_rounds": [], "device_ms_rounds": [],
+        "bytes": n_bytes, "bytes_floor": n_floor,
+        "gbps": None, "frac_copy": None, "gbps_floor": None, "frac_copy_floor": None,
+        "copy_same_bytes_ms": None, "frac_same_bytes_copy": None,
+        "peak_extra_mib": None, "check": None,
+    }
+
+
+def _free_device_memory() -> None:
+    import gc
+
+    gc.collect()
+    if runtime.MODE == "gpu":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def _checked_row(case, impl: Impl, fn, params, pass_: str) -> dict:
+    """The row of one implementation and pass, its output checked against float64 (status "ok" if it passed)."""
+    row = _base_row(case, impl, pass_)
+    try:
+        case.reset_inputs()
+        check = case.check(fn, params, pass_)
+    except Exception as exc:  # noqa: BLE001  (a peer that raises is a result, not the end of the sweep)
+        row.update(status="error", note=f"the correctness check raised {type(exc).__name__}: {first_line(exc)}")
+        _free_device_memory()
+        return row
+    row["check"] = check.to_json()
+    if not check.ok:
+        row.update(status="check failed", note=f"not timed: {check.message}")
+    return row
+
+
+def _time_into(row: dict, case, fn, params, pass_: str, warmup: int, rep: int) -> None:
+    """Time one call of a checked row once more: its eager and device times go to the row's per-round lists, and
+    its peak memory is measured the first time."""
+    try:
+        case.reset_inputs()  # the check or an earlier round may have overwritten inputs (in-place gradients)
+        call, grads = case.step(fn, params, pass_)
+        row["eager_ms_rounds"].append(time_ms(call, warmup=warmup, rep=rep, grad_to_none=grads))
+        if row["peak_extra_mib"] is None:
+            row["peak_extra_mib"] = peak_extra_mib(call, grads)
+        device_ms, row["device_note"] = device_time_ms(call, grads, warmup=warmup, rep=rep)
+        if device_ms is not None:
+            row["device_ms_rounds"].append(device_ms)
+    except Exception as exc:  # noqa: BLE001  (out of memory at a large shape, for example)
+        row.update(status="error", note=f"timing raised {type(exc).__name__}: {first_line(exc)}")
+        _free_device_memory()
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def measure_shape(case, chosen, passes, warmup: int = 25, rep: int = 50, rounds: int = 1, bar=None) -> list[dict]:
+    """Rows for every implementation at one shape: skipped (with the reason), or checked and then timed, per pass.
+
+    The timing goes round by round, every implementation once per round, and each row keeps the median over the
+    rounds. A host whose speed drifts (another process, clock changes) then slows every implementation of a round
+    alike instead of whichever was being timed, which matters for eager times at small shapes, where the host sets
+    them. The order rotates from round to round, so that no implementation always runs first or after the same
+    neighbour. The per-round times are kept in the row (``eager_ms_rounds``, ``device_ms_rounds``). Each round also
+    times a copy of each pass's bytes (``same_bytes_copy_ms``); every row of the pass gets the median
+    (``copy_same_bytes_ms``), the yardstick at this size.
+    """
+    rows, timed = [], {}  # timed: per implementation, its checked rows and what times them
+    for impl in chosen:
+        reason = impl.unavailable()
+        if reason:
+            rows += [dict(_base_row(case, impl, p), status="skipped", note=reason) for p in passes]
+            continue
+        try:
+            fn, params = impl.build(case)
+        except Exception as exc:  # noqa: BLE001
+            note = f"building it raised {type(exc).__name__}: {first_line(exc)}"
+            rows += [dict(_base_row(case, impl, p), status="error", note=note) for p in passes]
+            continue
+        for pass_ in passes:
+            row = _checked_row(case, impl, fn, params, pass_)
+            rows.append(row)
+            if row["status"] == "ok":
+                timed.setdefault(impl.key, []).append((row, fn, params, pass_))
+    copies: dict[str, list[float]] = {p: [] for p in passes}
+    for r in range(rounds):
+        for impl in rotated(chosen, r):
+            for row, fn, params, pass_ in timed.get(impl.key, ()):
+                if row["status"] == "ok":
+                    _time_into(row, case, fn, params, pass_, warmup, rep)
+            if bar is not None:
+                bar.update(1)
+        for pass_ in copies if timed else ():
+            ms = same_bytes_copy_ms(case.bytes(pass_)[0], warmup, rep)
+            if ms is not None:
+                copies[pass_].append(ms)
+    for row, *_ in (entry for entries in timed.values() for entry in entries):
+        row["eager_ms"] = _median(row["eager_ms_rounds"])
+        row["device_ms"] = _median(row["device_ms_rounds"])
+    for row in rows:
+        row["copy_same_bytes_ms"] = _median(copies[row["pass"]])
+    return rows
+
+
+def add_rates(rows: list[dict], ceilings: dict | None) -> None:
+    """Fill GB/s (from device time; minimal bytes), the fraction of the measured copy bandwidth, and the fraction of
+    a copy of the row's own bytes (the copy's time over the row's: 1 is as fast as PyTorch's copy of them), in place."""
+    copy = ceilings.get("copy_gbps") if ceilings else None
+    for row in rows:
+        if row["device_ms"] is None:
+            continue
+        if row.get("copy_same_bytes_ms"):
+            row["frac_same_bytes_copy"] = row["copy_same_bytes_ms"] / row["device_ms"]
+        row["gbps"] = gbps(row["bytes"], row["device_ms"])
+        row["gbps_floor"] = gbps(row["bytes_floor"], row["device_ms"])
+        if copy:
+            row["frac_copy"] = row["gbps"] / copy
+            row["frac_copy_floor"] = row["gbps_floor"] / copy
+
+
+def sweep_shapes(tokens, width: int, width_sweep=(), width_sweep_tokens: int | None = None) -> list[tuple[int, int]]:
+    """The (tokens, width) shapes of a token sweep at ``width`` plus a width sweep at ``width_sweep_tokens``."""
+    shapes = [(int(t), int(width)) for t in tokens]
+    if width_sweep:
+        if width_sweep_tokens is None:
+            raise ValueError("a width sweep needs width_sweep_tokens (the token count it is run at)")
+        shapes += [(int(width_sweep_tokens), int(w)) for w in width_sweep if (width_sweep_tokens, w) not in shapes]
+    for t, w in shapes:
+        if t < 1 or w < 1:
+            raise ValueError(f"sizes must be positive, got tokens={t}, width={w}")
+    return shapes
+
+
+def run_benchmark(
+    kernel: str,
+    tokens,
+    width: int,
+    *,
+    width_sweep=(),
+    width_sweep_tokens: int | None = None,
+    impls=None,
+    passes=None,
+    dtype: torch.dtype = torch.bfloat16,
+    warmup: int = 25,
+    rep: int = 50,
+    seed: int = 0,
+    ceilings: dict | None = None,
+    progress: bool = True,
+    rounds: int = 1,
+) -> dict:
+    """Check and time ``kernel``'s implementations over a token sweep (and, for RMSNorm, a hidden-size sweep).
+
+    ``width`` is the hidden size (RMSNorm) or the vocabulary (cross-entropy). ``impls``: keys of
+    ``peers.IMPLEMENTATIONS[kernel]`` or ``Impl`` objects (default: all). ``warmup``/``rep`` are do_bench's, in ms;
+    ``rounds`` how many times every implementation is timed, in turn, at each shape (``measure_shape``).
+    On a GPU the copy and matmul ceilings are measured first unless ``ceilings`` is given.
+    Returns the results dict that ``save_results`` writes as JSON.
+    """
+    check_kernel(kernel)
+    if dtype not in RELATIVE_ERROR_TOL:
+        raise TypeError(f"dtype must be one of {tuple(RELATIVE_ERROR_TOL)}, got {dtype}")
+    passes = tuple(passes or KERNEL_PASSES[kernel])
+    for p in passes:
+        if p not in KERNEL_PASSES[kernel]:
+            raise ValueError(f"{kernel} is measured in passes {KERNEL_PASSES[kernel]}, got {p!r}")
+    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
+        raise ValueError(f"rounds must be a positive int, got {rounds!r}")
+    chosen = implementations(kernel, impls)
+    shapes = sweep_shapes(tokens, width, width_sweep, width_sweep_tokens)
+    if ceilings is None and runtime.MODE == "gpu":
+        ceilings = measure_ceilings()
+
+    from tqdm.auto import tqdm
+
+    rows: list[dict] = []
+    bar = tqdm(total=len(shapes) * rounds * len(chosen), desc=kernel, disable=not progress, leave=True)
+    try:
+        for n_tokens, n_width in shapes:
+            if runtime.MODE == "gpu" and any(i.compiled for i in chosen):
+                torch._dynamo.reset()  # compile afresh per shape: dynamic=False, and no recompile limit to hit
+            case = CASES[kernel](n_tokens, n_width, dtype=dtype, seed=seed)
+            bar.set_postfix_str(f"{n_tokens}×{n_width}")
+            rows += measure_shape(case, chosen, passes, warmup, rep, rounds, bar)
+            del case
+            _free_device_memory()
+    finally:
+        bar.close()
+    add_rates(rows, ceilings)
+    return _results_dict(kernel, rows, chosen, ceilings, shapes, dict(
+        tokens=[int(t) for t in tokens], width=int(width), width_sweep=[int(w) for w in width_sweep],
+        width_sweep_tokens=width_sweep_tokens, dtype=str(dtype).removeprefix("torch."), passes=list(passes),
+        warmup_ms=warmup, rep_ms=rep, seed=seed, rounds=rounds,
+    ))
+
+
+def _results_dict(kernel, rows, chosen, ceilings, shapes, settings) -> dict:
+    skipped = {r["impl"]: r["note"] for r in rows if r["status"] == "skipped"}
+    return {
+        "schema": SCHEMA_VERSION,
+        "kernel": kernel,
+        "width_name": WIDTH_NAMES[kernel],
+        "mode": runtime.MODE,
+        "device": runtime.device_name(),
+        "device_slug": device_slug(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "versions": {**runtime.versions(), "liger_kernel": _liger_version()},
+        "git_commit": _git_commit(),
+        "ceilings": ceilings,
+        "settings": settings,
+        "time_basis": _time_basis(),
+        "implementations": {
+            i.key: {"label": i.label, "role": i.role, "skipped": skipped.get(i.key)} for i in chosen
+        },
+        "shapes": [list(s) for s in shapes],
+        "rows": rows,
+    }
+
+
+
+def _time_basis() -> dict:
+    if runtime.MODE == "gpu":
+        return {
+            "eager_ms": "do_bench median of the plain call: host (Python, autograd, launch) overhead included; "
+                        "the median over the rounds",
+            "device_ms": "do_bench median of CUDA-graph replays of the same call: GPU time only; the median over "
+                         "the rounds",
+        }
+    return {
+        "eager_ms": "wall-clock median of the CPU interpreter: meaningless as a GPU time",
+        "device_ms": "not measured: no GPU",
+    }
+
+
+def _liger_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("liger-kernel")
+    except Exception:  # noqa: BLE001  (not installed)
+        return None
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ASSETS.parent, capture_output=True, text=True,
+                             timeout=10, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ASSETS.parent,
+                               capture_output=True, text=True, timeout=10, check=True)
+    except Exception:  # noqa: BLE001  (not a git checkout, or no git)
+        return None
+    return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+
+
+def default_sizes(kernel: str, quick: bool = False) -> dict:
+    """The sweep's sizes for this mode: realistic on a GPU, tiny in the interpreter; ``quick`` trims them."""
+    check_kernel(kernel)
+    table = (GPU_QUICK_SIZES if quick else GPU_SIZES) if runtime.MODE == "gpu" else (
+        CPU_QUICK_SIZES if quick else CPU_SIZES)
+    return dict(table[kernel])
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    if text.strip().lower() in ("", "none"):
+        return ()
+    try:
+        values = tuple(int(v.replace("_", "")) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"sizes must be positive, got {text!r}")
+    return values
+
+
+def _str_list(text: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in text.split(",") if v.strip())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    keys = {k: ", ".join(i.key for i in v) for k, v in IMPLEMENTATIONS.items()}
+    parser = argparse.ArgumentParser(
+        prog="python -m kernels.bench.sweep",
+        description=(
+            "Check, then time, the fused RMSNorm, cross-entropy, SwiGLU and RoPE kernels against every peer "
+            "(Hugging Face eager, torch.compile, PyTorch's native ops, Liger-Kernel where installed). Every time is "
+            "given twice: eager (the plain call, host overhead included) and device (CUDA-graph replay: GPU time "
+            "only). Writes <kernel>/<gpu>.json and .png into --out (the results root) and prints a table."
+        ),
+        epilog=(
+            f"Implementation keys: rmsnorm: {keys['rmsnorm']}; cross_entropy: {keys['cross_entropy']}; "
+            f"swiglu: {keys['swiglu']}; rope: {keys['rope']}. "
+            f"GPU defaults: rmsnorm tokens {','.join(map(str, GPU_SIZES['rmsnorm']['tokens']))} at hidden 4096, "
+            "hidden 1024,2048,4096,8192 at 16384 tokens; cross_entropy tokens "
+            f"{','.join(map(str, GPU_SIZES['cross_entropy']['tokens']))} at vocab 128256; swiglu at intermediate "
+            "14336 and rope at head_dim 128 (32 q heads, 8 kv heads), Llama-3.1-8B's shapes. Without a GPU the "
+            "sizes are tiny and times are the interpreter's wall-clock (meaningless as GPU times)."
+        ),
+    )
+    parser.add_argument("--kernel", choices=(*KERNELS, "all"), default="all", help="which kernel to benchmark")
+    parser.add_argument("--tokens", type=_int_list, help="token counts of the token sweep, e.g. 1024,4096,16384")
+    parser.add_argument("--hidden", type=int, help="RMSNorm: hidden size of the token sweep (GPU default 4096)")
+    parser.add_argument("--hidden-sweep", type=_int_list,
+                        help="RMSNorm: hidden sizes swept at --hidden-sweep-tokens, e.g. 1024,8192 ('none' to skip)")
+    parser.add_argument("--hidden-sweep-tokens", type=int, help="RMSNorm: tokens of the hidden sweep (default 16384)")
+    parser.add_argument("--vocab", type=int, help="cross-entropy: vocabulary size (GPU default 128256)")
+    parser.add_argument("--intermediate", type=int, help="SwiGLU: intermediate size (GPU default 14336)")
+    parser.add_argument("--head-dim", type=int, help="RoPE: head_dim (GPU default 128; 32 q heads, 8 kv heads)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16")
+    parser.add_argument("--impls", type=_str_list, help="comma-separated implementation keys (default: all)")
+    parser.add_argument("--passes", type=_str_list, help="RMSNorm, SwiGLU, RoPE: fwd, fwd+bwd (default both)")
+    parser.add_argument("--quick", action="store_true", help="a few sizes only")
+    parser.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms of GPU time (default 25)")
+    parser.add_argument("--rep", type=int, default=50, help="do_bench repetitions, ms of GPU time (default 50)")
+    parser.add_argument("--rounds", type=int, default=runtime.pick(1, 3),
+                        help="times every implementation is timed, in turn, at each shape; rows keep the median "
+                             "(default 3 on a GPU, 1 in the interpreter)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=RESULTS,
+                        help=f"results root; writes <kernel>/<gpu>.json there (default {RESULTS})")
+    parser.add_argument("--no-plots", action="store_true", help="write JSON only")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def _sizes_from_args(kernel: str, args) -> dict:
+    sizes = default_sizes(kernel, args.quick)
+    if args.tokens:
+        sizes["tokens"] = args.tokens
+    if kernel == "rmsnorm":
+        if args.hidden:
+            sizes["hidden"] = args.hidden
+        if args.hidden_sweep is not None:
+            sizes["hidden_sweep"] = args.hidden_sweep
+        if args.hidden_sweep_tokens:
+            sizes["hidden_sweep_tokens"] = args.hidden_sweep_tokens
+    for key, value in (("vocab", args.vocab), ("intermediate", args.intermediate), ("head_dim", args.head_dim)):
+        if value and key == WIDTH_NAMES[kernel]:
+            sizes[key] = value
+    return sizes
+
+
+def _impls_for(kernel: str, keys) -> list[str] | None:
+    if not keys:
+        return None
+    everywhere = {i.key for impls in IMPLEMENTATIONS.values() for i in impls}
+    unknown = [k for k in keys if k not in everywhere]
+    if unknown:
+        raise SystemExit(f"unknown implementation key(s) {unknown}; known: {sorted(everywhere)}")
+    return [k for k in keys if k in {i.key for i in IMPLEMENTATIONS[kernel]}]
+
+
+def run_kernel_cli(kernel: str, args, ceilings: dict | None) -> dict:
+    sizes = _sizes_from_args(kernel, args)
+    passes = None
+    if len(KERNEL_PASSES[kernel]) > 1 and args.passes:
+        passes = args.passes
+    impls = _impls_for(kernel, args.impls)
+    if impls == []:
+        print(f"{kernel}: none of the chosen implementations applies; skipped")
+        return {}
+    common = dict(impls=impls, passes=passes, dtype=DTYPES[args.dtype], warmup=args.warmup, rep=args.rep,
+                  seed=args.seed, ceilings=ceilings, progress=not args.no_progress, rounds=args.rounds)
+    if kernel == "rmsnorm":
+        return run_benchmark("rmsnorm", sizes["tokens"], sizes["hidden"], width_sweep=sizes["hidden_sweep"],
+                             width_sweep_tokens=sizes["hidden_sweep_tokens"], **common)
+    return run_benchmark(kernel, sizes["tokens"], sizes[WIDTH_NAMES[kernel]], **common)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    print(runtime.describe())
+    print(runtime.timings_note())
+    ceilings = None
+    if runtime.MODE == "gpu":
+        ceilings = measure_ceilings()
+        print(f"measured ceilings: copy {ceilings['copy_gbps']:,.0f} GB/s, bf16 matmul "
+              f"{ceilings['matmul_tflops']:,.0f} TFLOP/s")
+    kernels_to_run = KERNELS if args.kernel == "all" else (args.kernel,)
+    for kernel in kernels_to_run:
+        results = run_kernel_cli(kernel, args, ceilings)
+        if not results:
+            continue
+        path = save_results(results, args.out)
+        print()
+        print(format_table(results))
+        print(summarize(results))
+        print(f"wrote {path}")
+        if not args.no_plots:
+            from .plots import save_summary_png
+
+            print(f"wrote {save_summary_png(results, path.with_suffix('.png'))}")
+    return 0
+
+
+if __name__ == "__main__":
+    # Run through the package's module, not this __main__ copy, so there is one set of classes and constants.
+    from kernels.bench.sweep import main as _main
+
+    raise SystemExit(_main())

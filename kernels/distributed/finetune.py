@@ -1,0 +1,97 @@
+"""The fine-tuning command line under torchrun: FSDP2 across the processes torchrun starts.
+
+    torchrun --nproc-per-node 2 -m kernels.distributed.finetune --batch-size 2             # patched; 2 global rows
+    torchrun --nproc-per-node 2 -m kernels.distributed.finetune --batch-size 2 --compare   # HF's, then patched
+    torchrun --nproc-per-node 2 -m kernels.distributed.finetune --batch-size 2 --adamw triton
+
+It takes every flag of the single-GPU command line (``python -m kernels.training.finetune``), whose parser it
+extends with the sharding flags below, and runs ``kernels.distributed.parallel.fsdp_finetune`` in each process: rank 0
+prints, logs and writes ``fsdp/<name>_<N>gpu.json`` under ``--out`` (``--name`` defaults to the preset). It lives
+in this wing, not beside the single-GPU command line, because the training wing sits below the distributed one and
+must not import it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kernels import runtime
+from kernels.training.finetune import build_parser, check_counts, patch_options
+from kernels.training.loop import VARIANTS
+
+from .fsdp import print0, setup, teardown
+from .parallel import DTYPES, fsdp_finetune
+
+
+def add_fsdp_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags a sharded run takes on top of the single-GPU command line's."""
+    group = parser.add_argument_group("FSDP2 (under torchrun)")
+    group.add_argument("--baseline", action="store_true",
+                       help="Hugging Face's model alone, not patched (--compare runs both)")
+    group.add_argument("--master-dtype", choices=sorted(DTYPES), default="bfloat16",
+                       help="dtype of the stored (sharded) parameters and AdamW's states (default bfloat16, as the "
+                            "single-GPU loop; float32 for float32 master weights)")
+    group.add_argument("--prefetch", type=int, default=0, metavar="K",
+                       help="all-gather K layers ahead explicitly (default 0: FSDP2's implicit one-layer prefetch)")
+    group.add_argument("--compute-dtype", choices=sorted(DTYPES), default="bfloat16",
+                       help="dtype the layers compute in (MixedPrecisionPolicy.param_dtype; default bfloat16)")
+
+
+def build_fsdp_parser() -> argparse.ArgumentParser:
+    parser = build_parser()
+    parser.prog = "torchrun --nproc-per-node N -m kernels.distributed.finetune"
+    parser.description = ("Fine-tune a Llama preset sharded with FSDP2 across the processes torchrun starts; "
+                          "--batch-size is the global rows per micro-batch, split evenly across ranks (default "
+                          "preset: llama-3.1-8b on GPUs, tiny on the CPU).")
+    add_fsdp_arguments(parser)
+    return parser
+
+
+def _variants(args) -> tuple[str, ...]:
+    if args.compare:
+        return VARIANTS
+    return ("baseline",) if args.baseline else ("patched",)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One torchrun worker's run: check the flags, join the process group, train every variant, leave the group."""
+    args = build_fsdp_parser().parse_args(argv)
+    check_counts(args)
+    if args.compile or args.fit:
+        raise SystemExit("a sharded run trains the eager loop: leave out --compile and --fit")
+    if args.adamw == "fused" or args.patched_adamw is not None:
+        raise SystemExit("a sharded run trains every variant with torch.optim.AdamW's defaults or with --adamw "
+                         "triton: leave out --adamw fused and --patched-adamw")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    env = setup()
+    try:
+        if args.batch_size % env.world_size:
+            raise SystemExit(
+                f"--batch-size {args.batch_size} is the global batch, split by rows across {env.world_size} "
+                f"processes: make it a multiple of {env.world_size}, e.g. --batch-size "
+                f"{args.batch_size * env.world_size} for {args.batch_size} row(s) per process")
+        preset = args.preset or ("tiny" if runtime.MODE != "gpu" else "llama-3.1-8b")
+        print0(runtime.describe())
+        print0(f"FSDP2 on {env.world_size} rank(s), backend {env.backend}; preset {preset}; {args.steps} steps of "
+               f"{args.grad_accum} × {args.batch_size} (global rows; {args.batch_size // max(env.world_size, 1)} "
+               f"per rank) × {args.seq_len} tokens; stored {args.master_dtype}, compute {args.compute_dtype}, "
+               "gradients reduced in float32")
+        result = fsdp_finetune(
+            preset, args.steps, args.seq_len, args.batch_size, args.grad_accum, args.lr, args.seed,
+            variants=_variants(args), master_dtype=DTYPES[args.master_dtype],
+            compute_dtype=DTYPES[args.compute_dtype], patch_options=patch_options(args),
+            gradient_checkpointing=args.gradient_checkpointing, padding_mask=args.padding_mask, prefetch=args.prefetch,
+            progress=not args.no_progress, out_dir=args.out, adamw=args.adamw, name=args.name,
+        )
+        print0()
+        print0(result.table())
+    finally:
+        teardown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,837 @@
+"""Put the workbook's kernels into a Hugging Face model: module surgery on one model, undoable.
+
+``patch_llama(model)`` changes one model object, and nothing else. Each change below is one kernel, named as in
+``SWITCHES``; ``patch_llama(model)`` turns on those of ``DEFAULT_KERNELS`` that apply to the model (all but the linear
+cross-entropy), ``patch_llama(model, kernels=("rms_norm", "cross_entropy"))`` exactly the ones named:
+
+* **RMSNorm** (``rms_norm``). Every norm module whose formula is Llama's, ``weight * (x / rms(x)).to(x.dtype)``, is
+  replaced by a ``TritonRMSNorm`` that shares its weight ``Parameter``. First every norm is found (parent module,
+  attribute name, module) and checked, then each is swapped with ``setattr(parent, name, new)``. Because the Parameter
+  is the same object, the optimizer (even one created before the patch), weight tying and the ``state_dict`` keys are
+  unchanged. Accepted classes: ``LlamaRMSNorm``, ``MistralRMSNorm``, ``Qwen2RMSNorm``, ``Qwen3RMSNorm`` (including
+  Qwen3's per-head ``q_norm``/``k_norm``, which normalise over head_dim on [batch, seq, heads, head_dim] tensors).
+  Gemma's norms compute ``x / rms(x) * (1 + weight)`` in float32 and are refused, as is any other class whose name
+  contains "RMSNorm": a kernel that computes a slightly different formula would train a slightly different model.
+* **The loss** (``cross_entropy``). ``model.loss_function`` (Hugging Face's ``ForCausalLMLoss``) is replaced, through
+  the setter ``PreTrainedModel`` provides, by ``causal_lm_loss``: the same label shift (labels padded with
+  ``ignore_index`` on the right and their first position dropped), the same ``ignore_index=-100``, the same
+  ``num_items_in_batch`` rule (a sum divided by it under gradient accumulation, else a mean), computed by the fused
+  Triton cross-entropy without the float32 copy of the logits and without a host synchronisation
+  (``check_targets=False``: a label outside the vocabulary gives a NaN loss instead of an exception).
+* **The logits, in training.** While the model is in train mode with autograd on, the loss writes the gradient of
+  the logits over the logits themselves (``inplace_backward=True``): no [tokens, vocab] gradient buffer is ever
+  allocated. The logits tensor then holds the gradient, so the patched ``forward`` returns ``logits=None`` rather
+  than hand out a tensor that no longer holds logits. To get logits: call the model in eval mode
+  (``model.eval()``) or under ``torch.no_grad()``, or patch with ``inplace_logits=False`` (the loss then allocates a
+  separate gradient buffer, as any loss does, and the logits are returned).
+
+* **The loss without the logits** (``linear_cross_entropy``, off by default: the memory switch). In train mode with
+  autograd on and labels given, the LM head does not compute logits at all: its forward (patched on that one
+  ``nn.Linear``) hands the hidden states through, and the loss computes the cross-entropy of
+  ``hidden @ lm_head.weight.T`` slice by slice (``kernels.linear_cross_entropy``), so no [tokens, vocab] tensor ever
+  exists. The output's ``logits`` is None. In eval mode, under ``no_grad`` or without labels the head computes logits
+  as usual (and the loss uses the fused cross-entropy, or Hugging Face's with ``cross_entropy=False``). Tied
+  embeddings work (the shared weight receives both gradients); an LM head that is not a plain ``nn.Linear`` without
+  bias (LoRA on the head) is refused.
+* **The MLP activation** (``swiglu``). Every ``LlamaMLP``, ``MistralMLP``, ``Qwen2MLP``, ``Qwen3MLP`` whose activation
+  is SiLU is replaced by a ``TritonSwiGLUMLP`` that holds the very same ``gate_proj``, ``up_proj`` and ``down_proj``
+  submodules (so parameter names, the optimizer and PEFT adapter layers inside the projections are unchanged) and
+  computes ``down_proj(swiglu(gate_proj(x), up_proj(x)))``. Any other activation (``hidden_act`` not ``"silu"``) or any
+  other class whose name ends in "MLP" is refused.
+* **The rotary embedding** (``rope``). The attention modules of these families call their modeling file's module-level
+  ``apply_rotary_pos_emb`` by name, so the function cannot be swapped on one model by setting an attribute, and
+  replacing it in the modeling module would change every model of the process (and the reference beside it). Instead
+  each ``LlamaAttention`` (``Mistral…``, ``Qwen2…``, ``Qwen3…``) of this model gets an instance-level ``forward``: the
+  class's own forward function, rebuilt over a copy of its module's globals in which ``apply_rotary_pos_emb`` is
+  ``kernels.rope.apply_rotary``. Same code, same arguments, one name resolved differently, for these module objects
+  only; ``undo()`` deletes the instance attribute and the class's forward is seen again. A forward wrapped by a
+  decorator that keeps the function it wraps (``functools.wraps``, as transformers' ``deprecate_kwarg`` does) keeps its
+  wrapper, rebuilt around the rebuilt function. Refused: an attention class the patch does not know, a forward that
+  does not call ``apply_rotary_pos_emb`` by name (through such wrappers), a rotary function whose signature is not
+  ``(q, k, cos, sin, unsqueeze_dim)``, and a module whose forward was already replaced on the instance (e.g. by
+  accelerate's hooks).
+
+* **The padding mask** (``additive_mask``). Where a batch needs its mask, SDPA attention receives it as one additive
+  bias in the model's dtype, built once per forward pass, instead of a boolean mask that every attention call copies
+  into such a bias and keeps for its backward (``kernels.hf.attention_mask``).
+
+* **The causal mask under torch.compile** (``skip_causal_mask``). Compiled, transformers builds a full [seq, seq] mask
+  even for a batch without padding, and attention with a mask repeats the key/value heads and runs the masked kernel.
+  The patched forward marks a call without mask, position ids or cache as plain causal, and the mask function then
+  returns None, so SDPA runs with ``is_causal`` as it does eagerly (``kernels.hf.attention_mask``). Eagerly it changes
+  nothing.
+
+Which kernels are on by default, and the measurement behind each choice: ``patch_llama``'s docstring.
+
+Why surgery on one model rather than editing Hugging Face's source or replacing ``LlamaRMSNorm.forward`` on the
+class for the whole process: the change is scoped to the model you pass (a reference model next to it stays
+untouched, which is how the workbook compares the two), it can be undone exactly, and it keeps every Parameter
+where it was. The handle's ``undo()`` puts the original modules, loss function and forward back (``with
+patch_llama(model): ...`` undoes on leaving the block). Do not ``copy.deepcopy`` a patched model: the copy's
+patched forward would still call the original model; undo, copy, and patch each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import types
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from kernels.cross_entropy import cross_entropy as fused_cross_entropy
+from kernels.linear_cross_entropy import linear_cross_entropy as fused_linear_cross_entropy
+from kernels.rmsnorm import TritonRMSNorm
+from kernels.rope import apply_rotary
+from kernels.swiglu import TritonSwiGLUMLP
+
+from .attention_mask import CAUSAL_CALL, check_sdpa, is_plain_causal_call, use_mask_function
+
+IGNORE_INDEX = -100
+
+# patch_llama's kernels, by name: what its ``kernels=`` selector and its keyword switches may name, and what
+# ``python -m kernels.training.finetune --kernels`` and ``compare``'s ``patch_options`` pass on.
+SWITCHES = ("rms_norm", "cross_entropy", "linear_cross_entropy", "swiglu", "rope", "additive_mask",
+            "skip_causal_mask")
+
+# What ``patch_llama(model)`` turns on, where it applies: every kernel whose training step was measured no slower
+# than without it (patch_llama's docstring gives each measurement and its results file). Not the linear
+# cross-entropy: it saves memory at long sequences and costs a little time there.
+DEFAULT_KERNELS = ("rms_norm", "cross_entropy", "swiglu", "rope", "additive_mask", "skip_causal_mask")
+
+# (module path, class name) of the norms whose formula is Llama's: x · rsqrt(mean(x²) + eps) in float32, cast to the
+# input dtype, then multiplied by the weight. Classes the installed transformers lacks are skipped.
+SAME_FORMULA = (
+    ("transformers.models.llama.modeling_llama", "LlamaRMSNorm"),
+    ("transformers.models.mistral.modeling_mistral", "MistralRMSNorm"),
+    ("transformers.models.qwen2.modeling_qwen2", "Qwen2RMSNorm"),
+    ("transformers.models.qwen3.modeling_qwen3", "Qwen3RMSNorm"),
+)
+
+# (module path, class name) of the gated MLPs (down(act(gate(x)) * up(x))) and attention modules (q and k rotated by
+# the modeling file's apply_rotary_pos_emb(q, k, cos, sin)) whose code patch_llama knows.
+SUPPORTED_MLPS = tuple((path, f"{family}MLP") for path, family in (
+    ("transformers.models.llama.modeling_llama", "Llama"), ("transformers.models.mistral.modeling_mistral", "Mistral"),
+    ("transformers.models.qwen2.modeling_qwen2", "Qwen2"), ("transformers.models.qwen3.modeling_qwen3", "Qwen3"),
+))
+SUPPORTED_ATTENTION = tuple((path, name.replace("MLP", "Attention")) for path, name in SUPPORTED_MLPS)
+
+# Norms that look alike but compute something else, by class name, with what differs.
+_GEMMA = (
+    "it computes (x / rms(x)) · (1 + weight) in float32 and casts the product, whereas Llama's norm computes "
+    "weight · (x / rms(x)) cast to the input dtype first; its weight is stored as an offset from 1 (zeros at "
+    "initialisation), so TritonRMSNorm would scale by w instead of 1 + w"
+)
+DIFFERENT_FORMULA = {"GemmaRMSNorm": _GEMMA, "Gemma2RMSNorm": _GEMMA, "Gemma3RMSNorm": _GEMMA}
+
+
+def supported_norm_classes() -> dict[str, type]:
+    """The RMSNorm classes ``patch_llama`` replaces, by name, among those the installed transformers has."""
+    return _classes(SAME_FORMULA)
+
+
+def _classes(table) -> dict[str, type]:
+    found = {}
+    for module_path, name in table:
+        try:
+            found[name] = getattr(importlib.import_module(module_path), name)
+        except (ImportError, AttributeError):  # a transformers version without this model family
+            continue
+    return found
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The loss
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def shift_labels_like_hf(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Position t predicts token t + 1: pad the labels with ``ignore_index`` on the right, drop the first position.
+
+    The result has the labels' shape, so it lines up with the logits row for row and the logits are never sliced
+    (a slice of the logits would make autograd allocate a full-size zero gradient for them).
+    """
+    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+def causal_lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor | None,
+    vocab_size: int,
+    num_items_in_batch=None,
+    ignore_index: int = IGNORE_INDEX,
+    shift_labels: torch.Tensor | None = None,
+    *,
+    inplace_backward: bool = False,
+    **kwargs,
+) -> torch.Tensor:
+    """Hugging Face's ``ForCausalLMLoss``, computed by the fused Triton cross-entropy.
+
+    Same arguments and meaning: ``labels`` are shifted here unless ``shift_labels`` is given; targets equal to
+    ``ignore_index`` do not count; with ``num_items_in_batch`` (gradient accumulation: the number of counted labels
+    over all micro-batches of the step) the loss is the sum divided by it, else the mean over counted labels.
+    Differences: the logits are not copied to float32 (the kernel computes in float32 anyway), labels are not
+    range-checked on the host (an out-of-range label gives NaN), and with ``inplace_backward=True`` the logits are
+    overwritten by their gradient (see ``kernels.cross_entropy.cross_entropy``). Other keyword arguments Hugging
+    Face passes along (attention flags and the like) are ignored, as ``ForCausalLMLoss`` ignores them.
+    """
+    if logits.shape[-1] != vocab_size:
+        raise ValueError(f"logits must have vocab_size={vocab_size} classes in their last dimension, got shape {tuple(logits.shape)}")
+    if shift_labels is None:
+        if labels is None:
+            raise ValueError("causal_lm_loss needs labels or shift_labels, got neither")
+        shift_labels = shift_labels_like_hf(labels, ignore_index)
+    shift_labels = shift_labels.to(logits.device)
+    if num_items_in_batch is not None:
+        reduction, normalizer = "sum", num_items_in_batch
+    else:
+        reduction, normalizer = "mean", None
+    # No reshape of the logits: the kernel reads any leading dimensions in place, so a [batch, seq, vocab] tensor is
+    # never copied (and, in place, its own memory receives the gradient).
+    target = shift_labels.reshape(logits.shape[:-1])
+    return fused_cross_entropy(
+        logits, target, ignore_index, reduction, normalizer=normalizer,
+        inplace_backward=inplace_backward, check_targets=False,
+    )
+
+
+def causal_lm_linear_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor | None,
+    num_items_in_batch=None,
+    ignore_index: int = IGNORE_INDEX,
+    shift_labels: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor:
+    """``causal_lm_loss`` of the logits ``hidden @ weight.T``, computed without them (``kernels.linear_cross_entropy``).
+
+    Same label shift, ``ignore_index`` and ``num_items_in_batch`` rule as Hugging Face's ``ForCausalLMLoss``; no host
+    synchronisation (an out-of-range label gives NaN). ``hidden`` is what the LM head would have received."""
+    if shift_labels is None:
+        if labels is None:
+            raise ValueError("causal_lm_linear_loss needs labels or shift_labels, got neither")
+        shift_labels = shift_labels_like_hf(labels, ignore_index)
+    target = shift_labels.to(hidden.device).reshape(hidden.shape[:-1])
+    if num_items_in_batch is not None:
+        reduction, normalizer = "sum", num_items_in_batch
+    else:
+        reduction, normalizer = "mean", None
+    return fused_linear_cross_entropy(hidden, weight, target, ignore_index, reduction, normalizer=normalizer,
+                                      check_targets=False)
+
+
+class _PatchedLoss:
+    """``model.loss_function`` while patched: the fused cross-entropy of the logits (in place exactly when that is
+    safe and useful), or, when the LM head deferred them, the linear cross-entropy of its input."""
+
+    def __init__(self, model: torch.nn.Module, inplace_logits: bool, cross_entropy: bool = True,
+                 head: torch.nn.Module | None = None):
+        self.model = model
+        self.inplace_logits = inplace_logits
+        self.cross_entropy = cross_entropy  # False: logits that do reach the loss go to the model's own loss
+        self.original = model.loss_function  # that loss (Hugging Face's), read before the patch replaces it
+        self.head = head  # the LM head whose logits may be deferred (linear_cross_entropy), else None
+        self.consumed: torch.Tensor | None = None  # the tensor in the output's logits that holds no logits
+        self.defer = False  # set by the patched forward: the head hands its input through instead of logits
+        self.deferred: torch.Tensor | None = None  # what the head handed through
+
+    def __call__(self, logits, labels, vocab_size, **kwargs):
+        if self.deferred is not None and logits is self.deferred:
+            self.consumed = logits
+            return causal_lm_linear_loss(logits, self.head.weight, labels, **kwargs)
+        if self.defer:
+            raise RuntimeError(
+                "the LM head's input did not reach the loss unchanged (something wraps lm_head since the patch, "
+                "e.g. an adapter): patch with linear_cross_entropy=False"
+            )
+        if not self.cross_entropy:
+            return self.original(logits, labels, vocab_size, **kwargs)
+        # In place only in training with autograd on: then the logits exist for the loss alone and nothing reads
+        # them afterwards. In eval mode or under no_grad the kernel computes no gradient at all.
+        inplace = self.inplace_logits and self.model.training and torch.is_grad_enabled() and logits.requires_grad
+        loss = causal_lm_loss(logits, labels, vocab_size, inplace_backward=inplace, **kwargs)
+        if inplace:
+            self.consumed = logits
+        return loss
+
+    def __repr__(self) -> str:
+        parts = []
+        if self.head is not None:
+            parts.append("linear cross-entropy without logits in training")
+        parts.append(f"Triton cross-entropy, inplace_logits={self.inplace_logits}" if self.cross_entropy
+                     else "Hugging Face's loss on logits")
+        return f"causal_lm_loss({'; '.join(parts)})"
+
+
+def _deferring_head_forward(head: torch.nn.Module, loss: _PatchedLoss):
+    """An instance-level forward for the LM head: while ``loss.defer`` is set, hand the hidden states through."""
+    inner = head.forward
+
+    def forward(hidden_states):
+        if loss.defer:
+            loss.deferred = hidden_states
+            return hidden_states
+        return inner(hidden_states)
+
+    forward.__wrapped__ = inner
+    return forward
+
+
+def _check_head(model: torch.nn.Module) -> torch.nn.Module:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(head) is not torch.nn.Linear or head.bias is not None:
+        raise TypeError(
+            f"linear_cross_entropy=True needs an LM head that is a plain nn.Linear without bias, got "
+            f"{type(head).__name__ if head is not None else 'none'} (an adapter on the head, e.g. LoRA, computes "
+            "something else): use linear_cross_entropy=False"
+        )
+    return head
+
+
+def _with_logits(output, hidden: torch.Tensor, head: torch.nn.Module):
+    """The model's output with the hidden states the head handed through replaced by their logits."""
+    logits = head.forward.__wrapped__(hidden)
+    if dataclasses.is_dataclass(output) and getattr(output, "logits", None) is hidden:
+        return dataclasses.replace(output, logits=logits)
+    if isinstance(output, tuple):
+        return tuple(logits if item is hidden else item for item in output)
+    return output
+
+
+def _without_consumed_logits(output, consumed: torch.Tensor):
+    """The model's output with the overwritten logits replaced by None (a ModelOutput or a tuple)."""
+    if dataclasses.is_dataclass(output) and getattr(output, "logits", None) is consumed:
+        # A new output object: setting ``output.logits = None`` would leave the tensor in the ModelOutput's dict.
+        return dataclasses.replace(output, logits=None)
+    if isinstance(output, tuple):
+        return tuple(None if item is consumed else item for item in output)
+    return output
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The MLP activation and the rotary embedding
+# ---------------------------------------------------------------------------------------------------------------
+
+_ROTARY_NAME = "apply_rotary_pos_emb"
+_ROTARY_PARAMETERS = ["q", "k", "cos", "sin", "unsqueeze_dim"]
+
+
+def _where(parent_name: str, name: str) -> str:
+    return f"{parent_name + '.' if parent_name else ''}{name}"
+
+
+def _find_mlps(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str, torch.nn.Module]]:
+    """(qualified name, parent, attribute name, module) of every gated SiLU MLP; raises before anything changes."""
+    accepted = set(_classes(SUPPORTED_MLPS).values())
+    found = []
+    for parent_name, parent in model.named_modules():
+        for name, child in parent.named_children():
+            cls, where = type(child), _where(parent_name, name)
+            if cls in accepted:
+                act = getattr(getattr(child, "config", None), "hidden_act", None)
+                if act not in ("silu", "swish"):
+                    raise ValueError(
+                        f"cannot replace {where} ({cls.__name__}): its activation is hidden_act={act!r}, and the "
+                        "fused kernel computes silu(gate) * up. Use swiglu=False"
+                    )
+                found.append((where, parent, name, child))
+            elif cls.__name__.endswith("MLP") and cls is not TritonSwiGLUMLP:
+                raise ValueError(
+                    f"cannot replace {where}: {cls.__module__}.{cls.__name__} is not an MLP whose code patch_llama "
+                    f"knows (it replaces {sorted(c.__name__ for c in accepted)}); it refuses rather than guess. "
+                    "Use swiglu=False"
+                )
+    return found
+
+
+def _calls_rotary(forward) -> bool:
+    # The function under any functools.wraps-style decorators (transformers' deprecate_kwarg wraps some forwards).
+    return _ROTARY_NAME in getattr(getattr(inspect.unwrap(forward), "__code__", None), "co_names", ())
+
+
+def _forward_with_kernel_rotary(cls: type, where: str) -> types.FunctionType:
+    """``cls.forward`` rebuilt over a copy of its module's globals in which ``apply_rotary_pos_emb`` is ours, after
+    checking that it calls that function by name and that the function has the kernel's signature."""
+    if not _calls_rotary(cls.forward):
+        raise ValueError(
+            f"cannot patch the rotary embedding of {where} ({cls.__name__}): its forward does not call "
+            f"{_ROTARY_NAME} by name (a transformers version this patch does not know). Use rope=False"
+        )
+    original = inspect.unwrap(cls.forward).__globals__.get(_ROTARY_NAME)
+    try:
+        parameters = list(inspect.signature(original).parameters)
+    except (TypeError, ValueError):
+        parameters = None
+    if parameters != _ROTARY_PARAMETERS:
+        raise ValueError(
+            f"cannot patch the rotary embedding of {where}: {cls.__module__}.{_ROTARY_NAME} takes {parameters}, "
+            f"not {_ROTARY_PARAMETERS} as the kernel does. Use rope=False"
+        )
+    rebuilt = _rebuilt_with_kernel_rotary(cls.forward, where)
+    rebuilt.__doc__ = f"{cls.__name__}.forward with {_ROTARY_NAME} computed by the Triton RoPE kernel (patch_llama)."
+    return rebuilt
+
+
+def _find_attention(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, types.FunctionType]]:
+    """(qualified name, module, the forward to give it) of every attention module whose rotary call is swapped, the
+    forward rebuilt once per class; raises before any change."""
+    accepted = set(_classes(SUPPORTED_ATTENTION).values())
+    forwards: dict[type, types.FunctionType] = {}
+    found = []
+    for where, module in model.named_modules():
+        cls = type(module)
+        if cls in accepted:
+            if cls not in forwards:
+                forwards[cls] = _forward_with_kernel_rotary(cls, where)
+            if "forward" in module.__dict__:
+                raise ValueError(
+                    f"cannot patch the rotary embedding of {where}: its forward was already replaced on the "
+                    "instance (by another patch, or accelerate's hooks). Use rope=False"
+                )
+            found.append((where, module, forwards[cls]))
+        elif cls.__name__.endswith("Attention") and _calls_rotary(cls.forward):
+            raise ValueError(
+                f"cannot patch the rotary embedding of {where}: {cls.__module__}.{cls.__name__} is not an attention "
+                f"class patch_llama knows (it patches {sorted(c.__name__ for c in accepted)}). Use rope=False"
+            )
+    return found
+
+
+def _rebuilt_with_kernel_rotary(fn: types.FunctionType, where: str) -> types.FunctionType:
+    """``fn`` with ``apply_rotary_pos_emb`` resolved to ours. A decorator's wrapper (``functools.wraps`` keeps the
+    wrapped function as ``__wrapped__``, and the wrapper finds it in a cell of its closure) is rebuilt around the
+    rebuilt function, so what the decorator does (a renamed keyword argument, a warning) still happens."""
+    inner = getattr(fn, "__wrapped__", None)
+    if inner is None:
+        namespace = dict(fn.__globals__)
+        namespace[_ROTARY_NAME] = apply_rotary
+        rebuilt = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+    else:
+        cells = fn.__closure__ or ()
+        holding = [i for i, cell in enumerate(cells) if _cell_holds(cell, inner)]
+        if len(holding) != 1:
+            raise ValueError(
+                f"cannot patch the rotary embedding of {where}: {fn.__qualname__} is wrapped by a decorator that "
+                "does not keep the function it wraps in its closure, so it cannot be rebuilt around the patched "
+                "function. Use rope=False"
+            )
+        new_inner = _rebuilt_with_kernel_rotary(inner, where)
+        closure = tuple(types.CellType(new_inner) if i == holding[0] else cell for i, cell in enumerate(cells))
+        rebuilt = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, closure)
+        rebuilt.__dict__.update(fn.__dict__)
+        rebuilt.__wrapped__ = new_inner
+    rebuilt.__kwdefaults__ = fn.__kwdefaults__
+    rebuilt.__qualname__ = fn.__qualname__
+    return rebuilt
+
+
+def _cell_holds(cell, value) -> bool:
+    try:
+        return cell.cell_contents is value
+    except ValueError:  # an empty cell
+        return False
+
+
+def _count(names) -> str:
+    """"2 LlamaMLP, 1 X" from an iterable of class names, in first-seen order."""
+    counts: dict[str, int] = {}
+    for name in names:
+        counts[name] = counts.get(name, 0) + 1
+    return ", ".join(f"{n} {name}" for name, n in counts.items())
+
+
+@dataclass
+class _RotarySwap:
+    where: str
+    module: torch.nn.Module
+    forward: types.MethodType  # the instance-level forward the patch installed
+
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The patch and its handle
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Swap:
+    where: str  # the module's qualified name, e.g. "model.layers.0.input_layernorm"
+    parent: torch.nn.Module
+    name: str
+    original: torch.nn.Module
+    replacement: torch.nn.Module
+
+
+@dataclass(repr=False)
+class LlamaPatch:
+    """What ``patch_llama`` changed, and how to change it back (``undo()``; also a context manager)."""
+
+    model: torch.nn.Module
+    swaps: list[_Swap] = field(default_factory=list)
+    mlp_swaps: list[_Swap] = field(default_factory=list)
+    rotary: list[_RotarySwap] = field(default_factory=list)
+    loss: _PatchedLoss | None = None
+    _had_own_loss: bool = False
+    _previous_loss: object = None
+    forward_wrapped: bool = False  # the model's forward is the patch's (the loss, or skip_causal_mask)
+    _had_own_forward: bool = False
+    _previous_forward: object = None
+    head: torch.nn.Module | None = None  # the LM head whose forward defers the logits (linear_cross_entropy)
+    _head_previous_forward: object = None
+    _restore_attention: object = None  # points the attention back at plain SDPA (additive_mask, skip_causal_mask)
+    mask: str = ""  # what the patched mask function does, for summary()
+    active: bool = True
+    kernels: tuple[str, ...] = ()  # the kernels turned on, by name (SWITCHES), in SWITCHES' order
+    left_off: dict[str, str] = field(default_factory=dict)  # kernels="auto": each default kernel left off, and why
+
+    def summary(self) -> str:
+        """One line: which norms were replaced, what computes the loss, and the MLPs and attention patched."""
+        norms = _count(type(swap.original).__name__ for swap in self.swaps) or "no norms"
+        loss = repr(self.loss) if self.loss is not None else "Hugging Face's loss (not patched)"
+        mlps = _count(type(swap.original).__name__ for swap in self.mlp_swaps)
+        mlps = f"TritonSwiGLUMLP replaces {mlps}" if mlps else "MLP activation: Hugging Face's (swiglu=False)"
+        rotary = _count(type(swap.module).__name__ for swap in self.rotary)
+        rotary = (f"RoPE: Triton apply_rotary in {rotary}" if rotary
+                  else "RoPE: Hugging Face's apply_rotary_pos_emb (rope=False)")
+        mask = f"; {self.mask}" if self.mask else ""
+        state = "" if self.active else " [undone]"
+        return f"TritonRMSNorm replaces {norms}; loss: {loss}; {mlps}; {rotary}{mask}{state}"
+
+    @property
+    def replaced(self) -> list[str]:
+        """Qualified names of the replaced norm modules, in model order."""
+        return [swap.where for swap in self.swaps]
+
+    def undo(self) -> None:
+        """Put back the original norm modules, loss function and forward. A second call does nothing."""
+        if not self.active:
+            return
+        model = self.model
+        for swap in [*self.swaps, *self.mlp_swaps]:
+            if getattr(swap.parent, swap.name) is not swap.replacement:
+                raise RuntimeError(
+                    f"cannot undo: {swap.where} was replaced by something else after the patch; undo that first"
+                )
+        for swap in self.rotary:
+            if swap.module.__dict__.get("forward") is not swap.forward:
+                raise RuntimeError(f"cannot undo: the forward of {swap.where} was replaced after the patch")
+        if self._restore_attention is not None:
+            self._restore_attention()  # first: it refuses, changing nothing, if the implementation was changed since
+        for swap in reversed([*self.swaps, *self.mlp_swaps]):
+            setattr(swap.parent, swap.name, swap.original)
+        for swap in self.rotary:
+            del swap.module.forward  # the class's forward is seen again
+        if self.loss is not None:
+            if self._had_own_loss:
+                model._loss_function = self._previous_loss
+            elif "_loss_function" in model.__dict__:
+                del model._loss_function
+        if self.forward_wrapped:
+            if self._had_own_forward:
+                model.forward = self._previous_forward
+            elif "forward" in model.__dict__:
+                del model.forward
+        if self.head is not None:
+            if self._head_previous_forward is not None:
+                self.head.forward = self._head_previous_forward
+            else:
+                del self.head.forward
+        model.__dict__.pop("_kernels_patch", None)
+        self.active = False
+
+    def __repr__(self) -> str:
+        return f"LlamaPatch({self.summary()})"
+
+
+    def __enter__(self) -> "LlamaPatch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.undo()
+
+
+def _find_norms(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str, torch.nn.Module]]:
+    """(qualified name, parent, attribute name, module) of every norm to replace; raises before anything changes."""
+    accepted = set(supported_norm_classes().values())
+    found = []
+    for parent_name, parent in model.named_modules():
+        for name, child in parent.named_children():
+            cls = type(child)
+            where = f"{parent_name + '.' if parent_name else ''}{name}"
+            if cls in accepted:
+                found.append((where, parent, name, child))
+                continue
+            if cls.__name__ in DIFFERENT_FORMULA:
+                raise ValueError(
+                    f"cannot replace {where} ({cls.__name__}): {DIFFERENT_FORMULA[cls.__name__]}. patch_llama "
+                    "supports the norms of Llama, Mistral, Qwen2 and Qwen3; leave the norms alone with rms_norm=False "
+                    "(patch_llama(model) leaves them off by itself)"
+                )
+            if "RMSNorm" in cls.__name__ and cls is not TritonRMSNorm:
+                raise ValueError(
+                    f"cannot replace {where}: {cls.__module__}.{cls.__name__} is not a norm whose formula patch_llama "
+                    f"knows (it replaces {sorted(c.__name__ for c in accepted)}, which compute "
+                    "weight · (x / rms(x)).to(x.dtype)); it refuses rather than guess. Use rms_norm=False to leave "
+                    "the norms alone"
+                )
+    return found
+
+
+def _check_causal_lm(model: torch.nn.Module, switch: str = "cross_entropy") -> None:
+    if not hasattr(type(model), "loss_function"):
+        raise TypeError(
+            f"{switch}=True needs a Hugging Face model with a loss_function (e.g. LlamaForCausalLM), got "
+            f"{type(model).__name__}"
+        )
+    loss_type = getattr(model, "loss_type", None)
+    if loss_type != "ForCausalLM" and not type(model).__name__.endswith("ForCausalLM"):
+        raise TypeError(
+            f"the patched loss is the causal-LM loss (labels shifted by one); {type(model).__name__} uses "
+            f"loss_type={loss_type!r}. Use cross_entropy=False to leave the loss alone"
+        )
+
+
+def _wrap_forward(model: torch.nn.Module, loss: _PatchedLoss | None, skip_causal_mask: bool):
+    """An instance-level forward that drops the logits when the loss overwrote them with their gradient (``loss``),
+    and marks a call without mask, positions or cache as plain causal for the mask function (``skip_causal_mask``,
+    ``kernels.hf.attention_mask``)."""
+    inner = model.forward  # the bound method (or an earlier instance attribute)
+
+    def forward(*args, **kwargs):
+        previous_plain = CAUSAL_CALL.plain
+        CAUSAL_CALL.plain = skip_causal_mask and is_plain_causal_call(args, kwargs)
+        if loss is not None:
+            loss.consumed = loss.deferred = None
+            # Defer the logits only where they exist for the loss alone: training, autograd on, labels given.
+            loss.defer = (loss.head is not None and model.training and torch.is_grad_enabled()
+                          and kwargs.get("labels") is not None)
+        try:
+            output = inner(*args, **kwargs)
+            if loss is None:
+                return output
+            if loss.deferred is not None and loss.consumed is None:  # the loss was not computed after all
+                output = _with_logits(output, loss.deferred, loss.head)
+            return output if loss.consumed is None else _without_consumed_logits(output, loss.consumed)
+        finally:
+            CAUSAL_CALL.plain = previous_plain
+            if loss is not None:
+                loss.consumed = loss.deferred = None  # never keep the tensors alive past the call
+                loss.defer = False
+
+    forward.__doc__ = (
+        "The model's forward, patched by kernels.patch_llama: in train mode with autograd on, the returned logits "
+        "are None (the loss overwrote them with their gradient). Use model.eval() or torch.no_grad() to get them."
+    )
+    forward.__wrapped__ = inner
+    return forward
+
+
+def _model_to_patch(model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face model inside the wrappers users put around it: PEFT's ``PeftModel`` (LoRA and the other
+    adapters keep the original model, with adapter layers injected, behind ``get_base_model()``) and the module
+    ``torch.compile`` returns (``_orig_mod``). Patching the inner model is what a wrapper's forward then calls."""
+    while True:
+        if isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+            model = model._orig_mod
+        elif callable(getattr(model, "get_base_model", None)) and not hasattr(type(model), "loss_function"):
+            model = model.get_base_model()
+        else:
+            return model
+
+
+def _selection(kernels, switches: dict[str, bool | None]) -> dict[str, bool]:
+    """The kernels to try, each mapped to whether it is required (a refusal raises) or wanted where it applies (a
+    refusal leaves it off): the ``kernels`` selector, then each keyword switch that is not None."""
+    if isinstance(kernels, str):
+        if kernels != "auto":
+            hint = f"; for this one kernel alone: kernels=({kernels!r},)" if kernels in SWITCHES else ""
+            raise ValueError(f'kernels must be "auto" or a tuple of names from {", ".join(SWITCHES)}, got '
+                             f"{kernels!r}{hint}")
+        selected = dict.fromkeys(DEFAULT_KERNELS, False)
+    else:
+        try:
+            names = tuple(kernels)
+        except TypeError:
+            raise TypeError(f'kernels must be "auto" or a tuple of names from {", ".join(SWITCHES)}, got '
+                            f"{kernels!r}") from None
+        unknown = [name for name in names if name not in SWITCHES]
+        if unknown:
+            raise ValueError(f"unknown kernel{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} in "
+                             f"kernels=: choose from {', '.join(SWITCHES)}")
+        selected = dict.fromkeys(names, True)
+    for name, value in switches.items():
+        if value is True:
+            selected[name] = True
+        elif value is False:
+            selected.pop(name, None)
+    return selected
+
+
+def _found(items: list, message: str) -> list:
+    """``items``, or a ValueError with ``message`` when there are none (the kernel has nothing to replace)."""
+    if not items:
+        raise ValueError(message)
+    return items
+
+
+def _check_mask_function(model: torch.nn.Module, switch: str) -> None:
+    """What ``use_mask_function`` needs, checked before any change: SDPA attention, and transformers' registries of
+    attention and mask functions."""
+    check_sdpa(model, switch)
+    try:
+        from transformers import AttentionInterface  # noqa: F401
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: F401
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: F401
+    except ImportError as err:
+        raise ValueError(f"{switch}=True needs transformers' AttentionInterface and AttentionMaskInterface, which "
+                         f"this transformers lacks ({err})") from None
+
+
+def patch_llama(
+    model: torch.nn.Module, kernels="auto", *, inplace_logits: bool = True, rms_norm: bool | None = None,
+    cross_entropy: bool | None = None, linear_cross_entropy: bool | None = None, swiglu: bool | None = None,
+    rope: bool | None = None, additive_mask: bool | None = None, skip_causal_mask: bool | None = None,
+) -> LlamaPatch:
+    """Put the workbook's kernels into a Hugging Face Llama (or Mistral, Qwen2, Qwen3); returns a handle whose
+    ``undo()`` restores the model. What each kernel changes: the module docstring.
+
+    Which kernels:
+
+    * ``kernels="auto"`` (the default): every kernel of ``DEFAULT_KERNELS`` that applies to this model. One that does
+      not is left off, and ``handle.left_off`` says why: norms of another formula (Gemma's), an MLP that is not
+      gate/up/down with SiLU, an attention module whose rotary call is not found, attention other than SDPA (the two
+      mask kernels), a model without a causal-LM loss. If none applies, ``patch_llama`` raises.
+    * ``kernels=("rms_norm", "cross_entropy")``, any names of ``SWITCHES``: exactly those, each required. One that
+      cannot apply raises, before anything changes.
+    * The keywords ``rms_norm`` … ``skip_causal_mask`` override the selector, one kernel each: True requires it,
+      False leaves it off, None follows ``kernels``. ``patch_llama(model, linear_cross_entropy=True)`` is the
+      defaults plus the loss without logits; ``patch_llama(model, swiglu=False)`` the defaults but SwiGLU.
+
+    ``handle.kernels`` names the kernels turned on.
+
+    ``inplace_logits`` (with ``cross_entropy``): in train mode with autograd on, the loss's gradient overwrites the
+    logits and the output's ``logits`` is None. ``False`` keeps the logits (one more [tokens, vocab] buffer).
+
+    ``model`` may also be a PEFT model (``get_peft_model(llama, LoraConfig(...))``): the Llama inside it is patched,
+    and the adapters are untouched. Wrapping with PEFT after patching works too; either way ``undo()`` restores the
+    Llama inside.
+
+    **Why these defaults.** A kernel is on by default when it computes the same model and the training step was
+    measured no slower with it. Measured on one H200 at the Llama-3.1-8B shape (batch 1, bf16, random weights;
+    ``python -m kernels.training.finetune --compare``: Hugging Face's step and the patched one on the same batches).
+    The files are in ``assets/results/finetune/``, each with its flags in its ``settings``:
+
+    * ``rms_norm`` and ``cross_entropy`` (with ``inplace_logits``): seq 2,048, no padding mask, 7,434 against 6,883
+      tokens/s, 1.080× (``rmsnorm_ce_nomask.json``); with the mask 7,103 against 6,528, 1.088× (``rmsnorm_ce.json``).
+    * ``swiglu`` and ``rope``: the same step with both added, 7,903 against 6,998, 1.129×
+      (``every_kernel_nomask.json``), about 5% on top of the two above. The patched MLP also keeps two
+      [tokens, intermediate] tensors per layer where Hugging Face's keeps four (``TritonSwiGLUMLP``).
+    * ``additive_mask``: level in time, less memory where a batch needs its mask. Seq 8,192, checkpointing, with the
+      mask: RMSNorm, the linear cross-entropy, SwiGLU, RoPE and the bias 5,872 against 5,308 tokens/s
+      (``every_kernel_lce_bias_ckpt.json``), the same without the bias 5,852, alone in the same call
+      (``assets/notes/linear_cross_entropy.md``); the step's peak grew by 261 KiB per token with the bias against 309
+      without (``assets/results/peak_memory/llama-3.1-8b_nvidia-h200.json``, ``ours_bias`` against ``ours_all``).
+      A batch without a mask, or whose mask SDPA skips, and a float32 model are unaffected.
+    * ``skip_causal_mask``: changes nothing eagerly, gives a compiled model SDPA's causal path back. Eager, RMSNorm,
+      the loss, SwiGLU, RoPE and ``TritonAdamW`` against Hugging Face with fused AdamW, seq 2,048, no mask: 10,994
+      against 8,760 tokens/s, 1.255×, with it (``every_kernel_skip_adamw.json``) and 11,125 against 8,836, 1.259×,
+      without it (``every_kernel_nomask_adamw.json``). Compiled, 10,963 against compiled Hugging Face's 9,492,
+      1.155× (``every_kernel_skip_compiled_adamw.json``), where the compiled step without it gave 10,143 in an earlier
+      run (``assets/notes/swiglu_rope.md``); compiled at seq 8,192 with checkpointing, 8,510 against 6,092, 1.397×
+      (``every_kernel_skip_compiled_ckpt.json``). Without the skip, the kernels are level with a compiled Hugging Face
+      (Inductor fuses the same elementwise work): RMSNorm and the loss 7,322 against 7,364, 0.994×
+      (``rmsnorm_ce_compiled.json``), with SwiGLU and RoPE 7,406 against 7,441, 0.995×
+      (``every_kernel_compiled_nomask.json``), inside the spread of repeated runs: Hugging Face's own eager step gave
+      6,883 to 6,998 tokens/s at one setting (seq 2,048, no mask) in three files.
+    * ``linear_cross_entropy`` stays off: it is the memory switch, for long sequences. It was level at 2,048 tokens
+      with every kernel on (7,846 against 7,826 tokens/s: every logit is kept) and, with RMSNorm and checkpointing,
+      0.16% slower at 8,192 (1,412.1 against 1,409.8 ms per step), where it recomputes a quarter of a matmul's logits
+      to hold about 1 GB less (each pair run alone in one call: ``assets/notes/linear_cross_entropy.md``).
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (a Hugging Face model), got {type(model).__name__}")
+    model = _model_to_patch(model)
+    if not isinstance(inplace_logits, bool):
+        raise TypeError(f"inplace_logits must be True or False, got {inplace_logits!r}")
+    switches = dict(rms_norm=rms_norm, cross_entropy=cross_entropy, linear_cross_entropy=linear_cross_entropy,
+                    swiglu=swiglu, rope=rope, additive_mask=additive_mask, skip_causal_mask=skip_causal_mask)
+    for name, value in switches.items():
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False (or None: as kernels= says), got {value!r}")
+    selected = _selection(kernels, switches)
+    previous = model.__dict__.get("_kernels_patch")
+    if previous is not None and previous.active:
+        raise RuntimeError("this model is already patched: call .undo() on the handle patch_llama returned first")
+
+    # Every check before the first change: a refusal leaves the model as it was. A required kernel's refusal raises;
+    # a kernel that "auto" merely wants is left off, with the reason kept for the handle.
+    name = type(model).__name__
+    checks = {
+        "cross_entropy": lambda: _check_causal_lm(model),
+        "linear_cross_entropy": lambda: (_check_causal_lm(model, "linear_cross_entropy"), _check_head(model))[1],
+        "rms_norm": lambda: _found(_find_norms(model), f"{name} has no norm patch_llama knows: rms_norm has "
+                                                       "nothing to replace"),
+        "swiglu": lambda: _found(_find_mlps(model), f"{name} has no MLP patch_llama knows: swiglu has nothing to "
+                                                    "replace"),
+        "rope": lambda: _found(_find_attention(model), f"{name} has no attention module patch_llama knows: rope has "
+                                                       "nothing to patch"),
+        "additive_mask": lambda: _check_mask_function(model, "additive_mask"),
+        "skip_causal_mask": lambda: _check_mask_function(model, "skip_causal_mask"),
+    }
+    found, left_off = {}, {}
+    for kernel, check in checks.items():
+        if kernel not in selected:
+            continue
+        try:
+            found[kernel] = check()
+        except (TypeError, ValueError) as err:
+            if selected[kernel]:
+                raise
+            left_off[kernel] = str(err)
+    if left_off and not found:
+        reasons = "; ".join(f"{kernel}: {why}" for kernel, why in left_off.items())
+        raise TypeError(f"no kernel of patch_llama applies to {name}: {reasons}")
+
+    cross_entropy, linear_cross_entropy = "cross_entropy" in found, "linear_cross_entropy" in found
+    additive_mask, skip_causal_mask = "additive_mask" in found, "skip_causal_mask" in found
+    head = found.get("linear_cross_entropy")
+    patch = LlamaPatch(model)
+    patch.kernels = tuple(kernel for kernel in SWITCHES if kernel in found)
+    patch.left_off = left_off
+    for where, parent, attr, module in found.get("rms_norm", []):
+        replacement = TritonRMSNorm.from_hf(module)
+        setattr(parent, attr, replacement)
+        patch.swaps.append(_Swap(where, parent, attr, module, replacement))
+    for where, parent, attr, module in found.get("swiglu", []):
+        replacement = TritonSwiGLUMLP.from_hf(module)
+        setattr(parent, attr, replacement)
+        patch.mlp_swaps.append(_Swap(where, parent, attr, module, replacement))
+    for where, module, forward in found.get("rope", []):
+        module.forward = types.MethodType(forward, module)
+        patch.rotary.append(_RotarySwap(where, module, module.forward))
+    patch_loss = cross_entropy or linear_cross_entropy
+    if patch_loss:
+        patch._had_own_loss = "_loss_function" in model.__dict__
+        patch._previous_loss = model.__dict__.get("_loss_function")
+        patch.loss = _PatchedLoss(model, inplace_logits, cross_entropy, head)
+        model.loss_function = patch.loss  # PreTrainedModel's setter stores it as model._loss_function
+    if patch_loss or skip_causal_mask:
+        patch._had_own_forward = "forward" in model.__dict__
+        patch._previous_forward = model.__dict__.get("forward")
+        model.forward = _wrap_forward(model, patch.loss, skip_causal_mask)
+        patch.forward_wrapped = True
+    if head is not None:
+        patch._head_previous_forward = head.__dict__.get("forward")
+        head.forward = _deferring_head_forward(head, patch.loss)
+        patch.head = head
+    if additive_mask or skip_causal_mask:
+        patch._restore_attention = use_mask_function(model, additive=additive_mask)
+        patch.mask = "; ".join(what for what, on in (("padding mask: one additive bias per forward", additive_mask),
+                                                     ("causal mask: skipped under torch.compile", skip_causal_mask))
+                               if on)
+    model.__dict__["_kernels_patch"] = patch
+    return patch

@@ -1,0 +1,279 @@
+"""Fine-tune a Llama preset with the workbook's kernels, optionally against Hugging Face's model as it is.
+
+    python -m kernels.training.finetune --compare            # baseline and patched, table, JSON and loss-curve PNG
+    python -m kernels.training.finetune --compare --fit      # also the longest sequence that fits, each way (GPU)
+    python -m kernels.training.finetune                      # the patched run alone
+
+Sharded across GPUs with FSDP2, the same flags run under torchrun from the distributed wing:
+``torchrun --nproc-per-node 2 -m kernels.distributed.finetune --batch-size 2``.
+
+Defaults: on a GPU, the largest preset that fits (``pick_preset_for_gpu``), 20 steps of one 2,048-token sequence;
+on the CPU, the tiny preset, 6 steps of 2 × 256 tokens with 2 micro-batches per step (about a minute or less in
+Triton's interpreter). Results go to ``assets/results/finetune/<name>.json`` and ``.png`` (``--name``, default the
+preset; ``<preset>_patched`` for the patched run alone) under the results root ``--out``. A run replaces the file of
+its name; the flags it ran with are the JSON's ``settings``, by which ``kernels.bench.results.find_run`` finds it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kernels import runtime
+from kernels.bench.results import RESULTS, results_file
+from kernels.hf.patch import DEFAULT_KERNELS, SWITCHES
+from kernels.memory import logits_bytes_per_token
+
+from .fit import fit_both, memory_slope
+from .loop import (
+    ADAMW_IMPLEMENTATIONS,
+    COMPILE_MODES,
+    WARMUP_STEPS,
+    Comparison,
+    compare,
+    default_lr,
+    enable_checkpointing,
+    make_run_batches,
+    train,
+)
+from .models import GiB, llama_config, pick_preset_for_gpu
+
+GPU_DEFAULTS = dict(steps=20, seq_len=2048, batch_size=1, grad_accum=1)
+CPU_DEFAULTS = dict(steps=6, seq_len=256, batch_size=2, grad_accum=2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = GPU_DEFAULTS if runtime.MODE == "gpu" else CPU_DEFAULTS
+    p = argparse.ArgumentParser(
+        prog="python -m kernels.training.finetune",
+        description="Fine-tune a Llama preset (random weights, the workbook's SFT data) with the Triton RMSNorm and "
+                    "cross-entropy patched in; with --compare, also Hugging Face's model as it is, from the same "
+                    "weights on the same batches.",
+    )
+    p.add_argument("--preset", default=None,
+                   help="tiny, llama-3.2-1b or llama-3.1-8b (default: the largest that fits this GPU; tiny on the CPU)")
+    p.add_argument("--steps", type=int, default=defaults["steps"],
+                   help=f"optimizer steps (default {defaults['steps']})")
+    p.add_argument("--seq-len", type=int, default=defaults["seq_len"],
+                   help=f"tokens per row (default {defaults['seq_len']})")
+    p.add_argument("--batch-size", type=int, default=defaults["batch_size"],
+                   help=f"rows per micro-batch (default {defaults['batch_size']})")
+    p.add_argument("--grad-accum", type=int, default=defaults["grad_accum"],
+                   help=f"micro-batches per optimizer step (default {defaults['grad_accum']})")
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"AdamW learning rate (default: {default_lr('tiny'):g} for tiny, "
+                        f"{default_lr('llama-3.1-8b'):g} for the Llama shapes; see kernels.training.loop.default_lr)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and of the data order (default 0)")
+    p.add_argument("--compare", action="store_true", help="run Hugging Face's model first, then the patched one")
+    p.add_argument("--fit", action="store_true",
+                   help="also search the longest sequence at which a training step fits, baseline and patched (GPU)")
+    p.add_argument("--fit-lo", type=int, default=4096, help="first length the fit search tries (default 4096)")
+    p.add_argument("--fit-hi", type=int, default=65536, help="longest length the fit search tries (default 65536)")
+    p.add_argument("--fit-probes", type=int, default=8, help="most steps the fit search runs per variant (default 8)")
+    p.add_argument("--memory-fraction", type=float, default=None,
+                   help="cap the fit search's GPU memory at this fraction of the GPU's (a quicker search)")
+    p.add_argument("--slope", type=_int_list, default=None, metavar="A,B",
+                   help="measure the activation memory per token, baseline and patched: the slope of a step's "
+                        "peak between sequence lengths A and B (GPU)")
+    p.add_argument("--compile", nargs="?", const="default", default=None, choices=COMPILE_MODES,
+                   help="torch.compile both models (default mode, or the mode named; needs --compare). With "
+                        "--kernels, name skip_causal_mask too, or the compiled patched model attends through the "
+                        "full causal mask (kernels.hf.attention_mask)")
+    p.add_argument("--kernels", type=_switches, default=None, metavar="NAME[,NAME...]",
+                   help=f"which of patch_llama's kernels to turn on, from {', '.join(SWITCHES)} (default: "
+                        f"patch_llama's kernels=\"auto\", every kernel of {', '.join(DEFAULT_KERNELS)} that applies "
+                        "to the model)")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="Hugging Face's activation checkpointing in every model run (non-reentrant)")
+    p.add_argument("--no-padding-mask", dest="padding_mask", action="store_false",
+                   help="leave out the attention mask of right-padded batches, in both runs: the same loss and "
+                        "gradients without the [seq, seq] mask (kernels.hf.padding_mask)")
+    p.add_argument("--adamw", choices=ADAMW_IMPLEMENTATIONS, default="foreach",
+                   help="the AdamW of every run: torch.optim.AdamW's foreach (its default) or fused (one kernel, the "
+                        "default optimizer of Hugging Face's Trainer), or this package's triton (kernels.adamw)")
+    p.add_argument("--patched-adamw", choices=ADAMW_IMPLEMENTATIONS, default=None,
+                   help="the AdamW of the patched run, if not --adamw's (e.g. --adamw fused --patched-adamw triton)")
+    p.add_argument("--name", type=_name, default=None,
+                   help="the results' name: finetune/NAME.json and .png under --out (default: the preset; "
+                        "<preset>_patched without --compare; under torchrun fsdp/NAME_<N>gpu.json). A run replaces "
+                        "the file of its name; its flags are in the JSON's settings")
+    p.add_argument("--out", type=Path, default=RESULTS, help=f"results root (default {RESULTS})")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--fsdp", action="store_true", help=argparse.SUPPRESS)  # moved: main() says where to
+    return p
+
+
+def _switches(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in SWITCHES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown kernel {', '.join(unknown)}: choose from {', '.join(SWITCHES)}")
+    return names
+
+
+def _name(text: str) -> str:
+    try:
+        results_file("finetune", text)  # a file name, no folder
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _int_list(text: str) -> tuple[int, int]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected two lengths such as 16384,32768, got {text!r}") from None
+    if len(values) != 2 or not 0 < values[0] < values[1]:
+        raise argparse.ArgumentTypeError(f"expected two increasing lengths such as 16384,32768, got {text!r}")
+    return values
+
+
+def patch_options(args) -> dict:
+    """``patch_llama`` keywords from ``--kernels``: each switch on exactly when named. Without ``--kernels``, none:
+    patch_llama's default, ``kernels="auto"`` (every kernel of ``DEFAULT_KERNELS`` that applies)."""
+    if args.kernels is None:
+        return {}
+    return {name: name in args.kernels for name in SWITCHES}
+
+
+def _choose_preset(args) -> tuple[str, str]:
+    if args.preset is not None:
+        llama_config(args.preset)  # a clear error for an unknown name
+        return args.preset, "chosen on the command line"
+    if runtime.MODE == "gpu":
+        return pick_preset_for_gpu(seq_len=args.seq_len, batch_size=args.batch_size)
+    return "tiny", "no GPU: the tiny preset in Triton's interpreter"
+
+
+def _fit(args, preset: str) -> dict:
+    if runtime.MODE != "gpu":
+        per_token = logits_bytes_per_token(llama_config(preset).vocab_size)
+        print("--fit is GPU-only (the CPU has no device memory limit). Computed loss memory per token at V = "
+              f"{llama_config(preset).vocab_size:,}: Hugging Face {per_token['baseline']:,} B, "
+              f"patched {per_token['patched']:,} B.")
+        return {}
+    results = fit_both(preset, args.batch_size, args.fit_lo, args.fit_hi, args.fit_probes, args.seed,
+                       patch_options=patch_options(args), gradient_checkpointing=args.gradient_checkpointing,
+                       memory_fraction=args.memory_fraction, padding_mask=args.padding_mask)
+    for variant, result in results.items():
+        print(f"longest sequence that fits, {variant}: {result.summary()}")
+    return {variant: result.to_dict() for variant, result in results.items()}
+
+
+def _slope(args, preset: str) -> dict:
+    """Activation memory per token, each variant, measured between the two lengths of ``--slope`` (GPU)."""
+    if runtime.MODE != "gpu":
+        print("--slope is GPU-only: the CPU keeps no memory statistics.")
+        return {}
+    found = {}
+    for variant in ("baseline", "patched"):
+        found[variant] = memory_slope(preset, variant == "patched", args.slope, args.batch_size, seed=args.seed,
+                                      patch_options=patch_options(args),
+                                      gradient_checkpointing=args.gradient_checkpointing,
+                                      padding_mask=args.padding_mask)
+        per_token = found[variant]["bytes_per_token"]
+        shown = f"{per_token / 1024:,.0f} KiB" if per_token is not None else "n/a (a length did not fit)"
+        print(f"activation memory per token, {variant}, between {args.slope[0]:,} and {args.slope[1]:,}: {shown}")
+    return found
+
+
+def _single_run(args, preset: str, lr: float) -> None:
+    """The patched run alone: its numbers, a JSON and a loss-curve PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kernels.hf.patch import patch_llama
+
+    from .models import build_model
+
+    batches = make_run_batches(preset, args.steps, args.seq_len, args.batch_size, args.grad_accum, args.seed)
+    model = build_model(preset, seed=args.seed)
+    if args.gradient_checkpointing:
+        enable_checkpointing(model)
+    patch = patch_llama(model, **patch_options(args))
+    run = train(model, batches, grad_accum=args.grad_accum, lr=lr, label="patched", progress=not args.no_progress,
+                padding_mask=args.padding_mask, adamw=args.patched_adamw or args.adamw)
+    patch.undo()
+    peak = f"{run.peak_memory / GiB:.2f} GiB" if run.peak_memory is not None else "n/a (CPU)"
+    print(f"patched: {run.tokens_per_s:,.0f} tokens/s (all tokens; {run.real_tokens_per_s:,.0f} non-padding), "
+          f"{run.step_time_s * 1e3:,.1f} ms per step (first {run.warmup_steps} steps excluded), peak memory {peak}, "
+          f"final loss {run.losses[-1]:.4f}")
+    data = {"device": runtime.device_name(), "mode": runtime.MODE, "versions": runtime.versions(),
+            "settings": _settings(args, preset, lr), "patched": run.to_dict(),
+            "fit": _fit(args, preset) if args.fit else {}, "slope": _slope(args, preset) if args.slope else {}}
+    name = args.name or f"{preset}_patched"
+    json_path = results_file("finetune", name, args.out)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(data, indent=1) + "\n")
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.plot([r.step + 1 for r in run.records], run.losses, "x--", color="#c44e52", label="patched")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(results_file("finetune", name, args.out, suffix=".png"), dpi=120)
+    plt.close(fig)
+    print(f"wrote {json_path} and its .png")
+
+
+def _settings(args, preset: str, lr: float) -> dict:
+    return {"preset": preset, "steps": args.steps, "seq_len": args.seq_len, "batch_size": args.batch_size,
+            "grad_accum": args.grad_accum, "lr": lr, "seed": args.seed, "dtype": "bfloat16",
+            "warmup_steps": WARMUP_STEPS, "patch_options": patch_options(args),
+            "gradient_checkpointing": args.gradient_checkpointing, "padding_mask": args.padding_mask,
+            "adamw": args.adamw, "patched_adamw": args.patched_adamw or args.adamw}
+
+
+def check_counts(args) -> None:
+    """Stop with a message naming the flag when a count that must be positive is not."""
+    for name in ("steps", "seq_len", "batch_size", "grad_accum", "fit_probes"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    check_counts(args)
+    if args.fsdp:
+        raise SystemExit("sharded runs start under torchrun from the distributed wing, with the same flags: "
+                         "torchrun --nproc-per-node N -m kernels.distributed.finetune ...")
+    preset, why = _choose_preset(args)
+    lr = args.lr if args.lr is not None else default_lr(preset)
+    print(runtime.describe())
+    print(f"preset {preset} ({why}); {args.steps} steps of {args.grad_accum} × {args.batch_size} × {args.seq_len} "
+          f"tokens, AdamW lr {lr:g}, bf16")
+    if not args.compare:
+        if args.compile:
+            raise SystemExit("--compile compares compiled models: use it with --compare")
+        _single_run(args, preset, lr)
+        return 0
+
+    if args.compile and not args.padding_mask and args.kernels is not None and "skip_causal_mask" not in args.kernels:
+        print("note: compiled, the patched model still attends through a full causal mask; name skip_causal_mask in "
+              "--kernels for SDPA's causal path (kernels.hf.attention_mask)")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    result: Comparison = compare(preset, args.steps, args.seq_len, args.batch_size, args.grad_accum, lr, args.seed,
+                                 progress=not args.no_progress, compile=args.compile,
+                                 patch_options=patch_options(args), gradient_checkpointing=args.gradient_checkpointing,
+                                 padding_mask=args.padding_mask, adamw=args.adamw, patched_adamw=args.patched_adamw)
+    if args.fit:
+        result.fit = _fit(args, preset)
+    if args.slope:
+        result.slope = _slope(args, preset)
+    print()
+    print(result.table())
+    json_path, png_path = result.save(args.out, name=args.name or preset)
+    print(f"wrote {json_path} and {png_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,714 @@
+"""Profile one fine-tuning step: where the time goes, by operator family, and where the memory goes.
+
+``profile_training_step`` warms the step up, times a few plain steps, then records one full step (forward, backward,
+``optimizer.step()``, ``zero_grad``) with ``torch.profiler``, exports the trace for Perfetto, and sorts every
+microsecond into one of the families in ``FAMILIES``.
+
+What is timed
+    On a GPU: the duration of every kernel (and memory copy) the step ran on the device. On the CPU: each operator's
+    *self* time (its own time, not its children's), so nothing is counted twice.
+
+How time is sorted into families
+    1. *Regions.* While profiling, each RMSNorm module's forward and Hugging Face's loss function run inside
+       ``torch.profiler.record_function`` ranges (``region::rmsnorm``, ``region::loss``), and the optimizer's step
+       and zero_grad inside ``region::optimizer`` (PyTorch's own ``Optimizer.step#...`` ranges count too). Every
+       operator that runs inside a range, and every kernel such an operator launches (the profiler links each
+       kernel to the operator that launched it), belongs to that range's family. Forward attribution is exact.
+    2. *Backward through autograd sequence numbers.* Each operator recorded in the forward pass carries the
+       sequence number of the autograd node it created; the backward pass runs that node under
+       ``autograd::engine::evaluate_function: <Node>`` with the same sequence number. The backward of everything
+       that ran inside a region is attributed to that region, so RMSNorm's and the loss's backward are exact too
+       (where a profiler records no sequence numbers, step 3 takes over).
+    3. *Names.* Everything else is classified by ``classify(name)``, a pure function of the operator or kernel name:
+       ``aten::mm`` or ``nvjet_…``/``sm90_xmma_gemm…`` are matmuls, ``flash_fwd…``/``fmha_cutlass…`` attention,
+       ``vectorized_elementwise_kernel<…>`` elementwise, ``multi_tensor_apply_kernel`` the optimizer, and so on.
+       A kernel name alone cannot always tell: an ``aten::mul`` kernel may belong to RMSNorm, RoPE or SwiGLU, which is
+       why step 1 and 2 come first. By name, ``pow``, ``mean`` and ``rsqrt`` count as RMSNorm (in a Llama only
+       RMSNorm uses them) and softmax kernels as the loss (attention's softmax is fused inside sdpa's kernels).
+
+Memory
+    On a GPU, one extra step is measured with ``torch.cuda`` allocator statistics between its phases: weights,
+    gradients and optimizer states are summed from the tensors themselves, activations are what the forward pass
+    left allocated (less the loss's fp32 log-softmax), and the peak is ``torch.cuda.max_memory_allocated``. On the
+    CPU the allocator keeps no such statistics; the result carries ``full_finetune_memory``'s computed estimate.
+
+The trace (``assets/traces/*.json``) opens in https://ui.perfetto.dev (drag the file in) or chrome://tracing.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from kernels.bench.results import ASSETS
+from kernels.memory import hf_loss_buffers
+
+from .models import HIGH_POINTS, GiB, MemoryBudget, full_finetune_memory
+
+TRACES = ASSETS / "traces"
+FAMILIES = ("matmul", "attention", "rmsnorm", "cross_entropy", "elementwise", "optimizer", "other")
+FAMILY_TITLES = {
+    "matmul": "matmul (linear layers, lm_head)",
+    "attention": "attention (sdpa kernels)",
+    "rmsnorm": "RMSNorm (pow, mean, rsqrt, mul, casts)",
+    "cross_entropy": "loss (fp32 copy, log-softmax, nll)",
+    "elementwise": "elementwise (adds, SiLU, RoPE, casts, copies)",
+    "optimizer": "optimizer (AdamW, zero_grad)",
+    "other": "other (embedding, views, allocation, overhead)",
+}
+REGIONS = {"region::rmsnorm": "rmsnorm", "region::loss": "cross_entropy", "region::optimizer": "optimizer"}
+TRACE_NOTE = (
+    "Open the trace in https://ui.perfetto.dev (drag the .json file in; keys W/S zoom, A/D pan) or in Chrome at "
+    "chrome://tracing. Each row is a thread or a GPU stream; click a kernel to see the operator that launched it."
+)
+
+# ---------------------------------------------------------------------------------------------------------------
+# Names -> families
+# ---------------------------------------------------------------------------------------------------------------
+
+# Checked in this order: the first family with a matching pattern wins.
+_RULES: tuple[tuple[str, re.Pattern], ...] = tuple(
+    (family, re.compile(pattern))
+    for family, pattern in (
+        # Optimizer: PyTorch's ranges, foreach/fused kernels (multi_tensor_apply), our own range.
+        ("optimizer", r"^Optimizer\.|region::optimizer|multi_tensor_apply|_foreach_|(?i:fused_?adam)"),
+        # Loss: cross-entropy, nll, log-softmax (CPU ops, autograd nodes, cunn_SoftMax* and softmax_warp* kernels).
+        ("cross_entropy", r"region::loss|(?i:cross_?entropy|nll_?loss|log_?softmax|softmax)"),
+        # Attention: sdpa and its flash / memory-efficient / cuDNN kernels.
+        ("attention", r"(?i:flash|fmha|attention|sdpa|_scaled_dot_product)"),
+        # RMSNorm: its own kernels and the pieces only RMSNorm uses in a Llama (pow, mean, rsqrt). PyTorch's fused
+        # F.rms_norm reuses its layer-norm kernels on the GPU.
+        ("rmsnorm",
+         r"(?i:rms_?norm|layer_?norm|rsqrt)|(?i:\bpow\b|pow_|powbackward)|aten::mean\b|MeanOps|MeanBackward"),
+        # Matmul: aten ops and autograd nodes, cuBLAS/cuBLASLt/CUTLASS kernel families (gemm, gemv, nvjet, xmma).
+        (
+            "matmul",
+            r"^aten::(mm|addmm|bmm|baddbmm|matmul|linear|_addmm_activation|mkldnn_\w+)$|(Mm|Addmm|Bmm)Backward"
+            r"|(?i:gemm|gemv|nvjet|xmma|s16816|cutlass|cublas|splitkreduce)",
+        ),
+        # Elementwise and simple reductions: pointwise math, casts, copies, fills, sums.
+        (
+            "elementwise",
+            r"(?i:elementwise|CatArrayBatchedCopy|reduce_kernel|memcpy|memset|copy_kernel|fill_kernel)"
+            r"|^aten::(add|add_|sub|rsub|mul|mul_|div|div_|neg|silu|silu_backward|sigmoid|exp|tanh|cat|clone|copy_"
+            r"|_to_copy|fill_|zero_|zeros_like|sum|where|masked_fill_?|clamp|maximum|minimum|lerp_?)$"
+            r"|(Add|Sub|Mul|Div|Neg|Silu|Cat|ToCopy|Clone|Sum|Where|Slice|Sigmoid)Backward",
+        ),
+    )
+)
+
+
+def classify(name: str) -> str:
+    """The family of an operator, autograd node or kernel, from its name alone (one of ``FAMILIES``)."""
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    for family, pattern in _RULES:
+        if pattern.search(name):
+            return family
+    return "other"
+
+
+def short_name(name: str, width: int = 90) -> str:
+    """A kernel's demangled name without ``void``, its argument list and template noise, cut to ``width``."""
+    name = re.sub(r"^void\s+", "", name)
+    if name.endswith(")") and "(" in name and not name.startswith("autograd"):
+        depth = 0  # drop the trailing argument list "(...)" but keep template arguments
+        for i in range(len(name) - 1, -1, -1):
+            depth += name[i] == ")"
+            depth -= name[i] == "("
+            if depth == 0:
+                name = name[:i] if i > 0 else name
+                break
+    return name if len(name) <= width else name[: width - 1] + "…"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Labelling regions while profiling
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def is_rmsnorm(module: torch.nn.Module) -> bool:
+    """RMSNorm modules are recognised by class name (LlamaRMSNorm, TritonRMSNorm, LigerRMSNorm, ...)."""
+    return type(module).__name__.endswith("RMSNorm")
+
+
+def _wrap_forward(module: torch.nn.Module, label: str) -> Callable[[], None]:
+    original = module.__dict__.get("forward")
+    bound = module.forward
+
+    def forward(*args, **kwargs):
+        with record_function(label):
+            return bound(*args, **kwargs)
+
+    module.forward = forward
+
+    def restore():
+        if original is None:
+            del module.forward
+        else:
+            module.forward = original
+
+    return restore
+
+
+def _wrap_loss_function(model: torch.nn.Module) -> Callable[[], None] | None:
+    """Put Hugging Face's ``model.loss_function`` inside ``region::loss``; None where the model has none."""
+    inner = getattr(model, "loss_function", None)
+    if inner is None or not callable(inner):
+        return None
+    had_own = "_loss_function" in model.__dict__
+    previous = model.__dict__.get("_loss_function")
+
+    def loss_function(*args, **kwargs):
+        with record_function("region::loss"):
+            return inner(*args, **kwargs)
+
+    try:
+        model.loss_function = loss_function
+    except AttributeError:  # a transformers version without the setter: the loss is then classified by name
+        return None
+
+    def restore():
+        if had_own:
+            model._loss_function = previous
+        else:
+            delattr(model, "_loss_function")
+
+    return restore
+
+
+@contextmanager
+def labelled_regions(model: torch.nn.Module):
+    """While inside, every RMSNorm forward runs in ``region::rmsnorm`` and the HF loss in ``region::loss``."""
+    restores = [_wrap_forward(m, "region::rmsnorm") for m in model.modules() if is_rmsnorm(m)]
+    loss_restore = _wrap_loss_function(model)
+    if loss_restore is not None:
+        restores.append(loss_restore)
+    try:
+        yield
+    finally:
+        for restore in reversed(restores):
+            restore()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The training step
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def hf_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Forward pass and loss as Hugging Face computes them (labels passed in). The output object, and with it
+    the bf16 logits, is dropped as soon as the loss is out, as in any training loop that keeps only the loss."""
+    return model(**batch).loss
+
+
+def training_step(model, batch, optimizer, compute_loss=hf_loss) -> torch.Tensor:
+    """One full step: forward + loss, backward, ``optimizer.step()``, ``optimizer.zero_grad(set_to_none=True)``."""
+    loss = compute_loss(model, batch)
+    loss.backward()
+    with record_function("region::optimizer"):
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _unique_bytes(tensors) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is not None:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _optimizer_tensors(optimizer):
+    for state in optimizer.state.values():
+        for value in state.values():
+            if torch.is_tensor(value):
+                yield value
+
+
+def _loss_shapes(model, batch) -> tuple[int, int, torch.dtype]:
+    tokens = batch["input_ids"].numel()
+    vocab = model.config.vocab_size
+    dtype = next(model.parameters()).dtype
+    return tokens, vocab, dtype
+
+
+def measure_step_memory(model, batch, optimizer, compute_loss=hf_loss) -> MemoryBudget:
+    """Run one step on a GPU with allocator statistics taken between its phases (see the module docstring)."""
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        raise RuntimeError("measure_step_memory needs a model on a CUDA device; on the CPU use full_finetune_memory")
+    _sync(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    loss = compute_loss(model, batch)
+    _sync(device)
+    after_forward = torch.cuda.memory_allocated(device)
+    peak_forward = torch.cuda.max_memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    loss.backward()
+    _sync(device)
+    after_backward = torch.cuda.memory_allocated(device)
+    peak_backward = torch.cuda.max_memory_allocated(device)
+    gradients = _unique_bytes(p.grad for p in model.parameters())
+    torch.cuda.reset_peak_memory_stats(device)
+    optimizer.step()
+    _sync(device)
+    peak_step = torch.cuda.max_memory_allocated(device)
+    optimizer.zero_grad(set_to_none=True)
+    del loss
+
+    tokens, vocab, dtype = _loss_shapes(model, batch)
+    loss_buffers = hf_loss_buffers(tokens, vocab, dtype)
+    weights = _unique_bytes(model.parameters())
+    states = _unique_bytes(_optimizer_tensors(optimizer))
+    return MemoryBudget(
+        weights=weights,
+        gradients=gradients,
+        optimizer_states=states,
+        optimizer_temporaries=max(0, peak_step - after_backward),
+        activations=max(0, after_forward - base - loss_buffers["log_softmax_fp32"]),
+        **loss_buffers,
+        measured=True,
+        measured_peak=max(peak_forward, peak_backward, peak_step),
+        phase_peaks={"forward": peak_forward, "backward": peak_backward, "optimizer step": peak_step},
+        notes={
+            "weights": "measured: the parameters' storage",
+            "gradients": "measured: the gradients' storage after backward",
+            "optimizer_states": "measured: the tensors in optimizer.state",
+            "optimizer_temporaries": "measured: peak during optimizer.step() above what was allocated before it",
+            "activations": "measured: allocated after forward, less the weights, states and fp32 log-softmax",
+            "logits": f"computed: [{tokens:,}, {vocab:,}] in {dtype}",
+            "logits_fp32": "computed: the fp32 copy in Hugging Face's loss",
+            "log_softmax_fp32": "computed: kept by F.cross_entropy for backward",
+            "logit_grads_fp32": "computed: the fp32 gradients in the loss's backward",
+        },
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Attribution of profiler events
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    """One line of a table: an operator, kernel or family, its number of calls, its time and share of the total."""
+
+    name: str
+    family: str
+    calls: int
+    time_ms: float
+    share: float
+
+
+@dataclass
+class _Tally:
+    calls: int = 0
+    us: float = 0.0
+
+
+def _is_cpu_op(event) -> bool:
+    from torch.autograd import DeviceType
+
+    return event.device_type == DeviceType.CPU and not event.is_async
+
+
+# Bookkeeping records of the profiler itself (CUPTI), not operators. When many launches are queued, "Command Buffer
+# Full" records appear and carry the durations of other operators' kernels: counting them would count those twice.
+PROFILER_OVERHEAD = frozenset({"Command Buffer Full", "Activity Buffer Request"})
+
+
+def _is_backward_node(name: str) -> bool:
+    return name.startswith("autograd::engine::evaluate_function")
+
+
+def _region_keys(roots) -> dict[tuple[int, int], str]:
+    """(forward thread, sequence number) -> family, for every forward operator that ran inside a region."""
+    keys: dict[tuple[int, int], str] = {}
+
+    def visit(event, family):
+        family = REGIONS.get(event.name, family)
+        if family is not None and event.sequence_nr >= 0:
+            keys[(event.thread, event.sequence_nr)] = family
+        for child in event.cpu_children:
+            visit(child, family)
+
+    for root in roots:
+        if not _is_backward_node(root.name):
+            visit(root, None)
+    return keys
+
+
+def attribute_events(events, use_device: bool):
+    """Sort profiler events into families, operators, kernels and phases (see the module docstring).
+
+    Returns ``(families, ops, kernels, phases, total_us)``: tallies keyed by family, by (operator, family), by
+    (kernel, family) and by phase ("forward", "backward", "optimizer"), and the total time they share.
+    """
+    cpu_ops = [e for e in events if _is_cpu_op(e)]
+    roots = [e for e in cpu_ops if e.cpu_parent is None]
+    keys = _region_keys(roots)
+    families: dict[str, _Tally] = defaultdict(_Tally)
+    ops: dict[tuple[str, str], _Tally] = defaultdict(_Tally)
+    kernels: dict[tuple[str, str], _Tally] = defaultdict(_Tally)
+    phases: dict[str, float] = defaultdict(float)
+
+    def add(name, family, phase, us, family_calls, kernel_name=None):
+        families[family].us += us
+        families[family].calls += family_calls
+        ops[(name, family)].us += us
+        phases[phase] += us
+        if kernel_name is not None:
+            kernels[(kernel_name, family)].us += us
+            kernels[(kernel_name, family)].calls += 1
+
+    # Depth-first over every thread's tree of operators, carrying the region and the phase down to the leaves.
+    stack = [(root, None, "forward", False) for root in roots]
+    while stack:
+        event, inherited, phase, parent_is_op = stack.pop()
+        name = event.name
+        if name in PROFILER_OVERHEAD:
+            continue
+        if name in REGIONS:
+            inherited = REGIONS[name]
+        if name.startswith("Optimizer."):
+            inherited = "optimizer"
+        if inherited == "optimizer":
+            phase = "optimizer"
+        if _is_backward_node(name):
+            phase = "backward"
+            inherited = keys.get((event.fwd_thread, event.sequence_nr), inherited)
+        is_op = name.startswith("aten::")
+        if use_device:
+            # Device time: each kernel is charged to the operator that launched it; calls count kernel launches.
+            for kernel in event.kernels:
+                family = inherited or classify(kernel.name)
+                if family == "other":
+                    family = classify(name)
+                add(name, family, phase, kernel.duration, 1, kernel_name=kernel.name)
+            if event.kernels:
+                ops[(name, family)].calls += 1
+        else:
+            # CPU self time; calls count outermost aten operators (aten::linear, not also the aten::mm inside it).
+            family = inherited or classify(name)
+            add(name, family, phase, event.self_cpu_time_total, int(is_op and not parent_is_op))
+            ops[(name, family)].calls += 1
+        stack.extend((child, inherited, phase, is_op) for child in event.cpu_children)
+
+    attributed = sum(t.us for t in families.values())
+    total = attributed
+    if use_device:
+        # Device work the profiler could not link to an operator (rare): counted, as "other", so shares stay honest.
+        # Device-side records of ranges (record_function, the optimizer's step) share their names with the CPU
+        # ranges and span kernels already counted: only kernels, copies and fills are device work.
+        range_names = {e.name for e in cpu_ops} | PROFILER_OVERHEAD
+        device_total = sum(
+            e.time_range.end - e.time_range.start
+            for e in events
+            if not _is_cpu_op(e) and not e.is_async and e.name not in range_names
+        )
+        if device_total > attributed:
+            families["other"].us += device_total - attributed
+            ops[("(device work not linked to an operator)", "other")].us += device_total - attributed
+            total = device_total
+    return families, ops, kernels, phases, total
+
+
+def _rows(tallies: dict, total_us: float, n: int | None) -> list[Row]:
+    rows = [
+        Row(name=key[0], family=key[1], calls=t.calls, time_ms=t.us / 1e3, share=t.us / total_us if total_us else 0.0)
+        for key, t in tallies.items()
+        if t.us > 0
+    ]
+    rows.sort(key=lambda r: r.time_ms, reverse=True)
+    return rows if n is None else rows[:n]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The result and the entry point
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepProfile:
+    """What ``profile_training_step`` found. Times in milliseconds; ``time_kind`` says which time they are."""
+
+    device: str
+    time_kind: str
+    step_ms: float
+    profiled_step_ms: float
+    tokens: int
+    families: dict[str, Row]
+    phases: dict[str, float]
+    top_ops: list[Row]
+    top_kernels: list[Row]
+    memory: MemoryBudget
+    trace_path: Path | None
+    total_ms: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / (self.step_ms / 1e3)
+
+    @property
+    def trace_note(self) -> str:
+        return f"Trace: {self.trace_path}\n{TRACE_NOTE}" if self.trace_path else "No trace was exported."
+
+    def share(self, *families: str) -> float:
+        return sum(self.families[f].share for f in families if f in self.families)
+
+    def family_table(self) -> str:
+        lines = [f"{'family':<48}{'calls':>8}{'ms':>11}{'share':>8}"]
+        for name in FAMILIES:
+            row = self.families.get(name)
+            if row is not None:
+                lines.append(f"{FAMILY_TITLES[name]:<48}{row.calls:>8}{row.time_ms:>11.3f}{row.share:>8.1%}")
+        lines.append(f"{'total (' + self.time_kind + ')':<48}{'':>8}{self.total_ms:>11.3f}{1:>8.0%}")
+        return "\n".join(lines)
+
+    def top_table(self, n: int = 15, kernels: bool = False) -> str:
+        rows = self.top_kernels if kernels else self.top_ops
+        head = "kernel" if kernels else "operator"
+        lines = [f"{head:<70}{'family':<15}{'calls':>7}{'ms':>10}{'share':>8}"]
+        for r in rows[:n]:
+            lines.append(f"{short_name(r.name, 68):<70}{r.family:<15}{r.calls:>7}{r.time_ms:>10.3f}{r.share:>8.1%}")
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        phase = ", ".join(f"{k} {v:.1f} ms" for k, v in self.phases.items())
+        return (
+            f"{self.device}: step {self.step_ms:.1f} ms for {self.tokens:,} tokens ({self.tokens_per_s:,.0f} tokens/s, "
+            f"median of plain steps without the profiler). Profiled step: {self.total_ms:.1f} ms of {self.time_kind} "
+            f"({phase}). Peak memory {self.memory.peak / GiB:.2f} GiB "
+            f"({'measured' if self.memory.measured else 'computed estimate'})."
+        )
+
+
+def _default_trace_path(model, batch, device: torch.device) -> Path:
+    cfg = model.config
+    rows, seq = batch["input_ids"].shape
+    where = "gpu" if device.type == "cuda" else "cpu"
+    return TRACES / f"step_{where}_{cfg.num_hidden_layers}L_h{cfg.hidden_size}_b{rows}_s{seq}.json"
+
+
+def _check_batch(batch) -> None:
+    if not isinstance(batch, dict) or "input_ids" not in batch:
+        raise TypeError("batch must be a dict with input_ids (and labels, attention_mask), as make_sft_batches gives")
+    if "labels" not in batch:
+        raise ValueError("batch has no labels: the step needs a loss (make_sft_batches provides labels)")
+
+
+def profile_training_step(
+    model: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    warmup: int = 2,
+    timed_steps: int = 3,
+    trace_path: str | Path | None = "auto",
+    compute_loss: Callable = hf_loss,
+    label_regions: bool = True,
+    top: int = 25,
+    measure_memory: bool = True,
+) -> StepProfile:
+    """Warm up, time ``timed_steps`` plain steps, measure memory (GPU), then profile one full training step.
+
+    ``warmup`` steps (at least 1) also create the optimizer's states, so the profiled step is a steady-state one.
+    ``trace_path="auto"`` writes ``assets/traces/step_<device>_<shape>.json``; None exports nothing.
+    ``compute_loss(model, batch)`` returns the loss (default: Hugging Face's, with the labels in the batch).
+    Every step updates the weights, as training does.
+    """
+    _check_batch(batch)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if not isinstance(warmup, int) or warmup < 1:
+        raise ValueError(f"warmup must be an int >= 1 (it creates the optimizer's states), got {warmup!r}")
+    if not isinstance(timed_steps, int) or timed_steps < 1:
+        raise ValueError(f"timed_steps must be a positive int, got {timed_steps!r}")
+    device = next(model.parameters()).device
+    batch = {k: v.to(device) for k, v in batch.items() if k != "roles"}
+    use_device = device.type == "cuda"
+
+    def step():
+        return training_step(model, batch, optimizer, compute_loss)
+
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    times = []
+    for _ in range(timed_steps):
+        start = time.perf_counter()
+        step()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+
+    tokens, vocab, dtype = _loss_shapes(model, batch)
+    if use_device and measure_memory:
+        memory = measure_step_memory(model, batch, optimizer, compute_loss)
+    else:
+        rows, seq = batch["input_ids"].shape
+        memory = full_finetune_memory(model.config, rows, seq, dtype)
+        if not use_device:
+            memory.notes["activations"] += " (the CPU allocator keeps no statistics: nothing here is measured)"
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if use_device else [])
+    labels = labelled_regions(model) if label_regions else nullcontext()
+    with labels, profile(activities=activities, record_shapes=False, with_stack=False, profile_memory=False) as prof:
+        start = time.perf_counter()
+        step()
+        _sync(device)
+        profiled_ms = (time.perf_counter() - start) * 1e3
+
+    if trace_path is not None:
+        trace_path = _default_trace_path(model, batch, device) if trace_path == "auto" else Path(trace_path)
+        trace_path.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace_path))
+
+    fams, ops, kernels, phases, total_us = attribute_events(prof.events(), use_device)
+    family_rows = {f: Row(f, f, t.calls, t.us / 1e3, t.us / total_us if total_us else 0.0) for f, t in fams.items()}
+    device_name = torch.cuda.get_device_name(device) if use_device else "CPU"
+    return StepProfile(
+        device=device_name,
+        time_kind="GPU kernel time" if use_device else "CPU self time",
+        step_ms=statistics.median(times),
+        profiled_step_ms=profiled_ms,
+        tokens=tokens,
+        families=family_rows,
+        phases={k: phases[k] / 1e3 for k in ("forward", "backward", "optimizer") if k in phases},
+        top_ops=_rows(ops, total_us, top),
+        top_kernels=_rows(kernels, total_us, top) if use_device else [],
+        memory=memory,
+        trace_path=trace_path,
+        total_ms=total_us / 1e3,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Amdahl's law: what a step could gain
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class AmdahlEstimate:
+    """The most a step can gain if ``targets`` cost nothing, and what the loss costs in memory."""
+
+    targets: tuple[str, ...]
+    shares: dict[str, float]
+    share: float
+    step_ms: float
+    max_speedup: float
+    best_step_ms: float
+    loss_bytes: int
+    peak_bytes: int
+
+    def summary(self) -> str:
+        parts = " + ".join(f"{t} {self.shares[t]:.1%}" for t in self.targets)
+        return (
+            f"{parts} = {self.share:.1%} of the step's measured time. If they cost nothing, the step could be at "
+            f"most {self.max_speedup:.2f}× faster ({self.step_ms:.1f} → {self.best_step_ms:.1f} ms): Amdahl's law, "
+            f"1 / (1 - {self.share:.3f}). Memory: the loss's [tokens, vocab] buffers (bf16 logits, their fp32 copy, "
+            f"the fp32 log-softmax, fp32 gradients) take up to {self.loss_bytes / GiB:.2f} GiB at once, "
+            f"{self.loss_bytes / self.peak_bytes:.1%} of the step's peak of {self.peak_bytes / GiB:.2f} GiB."
+        )
+
+
+def amdahl(profile: StepProfile, targets: tuple[str, ...] = ("rmsnorm", "cross_entropy")) -> AmdahlEstimate:
+    """Amdahl's bound: with a share s of the time removed, a step runs at most 1 / (1 - s) times faster.
+
+    s is the targets' share of the profiled time (GPU kernel time, or CPU self time). It is a bound: a kernel never
+    costs nothing, and on a GPU idle gaps between kernels do not shrink with them.
+    """
+    unknown = [t for t in targets if t not in FAMILIES]
+    if unknown:
+        raise ValueError(f"targets must be families from {FAMILIES}, got {unknown}")
+    shares = {t: profile.families[t].share if t in profile.families else 0.0 for t in targets}
+    share = min(sum(shares.values()), 0.999999)
+    return AmdahlEstimate(
+        targets=tuple(targets),
+        shares=shares,
+        share=share,
+        step_ms=profile.step_ms,
+        max_speedup=1 / (1 - share),
+        best_step_ms=profile.step_ms * (1 - share),
+        loss_bytes=profile.memory.loss_bytes,
+        peak_bytes=profile.memory.peak,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Plots
+# ---------------------------------------------------------------------------------------------------------------
+
+_COLORS = {
+    "matmul": "#4c72b0", "attention": "#55a868", "rmsnorm": "#dd8452", "cross_entropy": "#c44e52",
+    "elementwise": "#8172b3", "optimizer": "#937860", "other": "#b0b0b0",
+}
+
+
+def plot_family_times(profile: StepProfile, ax=None):
+    """Horizontal bars: milliseconds per family, labelled with their share of the step."""
+    import matplotlib.pyplot as plt
+
+    names = [f for f in FAMILIES if f in profile.families]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8, 0.45 * len(names) + 1.2))
+    times = [profile.families[f].time_ms for f in names]
+    bars = ax.barh([FAMILY_TITLES[f] for f in names], times, color=[_COLORS[f] for f in names])
+    for bar, f in zip(bars, names):
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {profile.families[f].share:.1%}", va="center")
+    ax.invert_yaxis()
+    ax.set_xlabel(f"ms ({profile.time_kind}, one step)")
+    ax.set_title(f"Where a training step's time goes — {profile.device}")
+    ax.set_xlim(0, max(times) * 1.18)
+    return ax
+
+
+def plot_memory(memory: MemoryBudget, ax=None, capacity: int | None = None):
+    """Stacked bars of the three moments a step can peak at (``HIGH_POINTS``), with the measured peak if any."""
+    import matplotlib.pyplot as plt
+
+    colors = {
+        "weights": "#4c72b0", "gradients": "#64b5cd", "optimizer_states": "#55a868", "optimizer_temporaries": "#8fd19e",
+        "activations": "#8172b3", "logits": "#c44e52", "logits_fp32": "#e17c7e", "log_softmax_fp32": "#f2b5b6",
+        "logit_grads_fp32": "#fbe0e0",
+    }
+    parts = memory.parts()
+    largest = max(max(memory.high_points().values()), memory.measured_peak or 0, capacity or 0)
+    unit, scale = ("GiB", GiB) if largest >= GiB else ("MiB", 1024**2)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 3.6))
+    labelled = set()
+    for y, names in enumerate(HIGH_POINTS.values()):
+        left = 0.0
+        for name in names:
+            width = parts[name] / scale
+            ax.barh(y, width, left=left, color=colors[name], label=None if name in labelled else name.replace("_", " "))
+            labelled.add(name)
+            left += width
+    if memory.measured_peak is not None:
+        ax.axvline(memory.measured_peak / scale, color="black", linestyle="--", label="measured peak")
+    if capacity:
+        ax.axvline(capacity / scale, color="grey", linestyle=":", label="GPU memory")
+    ax.set_yticks(range(len(HIGH_POINTS)), list(HIGH_POINTS))
+    ax.invert_yaxis()
+    ax.set_xlabel(unit)
+    kind = "measured on the GPU" if memory.measured else "computed estimate"
+    ax.set_title(f"Memory at the moments a step can peak ({kind})")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=4, frameon=False, fontsize=8)
+    return ax

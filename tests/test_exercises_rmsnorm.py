@@ -1,15 +1,28 @@
 """The RMSNorm exercise checks: they pass right answers and name each planted mistake precisely, without raising.
 
-The planted mistakes are written in plain PyTorch (fast, and exactly the arithmetic a wrong kernel would do); two
-are Triton kernels, to show the checks also report on a kernel as the reader finds it in the notebook.
+For the checks of a function, the planted mistakes are written in plain PyTorch (fast, and exactly the arithmetic a
+wrong kernel would do), with two Triton kernels to show the checks also report on a kernel as the reader finds it
+in the notebook. The checks of a tile kernel launch the kernel themselves, so their planted mistakes are Triton
+kernels: one kernel each, with the mistake chosen by a compile-time switch.
 """
+
+import re
 
 import pytest
 import torch
 import triton
 import triton.language as tl
 
-from kernels.exercises.rmsnorm import check_rms_norm_backward, check_rms_norm_forward
+from kernels.exercises import solutions
+from kernels.exercises.rmsnorm import (
+    DW_TIGHT,
+    HINTS,
+    check_rms_norm_backward,
+    check_rms_norm_backward_tile,
+    check_rms_norm_forward,
+    check_rms_norm_tile,
+)
+from kernels.exercises.solutions import load
 from kernels.reference import rms_norm_reference
 from kernels.rmsnorm import rms_norm, rms_norm_backward
 from kernels.triton_utils import cast_to
@@ -268,3 +281,282 @@ def test_forward_check_on_triton_kernels(mistake, expected):
     report = check_rms_norm_forward(triton_forward(mistake), verbose=False)
     assert report.passed == (mistake == "none")
     assert expected in report.message, report.message
+
+
+def test_x_for_x_hat_twice_is_named():
+    report = check_rms_norm_backward(lambda *a: dx_x_twice(*a), verbose=False)
+    assert HINTS["x_for_x_hat_twice"] in report.message, report.message
+
+
+def dx_x_twice(dy, x, w, rstd):
+    x32, dy32, w32, r = x.float(), dy.float(), w.float(), rstd[:, None]
+    g = dy32 * w32
+    return (r * (g - x32 * (g * x32).mean(-1, keepdim=True))).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The hidden solutions pass their checks
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, check", [
+    ("rms_norm_tile_kernel", check_rms_norm_tile),
+    ("rms_norm_dx", check_rms_norm_backward),
+    ("rms_norm_bwd_tile_kernel", check_rms_norm_backward_tile),
+])
+def test_solutions_pass_their_checks(name, check):
+    report = check(load(name), verbose=False)
+    assert report.passed, report.message
+    assert name in solutions.names()
+
+
+def says(key: str, message: str) -> bool:
+    """Whether ``message`` holds the diagnosis ``HINTS[key]``: every fixed piece of its wording, in order."""
+    pieces = [piece for piece in re.split(r"\{[^}]*\}", HINTS[key]) if piece.strip()]
+    at = 0
+    for piece in pieces:
+        at = message.find(piece, at)
+        if at < 0:
+            return False
+        at += len(piece)
+    return True
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Chapter 02's tile kernel: the reader's mechanics (rows, mask, offsets, upcast) and rstd, one mistake at a time
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tile_kernel(X, W, Y, n_rows, n_cols, stride_x, stride_y, eps, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 MISTAKE: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    if MISTAKE == "row+1":
+        rows = rows + 1
+    if MISTAKE == "row-1":
+        rows = rows - 1
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    if MISTAKE == "stub":
+        mask = tl.zeros((ROWS, BLOCK_N), dtype=tl.int1)
+    if MISTAKE == "mask-columns-only":  # a 1-D mask: every row of the tile, the last one's padding rows too
+        mask = cols < n_cols
+    if MISTAKE == "mask-rows-only":
+        mask = rows[:, None] < n_rows
+    if MISTAKE == "mask-1d-rows":  # [ROWS] against a [ROWS, BLOCK_N] block: does not broadcast
+        mask = rows < n_rows
+    if MISTAKE == "rows<=n_rows":
+        mask = (rows[:, None] <= n_rows) & (cols[None, :] < n_cols)
+    x_stride = stride_x
+    y_stride = stride_y
+    if MISTAKE == "width-for-x" or MISTAKE == "width-everywhere":
+        x_stride = n_cols
+    if MISTAKE == "width-for-y" or MISTAKE == "width-everywhere":
+        y_stride = n_cols
+    if MISTAKE == "stride_x-for-y":
+        y_stride = stride_x
+    x = tl.load(X + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0)
+    if MISTAKE != "no-upcast":
+        x = x.to(tl.float32)
+    w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    if MISTAKE == "rstd-stub":
+        rstd = tl.zeros((ROWS,), dtype=tl.float32)
+    elif MISTAKE == "axis-0":
+        rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    elif MISTAKE == "divide-by-BLOCK_N":
+        rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / BLOCK_N + eps)
+    elif MISTAKE == "eps-outside-sqrt":
+        rstd = 1.0 / (tl.sqrt(tl.sum(x * x, axis=1) / n_cols) + eps)
+    elif MISTAKE == "eps-after-rsqrt":
+        rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / n_cols) + eps
+    elif MISTAKE == "sum-not-mean":
+        rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) + eps)
+    else:
+        rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+    x_hat = cast_to(x * rstd[:, None], X.dtype.element_ty).to(tl.float32)
+    y = x_hat * w[None, :]
+    tl.store(Y + rows[:, None] * y_stride + cols[None, :], cast_to(y, Y.dtype.element_ty), mask=mask)
+
+
+class _Planted:
+    """A planted kernel with its MISTAKE fixed, launched like the reader's: ``kernel[grid](*args, ROWS=, BLOCK_N=)``."""
+
+    def __init__(self, kernel, mistake):
+        self.kernel, self.mistake = kernel, mistake
+
+    def __getitem__(self, grid):
+        return lambda *args, **meta: self.kernel[grid](*args, **meta, MISTAKE=self.mistake)
+
+
+PLANTED_TILE = {
+    "stub": ["nothing_written"],
+    "rstd-stub": ["placeholder_zeros"],
+    "mask-columns-only": ["rows_past_end"],
+    "mask-rows-only": ["columns_past_end"],
+    "mask-1d-rows": ["tile_shapes_forward"],
+    "rows<=n_rows": ["row_at_end"],
+    "row+1": ["first_rows_skipped"],
+    "row-1": ["rows_before_start"],
+    "width-for-x": ["input_stride"],
+    "width-for-y": ["output_stride"],
+    "stride_x-for-y": ["output_stride"],
+    "width-everywhere": ["output_stride", "input_stride"],
+    "axis-0": ["tile_shapes_forward"],
+    "no-upcast": ["no_upcast"],
+    "divide-by-BLOCK_N": ["divide_by_block"],
+    "eps-outside-sqrt": ["eps_outside_sqrt"],
+    "eps-after-rsqrt": ["no_eps"],
+    "sum-not-mean": ["sum_not_mean"],
+}
+
+
+@pytest.mark.parametrize("mistake", list(PLANTED_TILE))
+def test_tile_check_names_each_planted_mistake(mistake, capsys):
+    report = check_rms_norm_tile(_Planted(_tile_kernel, mistake))
+    assert not report.passed and report.message.startswith("✗ ")
+    for key in PLANTED_TILE[mistake]:
+        assert says(key, report.message), (key, report.message)
+    assert capsys.readouterr().out.strip() == report.message  # printed, not raised
+
+
+def test_tile_check_names_the_wrong_stride():
+    report = check_rms_norm_tile(_Planted(_tile_kernel, "stride_x-for-y"), verbose=False)
+    assert "y's rows were written 80 elements apart (stride_x, x's row stride), but they are 72 apart" in report.message
+    report = check_rms_norm_tile(_Planted(_tile_kernel, "width-for-x"), verbose=False)
+    assert "rows of x were read 64 elements apart (n_cols, the width), but they are 80 apart" in report.message
+
+
+def test_tile_check_passes_the_right_kernel():
+    report = check_rms_norm_tile(_Planted(_tile_kernel, "none"), verbose=False)
+    assert report.passed, report.message
+    assert report.message.startswith("✓ tile kernel correct on 4 inputs")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Chapter 03's backward tile kernel: masks, dx and the dW partial sums, one mistake at a time
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _bwd_tile_kernel(
+    X, W, DY, RSTD, DX, DW_PARTIALS, n_rows, n_cols, stride_x, stride_dy, stride_dx,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, MISTAKE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < n_cols
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    if MISTAKE == "dw-bfloat16":
+        dw_acc = tl.zeros((BLOCK_N,), dtype=X.dtype.element_ty)
+    else:
+        dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    x_stride = stride_x
+    dy_stride = stride_dy
+    if MISTAKE == "width-for-dy" or MISTAKE == "width-everywhere":
+        dy_stride = n_cols
+    if MISTAKE == "width-everywhere":
+        x_stride = n_cols
+    for block in range(pid, tl.cdiv(n_rows, ROWS), tl.num_programs(0)):
+        rows = (block * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+        row_ok = rows < n_rows
+        if MISTAKE == "rows<=n_rows":
+            row_ok = rows <= n_rows
+        ok = row_ok[:, None] & col_ok[None, :]
+        if MISTAKE == "stub":
+            row_ok = tl.zeros((ROWS,), dtype=tl.int1)
+            ok = tl.zeros((ROWS, BLOCK_N), dtype=tl.int1)
+        if MISTAKE == "no-row-mask":
+            ok = col_ok[None, :] & (rows >= 0)[:, None]
+        x = tl.load(X + rows[:, None] * x_stride + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows[:, None] * dy_stride + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+        x_hat = x * rstd[:, None]
+        g = dy * w[None, :]
+        x_hat_rounded = cast_to(x_hat, X.dtype.element_ty).to(tl.float32)
+        divisor = n_cols
+        if MISTAKE == "divide-by-BLOCK_N":
+            divisor = BLOCK_N
+        mean = (tl.sum(g * x_hat, axis=1) / divisor)[:, None]
+        if MISTAKE == "stub" or MISTAKE == "dx-stub":
+            dx = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+        elif MISTAKE == "sign":
+            dx = rstd[:, None] * (g + x_hat * mean)
+        elif MISTAKE == "no-mean-term":
+            dx = rstd[:, None] * g
+        else:
+            dx = rstd[:, None] * (g - x_hat * mean)
+        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], cast_to(dx, DX.dtype.element_ty), mask=ok)
+        if MISTAKE == "stub" or MISTAKE == "dx-stub" or MISTAKE == "dw-stub":
+            dw_acc += tl.zeros((BLOCK_N,), dtype=tl.float32)
+        elif MISTAKE == "dw-axis-1":
+            dw_acc += tl.sum(dy * x_hat_rounded, axis=1)
+        elif MISTAKE == "dw-bfloat16":
+            dw_acc += tl.sum(dy * x_hat_rounded, axis=0).to(X.dtype.element_ty)
+        elif MISTAKE == "dw-assigned":
+            dw_acc = tl.sum(dy * x_hat_rounded, axis=0)
+        elif MISTAKE == "dw-uses-g":
+            dw_acc += tl.sum(g * x_hat_rounded, axis=0)
+        elif MISTAKE == "dw-uses-x":
+            dw_acc += tl.sum(dy * x, axis=0)
+        elif MISTAKE == "dw-unrounded":
+            dw_acc += tl.sum(dy * x_hat, axis=0)
+        elif MISTAKE == "dw-sign":
+            dw_acc -= tl.sum(dy * x_hat_rounded, axis=0)
+        else:
+            dw_acc += tl.sum(dy * x_hat_rounded, axis=0)
+    tl.store(DW_PARTIALS + pid * n_cols + cols, dw_acc, mask=col_ok)
+
+
+PLANTED_BACKWARD_TILE = {
+    "stub": ["nothing_written"],
+    "dx-stub": ["placeholder_zeros"],
+    "dw-stub": ["dw_zero"],
+    "no-row-mask": ["rows_past_end"],
+    "rows<=n_rows": ["row_at_end"],
+    "sign": ["dx_sign"],
+    "no-mean-term": ["no_correction"],
+    "divide-by-BLOCK_N": ["dx_divide_by_block"],
+    "width-for-dy": ["input_stride"],
+    "width-everywhere": ["inputs_width"],
+    "dw-axis-1": ["tile_shapes_backward"],
+    "dw-bfloat16": ["dw_not_float32"],
+    "dw-assigned": ["dw_last_tile"],
+    "dw-uses-g": ["dw_used_g"],
+    "dw-uses-x": ["dw_used_x"],
+    "dw-unrounded": ["dw_unrounded"],
+    "dw-sign": ["dw_sign"],
+}
+
+
+@pytest.mark.parametrize("mistake", list(PLANTED_BACKWARD_TILE))
+def test_backward_tile_check_names_each_planted_mistake(mistake, capsys):
+    report = check_rms_norm_backward_tile(_Planted(_bwd_tile_kernel, mistake))
+    assert not report.passed and report.message.startswith("✗ ")
+    for key in PLANTED_BACKWARD_TILE[mistake]:
+        assert says(key, report.message), (key, report.message)
+    assert capsys.readouterr().out.strip() == report.message
+
+
+def test_backward_tile_check_passes_the_right_kernel():
+    report = check_rms_norm_backward_tile(_Planted(_bwd_tile_kernel, "none"), verbose=False)
+    assert report.passed, report.message
+    assert report.message.startswith("✓ backward tile kernel correct on 3 inputs")
+
+
+def test_a_bfloat16_accumulator_is_far_from_float32_sums():
+    # The threshold between the two is what the diagnosis rests on: a float32 accumulator stays well under DW_TIGHT.
+    report = check_rms_norm_backward_tile(_Planted(_bwd_tile_kernel, "none"), verbose=False)
+    error = float(report.message.rsplit("sums) ", 1)[1].rstrip("."))
+    assert error < DW_TIGHT / 10
+
+
+def test_a_shape_clash_on_the_gpu_is_recognised_too():
+    # A compiled kernel reports the clash inside a CompilationError whose last line is not the clash itself.
+    class Compiled:
+        def __getitem__(self, grid):
+            def launch(*args, **meta):
+                raise RuntimeError("at 12:8:\n    rstd = ...\n        ^\nValueError('Cannot make_shape_compatible: "
+                                   "incompatible dimensions at index 0: 64 and 4')\nThe above exception was raised")
+            return launch
+
+    assert says("tile_shapes_forward", check_rms_norm_tile(Compiled(), verbose=False).message)

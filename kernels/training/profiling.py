@@ -37,9 +37,12 @@ The trace (``assets/traces/*.json``) opens in https://ui.perfetto.dev (drag the 
 
 from __future__ import annotations
 
+import math
+import os
 import re
 import statistics
 import time
+import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
@@ -55,6 +58,11 @@ from kernels.memory import hf_loss_buffers
 from .models import HIGH_POINTS, GiB, MemoryBudget, full_finetune_memory
 
 TRACES = ASSETS / "traces"
+REPOSITORY = ASSETS.parent
+
+# A notice some PyTorch versions give on a profile's start, about events of earlier profiling cycles; a profile of
+# one step has one cycle, so there is nothing to act on.
+PROFILER_NOTICE = r".*Profiler clears events at the end of each cycle"
 FAMILIES = ("matmul", "attention", "rmsnorm", "cross_entropy", "elementwise", "optimizer", "other")
 FAMILY_TITLES = {
     "matmul": "matmul (linear layers, lm_head)",
@@ -469,7 +477,7 @@ class StepProfile:
 
     @property
     def trace_note(self) -> str:
-        return f"Trace: {self.trace_path}\n{TRACE_NOTE}" if self.trace_path else "No trace was exported."
+        return f"Trace: {display_path(self.trace_path)}\n{TRACE_NOTE}" if self.trace_path else "No trace was exported."
 
     def share(self, *families: str) -> float:
         return sum(self.families[f].share for f in families if f in self.families)
@@ -499,6 +507,33 @@ class StepProfile:
             f"({phase}). Peak memory {self.memory.peak / GiB:.2f} GiB "
             f"({'measured' if self.memory.measured else 'computed estimate'})."
         )
+
+
+def display_path(path: Path) -> str:
+    """``path`` as a reader of the repository writes it: relative to the repository when it lies inside it."""
+    path = Path(path)
+    try:
+        return path.resolve().relative_to(REPOSITORY).as_posix()
+    except ValueError:
+        return str(path)
+
+
+@contextmanager
+def quiet_profiler():
+    """Keep a ``torch.profiler.profile`` opened inside this block to what a reader can act on.
+
+    Python side: the notice about earlier profiling cycles (``PROFILER_NOTICE``) is filtered inside the block. C++
+    side: on machines without CUDA, some PyTorch builds print two lines per profile ("USDT: ... profiler_start")
+    from Kineto, the profiler's tracing library, at its default log level. Kineto reads ``KINETO_LOG_LEVEL`` once, at
+    the process's first profile, so where the user has not set it this sets it to 6, above every message, before
+    that profile starts. Not on a GPU: there the same level would also hide CUPTI's errors (a missing permission to
+    read the GPU's counters, say), which a reader can act on.
+    """
+    if not torch.cuda.is_available():
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=PROFILER_NOTICE)
+        yield
 
 
 def _default_trace_path(model, batch, device: torch.device) -> Path:
@@ -569,7 +604,8 @@ def profile_training_step(
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if use_device else [])
     labels = labelled_regions(model) if label_regions else nullcontext()
-    with labels, profile(activities=activities, record_shapes=False, with_stack=False, profile_memory=False) as prof:
+    with labels, quiet_profiler(), profile(activities=activities, record_shapes=False, with_stack=False,
+                                           profile_memory=False) as prof:
         start = time.perf_counter()
         step()
         _sync(device)
@@ -628,6 +664,17 @@ class AmdahlEstimate:
         )
 
 
+def step_speedup(share: float, factor: float = math.inf) -> float:
+    """Amdahl's law: how many times faster a step runs when a part taking ``share`` of its time (a fraction) runs
+    ``factor`` times faster. The rest, 1 − share, is unchanged and the part shrinks to share / factor; with the
+    default ``factor=math.inf`` the part costs nothing and the bound is 1 / (1 − share)."""
+    if not 0 <= share < 1:
+        raise ValueError(f"share must be a fraction of the step's time, 0 <= share < 1, got {share!r}")
+    if not factor > 0:
+        raise ValueError(f"factor must be positive, got {factor!r}")
+    return 1.0 / ((1.0 - share) + share / factor)
+
+
 def amdahl(profile: StepProfile, targets: tuple[str, ...] = ("rmsnorm", "cross_entropy")) -> AmdahlEstimate:
     """Amdahl's bound: with a share s of the time removed, a step runs at most 1 / (1 - s) times faster.
 
@@ -644,7 +691,7 @@ def amdahl(profile: StepProfile, targets: tuple[str, ...] = ("rmsnorm", "cross_e
         shares=shares,
         share=share,
         step_ms=profile.step_ms,
-        max_speedup=1 / (1 - share),
+        max_speedup=step_speedup(share),
         best_step_ms=profile.step_ms * (1 - share),
         loss_bytes=profile.memory.loss_bytes,
         peak_bytes=profile.memory.peak,

@@ -44,10 +44,6 @@ _OUTPUT_MIME_TYPES = ("text/plain", "text/markdown", "text/html")
 
 # (notebook, figure as the prose writes it) -> why it may stay in prose: a fact of shapes, dtypes or formulas.
 ALLOW_LIST: dict[tuple[str, str], str] = {
-    ("05_online_softmax.ipynb", "4.2 GB"): "16,384 × 128,256 × 2 bytes",
-    ("05_online_softmax.ipynb", "8.4 GB"): "16,384 × 128,256 × 4 bytes",
-    ("05_online_softmax.ipynb", "25 GB"): "16,384 × 128,256 × 12 bytes",
-    ("08_training_loop.ipynb", "80 GB"): "the H100's memory size, a specification",
     ("00_setup.ipynb", "2 GiB"): "the size of the copy the cell times, a parameter",
     ("00_setup.ipynb", "80%"): "an example of how a fraction of the ceiling reads, not a measurement",
     ("04_rmsnorm_benchmark.ipynb", "671 MB"): "5 × 16,384 × 4,096 × 2 bytes",

@@ -3,22 +3,32 @@
 Each check runs the reader's function on small inputs chosen to expose one mistake each, compares with the right
 answer and with the answers that the usual mistakes give, and prints what is wrong in words. It returns True when
 everything is right and never raises: a notebook with the exercise left undone still runs to the end.
+
+The sentence that names each mistake lives in one dict per exercise (``UPDATE_DIAGNOSES``,
+``GRADIENT_DIAGNOSES``, ``SWEEP_DIAGNOSES``); a check prints that sentence, followed by what it saw on which input.
+The tests feed every named mistake to its check and look for its sentence.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
+import warnings
+from collections.abc import Callable
 
 import torch
+import triton
 
-from .. import runtime
+from kernels import runtime
+from kernels.reference import relative_error
 
 _OK = "✓ "
 _WRONG = "✗ "
 
 
-def _report(problem: str | None, success: str) -> bool:
-    print(_WRONG + problem if problem else _OK + success)
+def _report(problem: str | None, success: str, verbose: bool = True) -> bool:
+    if verbose:
+        print(_WRONG + problem if problem else _OK + success)
     return problem is None
 
 
@@ -29,6 +39,30 @@ def _close(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-5, atol: float = 1
 # --------------------------------------------------------------------------------------------------------------------
 # Chapter 05: online_update(m, s, chunk) -> (m_new, s_new)
 # --------------------------------------------------------------------------------------------------------------------
+
+UPDATE_DIAGNOSES = {
+    "stub": "online_update is still the stub (it raises NotImplementedError): write the two update lines",
+    "raised": "online_update raised an exception",
+    "one-value": "online_update must return two values, (m_new, s_new)",
+    "max-not-tracked": "the running max is not updated: m_new is still the old m, so the chunk's larger values are "
+                       "never subtracted; m_new = max(m, max(chunk))",
+    "max-goes-down": "m_new is the chunk's max alone: the running max must never go down, "
+                     "m_new = max(m, max(chunk))",
+    "max-wrong": "m_new is not the running max max(m, max(chunk))",
+    "no-rescale": "the old sum s is not rescaled: when the max grows from m to m_new, every term already in s "
+                  "was exp(x − m) and must become exp(x − m_new), so multiply s by exp(m − m_new)",
+    "rescale-upside-down": "the rescale factor is upside down (the exponent has the wrong sign): use "
+                           "exp(m − m_new) (≤ 1), not exp(m_new − m)",
+    "old-max": "the new chunk's terms are taken relative to the old max m; take them relative to m_new: "
+               "Σ exp(chunk − m_new)",
+    "no-max": "no max is subtracted: exp(x) overflows float32 once x > 88.7; keep every term as exp(x − m_new)",
+    "chunk-no-max": "the chunk's terms are exp(chunk) without subtracting m_new: use Σ exp(chunk − m_new)",
+    "first-chunk": "s_new is not finite on the first chunk: there the rescale factor must be "
+                   "exp(m − m_new) = exp(−inf) = 0, which empties nothing",
+    "overflow": "s_new overflowed: exp overflows float32 past exp(88.7), so every factor must be an exp of a "
+                "difference that is ≤ 0, exp(m − m_new) and exp(chunk − m_new), never exp(m) or exp(chunk) alone",
+    "sum-wrong": "s_new is not s·exp(m − m_new) + Σ exp(chunk − m_new)",
+}
 
 # (what the case is, m, s, chunk): a chunk that raises the max, one that does not, the first chunk, large logits.
 # The general cases come first: they tell the usual mistakes apart, where the first chunk only gives inf or NaN.
@@ -46,21 +80,15 @@ def _expected_update(m, s, x):
 
 
 def _update_mistakes(m, s, x):
-    """What the common mistakes return for s_new, each with the sentence that explains it."""
+    """What the common mistakes return for s_new (with the right m_new), each with the key of its diagnosis."""
     m_new = torch.maximum(m, x.max())
     chunk_sum = torch.exp(x - m_new).sum()
     return [
-        (s + chunk_sum, "the old sum s is not rescaled: when the max grows from m to m_new, every term already in s "
-                        "was exp(x − m) and must become exp(x − m_new), so multiply s by exp(m − m_new)"),
-        (s * torch.exp(m_new - m) + chunk_sum, "the rescale factor is upside down: use exp(m − m_new) (≤ 1), "
-                                               "not exp(m_new − m)"),
-        (s * torch.exp(m - m_new) + torch.exp(x - m).sum(),
-         "the new chunk's terms are taken relative to the old max m; take them relative to m_new: "
-         "Σ exp(chunk − m_new)"),
-        (s + torch.exp(x).sum(), "no max is subtracted: exp(x) overflows float32 once x > 88.7; keep every term "
-                                 "as exp(x − m_new)"),
-        (s * torch.exp(m - m_new) + torch.exp(x).sum(), "the chunk's terms are exp(chunk) without subtracting "
-                                                        "m_new: use Σ exp(chunk − m_new)"),
+        (s + chunk_sum, "no-rescale"),
+        (s * torch.exp(m_new - m) + chunk_sum, "rescale-upside-down"),
+        (s * torch.exp(m - m_new) + torch.exp(x - m).sum(), "old-max"),
+        (s + torch.exp(x).sum(), "no-max"),
+        (s * torch.exp(m - m_new) + torch.exp(x).sum(), "chunk-no-max"),
     ]
 
 
@@ -72,44 +100,68 @@ def _diagnose_update(fn, label, m_val, s_val, values) -> str | None:
     try:
         result = fn(m.clone(), s.clone(), x.clone())
     except NotImplementedError:
-        return "online_update is still the stub (it raises NotImplementedError): write the two update lines"
+        return UPDATE_DIAGNOSES["stub"]
     except Exception as exc:  # the reader's code may fail in any way: say how
-        return f"online_update raised {type(exc).__name__}: {exc} {where}"
+        return f"{UPDATE_DIAGNOSES['raised']}: {type(exc).__name__}: {exc} {where}"
     if not isinstance(result, (tuple, list)) or len(result) != 2:
-        return f"online_update must return two values (m_new, s_new), got {type(result).__name__} {where}"
+        return f"{UPDATE_DIAGNOSES['one-value']}; got {type(result).__name__} {where}"
     got_m, got_s = (torch.as_tensor(v, dtype=torch.float32).reshape(()) for v in result)
     want_m, want_s = _expected_update(m, s, x)
     if not _close(got_m, want_m):
+        seen = f"(m_new = {got_m.item():g}, expected {want_m.item():g} {where})"
+        if _close(got_m, m):
+            return f"{UPDATE_DIAGNOSES['max-not-tracked']} {seen}"
         if _close(got_m, x.max()):
-            return (f"m_new = {got_m.item():g} is the chunk's max alone {where}; the running max must never go "
-                    f"down: m_new = max(m, max(chunk)) = {want_m.item():g}")
-        return f"m_new = {got_m.item():g}, expected max(m, max(chunk)) = {want_m.item():g} {where}"
+            return f"{UPDATE_DIAGNOSES['max-goes-down']} {seen}"
+        return f"{UPDATE_DIAGNOSES['max-wrong']} {seen}"
     if not torch.isfinite(got_s):
-        if math.isinf(m_val):
-            why = "on the first chunk the rescale factor must be exp(m − m_new) = exp(−inf) = 0, not exp(m_new − m)"
-        else:
-            why = "exp overflowed float32 (its limit is exp(88.7)): every term must be exp(x − m_new) ≤ 1"
-        return f"s_new is {got_s.item()} {where}: {why}"
+        key = "first-chunk" if math.isinf(m_val) else "overflow"
+        return f"{UPDATE_DIAGNOSES[key]} (s_new = {got_s.item()} {where})"
     if _close(got_s, want_s):
         return None
-    for wrong, sentence in _update_mistakes(m, s, x):
+    seen = f"(s_new = {got_s.item():.6g} instead of {want_s.item():.6g} {where})"
+    for wrong, key in _update_mistakes(m, s, x):
         if torch.isfinite(wrong) and _close(got_s, wrong):
-            return f"{sentence} (s_new = {got_s.item():.6g} instead of {want_s.item():.6g} {where})"
-    return f"s_new = {got_s.item():.6g}, expected s·exp(m − m_new) + Σ exp(chunk − m_new) = {want_s.item():.6g} {where}"
+            return f"{UPDATE_DIAGNOSES[key]} {seen}"
+    return f"{UPDATE_DIAGNOSES['sum-wrong']} {seen}"
 
 
-def check_online_update(fn) -> bool:
-    """Check the reader's ``online_update(m, s, chunk) -> (m_new, s_new)`` (0-d float32 tensors and a 1-D chunk)."""
+def check_online_update(fn: Callable, verbose: bool = True) -> bool:
+    """Check the reader's ``online_update(m, s, chunk) -> (m_new, s_new)`` (0-d float32 tensors and a 1-D chunk).
+
+    Prints the verdict (unless ``verbose=False``) and returns True when the update is right.
+    """
     for case in _UPDATE_CASES:
         problem = _diagnose_update(fn, *case)
         if problem:
-            return _report(problem, "")
-    return _report(None, "online_update is right: first chunk, growing max, steady max and large logits all check out")
+            return _report(problem, "", verbose)
+    return _report(None, "online_update is right: first chunk, growing max, steady max and large logits all check "
+                         "out", verbose)
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Chapter 06: the gradient sweep, fn(logits [N, V] float32, target [N] int64, ignore_index) -> grad [N, V]
+# Chapter 06, exercise 1: the gradient line, fn(logits [N, V] float32, target [N] int64, ignore_index) -> grad [N, V]
 # --------------------------------------------------------------------------------------------------------------------
+
+GRADIENT_DIAGNOSES = {
+    "stub": "the gradient function is still the stub (it raises NotImplementedError)",
+    "raised": "your function raised an exception",
+    "shape": "the gradient must have the logits' shape",
+    "zeros": "every element of the gradient is zero: the gradient line is still the stub (or nothing is stored)",
+    "nan": "the gradient holds NaN or infinity: compute the softmax as exp(x − lse) in float32, and give ignored "
+           "rows a scale of 0 before multiplying",
+    "no-onehot": "the target column lacks its −1: the gradient is softmax − onehot(target), not softmax",
+    "sign": "the sign is flipped: d loss / d x = softmax − onehot, not onehot − softmax",
+    "no-scale": "the gradient is not divided by the number of counted targets: the loss is a mean over the rows "
+                "that are not ignored, so scale by 1 / n_valid",
+    "all-rows": "the gradient is divided by all rows; the mean runs over the rows whose target is not "
+                "ignore_index: scale by 1 / n_valid, not 1 / n_rows",
+    "ignored-count": "ignored rows (target == ignore_index) count: they must get a zero gradient, since they are "
+                     "not part of the loss; multiply by a row scale that is 0 for them",
+    "unnormalised": "each counted row of the gradient must sum to 0 (the softmax sums to 1, and so does the "
+                    "one-hot): the softmax is not normalised, use exp(x − lse) with the row's logsumexp",
+    "wrong": "the gradient is wrong",
+}
 
 
 def _gradient_case(device):
@@ -121,62 +173,279 @@ def _gradient_case(device):
     return logits.to(device), target.to(device), -100
 
 
+def _gradient_parts(logits, target, ignore_index):
+    """float64 softmax, one-hot, which rows count, n_valid and the right gradient of the mean loss."""
+    x, t = logits.detach().cpu().to(torch.float64), target.cpu()
+    counted = t != ignore_index
+    p = torch.softmax(x, dim=-1)
+    onehot = torch.zeros_like(p)
+    onehot[counted.nonzero()[:, 0], t[counted]] = 1.0
+    n_valid = int(counted.sum())
+    want = (p - onehot) / n_valid * counted[:, None]
+    return p, onehot, counted, n_valid, want
+
+
 def _gradient_mistakes(p, onehot, counted, n_valid, n_rows):
+    """The gradients the usual mistakes give, each with the key of its diagnosis and what to add to the sentence."""
     keep = counted[:, None].to(p.dtype)
     return [
-        (p / n_valid * keep, "the target column lacks its −1: the gradient is softmax − onehot(target), not softmax"),
-        (-(p - onehot) / n_valid * keep, "the sign is flipped: d loss / d x = softmax − onehot, not onehot − softmax"),
-        ((p - onehot) * keep, f"the gradient is not divided by the number of counted targets: the loss is a mean "
-                              f"over the n_valid = {n_valid} rows that are not ignored, so scale by 1 / n_valid"),
-        ((p - onehot) / n_rows * keep, f"the gradient is divided by all {n_rows} rows; the mean runs over the "
-                                       f"{n_valid} rows whose target is not ignore_index: scale by 1 / n_valid"),
-        ((p - onehot) / n_valid, "ignored rows (target == ignore_index) must get a zero gradient: they are not part "
-                                 "of the loss; multiply by a row scale that is 0 for them"),
+        (p / n_valid * keep, "no-onehot", ""),
+        (-(p - onehot) / n_valid * keep, "sign", ""),
+        ((p - onehot) * keep, "no-scale", f" (n_valid = {n_valid} here)"),
+        ((p - onehot) / n_rows * keep, "all-rows", f" (here it was divided by all {n_rows} rows; {n_valid} count)"),
+        ((p - onehot) / n_valid, "ignored-count", ""),
     ]
 
 
-def check_ce_gradient(fn, device=None) -> bool:
+def _diagnose_values(got, x, t, p, onehot, counted, n_valid, want, rtol, atol) -> str | None:
+    """The diagnosis of a gradient of the right shape, or None when it is right (shared by both chapter 06 checks)."""
+    if not torch.isfinite(got).all():
+        return GRADIENT_DIAGNOSES["nan"]
+    if not got.any():
+        return GRADIENT_DIAGNOSES["zeros"]
+    if _close(got, want, rtol=rtol, atol=atol):
+        return None
+    for wrong, key, extra in _gradient_mistakes(p, onehot, counted, n_valid, x.shape[0]):
+        if _close(got, wrong, rtol=rtol, atol=atol):
+            return GRADIENT_DIAGNOSES[key] + extra
+    row_sums = got[counted].sum(dim=-1) * n_valid
+    if not _close(row_sums, torch.zeros_like(row_sums), atol=max(1e-4, 50 * atol * x.shape[1])):
+        return GRADIENT_DIAGNOSES["unnormalised"]
+    err = (got - want).abs()
+    r, c = divmod(int(err.argmax()), x.shape[1])
+    return (f"{GRADIENT_DIAGNOSES['wrong']}: the largest error is at row {r}, column {c} (that row's target is "
+            f"{int(t[r])}): got {got[r, c].item():.6g}, expected {want[r, c].item():.6g}")
+
+
+def check_ce_gradient(fn: Callable, device=None, verbose: bool = True) -> bool:
     """Check ``fn(logits, target, ignore_index) -> grad``: the gradient of the *mean* cross-entropy.
 
-    The inputs live on ``device`` (default: where the kernels run, ``runtime.device()``).
+    The inputs live on ``device`` (default: where the kernels run, ``runtime.device()``). Prints the verdict (unless
+    ``verbose=False``) and returns True when the gradient is right.
     """
     device = device or runtime.device()
     logits, target, ignore_index = _gradient_case(device)
     try:
         got = fn(logits.clone(), target.clone(), ignore_index)
     except NotImplementedError:
-        return _report("the gradient function is still the stub (it raises NotImplementedError)", "")
+        return _report(GRADIENT_DIAGNOSES["stub"], "", verbose)
     except Exception as exc:  # the reader's kernel may fail in any way: say how
-        return _report(f"your function raised {type(exc).__name__}: {exc}", "")
+        return _report(f"{GRADIENT_DIAGNOSES['raised']}: {type(exc).__name__}: {exc}", "", verbose)
     if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(logits.shape):
         shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
-        return _report(f"expected a gradient of shape {tuple(logits.shape)}, got {shape}", "")
+        return _report(f"{GRADIENT_DIAGNOSES['shape']}: expected a gradient of shape {tuple(logits.shape)}, got "
+                       f"{shape}", "", verbose)
     got = got.detach().to("cpu", torch.float64)
-    x, t = logits.cpu().to(torch.float64), target.cpu()
-    counted = t != ignore_index
-    n_valid, n_rows = int(counted.sum()), x.shape[0]
-    p = torch.softmax(x, dim=-1)
-    onehot = torch.zeros_like(p)
-    onehot[counted.nonzero()[:, 0], t[counted]] = 1.0
-    want = (p - onehot) / n_valid * counted[:, None]
-    if not torch.isfinite(got).all():
-        return _report("the gradient holds NaN or infinity: compute the softmax as exp(x − lse) in float32, and give "
-                       "ignored rows a scale of 0 before multiplying", "")
-    if not got.any():
-        return _report("every element of the gradient is zero: the gradient line is still the stub (or nothing is "
-                       "stored)", "")
-    if _close(got, want, rtol=1e-4, atol=1e-7):
-        return _report(None, "the gradient is right: softmax − onehot, scaled by 1 / n_valid, zero on ignored rows")
-    for wrong, sentence in _gradient_mistakes(p, onehot, counted, n_valid, n_rows):
-        if _close(got, wrong, rtol=1e-4, atol=1e-7):
-            return _report(sentence, "")
-    row_sums = got[counted].sum(dim=-1)
-    if not _close(row_sums, torch.zeros_like(row_sums), atol=1e-5):
-        return _report("each counted row of the gradient must sum to 0 (the softmax sums to 1, and so does the "
-                       "one-hot): the softmax is not normalised, use exp(x − lse) with the row's logsumexp", "")
-    err = (got - want).abs()
-    r, c = divmod(int(err.argmax()), x.shape[1])
-    return _report(
-        f"largest error at row {r}, column {c} (that row's target is {int(t[r])}): got {got[r, c].item():.6g}, "
-        f"expected {want[r, c].item():.6g}", "",
-    )
+    p, onehot, counted, n_valid, want = _gradient_parts(logits, target, ignore_index)
+    problem = _diagnose_values(got, logits.cpu(), target.cpu(), p, onehot, counted, n_valid, want, 1e-4, 1e-7)
+    return _report(problem, "the gradient is right: softmax − onehot, scaled by 1 / n_valid, zero on ignored rows",
+                   verbose)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Chapter 06, exercise 2: the gradient sweep in place, fn(logits [N, V], target [N], lse [N] float32, ignore_index)
+# overwrites each row of logits with its gradient of the mean loss
+# --------------------------------------------------------------------------------------------------------------------
+
+SWEEP_DIAGNOSES = {
+    "stub": "nothing was written: the logits are unchanged, so the kernel is still the stub (or it stores nothing)",
+    "raised": "your function raised an exception",
+    "upcast": "no float32 upcast: the bf16 logits reached tl.exp unconverted; load them and convert right away, "
+              "x = tl.load(...).to(tl.float32), and compute in float32",
+    "precision": "the bf16 result is less accurate than one rounding of the float32 gradient: some arithmetic ran "
+                 "in bf16 (a value converted down before the end); convert the logits to float32 when loading and "
+                 "round once, on the store",
+    "mask": "a missing mask on the last chunk: the last chunk runs past the end of the row, and elements past "
+            "column n_cols − 1 were written; load and store with mask=cols < n_cols",
+    "stride": "the rows are addressed as if they were n_cols apart: a view's rows are `stride` elements apart "
+              "(logits.stride(0)), so offset each row by row * stride",
+    "one-row": "only row 0 was written: every program must work on its own row, row = tl.program_id(0), with its "
+               "pointers offset by row * stride",
+    "first-chunk": "only the first chunk of each row was written: loop over the whole row, "
+                   "for start in range(0, n_cols, BLOCK_V), with cols = start + tl.arange(0, BLOCK_V)",
+    "ignored-unwritten": "the rows whose target is ignore_index still hold their logits: in place, those rows must "
+                         "be written too, as zeros (a row scale of 0)",
+    "int32": "int32 row offsets: tl.program_id(0) is int32, so row * stride is computed in int32 and wraps around "
+             "once it passes 2**31 − 1 (row 16,744 at 128,256 columns), reading and writing the wrong memory; "
+             "convert first, row = tl.program_id(0).to(tl.int64)",
+}
+
+# Elements between the rows of the checker's views (their rows are n_cols + _GUARD apart), filled with _SENTINEL:
+# a store without the mask writes there, and is seen. Enough for any BLOCK_V up to 2,048.
+_GUARD = 2048
+_SENTINEL = 7777.0
+
+
+def _sweep_inputs(dtype, device, contiguous=False):
+    """The gradient case's logits as a view into a buffer that holds _SENTINEL around it: rows n_cols + _GUARD
+    elements apart with the gaps filled, or (``contiguous``) rows n_cols apart with _GUARD elements after the last."""
+    logits, target, ignore_index = _gradient_case("cpu")
+    if dtype != torch.float32:
+        # Around 40, as a model's logits may be, a bf16 step is 1/4: a value of the row rounded to bf16 on the way
+        # (its logsumexp, say) moves the softmax by several percent, where a correct kernel only rounds the result.
+        logits = logits + 40.0
+    n_rows, n_cols = logits.shape
+    if contiguous:
+        buffer = torch.full((n_rows * n_cols + _GUARD,), _SENTINEL, dtype=dtype)
+        buffer[: n_rows * n_cols] = logits.to(dtype).reshape(-1)
+        buffer = buffer.to(device)
+        view, gaps = buffer[: n_rows * n_cols].view(n_rows, n_cols), buffer[n_rows * n_cols:]
+    else:
+        buffer = torch.full((n_rows, n_cols + _GUARD), _SENTINEL, dtype=dtype)
+        buffer[:, :n_cols] = logits.to(dtype)
+        buffer = buffer.to(device)
+        view, gaps = buffer[:, :n_cols], buffer[:, n_cols:]
+    lse = torch.logsumexp(view.double(), dim=-1).float()
+    return view, gaps, target.to(device), lse.to(device), ignore_index
+
+
+def _call_sweep(fn, view, target, lse, ignore_index) -> str | None:
+    try:
+        with warnings.catch_warnings():  # NumPy's overflow notices from the interpreter: the verdict says more
+            warnings.simplefilter("ignore", RuntimeWarning)
+            fn(view, target, lse, ignore_index)
+    except NotImplementedError:
+        return SWEEP_DIAGNOSES["stub"]
+    except Exception as exc:  # the reader's kernel may fail in any way: say how
+        text = str(exc)
+        if "bf16" in text and "Expected dtype" in text:
+            return SWEEP_DIAGNOSES["upcast"] + f" (Triton said: {text.strip().splitlines()[-1][:200]})"
+        return f"{SWEEP_DIAGNOSES['raised']}: {type(exc).__name__}: {text.strip()[:500]}"
+    if view.device.type == "cuda":
+        torch.cuda.synchronize(view.device)
+    return None
+
+
+def _diagnose_sweep(fn, dtype, device) -> str | None:
+    """Run fn on a strided view of one dtype and name what is wrong, or None."""
+    view, gaps, target, lse, ignore_index = _sweep_inputs(dtype, device)
+    before = view.detach().cpu().clone()
+    problem = _call_sweep(fn, view, target, lse, ignore_index)
+    if problem:
+        return problem
+    name = str(dtype).removeprefix("torch.")
+    on = f"on {name} logits of 6 × 300 in a view whose rows are {view.stride(0)} elements apart"
+    where = f" ({on})"
+    got = view.detach().cpu().to(torch.float64)
+    changed = view.detach().cpu() != before
+    gaps_written = bool((gaps.cpu() != _SENTINEL).any())
+    if not changed.any() and not gaps_written:
+        return SWEEP_DIAGNOSES["stub"]
+    p, onehot, counted, n_valid, want = _gradient_parts(before, target, ignore_index)
+    rtol, atol = (1e-4, 1e-7) if dtype == torch.float32 else (2**-6, 2**-8 * float(want.abs().max()))
+    if gaps_written or not changed[1:].any():
+        # Either the kernel writes outside its rows, or every program writes the same place. Which one? The same
+        # function on contiguous logits (rows n_cols apart) tells a missing stride from a missing mask.
+        c_view, c_gaps, c_target, c_lse, _ = _sweep_inputs(dtype, device, contiguous=True)
+        c_before = c_view.detach().cpu().clone()
+        c_right = (_call_sweep(fn, c_view, c_target, c_lse, ignore_index) is None
+                   and bool((c_gaps.cpu() == _SENTINEL).all())
+                   and _close(c_view.detach().cpu().double(), _gradient_parts(c_before, target, ignore_index)[4],
+                              rtol=rtol, atol=atol))
+        if c_right:
+            return SWEEP_DIAGNOSES["stride"] + where
+        if not changed[1:].any():
+            return SWEEP_DIAGNOSES["one-row"] + where
+        return SWEEP_DIAGNOSES["mask"] + where
+    values_right = _close(got, want, rtol=rtol, atol=atol)
+    if values_right:
+        return None
+    if not changed[~counted].any() and _close(got[counted], want[counted], rtol=rtol, atol=atol):
+        return SWEEP_DIAGNOSES["ignored-unwritten"] + where
+    first_block = int(changed.any(dim=0).nonzero().max()) + 1
+    if first_block < view.shape[1] and not changed[:, first_block:].any():
+        return SWEEP_DIAGNOSES["first-chunk"] + f" (columns {first_block} to {view.shape[1] - 1} are unchanged, {on})"
+    problem = _diagnose_values(got, before, target.cpu(), p, onehot, counted, n_valid, want, rtol, atol)
+    if dtype != torch.float32 and problem and problem.startswith(GRADIENT_DIAGNOSES["wrong"]):
+        error = relative_error(got, want)
+        if error < 0.2:  # right in its structure, too far for bf16 rounding
+            return SWEEP_DIAGNOSES["precision"] + f" (relative error {error:.1e}, {on})"
+    return problem + where if problem else None
+
+
+def _kernel_sources(fn) -> list[str]:
+    """The source of every Triton kernel ``fn`` calls by a global name (how the notebook's launcher is written)."""
+    sources = []
+    names = getattr(getattr(fn, "__code__", None), "co_names", ())
+    for name in names:
+        obj = getattr(fn, "__globals__", {}).get(name)
+        if isinstance(obj, triton.runtime.KernelInterface) and hasattr(obj, "fn"):
+            try:
+                sources.append(inspect.getsource(obj.fn))
+            except (OSError, TypeError):
+                pass
+    return sources
+
+
+# The high-row case: 3 rows of 300 logits whose rows are 2**30 + 64 elements apart, so row 2 starts at element
+# 2**31 + 128, past int32. The view starts 2**31 elements into its buffer: an offset that wraps around to
+# -2**31 + 128 then still lands inside the buffer, where it is harmless and seen. 2**32 bf16 elements: 8 GiB.
+_HIGH_STRIDE = 2**30 + 64
+_HIGH_HEADROOM = 2**31
+
+
+def _high_rows_fit(device) -> bool:
+    if device.type != "cuda":
+        return False
+    free, _ = torch.cuda.mem_get_info(device)
+    return free > 2 * (_HIGH_HEADROOM + 2 * _HIGH_STRIDE + 4096) + 2**30
+
+
+def _diagnose_high_rows(fn, device) -> str | None:
+    """On a GPU: does row 2, at an element offset past 2**31, get its gradient? (int64 row offsets)"""
+    n_cols = 300
+    buffer = torch.empty(_HIGH_HEADROOM + 2 * _HIGH_STRIDE + n_cols + 64, dtype=torch.bfloat16, device=device)
+    view = buffer.as_strided((3, n_cols), (_HIGH_STRIDE, 1), storage_offset=_HIGH_HEADROOM)
+    gen = torch.Generator().manual_seed(7)
+    logits = (torch.randn(3, n_cols, generator=gen) * 3).to(torch.bfloat16)
+    view.copy_(logits.to(device))
+    target = torch.tensor([5, -100, 299], device=device)
+    lse = torch.logsumexp(logits.double(), dim=-1).float().to(device)
+    problem = _call_sweep(fn, view, target, lse, -100)
+    got = view.detach().cpu().double()
+    del view, buffer  # 8 GiB: give them back before anything else runs
+    torch.cuda.empty_cache()
+    where = f" (on a view whose rows are {_HIGH_STRIDE:,} elements apart)"
+    if problem:
+        return problem + where
+    want = _gradient_parts(logits, target.cpu(), -100)[4]
+    rtol, atol = 2**-6, 2**-8 * float(want.abs().max())
+    if _close(got, want, rtol=rtol, atol=atol):
+        return None
+    if _close(got[:2], want[:2], rtol=rtol, atol=atol):
+        return (SWEEP_DIAGNOSES["int32"] + f" (row 2 of a view whose rows are {_HIGH_STRIDE:,} elements apart starts "
+                f"at element {2 * _HIGH_STRIDE:,}, past 2**31 − 1 = {2**31 - 1:,}: rows 0 and 1 are right, row 2 is "
+                "not)")
+    return SWEEP_DIAGNOSES["stride"] + where
+
+
+def check_inplace_gradient(fn: Callable, device=None, verbose: bool = True, high_rows: bool | None = None) -> bool:
+    """Check ``fn(logits, target, lse, ignore_index)``: it must overwrite each row of ``logits`` (2-D, rows possibly
+    strided) with the gradient of the mean cross-entropy, ``(softmax − onehot) / n_valid``, zeros on ignored rows.
+
+    It runs ``fn`` on float32 and bfloat16 logits in views whose rows are further apart than their width (the gaps
+    show a store without a mask), and, on a GPU with 9 GiB free, on a view whose third row starts past element
+    2**31 (int32 row offsets; ``high_rows`` forces or skips it). Elsewhere it reads the source of the kernels ``fn``
+    launches for an int64 conversion. Prints the verdict (unless ``verbose=False``) and returns True when right.
+    """
+    device = torch.device(device or runtime.device())
+    for dtype in (torch.float32, torch.bfloat16):
+        problem = _diagnose_sweep(fn, dtype, device)
+        if problem:
+            return _report(problem, "", verbose)
+    if high_rows is None:
+        high_rows = _high_rows_fit(device)
+    if high_rows:
+        problem = _diagnose_high_rows(fn, device)
+        if problem:
+            return _report(problem, "", verbose)
+        offsets = "row 2 of a view at element 2**31 + 128 too (int64 row offsets)"
+    else:
+        sources = _kernel_sources(fn)
+        if sources and not any("int64" in source for source in sources):
+            return _report(SWEEP_DIAGNOSES["int32"] + " (this run cannot allocate 2**31 logits to show it: the "
+                           "kernel's source never converts to int64)", "", verbose)
+        offsets = "row offsets converted to int64 in the kernel's source"
+    return _report(None, "the in-place gradient is right: float32 and bfloat16, strided rows, the partial last "
+                         f"chunk masked, ignored rows written as zeros; {offsets}", verbose)
+

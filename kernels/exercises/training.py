@@ -1,0 +1,153 @@
+"""The check for the exercise of chapter 08: putting ``TritonRMSNorm`` into a Hugging Face Llama by hand.
+
+``check_manual_patch(fn)`` builds a tiny float32 Llama, keeps an untouched copy of it, calls ``fn(model)`` and then
+looks at what changed: which norms were replaced and by what, whether each replacement holds the very weight
+Parameter of the norm it replaces and its eps, whether the ``state_dict`` kept its keys. Last, it runs one forward
+and backward pass through both models on the same batch and compares the loss and every gradient. It prints what
+is wrong in words (the sentences are in ``MANUAL_PATCH_DIAGNOSES``) and never raises because the reader's function
+is wrong or unfinished.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+
+from kernels import runtime
+from kernels.reference import relative_error
+from kernels.rmsnorm import TritonRMSNorm
+from kernels.tolerances import RELATIVE_ERROR_TOL
+from kernels.training.models import build_model
+
+_OK = "✓ "
+_WRONG = "✗ "
+
+MANUAL_PATCH_DIAGNOSES = {
+    "stub": "the function is still the stub (it raises NotImplementedError)",
+    "raised": "your function raised an exception",
+    "copy": "the norms were replaced in a copy of the model, not in the model passed in: the model you train is "
+            "unchanged; replace the modules inside the model itself",
+    "nothing": "no norm of the model was replaced: a new module bound to a loop variable (module = ...) or put into "
+               "a copy never reaches the model; put it into its parent with setattr(parent, name, new_module)",
+    "missed": "some norms were missed",
+    "wrong-type": "a norm was replaced by something other than a kernels.TritonRMSNorm",
+    "weight-not-carried": "the weight was not carried over: the new norm has its own freshly initialised weight "
+                          "(all ones) instead of the model's values, so the model computes something else",
+    "weight-copied": "the weight was copied instead of shared: the new norm holds another Parameter with the same "
+                     "values, so an optimizer built before the patch updates the old Parameter, which the model no "
+                     "longer uses, and the norm never learns; give the new norm the same Parameter object "
+                     "(new.weight = old.weight)",
+    "weight-rewrapped": "the weight was wrapped in a new Parameter (nn.Parameter(old.weight)): it shares the memory, "
+                        "but the gradient goes to the new Parameter's .grad, which an optimizer built before the "
+                        "patch never reads; give the new norm the same Parameter object (new.weight = old.weight)",
+    "eps": "eps was not carried over: each norm keeps its own in `variance_epsilon` (the model's "
+           "config.rms_norm_eps), and TritonRMSNorm's default differs; pass eps=old.variance_epsilon",
+    "keys": "the state_dict keys changed: checkpoints would no longer load into the patched model",
+    "gradients": "the loss or the gradients differ from Hugging Face's model",
+}
+
+# What each norm of a Llama decoder does, to say which ones were missed.
+_NORM_ROLES = {
+    "input_layernorm": "the attention norms (input_layernorm, before each attention)",
+    "post_attention_layernorm": "the MLP norms (post_attention_layernorm, before each MLP)",
+    "norm": "the final norm (model.norm, before the LM head)",
+}
+
+
+def _report(problem: str | None, success: str, verbose: bool) -> bool:
+    if verbose:
+        print(_WRONG + problem if problem else _OK + success)
+    return problem is None
+
+
+def _norms(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    return {name: module for name, module in model.named_modules() if type(module).__name__ == "LlamaRMSNorm"}
+
+
+def _missed(names: list[str]) -> str:
+    roles = sorted({_NORM_ROLES.get(name.rsplit(".", 1)[-1], name) for name in names})
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return f"{MANUAL_PATCH_DIAGNOSES['missed']}: {'; '.join(roles)} are still LlamaRMSNorm ({shown})"
+
+
+def _structure(model, returned, norms_before, reference_keys) -> str | None:
+    """What is wrong with the modules of the patched model, or None."""
+    now = {name: model.get_submodule(name) for name in norms_before}
+    untouched = [name for name, module in now.items() if module is norms_before[name]]
+    if len(untouched) == len(now):
+        if isinstance(returned, torch.nn.Module) and returned is not model and not _norms(returned):
+            return MANUAL_PATCH_DIAGNOSES["copy"]
+        return MANUAL_PATCH_DIAGNOSES["nothing"]
+    if untouched:
+        return _missed(untouched)
+    for name, module in now.items():
+        old = norms_before[name]
+        if not isinstance(module, TritonRMSNorm):
+            return f"{MANUAL_PATCH_DIAGNOSES['wrong-type']}: {name} is a {type(module).__name__}"
+        weight = getattr(module, "weight", None)
+        if weight is not old.weight:
+            if not isinstance(weight, torch.Tensor) or weight.shape != old.weight.shape:
+                return f"{MANUAL_PATCH_DIAGNOSES['weight-not-carried']} ({name})"
+            if weight.data_ptr() == old.weight.data_ptr():
+                return f"{MANUAL_PATCH_DIAGNOSES['weight-rewrapped']} ({name})"
+            if torch.equal(weight.detach().to(old.weight.device), old.weight.detach()):
+                return f"{MANUAL_PATCH_DIAGNOSES['weight-copied']} ({name})"
+            return f"{MANUAL_PATCH_DIAGNOSES['weight-not-carried']} ({name})"
+        eps = getattr(module, "variance_epsilon", None)
+        if eps != old.variance_epsilon:
+            return f"{MANUAL_PATCH_DIAGNOSES['eps']} ({name}: {eps!r} instead of {old.variance_epsilon!r})"
+    keys = list(model.state_dict())
+    if keys != reference_keys:
+        changed = sorted(set(keys) ^ set(reference_keys))[:3]
+        return f"{MANUAL_PATCH_DIAGNOSES['keys']} (e.g. {changed})"
+    return None
+
+
+def _loss_and_grads(model, batch):
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
+def check_manual_patch(fn: Callable, verbose: bool = True, seed: int = 0) -> bool:
+    """Check ``fn(model)``: it must replace, inside ``model`` (a Hugging Face ``LlamaForCausalLM``), every
+    ``LlamaRMSNorm`` by a ``kernels.TritonRMSNorm`` that holds the same weight Parameter and the same eps.
+
+    Runs on a tiny float32 Llama (``build_model("tiny", dtype=torch.float32)``) on ``runtime.device()``. Prints the
+    verdict (unless ``verbose=False``) and returns True when the patch is right and every gradient matches.
+    """
+    device = runtime.device()
+    model = build_model("tiny", dtype=torch.float32, device=device, seed=seed)
+    reference = copy.deepcopy(model)  # Hugging Face's model, untouched: the same weights
+    norms_before = _norms(model)
+    try:
+        returned = fn(model)
+    except NotImplementedError:
+        return _report(MANUAL_PATCH_DIAGNOSES["stub"], "", verbose)
+    except Exception as exc:  # the reader's code may fail in any way: say how
+        return _report(f"{MANUAL_PATCH_DIAGNOSES['raised']}: {type(exc).__name__}: {exc}", "", verbose)
+    problem = _structure(model, returned, norms_before, list(reference.state_dict()))
+    if problem:
+        return _report(problem, "", verbose)
+
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=gen).to(device)
+    labels = ids.clone()
+    labels[:, :3] = -100  # a masked prompt, as in fine-tuning
+    batch = {"input_ids": ids, "labels": labels}
+    loss, grads = _loss_and_grads(model, batch)
+    ref_loss, ref_grads = _loss_and_grads(reference, batch)
+    tol = RELATIVE_ERROR_TOL[torch.float32]
+    errors = {name: relative_error(grads[name], ref_grads[name]) if grads[name] is not None else float("inf")
+              for name in ref_grads}
+    loss_error = relative_error(loss, ref_loss)
+    worst = max(errors, key=errors.get)
+    if loss_error > tol or errors[worst] > tol:
+        return _report(f"{MANUAL_PATCH_DIAGNOSES['gradients']}: loss {loss.item():.6f} against {ref_loss.item():.6f}; "
+                       f"the largest gradient error is {errors[worst]:.1e} in {worst}", "", verbose)
+    return _report(None, f"all {len(norms_before)} LlamaRMSNorm replaced by TritonRMSNorm, each holding the same "
+                         f"weight Parameter and eps; the loss and the gradients of all {len(errors)} parameters match "
+                         f"Hugging Face's model (largest relative error {errors[worst]:.1e})", verbose)

@@ -27,6 +27,8 @@ TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_l
             num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
 # The norms and the loss: what the tests of those two kernels patch (chapter 08's pair).
 NORM_AND_LOSS = ("rms_norm", "cross_entropy")
+# Every switch but the two memory switches of long sequences, which need checkpointing (tested at the end).
+SPEED_SWITCHES = tuple(name for name in SWITCHES if name not in ("tiled_mlp", "offload_checkpoints"))
 
 # model family -> (module, config class, model class, norm class)
 FAMILIES = {
@@ -369,15 +371,15 @@ def test_a_list_turns_on_exactly_those_kernels(device, gen):
         assert model.config._attn_implementation == "sdpa"
     with patch_llama(model, kernels=()) as patch:  # nothing asked, nothing done
         assert patch.kernels == () and not patch.swaps and "forward" not in model.__dict__
-    with patch_llama(model, kernels=reversed(SWITCHES)) as patch:  # any iterable; reported in SWITCHES' order
-        assert patch.kernels == SWITCHES and patch.head is model.lm_head
+    with patch_llama(model, kernels=reversed(SPEED_SWITCHES)) as patch:  # any iterable; in SWITCHES' order
+        assert patch.kernels == SPEED_SWITCHES and patch.head is model.lm_head
 
 
 def test_a_keyword_overrides_the_selector(device, gen):
     model = tiny_model("llama", seed_from(gen))
     cases = [
         (dict(swiglu=False), ("rms_norm", "cross_entropy", "rope", "additive_mask", "skip_causal_mask")),
-        (dict(linear_cross_entropy=True), SWITCHES),  # the defaults and the one kernel off by default
+        (dict(linear_cross_entropy=True), SPEED_SWITCHES),  # the defaults and the loss without logits
         (dict(kernels=("rms_norm",), cross_entropy=True), NORM_AND_LOSS),
         (dict(kernels=NORM_AND_LOSS, cross_entropy=False), ("rms_norm",)),
         (dict(kernels=NORM_AND_LOSS, rope=None, swiglu=False), NORM_AND_LOSS),  # None follows the selector
@@ -438,3 +440,30 @@ def test_auto_on_gemma_patches_the_loss_and_leaves_the_rest(device, gen):
 def test_auto_refuses_a_model_none_applies_to():
     with pytest.raises(TypeError, match="no kernel of patch_llama applies to Sequential: cross_entropy: .*loss_func"):
         patch_llama(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+def test_the_memory_switches_tile_the_mlps_and_offload_the_checkpoints(device, gen):
+    # tiled_mlp takes the SwiGLU MLP's place (same kernel, one tile of rows at a time); offload_checkpoints needs
+    # Hugging Face's checkpointing on first. Together with the defaults, the loss and every gradient are Hugging
+    # Face's, and undo() takes both back.
+    from kernels.hf.tiled_mlp import TiledSwiGLUMLP
+
+    model = tiny_model("llama", seed_from(gen))
+    batch = random_batch(gen, device=device)
+    with pytest.raises(ValueError, match="enable them first"):
+        patch_llama(model, offload_checkpoints=True)
+    assert "forward" not in model.__dict__  # the refusal changed nothing
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    expected = loss_and_grads(model, batch)
+    patch = patch_llama(model, tiled_mlp=True, offload_checkpoints=True)
+    assert "tiled_mlp" in patch.kernels and "offload_checkpoints" in patch.kernels and "swiglu" not in patch.kernels
+    assert all(isinstance(layer.mlp, TiledSwiGLUMLP) for layer in model.model.layers)
+    assert "TiledSwiGLUMLP replaces" in patch.summary() and "offloaded" in patch.summary()
+    loss, grads = loss_and_grads(model, batch)
+    assert relative_error(loss, expected[0]) < RELATIVE_ERROR_TOL[torch.float32]
+    assert_grads_close(grads, expected[1], RELATIVE_ERROR_TOL[torch.float32])
+    assert patch.offload.stats.forwards > 0
+    patch.undo()
+    assert not any(isinstance(layer.mlp, TiledSwiGLUMLP) for layer in model.model.layers)
+    assert all(getattr(layer, "_gradient_checkpointing_func", None) is not None for layer in model.model.layers)
+

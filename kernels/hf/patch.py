@@ -89,13 +89,15 @@ from kernels.rope import apply_rotary
 from kernels.swiglu import TritonSwiGLUMLP
 
 from .attention_mask import CAUSAL_CALL, check_sdpa, is_plain_causal_call, use_mask_function
+from .offload import check_offloadable, enable_checkpoint_offload
+from .tiled_mlp import TiledSwiGLUMLP, check_tileable
 
 IGNORE_INDEX = -100
 
 # patch_llama's kernels, by name: what its ``kernels=`` selector and its keyword switches may name, and what
 # ``python -m kernels.training.finetune --kernels`` and ``compare``'s ``patch_options`` pass on.
 SWITCHES = ("rms_norm", "cross_entropy", "linear_cross_entropy", "swiglu", "rope", "additive_mask",
-            "skip_causal_mask")
+            "skip_causal_mask", "tiled_mlp", "offload_checkpoints")
 
 # What ``patch_llama(model)`` turns on, where it applies: every kernel whose training step was measured no slower
 # than without it (patch_llama's docstring gives each measurement and its results file). Not the linear
@@ -348,6 +350,16 @@ def _find_mlps(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str, 
     return found
 
 
+def _tileable_mlps(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str, torch.nn.Module]]:
+    """``_find_mlps``, each also checked for the tiled MLP (plain bias-free ``nn.Linear`` projections: a LoRA-wrapped
+    projection keeps Hugging Face's MLP)."""
+    mlps = _found(_find_mlps(model), f"{type(model).__name__} has no MLP patch_llama knows: tiled_mlp has nothing "
+                                     "to replace")
+    for where, _, _, module in mlps:
+        check_tileable(module, where)
+    return mlps
+
+
 def _calls_rotary(forward) -> bool:
     # The function under any functools.wraps-style decorators (transformers' deprecate_kwarg wraps some forwards).
     return _ROTARY_NAME in getattr(getattr(inspect.unwrap(forward), "__code__", None), "co_names", ())
@@ -483,6 +495,7 @@ class LlamaPatch:
     head: torch.nn.Module | None = None  # the LM head whose forward defers the logits (linear_cross_entropy)
     _head_previous_forward: object = None
     _restore_attention: object = None  # points the attention back at plain SDPA (additive_mask, skip_causal_mask)
+    offload: object = None  # the CheckpointOffload handle (offload_checkpoints)
     mask: str = ""  # what the patched mask function does, for summary()
     active: bool = True
     kernels: tuple[str, ...] = ()  # the kernels turned on, by name (SWITCHES), in SWITCHES' order
@@ -493,11 +506,13 @@ class LlamaPatch:
         norms = _count(type(swap.original).__name__ for swap in self.swaps) or "no norms"
         loss = repr(self.loss) if self.loss is not None else "Hugging Face's loss (not patched)"
         mlps = _count(type(swap.original).__name__ for swap in self.mlp_swaps)
-        mlps = f"TritonSwiGLUMLP replaces {mlps}" if mlps else "MLP activation: Hugging Face's (swiglu=False)"
+        mlp_class = type(self.mlp_swaps[0].replacement).__name__ if self.mlp_swaps else ""
+        mlps = f"{mlp_class} replaces {mlps}" if mlps else "MLP activation: Hugging Face's (swiglu=False)"
         rotary = _count(type(swap.module).__name__ for swap in self.rotary)
         rotary = (f"RoPE: Triton apply_rotary in {rotary}" if rotary
                   else "RoPE: Hugging Face's apply_rotary_pos_emb (rope=False)")
         mask = f"; {self.mask}" if self.mask else ""
+        mask += "; checkpoints offloaded to host memory" if self.offload is not None else ""
         state = "" if self.active else " [undone]"
         return f"TritonRMSNorm replaces {norms}; loss: {loss}; {mlps}; {rotary}{mask}{state}"
 
@@ -519,6 +534,8 @@ class LlamaPatch:
         for swap in self.rotary:
             if swap.module.__dict__.get("forward") is not swap.forward:
                 raise RuntimeError(f"cannot undo: the forward of {swap.where} was replaced after the patch")
+        if self.offload is not None:
+            self.offload.undo()  # first: it wraps the checkpointed layers, which the swaps below do not touch
         if self._restore_attention is not None:
             self._restore_attention()  # first: it refuses, changing nothing, if the implementation was changed since
         for swap in reversed([*self.swaps, *self.mlp_swaps]):
@@ -695,6 +712,7 @@ def patch_llama(
     model: torch.nn.Module, kernels="auto", *, inplace_logits: bool = True, rms_norm: bool | None = None,
     cross_entropy: bool | None = None, linear_cross_entropy: bool | None = None, swiglu: bool | None = None,
     rope: bool | None = None, additive_mask: bool | None = None, skip_causal_mask: bool | None = None,
+    tiled_mlp: bool | None = None, offload_checkpoints: bool | None = None,
 ) -> LlamaPatch:
     """Put the workbook's kernels into a Hugging Face Llama (or Mistral, Qwen2, Qwen3); returns a handle whose
     ``undo()`` restores the model. What each kernel changes: the module docstring.
@@ -707,7 +725,7 @@ def patch_llama(
       mask kernels), a model without a causal-LM loss. If none applies, ``patch_llama`` raises.
     * ``kernels=("rms_norm", "cross_entropy")``, any names of ``SWITCHES``: exactly those, each required. One that
       cannot apply raises, before anything changes.
-    * The keywords ``rms_norm`` … ``skip_causal_mask`` override the selector, one kernel each: True requires it,
+    * The keywords ``rms_norm`` … ``offload_checkpoints`` override the selector, one kernel each: True requires it,
       False leaves it off, None follows ``kernels``. ``patch_llama(model, linear_cross_entropy=True)`` is the
       defaults plus the loss without logits; ``patch_llama(model, swiglu=False)`` the defaults but SwiGLU.
 
@@ -747,6 +765,14 @@ def patch_llama(
       (``rmsnorm_ce_compiled.json``), with SwiGLU and RoPE 7,406 against 7,441, 0.995×
       (``every_kernel_compiled_nomask.json``), inside the spread of repeated runs: Hugging Face's own eager step gave
       6,883 to 6,998 tokens/s at one setting (seq 2,048, no mask) in three files.
+    * ``tiled_mlp`` and ``offload_checkpoints`` stay off: they trade a little time for memory, for sequences
+      too long otherwise (chapter 14, ``kernels.training.long_context``). ``tiled_mlp`` runs each MLP over tiles of
+      rows (``kernels.hf.tiled_mlp``; it takes the place of ``swiglu``, whose kernel it runs per tile, and refuses
+      LoRA-wrapped projections). ``offload_checkpoints`` moves the checkpointed layer inputs to pinned host memory
+      and back (``kernels.hf.offload``): turn Hugging Face's checkpointing on first,
+      ``model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})``, and patch the
+      eager model, not a compiled one. Their cost in step time and the length they reach are measured by
+      ``python -m kernels.training.long_context`` (results in ``assets/results/long_context/``).
     * ``linear_cross_entropy`` stays off: it is the memory switch, for long sequences. It was level at 2,048 tokens
       with every kernel on (7,846 against 7,826 tokens/s: every logit is kept) and, with RMSNorm and checkpointing,
       0.16% slower at 8,192 (1,412.1 against 1,409.8 ms per step), where it recomputes a quarter of a matmul's logits
@@ -758,7 +784,8 @@ def patch_llama(
     if not isinstance(inplace_logits, bool):
         raise TypeError(f"inplace_logits must be True or False, got {inplace_logits!r}")
     switches = dict(rms_norm=rms_norm, cross_entropy=cross_entropy, linear_cross_entropy=linear_cross_entropy,
-                    swiglu=swiglu, rope=rope, additive_mask=additive_mask, skip_causal_mask=skip_causal_mask)
+                    swiglu=swiglu, rope=rope, additive_mask=additive_mask, skip_causal_mask=skip_causal_mask,
+                    tiled_mlp=tiled_mlp, offload_checkpoints=offload_checkpoints)
     for name, value in switches.items():
         if value is not None and not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False (or None: as kernels= says), got {value!r}")
@@ -781,6 +808,8 @@ def patch_llama(
                                                        "nothing to patch"),
         "additive_mask": lambda: _check_mask_function(model, "additive_mask"),
         "skip_causal_mask": lambda: _check_mask_function(model, "skip_causal_mask"),
+        "tiled_mlp": lambda: _tileable_mlps(model),
+        "offload_checkpoints": lambda: check_offloadable(model),
     }
     found, left_off = {}, {}
     for kernel, check in checks.items():
@@ -799,6 +828,8 @@ def patch_llama(
     cross_entropy, linear_cross_entropy = "cross_entropy" in found, "linear_cross_entropy" in found
     additive_mask, skip_causal_mask = "additive_mask" in found, "skip_causal_mask" in found
     head = found.get("linear_cross_entropy")
+    if "tiled_mlp" in found:
+        found.pop("swiglu", None)  # the tiled MLP runs the same SwiGLU kernel, one tile of rows at a time
     patch = LlamaPatch(model)
     patch.kernels = tuple(kernel for kernel in SWITCHES if kernel in found)
     patch.left_off = left_off
@@ -806,10 +837,11 @@ def patch_llama(
         replacement = TritonRMSNorm.from_hf(module)
         setattr(parent, attr, replacement)
         patch.swaps.append(_Swap(where, parent, attr, module, replacement))
-    for where, parent, attr, module in found.get("swiglu", []):
-        replacement = TritonSwiGLUMLP.from_hf(module)
-        setattr(parent, attr, replacement)
-        patch.mlp_swaps.append(_Swap(where, parent, attr, module, replacement))
+    for kernel, mlp_class in (("swiglu", TritonSwiGLUMLP), ("tiled_mlp", TiledSwiGLUMLP)):
+        for where, parent, attr, module in found.get(kernel, []):
+            replacement = mlp_class.from_hf(module)
+            setattr(parent, attr, replacement)
+            patch.mlp_swaps.append(_Swap(where, parent, attr, module, replacement))
     for where, module, forward in found.get("rope", []):
         module.forward = types.MethodType(forward, module)
         patch.rotary.append(_RotarySwap(where, module, module.forward))
@@ -833,5 +865,7 @@ def patch_llama(
         patch.mask = "; ".join(what for what, on in (("padding mask: one additive bias per forward", additive_mask),
                                                      ("causal mask: skipped under torch.compile", skip_causal_mask))
                                if on)
+    if "offload_checkpoints" in found:
+        patch.offload = enable_checkpoint_offload(model)
     model.__dict__["_kernels_patch"] = patch
     return patch

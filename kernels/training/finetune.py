@@ -74,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fit-probes", type=int, default=8, help="most steps the fit search runs per variant (default 8)")
     p.add_argument("--memory-fraction", type=float, default=None,
                    help="cap the fit search's GPU memory at this fraction of the GPU's (a quicker search)")
+    p.add_argument("--probe", type=_int_list, default=None, metavar="A,B",
+                   help="one real training step at each of two long lengths (e.g. 131072,262144) with the kernels "
+                        "named by --kernels, then the longest length that fits this GPU and the host memory, "
+                        "extrapolated from the two (GPU; with tiled_mlp and offload_checkpoints for the longest)")
     p.add_argument("--slope", type=_int_list, default=None, metavar="A,B",
                    help="measure the activation memory per token, baseline and patched: the slope of a step's "
                         "peak between sequence lengths A and B (GPU)")
@@ -163,6 +167,27 @@ def _fit(args, preset: str) -> dict:
     return {variant: result.to_dict() for variant, result in results.items()}
 
 
+def probe_longest(args, preset: str) -> int:
+    """``--probe A,B``: two real steps of the patched model with the kernels of ``--kernels`` (the memory switches
+    ``tiled_mlp`` and ``offload_checkpoints`` among them), and the longest length that fits, with its arithmetic
+    (``kernels.training.long_context``). Gradient checkpointing is on: without it no long length fits."""
+    from .long_context import longest_that_fits, probe, probe_budgets
+
+    if runtime.MODE != "gpu":
+        print("--probe measures real steps on a GPU; on the CPU, kernels.training.long_context.memory_table counts "
+              "the bytes from the shapes instead.")
+        return 0
+    options = patch_options(args) or {}
+    memory = {name: options.pop(name, False) for name in ("tiled_mlp", "offload_checkpoints")}
+    run = probe(preset, args.probe, kernels=options, tiled_mlp=memory["tiled_mlp"],
+                offload=memory["offload_checkpoints"], progress=not args.no_progress)
+    for point in run.points:
+        peak = f"GPU peak {point.gpu_peak / GiB:.2f} GiB" if point.fits else f"does not fit ({point.error})"
+        print(f"{point.seq_len:>9,} tokens: {peak}, host {point.host_bytes / GiB:.2f} GiB")
+    print(longest_that_fits(run, *probe_budgets()).text)
+    return 0
+
+
 def _slope(args, preset: str) -> dict:
     """Activation memory per token, each variant, measured between the two lengths of ``--slope`` (GPU)."""
     if runtime.MODE != "gpu":
@@ -247,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     print(runtime.describe())
     print(f"preset {preset} ({why}); {args.steps} steps of {args.grad_accum} × {args.batch_size} × {args.seq_len} "
           f"tokens, AdamW lr {lr:g}, bf16")
+    if args.probe:
+        return probe_longest(args, preset)
     if not args.compare:
         if args.compile:
             raise SystemExit("--compile compares compiled models: use it with --compare")

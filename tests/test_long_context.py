@@ -1,0 +1,257 @@
+"""The memory arithmetic of a long step, the extrapolation from two probes (made-up numbers on the CPU), the
+switches composed on a real model, the command line; the probe itself needs a GPU."""
+
+import json
+
+import matplotlib
+import pytest
+import torch
+
+from kernels import runtime
+from kernels.hf.presets import count_parameters, llama_config
+from kernels.hf.tiled_mlp import TiledSwiGLUMLP
+from kernels.training import long_context as lc
+
+matplotlib.use("Agg")
+GiB = 1024**3
+KiB = 1024
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# memory_table
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_the_8b_checkpoints_take_256_kib_per_token():
+    table = lc.memory_table("llama-3.1-8b", 524288)
+    assert table.row("checkpoints").per_token == 32 * 4096 * 2 == 256 * KiB
+    assert table.row("checkpoints").at(524288) == 128 * GiB
+    n = count_parameters(llama_config("llama-3.1-8b"))
+    assert table.row("weights").fixed == table.row("gradients").fixed == 2 * n
+    assert table.row("adamw").fixed == 4 * n
+    assert table.row("mlp_untiled").per_token == 3 * 14336 * 2
+
+
+def test_each_switch_takes_its_part_off_the_total():
+    table = lc.memory_table("llama-3.1-8b", 262144)
+    untiled, tiled = table.total(), table.total(tiled_mlp=True)
+    assert untiled - tiled == table.row("mlp_untiled").at(262144) - table.row("mlp_tiled").at(262144) > 0
+    offloaded = table.total(offload=True)
+    assert untiled - offloaded == table.row("checkpoints").at(262144) - table.row("prefetched").at(262144)
+    assert table.total(True, True) < min(tiled, offloaded)
+    assert table.total() == sum(table.row(k).at(262144) for k in table.keys())
+
+
+def test_the_tiled_mlp_row_does_not_grow_with_the_length():
+    short, long = lc.memory_table("llama-3.1-8b", 65536), lc.memory_table("llama-3.1-8b", 524288)
+    assert short.row("mlp_tiled") == long.row("mlp_tiled")
+    assert long.row("mlp_untiled").at(524288) == 8 * short.row("mlp_untiled").at(65536)
+    assert lc.memory_table("llama-3.1-8b", 524288, tile=1024).row("mlp_tiled").fixed < long.row("mlp_tiled").fixed
+
+
+def test_the_table_prints_every_part_and_takes_a_config():
+    table = lc.memory_table(llama_config("tiny"), 1000)
+    text = str(table)
+    for row in table.rows:
+        assert row.part in text
+    assert "total, tiled MLP + checkpoints offloaded" in text
+    with pytest.raises(ValueError, match="seq_len"):
+        lc.memory_table("tiny", 0)
+    with pytest.raises(KeyError, match="no row"):
+        table.row("logits")
+
+
+def test_offload_traffic():
+    traffic = lc.offload_traffic("llama-3.1-8b", 131072, keep_on_gpu=4)
+    assert traffic["to_host"] == traffic["to_gpu"] == 28 * 131072 * 4096 * 2
+    assert traffic["total"] == 2 * traffic["to_host"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# longest_that_fits, with made-up probes
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def points(gpu_fixed, gpu_slope, host_slope, lengths=(131072, 262144)):
+    return [lc.ProbePoint(n, True, int(gpu_fixed + gpu_slope * n), int(gpu_fixed * 0.9), int(host_slope * n), 10.0)
+            for n in lengths]
+
+
+def test_limited_by_the_gpu():
+    fit = lc.longest_that_fits(points(70 * GiB, 100_000, 250_000), gpu_bytes=140 * GiB, host_bytes=10**13)
+    assert fit.limited_by == "GPU memory"
+    assert fit.longest == int((70 * GiB) / 100_000) // 1024 * 1024
+    assert fit.gpu_per_token == pytest.approx(100_000, rel=1e-6) and fit.host_per_token == pytest.approx(250_000)
+    assert f"{fit.longest:,}" in fit.text and "GPU memory" in fit.text
+
+
+def test_limited_by_the_host():
+    fit = lc.longest_that_fits(points(70 * GiB, 100_000, 262_144), gpu_bytes=140 * GiB, host_bytes=100 * GiB)
+    assert fit.limited_by == "host memory"
+    assert fit.longest == (100 * GiB) // 262_144 // 1024 * 1024 == 409600
+    assert "host memory" in fit.text.splitlines()[-1]
+
+
+def test_no_host_growth_is_no_limit_and_step_rounds_down():
+    fit = lc.longest_that_fits(points(70 * GiB, 100_000, 0), gpu_bytes=140 * GiB, host_bytes=0, step=4096)
+    assert fit.limited_by == "GPU memory" and fit.longest % 4096 == 0
+    assert "no limit" in fit.text
+
+
+def test_the_extrapolation_accepts_a_run_and_refuses_what_it_cannot_use():
+    run = lc.ProbeRun("ours+both", "llama-3.1-8b", {}, points(70 * GiB, 100_000, 250_000))
+    assert lc.longest_that_fits(run, 140 * GiB, 10**13).longest > 262144
+    failed = points(70 * GiB, 100_000, 0)
+    failed[1] = lc.ProbePoint(262144, False, error="OutOfMemoryError")
+    with pytest.raises(ValueError, match="two probes"):
+        lc.longest_that_fits(failed, 140 * GiB, 10**13)
+    with pytest.raises(ValueError, match="did not grow"):
+        lc.longest_that_fits(points(70 * GiB, 0, 0), 140 * GiB, 10**13)
+
+
+def test_probe_runs_round_trip_through_json():
+    run = lc.ProbeRun("ours", "tiny", {"tiled_mlp": False}, points(GiB, 1000, 0))
+    assert lc.ProbeRun.from_dict(json.loads(json.dumps(run.to_dict()))) == run
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The step's pieces on the CPU, and the GPU-only parts refusing
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_long_batch():
+    batch, n_items = lc.long_batch(300, 2048, seed=1)
+    assert batch["input_ids"].shape == (1, 300) and "attention_mask" not in batch
+    assert batch["labels"][0, 0] == -100 and n_items == 299
+    assert torch.equal(lc.long_batch(300, 2048, seed=1)[0]["input_ids"], batch["input_ids"])
+
+
+def test_every_switch_composes_in_a_training_step():
+    setup = lc.prepare("tiny", "ours", tiled_mlp=True, offload=True, offload_options={"keep_on_gpu": 0})
+    try:
+        assert isinstance(setup.model.model.layers[0].mlp, TiledSwiGLUMLP)
+        batch, n_items = lc.long_batch(3 * 64 + 5, setup.model.config.vocab_size)
+        batch = {k: v.to(runtime.device()) for k, v in batch.items()}
+        before = [p.detach().clone() for p in setup.model.parameters()]
+        lc.train_step(setup, batch, n_items)
+        assert setup.offload.stats.copies_to_host == setup.model.config.num_hidden_layers
+        assert any(not torch.equal(a, b) for a, b in zip(before, setup.model.parameters()))
+    finally:
+        setup.undo()
+    assert type(setup.model.model.layers[0].mlp).__name__ == "LlamaMLP"
+
+
+@pytest.mark.skipif(runtime.MODE == "gpu", reason="checks the refusal without a GPU")
+def test_the_gpu_parts_refuse_on_the_cpu():
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        lc.probe("tiny", (64, 128))
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        lc.step_times("tiny", 64)
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        lc.main(["--preset", "tiny", "--probe", "64,128"])
+
+
+def test_the_command_line_parses_lengths_and_variants():
+    args = lc.build_parser().parse_args(["--probe", "131_072,262144", "--variants", "hf,ours+both"])
+    assert args.probe == (131072, 262144) and args.variants == ("hf", "ours+both")
+    for bad in (["--probe", "5"], ["--probe", "8,8"], ["--variants", "ours+magic"]):
+        with pytest.raises(SystemExit):
+            lc.build_parser().parse_args(bad)
+
+
+def test_a_variant_that_does_not_fit_is_probed_again_at_half_the_lengths(monkeypatch):
+    calls = []
+
+    def fake_worker(args, extra):
+        lengths = [int(n) for n in extra[extra.index("--probe") + 1].split(",")]
+        calls.append(lengths)
+        return {"variant": "hf", "points": [vars(lc.ProbePoint(n, n <= 40_000, 10 * n if n <= 40_000 else None))
+                                             for n in lengths]}
+
+    monkeypatch.setattr(lc, "_in_subprocess", fake_worker)
+    args = lc.build_parser().parse_args(["--probe", "131072,262144"])
+    run = lc.probe_variant(args, "hf")
+    assert calls == [[131072, 262144], [65536, 131072], [32768, 65536], [16384, 32768]]
+    assert run["lengths_tried"] == calls and all(p["fits"] for p in run["points"])
+    assert len(lc.probe_variant(args, "hf", halvings=1)["points"]) == 2  # gives up after one halving
+
+
+def fake_results():
+    variants = {}
+    for name, slope in (("hf", 900_000), ("ours", 400_000), ("ours+both", 150_000)):
+        pts = points(70 * GiB, slope, 262_144 if "both" in name else 0)
+        fit = lc.longest_that_fits(pts, 140 * GiB, 100 * GiB)
+        variants[name] = {"points": [vars(p) for p in pts], "longest": vars(fit)}
+    variants["liger"] = {"skipped": "Liger-Kernel is not installed", "points": [], "longest": None}
+    times = {"ours": {"step_s": 10.0, "tokens_per_s": 3276.8, "peak": 80 * GiB, "bytes_offloaded_per_step": 0,
+                      "vs_ours": 1.0},
+             "ours+offload": {"step_s": 10.3, "tokens_per_s": 3181, "peak": 72 * GiB,
+                              "bytes_offloaded_per_step": 8 * GiB, "vs_ours": 1.03},
+             "ours+liger_tiled": {"skipped": "Liger-Kernel is not installed"}}
+    return {"device": "a made-up GPU", "settings": {"preset": "llama-3.1-8b"}, "variants": variants,
+            "step_times": times}
+
+
+def test_tables_and_plots_of_a_results_dict():
+    results = fake_results()
+    text = lc.format_probes(results)
+    assert "ours+both" in text and f"{results['variants']['ours']['longest']['longest']:,}" in text
+    assert "Liger-Kernel is not installed" in lc.format_step_times(results["step_times"], 32768)
+    ax = lc.plot_longest(results)
+    assert len(ax.patches) == 4
+    ax = lc.plot_memory_table(lc.memory_table("llama-3.1-8b", 524288))
+    assert len(ax.get_xticklabels()) == 4
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+
+
+def test_separate_runs_build_up_one_file():
+    first = fake_results()
+    first["settings"].update(timing_len=32768, variants=list(first["variants"]))
+    second = {"device": first["device"], "settings": {"preset": "llama-3.1-8b", "timing_len": 0},
+              "variants": {"ours+both": {"points": [], "longest": None}, "ours+tiled": {"points": []}},
+              "step_times": {}}
+    merged = lc.merge_results(first, second)
+    assert set(merged["variants"]) == {"hf", "ours", "ours+both", "liger", "ours+tiled"}
+    assert merged["variants"]["ours+both"]["longest"] is None  # the newer run wins
+    assert merged["step_times"] == first["step_times"] and merged["settings"]["timing_len"] == 32768
+    other_gpu = dict(second, device="another GPU")
+    assert lc.merge_results(first, other_gpu) is other_gpu
+
+
+def test_results_files_are_found(tmp_path):
+    (tmp_path / "nvidia-h200.json").write_text(json.dumps(fake_results()))
+    found = lc.load_all(tmp_path)
+    assert list(found) == ["nvidia-h200"] and found["nvidia-h200"]["device"] == "a made-up GPU"
+    assert lc.results_path("nvidia-h200").name == "nvidia-h200.json"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_gpu_probe_of_a_small_preset_extrapolates():
+    run = lc.probe("llama-3.2-1b", (2048, 4096), "ours", tiled_mlp=True, offload=True, warmup_len=512,
+                   progress=False)
+    assert all(p.fits for p in run.points)
+    assert run.points[1].gpu_peak > run.points[0].gpu_peak
+    assert run.points[1].host_bytes > run.points[0].host_bytes > 0
+    fit = lc.longest_that_fits(run, torch.cuda.mem_get_info()[1], 10**12)
+    assert fit.longest > 4096 and fit.host_per_token > 0
+
+
+def test_the_finetune_command_line_takes_the_memory_switches_and_probe(capsys):
+    # `--kernels` names the two memory switches like any kernel; `--probe A,B` measures real steps on a GPU and, on
+    # the CPU, says where the counted bytes are instead.
+    from kernels.training.finetune import build_parser, main, patch_options
+
+    args = build_parser().parse_args(["--kernels", "rms_norm,tiled_mlp,offload_checkpoints", "--probe", "4096,8192"])
+    options = patch_options(args)
+    assert options["tiled_mlp"] and options["offload_checkpoints"] and not options["swiglu"]
+    assert args.probe == (4096, 8192)
+    if runtime.MODE != "gpu":
+        assert main(["--kernels", "rms_norm,tiled_mlp", "--probe", "4096,8192", "--gradient-checkpointing"]) == 0
+        assert "memory_table" in capsys.readouterr().out

@@ -1,51 +1,113 @@
-"""The chapter 10 exercise check: it passes the right answer, names each usual mistake, survives a stub."""
+"""The chapter 10 exercise check: the solution passes, each usual mistake is named, a stub or a crash is reported."""
 
+import re
+
+import pytest
 import torch
+import torch.nn.functional as F
 
-from kernels.exercises.linear_cross_entropy import check_slice_gradient
-
-
-def right(logits, lse, target, col_start, scale, ignore_index):
-    p = torch.exp(logits - lse[:, None])
-    cols = torch.arange(col_start, col_start + logits.shape[1])
-    onehot = (cols[None, :] == target[:, None]).to(p.dtype)
-    return (p - onehot) * scale * (target != ignore_index).to(p.dtype)[:, None]
+from kernels.exercises.linear_cross_entropy import DIAGNOSES, check_slice_gradient
+from kernels.exercises.solutions import load
 
 
-def test_right_answer_passes(capsys):
-    assert check_slice_gradient(right)
+def _onehot(cols, target, dtype):
+    return (cols[None, :] == target[:, None]).to(dtype)
+
+
+def gradient(logits, lse, target, col_start, scale, ignore_index, *, local=None, softmax=None, sign=1.0,
+             times=None, counted=None, dtype=torch.float32):
+    """The right answer, or one mistake in it: every keyword replaces one piece of the right computation."""
+    x = logits.to(dtype)
+    p = softmax(x) if softmax else torch.exp(x - lse.to(dtype)[:, None])
+    width = x.shape[1]
+    local = (target - col_start) if local is None else local(target - col_start, width)
+    onehot = _onehot(torch.arange(width), local, dtype)
+    counted = (target != ignore_index) if counted is None else counted(target, ignore_index)
+    factor = scale if times is None else times(scale, x.shape[0])
+    return sign * (p - onehot) * factor * counted.to(dtype)[:, None]
+
+
+def right(*args):
+    return gradient(*args)
+
+
+def _mistake(**changes):
+    return lambda *args: gradient(*args, **changes)
+
+
+def _stub(*args):
+    raise NotImplementedError
+
+
+def _one_hot_by_index(logits, lse, target, col_start, scale, ignore_index):
+    # The one-hot built by indexing with the target: a target of another slice (or -100) cannot be indexed.
+    onehot = F.one_hot(target - col_start, logits.shape[1]).float()
+    return (torch.exp(logits.float() - lse[:, None]) - onehot) * scale
+
+
+MISTAKES = {
+    "stub": _stub,
+    "raised": lambda *args: 1 / 0,
+    "outside_raised": _one_hot_by_index,
+    "shape": lambda logits, *rest: right(logits, *rest)[:, :-1],
+    "no_offset": lambda logits, lse, target, col_start, scale, ii: right(logits, lse, target, 0, scale, ii),
+    "offset_off_by_one": _mistake(local=lambda local, width: local + 1),
+    "outside_clamped": _mistake(local=lambda local, width: local.clamp(0, width - 1)),
+    "outside_wrapped": _mistake(local=lambda local, width: local % width),
+    "slice_softmax": _mistake(softmax=lambda x: torch.softmax(x, dim=1)),
+    "sign": _mistake(sign=-1.0),
+    "no_scale": _mistake(times=lambda scale, rows: 1.0),
+    "divided_by_scale": _mistake(times=lambda scale, rows: 1 / scale),
+    "scale_twice": _mistake(times=lambda scale, rows: scale * scale),
+    "mean_over_rows": _mistake(times=lambda scale, rows: 1 / rows),
+    "ignored_rows_count": _mistake(counted=lambda target, ignore_index: torch.ones_like(target, dtype=torch.bool)),
+    "ignore_index_hardcoded": _mistake(counted=lambda target, ignore_index: target != -100),
+    "no_float32": lambda logits, *rest: gradient(logits, *rest, dtype=logits.dtype),  # bfloat16 arithmetic
+    "unrecognised": lambda *args: right(*args) + 0.5,
+}
+
+
+def _sentence(key: str) -> str:
+    """The words that tell a diagnosis apart: the longest stretch of its text between fields to be filled in."""
+    return max(re.split(r"\{[^}]*\}", DIAGNOSES[key]), key=len)
+
+
+def test_the_solution_passes(capsys):
+    assert check_slice_gradient(load("slice_gradient"))
     assert "✓" in capsys.readouterr().out
 
 
-def test_forgotten_column_offset_is_named(capsys):
-    def wrong(logits, lse, target, col_start, scale, ignore_index):
-        return right(logits, lse, target, 0, scale, ignore_index)
-
-    assert not check_slice_gradient(wrong)
-    assert "col_start + column" in capsys.readouterr().out
+def test_a_bfloat16_answer_rounded_once_passes():
+    solution = load("slice_gradient")
+    assert check_slice_gradient(lambda logits, *rest: solution(logits, *rest).to(logits.dtype), verbose=False)
 
 
-def test_slice_softmax_and_missing_scale_and_ignored_rows_are_named(capsys):
-    def slice_softmax(logits, lse, target, col_start, scale, ignore_index):
-        return right(logits, torch.logsumexp(logits, dim=1), target, col_start, scale, ignore_index)
-
-    def unscaled(logits, lse, target, col_start, scale, ignore_index):
-        return right(logits, lse, target, col_start, 1.0, ignore_index)
-
-    def keeps_ignored(logits, lse, target, col_start, scale, ignore_index):
-        return right(logits, lse, target, col_start, scale, ignore_index=-7)
-
-    for fn, words in ((slice_softmax, "whole vocabulary"), (unscaled, "not multiplied by scale"),
-                      (keeps_ignored, "must be zero")):
-        assert not check_slice_gradient(fn)
-        assert words in capsys.readouterr().out
+def test_every_diagnosis_has_a_mistake_here():
+    assert set(MISTAKES) == set(DIAGNOSES)
 
 
-def test_stub_and_crash_are_reported(capsys):
-    def stub(*args):
-        raise NotImplementedError
+@pytest.mark.parametrize("key", sorted(MISTAKES))
+def test_each_mistake_is_named(key, capsys):
+    assert not check_slice_gradient(MISTAKES[key])
+    out = capsys.readouterr().out
+    assert out.startswith("✗") and _sentence(key) in out
+    others = [k for k in DIAGNOSES if k != key and _sentence(k) not in DIAGNOSES[key] and _sentence(k) in out]
+    assert not others, f"{key} was also described as {others}"
 
-    assert not check_slice_gradient(stub)
-    assert "stub" in capsys.readouterr().out
-    assert not check_slice_gradient(lambda *a: 1 / 0)
-    assert "ZeroDivisionError" in capsys.readouterr().out
+
+def test_the_slice_is_named(capsys):
+    for key, words in (("no_offset", "a middle slice"), ("ignore_index_hardcoded", "ignore_index = −1"),
+                       ("no_float32", "bfloat16 logits"), ("outside_raised", "the first slice")):
+        check_slice_gradient(MISTAKES[key])
+        assert words in capsys.readouterr().out, key
+
+
+def test_the_off_by_one_the_other_way_is_named_too(capsys):
+    assert not check_slice_gradient(_mistake(local=lambda local, width: local - 1))
+    assert _sentence("offset_off_by_one") in capsys.readouterr().out
+
+
+def test_quiet_check_prints_nothing(capsys):
+    assert not check_slice_gradient(_stub, verbose=False)
+    assert check_slice_gradient(right, verbose=False)
+    assert capsys.readouterr().out == ""

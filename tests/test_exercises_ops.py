@@ -1,44 +1,97 @@
-"""The chapter 09 exercise check accepts the package's fake and names each usual mistake."""
+"""The chapter 09 exercise check: the solution and the package's fake pass, and each usual mistake is named."""
 
+import re
+
+import pytest
 import torch
+from triton.runtime.jit import KernelInterface
 
-from kernels.exercises.ops import check_rms_norm_fake
-from kernels.rmsnorm import rms_norm_fwd_fake
+from kernels.exercises.ops import HINTS, check_rms_norm_fake
+from kernels.exercises.solutions import load
+from kernels.rmsnorm import rms_norm_forward, rms_norm_fwd_fake
 
 
 def _rows(x):
     return x.numel() // x.shape[-1]
 
 
-def test_the_package_fake_passes():
-    assert check_rms_norm_fake(rms_norm_fwd_fake, verbose=False)
+def _y(x, w):
+    return torch.empty(x.shape, dtype=torch.promote_types(x.dtype, w.dtype), device=x.device)
 
 
-def test_output_dtype_must_follow_promotion():
-    report = check_rms_norm_fake(
-        lambda x, w, eps: (torch.empty_like(x), x.new_empty(_rows(x), dtype=torch.float32)), verbose=False)
-    assert not report and "float32 weight" in report.message and "promote_types" in report.message
+def _rstd(x, rows=None):
+    return torch.empty(_rows(x) if rows is None else rows, dtype=torch.float32, device=x.device)
 
 
-def test_rstd_needs_one_value_per_row_of_every_leading_dimension():
-    report = check_rms_norm_fake(
-        lambda x, w, eps: (torch.empty(x.shape, dtype=torch.promote_types(x.dtype, w.dtype), device=x.device),
-                           x.new_empty(x.shape[0], dtype=torch.float32)), verbose=False)
-    assert not report and "3-D" in report.message and "rstd has the wrong shape" in report.message
+def _sentence(key: str) -> str:
+    """The words that tell a diagnosis apart: the longest stretch of its text between fields to be filled in."""
+    return max(re.split(r"\{[^}]*\}", HINTS[key]), key=len)
 
 
-def test_rstd_is_float32():
-    report = check_rms_norm_fake(
-        lambda x, w, eps: (torch.empty(x.shape, dtype=torch.promote_types(x.dtype, w.dtype), device=x.device),
-                           x.new_empty(_rows(x))), verbose=False)
-    assert not report and "rstd has the wrong dtype" in report.message
+def _diagnosis(fake) -> str:
+    report = check_rms_norm_fake(fake, verbose=False)
+    assert not report, f"a wrong fake passed: {report.message}"
+    return report.message
 
 
-def test_reading_values_is_reported_not_raised():
-    report = check_rms_norm_fake(lambda x, w, eps: (x * float(x.sum()), x), verbose=False)
-    assert not report and "never at values" in report.message
+def test_the_solution_passes():
+    assert check_rms_norm_fake(load("rms_norm_fake"), verbose=False)
 
 
-def test_wrong_return_type_is_reported():
-    report = check_rms_norm_fake(lambda x, w, eps: None, verbose=False)
-    assert not report and "two tensors" in report.message
+def test_the_package_fake_passes(capsys):
+    assert check_rms_norm_fake(rms_norm_fwd_fake)
+    assert "✓" in capsys.readouterr().out
+
+
+def _stub(x, w, eps):
+    raise NotImplementedError
+
+
+MISTAKES = {
+    "stub": _stub,
+    "reads_values": lambda x, w, eps: (x * float(x.sum()), _rstd(x)),
+    "launched": lambda x, w, eps: rms_norm_forward(x, w, eps),
+    "raised": lambda x, w, eps: (_y(x, w), torch.empty(x.rows)),
+    "not_pair": lambda x, w, eps: _y(x, w),
+    "not_tensor": lambda x, w, eps: (_y(x, w), _rows(x)),
+    "y_flat": lambda x, w, eps: (_y(x, w).reshape(-1, x.shape[-1]), _rstd(x)),
+    "y_shape": lambda x, w, eps: (torch.empty(x.shape[:-1], dtype=torch.promote_types(x.dtype, w.dtype),
+                                              device=x.device), _rstd(x)),
+    "y_dtype": lambda x, w, eps: (torch.empty(x.shape, dtype=x.dtype, device=x.device), _rstd(x)),
+    "y_strides": lambda x, w, eps: (torch.empty_like(x, dtype=torch.promote_types(x.dtype, w.dtype)), _rstd(x)),
+    "device": lambda x, w, eps: (torch.empty(x.shape, dtype=torch.promote_types(x.dtype, w.dtype)),
+                                 torch.empty(_rows(x), dtype=torch.float32)),
+    "rstd_not_flat": lambda x, w, eps: (_y(x, w), torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)),
+    "rstd_one_dimension": lambda x, w, eps: (_y(x, w), _rstd(x, rows=x.shape[0])),
+    "rstd_shape": lambda x, w, eps: (_y(x, w), _rstd(x, rows=x.shape[-1])),
+    "rstd_dtype": lambda x, w, eps: (_y(x, w), x.new_empty(_rows(x))),
+    "rstd_strides": lambda x, w, eps: (_y(x, w), _rstd(x, rows=2 * _rows(x))[::2]),
+}
+
+
+def test_every_diagnosis_has_a_mistake_here():
+    assert set(MISTAKES) == set(HINTS)
+
+
+@pytest.mark.parametrize("key", sorted(MISTAKES))
+def test_each_mistake_is_named(key):
+    message = _diagnosis(MISTAKES[key])
+    assert _sentence(key) in message
+    others = [k for k in HINTS if k != key and _sentence(k) not in HINTS[key] and _sentence(k) in message]
+    assert not others, f"{key} was also described as {others}"
+
+
+def test_the_input_is_named():
+    assert "float32 weight" in _diagnosis(MISTAKES["y_dtype"])
+    assert "3-D" in _diagnosis(MISTAKES["rstd_one_dimension"])
+    assert "transposed" in _diagnosis(MISTAKES["y_strides"])
+    assert "GPU" in _diagnosis(MISTAKES["device"])
+
+
+def test_no_launch_is_left_refused_after_a_check():
+    original = KernelInterface.__getitem__
+    _diagnosis(MISTAKES["launched"])
+    assert KernelInterface.__getitem__ is original
+    x = torch.randn(3, 16)
+    y, _ = rms_norm_forward(x, torch.randn(16), 1e-6)  # kernels launch again
+    assert y.shape == x.shape

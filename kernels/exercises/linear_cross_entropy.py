@@ -1,96 +1,215 @@
 """Check for the exercise of chapter 10: the gradient of one vocabulary slice, recomputed in the backward pass.
 
 The reader writes ``slice_gradient(logits, lse, target, col_start, scale, ignore_index)``: for a [tokens, width]
-slice of logits holding columns ``col_start ... col_start + width`` of the vocabulary, the logsumexp of every token
-over the whole vocabulary and the target classes, return d(loss)/d(logits) for that slice,
+slice of logits holding columns ``col_start ... col_start + width − 1`` of the vocabulary, the logsumexp of every
+token over the whole vocabulary and the target classes, return d(loss)/d(logits) for that slice,
 (softmax − onehot) · scale, with a zero row for an ignored target. The check runs it on slices chosen so that each
-usual mistake gives a different wrong answer (a target outside the slice, a slice that does not start at column 0,
-an ignored row, a scale that is not 1) and says which mistake it sees. It prints its verdict, returns True when
-everything is right, and never raises.
+usual mistake gives a different wrong answer (targets inside the slice, before it and after it; a slice that does
+not start at column 0; ignored rows, with ``ignore_index`` −100 and −1; a scale that is not 1; bfloat16 logits) and
+says which mistake it sees, on which slice.
+
+The sentence that names each mistake is in ``DIAGNOSES``; the tests feed every mistake to the check and look for
+its sentence. The check prints its verdict, returns True when everything is right, and never raises.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 _OK = "✓ "
 _WRONG = "✗ "
 
+DIAGNOSES = {
+    "stub": "slice_gradient is still the stub (it raises NotImplementedError): write the gradient of one slice",
+    "raised": "slice_gradient raised {error}",
+    "outside_raised": ("slice_gradient raised {error}: some targets have no column in this slice (the targets of "
+                       "other slices, and ignore_index). Build the one-hot by comparing, col_start + column == "
+                       "target, rather than by indexing with the target: a row whose target lies outside "
+                       "col_start … col_start+width−1 gets no −1 here"),
+    "shape": "slice_gradient must return a tensor shaped like the slice, {expected}; it returned {got}",
+    "no_offset": ("the one-hot compares the target with the slice's own column numbers 0 … width−1: the slice holds "
+                  "vocabulary columns col_start … col_start+width−1, so compare the target with col_start + column"),
+    "offset_off_by_one": ("the one-hot is one column off: column j of the slice is class col_start + j exactly, so "
+                          "the −1 of target t sits at column t − col_start"),
+    "outside_clamped": ("a target outside this slice put its −1 in the slice's first or last column (the target's "
+                        "column was clamped into the slice): a target of another slice has no column here, and its "
+                        "row is the softmax alone"),
+    "outside_wrapped": ("a target outside this slice put its −1 in a column of this slice (the target's column was "
+                        "taken modulo width): a target of another slice has no column here, and its row is the "
+                        "softmax alone"),
+    "slice_softmax": ("the softmax is normalised over this slice alone: divide by the whole vocabulary's sum, i.e. "
+                      "use exp(logits − lse) with the lse you are given"),
+    "sign": "the sign is flipped: the gradient is (softmax − onehot) · scale, not (onehot − softmax) · scale",
+    "no_scale": ("the gradient is not multiplied by scale (1 / the number of counted targets for a mean, times the "
+                 "incoming gradient)"),
+    "divided_by_scale": ("the gradient is divided by scale: multiply by it (scale is already 1 / the number of counted "
+                         "targets)"),
+    "scale_twice": "the gradient is multiplied by scale twice: once is enough",
+    "mean_over_rows": ("the gradient is divided by the number of rows of the slice instead of multiplied by scale: "
+                       "scale is 1 / the number of counted targets of the whole batch (ignored rows do not count), "
+                       "which this slice's rows cannot tell you"),
+    "ignored_rows_count": ("rows whose target is ignore_index must be zero: they do not count in the loss, so they "
+                           "get no gradient"),
+    "ignore_index_hardcoded": ("with ignore_index = {ignore_index}, the rows whose target is {ignore_index} are not "
+                               "zero (the rows of −100 were): use the ignore_index argument, not the constant −100"),
+    "no_float32": ("the float32 slices are right but this bfloat16 one is not: elements are off by up to "
+                   "{worst:.1%}, where rounding a float32 answer to bfloat16 once moves them by at most 0.4%. The "
+                   "arithmetic ran in bfloat16 (or lse was rounded to it): upcast first, x = logits.float(), keep "
+                   "lse in float32, compute exp(x − lse) and the rest in float32, and round at most once, at the "
+                   "end"),
+    "unrecognised": ("the gradient differs from (softmax − onehot) · scale by up to {worst:.3g}, and none of the "
+                     "usual mistakes gives this answer: print yours beside the reference for this slice"),
+}
+
+# Elementwise tolerances: float32 arithmetic on float32 logits; for bfloat16 logits, up to two roundings to
+# bfloat16 (2⁻⁸ each) of an answer computed in float32.
+_TOL = {torch.float32: (1e-5, 1e-7), torch.bfloat16: (2.0**-7, 1e-6)}
+
+
+def diagnosis(key: str, **fields) -> str:
+    """The sentence ``DIAGNOSES[key]`` with its fields filled in."""
+    return DIAGNOSES[key].format(**fields)
+
 
 def reference_slice_gradient(logits, lse, target, col_start, scale, ignore_index=-100):
     """The right answer, in float64."""
     x = logits.to(torch.float64)
     p = torch.exp(x - lse.to(torch.float64)[:, None])
-    cols = torch.arange(col_start, col_start + x.shape[1])
+    cols = torch.arange(col_start, col_start + x.shape[1], device=x.device)
     onehot = (cols[None, :] == target[:, None]).to(torch.float64)
     counted = (target != ignore_index).to(torch.float64)[:, None]
     return (p - onehot) * scale * counted
 
 
-def _mistakes(logits, lse, target, col_start, scale, ignore_index):
-    """What the usual mistakes return, each with the sentence that explains it."""
-    x = logits.to(torch.float64)
-    p = torch.exp(x - lse.to(torch.float64)[:, None])
-    counted = (target != ignore_index).to(torch.float64)[:, None]
-    width = x.shape[1]
-    local = (torch.arange(width)[None, :] == target[:, None]).to(torch.float64)  # forgot col_start
-    right = (torch.arange(col_start, col_start + width)[None, :] == target[:, None]).to(torch.float64)
-    slice_softmax = torch.softmax(x, dim=1)
-    return [
-        ((p - local) * scale * counted, "the one-hot compares the target with the slice's own column numbers 0 … "
-                                        "width−1: the slice holds vocabulary columns col_start … col_start+width−1, "
-                                        "so compare the target with col_start + column"),
-        ((slice_softmax - right) * scale * counted, "the softmax is normalised over this slice alone: divide by the "
-                                                    "whole vocabulary's sum, i.e. use exp(logits − lse) with the lse "
-                                                    "you are given"),
-        ((p - right) * counted, "the gradient is not multiplied by scale (1 / the number of counted targets for a "
-                                "mean, times the incoming gradient)"),
-        ((p - right) * scale, "rows whose target is ignore_index must be zero: they do not count in the loss"),
-    ]
+@dataclass(frozen=True)
+class Case:
+    """One slice the reader's function is run on."""
+
+    label: str
+    logits: torch.Tensor  # [tokens, width], columns col_start … col_start + width − 1 of the vocabulary
+    lse: torch.Tensor  # float32, over the whole vocabulary
+    target: torch.Tensor
+    col_start: int
+    scale: float
+    ignore_index: int = -100
+
+    def __str__(self) -> str:
+        return self.label
 
 
-def _cases():
+def _cases() -> list[Case]:
     g = torch.Generator().manual_seed(10)
     vocab, width, tokens = 40, 12, 6
     full = torch.randn(tokens, vocab, generator=g) * 2
     lse = torch.logsumexp(full, dim=1)
-    target = torch.tensor([3, 17, 20, -100, 39, 14])  # targets inside the slice 12 … 23, before it, after it
+    target = torch.tensor([3, 17, 20, -100, 39, 14])  # inside the middle slice 12 … 23, before it, after it
+    minus_one = torch.tensor([13, -1, 22, 5, -1, 30])  # ignore_index = −1: hard-coding −100 counts these rows
+    # bfloat16 logits of a larger spread (an lse near 20): lse rounded to bfloat16 is off by up to 0.06.
+    big = (torch.randn(tokens, vocab, generator=g) * 6 + 10).to(torch.bfloat16)
+    big_lse = torch.logsumexp(big.float(), dim=1)
     return [
-        ("the first slice (columns 0 … 11), scale 1", full[:, :width], lse, target, 0, 1.0),
-        ("a middle slice (columns 12 … 23), scale 0.2", full[:, 12:24].contiguous(), lse, target, 12, 0.2),
-        ("the last, narrower slice (columns 36 … 39), scale 0.5", full[:, 36:].contiguous(), lse, target, 36, 0.5),
+        Case("the first slice (columns 0 … 11), scale 1", full[:, :width], lse, target, 0, 1.0),
+        Case("a middle slice (columns 12 … 23), scale 0.2", full[:, 12:24].contiguous(), lse, target, 12, 0.2),
+        Case("the last, narrower slice (columns 36 … 39), scale 0.5", full[:, 36:].contiguous(), lse, target, 36,
+             0.5),
+        Case("a middle slice (columns 12 … 23) with ignore_index = −1, scale 0.25", full[:, 12:24].contiguous(), lse,
+             minus_one, 12, 0.25, ignore_index=-1),
+        Case("a middle slice (columns 12 … 23) of bfloat16 logits, scale 0.25", big[:, 12:24].contiguous(), big_lse,
+             target, 12, 0.25),
     ]
 
 
-def _diagnose(fn, label, logits, lse, target, col_start, scale) -> str | None:
-    where = f"on {label}"
+def _onehot(local: torch.Tensor, width: int) -> torch.Tensor:
+    """Rows of zeros with a 1 at column ``local`` where 0 ≤ local < width (no 1 elsewhere)."""
+    return (torch.arange(width)[None, :] == local[:, None]).to(torch.float64)
+
+
+def _mistakes(case: Case) -> list[tuple[str, torch.Tensor]]:
+    """What each usual mistake returns on this slice, in float64, with the key of its diagnosis."""
+    x = case.logits.to(torch.float64)
+    width = x.shape[1]
+    p = torch.exp(x - case.lse.to(torch.float64)[:, None])
+    local = case.target - case.col_start
+    counted = (case.target != case.ignore_index).to(torch.float64)[:, None]
+    right = _onehot(local, width)
+    grad = (p - right) * case.scale * counted
+    found = [
+        ("no_offset", (p - _onehot(case.target, width)) * case.scale * counted),
+        ("offset_off_by_one", (p - _onehot(local - 1, width)) * case.scale * counted),
+        ("offset_off_by_one", (p - _onehot(local + 1, width)) * case.scale * counted),
+        ("outside_clamped", (p - _onehot(local.clamp(0, width - 1), width)) * case.scale * counted),
+        ("outside_wrapped", (p - _onehot(local % width, width)) * case.scale * counted),
+        ("slice_softmax", (torch.softmax(x, dim=1) - right) * case.scale * counted),
+        ("sign", -grad),
+        ("no_scale", grad / case.scale),
+        ("divided_by_scale", grad / case.scale**2),
+        ("scale_twice", grad * case.scale),
+        ("mean_over_rows", grad / case.scale / x.shape[0]),
+    ]
+    if case.ignore_index != -100:  # before the next: where no target is −100, hard-coding it counts every row
+        counts_minus_100 = (case.target != -100).to(torch.float64)[:, None]
+        found.append(("ignore_index_hardcoded", (p - right) * case.scale * counts_minus_100))
+    found.append(("ignored_rows_count", (p - right) * case.scale))
+    return found
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
+    rtol, atol = _TOL[dtype]
+    return bool(torch.allclose(a, b, rtol=rtol, atol=atol))
+
+
+def _has_no_column(case: Case) -> bool:
+    """Whether some target of this slice (an ignored one included) has no column in it."""
+    local = case.target - case.col_start
+    return bool(((local < 0) | (local >= case.logits.shape[1])).any())
+
+
+def _diagnose(fn: Callable, case: Case) -> str | None:
+    where = f" (seen on {case})"
     try:
-        got = fn(logits.clone(), lse.clone(), target.clone(), col_start, scale, -100)
+        got = fn(case.logits.clone(), case.lse.clone(), case.target.clone(), case.col_start, case.scale,
+                 case.ignore_index)
     except NotImplementedError:
-        return "slice_gradient is still the stub (it raises NotImplementedError)"
-    except Exception as exc:  # the reader's code may fail in any way: say how
-        return f"slice_gradient raised {type(exc).__name__}: {exc} {where}"
-    if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(logits.shape):
-        shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
-        return f"slice_gradient must return a tensor shaped like the slice {tuple(logits.shape)}, got {shape} {where}"
-    got = got.detach().to(torch.float64)
-    expected = reference_slice_gradient(logits, lse, target, col_start, scale)
-    if torch.allclose(got, expected, rtol=1e-5, atol=1e-7):
+        return diagnosis("stub")
+    except Exception as exc:  # noqa: BLE001  (the reader's code may fail in any way: say how)
+        text = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
+        error = f"{type(exc).__name__}: {text}"
+        indexing = isinstance(exc, IndexError) or any(
+            word in text.lower() for word in ("index", "one_hot", "class values", "out of bounds"))
+        key = "outside_raised" if indexing and _has_no_column(case) else "raised"
+        return diagnosis(key, error=error) + where
+    if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(case.logits.shape):
+        shape = f"a tensor of shape {tuple(got.shape)}" if isinstance(got, torch.Tensor) else type(got).__name__
+        return diagnosis("shape", expected=tuple(case.logits.shape), got=shape) + where
+    got = got.detach().cpu().to(torch.float64)
+    expected = reference_slice_gradient(case.logits, case.lse, case.target, case.col_start, case.scale,
+                                        case.ignore_index)
+    dtype = case.logits.dtype
+    if _close(got, expected, dtype):
         return None
-    for wrong, why in _mistakes(logits, lse, target, col_start, scale, -100):
-        if not torch.allclose(wrong, expected, rtol=1e-5, atol=1e-7) and torch.allclose(got, wrong, rtol=1e-5,
-                                                                                        atol=1e-7):
-            return f"{why} (seen {where})"
-    worst = (got - expected).abs().max().item()
-    return f"the gradient differs from (softmax − onehot) · scale by up to {worst:.3g} {where}"
+    for key, wrong in _mistakes(case):
+        if not _close(wrong, expected, dtype) and _close(got, wrong, dtype):
+            return diagnosis(key, ignore_index=case.ignore_index) + where
+    error = ((got - expected).norm() / expected.norm()).item()
+    if dtype == torch.bfloat16 and error < 0.25:  # close, but not as close as one rounding: bfloat16 arithmetic
+        worst = ((got - expected).abs() / (expected.abs() + _TOL[dtype][1])).max().item()
+        return diagnosis("no_float32", worst=worst) + where
+    return diagnosis("unrecognised", worst=(got - expected).abs().max().item()) + where
 
 
-def check_slice_gradient(fn) -> bool:
-    """Run ``fn(logits, lse, target, col_start, scale, ignore_index)`` on three slices; print what is wrong."""
+def check_slice_gradient(fn: Callable, verbose: bool = True) -> bool:
+    """Run ``fn(logits, lse, target, col_start, scale, ignore_index)`` on every slice of the check; print what is
+    wrong (or that all is right, unless ``verbose=False``) and return whether it passed."""
     for case in _cases():
-        problem = _diagnose(fn, *case)
+        problem = _diagnose(fn, case)
         if problem:
-            print(_WRONG + problem)
+            if verbose:
+                print(_WRONG + problem)
             return False
-    print(_OK + "slice_gradient is right on the first, a middle and the last slice, with an ignored row and a scale")
+    if verbose:
+        print(_OK + "slice_gradient is right on the first, a middle and the last slice, with targets inside and "
+                    "outside each, ignored rows (ignore_index −100 and −1), a scale, and bfloat16 logits")
     return True

@@ -3,74 +3,221 @@
 A fake implementation receives fake tensors (shape, dtype, device and strides, but no data) and must return fake
 outputs that describe the real ones exactly: that is all ``torch.compile`` learns about an operator while it traces
 a model. The check runs the reader's function under ``FakeTensorMode`` on inputs chosen to expose the usual
-mistakes (a float32 weight with bfloat16 input promotes the output, 3-D input, a strided view, a single row) and
-compares every output's shape, dtype and device with what ``torch.ops.kernels.rms_norm_fwd`` really returns. It
-never raises because the reader's function is wrong: it prints its verdict and returns a ``Report``.
+mistakes (a float32 weight with a bfloat16 input promotes the output, a 3-D input, a transposed view, a single row,
+an input on a GPU) and compares every output's shape, dtype, strides and device with what
+``torch.ops.kernels.rms_norm_fwd`` really returns. While the reader's function runs, launching a Triton kernel
+raises instead of running: on a GPU, a kernel handed fake tensors would read and write memory nobody owns.
+
+The sentence that names each mistake is in ``HINTS``; the tests feed every mistake to the check and look for its
+sentence. The check never raises because the reader's function is wrong or unfinished: it prints its verdict and
+returns a ``Report``.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+from triton.runtime.jit import KernelInterface
 
 from kernels import runtime
 from kernels.rmsnorm import rms_norm_fwd_op
 
 from .rmsnorm import Report, verdict
 
+# Every diagnosis, in one place. Fields in braces are filled in for the input at hand.
+HINTS = {
+    "stub": "rms_norm_fake is still the stub (it raises NotImplementedError): return two empty tensors, (y, rstd)",
+    "reads_values": ("your fake read the values of its input ({error}): a fake tensor has none. A fake may only "
+                     "look at shapes, dtypes and devices (x.shape, x.dtype, x.device), never at values (.item(), "
+                     "float(...), a boolean mask)"),
+    "launched": ("your fake launched a Triton kernel: a fake implementation must compute nothing, only describe the "
+                 "outputs. On a GPU, the kernel would read and write at addresses that fake tensors do not own "
+                 "(an illegal memory access ends the CUDA context). Return torch.empty(...) tensors instead"),
+    "raised": "your fake raised {error}",
+    "not_pair": "your fake returned {got}; the operator returns two tensors, (y, rstd)",
+    "not_tensor": "{name} is {got}, not a tensor",
+    "y_flat": ("y has shape {got}, the rows the kernel sees; the real y has x's shape {expected}: y keeps every "
+               "dimension of x (the rows are the kernel's view, not the caller's)"),
+    "y_shape": "y has shape {got}, but the real y has x's shape {expected}",
+    "y_dtype": ("y has dtype {got}, but the real y has dtype {expected}: its dtype is that of weight * x in PyTorch, "
+                "torch.promote_types(x.dtype, weight.dtype) (a float32 weight promotes a bfloat16 input, as in "
+                "Hugging Face's LlamaRMSNorm)"),
+    "y_strides": ("y has strides {got}, but the real y is contiguous, strides {expected}: torch.empty_like(x) copies "
+                  "the memory layout of x (a transposed x gives a transposed y), while the kernel writes a fresh, "
+                  "row-major y: use torch.empty(x.shape, ...)"),
+    "device": ("{name} is on {got}, but the real {name} is on {expected}, where x is: torch.empty(...) allocates on "
+               "the CPU unless told otherwise: pass device=x.device"),
+    "rstd_not_flat": ("rstd has shape {got}, x's leading dimensions, but the real rstd is flat, {expected}: one "
+                      "float32 per row, and the kernel sees x as rows = x.numel() // x.shape[-1] rows"),
+    "rstd_one_dimension": ("rstd has shape {got}: one value per row of one leading dimension only, but x has "
+                           "{expected_rows} rows in all (rows = x.numel() // x.shape[-1], every leading dimension "
+                           "counts)"),
+    "rstd_shape": "rstd has shape {got}, but the real rstd has shape {expected}: one float32 per row of x",
+    "rstd_dtype": ("rstd has dtype {got}, but the real rstd is float32: the kernel keeps rstd in float32 whatever the "
+                   "input's dtype (the backward needs it exact)"),
+    "rstd_strides": "rstd has strides {got}, but the real rstd is contiguous, strides {expected}",
+}
 
-def _cases(device: torch.device) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
 
-    def rand(*shape, dtype=torch.float32):
+def hint(key: str, **fields) -> str:
+    """The diagnosis ``HINTS[key]`` with its fields filled in."""
+    return HINTS[key].format(**fields)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One input: how to make x and the weight, and, for a case on another device, which device to pretend."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    weight_dtype: torch.dtype
+    view: str = ""  # "strided": x[:, ::2] of a wider tensor; "transposed": x.t() of a [cols, rows] tensor
+    fake_device: str | None = None  # the case runs on fake tensors of this device (no such device is needed)
+
+
+CASES = (
+    Case("float32 input of 5 × 64", (5, 64), torch.float32, torch.float32),
+    Case("bfloat16 input of 2 × 3 × 40 (3-D)", (2, 3, 40), torch.bfloat16, torch.bfloat16),
+    Case("bfloat16 input with a float32 weight", (4, 32), torch.bfloat16, torch.float32),
+    Case("strided view x[:, ::2] of a 6 × 96 tensor", (6, 48), torch.float32, torch.float32, view="strided"),
+    Case("transposed view: x = t.t() of a 64 × 6 tensor t", (6, 64), torch.float32, torch.float32, view="transposed"),
+    Case("single row of 16", (16,), torch.float32, torch.float32),
+    Case("bfloat16 input of 3 × 32 on a GPU (fake tensors: no GPU is needed)", (3, 32), torch.bfloat16,
+         torch.bfloat16, fake_device="cuda"),
+)
+
+
+def _make(case: Case, device, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    def rand(*shape, dtype):
         return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
 
-    return [
-        ("float32 input of 5 × 64", rand(5, 64), rand(64)),
-        ("bfloat16 input of 2 × 3 × 40 (3-D)", rand(2, 3, 40, dtype=torch.bfloat16), rand(40, dtype=torch.bfloat16)),
-        ("bfloat16 input with a float32 weight", rand(4, 32, dtype=torch.bfloat16), rand(32)),
-        ("a strided view x[:, ::2] of a 6 × 96 tensor", rand(6, 96)[:, ::2], rand(48)),
-        ("a single row of 16", rand(16), rand(16)),
-    ]
+    if case.view == "strided":
+        x = rand(case.shape[0], 2 * case.shape[1], dtype=case.dtype)[:, ::2]
+    elif case.view == "transposed":
+        x = rand(case.shape[1], case.shape[0], dtype=case.dtype).t()
+    else:
+        x = rand(*case.shape, dtype=case.dtype)
+    return x, rand(case.shape[-1], dtype=case.weight_dtype)
 
 
-def _describe(t) -> str:
-    if not isinstance(t, torch.Tensor):
-        return f"a {type(t).__name__}"
-    return f"shape {tuple(t.shape)}, dtype {str(t.dtype).removeprefix('torch.')}, device {t.device.type}"
+@dataclass(frozen=True)
+class Meta:
+    """What a fake output must match: everything about a tensor except its values."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    stride: tuple[int, ...]
+    device: str
+
+    @classmethod
+    def of(cls, t: torch.Tensor, device: str | None = None) -> Meta:
+        return cls(tuple(t.shape), t.dtype, tuple(t.stride()), device or t.device.type)
+
+
+class _KernelLaunched(RuntimeError):
+    pass
+
+
+@contextlib.contextmanager
+def _no_kernel_launches():
+    """While inside, ``kernel[grid](...)`` raises instead of launching (every Triton kernel, compiled or
+    interpreted, is launched through ``KernelInterface.__getitem__``)."""
+
+    def refuse(self, grid):
+        def launch(*args, **kwargs):
+            raise _KernelLaunched(f"a Triton kernel ({getattr(self, '__name__', type(self).__name__)}) was launched")
+        return launch
+
+    original = KernelInterface.__getitem__
+    KernelInterface.__getitem__ = refuse
+    try:
+        yield
+    finally:
+        KernelInterface.__getitem__ = original
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+def _dtype(d: torch.dtype) -> str:
+    return str(d).removeprefix("torch.")
+
+
+def _run(fake: Callable, case: Case, x: torch.Tensor, w: torch.Tensor):
+    """The reader's outputs on fake copies of x and w (on ``case.fake_device`` when it has one)."""
+    with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+        if case.fake_device is None:
+            fx, fw = mode.from_tensor(x), mode.from_tensor(w)
+        else:
+            fx = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=case.fake_device)
+            fw = torch.empty_strided(w.shape, w.stride(), dtype=w.dtype, device=case.fake_device)
+        with _no_kernel_launches():
+            return fake(fx, fw, 1e-6)
+
+
+def _compare(name: str, got: torch.Tensor, real: Meta, x: torch.Tensor) -> str | None:
+    """The first difference between a fake output and the real one, named."""
+    if tuple(got.shape) != real.shape:
+        fields = dict(got=tuple(got.shape), expected=real.shape)
+        if name == "y":
+            flat = (x.numel() // x.shape[-1], x.shape[-1]) if x.dim() else ()
+            return hint("y_flat" if x.dim() > 2 and tuple(got.shape) == flat else "y_shape", **fields)
+        if x.dim() > 1 and tuple(got.shape) == tuple(x.shape[:-1]):
+            return hint("rstd_not_flat", **fields)
+        if got.dim() == 1 and x.dim() > 2 and got.shape[0] in (x.shape[0], x.shape[-2]):
+            return hint("rstd_one_dimension", got=tuple(got.shape), expected_rows=real.shape[0])
+        return hint("rstd_shape", **fields)
+    if got.dtype != real.dtype:
+        fields = dict(got=_dtype(got.dtype), expected=_dtype(real.dtype))
+        return hint("y_dtype" if name == "y" else "rstd_dtype", **fields)
+    if got.device.type != real.device:
+        return hint("device", name=name, got=got.device.type, expected=real.device)
+    if tuple(got.stride()) != real.stride and got.numel() > 1:
+        return hint(f"{name}_strides", got=tuple(got.stride()), expected=real.stride)
+    return None
 
 
 def check_rms_norm_fake(fake: Callable, verbose: bool = True) -> Report:
-    """Check ``fake(x, weight, eps) -> (y, rstd)``: fake outputs that match the real operator's, for every case."""
+    """Check ``fake(x, weight, eps) -> (y, rstd)``: fake outputs that match the real operator's, on every case.
+
+    Prints the verdict (unless ``verbose=False``) and returns it: the first mismatch, on which input, in words."""
     device = runtime.device()
-    for name, x, w in _cases(device):
+    g = torch.Generator().manual_seed(0)
+    for case in CASES:
+        x, w = _make(case, device, g)
         y_real, rstd_real = rms_norm_fwd_op(x, w, 1e-6)
+        real = {"y": Meta.of(y_real, case.fake_device), "rstd": Meta.of(rstd_real, case.fake_device)}
+        where = f"on a {case.name}: "
         try:
-            with FakeTensorMode(allow_non_fake_inputs=False) as mode:
-                out = fake(mode.from_tensor(x), mode.from_tensor(w), 1e-6)
-        except Exception as exc:  # noqa: BLE001  (the reader's code may raise anything)
-            return verdict(False, f"on a {name}, your fake raised {type(exc).__name__}: {exc}. A fake may only "
-                                  "look at shapes, dtypes and devices, never at values.", verbose)
+            out = _run(fake, case, x, w)
+        except NotImplementedError:
+            return verdict(False, hint("stub"), verbose)
+        except _KernelLaunched:
+            return verdict(False, where + hint("launched"), verbose)
+        except (DataDependentOutputException, DynamicOutputShapeException) as exc:
+            return verdict(False, where + hint("reads_values", error=type(exc).__name__), verbose)
+        except Exception as exc:  # noqa: BLE001  (the reader's code may raise anything: say what)
+            error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ''}"
+            key = "reads_values" if "data pointer" in str(exc) or "numpy" in str(exc).lower() else "raised"
+            return verdict(False, where + hint(key, error=error), verbose)
         if not (isinstance(out, (tuple, list)) and len(out) == 2):
-            return verdict(False, f"on a {name}, your fake returned {_describe(out)}; the operator returns two "
-                                  "tensors, (y, rstd).", verbose)
-        for what, got, real in (("y", out[0], y_real), ("rstd", out[1], rstd_real)):
+            return verdict(False, where + hint("not_pair", got=_describe(out)), verbose)
+        for name, got in zip(("y", "rstd"), out):
             if not isinstance(got, torch.Tensor):
-                return verdict(False, f"on a {name}, {what} is {_describe(got)}, not a tensor.", verbose)
-            problems = [field for field, a, b in (("shape", tuple(got.shape), tuple(real.shape)),
-                                                  ("dtype", got.dtype, real.dtype),
-                                                  ("device", got.device.type, real.device.type)) if a != b]
-            if problems:
-                hint = ""
-                if what == "y" and "dtype" in problems:
-                    hint = (" Hint: the output's dtype is that of `weight * x` in PyTorch "
-                            "(torch.promote_types(x.dtype, weight.dtype)).")
-                elif what == "rstd" and "shape" in problems:
-                    hint = " Hint: one rstd per row, and rows = all elements / the last dimension."
-                elif what == "rstd" and "dtype" in problems:
-                    hint = " Hint: rstd is kept in float32 whatever the input's dtype."
-                return verdict(False, f"on a {name}, {what} has the wrong {' and '.join(problems)}: yours has "
-                                      f"{_describe(got)}, the real operator gives {_describe(real)}.{hint}", verbose)
-    return verdict(True, f"your fake describes the real outputs on all {len(_cases(device))} inputs.", verbose)
+                return verdict(False, where + hint("not_tensor", name=name, got=_describe(got)), verbose)
+            problem = _compare(name, got, real[name], x)
+            if problem:
+                return verdict(False, where + problem, verbose)
+    return verdict(True, f"your fake describes the real outputs (shape, dtype, strides, device) on all {len(CASES)} "
+                         "inputs, without computing anything.", verbose)

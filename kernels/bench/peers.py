@@ -12,6 +12,7 @@ one that cannot run here says why instead.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -68,8 +69,14 @@ def _build_compiled(function):
     return build
 
 
+# Liger-Kernel logs a warning, on its first call of each op, for every optional backend of other hardware it cannot
+# import (CuTe DSL, Ascend): nothing a reader of a benchmark can act on, so only its errors are shown.
+LIGER_BACKEND_LOGGER = "liger_kernel.backends.registry"
+
+
 def _liger_missing(module: str) -> Callable[[], str | None]:
     def reason() -> str | None:
+        logging.getLogger(LIGER_BACKEND_LOGGER).setLevel(logging.ERROR)
         try:
             __import__(module)
         except ImportError as exc:

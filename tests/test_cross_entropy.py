@@ -16,7 +16,6 @@ from kernels.cross_entropy import (
     cross_entropy_forward,
     forward_config,
 )
-from kernels.exercises.cross_entropy import check_ce_gradient, check_online_update
 from kernels.memory import loss_memory_bytes
 from kernels.reference import cross_entropy_hf, online_logsumexp, online_softmax_steps, relative_error
 from kernels.tolerances import RELATIVE_ERROR_TOL as TOL
@@ -428,89 +427,6 @@ def test_online_softmax_steps_states(gen):
         online_softmax_steps(row.view(5, 10), 4)
     with pytest.raises(ValueError, match="positive"):
         online_softmax_steps(row, 0)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Exercise checks (chapters 05 and 06)
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-def update_attempt(mistake):
-    """The online update with one of the usual mistakes (or none)."""
-    def attempt(m, s, c):
-        m_new = torch.maximum(m, c.max())
-        return {
-            "right": (m_new, s * torch.exp(m - m_new) + torch.exp(c - m_new).sum()),
-            "max-goes-down": (c.max(), s * torch.exp(m - c.max()) + torch.exp(c - c.max()).sum()),
-            "no-rescale": (m_new, s + torch.exp(c - m_new).sum()),
-            "rescale-upside-down": (m_new, s * torch.exp(m_new - m) + torch.exp(c - m_new).sum()),
-            "no-max": (m_new, s + torch.exp(c).sum()),
-            "old-max": (m_new, s * torch.exp(m - m_new) + torch.exp(c - m).sum()),
-            "one-value": m_new,
-        }[mistake]
-    return attempt
-
-
-def stub_update(m, s, chunk):
-    raise NotImplementedError
-
-
-@pytest.mark.parametrize(
-    "mistake, expected",
-    [
-        ("right", "✓"), ("stub", "still the stub"), ("max-goes-down", "the running max must never go down"),
-        ("no-rescale", "the old sum s is not rescaled"), ("rescale-upside-down", "upside down"),
-        ("no-max", "no max is subtracted"), ("old-max", "relative to the old max"), ("one-value", "must return two"),
-    ],
-)
-def test_check_online_update(mistake, expected, capsys):
-    attempt = stub_update if mistake == "stub" else update_attempt(mistake)
-    assert check_online_update(attempt) == (expected == "✓")
-    assert expected in capsys.readouterr().out
-
-
-def gradient_attempt(mistake):
-    def attempt(logits, target, ignore_index):
-        counted = target != ignore_index
-        x = logits.double()
-        p = torch.softmax(x, -1)
-        onehot = F.one_hot(target.clamp(min=0), logits.shape[-1]).double() * counted[:, None]
-        keep = counted[:, None].double()
-        n = counted.sum()
-        return {
-            "right": (p - onehot) / n * keep,
-            "zeros": torch.zeros_like(p),
-            "no-onehot": p / n * keep,
-            "sign": (onehot - p) / n * keep,
-            "no-scale": (p - onehot) * keep,
-            "all-rows": (p - onehot) / logits.shape[0] * keep,
-            "ignored-rows": (p - onehot) / n,
-            "unnormalised": (torch.exp(x - x.max(-1, keepdim=True).values) - onehot) / n * keep,
-            "nan": p * float("nan"),
-            "shape": p[:, :-1],
-        }[mistake].float()
-    return attempt
-
-
-@pytest.mark.parametrize(
-    "mistake, expected",
-    [
-        ("right", "✓"), ("zeros", "every element of the gradient is zero"), ("no-onehot", "lacks its −1"),
-        ("sign", "sign is flipped"), ("no-scale", "not divided by the number of counted targets"),
-        ("all-rows", "divided by all 6 rows"), ("ignored-rows", "must get a zero gradient"),
-        ("unnormalised", "not normalised"), ("nan", "NaN or infinity"), ("shape", "expected a gradient of shape"),
-    ],
-)
-def test_check_ce_gradient(mistake, expected, device, capsys):
-    assert check_ce_gradient(gradient_attempt(mistake), device=device) == (expected == "✓")
-    assert expected in capsys.readouterr().out
-
-
-def test_check_ce_gradient_accepts_the_kernel(device):
-    def kernel_gradient(logits, target, ignore_index):
-        return cross_entropy_forward(logits, target, ignore_index, "mean")[2]
-
-    assert check_ce_gradient(kernel_gradient, device=device)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -118,6 +118,15 @@ def test_every_gradient_diagnosis_is_named(mistake, device, capsys):
     assert out.startswith("✗") and GRADIENT_DIAGNOSES[mistake] in out, out
 
 
+def test_the_gradient_check_accepts_the_package_kernel(device):
+    from kernels.cross_entropy import cross_entropy_forward
+
+    def kernel_gradient(logits, target, ignore_index):
+        return cross_entropy_forward(logits, target, ignore_index, "mean")[2]
+
+    assert check_ce_gradient(kernel_gradient, device=device, verbose=False)
+
+
 def test_the_gradient_solution_passes(device, capsys):
     assert check_ce_gradient(gradient_attempt("right"), device=device)
     assert check_ce_gradient(load("ce_gradient"), device=device)

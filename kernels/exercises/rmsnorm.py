@@ -346,7 +346,7 @@ def check_rms_norm_tile(kernel, seed: int | None = None, verbose: bool = True) -
             problem, fraction = _bf16_cast_order(y, x, w, case)
             same_bits.append(1 - fraction)
         if problem is not None and case.dtype == torch.bfloat16 and worst:  # float32 passed, bfloat16 did not
-            bad = _bad_elements(y, ref, case.dtype)
+            bad = bad_elements(y, ref, case.dtype)
             detail = (_first_difference(_f64(y), ref, bad, "y") if fraction is None
                       else f"{100 * fraction:.0f}% of the values differ from Hugging Face's in the last bits")
             problem = f"on a {case}, {detail}: {hint('no_upcast')}."
@@ -703,9 +703,9 @@ def _check_dw(partials, x, w, dy, rstd, case: TileCase, fp32_passed: bool) -> tu
     if not torch.isfinite(got).all():
         return where + hint("dw_partials_missing") + ".", float("inf")
     error = relative_error(got, ref)
-    if error < DW_TIGHT and not _bad_elements(got, ref, torch.float32).any():
+    if error < DW_TIGHT and not bad_elements(got, ref, torch.float32).any():
         return None, error
-    first = _first_difference(got[None], ref[None], _bad_elements(got[None], ref[None], torch.float32), "dW")
+    first = _first_difference(got[None], ref[None], bad_elements(got[None], ref[None], torch.float32), "dW")
     first = first.replace("row 0 of dW differs (column", "dW differs (column")
     if torch.count_nonzero(got) == 0:
         return where + hint("dw_zero"), error
@@ -722,8 +722,9 @@ def _check_dw(partials, x, w, dy, rstd, case: TileCase, fp32_passed: bool) -> tu
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def _bad_elements(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Elements of ``out`` that are not close to ``ref``; where ``ref`` is NaN nothing is compared."""
+def bad_elements(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Elements of ``out`` (any dtype and device) that are not close to ``ref`` (float64, on the CPU) within the
+    element tolerances of ``dtype``; where ``ref`` is NaN nothing is compared. Shared by the exercises' checks."""
     rtol, atol = ELEMENT_TOL[dtype]
     out = _f64(out)
     compared = torch.isfinite(ref)
@@ -734,7 +735,7 @@ def _bad_elements(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> t
 
 def _compare(out, ref, case, name: str, suspects) -> str | None:
     """None when ``out`` is right; otherwise the most precise explanation of what is wrong."""
-    bad = _bad_elements(out, ref, case.dtype)
+    bad = bad_elements(out, ref, case.dtype)
     if not bad.any() and relative_error(out, ref) < RELATIVE_ERROR_TOL[case.dtype]:
         return None
     where = f"on a {case}"
@@ -743,7 +744,7 @@ def _compare(out, ref, case, name: str, suspects) -> str | None:
     if torch.count_nonzero(out64) == 0:
         return f"{where}, " + hint("placeholder_zeros", name=name)
     for text, wrong in suspects:
-        if not _bad_elements(out, wrong, case.dtype).any():
+        if not bad_elements(out, wrong, case.dtype).any():
             return f"{where}, {first}: {text}."
     tail = _suffix(bad.any(0))
     if tail is not None:
@@ -781,10 +782,10 @@ def _written_outside(buffer, before, view, ref, case: TileCase, name: str, other
             continue
         written = _as_if_strided(view, used)
         stride_hint = where + hint("output_stride", name=name, used=used, what=what, right=right, arg=arg)
-        if not _bad_elements(written, ref, case.dtype).any():
+        if not bad_elements(written, ref, case.dtype).any():
             return stride_hint + "."
         for text, wrong in suspects:
-            if not _bad_elements(written, wrong, case.dtype).any():
+            if not bad_elements(written, wrong, case.dtype).any():
                 return f"{stride_hint}; and {text}."
     problems = []
     before_rows = outside[:GUARD_ROWS].any(1)

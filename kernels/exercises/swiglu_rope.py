@@ -26,9 +26,9 @@ import triton
 
 from kernels import runtime
 from kernels.reference import relative_error, rotary_cos_sin
-from kernels.tolerances import ELEMENT_TOL, RELATIVE_ERROR_TOL
+from kernels.tolerances import RELATIVE_ERROR_TOL
 
-from .rmsnorm import Report, generator, last_line, verdict
+from .rmsnorm import Report, bad_elements, generator, last_line, verdict
 
 # Every diagnosis, in one place. Fields in braces are filled in for the input at hand.
 HINTS = {
@@ -257,18 +257,8 @@ def _fits(t: torch.Tensor, stride: int) -> bool:
     return last * t.element_size() <= t.untyped_storage().nbytes()
 
 
-def _bad(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Elements of ``out`` not close to ``ref`` (float64, on the CPU); where ``ref`` is NaN nothing is compared."""
-    rtol, atol = ELEMENT_TOL[dtype]
-    out = _f64(out)
-    compared = torch.isfinite(ref)
-    scale = float(ref[compared].abs().max()) if compared.any() else 1.0
-    far = ~torch.isfinite(out) | ((out - ref).abs() > rtol * ref.abs() + atol * (scale or 1.0))
-    return far & compared
-
-
 def _same(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> bool:
-    return not _bad(out, ref, dtype).any()
+    return not bad_elements(out, ref, dtype).any()
 
 
 def _first_bad(out: torch.Tensor, ref: torch.Tensor, bad: torch.Tensor) -> str:
@@ -365,7 +355,7 @@ def _where_written(outputs: dict, case: SwigluCase, refs: dict) -> str | None:
 def _values(name: str, out: torch.Tensor, ref: torch.Tensor, suspects: list, case: SwigluCase) -> str | None:
     """None when ``out`` is right; otherwise the most precise explanation of what is wrong with it. ``suspects`` are
     (diagnosis, float64 result) pairs, the usual mistakes recomputed."""
-    bad = _bad(out, ref, case.dtype)
+    bad = bad_elements(out, ref, case.dtype)
     if not bad.any() and relative_error(out, ref) < RELATIVE_ERROR_TOL[case.dtype]:
         return None
     out64 = _f64(out)

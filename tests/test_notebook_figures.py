@@ -44,19 +44,10 @@ _OUTPUT_MIME_TYPES = ("text/plain", "text/markdown", "text/html")
 
 # (notebook, figure as the prose writes it) -> why it may stay in prose: a fact of shapes, dtypes or formulas.
 ALLOW_LIST: dict[tuple[str, str], str] = {
-    ("00_setup.ipynb", "2 GiB"): "the size of the copy the cell times, a parameter",
-    ("00_setup.ipynb", "80%"): "an example of how a fraction of the ceiling reads, not a measurement",
-    ("12_multi_gpu.ipynb", "60 GiB"): "8 bytes × 8.03B parameters",
-    ("12_multi_gpu.ipynb", "30 GiB"): "half of the 60 GiB state on each of two GPUs",
-    ("12_multi_gpu.ipynb", "50 GB/s"): "a network port's datasheet speed (kernels/scaling.py)",
-    ("12_multi_gpu.ipynb", "450 GB/s"): "NVLink's datasheet speed (kernels/scaling.py)",
 }
 
 # Notebooks whose prose states figures that no output prints today; remove one once its test passes.
-NOT_YET_CLEAN: set[str] = {
-    "12_multi_gpu.ipynb",
-    "13_cuda_cpp.ipynb",
-}
+NOT_YET_CLEAN: set[str] = set()
 
 
 def _text(value) -> str:

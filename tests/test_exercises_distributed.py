@@ -1,0 +1,134 @@
+"""The chapter 12 exercise check: the solution passes, and every usual mistake of the global label count is named with
+the sentence of ``DIAGNOSES``, without raising."""
+
+import pytest
+import torch
+
+from kernels.distributed.parallel import global_label_counts
+from kernels.exercises import solutions
+from kernels.exercises.distributed import (
+    CASES,
+    DIAGNOSES,
+    check_global_label_count,
+    expected_counts,
+    make_cases,
+    make_rank_batches,
+    tells_mistakes_apart,
+)
+from kernels.exercises.solutions import load
+from kernels.training.loop import labels_per_step
+
+
+def trained(batch, shift=True):
+    labels = batch["labels"][:, 1:] if shift else batch["labels"]
+    return int((labels != -100).sum())
+
+
+def local_counts(ranks, count=trained):
+    return [[sum(count(b) for b in micro) for micro in steps] for steps in ranks]
+
+
+def summed(local):
+    return [sum(c) for c in zip(*local)]
+
+
+def stub(ranks, rank):
+    raise NotImplementedError("your turn")
+
+
+def raises(ranks, rank):
+    return ranks[rank][0][0]["lables"]
+
+
+def per_micro_batch_list(ranks, rank):  # one count per micro-batch, summed over the ranks
+    return [sum(c) for c in zip(*[[trained(b) for micro in steps for b in micro] for steps in ranks])]
+
+
+def per_micro_batch_last(ranks, rank):  # the step's loop assigns instead of adding: the last micro-batch's count
+    local = []
+    for steps in ranks:
+        counts = []
+        for micro in steps:
+            for batch in micro:
+                count = trained(batch)
+            counts.append(count)
+        local.append(counts)
+    return summed(local)
+
+
+WRONG = {
+    # name: (function, the diagnoses its message must hold)
+    "stub": (stub, ["stub"]),
+    "raised": (raises, ["raised"]),
+    "not_a_list": (lambda ranks, rank: {"counts": summed(local_counts(ranks))}, ["not_a_list"]),
+    "one_number": (lambda ranks, rank: sum(summed(local_counts(ranks))), ["one_number"]),
+    "per_rank_not_per_step": (lambda ranks, rank: [sum(r) for r in local_counts(ranks)], ["wrong_length"]),
+    "per_micro_batch_list": (per_micro_batch_list, ["per_micro_batch"]),
+    "per_micro_batch_last": (per_micro_batch_last, ["per_micro_batch"]),
+    "average": (lambda ranks, rank: [sum(c) / len(c) for c in zip(*local_counts(ranks))], ["average"]),
+    "average_floor": (lambda ranks, rank: [sum(c) // len(c) for c in zip(*local_counts(ranks))], ["average"]),
+    "local": (lambda ranks, rank: local_counts(ranks)[rank], ["local"]),
+    "ignore_index": (lambda ranks, rank: summed(local_counts(ranks, lambda b: int(b["attention_mask"][:, 1:].sum()))),
+                     ["ignore_index"]),
+    "padding": (lambda ranks, rank: summed(local_counts(ranks, lambda b: b["labels"][:, 1:].numel())), ["padding"]),
+    "no_shift": (lambda ranks, rank: summed(local_counts(ranks, lambda b: trained(b, shift=False))), ["no_shift"]),
+    "no_shift_and_local": (lambda ranks, rank: local_counts(ranks, lambda b: trained(b, shift=False))[rank],
+                           ["no_shift", "local"]),
+    "differs_by_rank": (lambda ranks, rank: [c + rank for c in summed(local_counts(ranks))], ["differs_by_rank"]),
+    "unrecognised": (lambda ranks, rank: [c + 1 for c in summed(local_counts(ranks))], ["unrecognised"]),
+}
+
+
+def head(key):
+    """The fixed start of a diagnosis, up to its first field."""
+    return DIAGNOSES[key].split("{")[0]
+
+
+@pytest.mark.parametrize("name", sorted(WRONG))
+def test_each_mistake_is_named(name, seed):
+    fn, keys = WRONG[name]
+    report = check_global_label_count(fn, seed=seed, verbose=False)
+    assert not report
+    for key in keys:
+        assert head(key) in report.message, report.message
+
+
+def test_every_diagnosis_has_a_test():
+    assert {key for _, keys in WRONG.values() for key in keys} | {"passed"} == set(DIAGNOSES)
+
+
+def test_the_solution_passes(seed, capsys):
+    assert "global_label_count" in solutions.names()
+    assert check_global_label_count(load("global_label_count"), seed=seed)
+    out = capsys.readouterr().out
+    assert out.startswith("✓ " + head("passed")) and "✗" not in out
+
+
+def test_a_tensor_answer_is_read_as_numbers(seed):
+    def as_tensor(ranks, rank):
+        return torch.tensor(load("global_label_count")(ranks, rank))
+
+    assert check_global_label_count(as_tensor, seed=seed, verbose=False)
+
+
+def test_the_reference_is_the_packages_count(gen):
+    # The check's right answer is what the training loop passes: the sum over ranks of labels_per_step, which is
+    # what kernels.distributed.parallel.global_label_counts all-reduces (without a process group, its local counts).
+    for case in CASES:
+        ranks = make_rank_batches(case, gen)
+        assert expected_counts(ranks) == summed([labels_per_step(steps) for steps in ranks])
+        assert global_label_counts(ranks[0], torch.device("cpu")) == labels_per_step(ranks[0])
+
+
+def test_the_batches_tell_every_mistake_apart(gen):
+    for case, ranks in make_cases(gen):
+        assert tells_mistakes_apart(ranks), case
+        for steps in ranks:
+            assert len(steps) == case.steps and all(len(micro) == case.accum for micro in steps)
+        first_labels = torch.cat([b["labels"][:, 0] for steps in ranks for micro in steps for b in micro])
+        assert (first_labels != -100).any(), "no row starts with a trained label: the shift would not matter"
+
+
+def test_a_quiet_check_prints_nothing(capsys):
+    assert not check_global_label_count(stub, verbose=False)
+    assert capsys.readouterr().out == ""

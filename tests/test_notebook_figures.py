@@ -7,9 +7,9 @@ A figure is *printed* when the same number, with or without thousands separators
 output of any code cell of the same notebook (stream text, ``text/plain``, ``text/markdown``, ``text/html``).
 
 ``unprinted_figures(path)`` lists the figures of a notebook's markdown that no output prints. ``ALLOW_LIST`` holds
-the few that are static facts of shapes and formulas, which may stay in prose. Notebooks in ``NOT_YET_CLEAN``
-still state figures their outputs do not print: their test is expected to fail until the prose is fixed, and a
-notebook leaves the set once it passes. This module reads the notebooks' JSON only: nothing is executed.
+the few that are static facts of shapes and formulas, which may stay in prose, each with its reason (none is
+needed today: a static size reads as its formula). This module reads the notebooks' JSON only: nothing is
+executed.
 """
 
 from __future__ import annotations
@@ -45,9 +45,6 @@ _OUTPUT_MIME_TYPES = ("text/plain", "text/markdown", "text/html")
 # (notebook, figure as the prose writes it) -> why it may stay in prose: a fact of shapes, dtypes or formulas.
 ALLOW_LIST: dict[tuple[str, str], str] = {
 }
-
-# Notebooks whose prose states figures that no output prints today; remove one once its test passes.
-NOT_YET_CLEAN: set[str] = set()
 
 
 def _text(value) -> str:
@@ -104,11 +101,7 @@ def _not_allowed(name: str, figures: list[tuple[int, str]]) -> list[tuple[int, s
     return [(index, text) for index, text in figures if (name, text) not in ALLOW_LIST]
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=pytest.mark.xfail(
-        strict=False, reason="prose states measured figures that no output prints yet; to be fixed in the prose"))
-    if name in NOT_YET_CLEAN else name
-    for name in NOTEBOOKS])
+@pytest.mark.parametrize("name", NOTEBOOKS)
 def test_prose_figures_are_printed(name):
     missing = _not_allowed(name, unprinted_figures(NOTEBOOK_DIR / name))
     lines = "\n".join(f"  cell {index}: {text}" for index, text in missing)
@@ -119,7 +112,6 @@ def test_prose_figures_are_printed(name):
 
 def test_notebooks_are_found():
     assert NOTEBOOKS, f"no chapter notebooks under {NOTEBOOK_DIR}"
-    assert NOT_YET_CLEAN <= set(NOTEBOOKS), f"unknown notebooks in NOT_YET_CLEAN: {NOT_YET_CLEAN - set(NOTEBOOKS)}"
 
 
 def test_allow_list_entries_are_still_in_the_prose():

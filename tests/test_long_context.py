@@ -127,9 +127,10 @@ def test_long_batch():
 
 
 def test_every_switch_composes_in_a_training_step():
-    setup = lc.prepare("tiny", "ours", tiled_mlp=True, offload=True, offload_options={"keep_on_gpu": 0})
+    setup = lc.prepare("tiny", "ours", tiled_mlp=True, offload=True, offload_options={"keep_on_gpu": 0}, tile=64)
     try:
         assert isinstance(setup.model.model.layers[0].mlp, TiledSwiGLUMLP)
+        assert all(m.tile_rows == 64 for m in setup.model.modules() if isinstance(m, TiledSwiGLUMLP))
         batch, n_items = lc.long_batch(3 * 64 + 5, setup.model.config.vocab_size)
         batch = {k: v.to(runtime.device()) for k, v in batch.items()}
         before = [p.detach().clone() for p in setup.model.parameters()]

@@ -50,7 +50,7 @@ from kernels.hf.offload import (
 )
 from kernels.hf.patch import patch_llama
 from kernels.hf.presets import count_parameters, llama_config
-from kernels.hf.tiled_mlp import apply_tiled_mlp, tile_bytes_per_row, tile_rows
+from kernels.hf.tiled_mlp import TiledSwiGLUMLP, apply_tiled_mlp, tile_bytes_per_row, tile_rows
 from kernels.linear_cross_entropy import linear_loss_extra_bytes
 
 from .loop import count_trained_labels, default_lr, enable_checkpointing, free_memory, make_adamw
@@ -295,6 +295,10 @@ def prepare(preset: str, kernels="ours", tiled_mlp: bool = False, offload: bool 
     undo = _apply_kernels(model, kernels, tiled_mlp)
     if undo is not None:
         undos.append(undo)
+    if tile is not None:  # a fixed tile instead of the one tile_rows picks from the free memory
+        for mlp in model.modules():
+            if isinstance(mlp, TiledSwiGLUMLP):
+                mlp.tile_rows = tile
     handle = None
     if offload:
         handle = enable_checkpoint_offload(model, **(offload_options or {}))

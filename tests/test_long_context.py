@@ -2,6 +2,7 @@
 switches composed on a real model, the command line; the probe itself needs a GPU."""
 
 import json
+import math
 
 import matplotlib
 import pytest
@@ -134,7 +135,8 @@ def test_every_switch_composes_in_a_training_step():
         batch, n_items = lc.long_batch(3 * 64 + 5, setup.model.config.vocab_size)
         batch = {k: v.to(runtime.device()) for k, v in batch.items()}
         before = [p.detach().clone() for p in setup.model.parameters()]
-        lc.train_step(setup, batch, n_items)
+        loss = lc.train_step(setup, batch, n_items)
+        assert loss.dim() == 0 and not loss.requires_grad and torch.isfinite(loss)
         assert setup.offload.stats.copies_to_host == setup.model.config.num_hidden_layers
         assert any(not torch.equal(a, b) for a, b in zip(before, setup.model.parameters()))
     finally:
@@ -237,7 +239,7 @@ def test_results_files_are_found(tmp_path):
 def test_gpu_probe_of_a_small_preset_extrapolates():
     run = lc.probe("llama-3.2-1b", (2048, 4096), "ours", tiled_mlp=True, offload=True, warmup_len=512,
                    progress=False)
-    assert all(p.fits for p in run.points)
+    assert all(p.fits and math.isfinite(p.loss) for p in run.points)
     assert run.points[1].gpu_peak > run.points[0].gpu_peak
     assert run.points[1].host_bytes > run.points[0].host_bytes > 0
     fit = lc.longest_that_fits(run, torch.cuda.mem_get_info()[1], 10**12)

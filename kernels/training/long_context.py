@@ -212,7 +212,7 @@ def offload_traffic(config, seq_len: int, keep_on_gpu: int = 0, itemsize: int = 
 @dataclass
 class ProbePoint:
     """One training step at ``seq_len`` tokens: whether it fitted, the GPU's peak and what existed before it
-    (weights, AdamW moments), the host memory the offload's pool held, and its time."""
+    (weights, AdamW moments), the host memory the offload's pool held, its time and its loss."""
 
     seq_len: int
     fits: bool
@@ -221,6 +221,7 @@ class ProbePoint:
     host_bytes: int = 0
     step_s: float | None = None
     error: str = ""
+    loss: float | None = None
 
 
 @dataclass
@@ -307,14 +308,17 @@ def prepare(preset: str, kernels="ours", tiled_mlp: bool = False, offload: bool 
     return LongStepSetup(model, optimizer, handle, undos)
 
 
-def train_step(setup: LongStepSetup, batch: dict[str, torch.Tensor], n_items: int, context=None) -> None:
-    """One training step (forward, backward, AdamW step, gradients freed); ``context`` wraps the forward."""
+def train_step(setup: LongStepSetup, batch: dict[str, torch.Tensor], n_items: int, context=None) -> torch.Tensor:
+    """One training step (forward, backward, AdamW step, gradients freed); ``context`` wraps the forward. Returns
+    the loss, detached (a 0-d tensor: reading it is the caller's synchronisation, not the step's)."""
     with context if context is not None else contextlib.nullcontext():
         loss = setup.model(**batch, num_items_in_batch=n_items).loss
     loss.backward()
+    value = loss.detach()
     del loss
     setup.optimizer.step()
     setup.optimizer.zero_grad(set_to_none=True)
+    return value
 
 
 def measure_step(setup: LongStepSetup, seq_len: int, seed: int = 0) -> ProbePoint:
@@ -330,9 +334,10 @@ def measure_step(setup: LongStepSetup, seq_len: int, seed: int = 0) -> ProbePoin
         batch = {k: v.to(device) for k, v in cpu_batch.items()}
         torch.cuda.synchronize(device)
         start = time.perf_counter()
-        train_step(setup, batch, n_items)
+        loss = train_step(setup, batch, n_items)
         torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
+        loss = loss.item()
     except (torch.cuda.OutOfMemoryError, HostMemoryError) as exc:
         error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
     # Outside the except block: the exception and the frames holding the step's tensors are gone by now.
@@ -342,7 +347,7 @@ def measure_step(setup: LongStepSetup, seq_len: int, seed: int = 0) -> ProbePoin
     if error:
         free_memory()
         return ProbePoint(seq_len, False, None, base, host, None, error)
-    return ProbePoint(seq_len, True, torch.cuda.max_memory_allocated(device), base, host, elapsed)
+    return ProbePoint(seq_len, True, torch.cuda.max_memory_allocated(device), base, host, elapsed, loss=loss)
 
 
 def require_gpu(what: str) -> None:
@@ -553,15 +558,17 @@ def step_times(preset: str = "llama-3.1-8b", seq_len: int = 32768, steps: int = 
 
 def format_probes(results: dict) -> str:
     """The probes of every variant, and each one's extrapolated longest length."""
-    lines = [f"{'variant':<14}{'tokens':>10}{'fits':>6}{'GPU peak':>13}{'host':>12}{'step s':>9}  longest that fits"]
+    lines = [f"{'variant':<14}{'tokens':>10}{'fits':>6}{'GPU peak':>13}{'host':>12}{'step s':>9}{'loss':>8}"
+             "  longest that fits"]
     for name, run in results["variants"].items():
         longest = run.get("longest")
         for i, p in enumerate(run["points"]):
             peak = _fmt(p["gpu_peak"]) if p["gpu_peak"] else "—"
             step = f"{p['step_s']:.1f}" if p["step_s"] else "—"
+            loss = f"{p['loss']:.3f}" if p.get("loss") is not None else "—"
             tail = (f"{longest['longest']:,} ({longest['limited_by']})" if longest else "n/a") if i == 0 else ""
             lines.append(f"{name if i == 0 else '':<14}{p['seq_len']:>10,}{'yes' if p['fits'] else 'no':>6}"
-                         f"{peak:>13}{_fmt(p['host_bytes']) if p['host_bytes'] else '—':>12}{step:>9}  {tail}")
+                         f"{peak:>13}{_fmt(p['host_bytes']) if p['host_bytes'] else '—':>12}{step:>9}{loss:>8}  {tail}")
     return "\n".join(lines)
 
 

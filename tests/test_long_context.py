@@ -93,6 +93,40 @@ def test_limited_by_the_host():
     assert "host memory" in fit.text.splitlines()[-1]
 
 
+def test_a_short_host_borrows_room_from_the_gpu_one_layer_at_a_time():
+    # 32 layers offloaded: 8,192 bytes per token each. The host alone stops at 409,600 tokens; the GPU has room.
+    made_up = points(58 * GiB, 107_000, 262_144)
+    host_only = lc.longest_that_fits(made_up, gpu_bytes=139 * GiB, host_bytes=100 * GiB)
+    split = lc.longest_that_fits(made_up, gpu_bytes=139 * GiB, host_bytes=100 * GiB, layers=32)
+    assert host_only.keep_on_gpu == 0 and host_only.longest == 409600
+    k = split.keep_on_gpu
+    assert 0 < k < 32 and split.longest > host_only.longest
+    gpu = (139 * GiB - 58 * GiB) / (107_000 + 8192 * k)
+    host = 100 * GiB / (262_144 - 8192 * k)
+    assert split.longest == int(min(gpu, host)) // 1024 * 1024
+    for other in (k - 1, k + 1):  # one layer more or fewer on either side fits less
+        assert min((139 * GiB - 58 * GiB) / (107_000 + 8192 * other), 100 * GiB / (262_144 - 8192 * other)) < \
+            split.longest + 1024
+    assert f"keep_on_gpu={k}" in split.text.splitlines()[-1]
+
+
+def test_a_host_with_room_keeps_every_checkpoint_offloaded():
+    made_up = points(70 * GiB, 100_000, 262_144)
+    fit = lc.longest_that_fits(made_up, gpu_bytes=140 * GiB, host_bytes=10**13, layers=32)
+    assert fit.keep_on_gpu == 0 and fit.limited_by == "GPU memory" and "keep_on_gpu" not in fit.text
+
+
+def test_the_results_are_fitted_from_their_own_budgets():
+    results = {"settings": {"preset": "llama-3.1-8b", "gpu_total_bytes": 139 * GiB, "host_budget_bytes": 100 * GiB},
+               "variants": {"ours+both": {"points": [vars(p) for p in points(58 * GiB, 107_000, 262_144)]},
+                            "ours": {"points": [vars(p) for p in points(58 * GiB, 400_000, 0)][:1]},
+                            "liger": {"skipped": "Liger-Kernel is not installed", "points": []}}}
+    fitted = lc.fit_variants(results)["variants"]
+    assert fitted["ours+both"]["longest"]["keep_on_gpu"] > 0
+    assert fitted["ours"]["longest"] is None and "two probes" in fitted["ours"]["longest_note"]
+    assert fitted["liger"]["longest"] is None
+
+
 def test_no_host_growth_is_no_limit_and_step_rounds_down():
     fit = lc.longest_that_fits(points(70 * GiB, 100_000, 0), gpu_bytes=140 * GiB, host_bytes=0, step=4096)
     assert fit.limited_by == "GPU memory" and fit.longest % 4096 == 0

@@ -403,7 +403,8 @@ def describe_variant(kernels, tiled_mlp: bool, offload: bool) -> str:
 @dataclass(frozen=True)
 class FitEstimate:
     """The longest length (a multiple of ``step``) whose extrapolated GPU peak and host bytes both fit, what
-    limits it, the two lines it came from, and the arithmetic as text."""
+    limits it, the two lines it came from, how many layers keep their checkpoint on the GPU to get there, and the
+    arithmetic as text."""
 
     longest: int
     limited_by: str
@@ -412,6 +413,7 @@ class FitEstimate:
     host_per_token: float
     host_fixed: float
     text: str
+    keep_on_gpu: int = 0
 
 
 def _line(x1: int, y1: float, x2: int, y2: float) -> tuple[float, float]:
@@ -419,12 +421,26 @@ def _line(x1: int, y1: float, x2: int, y2: float) -> tuple[float, float]:
     return slope, y1 - slope * x1
 
 
-def longest_that_fits(points, gpu_bytes: int, host_bytes: int, step: int = 1024) -> FitEstimate:
+def _limits(gpu_bytes: int, host_bytes: int, gpu_slope: float, gpu_fixed: float, host_slope: float,
+            host_fixed: float) -> dict[str, float]:
+    limits = {"GPU memory": (gpu_bytes - gpu_fixed) / gpu_slope}
+    if host_slope > 0:
+        limits["host memory"] = (host_bytes - host_fixed) / host_slope
+    return limits
+
+
+def longest_that_fits(points, gpu_bytes: int, host_bytes: int, step: int = 1024, layers: int = 0) -> FitEstimate:
     """Extrapolate two probes (``ProbePoint``s that fitted, or a ``ProbeRun`` with two) linearly: the GPU peak and
     the host bytes are each ``fixed + per_token × length`` through the two points, and the longest length is the
     largest multiple of ``step`` at which both stay within ``gpu_bytes`` and ``host_bytes``. A memory that does not
     grow with the length does not limit it. Linear is what the parts of ``memory_table`` are; attention with the
-    flash kernel keeps nothing quadratic."""
+    flash kernel keeps nothing quadratic.
+
+    ``layers``: for probes that offloaded the checkpoints of that many layers (``keep_on_gpu=0``), the host's bytes
+    per token are ``layers`` equal checkpoints, and any of them may stay on the GPU instead
+    (``enable_checkpoint_offload(keep_on_gpu=k)``): each moves ``host_per_token / layers`` bytes per token from one
+    memory to the other. The estimate then takes the ``k`` that fits the longest length, so that a host that runs
+    out first borrows room from the GPU."""
     if isinstance(points, ProbeRun):
         points = points.points
     fitted = sorted((p for p in points if p.fits), key=lambda p: p.seq_len)
@@ -437,11 +453,7 @@ def longest_that_fits(points, gpu_bytes: int, host_bytes: int, step: int = 1024)
     if not gpu_slope > 0:
         raise ValueError(f"the GPU peak did not grow between {a.seq_len:,} and {b.seq_len:,} tokens: nothing to "
                          "extrapolate")
-    limits = {"GPU memory": (gpu_bytes - gpu_fixed) / gpu_slope}
-    if host_slope > 0:
-        limits["host memory"] = (host_bytes - host_fixed) / host_slope
-    limited_by = min(limits, key=limits.get)
-    longest = max(0, int(limits[limited_by] // step) * step)
+    limits = _limits(gpu_bytes, host_bytes, gpu_slope, gpu_fixed, host_slope, host_fixed)
     lines = [
         f"GPU peak: {_fmt(a.gpu_peak)} at {a.seq_len:,} tokens, {_fmt(b.gpu_peak)} at {b.seq_len:,}: "
         f"{gpu_slope:,.0f} bytes per token on top of {_fmt(gpu_fixed)}; "
@@ -453,8 +465,46 @@ def longest_that_fits(points, gpu_bytes: int, host_bytes: int, step: int = 1024)
                      f"memory → {limits['host memory']:,.0f} tokens")
     else:
         lines.append("host: no host memory used (nothing offloaded): no limit from it")
-    lines.append(f"longest that fits both: {longest:,} tokens (a multiple of {step:,}), limited by {limited_by}")
-    return FitEstimate(longest, limited_by, gpu_slope, gpu_fixed, host_slope, host_fixed, "\n".join(lines))
+    keep = 0
+    if layers > 0 and host_slope > 0:
+        per_layer = host_slope / layers
+        splits = [_limits(gpu_bytes, host_bytes, gpu_slope + k * per_layer, gpu_fixed, host_slope - k * per_layer,
+                          host_fixed) for k in range(layers + 1)]
+        keep = max(range(layers + 1), key=lambda k: (min(splits[k].values()), -k))
+        if keep:
+            limits = splits[keep]
+            moved = keep * per_layer
+            host_text = (f"host → {limits['host memory']:,.0f} tokens" if "host memory" in limits
+                         else "nothing on the host")
+            lines.append(f"keeping the checkpoints of {keep} of the {layers} layers on the GPU "
+                         f"(keep_on_gpu={keep}) moves {moved:,.0f} of the host's bytes per token to the GPU: "
+                         f"GPU → {limits['GPU memory']:,.0f} tokens, {host_text}")
+    limited_by = min(limits, key=limits.get)
+    longest = max(0, int(limits[limited_by] // step) * step)
+    lines.append(f"longest that fits both: {longest:,} tokens (a multiple of {step:,}), limited by {limited_by}"
+                 + (f", with keep_on_gpu={keep}" if keep else ""))
+    return FitEstimate(longest, limited_by, gpu_slope, gpu_fixed, host_slope, host_fixed, "\n".join(lines), keep)
+
+
+def fit_variants(results: dict) -> dict:
+    """``results`` with each variant's ``longest`` (a ``FitEstimate`` as a dict, or None and a ``longest_note``)
+    computed from its probes against the GPU memory and host budget its settings recorded; the checkpoints of an
+    offloading variant may split between the two memories (``longest_that_fits``'s ``layers``)."""
+    settings = results["settings"]
+    layers = llama_config(settings["preset"]).num_hidden_layers
+    for name, run in results["variants"].items():
+        if "points" not in run or name not in VARIANTS:
+            continue
+        offloads = VARIANTS[name][2]
+        try:
+            fit = longest_that_fits([ProbePoint(**p) for p in run["points"]], settings["gpu_total_bytes"],
+                                    settings["host_budget_bytes"], layers=layers if offloads else 0)
+            run["longest"] = asdict(fit)
+            run.pop("longest_note", None)
+        except ValueError as exc:
+            run["longest"] = None
+            run["longest_note"] = str(exc)
+    return results
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -733,7 +783,8 @@ def probe_budgets() -> tuple[int, int]:
 
 
 def run_all(args) -> dict:
-    """Every variant's probes and the step times, each in a process of its own; the results dict."""
+    """Every variant's probes and the step times, each in a process of its own; the results dict (``main`` adds
+    the extrapolations, ``fit_variants``, once this run is merged with the file's earlier ones)."""
     from tqdm.auto import tqdm
 
     gpu_total, host_budget = probe_budgets()
@@ -743,14 +794,7 @@ def run_all(args) -> dict:
         if name == "liger" and not liger_available():
             variants[name] = {"skipped": "Liger-Kernel is not installed", "points": []}
             continue
-        run = probe_variant(args, name)
-        try:
-            run["longest"] = asdict(longest_that_fits([ProbePoint(**p) for p in run["points"]], gpu_total,
-                                                      host_budget))
-        except ValueError as exc:
-            run["longest"] = None
-            run["longest_note"] = str(exc)
-        variants[name] = run
+        variants[name] = probe_variant(args, name)
     timings = _in_subprocess(args, ["--worker-timing", "--variants", "ours"]) if args.timing_len else {}
     return {
         "chapter": "long_context", "date": datetime.date.today().isoformat(), "device": runtime.device_name(),
@@ -786,7 +830,8 @@ def main(argv=None) -> int:
     print(runtime.describe())
     print(memory_table(args.preset, max(args.probe)).format(), "\n")
     path = args.out or results_path()
-    results = merge_results(json.loads(path.read_text()) if path.exists() else None, run_all(args))
+    results = fit_variants(merge_results(json.loads(path.read_text()) if path.exists() else None,
+                                         run_all(args)))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1) + "\n")
     print(format_probes(results))
@@ -805,6 +850,6 @@ if __name__ == "__main__":
 
 __all__ = ["OURS", "LIGER", "VARIANTS", "TIMINGS", "MemoryRow", "MemoryTable", "layer_working_bytes_per_token",
            "memory_table", "offload_traffic", "ProbePoint", "ProbeRun", "long_batch", "LongStepSetup", "prepare",
-           "train_step", "measure_step", "probe", "probe_budgets", "FitEstimate", "longest_that_fits", "step_times",
-           "format_probes", "format_step_times", "results_path", "load_all", "plot_memory_table", "plot_longest",
-           "probe_variant", "run_all", "merge_results", "main"]
+           "train_step", "measure_step", "probe", "probe_budgets", "FitEstimate", "longest_that_fits", "fit_variants",
+           "step_times", "format_probes", "format_step_times", "results_path", "load_all", "plot_memory_table",
+           "plot_longest", "probe_variant", "run_all", "merge_results", "main"]

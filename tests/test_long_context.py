@@ -234,13 +234,25 @@ def test_tables_and_plots_of_a_results_dict():
     text = lc.format_probes(results)
     assert "ours+both" in text and f"{results['variants']['ours']['longest']['longest']:,}" in text
     assert "Liger-Kernel is not installed" in lc.format_step_times(results["step_times"], 32768)
-    ax = lc.plot_longest(results)
-    assert len(ax.patches) == 4
+    ax = lc.plot_longest(results, target=524288)
+    assert len(ax.patches) == 4 and len(ax.lines) == 1
     ax = lc.plot_memory_table(lc.memory_table("llama-3.1-8b", 524288))
     assert len(ax.get_xticklabels()) == 4
     import matplotlib.pyplot as plt
 
     plt.close("all")
+
+
+def test_bytes_per_token_are_the_slopes_between_the_probes():
+    results = fake_results()
+    slopes = lc.per_token_bytes(results)
+    assert set(slopes) == {"hf", "ours", "ours+both"}  # liger was skipped: no probes
+    assert slopes["ours+both"] == pytest.approx(150_000, rel=1e-5) and slopes["ours"] == pytest.approx(400_000)
+    table = lc.format_per_token(results).splitlines()
+    assert "× ours" in table[0] and "× liger" not in table[0]
+    both = next(line for line in table if line.startswith("ours+both"))
+    assert "0.375" in both and "128K,256K" in both
+    assert f"{results['variants']['ours+both']['longest']['longest']:,}" in both
 
 
 def test_separate_runs_build_up_one_file():
@@ -250,7 +262,7 @@ def test_separate_runs_build_up_one_file():
               "variants": {"ours+both": {"points": [], "longest": None}, "ours+tiled": {"points": []}},
               "step_times": {}}
     merged = lc.merge_results(first, second)
-    assert set(merged["variants"]) == {"hf", "ours", "ours+both", "liger", "ours+tiled"}
+    assert list(merged["variants"]) == ["hf", "liger", "ours", "ours+tiled", "ours+both"]  # VARIANTS's order
     assert merged["variants"]["ours+both"]["longest"] is None  # the newer run wins
     assert merged["step_times"] == first["step_times"] and merged["settings"]["timing_len"] == 32768
     other_gpu = dict(second, device="another GPU")

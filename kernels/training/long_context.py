@@ -622,6 +622,34 @@ def format_probes(results: dict) -> str:
     return "\n".join(lines)
 
 
+def per_token_bytes(results: dict) -> dict[str, float]:
+    """Each variant's GPU bytes per token at the step's peak: the slope between its two probes that fitted (the
+    fixed part, weights and AdamW's moments, drops out); variants without two such probes are left out."""
+    slopes = {}
+    for name, run in results["variants"].items():
+        fitted = sorted((p for p in run.get("points", []) if p["fits"]), key=lambda p: p["seq_len"])
+        if len(fitted) >= 2:
+            a, b = fitted[0], fitted[-1]
+            slopes[name] = (b["gpu_peak"] - a["gpu_peak"]) / (b["seq_len"] - a["seq_len"])
+    return slopes
+
+
+def format_per_token(results: dict, against=("ours", "liger")) -> str:
+    """A table of each variant's GPU bytes per token (``per_token_bytes``), as a fraction of those of the variants
+    named in ``against`` (where they were measured), and the longest length each fits."""
+    slopes = per_token_bytes(results)
+    bases = [name for name in against if name in slopes]
+    lines = [f"{'variant':<14}{'probes':>18}{'GPU B/token':>13}" + "".join(f"{'× ' + b:>10}" for b in bases)
+             + f"{'longest':>11}"]
+    for name, slope in slopes.items():
+        run = results["variants"][name]
+        lengths = ",".join(f"{p['seq_len'] // 1024}K" for p in run["points"] if p["fits"])
+        longest = (run.get("longest") or {}).get("longest")
+        lines.append(f"{name:<14}{lengths:>18}{slope:>13,.0f}" + "".join(f"{slope / slopes[b]:>10.3f}" for b in bases)
+                     + (f"{longest:>11,}" if longest else f"{'—':>11}"))
+    return "\n".join(lines)
+
+
 def format_step_times(times: dict, seq_len: int) -> str:
     if "error" in times:
         return f"step time at {seq_len:,} tokens: not measured ({times['error']})"
@@ -671,9 +699,9 @@ def plot_memory_table(table: MemoryTable, ax=None):
     return ax
 
 
-def plot_longest(results: dict, ax=None):
+def plot_longest(results: dict, ax=None, target: int | None = None):
     """The longest length each variant fits (extrapolated from its probes) as bars; a variant without two fitting
-    probes is drawn at zero with "n/a"."""
+    probes is drawn at zero with "n/a"; ``target``, a length to reach, as a dashed line."""
     import matplotlib.pyplot as plt
 
     ax = ax or plt.subplots(figsize=(8, 3.5))[1]
@@ -683,6 +711,10 @@ def plot_longest(results: dict, ax=None):
     for bar, v in zip(bars, values):
         ax.annotate(f"{v:,}" if v else "n/a", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                     ha="center", va="bottom", fontsize=8)
+    if target:
+        ax.axhline(target / 1000, color="0.4", linestyle="--", linewidth=1)
+        ax.annotate(f"{target:,}", (len(names) - 0.5, target / 1000), ha="right", va="bottom", fontsize=8,
+                    color="0.3")
     ax.set_xticks(range(len(names)), names)
     ax.set_ylabel("longest sequence (K tokens)")
     ax.set_title(f"{results['settings']['preset']} on {results['device']}")
@@ -810,10 +842,13 @@ def run_all(args) -> dict:
 
 def merge_results(old: dict | None, new: dict) -> dict:
     """``new`` with the variants (and step times) of ``old`` that ``new`` did not run, when both are runs of the
-    same preset on the same device: separate invocations, one variant each, build up one file."""
+    same preset on the same device: separate invocations, one variant each, build up one file (its variants in
+    ``VARIANTS``'s order)."""
     if not old or old.get("device") != new["device"] or old["settings"].get("preset") != new["settings"]["preset"]:
         return new
-    merged = {**new, "variants": {**old.get("variants", {}), **new["variants"]}}
+    variants = {**old.get("variants", {}), **new["variants"]}
+    order = [n for n in VARIANTS if n in variants] + [n for n in variants if n not in VARIANTS]
+    merged = {**new, "variants": {n: variants[n] for n in order}}
     merged["step_times"] = new["step_times"] or old.get("step_times", {})
     if not new["step_times"] and old.get("step_times"):
         merged["settings"] = {**new["settings"], "timing_len": old["settings"].get("timing_len")}
@@ -851,5 +886,5 @@ if __name__ == "__main__":
 __all__ = ["OURS", "LIGER", "VARIANTS", "TIMINGS", "MemoryRow", "MemoryTable", "layer_working_bytes_per_token",
            "memory_table", "offload_traffic", "ProbePoint", "ProbeRun", "long_batch", "LongStepSetup", "prepare",
            "train_step", "measure_step", "probe", "probe_budgets", "FitEstimate", "longest_that_fits", "fit_variants",
-           "step_times", "format_probes", "format_step_times", "results_path", "load_all", "plot_memory_table",
-           "plot_longest", "probe_variant", "run_all", "merge_results", "main"]
+           "step_times", "per_token_bytes", "format_per_token", "format_probes", "format_step_times", "results_path",
+           "load_all", "plot_memory_table", "plot_longest", "probe_variant", "run_all", "merge_results", "main"]

@@ -170,7 +170,8 @@ def _fit(args, preset: str) -> dict:
 def probe_longest(args, preset: str) -> int:
     """``--probe A,B``: two real steps of the patched model with the kernels of ``--kernels`` (the memory switches
     ``tiled_mlp`` and ``offload_checkpoints`` among them), and the longest length that fits, with its arithmetic
-    (``kernels.training.long_context``). Gradient checkpointing is on: without it no long length fits."""
+    (``kernels.training.long_context``; with the offload, checkpoints may split between the GPU and the host).
+    Gradient checkpointing is on: without it no long length fits."""
     from .long_context import longest_that_fits, probe, probe_budgets
 
     if runtime.MODE != "gpu":
@@ -184,7 +185,9 @@ def probe_longest(args, preset: str) -> int:
     for point in run.points:
         peak = f"GPU peak {point.gpu_peak / GiB:.2f} GiB" if point.fits else f"does not fit ({point.error})"
         print(f"{point.seq_len:>9,} tokens: {peak}, host {point.host_bytes / GiB:.2f} GiB")
-    print(longest_that_fits(run, *probe_budgets()).text)
+    # Offloaded checkpoints may stay on the GPU layer by layer when the host runs out first.
+    layers = llama_config(preset).num_hidden_layers if memory["offload_checkpoints"] else 0
+    print(longest_that_fits(run, *probe_budgets(), layers=layers).text)
     return 0
 
 

@@ -421,6 +421,14 @@ def _line(x1: int, y1: float, x2: int, y2: float) -> tuple[float, float]:
     return slope, y1 - slope * x1
 
 
+def fitted_pair(points) -> tuple[ProbePoint, ProbePoint] | None:
+    """The shortest and the longest of the probes that fitted, or None without two different lengths among them."""
+    fitted = sorted((p for p in points if p.fits), key=lambda p: p.seq_len)
+    if len(fitted) < 2 or fitted[0].seq_len == fitted[-1].seq_len:
+        return None
+    return fitted[0], fitted[-1]
+
+
 def _limits(gpu_bytes: int, host_bytes: int, gpu_slope: float, gpu_fixed: float, host_slope: float,
             host_fixed: float) -> dict[str, float]:
     limits = {"GPU memory": (gpu_bytes - gpu_fixed) / gpu_slope}
@@ -443,11 +451,11 @@ def longest_that_fits(points, gpu_bytes: int, host_bytes: int, step: int = 1024,
     out first borrows room from the GPU."""
     if isinstance(points, ProbeRun):
         points = points.points
-    fitted = sorted((p for p in points if p.fits), key=lambda p: p.seq_len)
-    if len(fitted) < 2 or fitted[0].seq_len == fitted[-1].seq_len:
+    pair = fitted_pair(points)
+    if pair is None:
         raise ValueError("longest_that_fits needs two probes of different lengths that fitted, got "
                          + ", ".join(f"{p.seq_len:,} {'fitted' if p.fits else 'did not fit'}" for p in points))
-    a, b = fitted[0], fitted[-1]
+    a, b = pair
     gpu_slope, gpu_fixed = _line(a.seq_len, a.gpu_peak, b.seq_len, b.gpu_peak)
     host_slope, host_fixed = _line(a.seq_len, a.host_bytes, b.seq_len, b.host_bytes)
     if not gpu_slope > 0:
@@ -627,10 +635,10 @@ def per_token_bytes(results: dict) -> dict[str, float]:
     fixed part, weights and AdamW's moments, drops out); variants without two such probes are left out."""
     slopes = {}
     for name, run in results["variants"].items():
-        fitted = sorted((p for p in run.get("points", []) if p["fits"]), key=lambda p: p["seq_len"])
-        if len(fitted) >= 2:
-            a, b = fitted[0], fitted[-1]
-            slopes[name] = (b["gpu_peak"] - a["gpu_peak"]) / (b["seq_len"] - a["seq_len"])
+        pair = fitted_pair([ProbePoint(**p) for p in run.get("points", [])])
+        if pair is not None:
+            a, b = pair
+            slopes[name] = _line(a.seq_len, a.gpu_peak, b.seq_len, b.gpu_peak)[0]
     return slopes
 
 
@@ -885,6 +893,7 @@ if __name__ == "__main__":
 
 __all__ = ["OURS", "LIGER", "VARIANTS", "TIMINGS", "MemoryRow", "MemoryTable", "layer_working_bytes_per_token",
            "memory_table", "offload_traffic", "ProbePoint", "ProbeRun", "long_batch", "LongStepSetup", "prepare",
-           "train_step", "measure_step", "probe", "probe_budgets", "FitEstimate", "longest_that_fits", "fit_variants",
-           "step_times", "per_token_bytes", "format_per_token", "format_probes", "format_step_times", "results_path",
-           "load_all", "plot_memory_table", "plot_longest", "probe_variant", "run_all", "merge_results", "main"]
+           "train_step", "measure_step", "probe", "probe_budgets", "FitEstimate", "fitted_pair", "longest_that_fits",
+           "fit_variants", "step_times", "per_token_bytes", "format_per_token", "format_probes", "format_step_times",
+           "results_path", "load_all", "plot_memory_table", "plot_longest", "probe_variant", "run_all", "merge_results",
+           "main"]

@@ -15,13 +15,14 @@ intermediates one tile's worth, and checkpoint offload (``kernels.hf.offload``) 
 * ``memory_table(config, seq_len)`` counts each part from the shapes (a pure function, checked on the CPU);
 * ``probe(...)`` runs one real training step per length on a GPU and measures its peak (``max_memory_allocated``)
   and the host memory the offload pinned;
-* ``longest_that_fits(points, gpu_bytes, host_bytes)`` extrapolates two probes linearly to the longest length that
-  fits both memories, and says how;
+* ``longest_that_fits(points, gpu_bytes, host_bytes, layers=...)`` extrapolates two probes linearly to the longest
+  length that fits both memories, letting offloaded checkpoints stay on the GPU layer by layer when the host runs
+  out first, and says how;
 * ``step_times(...)`` compares what the switches cost in time at a moderate length, against PyTorch's
   ``save_on_cpu(pin_memory=True)`` and Liger-Kernel's ``LigerTiledSwiGLUMLP`` where installed;
 * ``python -m kernels.training.long_context --probe 131072,262144`` runs it all, one variant per process (Liger's
-  patch changes transformers' classes for the whole process; a variant that fits neither length is probed again at
-  half the lengths), and writes ``assets/results/long_context/<gpu>.json``.
+  patch changes transformers' classes for the whole process; a variant that does not fit both lengths is probed again
+  at half of them), and writes ``assets/results/long_context/<gpu>.json``.
 """
 
 from __future__ import annotations

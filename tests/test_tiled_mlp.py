@@ -18,6 +18,7 @@ from kernels.hf.tiled_mlp import (
     TiledSwiGLUFunction,
     TiledSwiGLUMLP,
     apply_tiled_mlp,
+    recomputing,
     tile_bounds,
     tile_bytes_per_row,
     tile_rows,
@@ -152,6 +153,52 @@ def test_inside_checkpoint_equals_without(dtype, device, gen):
     refs = [out64, x64.grad] + [getattr(ref, n).weight.grad for n in ("gate_proj", "up_proj", "down_proj")]
     errs = [relative_error(a, r) for a, r in zip(checkpointed, refs)]
     assert all(e < TOL[dtype] for e in errs), errs
+
+
+def _checkpointed_run(module, x, dy, **checkpoint_options):
+    """A residual block checkpointed with ``checkpoint_options``: the output, dx and the three weight gradients."""
+    xt = x.detach().clone().requires_grad_()
+    out = torch.utils.checkpoint.checkpoint(lambda h: h + module(h), xt, **checkpoint_options)
+    out.backward(dy)
+    grads = [xt.grad] + [getattr(module, n).weight.grad.clone() for n in ("gate_proj", "up_proj", "down_proj")]
+    module.zero_grad(set_to_none=True)
+    return [out.detach()] + grads
+
+
+@pytest.mark.parametrize("options", [{"use_reentrant": False}, {"use_reentrant": True}, "no-early-stop"],
+                         ids=["non-reentrant", "reentrant", "non-reentrant-no-early-stop"])
+def test_the_recompute_computes_no_tile_and_the_gradients_stay_exact(options, device, gen, monkeypatch):
+    import kernels.hf.tiled_mlp as tiled_mlp
+
+    calls = []
+    real = tiled_mlp.swiglu_forward
+    monkeypatch.setattr(tiled_mlp, "swiglu_forward", lambda g, u: calls.append(g.shape[0]) or real(g, u))
+    mlp = hf_mlp(torch.float32, device)
+    x = torch.randn(2, 37, HIDDEN, generator=gen).to(device)  # 74 rows: 5 tiles of 16, the last one of 10
+    dy = torch.randn(2, 37, HIDDEN, generator=gen).to(device)
+    checkpoint_options = {"use_reentrant": False} if options == "no-early-stop" else options
+    results = {}
+    for skip in (True, False):
+        tiled = TiledSwiGLUMLP.from_hf(copy.deepcopy(mlp), tile_rows=16)
+        tiled.skip_recompute = skip
+        calls.clear()
+        if options == "no-early-stop":
+            with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+                results[skip] = _checkpointed_run(tiled, x, dy, **checkpoint_options)
+        else:
+            results[skip] = _checkpointed_run(tiled, x, dy, **checkpoint_options)
+        # the forward's tiles, then the backward's (y for d(W_down)); without the skip the recompute's tiles too
+        assert calls == [16, 16, 16, 16, 10] * (2 if skip else 3), (skip, calls)
+    for a, b in zip(results[True], results[False]):
+        assert torch.equal(a, b)  # the NaN output of the skipped recompute reaches no gradient
+    assert all(torch.isfinite(t).all() for t in results[True])
+
+
+def test_a_forward_outside_a_backward_is_never_skipped(device, gen):
+    tiled = TiledSwiGLUMLP.from_hf(hf_mlp(torch.float32, device), tile_rows=16)
+    x = torch.randn(3, 20, HIDDEN, generator=gen).to(device)
+    assert not recomputing()
+    assert torch.isfinite(tiled(x)).all() and torch.isfinite(tiled(x.requires_grad_())).all()
 
 
 def test_gradients_only_where_needed(device, gen):
@@ -305,3 +352,20 @@ def test_gpu_8b_shape_bf16_matches_float64_and_holds_less(gen):
     one = n * 14336 * 2  # one [tokens, intermediate] bf16 tensor
     weight_grads = 3 * 4096 * 14336 * (4 + 2)  # the float32 sums and the bf16 gradients, whatever the length
     assert untiled > 3 * one and tiled_peak - weight_grads < one, (untiled / one, tiled_peak / one)
+
+
+@pytest.mark.gpu
+def test_gpu_float32_sums_of_bf16_tiles(gen):
+    # Where the mixed-precision addmm exists the tile's product enters the float32 sum unrounded; either way the sum
+    # stays within a bf16 product's rounding of the float64 one.
+    import kernels.hf.tiled_mlp as tiled_mlp
+
+    a = torch.randn(512, 300, generator=gen).to("cuda", torch.bfloat16)
+    b = torch.randn(300, 384, generator=gen).to("cuda", torch.bfloat16)
+    acc = torch.randn(512, 384, generator=gen).to("cuda")
+    want = acc.double() + a.double() @ b.double()
+    tiled_mlp._accumulate(acc, a, b)
+    mixed = tiled_mlp._MIXED_ADDMM[("cuda", torch.bfloat16, torch.float32)]
+    print(f"mixed-precision addmm on this GPU: {mixed}")
+    err = relative_error(acc, want)
+    assert err < (1e-5 if mixed else TOL[torch.bfloat16]), (mixed, err)

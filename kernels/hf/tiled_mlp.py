@@ -17,9 +17,19 @@ tile × 14,336 × 2 bytes each, whatever the sequence length.
   tile's product rounded once to the weights' dtype, as one matmul over all rows would round its result once), or
   in the weights' dtype (``grad_dtype=None``: a rounding per tile, no float32 buffers).
 
-The cost: each tile's gate and up are computed twice more in the backward than an untiled MLP computes them (once by
-the checkpoint's recompute of the layer, once here), about a third more MLP matmul work in the backward. The tile
-length comes from ``tile_rows`` (the sizes and the free memory), never a fixed number.
+**Under checkpointing the recompute is skipped.** A checkpointed decoder layer runs its forward twice: once in the
+forward pass, and once more in the backward, to rebuild what the layer's backward reads (PyTorch's non-reentrant
+checkpoint stops that recompute as soon as the last of those tensors is saved again). The tiled MLP's backward reads
+only x and the weights, and recomputes gate and up itself, tile by tile. So when its forward runs during a backward
+pass (``recomputing()``: autograd is executing a graph), it saves x and the weights and computes nothing: its output
+is a tensor of NaN that nothing reads (a Llama layer only adds it to the residual stream, and the recompute stops or
+its result is dropped; a model that did read it would get NaN gradients, not quietly wrong ones). Counted in matmuls,
+a checkpointed step then does what the untiled MLP does: gate and up three times (forward, backward's recompute, the
+gradient), down twice, where computing the output in the recompute too would add a whole MLP forward per layer.
+``skip_recompute=False`` computes it anyway.
+
+What is left of the cost is the weight gradients' accumulation over tiles (one more pass over the float32 sums per
+tile) and the loop. The tile length comes from ``tile_rows`` (the sizes and the free memory), never a fixed number.
 
 ``TiledSwiGLUMLP`` is a drop-in for a ``LlamaMLP`` holding the very same projection modules, and
 ``apply_tiled_mlp(model)`` swaps every decoder layer's MLP for one, returning a handle that undoes it. Plain
@@ -120,11 +130,38 @@ def _mlp_tile(x_t: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> tu
     return torch.mm(x_t, w_gate.t()), torch.mm(x_t, w_up.t())
 
 
+def recomputing() -> bool:
+    """True while autograd executes a backward pass. A decoder layer's forward that runs then is gradient
+    checkpointing recomputing it (reentrant or not): the only caller that runs a forward inside a backward."""
+    return torch._C._current_graph_task_id() != -1
+
+
+# (device type, operand dtype, sum dtype) -> whether torch.addmm(..., out_dtype=) adds a low-precision product into
+# a float32 sum in one matmul on that device (CUDA in recent PyTorch releases), found by trying it once.
+_MIXED_ADDMM: dict[tuple[str, torch.dtype, torch.dtype], bool] = {}
+
+
+def _mixed_addmm_works(acc: torch.Tensor, a: torch.Tensor) -> bool:
+    key = (acc.device.type, a.dtype, acc.dtype)
+    if key not in _MIXED_ADDMM:
+        ones = torch.ones(2, 2, dtype=a.dtype, device=a.device)
+        total = torch.ones(2, 2, dtype=acc.dtype, device=acc.device)
+        try:
+            torch.addmm(total, ones, ones, out_dtype=acc.dtype, out=total)
+            _MIXED_ADDMM[key] = bool((total == 3).all())
+        except (RuntimeError, TypeError, NotImplementedError):
+            _MIXED_ADDMM[key] = False
+    return _MIXED_ADDMM[key]
+
+
 def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b``. In the operands' dtype the matmul adds into acc itself; into a float32 acc from bf16
-    operands, the tile's product is rounded once to their dtype and summed in float32."""
+    """``acc += a @ b``. In the operands' dtype the matmul adds into acc itself. Into a float32 acc from bf16
+    operands, one mixed-precision addmm does the same where the device has it (the product is summed in float32
+    without being rounded); elsewhere the tile's product is rounded once to the operands' dtype and then added."""
     if acc.dtype == a.dtype:
         acc.addmm_(a, b)
+    elif _mixed_addmm_works(acc, a):
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
     else:
         acc.add_(torch.mm(a, b))
 
@@ -132,11 +169,16 @@ def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 class TiledSwiGLUFunction(torch.autograd.Function):
     """``down(silu(x·W_gateᵀ) · (x·W_upᵀ))`` over tiles of ``tile_rows`` rows, saving x and the weights only (see
     the module docstring for the passes). ``grad_dtype`` is the dtype the weight gradients accumulate in (None: the
-    weights' own)."""
+    weights' own). ``skip_output``: save what the backward needs and return NaN instead of computing the output
+    (for a checkpoint's recompute, which reads only what is saved)."""
 
     @staticmethod
-    def forward(ctx, x, w_gate, w_up, w_down, rows: int, grad_dtype):
+    def forward(ctx, x, w_gate, w_up, w_down, rows: int, grad_dtype, skip_output: bool = False):
         _check_inputs(x, w_gate, w_up, w_down, rows)
+        ctx.save_for_backward(x, w_gate, w_up, w_down)
+        ctx.rows, ctx.grad_dtype = rows, grad_dtype
+        if skip_output:
+            return torch.full_like(x, float("nan"))
         flat = x.reshape(-1, x.shape[-1])
         out = torch.empty(flat.shape, dtype=x.dtype, device=x.device)
         for start, stop in tile_bounds(flat.shape[0], rows):
@@ -144,8 +186,6 @@ class TiledSwiGLUFunction(torch.autograd.Function):
             y = swiglu_forward(gate, up)
             del gate, up  # freed before the down projection's output exists: three tile tensors at most
             torch.mm(y, w_down.t(), out=out[start:stop])
-        ctx.save_for_backward(x, w_gate, w_up, w_down)
-        ctx.rows, ctx.grad_dtype = rows, grad_dtype
         return out.view(x.shape)
 
     @staticmethod
@@ -180,7 +220,7 @@ class TiledSwiGLUFunction(torch.autograd.Function):
                 dx_t.addmm_(up, w_up)
         grads = [g.to(w.dtype) if g is not None else None
                  for g, w in ((d_gate_w, w_gate), (d_up_w, w_up), (d_down_w, w_down))]
-        return (dx.view(x.shape) if need_x else None), *grads, None, None
+        return (dx.view(x.shape) if need_x else None), *grads, None, None, None
 
 
 def tiled_swiglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
@@ -236,14 +276,18 @@ class TiledSwiGLUMLP(torch.nn.Module):
     ``tile_rows``: rows per tile, or None to choose with ``tile_rows()`` on the first call at each row count and keep
     that choice for later calls at that count (the recompute of a checkpointed layer then cuts the same tiles as its
     forward did). ``grad_dtype``: the weight gradients' accumulation dtype (float32; None for the weights' own).
+    ``skip_recompute``: when the forward runs inside a backward pass (a checkpoint recomputing the layer), save x and
+    return NaN without computing the output (see the module docstring); False computes it anyway.
     """
 
     def __init__(self, gate_proj: torch.nn.Module, up_proj: torch.nn.Module, down_proj: torch.nn.Module,
-                 tile_rows: int | None = None, grad_dtype: torch.dtype | None = torch.float32):
+                 tile_rows: int | None = None, grad_dtype: torch.dtype | None = torch.float32,
+                 skip_recompute: bool = True):
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
         self.tile_rows = tile_rows
         self.grad_dtype = grad_dtype
+        self.skip_recompute = skip_recompute
         self.chosen: dict[int, int] = {}  # row count -> rows per tile, when tile_rows is None
 
     @classmethod
@@ -264,11 +308,13 @@ class TiledSwiGLUMLP(torch.nn.Module):
 
     @torch.compiler.disable(reason="the tiled MLP is a Python loop of tiles: it runs eagerly")
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skip = self.skip_recompute and torch.is_grad_enabled() and recomputing()
         return TiledSwiGLUFunction.apply(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
-                                         self.rows_for(x), self.grad_dtype)
+                                         self.rows_for(x), self.grad_dtype, skip)
 
     def extra_repr(self) -> str:
-        return f"tile_rows={self.tile_rows if self.tile_rows is not None else 'auto'}, grad_dtype={self.grad_dtype}"
+        return (f"tile_rows={self.tile_rows if self.tile_rows is not None else 'auto'}, grad_dtype={self.grad_dtype}, "
+                f"skip_recompute={self.skip_recompute}")
 
 
 @dataclass
@@ -334,5 +380,5 @@ def apply_tiled_mlp(model: torch.nn.Module, tile_rows: int | None = None,
 
 
 __all__ = ["ALIGN", "FREE_FRACTION", "MAX_TILE_BYTES", "CPU_TILE_BYTES", "tile_bytes_per_row", "free_device_bytes",
-           "tile_rows", "tile_bounds", "TiledSwiGLUFunction", "tiled_swiglu_mlp", "check_tileable", "TiledSwiGLUMLP",
-           "TiledMLPHandle", "apply_tiled_mlp"]
+           "tile_rows", "tile_bounds", "recomputing", "TiledSwiGLUFunction", "tiled_swiglu_mlp", "check_tileable",
+           "TiledSwiGLUMLP", "TiledMLPHandle", "apply_tiled_mlp"]

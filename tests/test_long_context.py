@@ -269,6 +269,56 @@ def test_separate_runs_build_up_one_file():
     assert lc.merge_results(first, other_gpu) is other_gpu
 
 
+def test_a_timing_run_keeps_the_probes_settings():
+    probes = fake_results()
+    probes["settings"].update(timing_len=32768, steps=3, host_budget_bytes=100 << 30, lengths=[131072, 262144])
+    timing = {"device": probes["device"], "variants": {},
+              "settings": {"preset": "llama-3.1-8b", "timing_len": 16384, "steps": 5, "host_budget_bytes": 1 << 30,
+                           "lengths": [8, 16]},
+              "step_times": {"ours": {"step_s": 1.0}}}
+    merged = lc.merge_results(probes, timing)
+    assert merged["variants"] == probes["variants"] and merged["step_times"] == timing["step_times"]
+    settings = merged["settings"]
+    assert settings["host_budget_bytes"] == 100 << 30 and settings["lengths"] == [131072, 262144]
+    assert settings["timing_len"] == 16384 and settings["steps"] == 5
+
+
+def test_the_split_prediction_is_the_extrapolation_at_its_own_limit():
+    # the host runs out first (100 GiB, 262,144 bytes per token), so the fit keeps some layers on the GPU; at the
+    # longest length it found, the predicted GPU peak is at the GPU's memory and the host's within its budget
+    pts = points(58 * GiB, 110_000, 262_144)
+    fit = vars(lc.longest_that_fits(pts, 140 * GiB, 100 * GiB, layers=32))
+    assert fit["keep_on_gpu"] > 0
+    at_limit = lc.split_prediction(fit, fit["longest"], fit["keep_on_gpu"], 32)
+    assert 139 * GiB < at_limit["gpu_peak"] <= 140 * GiB and at_limit["host_bytes"] <= 100 * GiB
+    none_kept = lc.split_prediction(fit, 262_144, 0, 32)
+    assert none_kept["gpu_peak"] == pytest.approx(pts[1].gpu_peak) and none_kept["host_bytes"] == 64 * GiB
+    six = lc.split_prediction(fit, 262_144, 6, 32)
+    moved = 6 * 8192 * 262_144  # six layers' checkpoints: 4,096 × 2 bytes per token each
+    assert six["gpu_peak"] - none_kept["gpu_peak"] == pytest.approx(moved)
+    assert none_kept["host_bytes"] - six["host_bytes"] == pytest.approx(moved)
+
+
+def test_the_split_check_is_printed_and_kept_by_later_runs():
+    results = fake_results()
+    assert "not checked" in lc.format_split_check(results)
+    fit = results["variants"]["ours+both"]["longest"]
+    predicted = lc.split_prediction(fit, 262_144, 6, 32)
+    point = lc.ProbePoint(262_144, True, int(predicted["gpu_peak"]) - GiB, 40 * GiB, 52 * GiB, 180.0, loss=12.3)
+    results["split_check"] = {"variant": "ours+both", "keep_on_gpu": 6, "layers": 32, "point": vars(point),
+                              "predicted": predicted}
+    text = lc.format_split_check(results)
+    assert "keep_on_gpu=6" in text and "262,144" in text and "loss 12.300" in text
+    assert lc._fmt(predicted["gpu_peak"]) in text and lc._fmt(point.gpu_peak) in text
+    later = {"device": results["device"], "settings": {"preset": "llama-3.1-8b", "timing_len": 32768},
+             "variants": {}, "step_times": {"ours": {"step_s": 1.0}}}
+    assert lc.merge_results(results, later)["split_check"] == results["split_check"]
+    failed = dict(results["split_check"], point=vars(lc.ProbePoint(262_144, False, error="OutOfMemoryError: x")))
+    assert "did not fit: OutOfMemoryError" in lc.format_split_check(dict(results, split_check=failed))
+    args = lc.build_parser().parse_args(["--variants", "", "--timing-len", "0", "--check-split", "262144"])
+    assert args.variants == () and args.check_split == 262144
+
+
 def test_results_files_are_found(tmp_path):
     (tmp_path / "nvidia-h200.json").write_text(json.dumps(fake_results()))
     found = lc.load_all(tmp_path)

@@ -516,6 +516,48 @@ def fit_variants(results: dict) -> dict:
     return results
 
 
+SPLIT_VARIANT = "ours+both"
+
+
+def split_prediction(fit: dict, seq_len: int, keep: int, layers: int) -> dict[str, float]:
+    """The GPU peak and host bytes ``longest_that_fits`` predicts at ``seq_len`` tokens when the checkpoints of
+    ``keep`` of ``layers`` layers stay on the GPU, from a variant's two lines (``fit``, a ``FitEstimate`` as a dict):
+    each kept layer moves ``host_per_token / layers`` bytes per token from the host's line to the GPU's."""
+    moved = keep * fit["host_per_token"] / layers
+    return {"gpu_peak": fit["gpu_fixed"] + (fit["gpu_per_token"] + moved) * seq_len,
+            "host_bytes": fit["host_fixed"] + (fit["host_per_token"] - moved) * seq_len}
+
+
+def format_split_check(results: dict) -> str:
+    """The real step that checks the split (``check_split``) beside what the arithmetic predicted for it."""
+    check = results.get("split_check")
+    if not check:
+        return "the split was not checked with a real step in this results file"
+    point = ProbePoint(**check["point"])
+    head = (f"{check['variant']} at {point.seq_len:,} tokens with keep_on_gpu={check['keep_on_gpu']} (the "
+            f"checkpoints of {check['keep_on_gpu']} of {check['layers']} layers stay on the GPU)")
+    if not point.fits:
+        return f"{head}: did not fit: {point.error}"
+    predicted = check["predicted"]
+    lines = [head, f"{'':<10}{'predicted':>12}{'measured':>12}",
+             f"{'GPU peak':<10}{_fmt(predicted['gpu_peak']):>12}{_fmt(point.gpu_peak):>12}",
+             f"{'host':<10}{_fmt(predicted['host_bytes']):>12}{_fmt(point.host_bytes):>12}",
+             f"step {point.step_s:.1f} s, loss {point.loss:.3f}"]
+    return "\n".join(lines)
+
+
+def check_split(preset: str, seq_len: int, fit: dict, layers: int, seed: int = 0) -> dict:
+    """GPU only: one real step of ``SPLIT_VARIANT`` at ``seq_len`` tokens with the checkpoints of
+    ``fit["keep_on_gpu"]`` layers kept on the GPU (the split ``longest_that_fits`` chose), and what its two lines
+    predicted for that step."""
+    keep = fit["keep_on_gpu"]
+    kernels, tiled, offload = VARIANTS[SPLIT_VARIANT]
+    run = probe(preset, (seq_len,), kernels, tiled, offload, offload_options={"keep_on_gpu": keep},
+                variant=SPLIT_VARIANT, seed=seed, progress=False)
+    return {"variant": SPLIT_VARIANT, "keep_on_gpu": keep, "layers": layers, "point": asdict(run.points[0]),
+            "predicted": split_prediction(fit, seq_len, keep, layers)}
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # What the switches cost in time
 # --------------------------------------------------------------------------------------------------------------------
@@ -765,8 +807,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per configuration")
     parser.add_argument("--out", type=Path, default=None, help="results file (default assets/results/long_context/"
                                                                "<gpu>.json)")
+    parser.add_argument("--check-split", type=int, default=0, metavar="TOKENS",
+                        help=f"one real {SPLIT_VARIANT} step at TOKENS with the checkpoints split between the GPU and "
+                             "the host as the results file's extrapolation chose (0: skip)")
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker-timing", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-split", type=Path, default=None, help=argparse.SUPPRESS)
     return parser
 
 
@@ -774,6 +820,9 @@ def _worker(args) -> None:
     """One variant's probes (or the step times) in this process, written as JSON to ``args.worker``."""
     if args.worker_timing:
         data = step_times(args.preset, args.timing_len, args.steps)
+    elif args.worker_split is not None:
+        fit = json.loads(args.worker_split.read_text())
+        data = check_split(args.preset, args.check_split, fit, llama_config(args.preset).num_hidden_layers)
     else:
         (name,) = args.variants
         kernels, tiled, offload = VARIANTS[name]
@@ -852,17 +901,38 @@ def run_all(args) -> dict:
 def merge_results(old: dict | None, new: dict) -> dict:
     """``new`` with the variants (and step times) of ``old`` that ``new`` did not run, when both are runs of the
     same preset on the same device: separate invocations, one variant each, build up one file (its variants in
-    ``VARIANTS``'s order)."""
+    ``VARIANTS``'s order). A run that timed steps and probed nothing keeps ``old``'s probe settings (the lengths and
+    the memory budgets the variants were fitted against) and brings only its step times and their settings."""
     if not old or old.get("device") != new["device"] or old["settings"].get("preset") != new["settings"]["preset"]:
         return new
     variants = {**old.get("variants", {}), **new["variants"]}
     order = [n for n in VARIANTS if n in variants] + [n for n in variants if n not in VARIANTS]
     merged = {**new, "variants": {n: variants[n] for n in order}}
     merged["step_times"] = new["step_times"] or old.get("step_times", {})
+    if not new["variants"]:
+        timing = {k: new["settings"][k] for k in ("timing_len", "steps") if k in new["settings"]}
+        merged["settings"] = {**old["settings"], **timing}
     if not new["step_times"] and old.get("step_times"):
-        merged["settings"] = {**new["settings"], "timing_len": old["settings"].get("timing_len")}
+        merged["settings"] = {**merged["settings"], "timing_len": old["settings"].get("timing_len"),
+                              "steps": old["settings"].get("steps", merged["settings"].get("steps"))}
     merged["settings"] = {**merged["settings"], "variants": list(merged["variants"])}
+    if new.get("split_check") or old.get("split_check"):
+        merged["split_check"] = new.get("split_check") or old["split_check"]
     return merged
+
+
+def run_split_check(args, results: dict) -> dict | None:
+    """``check_split`` in a process of its own, at ``args.check_split`` tokens, with the split that ``results``'s
+    ``SPLIT_VARIANT`` was extrapolated to; None (and a message) where that variant has no extrapolation."""
+    fit = (results.get("variants", {}).get(SPLIT_VARIANT) or {}).get("longest")
+    if not fit:
+        print(f"--check-split: the results file has no extrapolation of {SPLIT_VARIANT} to take the split from")
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        fit_file = Path(tmp) / "fit.json"
+        fit_file.write_text(json.dumps(fit))
+        data = _in_subprocess(args, ["--check-split", str(args.check_split), "--worker-split", str(fit_file)])
+    return None if "error" in data else data
 
 
 def main(argv=None) -> int:
@@ -876,6 +946,8 @@ def main(argv=None) -> int:
     path = args.out or results_path()
     results = fit_variants(merge_results(json.loads(path.read_text()) if path.exists() else None,
                                          run_all(args)))
+    if args.check_split:
+        results["split_check"] = run_split_check(args, results) or results.get("split_check")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1) + "\n")
     print(format_probes(results))
@@ -884,6 +956,8 @@ def main(argv=None) -> int:
             print(f"\n{name}:\n{run['longest']['text']}")
     if results["step_times"]:
         print("\n" + format_step_times(results["step_times"], results["settings"]["timing_len"]))
+    if results.get("split_check"):
+        print("\n" + format_split_check(results))
     print(f"\nwritten: {path}")
     return 0
 
@@ -895,6 +969,6 @@ if __name__ == "__main__":
 __all__ = ["OURS", "LIGER", "VARIANTS", "TIMINGS", "MemoryRow", "MemoryTable", "layer_working_bytes_per_token",
            "memory_table", "offload_traffic", "ProbePoint", "ProbeRun", "long_batch", "LongStepSetup", "prepare",
            "train_step", "measure_step", "probe", "probe_budgets", "FitEstimate", "fitted_pair", "longest_that_fits",
-           "fit_variants", "step_times", "per_token_bytes", "format_per_token", "format_probes", "format_step_times",
-           "results_path", "load_all", "plot_memory_table", "plot_longest", "probe_variant", "run_all", "merge_results",
-           "main"]
+           "fit_variants", "SPLIT_VARIANT", "split_prediction", "format_split_check", "check_split", "step_times",
+           "per_token_bytes", "format_per_token", "format_probes", "format_step_times", "results_path", "load_all",
+           "plot_memory_table", "plot_longest", "probe_variant", "run_all", "merge_results", "run_split_check", "main"]

@@ -18,11 +18,14 @@ intermediates one tile's worth, and checkpoint offload (``kernels.hf.offload``) 
 * ``longest_that_fits(points, gpu_bytes, host_bytes, layers=...)`` extrapolates two probes linearly to the longest
   length that fits both memories, letting offloaded checkpoints stay on the GPU layer by layer when the host runs
   out first, and says how;
+* ``check_split(...)`` runs one real step with the checkpoints split as that extrapolation chose, and
+  ``split_prediction`` says what the two lines predicted for it;
 * ``step_times(...)`` compares what the switches cost in time at a moderate length, against PyTorch's
   ``save_on_cpu(pin_memory=True)`` and Liger-Kernel's ``LigerTiledSwiGLUMLP`` where installed;
 * ``python -m kernels.training.long_context --probe 131072,262144`` runs it all, one variant per process (Liger's
   patch changes transformers' classes for the whole process; a variant that does not fit both lengths is probed again
-  at half of them), and writes ``assets/results/long_context/<gpu>.json``.
+  at half of them), and writes ``assets/results/long_context/<gpu>.json``; ``--check-split N`` adds the split's
+  check at N tokens to that file.
 """
 
 from __future__ import annotations

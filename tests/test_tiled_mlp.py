@@ -369,3 +369,27 @@ def test_gpu_float32_sums_of_bf16_tiles(gen):
     print(f"mixed-precision addmm on this GPU: {mixed}")
     err = relative_error(acc, want)
     assert err < (1e-5 if mixed else TOL[torch.bfloat16]), (mixed, err)
+
+
+def test_a_compiled_checkpointed_model_with_tiled_mlps_matches_and_skips_its_recompute(device, gen, monkeypatch):
+    # The tiled MLP's forward is left out of the compiled graph (it runs eagerly), so its checkpointed layer's
+    # recompute still runs it inside the backward: it computes no tile there, under torch.compile as in eager.
+    import kernels.hf.tiled_mlp as tiled_mlp
+
+    calls = []
+    real = tiled_mlp.swiglu_forward
+    monkeypatch.setattr(tiled_mlp, "swiglu_forward", lambda g, u: calls.append(g.shape[0]) or real(g, u))
+    model = build_model("tiny", dtype=torch.float32, device=device, seed=0)
+    enable_checkpointing(model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 3 * 16 + 5), generator=gen).to(device)
+    ref_loss, ref_grads = loss_and_grads(model, ids)
+    with apply_tiled_mlp(model, tile_rows=16):
+        backend = "inductor" if device == "cuda" else "aot_eager"  # the CPU has no inductor compiler here
+        loss, grads = loss_and_grads(torch.compile(model, backend=backend), ids)
+    torch._dynamo.reset()
+    grads = {n.removeprefix("_orig_mod."): g for n, g in grads.items()}  # the compiled wrapper's names
+    assert relative_error(loss, ref_loss) < TOL[torch.float32]
+    worst = max(relative_error(grads[n], ref_grads[n]) for n in ref_grads)
+    assert worst < TOL[torch.float32], worst
+    tiles = len(tile_bounds(ids.numel(), 16))
+    assert len(calls) == 2 * tiles * model.config.num_hidden_layers  # forward and backward; no recompute

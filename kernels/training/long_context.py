@@ -433,6 +433,13 @@ def fitted_pair(points) -> tuple[ProbePoint, ProbePoint] | None:
     return fitted[0], fitted[-1]
 
 
+def _split_slopes(gpu_slope: float, host_slope: float, keep: int, layers: int) -> tuple[float, float]:
+    """The GPU's and the host's bytes per token when the checkpoints of ``keep`` of ``layers`` offloaded layers stay
+    on the GPU: each kept layer moves ``host_slope / layers`` from the host's line to the GPU's."""
+    moved = keep * host_slope / layers
+    return gpu_slope + moved, host_slope - moved
+
+
 def _limits(gpu_bytes: int, host_bytes: int, gpu_slope: float, gpu_fixed: float, host_slope: float,
             host_fixed: float) -> dict[str, float]:
     limits = {"GPU memory": (gpu_bytes - gpu_fixed) / gpu_slope}
@@ -479,13 +486,14 @@ def longest_that_fits(points, gpu_bytes: int, host_bytes: int, step: int = 1024,
         lines.append("host: no host memory used (nothing offloaded): no limit from it")
     keep = 0
     if layers > 0 and host_slope > 0:
-        per_layer = host_slope / layers
-        splits = [_limits(gpu_bytes, host_bytes, gpu_slope + k * per_layer, gpu_fixed, host_slope - k * per_layer,
-                          host_fixed) for k in range(layers + 1)]
+        splits = []
+        for k in range(layers + 1):
+            gpu_k, host_k = _split_slopes(gpu_slope, host_slope, k, layers)
+            splits.append(_limits(gpu_bytes, host_bytes, gpu_k, gpu_fixed, host_k, host_fixed))
         keep = max(range(layers + 1), key=lambda k: (min(splits[k].values()), -k))
         if keep:
             limits = splits[keep]
-            moved = keep * per_layer
+            moved = host_slope - _split_slopes(gpu_slope, host_slope, keep, layers)[1]
             host_text = (f"host → {limits['host memory']:,.0f} tokens" if "host memory" in limits
                          else "nothing on the host")
             lines.append(f"keeping the checkpoints of {keep} of the {layers} layers on the GPU "
@@ -524,11 +532,10 @@ SPLIT_VARIANT = "ours+both"
 
 def split_prediction(fit: dict, seq_len: int, keep: int, layers: int) -> dict[str, float]:
     """The GPU peak and host bytes ``longest_that_fits`` predicts at ``seq_len`` tokens when the checkpoints of
-    ``keep`` of ``layers`` layers stay on the GPU, from a variant's two lines (``fit``, a ``FitEstimate`` as a dict):
-    each kept layer moves ``host_per_token / layers`` bytes per token from the host's line to the GPU's."""
-    moved = keep * fit["host_per_token"] / layers
-    return {"gpu_peak": fit["gpu_fixed"] + (fit["gpu_per_token"] + moved) * seq_len,
-            "host_bytes": fit["host_fixed"] + (fit["host_per_token"] - moved) * seq_len}
+    ``keep`` of ``layers`` layers stay on the GPU, from a variant's two lines (``fit``, a ``FitEstimate`` as a dict)
+    moved as ``longest_that_fits`` moves them (``_split_slopes``)."""
+    gpu_slope, host_slope = _split_slopes(fit["gpu_per_token"], fit["host_per_token"], keep, layers)
+    return {"gpu_peak": fit["gpu_fixed"] + gpu_slope * seq_len, "host_bytes": fit["host_fixed"] + host_slope * seq_len}
 
 
 def format_split_check(results: dict) -> str:

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 
 def _require_our_kernels() -> None:
@@ -37,6 +38,19 @@ import kernels  # noqa: E402, F401  (sets the runtime mode before any kernel is 
 from kernels import runtime  # noqa: E402
 
 SEED_ENV = "KERNELS_TEST_SEED"
+HYPOTHESIS_PROFILE_ENV = "KERNELS_HYPOTHESIS_PROFILE"
+
+# hypothesis (tests/strategies.py): a few examples per test in the interpreter, where each kernel launch costs
+# milliseconds and CI has a time budget; many more on a GPU. No deadline: the first call of a kernel compiles it.
+_HYPOTHESIS_SLOW = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture]
+settings.register_profile("cpu", max_examples=12, deadline=None, suppress_health_check=_HYPOTHESIS_SLOW,
+                          derandomize=False, print_blob=True)
+settings.register_profile("gpu", max_examples=300, deadline=None, suppress_health_check=_HYPOTHESIS_SLOW,
+                          print_blob=True)
+_profile = os.environ.get(HYPOTHESIS_PROFILE_ENV, "").strip() or ("gpu" if runtime.MODE == "gpu" else "cpu")
+if _profile not in ("cpu", "gpu"):
+    raise pytest.UsageError(f"{HYPOTHESIS_PROFILE_ENV} must be cpu or gpu, got {_profile!r}")
+settings.load_profile(_profile)
 _SESSION_SEED = pytest.StashKey[int]()
 
 
@@ -59,7 +73,8 @@ def pytest_configure(config):
 
 def pytest_report_header(config):
     seed = config.stash[_SESSION_SEED]
-    return f"random seed: {seed} (replay with `pytest --seed {seed}` or {SEED_ENV}={seed})"
+    return (f"random seed: {seed} (replay with `pytest --seed {seed}` or {SEED_ENV}={seed}); "
+            f"hypothesis profile: {_profile} (${HYPOTHESIS_PROFILE_ENV})")
 
 
 def seed_of_test(config, nodeid: str) -> int:

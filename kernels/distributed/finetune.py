@@ -34,6 +34,9 @@ def add_fsdp_arguments(parser: argparse.ArgumentParser) -> None:
                             "single-GPU loop; float32 for float32 master weights)")
     group.add_argument("--prefetch", type=int, default=0, metavar="K",
                        help="all-gather K layers ahead explicitly (default 0: FSDP2's implicit one-layer prefetch)")
+    group.add_argument("--profile-steps", type=int, default=0, metavar="K",
+                       help="after each variant's timed run, profile K more steps on rank 0: compute against "
+                            "collective kernel time, the collectives' exposed time, bytes sent (default 0: none)")
     group.add_argument("--compute-dtype", choices=sorted(DTYPES), default="bfloat16",
                        help="dtype the layers compute in (MixedPrecisionPolicy.param_dtype; default bfloat16)")
 
@@ -58,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     """One torchrun worker's run: check the flags, join the process group, train every variant, leave the group."""
     args = build_fsdp_parser().parse_args(argv)
     check_counts(args)
+    if args.profile_steps < 0:
+        raise SystemExit(f"--profile-steps must be 0 or more, got {args.profile_steps}")
     if args.compile or args.fit:
         raise SystemExit("a sharded run trains the eager loop: leave out --compile and --fit")
     if args.adamw == "fused" or args.patched_adamw is not None:
@@ -85,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             compute_dtype=DTYPES[args.compute_dtype], patch_options=patch_options(args),
             gradient_checkpointing=args.gradient_checkpointing, padding_mask=args.padding_mask, prefetch=args.prefetch,
             progress=not args.no_progress, out_dir=args.out, adamw=args.adamw, name=args.name,
+            profile_steps=args.profile_steps,
         )
         print0()
         print0(result.table())

@@ -64,6 +64,7 @@ from kernels.training.loop import (
     train_steps,
 )
 
+from .comm_profile import StepProfiler
 from .fsdp import DistEnv, free_port, prepare_model, print0, setup
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -176,6 +177,7 @@ class FsdpRun:
     backend: str
     runs: dict[str, RunResult]
     peak_memory_per_rank: dict[str, list]
+    comm_profile: dict = field(default_factory=dict)  # variant -> rank 0's profiled steps (``profile_variant``)
     device: str = field(default_factory=runtime.device_name)
     versions: dict = field(default_factory=runtime.versions)
 
@@ -202,6 +204,7 @@ class FsdpRun:
             "world_size": self.world_size, "backend": self.backend, "summary": self.summary(),
             "runs": {v: {**r.to_dict(), "peak_memory_per_rank": self.peak_memory_per_rank[v]}
                      for v, r in self.runs.items()},
+            "comm_profile": self.comm_profile,
         }
 
     def table(self) -> str:
@@ -245,10 +248,13 @@ def fsdp_finetune(
     out_dir: str | Path | None = None,
     adamw: str = "foreach",
     name: str | None = None,
+    profile_steps: int = 0,
 ) -> FsdpRun:
     """One rank's part of a sharded run (call it in every process of the group; ``setup()`` is called here if no
     group runs yet). For each variant: build from ``seed``, patch (the "patched" variant), shard, train on the
-    global batches (``batch_size`` global rows per micro-batch), free. Rank 0 writes
+    global batches (``batch_size`` global rows per micro-batch), then, with ``profile_steps`` > 0, profile that many
+    more steps (``profile_variant``: after the timed run, so the profiler's cost stays out of its tokens/s), free.
+    Rank 0 writes
     ``<out_dir>/fsdp/<name>_<N>gpu.json`` (``name`` defaults to the preset) when ``out_dir``, the results root, is
     given."""
     unknown = [v for v in variants if v not in VARIANTS]
@@ -267,7 +273,7 @@ def fsdp_finetune(
         "prefetch_layers": prefetch or "FSDP2 default (one layer, implicit)", "adamw": adamw,
         "padding_mask": padding_mask,
     }
-    runs, peaks = {}, {}
+    runs, peaks, profiles = {}, {}, {}
     for variant in variants:
         free_memory()
         model, handle = prepare_model(
@@ -279,15 +285,36 @@ def fsdp_finetune(
                                    padding_mask=padding_mask, warmup_steps=warmup_steps, progress=progress,
                                    adamw=adamw)
         peaks[variant] = gather_to_all(runs[variant].peak_memory)
+        if profile_steps:
+            profiles[variant] = profile_variant(model, batches, env, profile_steps, grad_accum=grad_accum, lr=lr,
+                                                padding_mask=padding_mask, adamw=adamw)
         del model, handle
         free_memory()
-    result = FsdpRun(settings, env.world_size, env.backend, runs, peaks)
+    result = FsdpRun(settings, env.world_size, env.backend, runs, peaks, profiles)
     if out_dir is not None and env.is_rank0:
         path = fsdp_results_file(name or preset, env.world_size, out_dir)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result.to_dict(), indent=1) + "\n")
         print0(f"wrote {path}")
     return result
+
+
+def profile_variant(model: torch.nn.Module, batches: list[dict], env: DistEnv, steps: int, *, grad_accum: int,
+                    lr: float, padding_mask: bool, adamw: str, wait: int = 2) -> dict:
+    """``steps`` more training steps of ``model``, recorded by the profiler on rank 0 after ``wait`` unrecorded
+    ones (every rank trains them: the collectives need all): ``{"summary": TraceSummary.to_dict(), "excerpt":
+    the first recorded step's kernels}`` on rank 0, ``{}`` elsewhere (``kernels.distributed.comm_profile``)."""
+    needed = (wait + steps) * grad_accum
+    if needed > len(batches):
+        batches = (batches * (needed // len(batches) + 1))
+    profiler = StepProfiler(wait, steps, world_size=env.world_size, enabled=env.is_rank0)
+    with profiler:
+        train_fsdp(model, batches[:needed], env, grad_accum=grad_accum, lr=lr, label="profile", warmup_steps=0,
+                   progress=False, after_backward=profiler.step, padding_mask=padding_mask, adamw=adamw)
+    if profiler.summary is None:
+        return {}
+    print0(f"profiled {steps} step(s): {profiler.summary.text()}")
+    return {"summary": profiler.summary.to_dict(), "excerpt": profiler.excerpt}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -371,6 +398,6 @@ def _end_group(proc: subprocess.Popen) -> None:
 
 __all__ = [
     "split_rows", "shard_batches", "global_label_counts", "train_fsdp", "gather_to_all", "FsdpRun",
-    "fsdp_finetune", "torchrun_command", "launch", "Launch", "fsdp_results_file",
+    "fsdp_finetune", "profile_variant", "torchrun_command", "launch", "Launch", "fsdp_results_file",
     "DTYPES",
 ]

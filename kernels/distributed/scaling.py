@@ -30,7 +30,8 @@ from kernels.training.models import GiB, count_parameters, llama_config
 
 from .parallel import launch
 
-GPU_DEFAULTS = dict(preset="llama-3.1-8b", gpus="1,2", seq_lens="2048,4096,8192,16384", steps=8, batch_per_gpu=1)
+# 50 timed steps and more per point on a GPU (plus the warm-up steps): fewer drift by several percent between runs.
+GPU_DEFAULTS = dict(preset="llama-3.1-8b", gpus="1,2", seq_lens="2048,4096,8192,16384", steps=53, batch_per_gpu=1)
 CPU_DEFAULTS = dict(preset="tiny", gpus="1,2", seq_lens="64,128", steps=3, batch_per_gpu=1)
 
 
@@ -47,14 +48,24 @@ def _ints(text: str) -> list[int]:
 
 
 def run_point(gpus: int, variant: str, seq_len: int, *, preset: str, steps: int, batch_per_gpu: int,
-              gradient_checkpointing: bool, timeout_s: float, work_dir: Path) -> dict:
-    """One sharded run; returns its row of the results (``fits`` False when it ran out of GPU memory)."""
+              gradient_checkpointing: bool, timeout_s: float, work_dir: Path, profile_steps: int = 0,
+              kernels: str | None = None, prefetch: int = 0) -> dict:
+    """One sharded run; returns its row of the results (``fits`` False when it ran out of GPU memory).
+    ``profile_steps`` > 0 adds rank 0's profile of that many more steps (``comm_profile``); ``kernels`` is the
+    patched variant's ``--kernels`` list (default: ``patch_llama``'s defaults); ``prefetch`` FSDP2's explicit
+    prefetch depth (0: its implicit one layer)."""
     args = ["--preset", preset, "--steps", str(steps), "--seq-len", str(seq_len), "--batch-size",
             str(batch_per_gpu * gpus), "--grad-accum", "1"]
     if variant == "baseline":
         args.append("--baseline")
+    elif kernels:
+        args += ["--kernels", kernels]
     if gradient_checkpointing:
         args.append("--gradient-checkpointing")
+    if profile_steps:
+        args += ["--profile-steps", str(profile_steps)]
+    if prefetch:
+        args += ["--prefetch", str(prefetch)]
     out = work_dir / f"{variant}_n{gpus}_seq{seq_len}"
     result = launch(gpus, args, out, preset=preset, timeout_s=timeout_s)
     row = {"gpus": gpus, "variant": variant, "seq_len": seq_len, "batch_per_gpu": batch_per_gpu,
@@ -69,13 +80,17 @@ def run_point(gpus: int, variant: str, seq_len: int, *, preset: str, steps: int,
                tokens_per_s_total=summary["tokens_per_s_total"], step_time_s=summary["step_time_s"],
                peak_memory_bytes_max_rank=summary["peak_memory_bytes_max_rank"], final_loss=summary["final_loss"],
                losses=[s["loss"] for s in data["runs"][variant]["steps"]],
+               timed_steps=sum(1 for s in data["runs"][variant]["steps"] if s.get("timed", True)),
                device=data["device"], versions=data["versions"], backend=data["backend"])
+    if data.get("comm_profile", {}).get(variant):
+        row["comm_profile"] = data["comm_profile"][variant]
     return row
 
 
 def run_scaling(preset: str, gpus: list[int], seq_lens: list[int], *, variants=("baseline", "patched"),
                 steps: int = 8, batch_per_gpu: int = 1, gradient_checkpointing: bool = False,
-                timeout_s: float = 600, work_dir: str | Path | None = None, echo: bool = True) -> dict:
+                timeout_s: float = 600, work_dir: str | Path | None = None, echo: bool = True,
+                profile_steps: int = 0, kernels: str | None = None, prefetch: int = 0) -> dict:
     """Every point of the grid (see the module docstring); returns the results dict ``plot_scaling`` reads."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="scaling_") as tmp:
@@ -85,7 +100,8 @@ def run_scaling(preset: str, gpus: list[int], seq_lens: list[int], *, variants=(
                 for seq_len in sorted(seq_lens):
                     row = run_point(n, variant, seq_len, preset=preset, steps=steps, batch_per_gpu=batch_per_gpu,
                                     gradient_checkpointing=gradient_checkpointing, timeout_s=timeout_s,
-                                    work_dir=work)
+                                    work_dir=work, profile_steps=profile_steps, kernels=kernels,
+                                    prefetch=prefetch)
                     rows.append(row)
                     if echo:
                         print(_row_text(row), flush=True)
@@ -95,10 +111,52 @@ def run_scaling(preset: str, gpus: list[int], seq_lens: list[int], *, variants=(
         "device": runtime.device_name(), "mode": runtime.MODE, "versions": runtime.versions(),
         "settings": {"preset": preset, "gpus": gpus, "seq_lens": sorted(seq_lens), "variants": list(variants),
                      "steps": steps, "batch_per_gpu": batch_per_gpu, "gradient_checkpointing": gradient_checkpointing,
+                     "profile_steps": profile_steps, "kernels": kernels or "patch_llama defaults",
+                     "prefetch": prefetch or "FSDP2 default (one layer, implicit)",
                      "sharding": "FSDP2 per decoder layer + root, bf16 compute, float32 gradient reduction"},
         "runs": rows,
         "longest_fitting": longest_fitting(rows),
+        "scaling_efficiency": scaling_efficiency(rows),
     }
+
+
+def scaling_efficiency(rows: list[dict]) -> dict:
+    """variant -> sequence length -> ``{"base_gpus": B, "N": tokens/s per GPU at N over at B, ...}``, with B the
+    fewest GPUs at which that length ran (1, or 2 where one GPU cannot hold the model), and ``"N/M"`` the same ratio
+    between consecutive counts (``"2/1"``, ``"4/2"``). 1.0 is perfect scaling: each GPU as fast as alone."""
+    out: dict = {}
+    points: dict = {}
+    for row in rows:
+        if row["fits"]:
+            points.setdefault(row["variant"], {}).setdefault(row["seq_len"], {})[row["gpus"]] = \
+                row["tokens_per_s_per_gpu"]
+    for variant, by_len in points.items():
+        for seq_len, by_gpus in by_len.items():
+            counts = sorted(by_gpus)
+            base = counts[0]
+            entry = {"base_gpus": base}
+            entry.update({str(n): by_gpus[n] / by_gpus[base] for n in counts})
+            entry.update({f"{b}/{a}": by_gpus[b] / by_gpus[a] for a, b in zip(counts, counts[1:])})
+            out.setdefault(variant, {})[str(seq_len)] = entry
+    return out
+
+
+def efficiency_table(results: dict) -> str:
+    """One line per (variant, length): tokens/s per GPU at each count, and the efficiency between counts."""
+    eff = results.get("scaling_efficiency") or scaling_efficiency(results["runs"])
+    gpus = sorted({r["gpus"] for r in results["runs"]})
+    head = f"{'variant':<10}{'seq':>7}" + "".join(f"{f'{n} GPU tok/s/GPU':>18}" for n in gpus) + "  efficiency"
+    lines = [head]
+    for variant, by_len in eff.items():
+        for seq_len, entry in sorted(by_len.items(), key=lambda kv: int(kv[0])):
+            cells = []
+            for n in gpus:
+                row = next((r for r in results["runs"] if r["variant"] == variant and r["gpus"] == n
+                            and r["seq_len"] == int(seq_len) and r["fits"]), None)
+                cells.append(f"{row['tokens_per_s_per_gpu']:>18,.0f}" if row else f"{'—':>18}")
+            ratios = ", ".join(f"{k}: {v:.3f}" for k, v in entry.items() if "/" in k)
+            lines.append(f"{variant:<10}{int(seq_len):>7}" + "".join(cells) + f"  {ratios}")
+    return "\n".join(lines)
 
 
 def longest_fitting(rows: list[dict]) -> dict:
@@ -118,6 +176,36 @@ def _row_text(row: dict) -> str:
     peak = row["peak_memory_bytes_max_rank"]
     peak_text = f"{peak / GiB:.1f} GiB" if peak is not None else "n/a (CPU)"
     return head + f"{row['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, peak {peak_text} per GPU"
+
+
+def predicted_sent_bytes(preset: str, gpus: int) -> float:
+    """``bytes_sent_per_step`` of ``preset`` on ``gpus`` GPUs under ``shard_llama``: the paper figure that the
+    profiled bytes (``comm_profile``) are checked against."""
+    config = llama_config(preset)
+    return bytes_sent_per_step(count_parameters(config), gathered_once_count(config), gpus)
+
+
+def profile_table(results: dict) -> str:
+    """Per profiled run: the step's time on the GPU split into compute, collectives and their exposed part, and
+    the bytes rank 0 sent against ``predicted_sent_bytes``."""
+    lines = [f"{'variant':<10}{'GPUs':>5}{'seq':>7}{'step':>9}{'compute':>10}{'collect.':>10}{'exposed':>10}"
+             f"{'exposed %':>10}{'sent GB':>9}{'predicted':>10}"]
+    preset = results["settings"]["preset"]
+    for row in results["runs"]:
+        prof = row.get("comm_profile")
+        if not prof:
+            continue
+        s = prof["summary"]
+        predicted = predicted_sent_bytes(preset, row["gpus"])
+        sent = f"{s['sent_bytes_per_step'] / 1e9:>9.2f}{predicted / 1e9:>10.2f}"
+        if s["step_ms"] is None:
+            lines.append(f"{row['variant']:<10}{row['gpus']:>5}{row['seq_len']:>7}{'(no GPU kernels: CPU)':>49}"
+                         + sent)
+            continue
+        lines.append(f"{row['variant']:<10}{row['gpus']:>5}{row['seq_len']:>7}{s['step_ms']:>7.1f}ms"
+                     f"{s['compute_ms']:>8.1f}ms{s['comm_ms']:>8.1f}ms{s['exposed_comm_ms']:>8.1f}ms"
+                     f"{s['exposed_comm_ms'] / s['step_ms']:>10.1%}" + sent)
+    return "\n".join(lines)
 
 
 def plot_scaling(results: dict, axes=None):
@@ -335,6 +423,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-per-gpu", type=int, default=d["batch_per_gpu"],
                    help=f"rows per GPU per step (default {d['batch_per_gpu']})")
     p.add_argument("--gradient-checkpointing", action="store_true", help="activation checkpointing in every run")
+    p.add_argument("--profile-steps", type=int, default=0, metavar="K",
+                   help="profile K more steps of every run on rank 0: compute, collectives, exposed collective time "
+                        "and bytes sent (default 0: none)")
+    p.add_argument("--kernels", default=None, metavar="NAME[,NAME...]",
+                   help="the patched variant's kernels (finetune's --kernels; default: patch_llama's defaults)")
+    p.add_argument("--prefetch", type=int, default=0, metavar="K",
+                   help="all-gather K layers ahead explicitly (default 0: FSDP2's implicit one layer)")
+    p.add_argument("--name", default=None,
+                   help="results file name under scaling/ (default: the preset)")
     p.add_argument("--timeout", type=float, default=600, help="seconds one run may take (default 600)")
     p.add_argument("--out", type=Path, default=RESULTS,
                    help=f"results root; writes scaling/<preset>.json and .png there (default {RESULTS})")
@@ -360,15 +457,20 @@ def main(argv: list[str] | None = None) -> int:
     print(runtime.describe())
     results = run_scaling(args.preset, args.gpus, args.seq_lens, variants=variants, steps=args.steps,
                           batch_per_gpu=args.batch_per_gpu, gradient_checkpointing=args.gradient_checkpointing,
-                          timeout_s=args.timeout)
-    json_path = results_file("scaling", args.preset, args.out)
+                          timeout_s=args.timeout, profile_steps=args.profile_steps, kernels=args.kernels,
+                          prefetch=args.prefetch)
+    name = args.name or args.preset
+    json_path = results_file("scaling", name, args.out)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(results, indent=1) + "\n")
     axes = plot_scaling(results)
     fig = axes[0].figure
     fig.tight_layout()
-    fig.savefig(results_file("scaling", args.preset, args.out, suffix=".png"), dpi=120)
+    fig.savefig(results_file("scaling", name, args.out, suffix=".png"), dpi=120)
     plt.close(fig)
+    print(efficiency_table(results))
+    if args.profile_steps:
+        print(profile_table(results))
     print(f"longest sequence that fits per GPU: {results['longest_fitting']}")
     print(f"wrote {json_path} and its .png")
     return 0

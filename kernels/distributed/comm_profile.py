@@ -177,22 +177,29 @@ def summarize_trace(trace: dict, steps: int, world_size: int) -> TraceSummary:
     )
 
 
-def timeline_excerpt(trace: dict, *, max_ms: float | None = None) -> list[dict]:
-    """The GPU kernels of the first profiled step as ``{"row": "compute"|"collective", "start_ms", "dur_ms",
-    "name"}``, times from the first kernel: what ``plot_timeline`` draws. ``max_ms`` cuts it short."""
-    kernels = sorted((e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") == "kernel"),
-                     key=lambda e: e["ts"])
+def timeline_excerpt(trace: dict, *, max_ms: float | None = None, gap_ms: float = 0.02) -> list[dict]:
+    """The GPU's busy spans from the first recorded kernel on, as ``{"row": "compute"|"collective", "start_ms",
+    "dur_ms"}`` (ms from the first kernel): each row's kernels merged where less than ``gap_ms`` apart, so a step
+    is a few hundred spans, not tens of thousands of kernels. ``max_ms`` cuts it short (e.g. at one step)."""
+    kernels = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") == "kernel"]
     if not kernels:
         return []
-    t0 = kernels[0]["ts"]
-    out = []
+    t0 = min(e["ts"] for e in kernels)
+    rows = {"compute": [], "collective": []}
     for e in kernels:
         start = (e["ts"] - t0) / 1e3
-        if max_ms is not None and start > max_ms:
-            break
-        out.append({"row": "collective" if is_comm_kernel(e["name"]) else "compute", "start_ms": round(start, 4),
-                    "dur_ms": round(e["dur"] / 1e3, 4), "name": e["name"].split("(")[0][:60]})
-    return out
+        if max_ms is None or start <= max_ms:
+            rows["collective" if is_comm_kernel(e["name"]) else "compute"].append((start, start + e["dur"] / 1e3))
+    return merged_spans(rows, gap_ms)
+
+
+def merged_spans(rows: dict, gap_ms: float) -> list[dict]:
+    """``{row: [(start, end), …]}`` → spans with gaps under ``gap_ms`` closed, in the excerpt's format."""
+    out = []
+    for row, intervals in rows.items():
+        for start, end in merge([(a, b + gap_ms) for a, b in intervals]):
+            out.append({"row": row, "start_ms": round(start, 3), "dur_ms": round(end - gap_ms - start, 3)})
+    return sorted(out, key=lambda span: span["start_ms"])
 
 
 def plot_timeline(excerpts: dict, ax=None, *, title: str = ""):
@@ -219,9 +226,10 @@ def plot_timeline(excerpts: dict, ax=None, *, title: str = ""):
 class StepProfiler:
     """``torch.profiler`` over ``active`` steps after ``wait`` steps, on this rank; ``step()`` marks a step's end.
 
-    After the run, ``summary`` is the ``TraceSummary`` of the recorded steps and ``excerpt`` the first step's
-    kernels (``timeline_excerpt``). Nothing is recorded on a rank that is not asked (``enabled=False``): use it on
-    rank 0 only, the other ranks run the same steps unprofiled.
+    After the run, ``summary`` is the ``TraceSummary`` of the recorded steps and ``excerpt`` the GPU's busy spans
+    over the first step's length (``timeline_excerpt``; ``excerpt_ms`` sets another length). Nothing is recorded
+    on a rank that is not asked (``enabled=False``): use it on rank 0 only, the other ranks run the same steps
+    unprofiled.
     """
 
     def __init__(self, wait: int, active: int, *, world_size: int = 1, enabled: bool = True,
@@ -242,7 +250,8 @@ class StepProfiler:
             prof.export_chrome_trace(str(path))
             trace = json.loads(path.read_text())
         self.summary = summarize_trace(trace, steps, self.world_size)
-        self.excerpt = timeline_excerpt(trace, max_ms=self.excerpt_ms)
+        self.excerpt = timeline_excerpt(trace, max_ms=self.excerpt_ms if self.excerpt_ms is not None
+                                        else (self.summary.step_ms or None))
 
     def __enter__(self):
         self._calls = 0
@@ -293,5 +302,5 @@ class StepProfiler:
         return False
 
 
-__all__ = ["StepProfiler", "TraceSummary", "CollectiveBytes", "summarize_trace", "timeline_excerpt",
+__all__ = ["StepProfiler", "TraceSummary", "CollectiveBytes", "summarize_trace", "timeline_excerpt", "merged_spans",
            "plot_timeline", "sent_bytes", "merge", "overlap", "total", "is_comm_kernel"]

@@ -158,4 +158,4 @@ def test_the_runs_the_chapters_read_are_found_by_their_settings():
     eager = find_run("finetune", preset="llama-3.1-8b", patch_options={}, compile=None)  # chapter 09
     compiled = find_run("finetune", preset="llama-3.1-8b", patch_options={}, compile="default")
     assert eager is not compiled and eager["summary"]["tokens_per_s"] and compiled["summary"]["tokens_per_s"]
-    assert find_run("fsdp", preset="llama-3.1-8b", world_size=2)["summary"]["speedup"] > 1  # chapter 12's prose
+    assert find_run("fsdp", preset="llama-3.1-8b", world_size=2, steps=6)["summary"]["speedup"] > 1  # chapter 12

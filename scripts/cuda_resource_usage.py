@@ -74,8 +74,8 @@ def parse(report: str) -> list[dict]:
             rows.append(current)
             current = None
     for row, name in zip(rows, demangle([r["mangled"] for r in rows])):
-        short = re.sub(r"^void ", "", name.split("(")[0])  # a template's return type, then its parameters
-        short = re.sub(r"^[\w:]*::", "", short)  # the anonymous namespace
+        short = re.sub(r"^void ", "", name.replace("(anonymous namespace)::", ""))  # a template's return type
+        short = short.split("(")[0]  # the parameter list
         row["kernel"] = short.replace("c10::", "").replace("BFloat16", "bf16").replace("Half", "fp16")
     return rows
 
@@ -93,22 +93,18 @@ def launch_bounds(source: str) -> dict[str, int]:
     return bounds
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("archs", nargs="*", help="compute capabilities without the dot (90, 100, 120, ...)")
-    parser.add_argument("--keep", type=Path, help="also write ptxas's whole report to this file")
-    args = parser.parse_args(argv)
+def compile_report(wanted: list[str]) -> str | None:
+    """ptxas's report of the source compiled for the wanted architectures this nvcc supports; None on failure."""
     if shutil.which("nvcc") is None:
         print("nvcc not found: install the CUDA toolkit or put its bin/ folder on PATH", file=sys.stderr)
-        return 2
+        return None
     supported = supported_archs()
-    archs = [a for a in (args.archs or DEFAULT_ARCHS) if a in supported]
-    skipped = sorted(set(args.archs or DEFAULT_ARCHS) - set(archs))
+    archs = [a for a in wanted if a in supported]
+    skipped = sorted(set(wanted) - set(archs))
     if skipped:
         print(f"this nvcc cannot compile for sm_{', sm_'.join(skipped)}: skipped")
     if not archs:
-        return 2
-    bounds = launch_bounds(SOURCE.read_text())
+        return None
     with tempfile.TemporaryDirectory() as tmp:
         gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
         cmd = ["nvcc", "-c", str(SOURCE), "-o", str(Path(tmp) / "rmsnorm_cuda.o"), "--resource-usage",
@@ -116,10 +112,26 @@ def main(argv: list[str] | None = None) -> int:
         done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         print(done.stderr[-4000:], file=sys.stderr)
-        return done.returncode
+        return None
+    return done.stdout + done.stderr
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("archs", nargs="*", help="compute capabilities without the dot (90, 100, 120, ...)")
+    parser.add_argument("--keep", type=Path, help="also write ptxas's whole report to this file")
+    parser.add_argument("--report", type=Path, help="read a report written by --keep instead of compiling")
+    args = parser.parse_args(argv)
+    bounds = launch_bounds(SOURCE.read_text())
+    if args.report:
+        report = args.report.read_text()
+    else:
+        report = compile_report(args.archs or DEFAULT_ARCHS)
+        if report is None:
+            return 2
     if args.keep:
-        args.keep.write_text(done.stdout + done.stderr)
-    rows = parse(done.stdout + done.stderr)
+        args.keep.write_text(report)
+    rows = parse(report)
     failures = 0
     print(f"{'arch':7} {'kernel':62} {'regs':>4} {'spill':>5} {'bound':>5} {'regs x bound':>12}")
     for row in sorted(rows, key=lambda r: (r["arch"], r["kernel"])):

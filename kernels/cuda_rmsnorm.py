@@ -19,9 +19,9 @@ core, the CUDA one about ``CUDA_BUILD_SECONDS_PER_ARCH`` per GPU architecture. T
 machine's GPU only (``cuda_build_arch_list``; ``TORCH_CUDA_ARCH_LIST`` overrides), not for every architecture
 PyTorch supports. ``python -m kernels.prebuild`` builds both ahead of time.
 
-The libraries register their operators when loaded; no Python
-binding (pybind11) is involved. Fake implementations, which ``torch.compile`` needs, are the Triton operators'
-own (same schema, same outputs), registered here from Python.
+The libraries register their operators when loaded; no Python binding (pybind11) is involved. Fake
+implementations, which ``torch.compile`` needs, are the Triton operators' own (same schema, same outputs),
+registered here from Python.
 """
 
 from __future__ import annotations

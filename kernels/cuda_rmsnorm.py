@@ -13,13 +13,20 @@ Two C++ extensions live in ``kernels/csrc``:
 Both are compiled by ``torch.utils.cpp_extension.load`` (with ninja) the first time they are asked for, into
 PyTorch's extensions directory (``~/.cache/torch_extensions`` unless ``TORCH_EXTENSIONS_DIR`` says otherwise).
 PyTorch keys that build by name and by a hash of the sources and flags, so a second process reuses it (a second
-or so to check and load) until a source changes. The libraries register their operators when loaded; no Python
-binding (pybind11) is involved. Fake implementations, which ``torch.compile`` needs, are the Triton operators'
-own (same schema, same outputs), registered here from Python.
+or so to check and load) until a source changes. A build that compiles says so in one line before it starts
+(``kernels.host_path.load_announced``): the C++ extension takes about ``CPU_BUILD_SECONDS`` seconds of one CPU
+core, the CUDA one about ``CUDA_BUILD_SECONDS_PER_ARCH`` per GPU architecture. The CUDA extension is compiled for this
+machine's GPU only (``cuda_build_arch_list``; ``TORCH_CUDA_ARCH_LIST`` overrides), not for every architecture
+PyTorch supports. ``python -m kernels.prebuild`` builds both ahead of time.
+
+The libraries register their operators when loaded; no Python binding (pybind11) is involved. Fake
+implementations, which ``torch.compile`` needs, are the Triton operators' own (same schema, same outputs),
+registered here from Python.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,7 +34,7 @@ from pathlib import Path
 import torch
 
 from . import runtime
-from .host_path import CSRC, cpu_build_unavailable
+from .host_path import CSRC, arch_names, cpu_build_unavailable, cuda_arch_list, load_announced, split_arch_list
 from .rmsnorm import check_tensors, rms_norm_bwd_fake, rms_norm_fwd_fake
 
 CPU_SOURCE = CSRC / "rmsnorm_cpu.cpp"
@@ -42,6 +49,13 @@ CUDA_NAMESPACE = "kernels_cuda"
 CPU_FLAGS = ["-O2"]
 CUDA_FLAGS = ["-O3", "-lineinfo"]
 
+# About how long a cold build takes, for the line that announces it (one compiler process each: more cores do not
+# make it faster). Measured on a 2-core x86 machine: the C++ one in 12 s (10 s of CPU time for the compile); the
+# CUDA source, compiled by nvcc 13.0 for sm_90 with PyTorch's headers, in 31 s of CPU time (its host pass, shared
+# by all architectures, and one device pass per architecture).
+CPU_BUILD_SECONDS = 15
+CUDA_BUILD_SECONDS_PER_ARCH = 30
+
 
 @dataclass(frozen=True)
 class BuildInfo:
@@ -52,10 +66,12 @@ class BuildInfo:
     library: str
     seconds: float
     compiled: bool
+    arch_list: str | None = None  # the CUDA architectures compiled for (TORCH_CUDA_ARCH_LIST's spelling); None: C++
 
     def describe(self) -> str:
         how = "compiled" if self.compiled else "taken from PyTorch's build cache"
-        return f"{self.name}: {how} in {self.seconds:.2f} s ({self.library})"
+        archs = f" for {arch_names(self.arch_list)}" if self.arch_list else ""
+        return f"{self.name}: {how}{archs} in {self.seconds:.2f} s ({self.library})"
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -95,18 +111,24 @@ def _library_mtime(name: str, build_directory: str | None) -> float | None:
     return max(p.stat().st_mtime for p in found) if found else None
 
 
-def _build(name: str, sources: list[Path], verbose: bool, build_directory: str | None, **flags) -> BuildInfo:
-    from torch.utils.cpp_extension import load
+def cuda_build_arch_list() -> tuple[str, str]:
+    """The architectures the CUDA extension compiles for, and why: ``TORCH_CUDA_ARCH_LIST`` when set, else the
+    compute capability of each GPU of this machine (``kernels.host_path.cuda_arch_list``)."""
+    capabilities = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
+    return cuda_arch_list(os.environ.get("TORCH_CUDA_ARCH_LIST"), capabilities)
 
+
+def _build(name: str, sources: list[Path], verbose: bool, build_directory: str | None, what: str, seconds: str,
+           arch_list: str | None = None, **flags) -> BuildInfo:
     before = _library_mtime(name, build_directory)
     start = time.perf_counter()
     # is_python_module=False: load the shared library into the process (torch.ops.load_library), which runs its
     # TORCH_LIBRARY registrations; no Python module, so no pybind11 to compile.
-    library = load(name=name, sources=[str(s) for s in sources], is_python_module=False, verbose=verbose,
-                   build_directory=build_directory, **flags)
-    seconds = time.perf_counter() - start
+    library = load_announced(name, sources, what, seconds, build_directory=build_directory, arch_list=arch_list,
+                             is_python_module=False, verbose=verbose, **flags)
+    elapsed = time.perf_counter() - start
     after = _library_mtime(name, build_directory)
-    return BuildInfo(name, str(library), seconds, compiled=before is None or after != before)
+    return BuildInfo(name, str(library), elapsed, compiled=before is None or after != before, arch_list=arch_list)
 
 
 def build_cpu(verbose: bool = False, build_directory: str | None = None) -> BuildInfo:
@@ -121,7 +143,8 @@ def build_cpu(verbose: bool = False, build_directory: str | None = None) -> Buil
         reason = cpu_build_unavailable()
         if reason:
             raise RuntimeError(f"cannot build the C++ extension: {reason}")
-        info = _build(CPU_EXTENSION, [CPU_SOURCE], verbose, build_directory, extra_cflags=CPU_FLAGS)
+        info = _build(CPU_EXTENSION, [CPU_SOURCE], verbose, build_directory, "the C++ RMSNorm for the CPU",
+                      f"about {CPU_BUILD_SECONDS} s of one CPU core", extra_cflags=CPU_FLAGS)
         torch.library.register_fake(f"{CPU_NAMESPACE}::rms_norm_fwd", rms_norm_fwd_fake)
         _BUILDS[CPU_EXTENSION] = info
     return _BUILDS[CPU_EXTENSION]
@@ -131,15 +154,21 @@ def build_cuda(verbose: bool = False, build_directory: str | None = None) -> Bui
     """Build (or take from the cache) and load the CUDA extension; register its fake implementations.
 
     Registers ``torch.ops.kernels_cuda.rms_norm_fwd`` and ``rms_norm_bwd``, compiled for this machine's GPUs
-    (``TORCH_CUDA_ARCH_LIST`` overrides). Once per process; ``build_directory`` as in ``build_cpu``. Raises
-    ``RuntimeError`` saying what is missing when there is no GPU, no nvcc, no C++ compiler or no ninja.
+    only (``cuda_build_arch_list``: ``TORCH_CUDA_ARCH_LIST`` overrides). Once per process; ``build_directory`` as in
+    ``build_cpu``. Raises ``RuntimeError`` saying what is missing when there is no GPU, no nvcc, no C++ compiler or
+    no ninja.
     """
     if CUDA_EXTENSION not in _BUILDS:
         reason = cuda_build_unavailable()
         if reason:
             raise RuntimeError(f"cannot build the CUDA extension: {reason}")
-        info = _build(CUDA_EXTENSION, [CUDA_SOURCE], verbose, build_directory, extra_cflags=CPU_FLAGS,
-                      extra_cuda_cflags=CUDA_FLAGS)
+        arch_list, source = cuda_build_arch_list()
+        n_archs = len(split_arch_list(arch_list))
+        what = f"the CUDA C++ RMSNorm for {arch_names(arch_list)} ({source})"
+        seconds = (f"about {CUDA_BUILD_SECONDS_PER_ARCH * n_archs} s of one CPU core "
+                   f"({CUDA_BUILD_SECONDS_PER_ARCH} s per architecture)")
+        info = _build(CUDA_EXTENSION, [CUDA_SOURCE], verbose, build_directory, what, seconds, arch_list=arch_list,
+                      extra_cflags=CPU_FLAGS, extra_cuda_cflags=CUDA_FLAGS)
         torch.library.register_fake(f"{CUDA_NAMESPACE}::rms_norm_fwd", rms_norm_fwd_fake)
         torch.library.register_fake(f"{CUDA_NAMESPACE}::rms_norm_bwd", rms_norm_bwd_fake)
         _BUILDS[CUDA_EXTENSION] = info

@@ -21,7 +21,16 @@
 //   * sums across a row: first within a warp with register shuffles, then across warps through shared memory;
 //   * dW without atomics: each block of the backward grid keeps float32 partial sums of dW for the rows it handled
 //     and writes them as one row of a [blocks, hidden] buffer; a second kernel adds the rows in a fixed order, so
-//     dW is the same bits on every run.
+//     dW is the same bits on every run;
+//   * every kernel states the largest block it is launched with, __launch_bounds__(threads), and the host never
+//     launches a larger one (block_threads below takes the bound). A block of T threads needs T times the registers
+//     one thread uses, out of 65,536 per block; told T, the compiler keeps registers per thread within 65,536 / T
+//     (64 at 1,024 threads). Without the bound it is free to use more, and the float32 backward wants more on
+//     Blackwell: compiled for RTX Blackwell and GB10 (sm_120, sm_121) it was found at 72 registers, and its
+//     1,024-thread launch at hidden >= 8,192 failed with "too many resources requested for launch" (bounded at
+//     512 threads instead, it takes 88). Held to 64, a few kernels keep a few dozen bytes per thread in local
+//     memory on sm_100 and later ("spill"): correct everywhere first. scripts/cuda_resource_usage.py prints the
+//     registers and spills of every kernel per architecture, and checks them against the bounds.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -44,6 +53,7 @@
 namespace {
 
 constexpr int kWarp = 32;
+// The largest block the row kernels are launched with (the hardware's limit): their __launch_bounds__.
 constexpr int kMaxThreads = 1024;
 
 // ------------------------------------------------------------------------------------------------------------------
@@ -120,7 +130,7 @@ __device__ float block_sum(float v, float* scratch) {
 // `In` is x's element type, `Out` that of y and the weight (float32 when a float32 weight promotes a bf16 x).
 // VEC is the number of x values per pack: 16 / sizeof(In) on the wide path, 1 on the scalar fallback.
 template <typename In, typename Out, int VEC>
-__global__ void rms_norm_fwd_kernel(const In* __restrict__ x, const Out* __restrict__ w, Out* __restrict__ y,
+__global__ void __launch_bounds__(kMaxThreads) rms_norm_fwd_kernel(const In* __restrict__ x, const Out* __restrict__ w, Out* __restrict__ y,
                                     float* __restrict__ rstd, int64_t rows, int64_t cols, int64_t x_row_stride,
                                     float eps) {
   __shared__ float scratch[kWarp];
@@ -165,7 +175,7 @@ __global__ void rms_norm_fwd_kernel(const In* __restrict__ x, const Out* __restr
 // of the row lives in registers between tl.sum and the store. The host takes this kernel on the wide path when
 // PACKS packs per thread cover the row (at most 1,024 threads), and rms_norm_fwd_kernel otherwise.
 template <typename In, typename Out, int VEC, int PACKS>
-__global__ void rms_norm_fwd_regs_kernel(const In* __restrict__ x, const Out* __restrict__ w, Out* __restrict__ y,
+__global__ void __launch_bounds__(kMaxThreads) rms_norm_fwd_regs_kernel(const In* __restrict__ x, const Out* __restrict__ w, Out* __restrict__ y,
                                          float* __restrict__ rstd, int64_t rows, int64_t cols, int64_t x_row_stride,
                                          float eps) {
   __shared__ float scratch[kWarp];
@@ -224,7 +234,7 @@ __global__ void rms_norm_fwd_regs_kernel(const In* __restrict__ x, const Out* __
 // The shared array is laid out [VEC][packs]: element i of pack p at dw_acc[i * packs + p], so that the 32 threads
 // of a warp (consecutive p) touch 32 consecutive floats, which sit in 32 different banks of shared memory.
 template <typename In, typename Out, int VEC>
-__global__ void rms_norm_bwd_kernel(const Out* __restrict__ dy, const In* __restrict__ x, const Out* __restrict__ w,
+__global__ void __launch_bounds__(kMaxThreads) rms_norm_bwd_kernel(const Out* __restrict__ dy, const In* __restrict__ x, const Out* __restrict__ w,
                                     const float* __restrict__ rstd, In* __restrict__ dx,
                                     float* __restrict__ dw_partial, int64_t rows, int64_t cols,
                                     int64_t x_row_stride, int64_t dy_row_stride, bool compute_dw) {
@@ -287,12 +297,13 @@ __global__ void rms_norm_bwd_kernel(const Out* __restrict__ dy, const In* __rest
 }
 
 constexpr int kSlices = 8;  // threads per column in the dW sum
+constexpr int kDwThreads = kWarp * kSlices;  // its block: 32 columns x kSlices, always this size
 
 // dW = column sums of the [n_partials, cols] float32 partials. A block owns 32 columns and has kSlices warps, so
 // kSlices threads per column: thread (slice s, column c) adds partials s, s + kSlices, s + 2 kSlices, ... in that
 // order, then slice 0 adds the kSlices results in order. The order never depends on timing, so neither does dW.
 template <typename Out>
-__global__ void dw_sum_kernel(const float* __restrict__ partial, Out* __restrict__ dw, int64_t n_partials,
+__global__ void __launch_bounds__(kDwThreads) dw_sum_kernel(const float* __restrict__ partial, Out* __restrict__ dw, int64_t n_partials,
                               int64_t cols) {
   __shared__ float sums[kSlices][kWarp];
   const int lane = threadIdx.x % kWarp;  // which of the block's 32 columns
@@ -318,12 +329,16 @@ __global__ void dw_sum_kernel(const float* __restrict__ partial, Out* __restrict
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Threads per block: about two packs per thread (so each thread has two 16-byte loads in flight per tensor), in
-// whole warps, between one warp and the 1,024-thread limit. 4,096 bf16 values = 512 packs -> 256 threads.
-int threads_for(int64_t packs) {
-  const int64_t want = ceil_div(ceil_div(packs, 2), kWarp) * kWarp;
-  return static_cast<int>(std::min<int64_t>(kMaxThreads, std::max<int64_t>(kWarp, want)));
+// Threads per block for `want` threads' worth of work: whole warps, at least one, and at most `bound`, the
+// __launch_bounds__ of the kernel launched (a larger block than a kernel was compiled for may not fit its registers).
+int block_threads(int64_t want, int bound) {
+  const int64_t warps = ceil_div(std::max<int64_t>(want, 1), kWarp);
+  return static_cast<int>(std::min<int64_t>(bound, warps * kWarp));
 }
+
+// Threads per block of the looping kernels: about two packs per thread (so each thread has two 16-byte loads in
+// flight per tensor), within the kernel's bound. 4,096 bf16 values = 512 packs -> 256 threads.
+int threads_for(int64_t packs, int bound) { return block_threads(ceil_div(packs, 2), bound); }
 
 struct DeviceInfo {
   int sm_count;
@@ -385,15 +400,18 @@ void launch_forward(const at::Tensor& x_rows, const at::Tensor& w, at::Tensor& y
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t packs = cols / kVec;
   if (wide && packs <= static_cast<int64_t>(kFwdPacks) * kMaxThreads) {
-    const int64_t want = ceil_div(ceil_div(packs, kFwdPacks), kWarp) * kWarp;  // whole warps
-    const int threads = static_cast<int>(std::max<int64_t>(kWarp, want));
+    // kFwdPacks packs per thread; the condition above keeps the block within the bound, so threads x kFwdPacks
+    // covers the row.
+    const int threads = block_threads(ceil_div(packs, kFwdPacks), kMaxThreads);
     rms_norm_fwd_regs_kernel<In, Out, kVec, kFwdPacks><<<grid, threads, 0, stream>>>(
         xp, wp, yp, rstd.data_ptr<float>(), rows, cols, stride, eps);
   } else if (wide) {
-    rms_norm_fwd_kernel<In, Out, kVec><<<grid, threads_for(packs), 0, stream>>>(
+    const int threads = threads_for(packs, kMaxThreads);
+    rms_norm_fwd_kernel<In, Out, kVec><<<grid, threads, 0, stream>>>(
         xp, wp, yp, rstd.data_ptr<float>(), rows, cols, stride, eps);
   } else {
-    rms_norm_fwd_kernel<In, Out, 1><<<grid, threads_for(cols), 0, stream>>>(
+    const int threads = threads_for(cols, kMaxThreads);
+    rms_norm_fwd_kernel<In, Out, 1><<<grid, threads, 0, stream>>>(
         xp, wp, yp, rstd.data_ptr<float>(), rows, cols, stride, eps);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -404,7 +422,7 @@ void launch_backward_vec(const at::Tensor& dy_rows, const at::Tensor& x_rows, co
                          const at::Tensor& rstd, at::Tensor& dx, at::Tensor& dw, bool compute_dw) {
   const int64_t rows = x_rows.size(0), cols = x_rows.size(1);
   const auto kernel = rms_norm_bwd_kernel<In, Out, VEC>;
-  const int threads = threads_for(cols / VEC);
+  const int threads = threads_for(cols / VEC, kMaxThreads);
   const DeviceInfo info = device_info(x_rows.get_device());
   const size_t shared_bytes = compute_dw ? static_cast<size_t>(cols) * sizeof(float) : 0;
   TORCH_CHECK(shared_bytes <= static_cast<size_t>(info.max_shared_optin), "rms_norm_bwd: a hidden size of ",
@@ -423,7 +441,8 @@ void launch_backward_vec(const at::Tensor& dy_rows, const at::Tensor& x_rows, co
       compute_dw);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (compute_dw) {
-    dw_sum_kernel<Out><<<ceil_div(cols, kWarp), kWarp * kSlices, 0, stream>>>(
+    const int64_t dw_blocks = ceil_div(cols, kWarp);  // 32 columns per block
+    dw_sum_kernel<Out><<<dw_blocks, kDwThreads, 0, stream>>>(
         partial.data_ptr<float>(), dw.data_ptr<Out>(), blocks, cols);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }

@@ -92,6 +92,39 @@ def returns_float32(x, w, eps):
     return forward(x, w, eps).float()
 
 
+def forward_statistic(x, w, eps, statistic):
+    """RMSNorm with the wrong statistic of the row (Hugging Face's cast order otherwise)."""
+    x32 = x.float()
+    mean = x32.mean(-1, keepdim=True)
+    variance = (x32 - mean).pow(2).mean(-1, keepdim=True)
+    x_hat = {
+        "square-of-mean": lambda: x32 * torch.rsqrt(mean.pow(2) + eps),
+        "no-square": lambda: x32 * torch.rsqrt(mean + eps),
+        "centred": lambda: x32 * torch.rsqrt(variance + eps),
+        "centred-x": lambda: (x32 - mean) * torch.rsqrt(variance + eps),
+        "divide-by-rows": lambda: x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) / x.shape[0] + eps),
+        "eps-outside-sqrt": lambda: x32 / (x32.pow(2).mean(-1, keepdim=True).sqrt() + eps),
+    }[statistic]()
+    return w * x_hat.to(x.dtype)
+
+
+PLANTED_FORWARD_STATISTIC = {
+    "square-of-mean": "square_of_mean",
+    "no-square": "no_square",
+    "centred": "centred",
+    "centred-x": "centred_x",
+    "divide-by-rows": "divide_by_rows",
+    "eps-outside-sqrt": "eps_outside_sqrt",
+}
+
+
+@pytest.mark.parametrize("statistic", list(PLANTED_FORWARD_STATISTIC))
+def test_forward_check_names_a_wrong_statistic(statistic):
+    report = check_rms_norm_forward(lambda x, w, eps: forward_statistic(x, w, eps, statistic), verbose=False)
+    assert not report.passed
+    assert says(PLANTED_FORWARD_STATISTIC[statistic], report.message), report.message
+
+
 PLANTED_FORWARD = {
     "stub-zeros": (lambda x, w, eps: torch.zeros_like(x),
                    "every value of y is 0: is the exercise line still the placeholder"),
@@ -162,11 +195,13 @@ def test_forward_check_names_each_planted_mistake(name, capsys):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def dx(dy, x, w, rstd, variant="right", divisor=None, short=False, contiguous_rows=False):
+def dx(dy, x, w, rstd, variant="right", divisor=None, short=False, contiguous_rows=False, dy_at_x_stride=False):
     """dx = rstd · (g − x̂ · mean(g ⊙ x̂)) with g = dy ⊙ w in float32, or one planted mistake (``variant``)."""
     if contiguous_rows:
         x = torch.as_strided(x, x.shape, (x.shape[-1], 1))
         dy = torch.as_strided(dy, dy.shape, (dy.shape[-1], 1))
+    if dy_at_x_stride:  # DY + row * stride_x: dy's rows read as if they were x's stride apart
+        dy = torch.as_strided(dy, dy.shape, (x.stride(0), 1))
     columns = short_block(x.shape[-1]) if short else None
     x32, dy32, w32 = x.float()[:, :columns], dy.float()[:, :columns], w.float()[:columns]
     r = rstd[:, None]
@@ -179,6 +214,7 @@ def dx(dy, x, w, rstd, variant="right", divisor=None, short=False, contiguous_ro
         "sum": lambda: r * (g - x_hat * (g * x_hat).sum(-1, keepdim=True)),
         "sign": lambda: r * (g + x_hat * mean(g * x_hat)),
         "no-correction": lambda: r * g,
+        "correction-no-rstd": lambda: r * g - x_hat * mean(g * x_hat),  # the same numbers as x-for-x_hat
         "no-weight": lambda: r * (dy32 - x_hat * mean(dy32 * x_hat)),
         "dy-in-mean": lambda: r * (g - x_hat * mean(dy32 * x_hat)),
         "mean-of-g": lambda: r * (g - x_hat * mean(g)),
@@ -195,6 +231,7 @@ PLANTED_BACKWARD = {
     "sum-not-mean": (lambda *a: dx(*a, "sum"), "you summed g ⊙ x̂ over the row instead of taking its mean"),
     "sign": (lambda *a: dx(*a, "sign"), "the sign of the correction is wrong"),
     "no-correction": (lambda *a: dx(*a, "no-correction"), "the correction term − x̂ · mean(g ⊙ x̂) is missing"),
+    "correction-no-rstd": (lambda *a: dx(*a, "correction-no-rstd"), "rstd multiplies the whole bracket"),
     "no-weight": (lambda *a: dx(*a, "no-weight"), "the weight is missing: g = dy ⊙ w"),
     "dy-in-mean": (lambda *a: dx(*a, "dy-in-mean"), "inside the mean use g = dy ⊙ w, not dy"),
     "mean-of-g": (lambda *a: dx(*a, "mean-of-g"), "wrong mean: it is mean(g ⊙ x̂), not mean(g)"),
@@ -204,7 +241,12 @@ PLANTED_BACKWARD = {
         "on a float32 input of 5 × 100, row",  # which row shows it first depends on the draw
     ),
     "BLOCK_N-too-small": (lambda *a: dx(*a, short=True), "only the first 64 columns were used"),
-    "ignores-row-stride": (lambda *a: dx(*a, contiguous_rows=True), "offset each row by the tensor's row stride"),
+    "ignores-row-stride": (lambda *a: dx(*a, contiguous_rows=True),
+                           "the rows of x and dy were read n_cols (80) elements apart, the width, but they are 128 and "
+                           "160 elements apart: offset each tensor's rows by its own row stride (stride_x, stride_dy)"),
+    "dy-at-x-stride": (lambda *a: dx(*a, dy_at_x_stride=True),
+                       "rows of dy were read 128 elements apart (stride_x, x's row stride), but they are 160 apart: "
+                       "offset dy's rows by stride_dy, not by stride_x"),
     "raises": (raise_error, "your function raised ValueError"),
 }
 
@@ -364,6 +406,14 @@ def _tile_kernel(X, W, Y, n_rows, n_cols, stride_x, stride_y, eps, ROWS: tl.cons
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / n_cols) + eps
     elif MISTAKE == "sum-not-mean":
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) + eps)
+    elif MISTAKE == "divide-by-ROWS":
+        rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / ROWS + eps)
+    elif MISTAKE == "square-of-mean":
+        mean = tl.sum(x, axis=1) / n_cols
+        rstd = tl.math.rsqrt(mean * mean + eps)
+    elif MISTAKE == "centred":
+        centred = tl.where(mask, x - (tl.sum(x, axis=1) / n_cols)[:, None], 0.0)
+        rstd = tl.math.rsqrt(tl.sum(centred * centred, axis=1) / n_cols + eps)
     else:
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
     x_hat = cast_to(x * rstd[:, None], X.dtype.element_ty).to(tl.float32)
@@ -400,6 +450,9 @@ PLANTED_TILE = {
     "eps-outside-sqrt": ["eps_outside_sqrt"],
     "eps-after-rsqrt": ["no_eps"],
     "sum-not-mean": ["sum_not_mean"],
+    "divide-by-ROWS": ["divide_by_rows"],
+    "square-of-mean": ["square_of_mean"],
+    "centred": ["centred"],
 }
 
 

@@ -89,6 +89,16 @@ HINTS = {
     "eps_outside_sqrt": ("eps was added outside the square root: 1 / (sqrt(mean(x²)) + eps) is not "
                          "1 / sqrt(mean(x²) + eps); it belongs inside: tl.math.rsqrt(mean + eps)"),
     "default_eps": "you used eps = 1e-6, not the eps passed in ({eps:g}): take it from the argument",
+    "square_of_mean": ("you squared the mean (mean(x)²) instead of taking the mean of the squares (mean(x²)): "
+                       "square first, tl.sum(x * x, ...) / n_cols"),
+    "no_square": ("the values were not squared: rstd = 1 / sqrt(mean(x²) + eps), and without the square a row whose "
+                  "mean is negative gives the root of a negative number (NaN)"),
+    "centred": ("you subtracted the row's mean (that is LayerNorm's variance): RMSNorm does not centre, rstd = "
+                "1 / sqrt(mean(x²) + eps) of x itself"),
+    "centred_x": ("you centred x (x − mean(x)), as LayerNorm does: RMSNorm does not subtract the mean, neither in "
+                  "rstd nor in x̂ = x · rstd"),
+    "divide_by_rows": ("the mean divides by the number of rows ({divisor}) instead of n_cols ({n}): the mean runs "
+                       "along the row, over its columns"),
     "row_stride": ("rows were read n_cols ({cols}) elements apart, but in this view they are {stride} apart: offset "
                    "each row by the tensor's row stride (x.stride(0)), not by its width"),
     "inputs_width": ("the rows of {tensors} were read n_cols ({cols}) elements apart, the width, but they are "
@@ -120,7 +130,8 @@ HINTS = {
     "dx_no_weight": "the weight is missing: g = dy ⊙ w is the gradient that reaches x̂, in both places",
     "dy_in_mean": "inside the mean use g = dy ⊙ w, not dy: mean(g ⊙ x̂)",
     "mean_of_g": "wrong mean: it is mean(g ⊙ x̂), not mean(g)",
-    "x_for_x_hat": "you used x where x̂ belongs: the correction is x̂ · mean(g ⊙ x̂) with x̂ = x · rstd",
+    "x_for_x_hat": ("you used x where x̂ belongs: the correction is x̂ · mean(g ⊙ x̂) with x̂ = x · rstd (the same "
+                    "slip as rstd · g − x̂ · mean(g ⊙ x̂): rstd multiplies the whole bracket, the correction too)"),
     "x_for_x_hat_twice": "you used x where x̂ belongs (in the product and in the mean): x̂ = x · rstd",
     "dx_divide_by_block": ("wrong mean: did you divide by BLOCK_N ({block_n}) instead of n_cols ({n})? The masked "
                            "lanes add zeros to the sum; the mean is over the row's real width"),
@@ -178,15 +189,24 @@ class Case:
     cols: int
     eps: float = 1e-6
     row_stride: int | None = None  # when set, x is a [rows, cols] view into a wider buffer
+    dy_stride: int | None = None  # backward: when set, dy is a view whose rows are this far apart (not x's stride)
     tiny_row: int | None = None  # when set, that row of x is scaled so that mean(x²) is below eps
 
     def __str__(self) -> str:
         text = f"{str(self.dtype).removeprefix('torch.')} input of {self.rows} × {self.cols}"
-        if self.row_stride:
+        if self.row_stride and self.dy_stride:
+            text += f" (views: x's rows are {self.row_stride} elements apart, dy's {self.dy_stride})"
+        elif self.row_stride:
             text += f" (a view whose rows are {self.row_stride} elements apart)"
         if self.tiny_row is not None:
             text += f" (row {self.tiny_row} holds tiny values; eps={self.eps:g})"
         return text
+
+    @property
+    def strides(self) -> tuple[int, int]:
+        """The row strides of x and dy."""
+        x_stride = self.row_stride or self.cols
+        return x_stride, self.dy_stride or x_stride
 
 
 @dataclass(frozen=True)
@@ -230,7 +250,8 @@ BACKWARD_CASES = (
     Case(torch.float32, 7, 64),
     Case(torch.float32, 5, 100),
     Case(torch.bfloat16, 6, 300),
-    Case(torch.float32, 4, 80, row_stride=128),
+    # x and dy strided, each its own way: dy read at x's stride (or x at dy's, or either at the width) shows.
+    Case(torch.float32, 4, 80, row_stride=128, dy_stride=160),
 )
 # The tile kernels: float32 first, so that a mistake that only bfloat16 shows (a missing upcast, a bfloat16
 # accumulator) is named as such. Row counts leave the last tile short (by 2, 3, 1 and 3 rows) and strides differ
@@ -296,7 +317,8 @@ def check_rms_norm_backward(fn: Callable, seed: int | None = None, verbose: bool
     gen = generator(seed)
     worst = {}
     for case in BACKWARD_CASES:
-        x, w, dy = _matrix(case, gen), _weight(case, gen), _matrix(case, gen)
+        x, w = _matrix(case, gen, spare_rows=1), _weight(case, gen)
+        dy = _matrix(case, gen, stride=case.dy_stride, spare_rows=1)
         rstd = torch.rsqrt(x.float().pow(2).mean(-1) + case.eps)
         ref, suspects = _backward_suspects(x, w, dy, rstd, case)
         out, problem = _call(fn, (dy, x, w, rstd), case, expect_like=x)
@@ -434,11 +456,16 @@ def _matrix64(case, gen: torch.Generator, tiny: bool = False) -> torch.Tensor:
     return data
 
 
-def _matrix(case: Case, gen: torch.Generator, tiny: bool = False) -> torch.Tensor:
-    buffer = torch.randn(case.rows, case.row_stride or case.cols, generator=gen, dtype=torch.float64)
+def _matrix(case: Case, gen: torch.Generator, tiny: bool = False, stride: int | None = None,
+            spare_rows: int = 0) -> torch.Tensor:
+    """A [rows, cols] input: a view of a buffer whose rows are ``stride`` (default: the case's row stride) apart,
+    with ``spare_rows`` more rows after it, so that rows read at another tensor's larger stride stay inside."""
+    stride = stride or case.row_stride or case.cols
+    buffer = torch.randn(case.rows + (spare_rows if stride != case.cols else 0), stride, generator=gen,
+                         dtype=torch.float64)
     if tiny and case.tiny_row is not None:
         buffer[case.tiny_row] *= 1e-3  # mean(x²) ≈ 1e-6, well below eps = 1e-5: the result depends on eps
-    return buffer.to(case.dtype).to(runtime.device())[:, : case.cols]
+    return buffer.to(case.dtype).to(runtime.device())[: case.rows, : case.cols]
 
 
 def _weight(case, gen: torch.Generator) -> torch.Tensor:
@@ -565,10 +592,26 @@ def _forward64(x, w, eps, divisor=None, columns=None, rstd_power=-0.5, weight=Tr
     return w * y if weight else y
 
 
+def _statistic_suspects(x, w, case) -> list[tuple[str, torch.Tensor]]:
+    """The forward with the wrong statistic: mean(x)², mean(x) (no square: NaN where negative), LayerNorm's variance,
+    LayerNorm's centred x̂; all in float64."""
+    x64, w64 = _f64(x), _f64(w)
+    mean = x64.mean(-1, keepdim=True)
+    variance = (x64 - mean).pow(2).mean(-1, keepdim=True)
+    return [
+        (hint("square_of_mean"), w64 * x64 * (mean.pow(2) + case.eps).rsqrt()),
+        (hint("no_square"), w64 * x64 * (mean + case.eps).rsqrt()),
+        (hint("centred"), w64 * x64 * (variance + case.eps).rsqrt()),
+        (hint("centred_x"), w64 * (x64 - mean) * (variance + case.eps).rsqrt()),
+    ]
+
+
 def _forward_suspects(x, w, case, strides: bool = True) -> list[tuple[str, torch.Tensor]]:
     n = case.cols
     block_n = triton.next_power_of_2(n)
     suspects = []
+    for divisor in sorted({case.rows, TILE_ROWS} - {n, block_n, 1}):  # the rows of the input, or of a tile
+        suspects.append((hint("divide_by_rows", divisor=divisor, n=n), _forward64(x, w, case.eps, divisor=divisor)))
     if block_n != n:
         suspects.append((hint("divide_by_block", block_n=block_n, n=n), _forward64(x, w, case.eps, divisor=block_n)))
         # BLOCK_N too small (the power of two below n_cols): only the first columns enter the sum, and the rest of
@@ -581,7 +624,8 @@ def _forward_suspects(x, w, case, strides: bool = True) -> list[tuple[str, torch
         (hint("sqrt_not_rsqrt"), _forward64(x, w, case.eps, rstd_power=0.5)),
         (hint("no_weight"), _forward64(x, w, case.eps, weight=False)),
         (hint("no_eps", eps=case.eps), _forward64(x, w, 0.0)),
-    ]
+        (hint("eps_outside_sqrt"), _forward64(x, w, case.eps, eps_outside=True)),
+    ] + _statistic_suspects(x, w, case)
     if case.eps != 1e-6:
         suspects.append((hint("default_eps", eps=case.eps), _forward64(x, w, 1e-6)))
     if strides and case.row_stride:
@@ -593,13 +637,12 @@ def _forward_suspects(x, w, case, strides: bool = True) -> list[tuple[str, torch
 
 
 def _tile_forward_suspects(x, w, case: TileCase) -> list[tuple[str, torch.Tensor]]:
-    """The forward mistakes that only a tile kernel can make: eps outside the root, another tensor's row stride."""
-    suspects = [(hint("eps_outside_sqrt"), _forward64(x, w, case.eps, eps_outside=True))]
-    return suspects + _input_stride_suspects(case, {"x": x}, lambda t: _forward64(t["x"], w, case.eps),
+    """The forward mistakes that only a tile kernel can make: another tensor's row stride."""
+    return _input_stride_suspects(case, {"x": x}, lambda t: _forward64(t["x"], w, case.eps),
                                              others={"y": case.strides[1]})
 
 
-def _input_stride_suspects(case: TileCase, inputs: dict, compute, others: dict | None = None):
+def _input_stride_suspects(case: TileCase | Case, inputs: dict, compute, others: dict | None = None):
     """What a kernel computes when it steps between the rows of one input by a wrong stride: the width, or the row
     stride of another tensor. ``compute`` maps the inputs (some read wrongly) to the result."""
     strides = dict(zip(inputs, case.strides))
@@ -656,9 +699,9 @@ def _backward_suspects(x, w, dy, rstd, case) -> tuple[torch.Tensor, list[tuple[s
             dx_short = torch.full(v["right"].shape, float("nan"), dtype=torch.float64)
             dx_short[:, :short] = dx64(x, dy, divisor=divisor, columns=short)["right"]
             suspects.append((hint("short_block", short=short, n=n, block_n=block_n), dx_short))
-    if isinstance(case, Case) and case.row_stride:
-        suspects.append((hint("row_stride", cols=case.cols, stride=case.row_stride),
-                         dx64(_as_if_strided(x, case.cols), _as_if_strided(dy, case.cols))["right"]))
+    if isinstance(case, Case) and case.row_stride:  # another stride for x or dy: the width, or the other's
+        suspects += _input_stride_suspects(case, {"x": x, "dy": dy},
+                                           lambda t: dx64(t["x"], t["dy"])["right"])
     return v["right"], suspects
 
 
@@ -744,6 +787,8 @@ def _compare(out, ref, case, name: str, suspects) -> str | None:
     if torch.count_nonzero(out64) == 0:
         return f"{where}, " + hint("placeholder_zeros", name=name)
     for text, wrong in suspects:
+        if text == HINTS["no_square"] and not torch.equal(torch.isnan(out64), torch.isnan(wrong)):
+            continue  # its NaN rows are part of the pattern: the output must be NaN in exactly those rows
         if not bad_elements(out, wrong, case.dtype).any():
             return f"{where}, {first}: {text}."
     tail = _suffix(bad.any(0))

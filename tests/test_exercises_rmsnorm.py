@@ -406,6 +406,8 @@ def _tile_kernel(X, W, Y, n_rows, n_cols, stride_x, stride_y, eps, ROWS: tl.cons
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / n_cols) + eps
     elif MISTAKE == "sum-not-mean":
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) + eps)
+    elif MISTAKE == "no-rsqrt":
+        rstd = tl.sum(x * x, axis=1) / n_cols + eps
     elif MISTAKE == "divide-by-ROWS":
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / ROWS + eps)
     elif MISTAKE == "square-of-mean":
@@ -451,6 +453,7 @@ PLANTED_TILE = {
     "eps-after-rsqrt": ["no_eps"],
     "sum-not-mean": ["sum_not_mean"],
     "divide-by-ROWS": ["divide_by_rows"],
+    "no-rsqrt": ["no_rsqrt"],
     "square-of-mean": ["square_of_mean"],
     "centred": ["centred"],
 }
@@ -529,6 +532,8 @@ def _bwd_tile_kernel(
             dx = rstd[:, None] * (g + x_hat * mean)
         elif MISTAKE == "no-mean-term":
             dx = rstd[:, None] * g
+        elif MISTAKE == "dx-axis-0":  # one mean per column, over the tile's rows, broadcast without [:, None]
+            dx = rstd[:, None] * (g - x_hat * (tl.sum(g * x_hat, axis=0) / n_cols))
         else:
             dx = rstd[:, None] * (g - x_hat * mean)
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], cast_to(dx, DX.dtype.element_ty), mask=ok)
@@ -548,6 +553,10 @@ def _bwd_tile_kernel(
             dw_acc += tl.sum(dy * x_hat, axis=0)
         elif MISTAKE == "dw-sign":
             dw_acc -= tl.sum(dy * x_hat_rounded, axis=0)
+        elif MISTAKE == "dw-not-summed":
+            dw_acc += dy * x_hat_rounded
+        elif MISTAKE == "dw-rstd-twice":
+            dw_acc += tl.sum(dy * x_hat_rounded * rstd[:, None], axis=0)
         else:
             dw_acc += tl.sum(dy * x_hat_rounded, axis=0)
     tl.store(DW_PARTIALS + pid * n_cols + cols, dw_acc, mask=col_ok)
@@ -571,6 +580,9 @@ PLANTED_BACKWARD_TILE = {
     "dw-uses-x": ["dw_used_x"],
     "dw-unrounded": ["dw_unrounded"],
     "dw-sign": ["dw_sign"],
+    "dx-axis-0": ["dx_axis_0"],
+    "dw-not-summed": ["dw_not_summed"],
+    "dw-rstd-twice": ["dw_rstd_twice"],
 }
 
 

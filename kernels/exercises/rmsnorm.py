@@ -82,6 +82,8 @@ HINTS = {
                     "(triton.next_power_of_2({n}) = {block_n}), with the mask cols < n_cols switching off the extra "
                     "lanes"),
     "sum_not_mean": "you summed the squares but did not divide by n_cols: rstd needs the mean of x², not the sum",
+    "no_rsqrt": ("you multiplied by mean(x²) + eps itself: rstd is its reciprocal square root, "
+                 "tl.math.rsqrt(mean + eps)"),
     "sqrt_not_rsqrt": ("you multiplied by sqrt(mean(x²) + eps) instead of dividing by it: rstd = 1 / sqrt(mean(x²) + "
                        "eps), tl.math.rsqrt(...)"),
     "no_weight": "the weight is never applied: y = w ⊙ x̂",
@@ -125,6 +127,8 @@ HINTS = {
     "no_rstd": "the leading rstd factor is missing: dx = rstd · (g − x̂ · mean(g ⊙ x̂))",
     "dx_sum_not_mean": "you summed g ⊙ x̂ over the row instead of taking its mean: divide the sum by n_cols ({n})",
     "dx_sign": "the sign of the correction is wrong: dx = rstd · (g − x̂ · mean(g ⊙ x̂)), a minus",
+    "dx_axis_0": ("the mean ran down the tile's columns (axis=0: one value per column, over the tile's rows): dx's "
+                  "mean is one value per row, tl.sum(g * x_hat, axis=1) / n_cols, used as [:, None]"),
     "no_correction": ("the correction term − x̂ · mean(g ⊙ x̂) is missing: it carries how each output depends on every "
                       "input through rstd"),
     "dx_no_weight": "the weight is missing: g = dy ⊙ w is the gradient that reaches x̂, in both places",
@@ -146,6 +150,9 @@ HINTS = {
     "dw_used_g": ("dW used g = dy ⊙ w where dy belongs: dW = Σ over rows of dy ⊙ x̂ (the weight does not multiply its "
                   "own gradient)"),
     "dw_used_x": "dW used x where x̂ belongs: dW = Σ over rows of dy ⊙ x̂, with x̂ = x · rstd",
+    "dw_not_summed": ("dw_acc is one value per column ([BLOCK_N]), but a [ROWS, BLOCK_N] block was added to it "
+                      "({error}): sum the tile's dy ⊙ x̂ over its rows first, tl.sum(..., axis=0)"),
+    "dw_rstd_twice": "dW multiplied by rstd once more: x_hat already holds x · rstd, so dW = Σ over rows of dy ⊙ x̂",
     "dw_mean": "dW is a mean over the rows, but it is a sum: dW = Σ over rows of dy ⊙ x̂, with no division",
     "dw_last_tile": ("dW holds only the last tile of each program: add each tile's contribution to the accumulator "
                      "(dw_acc += ...), do not assign it (dw_acc = ...)"),
@@ -406,6 +413,7 @@ def check_rms_norm_backward_tile(kernel, seed: int | None = None, verbose: bool 
         ref, suspects = _backward_suspects(x, w, dy, rstd, case)
         suspects += _input_stride_suspects(
             case, {"x": x, "dy": dy}, lambda t, w=w, r=rstd, c=case: _backward_suspects(t["x"], w, t["dy"], r, c)[0])
+        suspects.append((hint("dx_axis_0"), _dx_tile_axis_0(x, w, dy, rstd)))
         problem = _launch(kernel, "backward", (case.programs,), case, x, w, dy, rstd, dx, partials,
                           case.rows, case.cols, x.stride(0), dy.stride(0), dx.stride(0))
         if problem is None:
@@ -536,6 +544,8 @@ def _launch(kernel, which: str, grid, case: TileCase, *args) -> str | None:
         if "incompatible dimensions" in text or "Cannot broadcast" in text:
             clash = next((line.strip() for line in text.splitlines() if "incompatible dimensions" in line), detail)
             return f"on a {case}, " + hint(f"tile_shapes_{which}", error=_shorten(clash))
+        if which == "backward" and "Expected pointer argument to have shape" in text:
+            return f"on a {case}, " + hint("dw_not_summed", error=_shorten(detail))
         if "oop-carried variable" in text or "loop-carried" in text.lower():
             return f"on a {case}, " + hint("dw_loop_dtype", error=_shorten(detail))
         return f"on a {case}, " + hint("kernel_raised", error=f"{type(error).__name__}: {detail}")
@@ -622,6 +632,7 @@ def _forward_suspects(x, w, case, strides: bool = True) -> list[tuple[str, torch
     suspects += [
         (hint("sum_not_mean"), _forward64(x, w, case.eps, divisor=1)),
         (hint("sqrt_not_rsqrt"), _forward64(x, w, case.eps, rstd_power=0.5)),
+        (hint("no_rsqrt"), _forward64(x, w, case.eps, rstd_power=1.0)),
         (hint("no_weight"), _forward64(x, w, case.eps, weight=False)),
         (hint("no_eps", eps=case.eps), _forward64(x, w, 0.0)),
         (hint("eps_outside_sqrt"), _forward64(x, w, case.eps, eps_outside=True)),
@@ -705,6 +716,19 @@ def _backward_suspects(x, w, dy, rstd, case) -> tuple[torch.Tensor, list[tuple[s
     return v["right"], suspects
 
 
+def _dx_tile_axis_0(x, w, dy, rstd) -> torch.Tensor:
+    """dx of a tile kernel whose mean runs along axis 0: per tile of TILE_ROWS rows, one mean per column over the
+    tile's rows (rows past the end load zeros), divided by n_cols, broadcast over the rows."""
+    x, w64, dy, r = _f64(x), _f64(w), _f64(dy), _f64(rstd)[:, None]
+    x_hat, g = x * r, dy * w64
+    dx = torch.empty_like(x)
+    for start in range(0, x.shape[0], TILE_ROWS):
+        tile = slice(start, start + TILE_ROWS)
+        mean = (g[tile] * x_hat[tile]).sum(0) / x.shape[1]
+        dx[tile] = r[tile] * (g[tile] - x_hat[tile] * mean)
+    return dx
+
+
 def _as_if_strided(t: torch.Tensor, stride: int) -> torch.Tensor:
     """What a kernel reads from the memory of view ``t`` when it steps between rows by ``stride`` elements."""
     return torch.as_strided(t, t.shape, (stride, 1))
@@ -740,6 +764,7 @@ def _check_dw(partials, x, w, dy, rstd, case: TileCase, fp32_passed: bool) -> tu
         ("dw_used_x", (dy64 * _f64(x)).sum(0)),
         ("dw_mean", ref / case.rows),
         ("dw_last_tile", sum((dy64[t] * x_hat_rounded[t]).sum(0) for t in last_tiles)),
+        ("dw_rstd_twice", (dy64 * x_hat_rounded * _f64(r)).sum(0)),
     ]
     if case.dtype != torch.float32:
         suspects.append(("dw_unrounded", (dy64 * _f64(x_hat)).sum(0)))
@@ -776,6 +801,15 @@ def bad_elements(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> to
     return far & compared
 
 
+def _reproduces(out, wrong, text: str, dtype: torch.dtype) -> bool:
+    """Whether ``out`` is what the mistake ``text`` computes, ``wrong``. Where ``wrong`` is NaN nothing is compared
+    (columns a mistake never writes), except for a missing square, whose NaN rows (the root of a negative mean) are
+    part of its pattern: the output must be NaN in exactly those rows."""
+    if text == HINTS["no_square"] and not torch.equal(torch.isnan(_f64(out)), torch.isnan(wrong)):
+        return False
+    return not bad_elements(out, wrong, dtype).any()
+
+
 def _compare(out, ref, case, name: str, suspects) -> str | None:
     """None when ``out`` is right; otherwise the most precise explanation of what is wrong."""
     bad = bad_elements(out, ref, case.dtype)
@@ -787,9 +821,7 @@ def _compare(out, ref, case, name: str, suspects) -> str | None:
     if torch.count_nonzero(out64) == 0:
         return f"{where}, " + hint("placeholder_zeros", name=name)
     for text, wrong in suspects:
-        if text == HINTS["no_square"] and not torch.equal(torch.isnan(out64), torch.isnan(wrong)):
-            continue  # its NaN rows are part of the pattern: the output must be NaN in exactly those rows
-        if not bad_elements(out, wrong, case.dtype).any():
+        if _reproduces(out, wrong, text, case.dtype):
             return f"{where}, {first}: {text}."
     tail = _suffix(bad.any(0))
     if tail is not None:
@@ -830,7 +862,7 @@ def _written_outside(buffer, before, view, ref, case: TileCase, name: str, other
         if not bad_elements(written, ref, case.dtype).any():
             return stride_hint + "."
         for text, wrong in suspects:
-            if not bad_elements(written, wrong, case.dtype).any():
+            if _reproduces(written, wrong, text, case.dtype):
                 return f"{stride_hint}; and {text}."
     problems = []
     before_rows = outside[:GUARD_ROWS].any(1)

@@ -366,6 +366,8 @@ def says(key: str, message: str) -> bool:
 def _tile_kernel(X, W, Y, n_rows, n_cols, stride_x, stride_y, eps, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                  MISTAKE: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    if MISTAKE == "int32-rows":
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # int32: rows * stride wraps past 2**31
     if MISTAKE == "row+1":
         rows = rows + 1
     if MISTAKE == "row-1":
@@ -454,6 +456,7 @@ PLANTED_TILE = {
     "sum-not-mean": ["sum_not_mean"],
     "divide-by-ROWS": ["divide_by_rows"],
     "no-rsqrt": ["no_rsqrt"],
+    "int32-rows": ["int32_rows"],
     "square-of-mean": ["square_of_mean"],
     "centred": ["centred"],
 }
@@ -479,6 +482,15 @@ def test_tile_check_passes_the_right_kernel():
     report = check_rms_norm_tile(_Planted(_tile_kernel, "none"), verbose=False)
     assert report.passed, report.message
     assert report.message.startswith("✓ tile kernel correct on 4 inputs")
+    assert "rows past element 2**31 read and written where they are (int64 row offsets)" in report.message
+
+
+def test_tile_check_runs_int32_rows_past_two_to_the_31():
+    # Only a row offset past 2**31 shows int32 rows; the check launches the kernel on one, in an address range mapped
+    # without memory behind it on the CPU, and reads the rows back.
+    report = check_rms_norm_tile(_Planted(_tile_kernel, "int32-rows"), verbose=False)
+    assert "row 2 of y was never written while the rows before are right: row 2 starts at element 2,147,483,776" \
+        in report.message, report.message
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -12,13 +12,13 @@ The tests feed every named mistake to its check and look for its sentence.
 from __future__ import annotations
 
 import math
-import mmap
 import warnings
 from collections.abc import Callable
 
 import torch
 
 from kernels import runtime
+from kernels.exercises.rmsnorm import mapped_buffer
 from kernels.reference import relative_error
 
 _OK = "✓ "
@@ -465,28 +465,16 @@ _HIGH_ELEMENTS = _HIGH_HEADROOM + 2 * _HIGH_STRIDE + _HIGH_COLS + 64
 
 def _high_rows_fit(device) -> bool:
     if device.type == "cpu":
-        return True  # address space, not memory: see _high_rows_buffer
+        return True  # address space, not memory: see mapped_buffer
     if device.type != "cuda":
         return False
     free, _ = torch.cuda.mem_get_info(device)
-    return free > 2 * _HIGH_ELEMENTS + 2**30
+    return free > 2 * 2 * _HIGH_ELEMENTS
 
 
 def _high_rows_buffer(device) -> torch.Tensor | None:
-    """The high-row case's bf16 buffer of ``_HIGH_ELEMENTS`` elements, or None where it cannot be had. On the CPU an
-    anonymous private mapping (reserved without memory behind it where the system allows), read as zeros until
-    written."""
-    if device.type == "cuda":
-        return torch.empty(_HIGH_ELEMENTS, dtype=torch.bfloat16, device=device)
-    flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", getattr(mmap, "MAP_ANON", 0))
-    flags |= getattr(mmap, "MAP_NORESERVE", 0)  # Linux: the range is not counted against memory up front
-    try:
-        mapping = mmap.mmap(-1, 2 * _HIGH_ELEMENTS, flags=flags)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.frombuffer(mapping, dtype=torch.bfloat16)  # keeps the mapping alive while it lives
-    except (OSError, ValueError, OverflowError, RuntimeError):
-        return None
+    """The high-row case's bf16 buffer of ``_HIGH_ELEMENTS`` elements, or None where it cannot be had."""
+    return mapped_buffer(_HIGH_ELEMENTS, torch.bfloat16, device)
 
 
 def _diagnose_high_rows(fn, device) -> tuple[str | None, bool]:

@@ -8,6 +8,9 @@ result with a float64 reference. ``check_rms_norm_tile`` and ``check_rms_norm_ba
 around every input, a sentinel around every output. A kernel that reads or writes past the tensor's last row, before
 its first, or past its last column therefore touches memory the check owns, and the check can say exactly where.
 
+The tile check ends with a launch on rows that lie past element 2**31 of their buffer (``mapped_buffer``: on the
+CPU an address range with almost no memory behind it), where row offsets computed in int32 wrap around.
+
 When the result is wrong, a check recomputes the usual mistakes in float64 and says which one the output
 reproduces, on which input and in which row; the wording of every diagnosis is in ``HINTS``. A check never raises
 because the reader's code is wrong or unfinished: it prints its verdict and returns a :class:`Report`.
@@ -15,6 +18,8 @@ because the reader's code is wrong or unfinished: it prints its verdict and retu
 
 from __future__ import annotations
 
+import mmap
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -118,6 +123,9 @@ HINTS = {
                   "float32 before the arithmetic. Load, then .to(tl.float32): the squares and their sum must be "
                   "float32 (a bfloat16 sum stops growing once it is large, and Triton's interpreter computes bfloat16 "
                   "arithmetic wrongly)"),
+    "int32_rows": ("{rows} of {name} {were} never written while the rows before are right: row {first} starts "
+                   "at element {start:,}, past 2**31 − 1, and its offset wrapped around: the row indices are int32. "
+                   "Make them int64 before multiplying by the stride: (pid * ROWS + tl.arange(0, ROWS)).to(tl.int64)"),
     "tile_shapes_forward": ("Triton could not combine two blocks of different shapes ({error}). In this kernel that "
                             "comes from one of three things: a reduction along the wrong axis (rstd is one value per "
                             "row: tl.sum(..., axis=1), shape [ROWS]); a row index without [:, None] (the offsets are "
@@ -275,6 +283,13 @@ BACKWARD_TILE_CASES = (
     # Many tiles per program: a bfloat16 accumulator for dW rounds after every tile and drifts far from float32.
     TileCase(torch.bfloat16, 203, 48, strides=(64, 72, 80), programs=2),
 )
+# The tile check's last launch: HIGH_ROWS rows HIGH_STRIDE elements apart, so that row 2 starts at element
+# 2**31 + 128, past int32; the tensors start HIGH_HEADROOM elements into their buffer, so that an offset that wraps
+# around to -2**31 + 128 still lands inside it (where it is harmless and seen). x and y share the buffer: x in the
+# first HIGH_COLS columns of each row, y HIGH_COLS columns further on. 2**32 bfloat16 elements: 8 GiB of addresses.
+HIGH_STRIDE = 2**30 + 64
+HIGH_HEADROOM = 2**31
+HIGH_ROWS, HIGH_COLS = 3, 64
 # dW from float32 partial sums of exact products stays this close to its float64 value; a bfloat16 accumulator
 # over the 26 tiles of a program in BACKWARD_TILE_CASES is off by about a percent.
 DW_TIGHT = 1e-4
@@ -382,13 +397,77 @@ def check_rms_norm_tile(kernel, seed: int | None = None, verbose: bool = True) -
         if problem is not None:
             return verdict(False, problem, verbose)
         worst[case.dtype] = max(worst.get(case.dtype, 0.0), relative_error(y, ref))
+    problem, ran = _high_rows_tile(kernel, gen)
+    if problem is not None:
+        return verdict(False, problem, verbose)
+    offsets = ("rows past element 2**31 read and written where they are (int64 row offsets)" if ran
+               else "int64 row offsets NOT checked (this machine would not map the 8 GiB of addresses it needs)")
     summary = (
         f"tile kernel correct on {len(TILE_CASES)} inputs (widths {_widths(TILE_CASES)}, float32 and bfloat16, tiny "
-        f"values, strided rows, a last tile that hangs past the last row), and nothing written outside the tensor. "
-        f"Largest relative errors: {_format_errors(worst)}; bfloat16 outputs identical to Hugging Face's in "
-        f"{100 * min(same_bits):.2f}% of values."
+        f"values, strided rows, a last tile that hangs past the last row), and nothing written outside the tensor; "
+        f"{offsets}. Largest relative errors: {_format_errors(worst)}; bfloat16 outputs identical to Hugging Face's "
+        f"in {100 * min(same_bits):.2f}% of values."
     )
     return verdict(True, summary, verbose)
+
+
+def _high_rows_tile(kernel, gen: torch.Generator) -> tuple[str | None, bool]:
+    """Launch the tile kernel on bfloat16 rows past element 2**31 of their buffer; (what is wrong or None, whether
+    the launch could run at all)."""
+    device = runtime.device()
+    elements = HIGH_HEADROOM + (HIGH_ROWS - 1) * HIGH_STRIDE + 3 * HIGH_COLS
+    buffer = mapped_buffer(elements, torch.bfloat16, device)
+    if buffer is None:
+        return None, False
+    case = TileCase(torch.bfloat16, HIGH_ROWS, HIGH_COLS, strides=(HIGH_STRIDE, HIGH_STRIDE))
+    x = buffer.as_strided((HIGH_ROWS, HIGH_COLS), (HIGH_STRIDE, 1), storage_offset=HIGH_HEADROOM)
+    y = buffer.as_strided((HIGH_ROWS, HIGH_COLS), (HIGH_STRIDE, 1), storage_offset=HIGH_HEADROOM + 2 * HIGH_COLS)
+    x.copy_(_matrix64(case, gen).to(torch.bfloat16))
+    y.fill_(float("nan"))
+    w = _weight(case, gen)
+    problem = _launch(kernel, "forward", (triton.cdiv(HIGH_ROWS, TILE_ROWS),), case,
+                      x, w, y, HIGH_ROWS, HIGH_COLS, HIGH_STRIDE, HIGH_STRIDE, case.eps)
+    x_now, y_now = x.cpu(), y.cpu()
+    del x, y, buffer  # 8 GiB of addresses: give them back
+    if problem is not None:
+        return problem, True
+    ref = _forward64(x_now, w, case.eps)
+    bad = bad_elements(y_now, ref, torch.bfloat16)
+    bad_rows = bad.any(1).tolist()
+    if not any(bad_rows):
+        return None, True
+    first = bad_rows.index(True)
+    where = f"on a {case} (rows {HIGH_STRIDE:,} elements apart), "
+    if first > 0 and all(bad_rows[first:]) and first * HIGH_STRIDE >= 2**31:
+        rows = _span("row", first, HIGH_ROWS - 1)
+        return where + hint("int32_rows", rows=rows, name="y", were="was" if first == HIGH_ROWS - 1 else "were",
+                            first=first, start=first * HIGH_STRIDE) + ".", True
+    error = relative_error(y_now, ref)
+    return (where + _first_difference(_f64(y_now), ref, bad, "y") + "; "
+            + hint("unrecognised", name="y", error=error, tol=RELATIVE_ERROR_TOL[torch.bfloat16])), True
+
+
+def mapped_buffer(elements: int, dtype: torch.dtype, device) -> torch.Tensor | None:
+    """A 1-D buffer of ``elements`` for checks that need offsets past 2**31 but touch only a few of them, or None
+    where it cannot be had. On a GPU it is real memory (None unless twice that is free). On the CPU, where Triton's
+    interpreter runs kernels, it is an anonymous private mapping, reserved without memory behind it where the system
+    allows: a page becomes memory once something writes to it, and reads as zeros until then."""
+    device = torch.device(device)
+    nbytes = elements * torch.empty((), dtype=dtype).element_size()
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return torch.empty(elements, dtype=dtype, device=device) if free > 2 * nbytes else None
+    if device.type != "cpu":
+        return None
+    flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", getattr(mmap, "MAP_ANON", 0))
+    flags |= getattr(mmap, "MAP_NORESERVE", 0)  # Linux: the range is not counted against memory up front
+    try:
+        mapping = mmap.mmap(-1, nbytes, flags=flags)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(mapping, dtype=dtype)  # keeps the mapping alive while the tensor lives
+    except (OSError, ValueError, OverflowError, RuntimeError):
+        return None
 
 
 def check_rms_norm_backward_tile(kernel, seed: int | None = None, verbose: bool = True) -> Report:

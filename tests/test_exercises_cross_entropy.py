@@ -6,7 +6,9 @@ the in-place sweep is planted as Triton kernels, one per mistake, since what it 
 dtypes) only exists in a kernel.
 """
 
+import json
 import math
+from pathlib import Path
 
 import diagnoses
 import pytest
@@ -384,3 +386,38 @@ def test_int32_row_offsets_wrap_on_the_gpu(capsys):
     out = capsys.readouterr().out
     assert SWEEP_DIAGNOSES["int32"] in out and "rows 0 and 1 are right" in out, out
     assert check_inplace_gradient(load("inplace_gradient"), device="cuda", high_rows=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The answers stay out of sight until the reader has tried: nothing before a check cell gives its answer away
+# ---------------------------------------------------------------------------------------------------------------------
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+
+
+def cells_before(notebook: str, marker: str) -> str:
+    """The text of every cell (source and committed outputs) before the first cell whose source holds ``marker``."""
+    cells = json.loads((NOTEBOOKS / notebook).read_text())["cells"]
+    text = []
+    for cell in cells:
+        source = "".join(cell["source"])
+        if marker in source:
+            return "\n".join(text)
+        outputs = [str(output) for output in cell.get("outputs", [])]
+        text += [source, *outputs]
+    raise AssertionError(f"no cell of {notebook} holds {marker!r}")
+
+
+def test_chapter_05_gives_the_invariant_not_the_update_before_its_check():
+    before = cells_before("05_online_softmax.ipynb", "check_online_update(online_update)")
+    assert "s_{k-1}\\, e^{\\,m_{k-1} - m_k}" not in before  # the boxed update
+    assert "e^{m_{k-1} - m_k}" not in before and "m_{\\text{new}} - m" not in before  # the rescale factor
+    assert "online_softmax_steps(row" not in before  # the step-through table prints the factor
+    assert "s_k = \\sum" in before  # the invariant is there
+
+
+def test_chapter_06_shows_no_gradient_line_before_its_exercises():
+    for marker in ("check_ce_gradient(my_gradient", "check_inplace_gradient(inplace_gradient"):
+        before = cells_before("06_cross_entropy_kernel.ipynb", marker)
+        assert "tl.exp(x - lse) - tl.where(cols == target" not in before, marker
+        assert "tl.where(cols == target" not in before, marker

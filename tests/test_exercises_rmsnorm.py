@@ -6,6 +6,8 @@ in the notebook. The checks of a tile kernel launch the kernel themselves, so th
 kernels: one kernel each, with the mistake chosen by a compile-time switch.
 """
 
+import json
+from pathlib import Path
 
 import diagnoses
 import pytest
@@ -630,3 +632,22 @@ def test_a_shape_clash_on_the_gpu_is_recognised_too():
             return launch
 
     assert says("tile_shapes_forward", check_rms_norm_tile(Compiled(), verbose=False).message)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The package's tile kernels, the answers of chapters 02 and 03, are printed only once the reader's kernel passes
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("notebook, kernel, report", [
+    ("02_rmsnorm_forward.ipynb", "rms_norm_fwd_kernel", "report"),
+    ("03_rmsnorm_backward.ipynb", "rms_norm_bwd_kernel", "tile_report"),
+])
+def test_the_package_kernel_is_printed_only_once_the_exercise_passes(notebook, kernel, report):
+    cells = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / notebook).read_text())["cells"]
+    printing = [cell for cell in cells if f"kernels.rmsnorm.{kernel}.fn" in "".join(cell["source"])]
+    assert len(printing) == 1
+    source = "".join(printing[0]["source"])
+    assert f"if {report} or show_package_kernel:" in source and "show_package_kernel = False" in source
+    shown = "\n".join(str(cell.get("outputs", "")) for cell in cells)
+    assert "def rms_norm_fwd_kernel(" not in shown and "def rms_norm_bwd_kernel(X, W, DY" not in shown

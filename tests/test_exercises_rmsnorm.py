@@ -221,6 +221,7 @@ def dx(dy, x, w, rstd, variant="right", divisor=None, short=False, contiguous_ro
         "dy-in-mean": lambda: r * (g - x_hat * mean(dy32 * x_hat)),
         "mean-of-g": lambda: r * (g - x_hat * mean(g)),
         "x-for-x_hat": lambda: r * (g - x32 * mean(g * x_hat)),
+        "x-in-mean": lambda: r * (g - x_hat * mean(g * x32)),  # the same numbers as x-for-x_hat
     }[variant]()
     if columns is not None:
         result = torch.cat([result, torch.zeros(x.shape[0], x.shape[1] - columns, device=x.device)], dim=1)
@@ -238,6 +239,7 @@ PLANTED_BACKWARD = {
     "dy-in-mean": (lambda *a: dx(*a, "dy-in-mean"), "inside the mean use g = dy ⊙ w, not dy"),
     "mean-of-g": (lambda *a: dx(*a, "mean-of-g"), "wrong mean: it is mean(g ⊙ x̂), not mean(g)"),
     "x-for-x_hat": (lambda *a: dx(*a, "x-for-x_hat"), "you used x where x̂ belongs"),
+    "x-in-mean": (lambda *a: dx(*a, "x-in-mean"), "x inside the mean"),
     "divide-by-BLOCK_N": (
         lambda *a: dx(*a, divisor=triton.next_power_of_2(a[1].shape[-1])),
         "on a float32 input of 5 × 100, row",  # which row shows it first depends on the draw

@@ -142,8 +142,9 @@ HINTS = {
     "dx_no_weight": "the weight is missing: g = dy ⊙ w is the gradient that reaches x̂, in both places",
     "dy_in_mean": "inside the mean use g = dy ⊙ w, not dy: mean(g ⊙ x̂)",
     "mean_of_g": "wrong mean: it is mean(g ⊙ x̂), not mean(g)",
-    "x_for_x_hat": ("you used x where x̂ belongs: the correction is x̂ · mean(g ⊙ x̂) with x̂ = x · rstd (the same "
-                    "slip as rstd · g − x̂ · mean(g ⊙ x̂): rstd multiplies the whole bracket, the correction too)"),
+    "x_for_x_hat": ("you used x where x̂ belongs, once: the correction is x̂ · mean(g ⊙ x̂) with x̂ = x · rstd (x in "
+                    "the product, x inside the mean, or rstd · g − x̂ · mean(g ⊙ x̂) all give these numbers: rstd "
+                    "multiplies the whole bracket, the correction too)"),
     "x_for_x_hat_twice": "you used x where x̂ belongs (in the product and in the mean): x̂ = x · rstd",
     "dx_divide_by_block": ("wrong mean: did you divide by BLOCK_N ({block_n}) instead of n_cols ({n})? The masked "
                            "lanes add zeros to the sum; the mean is over the row's real width"),

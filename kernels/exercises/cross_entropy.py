@@ -469,7 +469,7 @@ def _high_rows_fit(device) -> bool:
     if device.type != "cuda":
         return False
     free, _ = torch.cuda.mem_get_info(device)
-    return free > 2 * 2 * _HIGH_ELEMENTS
+    return free > 2 * _HIGH_ELEMENTS + 2**30  # bf16, and 1 GiB to spare (as mapped_buffer asks)
 
 
 def _high_rows_buffer(device) -> torch.Tensor | None:

@@ -450,9 +450,9 @@ def _high_rows_tile(kernel, gen: torch.Generator) -> tuple[str | None, bool]:
 
 def mapped_buffer(elements: int, dtype: torch.dtype, device) -> torch.Tensor | None:
     """A 1-D buffer of ``elements`` for checks that need offsets past 2**31 but touch only a few of them, or None
-    where it cannot be had. On a GPU it is real memory (None unless that and 1 GiB more are free). On the CPU, where Triton's
-    interpreter runs kernels, it is an anonymous private mapping, reserved without memory behind it where the system
-    allows: a page becomes memory once something writes to it, and reads as zeros until then."""
+    where it cannot be had. On a GPU it is real memory (None unless that and 1 GiB more are free). On the CPU, where
+    Triton's interpreter runs kernels, it is an anonymous private mapping, reserved without memory behind it where
+    the system allows: a page becomes memory once something writes to it, and reads as zeros until then."""
     device = torch.device(device)
     nbytes = elements * torch.empty((), dtype=dtype).element_size()
     if device.type == "cuda":

@@ -460,14 +460,14 @@ def mapped_buffer(elements: int, dtype: torch.dtype, device) -> torch.Tensor | N
         return torch.empty(elements, dtype=dtype, device=device) if free > nbytes + 2**30 else None
     if device.type != "cpu":
         return None
-    flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", getattr(mmap, "MAP_ANON", 0))
-    flags |= getattr(mmap, "MAP_NORESERVE", 0)  # Linux: the range is not counted against memory up front
-    try:
+    try:  # POSIX flags (Windows has none of them, and no such mapping: None there)
+        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", getattr(mmap, "MAP_ANON", 0))
+        flags |= getattr(mmap, "MAP_NORESERVE", 0)  # Linux: the range is not counted against memory up front
         mapping = mmap.mmap(-1, nbytes, flags=flags)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             return torch.frombuffer(mapping, dtype=dtype)  # keeps the mapping alive while the tensor lives
-    except (OSError, ValueError, OverflowError, RuntimeError):
+    except (AttributeError, TypeError, OSError, ValueError, OverflowError, RuntimeError):
         return None
 
 

@@ -421,3 +421,11 @@ def test_chapter_06_shows_no_gradient_line_before_its_exercises():
         before = cells_before("06_cross_entropy_kernel.ipynb", marker)
         assert "tl.exp(x - lse) - tl.where(cols == target" not in before, marker
         assert "tl.where(cols == target" not in before, marker
+
+
+def test_a_machine_that_will_not_map_the_range_is_told_so(device, monkeypatch, capsys):
+    import kernels.exercises.cross_entropy as module
+
+    monkeypatch.setattr(module, "mapped_buffer", lambda *args: None)
+    assert check_inplace_gradient(load("inplace_gradient"), device=device, high_rows=True)
+    assert "int64 row offsets NOT checked (this machine would not map" in capsys.readouterr().out

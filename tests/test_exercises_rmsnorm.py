@@ -653,3 +653,11 @@ def test_the_package_kernel_is_printed_only_once_the_exercise_passes(notebook, k
     assert f"if {report} or show_package_kernel:" in source and "show_package_kernel = False" in source
     shown = "\n".join(str(cell.get("outputs", "")) for cell in cells)
     assert "def rms_norm_fwd_kernel(" not in shown and "def rms_norm_bwd_kernel(X, W, DY" not in shown
+
+
+def test_the_tile_check_says_when_it_cannot_map_the_range(monkeypatch):
+    import kernels.exercises.rmsnorm as module
+
+    monkeypatch.setattr(module, "mapped_buffer", lambda *args: None)
+    report = check_rms_norm_tile(load("rms_norm_tile_kernel"), verbose=False)
+    assert report.passed and "int64 row offsets NOT checked" in report.message, report.message

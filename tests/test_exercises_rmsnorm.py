@@ -6,6 +6,8 @@ in the notebook. The checks of a tile kernel launch the kernel themselves, so th
 kernels: one kernel each, with the mistake chosen by a compile-time switch.
 """
 
+import json
+from pathlib import Path
 
 import diagnoses
 import pytest
@@ -92,6 +94,39 @@ def returns_float32(x, w, eps):
     return forward(x, w, eps).float()
 
 
+def forward_statistic(x, w, eps, statistic):
+    """RMSNorm with the wrong statistic of the row (Hugging Face's cast order otherwise)."""
+    x32 = x.float()
+    mean = x32.mean(-1, keepdim=True)
+    variance = (x32 - mean).pow(2).mean(-1, keepdim=True)
+    x_hat = {
+        "square-of-mean": lambda: x32 * torch.rsqrt(mean.pow(2) + eps),
+        "no-square": lambda: x32 * torch.rsqrt(mean + eps),
+        "centred": lambda: x32 * torch.rsqrt(variance + eps),
+        "centred-x": lambda: (x32 - mean) * torch.rsqrt(variance + eps),
+        "divide-by-rows": lambda: x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) / x.shape[0] + eps),
+        "eps-outside-sqrt": lambda: x32 / (x32.pow(2).mean(-1, keepdim=True).sqrt() + eps),
+    }[statistic]()
+    return w * x_hat.to(x.dtype)
+
+
+PLANTED_FORWARD_STATISTIC = {
+    "square-of-mean": "square_of_mean",
+    "no-square": "no_square",
+    "centred": "centred",
+    "centred-x": "centred_x",
+    "divide-by-rows": "divide_by_rows",
+    "eps-outside-sqrt": "eps_outside_sqrt",
+}
+
+
+@pytest.mark.parametrize("statistic", list(PLANTED_FORWARD_STATISTIC))
+def test_forward_check_names_a_wrong_statistic(statistic):
+    report = check_rms_norm_forward(lambda x, w, eps: forward_statistic(x, w, eps, statistic), verbose=False)
+    assert not report.passed
+    assert says(PLANTED_FORWARD_STATISTIC[statistic], report.message), report.message
+
+
 PLANTED_FORWARD = {
     "stub-zeros": (lambda x, w, eps: torch.zeros_like(x),
                    "every value of y is 0: is the exercise line still the placeholder"),
@@ -162,11 +197,13 @@ def test_forward_check_names_each_planted_mistake(name, capsys):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def dx(dy, x, w, rstd, variant="right", divisor=None, short=False, contiguous_rows=False):
+def dx(dy, x, w, rstd, variant="right", divisor=None, short=False, contiguous_rows=False, dy_at_x_stride=False):
     """dx = rstd · (g − x̂ · mean(g ⊙ x̂)) with g = dy ⊙ w in float32, or one planted mistake (``variant``)."""
     if contiguous_rows:
         x = torch.as_strided(x, x.shape, (x.shape[-1], 1))
         dy = torch.as_strided(dy, dy.shape, (dy.shape[-1], 1))
+    if dy_at_x_stride:  # DY + row * stride_x: dy's rows read as if they were x's stride apart
+        dy = torch.as_strided(dy, dy.shape, (x.stride(0), 1))
     columns = short_block(x.shape[-1]) if short else None
     x32, dy32, w32 = x.float()[:, :columns], dy.float()[:, :columns], w.float()[:columns]
     r = rstd[:, None]
@@ -179,10 +216,12 @@ def dx(dy, x, w, rstd, variant="right", divisor=None, short=False, contiguous_ro
         "sum": lambda: r * (g - x_hat * (g * x_hat).sum(-1, keepdim=True)),
         "sign": lambda: r * (g + x_hat * mean(g * x_hat)),
         "no-correction": lambda: r * g,
+        "correction-no-rstd": lambda: r * g - x_hat * mean(g * x_hat),  # the same numbers as x-for-x_hat
         "no-weight": lambda: r * (dy32 - x_hat * mean(dy32 * x_hat)),
         "dy-in-mean": lambda: r * (g - x_hat * mean(dy32 * x_hat)),
         "mean-of-g": lambda: r * (g - x_hat * mean(g)),
         "x-for-x_hat": lambda: r * (g - x32 * mean(g * x_hat)),
+        "x-in-mean": lambda: r * (g - x_hat * mean(g * x32)),  # the same numbers as x-for-x_hat
     }[variant]()
     if columns is not None:
         result = torch.cat([result, torch.zeros(x.shape[0], x.shape[1] - columns, device=x.device)], dim=1)
@@ -195,16 +234,23 @@ PLANTED_BACKWARD = {
     "sum-not-mean": (lambda *a: dx(*a, "sum"), "you summed g ⊙ x̂ over the row instead of taking its mean"),
     "sign": (lambda *a: dx(*a, "sign"), "the sign of the correction is wrong"),
     "no-correction": (lambda *a: dx(*a, "no-correction"), "the correction term − x̂ · mean(g ⊙ x̂) is missing"),
+    "correction-no-rstd": (lambda *a: dx(*a, "correction-no-rstd"), "rstd multiplies the whole bracket"),
     "no-weight": (lambda *a: dx(*a, "no-weight"), "the weight is missing: g = dy ⊙ w"),
     "dy-in-mean": (lambda *a: dx(*a, "dy-in-mean"), "inside the mean use g = dy ⊙ w, not dy"),
     "mean-of-g": (lambda *a: dx(*a, "mean-of-g"), "wrong mean: it is mean(g ⊙ x̂), not mean(g)"),
     "x-for-x_hat": (lambda *a: dx(*a, "x-for-x_hat"), "you used x where x̂ belongs"),
+    "x-in-mean": (lambda *a: dx(*a, "x-in-mean"), "x inside the mean"),
     "divide-by-BLOCK_N": (
         lambda *a: dx(*a, divisor=triton.next_power_of_2(a[1].shape[-1])),
         "on a float32 input of 5 × 100, row",  # which row shows it first depends on the draw
     ),
     "BLOCK_N-too-small": (lambda *a: dx(*a, short=True), "only the first 64 columns were used"),
-    "ignores-row-stride": (lambda *a: dx(*a, contiguous_rows=True), "offset each row by the tensor's row stride"),
+    "ignores-row-stride": (lambda *a: dx(*a, contiguous_rows=True),
+                           "the rows of x and dy were read n_cols (80) elements apart, the width, but they are 128 and "
+                           "160 elements apart: offset each tensor's rows by its own row stride (stride_x, stride_dy)"),
+    "dy-at-x-stride": (lambda *a: dx(*a, dy_at_x_stride=True),
+                       "rows of dy were read 128 elements apart (stride_x, x's row stride), but they are 160 apart: "
+                       "offset dy's rows by stride_dy, not by stride_x"),
     "raises": (raise_error, "your function raised ValueError"),
 }
 
@@ -324,6 +370,8 @@ def says(key: str, message: str) -> bool:
 def _tile_kernel(X, W, Y, n_rows, n_cols, stride_x, stride_y, eps, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                  MISTAKE: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    if MISTAKE == "int32-rows":
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # int32: rows * stride wraps past 2**31
     if MISTAKE == "row+1":
         rows = rows + 1
     if MISTAKE == "row-1":
@@ -364,6 +412,16 @@ def _tile_kernel(X, W, Y, n_rows, n_cols, stride_x, stride_y, eps, ROWS: tl.cons
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / n_cols) + eps
     elif MISTAKE == "sum-not-mean":
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) + eps)
+    elif MISTAKE == "no-rsqrt":
+        rstd = tl.sum(x * x, axis=1) / n_cols + eps
+    elif MISTAKE == "divide-by-ROWS":
+        rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / ROWS + eps)
+    elif MISTAKE == "square-of-mean":
+        mean = tl.sum(x, axis=1) / n_cols
+        rstd = tl.math.rsqrt(mean * mean + eps)
+    elif MISTAKE == "centred":
+        centred = tl.where(mask, x - (tl.sum(x, axis=1) / n_cols)[:, None], 0.0)
+        rstd = tl.math.rsqrt(tl.sum(centred * centred, axis=1) / n_cols + eps)
     else:
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
     x_hat = cast_to(x * rstd[:, None], X.dtype.element_ty).to(tl.float32)
@@ -400,6 +458,11 @@ PLANTED_TILE = {
     "eps-outside-sqrt": ["eps_outside_sqrt"],
     "eps-after-rsqrt": ["no_eps"],
     "sum-not-mean": ["sum_not_mean"],
+    "divide-by-ROWS": ["divide_by_rows"],
+    "no-rsqrt": ["no_rsqrt"],
+    "int32-rows": ["int32_rows"],
+    "square-of-mean": ["square_of_mean"],
+    "centred": ["centred"],
 }
 
 
@@ -423,6 +486,15 @@ def test_tile_check_passes_the_right_kernel():
     report = check_rms_norm_tile(_Planted(_tile_kernel, "none"), verbose=False)
     assert report.passed, report.message
     assert report.message.startswith("✓ tile kernel correct on 4 inputs")
+    assert "rows past element 2**31 read and written where they are (int64 row offsets)" in report.message
+
+
+def test_tile_check_runs_int32_rows_past_two_to_the_31():
+    # Only a row offset past 2**31 shows int32 rows; the check launches the kernel on one, in an address range mapped
+    # without memory behind it on the CPU, and reads the rows back.
+    report = check_rms_norm_tile(_Planted(_tile_kernel, "int32-rows"), verbose=False)
+    assert "row 2 of y was never written while the rows before are right: row 2 starts at element 2,147,483,776" \
+        in report.message, report.message
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -476,6 +548,8 @@ def _bwd_tile_kernel(
             dx = rstd[:, None] * (g + x_hat * mean)
         elif MISTAKE == "no-mean-term":
             dx = rstd[:, None] * g
+        elif MISTAKE == "dx-axis-0":  # one mean per column, over the tile's rows, broadcast without [:, None]
+            dx = rstd[:, None] * (g - x_hat * (tl.sum(g * x_hat, axis=0) / n_cols))
         else:
             dx = rstd[:, None] * (g - x_hat * mean)
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], cast_to(dx, DX.dtype.element_ty), mask=ok)
@@ -495,6 +569,10 @@ def _bwd_tile_kernel(
             dw_acc += tl.sum(dy * x_hat, axis=0)
         elif MISTAKE == "dw-sign":
             dw_acc -= tl.sum(dy * x_hat_rounded, axis=0)
+        elif MISTAKE == "dw-not-summed":
+            dw_acc += dy * x_hat_rounded
+        elif MISTAKE == "dw-rstd-twice":
+            dw_acc += tl.sum(dy * x_hat_rounded * rstd[:, None], axis=0)
         else:
             dw_acc += tl.sum(dy * x_hat_rounded, axis=0)
     tl.store(DW_PARTIALS + pid * n_cols + cols, dw_acc, mask=col_ok)
@@ -518,6 +596,9 @@ PLANTED_BACKWARD_TILE = {
     "dw-uses-x": ["dw_used_x"],
     "dw-unrounded": ["dw_unrounded"],
     "dw-sign": ["dw_sign"],
+    "dx-axis-0": ["dx_axis_0"],
+    "dw-not-summed": ["dw_not_summed"],
+    "dw-rstd-twice": ["dw_rstd_twice"],
 }
 
 
@@ -553,3 +634,30 @@ def test_a_shape_clash_on_the_gpu_is_recognised_too():
             return launch
 
     assert says("tile_shapes_forward", check_rms_norm_tile(Compiled(), verbose=False).message)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The package's tile kernels, the answers of chapters 02 and 03, are printed only once the reader's kernel passes
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("notebook, kernel, report", [
+    ("02_rmsnorm_forward.ipynb", "rms_norm_fwd_kernel", "report"),
+    ("03_rmsnorm_backward.ipynb", "rms_norm_bwd_kernel", "tile_report"),
+])
+def test_the_package_kernel_is_printed_only_once_the_exercise_passes(notebook, kernel, report):
+    cells = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / notebook).read_text())["cells"]
+    printing = [cell for cell in cells if f"kernels.rmsnorm.{kernel}.fn" in "".join(cell["source"])]
+    assert len(printing) == 1
+    source = "".join(printing[0]["source"])
+    assert f"if {report} or show_package_kernel:" in source and "show_package_kernel = False" in source
+    shown = "\n".join(str(cell.get("outputs", "")) for cell in cells)
+    assert "def rms_norm_fwd_kernel(" not in shown and "def rms_norm_bwd_kernel(X, W, DY" not in shown
+
+
+def test_the_tile_check_says_when_it_cannot_map_the_range(monkeypatch):
+    import kernels.exercises.rmsnorm as module
+
+    monkeypatch.setattr(module, "mapped_buffer", lambda *args: None)
+    report = check_rms_norm_tile(load("rms_norm_tile_kernel"), verbose=False)
+    assert report.passed and "int64 row offsets NOT checked" in report.message, report.message

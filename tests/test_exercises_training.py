@@ -10,6 +10,7 @@ from kernels import TritonRMSNorm
 from kernels.exercises.solutions import load
 from kernels.exercises.training import MANUAL_PATCH_DIAGNOSES, check_manual_patch
 from kernels.rmsnorm import rms_norm
+from kernels.training.models import build_model
 
 
 def norms_of(model, keep=lambda name: True):
@@ -48,6 +49,23 @@ def attempt(mistake):
             raise AttributeError("'LlamaRMSNorm' object has no attribute 'eps'")
         if mistake == "copy":
             model = copy.deepcopy(model)
+        if mistake == "one-phase":  # swapped inside the walk over each parent's children
+            for parent in model.modules():
+                for name, child in parent.named_children():
+                    if type(child).__name__ == "LlamaRMSNorm":
+                        setattr(parent, name, TritonRMSNorm.from_hf(child))
+            return model
+        if mistake == "one-phase-named-modules":  # swapped inside the walk of named_modules(), by the parent's path
+            for path, module in model.named_modules():
+                if type(module).__name__ == "LlamaRMSNorm":
+                    parent_path, _, name = path.rpartition(".")
+                    setattr(model.get_submodule(parent_path), name, TritonRMSNorm.from_hf(module))
+            return model
+        if mistake == "dotted-name":
+            for path, module in list(model.named_modules()):
+                if type(module).__name__ == "LlamaRMSNorm":
+                    setattr(model, path, TritonRMSNorm.from_hf(module))
+            return model
         if mistake == "nothing":
             for _name, module in model.named_modules():
                 if type(module).__name__ == "LlamaRMSNorm":
@@ -70,6 +88,11 @@ def attempt(mistake):
             elif mistake == "eps":
                 new = TritonRMSNorm(norm.weight.shape[0])
                 new.weight = norm.weight
+            elif mistake == "weight-tensor":
+                new = TritonRMSNorm(norm.weight.shape[0], eps=norm.variance_epsilon)
+                new.weight = norm.weight.data  # a plain tensor: torch refuses it as a parameter
+            elif mistake == "eps-attribute":
+                new = TritonRMSNorm(norm.weight.shape[0], eps=norm.eps)  # LlamaRMSNorm has no .eps
             elif mistake == "keys":
                 new = WithExtraBuffer(norm)
             elif mistake == "gradients":
@@ -87,6 +110,8 @@ MISTAKES = [
     ("missed-final", "missed"), ("missed-attention", "missed"), ("wrong-type", "wrong-type"),
     ("weight-not-carried", "weight-not-carried"), ("weight-copied", "weight-copied"),
     ("weight-rewrapped", "weight-rewrapped"), ("eps", "eps"), ("keys", "keys"), ("gradients", "gradients"),
+    ("one-phase", "one-phase"), ("one-phase-named-modules", "one-phase"), ("dotted-name", "dotted-name"),
+    ("weight-tensor", "weight-tensor"), ("eps-attribute", "eps-attribute"),
 ]
 
 
@@ -114,6 +139,26 @@ def test_the_solution_and_from_hf_pass(capsys):
     assert check_manual_patch(attempt("right"))
     out = capsys.readouterr().out
     assert out.startswith("✓") and "✗" not in out and "all 9 LlamaRMSNorm" in out
+
+
+def test_a_one_phase_swap_gives_the_right_model_but_is_named(capsys):
+    # The prose asks for two phases. A swap inside the walk happens to work here, so only watching the walk shows it.
+    model = attempt("one-phase")(build_model("tiny", dtype=torch.float32))
+    assert all(type(m).__name__ != "LlamaRMSNorm" for m in model.modules())
+    assert not check_manual_patch(attempt("one-phase"))
+    out = capsys.readouterr().out
+    assert MANUAL_PATCH_DIAGNOSES["one-phase"] in out and "was replaced during the walk" in out, out
+
+
+def test_the_check_leaves_plain_children_behind():
+    seen = []
+
+    def patch(model):
+        seen.append(model)
+        return load("patch_norms_by_hand")(model)
+
+    assert check_manual_patch(patch, verbose=False)
+    assert all(type(m._modules) is dict for m in seen[0].modules())  # the watched children are gone
 
 
 def test_a_quiet_check_prints_nothing(capsys):

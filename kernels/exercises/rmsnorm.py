@@ -8,6 +8,9 @@ result with a float64 reference. ``check_rms_norm_tile`` and ``check_rms_norm_ba
 around every input, a sentinel around every output. A kernel that reads or writes past the tensor's last row, before
 its first, or past its last column therefore touches memory the check owns, and the check can say exactly where.
 
+The tile check ends with a launch on rows that lie past element 2**31 of their buffer (``mapped_buffer``: on the
+CPU an address range with almost no memory behind it), where row offsets computed in int32 wrap around.
+
 When the result is wrong, a check recomputes the usual mistakes in float64 and says which one the output
 reproduces, on which input and in which row; the wording of every diagnosis is in ``HINTS``. A check never raises
 because the reader's code is wrong or unfinished: it prints its verdict and returns a :class:`Report`.
@@ -15,6 +18,8 @@ because the reader's code is wrong or unfinished: it prints its verdict and retu
 
 from __future__ import annotations
 
+import mmap
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -82,6 +87,8 @@ HINTS = {
                     "(triton.next_power_of_2({n}) = {block_n}), with the mask cols < n_cols switching off the extra "
                     "lanes"),
     "sum_not_mean": "you summed the squares but did not divide by n_cols: rstd needs the mean of x², not the sum",
+    "no_rsqrt": ("you multiplied by mean(x²) + eps itself: rstd is its reciprocal square root, "
+                 "tl.math.rsqrt(mean + eps)"),
     "sqrt_not_rsqrt": ("you multiplied by sqrt(mean(x²) + eps) instead of dividing by it: rstd = 1 / sqrt(mean(x²) + "
                        "eps), tl.math.rsqrt(...)"),
     "no_weight": "the weight is never applied: y = w ⊙ x̂",
@@ -89,6 +96,16 @@ HINTS = {
     "eps_outside_sqrt": ("eps was added outside the square root: 1 / (sqrt(mean(x²)) + eps) is not "
                          "1 / sqrt(mean(x²) + eps); it belongs inside: tl.math.rsqrt(mean + eps)"),
     "default_eps": "you used eps = 1e-6, not the eps passed in ({eps:g}): take it from the argument",
+    "square_of_mean": ("you squared the mean (mean(x)²) instead of taking the mean of the squares (mean(x²)): "
+                       "square first, tl.sum(x * x, ...) / n_cols"),
+    "no_square": ("the values were not squared: rstd = 1 / sqrt(mean(x²) + eps), and without the square a row whose "
+                  "mean is negative gives the root of a negative number (NaN)"),
+    "centred": ("you subtracted the row's mean (that is LayerNorm's variance): RMSNorm does not centre, rstd = "
+                "1 / sqrt(mean(x²) + eps) of x itself"),
+    "centred_x": ("you centred x (x − mean(x)), as LayerNorm does: RMSNorm does not subtract the mean, neither in "
+                  "rstd nor in x̂ = x · rstd"),
+    "divide_by_rows": ("the mean divides by the number of rows ({divisor}) instead of n_cols ({n}): the mean runs "
+                       "along the row, over its columns"),
     "row_stride": ("rows were read n_cols ({cols}) elements apart, but in this view they are {stride} apart: offset "
                    "each row by the tensor's row stride (x.stride(0)), not by its width"),
     "inputs_width": ("the rows of {tensors} were read n_cols ({cols}) elements apart, the width, but they are "
@@ -106,6 +123,9 @@ HINTS = {
                   "float32 before the arithmetic. Load, then .to(tl.float32): the squares and their sum must be "
                   "float32 (a bfloat16 sum stops growing once it is large, and Triton's interpreter computes bfloat16 "
                   "arithmetic wrongly)"),
+    "int32_rows": ("{rows} of {name} {were} never written while the rows before are right: row {first} starts "
+                   "at element {start:,}, past 2**31 − 1, and its offset wrapped around: the row indices are int32. "
+                   "Make them int64 before multiplying by the stride: (pid * ROWS + tl.arange(0, ROWS)).to(tl.int64)"),
     "tile_shapes_forward": ("Triton could not combine two blocks of different shapes ({error}). In this kernel that "
                             "comes from one of three things: a reduction along the wrong axis (rstd is one value per "
                             "row: tl.sum(..., axis=1), shape [ROWS]); a row index without [:, None] (the offsets are "
@@ -115,12 +135,16 @@ HINTS = {
     "no_rstd": "the leading rstd factor is missing: dx = rstd · (g − x̂ · mean(g ⊙ x̂))",
     "dx_sum_not_mean": "you summed g ⊙ x̂ over the row instead of taking its mean: divide the sum by n_cols ({n})",
     "dx_sign": "the sign of the correction is wrong: dx = rstd · (g − x̂ · mean(g ⊙ x̂)), a minus",
+    "dx_axis_0": ("the mean ran down the tile's columns (axis=0: one value per column, over the tile's rows): dx's "
+                  "mean is one value per row, tl.sum(g * x_hat, axis=1) / n_cols, used as [:, None]"),
     "no_correction": ("the correction term − x̂ · mean(g ⊙ x̂) is missing: it carries how each output depends on every "
                       "input through rstd"),
     "dx_no_weight": "the weight is missing: g = dy ⊙ w is the gradient that reaches x̂, in both places",
     "dy_in_mean": "inside the mean use g = dy ⊙ w, not dy: mean(g ⊙ x̂)",
     "mean_of_g": "wrong mean: it is mean(g ⊙ x̂), not mean(g)",
-    "x_for_x_hat": "you used x where x̂ belongs: the correction is x̂ · mean(g ⊙ x̂) with x̂ = x · rstd",
+    "x_for_x_hat": ("you used x where x̂ belongs, once: the correction is x̂ · mean(g ⊙ x̂) with x̂ = x · rstd (x in "
+                    "the product, x inside the mean, or rstd · g − x̂ · mean(g ⊙ x̂) all give these numbers: rstd "
+                    "multiplies the whole bracket, the correction too)"),
     "x_for_x_hat_twice": "you used x where x̂ belongs (in the product and in the mean): x̂ = x · rstd",
     "dx_divide_by_block": ("wrong mean: did you divide by BLOCK_N ({block_n}) instead of n_cols ({n})? The masked "
                            "lanes add zeros to the sum; the mean is over the row's real width"),
@@ -135,6 +159,9 @@ HINTS = {
     "dw_used_g": ("dW used g = dy ⊙ w where dy belongs: dW = Σ over rows of dy ⊙ x̂ (the weight does not multiply its "
                   "own gradient)"),
     "dw_used_x": "dW used x where x̂ belongs: dW = Σ over rows of dy ⊙ x̂, with x̂ = x · rstd",
+    "dw_not_summed": ("dw_acc is one value per column ([BLOCK_N]), but a [ROWS, BLOCK_N] block was added to it "
+                      "({error}): sum the tile's dy ⊙ x̂ over its rows first, tl.sum(..., axis=0)"),
+    "dw_rstd_twice": "dW multiplied by rstd once more: x_hat already holds x · rstd, so dW = Σ over rows of dy ⊙ x̂",
     "dw_mean": "dW is a mean over the rows, but it is a sum: dW = Σ over rows of dy ⊙ x̂, with no division",
     "dw_last_tile": ("dW holds only the last tile of each program: add each tile's contribution to the accumulator "
                      "(dw_acc += ...), do not assign it (dw_acc = ...)"),
@@ -178,15 +205,24 @@ class Case:
     cols: int
     eps: float = 1e-6
     row_stride: int | None = None  # when set, x is a [rows, cols] view into a wider buffer
+    dy_stride: int | None = None  # backward: when set, dy is a view whose rows are this far apart (not x's stride)
     tiny_row: int | None = None  # when set, that row of x is scaled so that mean(x²) is below eps
 
     def __str__(self) -> str:
         text = f"{str(self.dtype).removeprefix('torch.')} input of {self.rows} × {self.cols}"
-        if self.row_stride:
+        if self.row_stride and self.dy_stride:
+            text += f" (views: x's rows are {self.row_stride} elements apart, dy's {self.dy_stride})"
+        elif self.row_stride:
             text += f" (a view whose rows are {self.row_stride} elements apart)"
         if self.tiny_row is not None:
             text += f" (row {self.tiny_row} holds tiny values; eps={self.eps:g})"
         return text
+
+    @property
+    def strides(self) -> tuple[int, int]:
+        """The row strides of x and dy."""
+        x_stride = self.row_stride or self.cols
+        return x_stride, self.dy_stride or x_stride
 
 
 @dataclass(frozen=True)
@@ -230,7 +266,8 @@ BACKWARD_CASES = (
     Case(torch.float32, 7, 64),
     Case(torch.float32, 5, 100),
     Case(torch.bfloat16, 6, 300),
-    Case(torch.float32, 4, 80, row_stride=128),
+    # x and dy strided, each its own way: dy read at x's stride (or x at dy's, or either at the width) shows.
+    Case(torch.float32, 4, 80, row_stride=128, dy_stride=160),
 )
 # The tile kernels: float32 first, so that a mistake that only bfloat16 shows (a missing upcast, a bfloat16
 # accumulator) is named as such. Row counts leave the last tile short (by 2, 3, 1 and 3 rows) and strides differ
@@ -247,6 +284,13 @@ BACKWARD_TILE_CASES = (
     # Many tiles per program: a bfloat16 accumulator for dW rounds after every tile and drifts far from float32.
     TileCase(torch.bfloat16, 203, 48, strides=(64, 72, 80), programs=2),
 )
+# The tile check's last launch: HIGH_ROWS rows HIGH_STRIDE elements apart, so that row 2 starts at element
+# 2**31 + 128, past int32; the tensors start HIGH_HEADROOM elements into their buffer, so that an offset that wraps
+# around to -2**31 + 128 still lands inside it (where it is harmless and seen). x and y share the buffer: x in the
+# first HIGH_COLS columns of each row, y HIGH_COLS columns further on. 2**32 bfloat16 elements: 8 GiB of addresses.
+HIGH_STRIDE = 2**30 + 64
+HIGH_HEADROOM = 2**31
+HIGH_ROWS, HIGH_COLS = 3, 64
 # dW from float32 partial sums of exact products stays this close to its float64 value; a bfloat16 accumulator
 # over the 26 tiles of a program in BACKWARD_TILE_CASES is off by about a percent.
 DW_TIGHT = 1e-4
@@ -296,7 +340,8 @@ def check_rms_norm_backward(fn: Callable, seed: int | None = None, verbose: bool
     gen = generator(seed)
     worst = {}
     for case in BACKWARD_CASES:
-        x, w, dy = _matrix(case, gen), _weight(case, gen), _matrix(case, gen)
+        x, w = _matrix(case, gen, spare_rows=1), _weight(case, gen)
+        dy = _matrix(case, gen, stride=case.dy_stride, spare_rows=1)
         rstd = torch.rsqrt(x.float().pow(2).mean(-1) + case.eps)
         ref, suspects = _backward_suspects(x, w, dy, rstd, case)
         out, problem = _call(fn, (dy, x, w, rstd), case, expect_like=x)
@@ -353,13 +398,77 @@ def check_rms_norm_tile(kernel, seed: int | None = None, verbose: bool = True) -
         if problem is not None:
             return verdict(False, problem, verbose)
         worst[case.dtype] = max(worst.get(case.dtype, 0.0), relative_error(y, ref))
+    problem, ran = _high_rows_tile(kernel, gen)
+    if problem is not None:
+        return verdict(False, problem, verbose)
+    offsets = ("rows past element 2**31 read and written where they are (int64 row offsets)" if ran
+               else "int64 row offsets NOT checked (this machine would not map the 8 GiB of addresses it needs)")
     summary = (
         f"tile kernel correct on {len(TILE_CASES)} inputs (widths {_widths(TILE_CASES)}, float32 and bfloat16, tiny "
-        f"values, strided rows, a last tile that hangs past the last row), and nothing written outside the tensor. "
-        f"Largest relative errors: {_format_errors(worst)}; bfloat16 outputs identical to Hugging Face's in "
-        f"{100 * min(same_bits):.2f}% of values."
+        f"values, strided rows, a last tile that hangs past the last row), and nothing written outside the tensor; "
+        f"{offsets}. Largest relative errors: {_format_errors(worst)}; bfloat16 outputs identical to Hugging Face's "
+        f"in {100 * min(same_bits):.2f}% of values."
     )
     return verdict(True, summary, verbose)
+
+
+def _high_rows_tile(kernel, gen: torch.Generator) -> tuple[str | None, bool]:
+    """Launch the tile kernel on bfloat16 rows past element 2**31 of their buffer; (what is wrong or None, whether
+    the launch could run at all)."""
+    device = runtime.device()
+    elements = HIGH_HEADROOM + (HIGH_ROWS - 1) * HIGH_STRIDE + 3 * HIGH_COLS
+    buffer = mapped_buffer(elements, torch.bfloat16, device)
+    if buffer is None:
+        return None, False
+    case = TileCase(torch.bfloat16, HIGH_ROWS, HIGH_COLS, strides=(HIGH_STRIDE, HIGH_STRIDE))
+    x = buffer.as_strided((HIGH_ROWS, HIGH_COLS), (HIGH_STRIDE, 1), storage_offset=HIGH_HEADROOM)
+    y = buffer.as_strided((HIGH_ROWS, HIGH_COLS), (HIGH_STRIDE, 1), storage_offset=HIGH_HEADROOM + 2 * HIGH_COLS)
+    x.copy_(_matrix64(case, gen).to(torch.bfloat16))
+    y.fill_(float("nan"))
+    w = _weight(case, gen)
+    problem = _launch(kernel, "forward", (triton.cdiv(HIGH_ROWS, TILE_ROWS),), case,
+                      x, w, y, HIGH_ROWS, HIGH_COLS, HIGH_STRIDE, HIGH_STRIDE, case.eps)
+    x_now, y_now = x.cpu(), y.cpu()
+    del x, y, buffer  # 8 GiB of addresses: give them back
+    if problem is not None:
+        return problem, True
+    ref = _forward64(x_now, w, case.eps)
+    bad = bad_elements(y_now, ref, torch.bfloat16)
+    bad_rows = bad.any(1).tolist()
+    if not any(bad_rows):
+        return None, True
+    first = bad_rows.index(True)
+    where = f"on a {case} (rows {HIGH_STRIDE:,} elements apart), "
+    if first > 0 and all(bad_rows[first:]) and first * HIGH_STRIDE >= 2**31:
+        rows = _span("row", first, HIGH_ROWS - 1)
+        return where + hint("int32_rows", rows=rows, name="y", were="was" if first == HIGH_ROWS - 1 else "were",
+                            first=first, start=first * HIGH_STRIDE) + ".", True
+    error = relative_error(y_now, ref)
+    return (where + _first_difference(_f64(y_now), ref, bad, "y") + "; "
+            + hint("unrecognised", name="y", error=error, tol=RELATIVE_ERROR_TOL[torch.bfloat16])), True
+
+
+def mapped_buffer(elements: int, dtype: torch.dtype, device) -> torch.Tensor | None:
+    """A 1-D buffer of ``elements`` for checks that need offsets past 2**31 but touch only a few of them, or None
+    where it cannot be had. On a GPU it is real memory (None unless that and 1 GiB more are free). On the CPU, where
+    Triton's interpreter runs kernels, it is an anonymous private mapping, reserved without memory behind it where
+    the system allows: a page becomes memory once something writes to it, and reads as zeros until then."""
+    device = torch.device(device)
+    nbytes = elements * torch.empty((), dtype=dtype).element_size()
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return torch.empty(elements, dtype=dtype, device=device) if free > nbytes + 2**30 else None
+    if device.type != "cpu":
+        return None
+    try:  # POSIX flags (Windows has none of them, and no such mapping: None there)
+        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", getattr(mmap, "MAP_ANON", 0))
+        flags |= getattr(mmap, "MAP_NORESERVE", 0)  # Linux: the range is not counted against memory up front
+        mapping = mmap.mmap(-1, nbytes, flags=flags)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(mapping, dtype=dtype)  # keeps the mapping alive while the tensor lives
+    except (AttributeError, TypeError, OSError, ValueError, OverflowError, RuntimeError):
+        return None
 
 
 def check_rms_norm_backward_tile(kernel, seed: int | None = None, verbose: bool = True) -> Report:
@@ -384,6 +493,7 @@ def check_rms_norm_backward_tile(kernel, seed: int | None = None, verbose: bool 
         ref, suspects = _backward_suspects(x, w, dy, rstd, case)
         suspects += _input_stride_suspects(
             case, {"x": x, "dy": dy}, lambda t, w=w, r=rstd, c=case: _backward_suspects(t["x"], w, t["dy"], r, c)[0])
+        suspects.append((hint("dx_axis_0"), _dx_tile_axis_0(x, w, dy, rstd)))
         problem = _launch(kernel, "backward", (case.programs,), case, x, w, dy, rstd, dx, partials,
                           case.rows, case.cols, x.stride(0), dy.stride(0), dx.stride(0))
         if problem is None:
@@ -434,11 +544,16 @@ def _matrix64(case, gen: torch.Generator, tiny: bool = False) -> torch.Tensor:
     return data
 
 
-def _matrix(case: Case, gen: torch.Generator, tiny: bool = False) -> torch.Tensor:
-    buffer = torch.randn(case.rows, case.row_stride or case.cols, generator=gen, dtype=torch.float64)
+def _matrix(case: Case, gen: torch.Generator, tiny: bool = False, stride: int | None = None,
+            spare_rows: int = 0) -> torch.Tensor:
+    """A [rows, cols] input: a view of a buffer whose rows are ``stride`` (default: the case's row stride) apart,
+    with ``spare_rows`` more rows after it, so that rows read at another tensor's larger stride stay inside."""
+    stride = stride or case.row_stride or case.cols
+    buffer = torch.randn(case.rows + (spare_rows if stride != case.cols else 0), stride, generator=gen,
+                         dtype=torch.float64)
     if tiny and case.tiny_row is not None:
         buffer[case.tiny_row] *= 1e-3  # mean(x²) ≈ 1e-6, well below eps = 1e-5: the result depends on eps
-    return buffer.to(case.dtype).to(runtime.device())[:, : case.cols]
+    return buffer.to(case.dtype).to(runtime.device())[: case.rows, : case.cols]
 
 
 def _weight(case, gen: torch.Generator) -> torch.Tensor:
@@ -509,6 +624,8 @@ def _launch(kernel, which: str, grid, case: TileCase, *args) -> str | None:
         if "incompatible dimensions" in text or "Cannot broadcast" in text:
             clash = next((line.strip() for line in text.splitlines() if "incompatible dimensions" in line), detail)
             return f"on a {case}, " + hint(f"tile_shapes_{which}", error=_shorten(clash))
+        if which == "backward" and "Expected pointer argument to have shape" in text:
+            return f"on a {case}, " + hint("dw_not_summed", error=_shorten(detail))
         if "oop-carried variable" in text or "loop-carried" in text.lower():
             return f"on a {case}, " + hint("dw_loop_dtype", error=_shorten(detail))
         return f"on a {case}, " + hint("kernel_raised", error=f"{type(error).__name__}: {detail}")
@@ -565,10 +682,26 @@ def _forward64(x, w, eps, divisor=None, columns=None, rstd_power=-0.5, weight=Tr
     return w * y if weight else y
 
 
+def _statistic_suspects(x, w, case) -> list[tuple[str, torch.Tensor]]:
+    """The forward with the wrong statistic: mean(x)², mean(x) (no square: NaN where negative), LayerNorm's variance,
+    LayerNorm's centred x̂; all in float64."""
+    x64, w64 = _f64(x), _f64(w)
+    mean = x64.mean(-1, keepdim=True)
+    variance = (x64 - mean).pow(2).mean(-1, keepdim=True)
+    return [
+        (hint("square_of_mean"), w64 * x64 * (mean.pow(2) + case.eps).rsqrt()),
+        (hint("no_square"), w64 * x64 * (mean + case.eps).rsqrt()),
+        (hint("centred"), w64 * x64 * (variance + case.eps).rsqrt()),
+        (hint("centred_x"), w64 * (x64 - mean) * (variance + case.eps).rsqrt()),
+    ]
+
+
 def _forward_suspects(x, w, case, strides: bool = True) -> list[tuple[str, torch.Tensor]]:
     n = case.cols
     block_n = triton.next_power_of_2(n)
     suspects = []
+    for divisor in sorted({case.rows, TILE_ROWS} - {n, block_n, 1}):  # the rows of the input, or of a tile
+        suspects.append((hint("divide_by_rows", divisor=divisor, n=n), _forward64(x, w, case.eps, divisor=divisor)))
     if block_n != n:
         suspects.append((hint("divide_by_block", block_n=block_n, n=n), _forward64(x, w, case.eps, divisor=block_n)))
         # BLOCK_N too small (the power of two below n_cols): only the first columns enter the sum, and the rest of
@@ -579,9 +712,11 @@ def _forward_suspects(x, w, case, strides: bool = True) -> list[tuple[str, torch
     suspects += [
         (hint("sum_not_mean"), _forward64(x, w, case.eps, divisor=1)),
         (hint("sqrt_not_rsqrt"), _forward64(x, w, case.eps, rstd_power=0.5)),
+        (hint("no_rsqrt"), _forward64(x, w, case.eps, rstd_power=1.0)),
         (hint("no_weight"), _forward64(x, w, case.eps, weight=False)),
         (hint("no_eps", eps=case.eps), _forward64(x, w, 0.0)),
-    ]
+        (hint("eps_outside_sqrt"), _forward64(x, w, case.eps, eps_outside=True)),
+    ] + _statistic_suspects(x, w, case)
     if case.eps != 1e-6:
         suspects.append((hint("default_eps", eps=case.eps), _forward64(x, w, 1e-6)))
     if strides and case.row_stride:
@@ -593,13 +728,12 @@ def _forward_suspects(x, w, case, strides: bool = True) -> list[tuple[str, torch
 
 
 def _tile_forward_suspects(x, w, case: TileCase) -> list[tuple[str, torch.Tensor]]:
-    """The forward mistakes that only a tile kernel can make: eps outside the root, another tensor's row stride."""
-    suspects = [(hint("eps_outside_sqrt"), _forward64(x, w, case.eps, eps_outside=True))]
-    return suspects + _input_stride_suspects(case, {"x": x}, lambda t: _forward64(t["x"], w, case.eps),
+    """The forward mistakes that only a tile kernel can make: another tensor's row stride."""
+    return _input_stride_suspects(case, {"x": x}, lambda t: _forward64(t["x"], w, case.eps),
                                              others={"y": case.strides[1]})
 
 
-def _input_stride_suspects(case: TileCase, inputs: dict, compute, others: dict | None = None):
+def _input_stride_suspects(case: TileCase | Case, inputs: dict, compute, others: dict | None = None):
     """What a kernel computes when it steps between the rows of one input by a wrong stride: the width, or the row
     stride of another tensor. ``compute`` maps the inputs (some read wrongly) to the result."""
     strides = dict(zip(inputs, case.strides))
@@ -656,10 +790,23 @@ def _backward_suspects(x, w, dy, rstd, case) -> tuple[torch.Tensor, list[tuple[s
             dx_short = torch.full(v["right"].shape, float("nan"), dtype=torch.float64)
             dx_short[:, :short] = dx64(x, dy, divisor=divisor, columns=short)["right"]
             suspects.append((hint("short_block", short=short, n=n, block_n=block_n), dx_short))
-    if isinstance(case, Case) and case.row_stride:
-        suspects.append((hint("row_stride", cols=case.cols, stride=case.row_stride),
-                         dx64(_as_if_strided(x, case.cols), _as_if_strided(dy, case.cols))["right"]))
+    if isinstance(case, Case) and case.row_stride:  # another stride for x or dy: the width, or the other's
+        suspects += _input_stride_suspects(case, {"x": x, "dy": dy},
+                                           lambda t: dx64(t["x"], t["dy"])["right"])
     return v["right"], suspects
+
+
+def _dx_tile_axis_0(x, w, dy, rstd) -> torch.Tensor:
+    """dx of a tile kernel whose mean runs along axis 0: per tile of TILE_ROWS rows, one mean per column over the
+    tile's rows (rows past the end load zeros), divided by n_cols, broadcast over the rows."""
+    x, w64, dy, r = _f64(x), _f64(w), _f64(dy), _f64(rstd)[:, None]
+    x_hat, g = x * r, dy * w64
+    dx = torch.empty_like(x)
+    for start in range(0, x.shape[0], TILE_ROWS):
+        tile = slice(start, start + TILE_ROWS)
+        mean = (g[tile] * x_hat[tile]).sum(0) / x.shape[1]
+        dx[tile] = r[tile] * (g[tile] - x_hat[tile] * mean)
+    return dx
 
 
 def _as_if_strided(t: torch.Tensor, stride: int) -> torch.Tensor:
@@ -697,6 +844,7 @@ def _check_dw(partials, x, w, dy, rstd, case: TileCase, fp32_passed: bool) -> tu
         ("dw_used_x", (dy64 * _f64(x)).sum(0)),
         ("dw_mean", ref / case.rows),
         ("dw_last_tile", sum((dy64[t] * x_hat_rounded[t]).sum(0) for t in last_tiles)),
+        ("dw_rstd_twice", (dy64 * x_hat_rounded * _f64(r)).sum(0)),
     ]
     if case.dtype != torch.float32:
         suspects.append(("dw_unrounded", (dy64 * _f64(x_hat)).sum(0)))
@@ -733,6 +881,15 @@ def bad_elements(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> to
     return far & compared
 
 
+def _reproduces(out, wrong, text: str, dtype: torch.dtype) -> bool:
+    """Whether ``out`` is what the mistake ``text`` computes, ``wrong``. Where ``wrong`` is NaN nothing is compared
+    (columns a mistake never writes), except for a missing square, whose NaN rows (the root of a negative mean) are
+    part of its pattern: the output must be NaN in exactly those rows."""
+    if text == HINTS["no_square"] and not torch.equal(torch.isnan(_f64(out)), torch.isnan(wrong)):
+        return False
+    return not bad_elements(out, wrong, dtype).any()
+
+
 def _compare(out, ref, case, name: str, suspects) -> str | None:
     """None when ``out`` is right; otherwise the most precise explanation of what is wrong."""
     bad = bad_elements(out, ref, case.dtype)
@@ -744,7 +901,7 @@ def _compare(out, ref, case, name: str, suspects) -> str | None:
     if torch.count_nonzero(out64) == 0:
         return f"{where}, " + hint("placeholder_zeros", name=name)
     for text, wrong in suspects:
-        if not bad_elements(out, wrong, case.dtype).any():
+        if _reproduces(out, wrong, text, case.dtype):
             return f"{where}, {first}: {text}."
     tail = _suffix(bad.any(0))
     if tail is not None:
@@ -785,7 +942,7 @@ def _written_outside(buffer, before, view, ref, case: TileCase, name: str, other
         if not bad_elements(written, ref, case.dtype).any():
             return stride_hint + "."
         for text, wrong in suspects:
-            if not bad_elements(written, wrong, case.dtype).any():
+            if _reproduces(written, wrong, text, case.dtype):
                 return f"{stride_hint}; and {text}."
     problems = []
     before_rows = outside[:GUARD_ROWS].any(1)

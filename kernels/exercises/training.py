@@ -6,6 +6,10 @@ Parameter of the norm it replaces and its eps, whether the ``state_dict`` kept i
 and backward pass through both models on the same batch and compares the loss and every gradient. It prints what
 is wrong in words (the sentences are in ``MANUAL_PATCH_DIAGNOSES``) and never raises because the reader's function
 is wrong or unfinished.
+
+The chapter asks for two phases, collect every norm, then swap. While the reader's function runs, every module's
+children sit in a dict that notices being changed while something is walking it (``_WatchedChildren``), so a swap
+made inside the walk is seen and named, even where it happens to give the right model.
 """
 
 from __future__ import annotations
@@ -46,6 +50,17 @@ MANUAL_PATCH_DIAGNOSES = {
            "config.rms_norm_eps), and TritonRMSNorm's default differs; pass eps=old.variance_epsilon",
     "keys": "the state_dict keys changed: checkpoints would no longer load into the patched model",
     "gradients": "the loss or the gradients differ from Hugging Face's model",
+    "one-phase": "the norms were swapped while the module tree was still being walked (setattr inside the loop over "
+                 "named_modules() or named_children()): work in two phases, first collect every (parent, name, norm) "
+                 "into a list, then swap in a second loop. Replacing children during the walk changes the structure "
+                 "being iterated: here it happened to work, but a replacement that holds the old norm is walked "
+                 "into again, and adding or removing a child stops the walk with an error",
+    "dotted-name": "a new module was set under a dotted name (setattr(model, 'model.layers.0.input_layernorm', new) "
+                   "adds an attribute with dots in its name; it does not reach the norm): split the name and set it "
+                   "on the parent, parent = model.get_submodule(path); setattr(parent, attribute, new)",
+    "weight-tensor": "the weight must be the Parameter itself: new.weight = old.weight (a plain tensor such as "
+                     "old.weight.data or old.weight.detach() cannot be a module's parameter)",
+    "eps-attribute": "a LlamaRMSNorm keeps its eps in the attribute variance_epsilon: eps=old.variance_epsilon",
 }
 
 # What each norm of a Llama decoder does, to say which ones were missed.
@@ -54,6 +69,71 @@ _NORM_ROLES = {
     "post_attention_layernorm": "the MLP norms (post_attention_layernorm, before each MLP)",
     "norm": "the final norm (model.norm, before the LM head)",
 }
+
+
+class _WatchedChildren(dict):
+    """A module's children (its ``_modules``) that record a change made while something walks them: every walk
+    that ``named_modules``, ``named_children``, ``modules`` or ``children`` makes goes through ``items``/``values``/
+    ``keys``/``__iter__`` here, and ``setattr(parent, name, new)`` goes through ``__setitem__``."""
+
+    def __init__(self, children: dict, changed: list):
+        super().__init__(children)
+        self.walks = 0
+        self.changed = changed
+
+    def _walk(self, iterator):
+        self.walks += 1
+        try:
+            yield from iterator
+        finally:  # also when the walk is abandoned (a break): the generator is closed then
+            self.walks -= 1
+
+    def items(self):
+        return self._walk(super().items())
+
+    def values(self):
+        return self._walk(super().values())
+
+    def keys(self):
+        return self._walk(super().keys())
+
+    def __iter__(self):
+        return self._walk(super().__iter__())
+
+    def __setitem__(self, key, value):
+        if getattr(self, "walks", 0):
+            self.changed.append(key)
+        super().__setitem__(key, value)
+
+
+def _watch(model: torch.nn.Module) -> list:
+    """Give every module of ``model`` watched children; returns the list the changes made during a walk go to."""
+    changed: list = []
+    for module in list(model.modules()):
+        module.__dict__["_modules"] = _WatchedChildren(module.__dict__["_modules"], changed)
+    return changed
+
+
+def _unwatch(model: torch.nn.Module) -> None:
+    """Plain dicts again, wherever watched ones are (the modules the reader put in have plain ones already)."""
+    stack = [model]
+    while stack:
+        module = stack.pop()
+        children = module.__dict__.get("_modules", {})
+        if isinstance(children, _WatchedChildren):
+            children = dict(dict.items(children))
+            module.__dict__["_modules"] = children
+        stack.extend(child for child in children.values() if child is not None)
+
+
+def _raised(exc: Exception) -> str:
+    """What the reader's exception says, with the usual cause where there is one."""
+    text = f"{MANUAL_PATCH_DIAGNOSES['raised']}: {type(exc).__name__}: {exc}"
+    if isinstance(exc, TypeError) and "cannot assign" in str(exc) and "parameter" in str(exc):
+        return f"{text}; {MANUAL_PATCH_DIAGNOSES['weight-tensor']}"
+    if isinstance(exc, AttributeError) and "eps" in str(exc) and "variance_epsilon" not in str(exc):
+        return f"{text}; {MANUAL_PATCH_DIAGNOSES['eps-attribute']}"
+    return text
 
 
 def _report(problem: str | None, success: str, verbose: bool) -> bool:
@@ -76,6 +156,9 @@ def _structure(model, returned, norms_before, reference_keys) -> str | None:
     """What is wrong with the modules of the patched model, or None."""
     now = {name: model.get_submodule(name) for name in norms_before}
     untouched = [name for name, module in now.items() if module is norms_before[name]]
+    dotted = [name for module in model.modules() for name in module._modules if "." in name]
+    if dotted:
+        return f"{MANUAL_PATCH_DIAGNOSES['dotted-name']} (e.g. {dotted[0]!r})"
     if len(untouched) == len(now):
         if isinstance(returned, torch.nn.Module) and returned is not model and not _norms(returned):
             return MANUAL_PATCH_DIAGNOSES["copy"]
@@ -123,15 +206,21 @@ def check_manual_patch(fn: Callable, verbose: bool = True, seed: int = 0) -> boo
     model = build_model("tiny", dtype=torch.float32, device=device, seed=seed)
     reference = copy.deepcopy(model)  # Hugging Face's model, untouched: the same weights
     norms_before = _norms(model)
+    changed_during_walk = _watch(model)
     try:
         returned = fn(model)
     except NotImplementedError:
         return _report(MANUAL_PATCH_DIAGNOSES["stub"], "", verbose)
     except Exception as exc:  # the reader's code may fail in any way: say how
-        return _report(f"{MANUAL_PATCH_DIAGNOSES['raised']}: {type(exc).__name__}: {exc}", "", verbose)
+        return _report(_raised(exc), "", verbose)
+    finally:
+        _unwatch(model)
     problem = _structure(model, returned, norms_before, list(reference.state_dict()))
     if problem:
         return _report(problem, "", verbose)
+    if changed_during_walk:
+        return _report(f"{MANUAL_PATCH_DIAGNOSES['one-phase']} (e.g. {changed_during_walk[0]!r} was replaced during "
+                       "the walk)", "", verbose)
 
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=gen).to(device)

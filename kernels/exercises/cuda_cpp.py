@@ -515,15 +515,19 @@ def _warp_inputs(case: WarpCase, gen: torch.Generator) -> torch.Tensor:
 def run_on_gpu_process(source: str, inputs: list[torch.Tensor]) -> dict:
     """Build and run the reader's kernel on every case in a fresh Python process; returns ``{"error": text}`` for a
     build that failed, or ``{"results": [(rstd_with_guard, error_text), …], "device": name}``."""
+    import os
     import subprocess
     import sys
     import tempfile
 
+    # The child imports this package from where this process found it, installed or not.
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     with tempfile.TemporaryDirectory() as tmp:
         job = Path(tmp) / "job.pt"
         torch.save({"source": source, "inputs": inputs, "cases": [vars(c) for c in WARP_CASES]}, job)
         done = subprocess.run([sys.executable, "-m", "kernels.exercises.cuda_cpp", str(job)], capture_output=True,
-                              text=True, timeout=900)
+                              text=True, timeout=600, env=env)
         answer = Path(tmp) / "answer.pt"
         if answer.is_file():
             return torch.load(answer)

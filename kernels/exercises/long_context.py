@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels import runtime
 from kernels.reference import relative_error
-from kernels.tolerances import ELEMENT_TOL
+from kernels.tolerances import ELEMENT_TOL, RELATIVE_ERROR_TOL
 
 from .rmsnorm import Report
 
@@ -642,10 +642,13 @@ def _check_gradients(pack: Callable, unpack: Callable, side, recorder: _Recorder
             layer._gradient_checkpointing_func = original
     if not any(len(shape) == 3 for shape in packs):
         raise _Problem(offload_hint("no_checkpoint"))
+    # On the CPU the two steps are the same arithmetic, bit for bit. On a GPU, some backward kernels (attention's,
+    # the embedding's) add in an order that varies from run to run: equal within float32 rounding there.
+    exact = runtime.device().type != "cuda"
     for name, want in plain.items():
         got = hooked.get(name)
-        if got is None or not torch.equal(got, want):
-            error = relative_error(got, want) if got is not None else float("inf")
+        error = relative_error(got, want) if got is not None else float("inf")
+        if got is None or not (torch.equal(got, want) if exact else error <= RELATIVE_ERROR_TOL[torch.float32]):
             raise _Problem(offload_hint("gradients", name=name, error=error))
     return len(packs)
 
@@ -675,7 +678,7 @@ def check_offload_hooks(pack: Callable, unpack: Callable, seed: int | None = Non
         return _verdict(True, "on real CUDA streams: the pack returned while its copy was still queued, into pinned "
                               "memory, after the kernels that wrote the tensor; the compute stream waited for the "
                               f"copy back; and around the checkpointed tiny Llama ({packs} tensors packed) every "
-                              "gradient is equal, bit for bit.", verbose)
+                              "gradient equals the one without hooks, within float32 rounding.", verbose)
     return _verdict(True, "the copies, waits and marks come in the right order (recorded: no GPU here), and around "
                           f"the checkpointed tiny Llama ({packs} tensors packed) every gradient is equal, bit for bit. "
                           "Not checked without a GPU: that the copies really overlap and that the host buffer is "

@@ -572,6 +572,7 @@ def _check_races_on_gpu(pack: Callable, unpack: Callable, gen: torch.Generator) 
     torch.cuda.synchronize()
     if not any(t.numel() == src.numel() and torch.equal(t.reshape(src.shape), src.cpu()) for t in host):
         raise _Problem(offload_hint("race_out"))
+    x.fill_(float("nan"))  # freed memory keeps its values: a block handed out again must not still hold the answer
     del x
     with torch.cuda.stream(side):
         torch.cuda._sleep(_CYCLES)  # the side stream is held up: its copy back lands late

@@ -132,3 +132,109 @@ def test_the_batches_tell_every_mistake_apart(gen):
 def test_a_quiet_check_prints_nothing(capsys):
     assert not check_global_label_count(stub, verbose=False)
     assert capsys.readouterr().out == ""
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The same count through a collective, one thread per rank
+# --------------------------------------------------------------------------------------------------------------------
+
+import diagnoses as _diagnoses  # noqa: E402
+
+from kernels.exercises.distributed import (  # noqa: E402
+    COLLECTIVE_DIAGNOSES,
+    check_global_label_count_collective,
+)
+
+
+def _step_counts(steps, shift=True):
+    cut = slice(1, None) if shift else slice(None)
+    return [sum(int((b["labels"][:, cut] != -100).sum()) for b in micro) for micro in steps]
+
+
+def collective_right(steps, all_reduce):
+    counts = torch.tensor(_step_counts(steps))
+    all_reduce(counts)
+    return counts.tolist()
+
+
+def collective_none(steps, all_reduce):
+    return _step_counts(steps)
+
+
+def collective_per_step(steps, all_reduce):
+    out = []
+    for count in _step_counts(steps):
+        t = torch.tensor(count)
+        all_reduce(t)
+        out.append(int(t.item()))
+    return out
+
+
+def collective_int(steps, all_reduce):
+    counts = _step_counts(steps)
+    all_reduce(counts)
+    return counts
+
+
+def collective_conditional(steps, all_reduce):
+    # Only the ranks with labels in their first micro-batch of step 0 join a second collective: the others do not.
+    counts = torch.tensor(_step_counts(steps))
+    all_reduce(counts)
+    if int((steps[0][0]["labels"] != -100).sum()) % 2:
+        all_reduce(torch.zeros_like(counts))
+    return counts.tolist()
+
+
+def collective_own_shapes(steps, all_reduce):
+    counts = torch.tensor(_step_counts(steps) + [0] * (len(steps[0][0]["labels"]) % 2 + int(len(steps) > 0)))
+    counts = counts[: len(steps) + (1 if steps[0][0]["labels"][0, -1] == -100 else 0)]
+    all_reduce(counts)
+    return counts.tolist()[: len(steps)]
+
+
+def collective_stub(steps, all_reduce):
+    raise NotImplementedError
+
+
+def test_the_collective_solution_and_a_plain_version_pass():
+    assert check_global_label_count_collective(load("global_label_count_collective"), seed=0, verbose=False)
+    assert check_global_label_count_collective(collective_right, seed=1, verbose=False)
+
+
+@pytest.mark.parametrize("fn, key", [
+    (collective_none, "none"),
+    (collective_per_step, "several"),
+    (collective_int, "not_tensor"),
+    (collective_stub, "stub"),
+])
+def test_each_collective_mistake_is_named(fn, key):
+    report = check_global_label_count_collective(fn, seed=0, verbose=False)
+    assert not report
+    assert _diagnoses.says(COLLECTIVE_DIAGNOSES[key], report.message), report.message
+
+
+def test_ranks_that_call_the_collective_unequally_are_named_not_hung():
+    # Seeds until some rank takes the extra call and another does not (the batches decide).
+    for seed in range(20):
+        report = check_global_label_count_collective(collective_conditional, seed=seed, verbose=False)
+        if not report and _diagnoses.says(COLLECTIVE_DIAGNOSES["hang"], report.message):
+            return
+    pytest.fail(f"no seed made the ranks' calls differ: {report.message}")
+
+
+def test_shapes_that_differ_by_rank_are_named():
+    for seed in range(20):
+        report = check_global_label_count_collective(collective_own_shapes, seed=seed, verbose=False)
+        if not report and _diagnoses.says(COLLECTIVE_DIAGNOSES["shapes"], report.message):
+            return
+    pytest.fail(f"no seed gave the ranks different shapes: {report.message}")
+
+
+def test_the_answer_mistakes_are_still_named_through_the_collective():
+    def no_shift(steps, all_reduce):
+        counts = torch.tensor(_step_counts(steps, shift=False))
+        all_reduce(counts)
+        return counts.tolist()
+
+    report = check_global_label_count_collective(no_shift, seed=0, verbose=False)
+    assert not report and _diagnoses.says(DIAGNOSES["no_shift"], report.message), report.message

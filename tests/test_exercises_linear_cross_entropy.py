@@ -111,3 +111,106 @@ def test_quiet_check_prints_nothing(capsys):
     assert not check_slice_gradient(_stub, verbose=False)
     assert check_slice_gradient(right, verbose=False)
     assert capsys.readouterr().out == ""
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The exercise as a Triton kernel
+# --------------------------------------------------------------------------------------------------------------------
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from kernels.exercises.linear_cross_entropy import (  # noqa: E402
+    KERNEL_DIAGNOSES,
+    check_slice_gradient_kernel,
+)
+
+
+@triton.jit
+def planted_kernel(LOGITS, LSE, TARGET, GRAD, n_rows, width, col_start, scale, ignore_index, stride_logits,
+                   stride_grad, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, MISTAKE: tl.constexpr):
+    # The solution, with the mistake named by MISTAKE planted.
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    if MISTAKE == "one_column_block":
+        cols = tl.arange(0, BLOCK_N)
+    else:
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < n_rows
+    mask = row_ok[:, None] & (cols < width)[None, :]
+    if MISTAKE == "placeholder":
+        mask = tl.zeros((ROWS, BLOCK_N), dtype=tl.int1)
+    read_stride = width if MISTAKE == "contiguous" else stride_logits
+    x = tl.load(LOGITS + rows[:, None] * read_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    lse = tl.load(LSE + rows, mask=row_ok, other=0.0)
+    target = tl.load(TARGET + rows, mask=row_ok, other=ignore_index)
+    p = tl.exp(x - lse[:, None])
+    if MISTAKE == "no_offset":
+        is_target = cols[None, :] == target[:, None]
+    else:
+        is_target = (col_start + cols)[None, :] == target[:, None]
+    g = tl.where(is_target, p - 1.0, p) * scale
+    if MISTAKE == "sign":
+        g = -g
+    g = tl.where((target != ignore_index)[:, None], g, 0.0)
+    if MISTAKE == "no_mask":
+        tl.store(GRAD + rows[:, None] * stride_grad + cols[None, :], g)
+    else:
+        tl.store(GRAD + rows[:, None] * stride_grad + cols[None, :], g, mask=mask)
+
+
+@triton.jit
+def broadcast_kernel(LOGITS, LSE, TARGET, GRAD, n_rows, width, col_start, scale, ignore_index, stride_logits,
+                     stride_grad, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < n_rows)[:, None] & (cols < width)[None, :]
+    x = tl.load(LOGITS + rows[:, None] * stride_logits + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    lse = tl.load(LSE + rows, mask=rows < n_rows, other=0.0)
+    p = tl.exp(x - lse)  # [ROWS, BLOCK_N] − [ROWS]: the row vector needs [:, None]
+    tl.store(GRAD + rows[:, None] * stride_grad + cols[None, :], p, mask=mask)
+
+
+class Planted:
+    """``planted_kernel`` with MISTAKE bound, launched like the reader's kernel."""
+
+    def __init__(self, mistake):
+        self.mistake = mistake
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: planted_kernel[grid](*args, **kwargs, MISTAKE=self.mistake)
+
+
+KERNEL_CASES = {
+    "placeholder": KERNEL_DIAGNOSES["nothing"],
+    "no_mask": KERNEL_DIAGNOSES["outside"],
+    "one_column_block": KERNEL_DIAGNOSES["unwritten"],
+    "contiguous": KERNEL_DIAGNOSES["stride"],
+    "no_offset": DIAGNOSES["no_offset"],
+    "sign": DIAGNOSES["sign"],
+}
+
+
+def test_the_kernel_solution_passes(capsys):
+    assert check_slice_gradient_kernel(load("slice_gradient_kernel"))
+    assert capsys.readouterr().out.startswith("✓ " + KERNEL_DIAGNOSES["passed"][:30])
+
+
+@pytest.mark.parametrize("mistake", sorted(KERNEL_CASES))
+def test_each_kernel_mistake_is_named(mistake, monkeypatch, capsys):
+    # The check insists on a Triton kernel: let the stand-in that binds MISTAKE pass for one.
+    monkeypatch.setattr(triton.runtime.jit, "KernelInterface", (triton.runtime.jit.KernelInterface, Planted))
+    assert not check_slice_gradient_kernel(Planted(mistake))
+    out = capsys.readouterr().out
+    assert diagnoses.says(KERNEL_CASES[mistake], out), out
+
+
+def test_a_kernel_that_raises_and_a_function_are_named(capsys):
+    assert not check_slice_gradient_kernel(broadcast_kernel)
+    assert diagnoses.says(KERNEL_DIAGNOSES["raised"], capsys.readouterr().out)
+    assert not check_slice_gradient_kernel(load("slice_gradient"))
+    assert diagnoses.says(KERNEL_DIAGNOSES["not_kernel"], capsys.readouterr().out)
+
+
+def test_every_kernel_diagnosis_has_a_test():
+    named = {k for k, v in KERNEL_DIAGNOSES.items() if v in KERNEL_CASES.values()}
+    assert named | {"raised", "not_kernel", "passed"} == set(KERNEL_DIAGNOSES)

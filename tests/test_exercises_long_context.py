@@ -20,7 +20,7 @@ def loop(step=None, stop=None, starts=None, write=None, out_like=None, view=True
         n = rows.shape[0]
         for start in (starts(n, tile_rows) if starts else range(0, n, step(tile_rows) if step else tile_rows)):
             end = stop(start, tile_rows, n) if stop else min(start + tile_rows, n)
-            if end <= start:
+            if end <= start and not stop:
                 continue
             result = mlp_tile(rows[start:end])
             if write:
@@ -70,6 +70,7 @@ WRONG = {
     "dtype": loop(out_like=lambda rows: torch.empty(rows.shape, device=rows.device)),
     "view the [tokens, hidden] result back": loop(view=False),
     "your function raised NotImplementedError: write the tile loop": stub,
+    "an empty tile": loop(starts=lambda n, t: range(0, n + 1, t), stop=lambda s, t, n: s + t),
 }
 
 
@@ -108,3 +109,155 @@ def test_a_dropped_partial_tile_is_named_when_it_is_the_only_tile():
 def test_every_case_is_named_in_words():
     assert all("tile_rows=" in str(case) for case in CASES)
     assert "5 tiles + 10 rows" in str(CASES[0]) and "one partial tile of 11" in str(CASES[1])
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The second exercise: the offload hooks
+# --------------------------------------------------------------------------------------------------------------------
+
+import diagnoses  # noqa: E402
+
+from kernels.exercises.long_context import OFFLOAD_HINTS, check_offload_hooks  # noqa: E402
+
+
+def hooks(wait=True, side_out=True, blocking_out=False, mark_out=True, kept=False, sync=None, copy_back=True,
+          side_back=True, blocking_back=False, event="after", alloc_on_side=False, mark_back=True, corrupt=False):
+    """The solution's pair with one planted mistake."""
+
+    def pack(tensor, side):
+        if kept:
+            return tensor.device, tensor
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=torch.cuda.is_available())
+        if wait:
+            side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side if side_out else None):
+            host.copy_(tensor, non_blocking=not blocking_out)
+        if sync == "pack":
+            torch.cuda.synchronize()
+        if mark_out:
+            tensor.record_stream(side)
+        return tensor.device, host
+
+    def unpack(packed, side):
+        device, host = packed
+        if not copy_back:
+            return host if not corrupt else host * 2
+        early = side.record_event()
+        with torch.cuda.stream(side if side_back else None):
+            if alloc_on_side:
+                tensor = host.to(device, copy=True, non_blocking=not blocking_back)
+            else:
+                tensor = torch.empty(host.shape, dtype=host.dtype, device=device)
+                tensor.copy_(host, non_blocking=not blocking_back)
+            copied = side.record_event()
+        if sync == "unpack":
+            copied.synchronize()
+        if event == "after":
+            torch.cuda.current_stream().wait_event(copied)
+        elif event == "before":
+            torch.cuda.current_stream().wait_event(early)
+        if alloc_on_side and mark_back:
+            tensor.record_stream(torch.cuda.current_stream())
+        return tensor * 2 if corrupt else tensor
+
+    return pack, unpack
+
+
+def offload_stub(tensor, side):
+    raise NotImplementedError("your turn")
+
+
+OFFLOAD_MISTAKES = {
+    "stub": (offload_stub, offload_stub),
+    "kept_tensor": hooks(kept=True),
+    "no_copy_out": (lambda tensor, side: (tensor.device, tensor.clone()), offload_stub),  # a clone stays on device
+    "copy_out_on_compute": hooks(side_out=False),
+    "no_wait_before_copy_out": hooks(wait=False),
+    "blocking_copy_out": hooks(blocking_out=True),
+    "no_record_stream_out": hooks(mark_out=False),
+    "synchronized": hooks(sync="pack"),
+    "no_copy_back": hooks(copy_back=False),
+    "copy_back_on_compute": hooks(side_back=False),
+    "blocking_copy_back": hooks(blocking_back=True),
+    "no_wait_after_copy_back": hooks(event=None),
+    "wait_before_copy_back": hooks(event="before"),
+    "no_record_stream_back": hooks(alloc_on_side=True, mark_back=False),
+    "wrong_tensor": hooks(corrupt=True),
+    "raised": (lambda tensor, side: tensor.no_such_method(), offload_stub),
+}
+# Seen on a GPU only (the races provoked on real streams), or by the gradient run: see the gpu test below.
+GPU_OR_MODEL_ONLY = {"not_pinned", "pack_waited", "race_out", "race_back", "gradients", "no_checkpoint"}
+
+
+def test_the_offload_solution_passes_and_says_what_was_not_checked():
+    report = check_offload_hooks(*load("offload_hooks")(), seed=0, verbose=False)
+    assert report.passed, report.message
+    if not torch.cuda.is_available():
+        assert "Not checked without a GPU" in report.message
+
+
+def test_every_offload_diagnosis_is_planted_here():
+    assert set(OFFLOAD_MISTAKES) | GPU_OR_MODEL_ONLY == set(OFFLOAD_HINTS)
+
+
+@pytest.mark.parametrize("key", sorted(OFFLOAD_MISTAKES))
+def test_each_offload_mistake_is_named(key):
+    if torch.cuda.is_available() and key not in {"stub", "raised", "kept_tensor", "wrong_tensor"}:
+        pytest.skip("the order of the calls is recorded where there is no GPU; on a GPU the races are provoked")
+    report = check_offload_hooks(*OFFLOAD_MISTAKES[key], seed=3, verbose=False)
+    assert not report.passed, f"a wrong pair passed: {key}"
+    assert diagnoses.says(OFFLOAD_HINTS[key], report.message), report.message
+
+
+def test_a_pair_that_changes_the_saved_tensor_in_the_model_is_named(monkeypatch):
+    # Right on the lone tensor, wrong inside the model: the gradient comparison catches it.
+    pack, unpack = load("offload_hooks")()
+    calls = {"n": 0}
+
+    def late_unpack(packed, side):
+        calls["n"] += 1
+        out = unpack(packed, side)
+        return out if calls["n"] == 1 else out + 1e-3
+
+    report = check_offload_hooks(pack, late_unpack, seed=0, verbose=False)
+    assert not report.passed
+    assert diagnoses.says(OFFLOAD_HINTS["gradients"], report.message), report.message
+
+
+def test_the_stand_ins_are_gone_after_a_check():
+    before = (torch.cuda.current_stream, torch.cuda.stream, torch.cuda.Event, torch.cuda.synchronize,
+              torch.Tensor.record_stream)
+    check_offload_hooks(*OFFLOAD_MISTAKES["synchronized"], seed=0, verbose=False)
+    after = (torch.cuda.current_stream, torch.cuda.stream, torch.cuda.Event, torch.cuda.synchronize,
+             torch.Tensor.record_stream)
+    assert all(a is b for a, b in zip(before, after))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("key", ["no_wait_before_copy_out", "no_wait_after_copy_back", "synchronized",
+                                 "blocking_copy_out"])
+def test_on_a_gpu_the_races_are_provoked(key):
+    # On real streams: a missing wait gives stale or unfinished data, a wait on the host makes the pack slow.
+    expected = {"no_wait_before_copy_out": "race_out", "no_wait_after_copy_back": "race_back",
+                "synchronized": "pack_waited", "blocking_copy_out": "pack_waited"}[key]
+    report = check_offload_hooks(*OFFLOAD_MISTAKES[key], seed=0, verbose=False)
+    assert not report.passed
+    assert diagnoses.says(OFFLOAD_HINTS[expected], report.message), report.message
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_pageable_memory_is_named():
+    def pack(tensor, side):
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")  # not pinned
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            host.copy_(tensor, non_blocking=True)
+        tensor.record_stream(side)
+        return tensor.device, host
+
+    report = check_offload_hooks(pack, load("offload_hooks")()[1], seed=0, verbose=False)
+    assert not report.passed
+    assert (diagnoses.says(OFFLOAD_HINTS["not_pinned"], report.message)
+            or diagnoses.says(OFFLOAD_HINTS["pack_waited"], report.message)), report.message

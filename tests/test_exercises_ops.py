@@ -47,6 +47,14 @@ def _stub(x, w, eps):
     raise NotImplementedError
 
 
+_ROWS_BY_SHAPE: dict = {}
+
+
+def _rows_by_shape(x):
+    # Memoised by shape: fine with the ints of static shapes; symbolic sizes (dynamic shapes) cannot be hashed.
+    return _ROWS_BY_SHAPE.setdefault(tuple(x.shape), _rows(x))
+
+
 MISTAKES = {
     "stub": _stub,
     "reads_values": lambda x, w, eps: (x * float(x.sum()), _rstd(x)),
@@ -66,6 +74,8 @@ MISTAKES = {
     "rstd_shape": lambda x, w, eps: (_y(x, w), _rstd(x, rows=x.shape[-1])),
     "rstd_dtype": lambda x, w, eps: (_y(x, w), x.new_empty(_rows(x))),
     "rstd_strides": lambda x, w, eps: (_y(x, w), _rstd(x, rows=2 * _rows(x))[::2]),
+    "aliases": lambda x, w, eps: (x.to(torch.promote_types(x.dtype, w.dtype)), _rstd(x)),
+    "opcheck": lambda x, w, eps: (_y(x, w), _rstd(x, rows=_rows_by_shape(x))),
 }
 
 
@@ -95,3 +105,8 @@ def test_no_launch_is_left_refused_after_a_check():
     x = torch.randn(3, 16)
     y, _ = rms_norm_forward(x, torch.randn(16), 1e-6)  # kernels launch again
     assert y.shape == x.shape
+
+
+def test_opcheck_runs_the_registered_fake_under_dynamic_shapes():
+    message = _diagnosis(MISTAKES["opcheck"])
+    assert "test_aot_dispatch_dynamic" in message, message

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -275,3 +277,384 @@ def check_rms_norm_rows(source: str, seed: int | None = None, verbose: bool = Tr
         worst = max(worst, relative_error(y, rms_norm_reference(x.double(), w.double(), case.eps)))
     widths = "/".join(str(c.cols) for c in CASES)
     return verdict(True, diagnosis("passed", cases=len(CASES), widths=widths, worst=worst), verbose)
+
+
+# ====================================================================================================================
+# The CUDA exercise: a warp per row, 16-byte loads and a warp-shuffle reduction
+# ====================================================================================================================
+#
+# The reader writes a CUDA kernel, as a string: ``rstd_warp_per_row`` computes each row's rstd = 1 / sqrt(mean(x²) +
+# eps) of a float32 [rows, cols] tensor, one warp per row (blockDim.x / 32 rows per block), each lane reading its
+# share of the row in float4 packs (16 bytes; cols is a multiple of 4, so every row starts on a 16-byte boundary) and
+# the lanes' partial sums added with warp shuffles. The package's kernel gives a whole block to a row; a warp per
+# row is the layout for rows too narrow to feed a block, and its reduction needs no shared memory at all.
+#
+# Where a GPU is present the check builds the kernel with ``torch.utils.cpp_extension.load_inline`` in a separate
+# process (a kernel that reads out of bounds ends its CUDA context, and must not end the reader's), runs it on
+# poisoned outputs with room past their end, and compares with float64. Without a GPU it compiles the kernel to PTX
+# with ``nvcc`` when nvcc is on PATH (about two seconds), reads the source for the usual mistakes, and says plainly
+# that the kernel was compiled and not run; without nvcc, that it was neither.
+
+WARP_KERNEL = "rstd_warp_per_row"
+
+WARP_STUB = r"""
+extern "C" __global__ void rstd_warp_per_row(const float* x, float* rstd, int64_t rows, int64_t cols, float eps) {
+  // TODO: this warp's row and this thread's lane; the lane's share of the row in float4 packs; the lanes' partial
+  //       sums added with warp shuffles; one lane writes rstd[row] = 1 / sqrt(mean + eps).
+}
+"""
+
+WARP_DIAGNOSES = {
+    "stub": "rstd_warp_per_row is still the stub: its body is empty",
+    "compile": "it does not compile: {error}",
+    "no_kernel": ('the PTX has no kernel named rstd_warp_per_row: keep `extern "C" __global__` and the stub\'s name '
+                  '(without extern "C", C++ renames the function)'),
+    "no_shuffle": ("the lanes' partial sums are not combined with a warp shuffle (__shfl_xor_sync or "
+                   "__shfl_down_sync): that is what this exercise is about"),
+    "old_shuffle": ("{call} without _sync no longer exists on sm_70 and later: use the _sync variant with the mask "
+                    "of the lanes taking part, 0xffffffff for a whole warp"),
+    "partial_mask": ("a shuffle's mask is {mask}, not the whole warp (0xffffffff): lanes outside the mask do not "
+                     "take part, and reading from them is undefined"),
+    "atomic": ("atomicAdd combines the partial sums: correct, but it serialises the lanes; the shuffles add them "
+               "in registers, in five steps"),
+    "no_vector_load": ("no 16-byte load: read the row as float4 packs (reinterpret_cast<const float4*>(row)[i]), "
+                       "one instruction per four floats"),
+    "unavailable_gpu": "cannot build CUDA here: {reason}",
+    "crashed": ("the kernel failed on the GPU ({error}): an out-of-bounds or misaligned access. Does every lane "
+                "stay within its row's cols / 4 packs, and every warp whose row is ≥ rows do nothing?"),
+    "not_written": "rstd was never written: the lane that holds the total must store it",
+    "partly_written": ("rstd[{row}] was never written ({count} of {rows} rows): warp w of block b takes row "
+                       "b * (blockDim.x / 32) + w, and every row needs a warp (the grid is ceil(rows / warps per "
+                       "block) blocks)"),
+    "past_rows": ("{count} value(s) were written past the last row of rstd: a warp whose row is ≥ rows must do "
+                  "nothing (the last block has more warps than rows left)"),
+    "no_reduction": ("rstd holds lane 0's share only: the lanes' partial sums were not added (a shuffle over offsets "
+                     "16, 8, 4, 2, 1 before the store)"),
+    "one_pack": ("each lane read only its first pack: the row has cols / 4 packs, more than 32 when cols > 128; "
+                 "loop over them with a stride of 32"),
+    "mean_over_packs": "the sum of squares is divided by the number of packs (cols / 4) instead of cols",
+    "no_eps": "rstd is wrong: eps is missing, 1 / sqrt(mean) instead of 1 / sqrt(mean + eps)",
+    "std": "rstd holds sqrt(mean + eps), the root itself: store its reciprocal (rsqrtf)",
+    "wrong": ("rstd is wrong (relative error {error:.2g} > {tol:g}); row {row} differs most. Expected "
+              "1 / sqrt(mean(x²) + eps) of every row"),
+    "passed_gpu": ("rstd_warp_per_row is right on {cases} inputs ({shapes}), run on {device}; largest relative error "
+                   "{worst:.1e}."),
+    "compiled_not_run": ("compiled, not run: no GPU. nvcc built the kernel to PTX for {arch}, and the source reads "
+                         "right (float4 loads, warp shuffles over the whole warp). Whether it computes rstd was not "
+                         "checked: run this check where there is a GPU."),
+    "not_compiled": ("not compiled and not run: no GPU and no nvcc here. The source reads right (float4 loads, warp "
+                     "shuffles over the whole warp), which is all that could be checked."),
+}
+
+OUTCOMES = ("passed", "failed", "compiled, not run", "not compiled, not run")
+
+
+@dataclass(frozen=True)
+class CudaReport:
+    """The verdict of the CUDA check: ``outcome`` is one of ``OUTCOMES``; true only when the kernel ran and was
+    right. "compiled, not run" is its own outcome, never a pass."""
+
+    outcome: str
+    message: str
+
+    @property
+    def passed(self) -> bool:
+        return self.outcome == "passed"
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+
+def warp_diagnosis(key: str, **fields) -> str:
+    """The sentence ``WARP_DIAGNOSES[key]`` with its fields filled in."""
+    return WARP_DIAGNOSES[key].format(**fields)
+
+
+def _cuda_verdict(outcome: str, message: str, verbose: bool) -> CudaReport:
+    mark = {"passed": "✓ ", "failed": "✗ "}.get(outcome, "○ ")
+    report = CudaReport(outcome, mark + message)
+    if verbose:
+        print(report.message)
+    return report
+
+
+@dataclass(frozen=True)
+class WarpCase:
+    rows: int
+    cols: int
+    threads: int
+    eps: float = 1e-6
+    tiny_row: int | None = None
+
+    def __str__(self) -> str:
+        text = f"input of {self.rows} × {self.cols} with {self.threads} threads per block"
+        if self.tiny_row is not None:
+            text += f" (row {self.tiny_row} holds tiny values; eps={self.eps:g})"
+        return text
+
+
+WARP_CASES = (
+    WarpCase(37, 1024, 128),  # 256 packs a row: 8 per lane; 37 rows, so the last block has warps without a row
+    WarpCase(5, 1000, 256, eps=1e-5, tiny_row=2),  # 250 packs: not a multiple of 32 lanes; eps decides one row
+    WarpCase(64, 128, 64),  # exactly one pack per lane
+    WarpCase(3, 4, 32),  # one pack a row: 31 lanes hold nothing
+)
+ROWS_GUARD = 64  # poisoned values past rstd's end, where a warp beyond the last row would write
+
+
+# -- reading the source --------------------------------------------------------------------------------------------
+
+_SHUFFLE = re.compile(r"__shfl_(xor|down|up)?_?sync\s*\(\s*([^,]+),")
+_OLD_SHUFFLE = re.compile(r"__shfl(_xor|_down|_up)?\s*\(")
+_FULL_MASKS = {"0xffffffff", "0xffffffffu", "0xFFFFFFFF", "0xFFFFFFFFu", "0xffffffffU", "0xFFFFFFFFU", "~0u", "~0U",
+               "~0", "-1", "0xffffffffull"}
+
+
+def _without_comments(source: str) -> str:
+    source = re.sub(r"/\*.*?\*/", " ", source, flags=re.S)
+    return re.sub(r"//[^\n]*", " ", source)
+
+
+def read_warp_source(source: str) -> str | None:
+    """The first usual mistake the source shows by reading alone, worded; None when it reads right."""
+    code = _without_comments(source)
+    body = code[code.find("{") + 1: code.rfind("}")] if "{" in code else ""
+    if not body.strip():
+        return warp_diagnosis("stub")
+    old = _OLD_SHUFFLE.search(code)
+    if old:
+        return warp_diagnosis("old_shuffle", call=old.group(0).rstrip("( "))
+    shuffles = _SHUFFLE.findall(code)
+    if not shuffles:
+        return warp_diagnosis("atomic") if "atomicAdd" in code else warp_diagnosis("no_shuffle")
+    for _, mask in shuffles:
+        mask = mask.strip()
+        if re.fullmatch(r"(0x[0-9a-fA-F]+|\d+)[uUlL]*", mask) and mask not in _FULL_MASKS:
+            return warp_diagnosis("partial_mask", mask=mask)
+    if "atomicAdd" in code:
+        return warp_diagnosis("atomic")
+    if not re.search(r"\b(float4|uint4|int4)\b", code):
+        return warp_diagnosis("no_vector_load")
+    return None
+
+
+# -- compiling without a GPU: nvcc to PTX ----------------------------------------------------------------------------
+
+PTX_ARCH = "sm_90"
+_PTX_PRELUDE = "#include <cstdint>\n"
+
+
+def nvcc_path() -> str | None:
+    """nvcc on PATH (or under CUDA_HOME), else None."""
+    import os
+    import shutil
+
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    candidate = Path(home, "bin", "nvcc") if home else None
+    return str(candidate) if candidate is not None and candidate.is_file() else None
+
+
+def compile_to_ptx(source: str, arch: str = PTX_ARCH) -> tuple[str | None, str | None]:
+    """``(ptx, None)`` from ``nvcc --ptx``, or ``(None, what went wrong)``; each distinct source is compiled once
+    (the PTX is kept under the system's temporary folder, named by the source's hash)."""
+    import subprocess
+    import tempfile
+
+    nvcc = nvcc_path()
+    if nvcc is None:
+        return None, "no nvcc"
+    key = hashlib.sha1((arch + source).encode()).hexdigest()[:16]
+    folder = Path(tempfile.gettempdir()) / "kernels_exercise_ptx"
+    folder.mkdir(exist_ok=True)
+    ptx = folder / f"{key}.ptx"
+    if ptx.is_file():
+        return ptx.read_text(), None
+    cu = folder / f"{key}.cu"
+    cu.write_text(_PTX_PRELUDE + source)
+    try:
+        done = subprocess.run([nvcc, "--ptx", f"-arch={arch}", "-o", str(ptx), str(cu)], capture_output=True,
+                              text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return None, warp_diagnosis("compile", error=f"nvcc did not finish: {exc}")
+    if done.returncode != 0:
+        errors = [line.split(f"{key}.cu", 1)[-1] for line in done.stderr.splitlines() if "error" in line]
+        first = errors[0] if errors else (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return None, warp_diagnosis("compile", error=f"kernel.cu{first}" if errors else first)
+    return ptx.read_text(), None
+
+
+# -- running on a GPU, in a process of its own -----------------------------------------------------------------------
+
+_LAUNCHER = r"""
+#include <cuda_runtime.h>
+
+std::string launch_rstd(torch::Tensor x, torch::Tensor rstd, int64_t rows, int64_t cols, double eps,
+                        int64_t threads) {
+  const int64_t warps = threads / 32;
+  const int64_t blocks = (rows + warps - 1) / warps;
+  rstd_warp_per_row<<<blocks, threads>>>(x.data_ptr<float>(), rstd.data_ptr<float>(), rows, cols,
+                                         static_cast<float>(eps));
+  cudaError_t launched = cudaGetLastError();
+  cudaError_t finished = cudaDeviceSynchronize();
+  cudaError_t error = launched != cudaSuccess ? launched : finished;
+  return error == cudaSuccess ? std::string() : std::string(cudaGetErrorString(error));
+}
+"""
+
+
+def _warp_inputs(case: WarpCase, gen: torch.Generator) -> torch.Tensor:
+    x = torch.randn(case.rows, case.cols, generator=gen, dtype=torch.float64)
+    if case.tiny_row is not None:
+        x[case.tiny_row] *= 1e-3
+    return x.float()
+
+
+def run_on_gpu_process(source: str, inputs: list[torch.Tensor]) -> dict:
+    """Build and run the reader's kernel on every case in a fresh Python process; returns ``{"error": text}`` for a
+    build that failed, or ``{"results": [(rstd_with_guard, error_text), …], "device": name}``."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    # The child imports this package from where this process found it, installed or not.
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    with tempfile.TemporaryDirectory() as tmp:
+        job = Path(tmp) / "job.pt"
+        torch.save({"source": source, "inputs": inputs, "cases": [vars(c) for c in WARP_CASES]}, job)
+        done = subprocess.run([sys.executable, "-m", "kernels.exercises.cuda_cpp", str(job)], capture_output=True,
+                              text=True, timeout=600, env=env)
+        answer = Path(tmp) / "answer.pt"
+        if answer.is_file():
+            return torch.load(answer)
+        tail = (done.stderr or done.stdout).strip().splitlines()
+        return {"error": tail[-1] if tail else f"the build process exited with {done.returncode}"}
+
+
+def _gpu_job(job_path: str) -> None:
+    """Inside the separate process: build, run every case, save the answers beside the job."""
+    from torch.utils.cpp_extension import load_inline
+
+    job = torch.load(job_path)
+    source = job["source"]
+    name = "exercise_rstd_warp_" + hashlib.sha1(source.encode()).hexdigest()[:12]
+    answer = Path(job_path).with_name("answer.pt")
+    try:
+        module = load_inline(name=name, cpp_sources=["std::string launch_rstd(torch::Tensor x, torch::Tensor rstd, "
+                                                     "int64_t rows, int64_t cols, double eps, int64_t threads);"],
+                             cuda_sources=[_PTX_PRELUDE + source + _LAUNCHER], functions=["launch_rstd"],
+                             extra_cuda_cflags=["-O3"])
+    except Exception as exc:  # noqa: BLE001  (a compile error is the reader's to read)
+        lines = [line for line in str(exc).splitlines() if "error" in line and ".cu" in line]
+        first = lines[0].split(".cu", 1)[-1] if lines else str(exc).strip().splitlines()[-1]
+        torch.save({"error": warp_diagnosis("compile", error=f"kernel.cu{first}" if lines else first)}, answer)
+        return
+    results = []
+    for x, case in zip(job["inputs"], job["cases"]):
+        padded = torch.full((case["rows"] + 1, case["cols"]), 1e4, dtype=torch.float32, device="cuda")
+        padded[: case["rows"]] = x.cuda()  # a row of large values past the end: reads beyond x show
+        rstd = torch.full((case["rows"] + ROWS_GUARD,), POISON_BITS, dtype=torch.int32, device="cuda")
+        rstd = rstd.view(torch.float32)
+        error = module.launch_rstd(padded, rstd, case["rows"], case["cols"], case["eps"], case["threads"])
+        results.append((rstd.cpu() if not error else None, error))
+        if error:
+            break  # the CUDA context is gone after a failed kernel
+    torch.save({"results": results, "device": torch.cuda.get_device_name()}, answer)
+
+
+def _warp_suspects(x: torch.Tensor, case: WarpCase) -> dict[str, torch.Tensor]:
+    x64 = x.double()
+    squares = x64.pow(2)
+    packs = squares.view(case.rows, -1, 4).sum(-1)  # [rows, cols / 4]
+    lane0 = packs[:, ::32].sum(-1)
+    first = packs[:, :32].sum(-1)
+    sumsq = squares.sum(-1)
+    return {
+        "no_reduction": (lane0 / case.cols + case.eps).rsqrt(),
+        "one_pack": (first / case.cols + case.eps).rsqrt(),
+        "mean_over_packs": (sumsq / (case.cols // 4) + case.eps).rsqrt(),
+        "no_eps": (sumsq / case.cols).rsqrt(),
+        "std": (sumsq / case.cols + case.eps).sqrt(),
+    }
+
+
+def _warp_problem(rstd_guarded: torch.Tensor, x: torch.Tensor, case: WarpCase) -> str | None:
+    rstd, guard = rstd_guarded[: case.rows], rstd_guarded[case.rows:]
+    spilled = int((~untouched(guard)).sum())
+    if spilled:
+        return warp_diagnosis("past_rows", count=spilled)
+    unwritten = untouched(rstd)
+    if unwritten.all():
+        return warp_diagnosis("not_written")
+    if unwritten.any():
+        return warp_diagnosis("partly_written", row=int(unwritten.nonzero()[0]), count=int(unwritten.sum()),
+                              rows=case.rows)
+    ref = (x.double().pow(2).mean(-1) + case.eps).rsqrt()
+    error = relative_error(rstd, ref)
+    if error <= TOL:
+        return None
+    for key, value in _warp_suspects(x, case).items():
+        if not torch.allclose(value, ref) and relative_error(rstd, value) <= TOL:
+            return warp_diagnosis(key)
+    row = int((rstd.double() - ref).abs().nan_to_num(float("inf")).argmax())
+    return warp_diagnosis("wrong", error=error, tol=TOL, row=row)
+
+
+def check_rstd_warp_per_row(source: str, seed: int | None = None, verbose: bool = True) -> CudaReport:
+    """Check the reader's CUDA source of ``rstd_warp_per_row`` (see the notes above ``WARP_DIAGNOSES``).
+
+    The outcome is "passed" only when the kernel ran on a GPU and was right; without a GPU it is "compiled, not
+    run" (nvcc found) or "not compiled, not run", each said in words, or "failed" with the first mistake found by
+    compiling or reading. Prints the verdict (unless ``verbose=False``); never raises because the source is wrong.
+    """
+    if not isinstance(source, str):
+        return _cuda_verdict("failed", f"the check takes the kernel's CUDA source as a string, got "
+                                       f"{type(source).__name__}", verbose)
+    read = read_warp_source(source)
+    if read == warp_diagnosis("stub"):
+        return _cuda_verdict("failed", read, verbose)
+    if torch.cuda.is_available():
+        from kernels.cuda_rmsnorm import cuda_build_unavailable
+
+        reason = cuda_build_unavailable()
+        if reason:
+            return _cuda_verdict("failed", warp_diagnosis("unavailable_gpu", reason=reason), verbose)
+        gen = torch.Generator()
+        gen.manual_seed(seed) if seed is not None else gen.seed()
+        inputs = [_warp_inputs(case, gen) for case in WARP_CASES]
+        answer = run_on_gpu_process(source, inputs)
+        if "error" in answer:
+            return _cuda_verdict("failed", answer["error"], verbose)
+        worst = 0.0
+        for (rstd, error), x, case in zip(answer["results"], inputs, WARP_CASES):
+            if error:
+                return _cuda_verdict("failed", f"on an {case}, " + warp_diagnosis("crashed", error=error), verbose)
+            problem = _warp_problem(rstd, x, case)
+            if problem:
+                return _cuda_verdict("failed", f"on an {case}, {problem}", verbose)
+            worst = max(worst, relative_error(rstd[: case.rows], (x.double().pow(2).mean(-1) + case.eps).rsqrt()))
+        if read:  # right answers, and a mistake of style the run cannot show (no shuffle, no float4, an atomic)
+            return _cuda_verdict("failed", "the results are right, but " + read, verbose)
+        shapes = ", ".join(f"{c.rows}×{c.cols}" for c in WARP_CASES)
+        return _cuda_verdict("passed", warp_diagnosis("passed_gpu", cases=len(WARP_CASES), shapes=shapes,
+                                                      device=answer["device"], worst=worst), verbose)
+    ptx, problem = compile_to_ptx(source)
+    if problem is not None and problem != "no nvcc":
+        return _cuda_verdict("failed", problem, verbose)
+    if ptx is not None and not re.search(rf"\.entry\s+{WARP_KERNEL}\s*\(", ptx):
+        return _cuda_verdict("failed", warp_diagnosis("no_kernel"), verbose)
+    if read:
+        return _cuda_verdict("failed", read, verbose)
+    if ptx is None:
+        return _cuda_verdict("not compiled, not run", warp_diagnosis("not_compiled"), verbose)
+    return _cuda_verdict("compiled, not run", warp_diagnosis("compiled_not_run", arch=PTX_ARCH), verbose)
+
+
+if __name__ == "__main__":  # the separate process of run_on_gpu_process
+    import sys
+
+    _gpu_job(sys.argv[1])

@@ -300,3 +300,164 @@ def check_global_label_count(fn: Callable, seed: int | None = None, verbose: boo
             example = f"step 0 of {case.ranks} ranks: {' + '.join(map(str, local))} = {expected_counts(ranks)[0]}"
     shapes = "; ".join(str(case) for case in CASES)
     return verdict(True, diagnosis("passed", cases=len(CASES), shapes=shapes, example=example), verbose)
+
+
+# ====================================================================================================================
+# The same count through a collective: the reader's function runs once per rank, as each process would
+# ====================================================================================================================
+#
+# ``fn(steps, all_reduce) -> list`` gets only its own rank's step groups and an ``all_reduce(tensor)`` that sums
+# ``tensor`` in place over the ranks, as ``torch.distributed.all_reduce(tensor, op=ReduceOp.SUM)`` does. The check
+# runs one thread per rank, each calling ``fn`` (a collective waits until every rank has joined it, so the threads
+# meet inside ``all_reduce``), then names the answer's mistakes as above, and the collective's own: ranks that call
+# it a different number of times (a real run hangs), something else than a tensor, ranks that hand it tensors of
+# different shapes, and more than one collective per rank (each is a round trip between the GPUs).
+
+COLLECTIVE_DIAGNOSES = {
+    "stub": "not done yet: global_label_count still raises NotImplementedError",
+    "hang": ("rank {rank} called all_reduce {more} time(s) while rank {other} called it {fewer}: a collective waits "
+             "for every rank, so a real run would hang there. Every rank must make the same calls, in the same "
+             "order, whatever its data"),
+    "not_tensor": ("all_reduce was given {type}: a collective sums a tensor in place (every rank's copy becomes the "
+                   "sum), so put the counts in a tensor, all_reduce it, then read it back"),
+    "shapes": ("the ranks handed all_reduce tensors of different shapes ({shapes}): every rank must contribute a "
+               "tensor of the same shape, one element per step"),
+    "several": ("the counts are right, but each rank called all_reduce {calls} times: every collective is a round "
+                "trip between the GPUs (and, read with .item() or .tolist(), a wait for it). Put every step's count "
+                "in one tensor and all_reduce it once"),
+    "none": ("no rank called all_reduce: each rank sees only its own batches, so without the collective it can "
+             "only count its own labels"),
+}
+COLLECTIVE_TIMEOUT_S = 20.0  # a rank waiting this long at a collective is taken for a hang
+
+
+class _Hang(RuntimeError):
+    """A rank waited at a collective that some other rank will never join."""
+
+
+class _Collective:
+    """``all_reduce`` for ``world`` threads, one per rank: each call waits until every rank has contributed, then
+    every rank's tensor becomes the sum. Counts the calls; a rank still waiting when another has finished (or has
+    failed) is released with ``_Hang``, where a real run would wait forever."""
+
+    def __init__(self, world: int):
+        import threading
+
+        self.world = world
+        self.cond = threading.Condition()
+        self.arrived, self.generation = 0, 0
+        self.done: set[int] = set()  # ranks whose function has returned or raised
+        self.local = threading.local()
+        self.slots: list = [None] * world
+        self.calls = [0] * world
+        self.problem: str | None = None
+
+    def _meet(self) -> None:
+        """Wait until every rank has arrived here (a generation of the rendezvous)."""
+        with self.cond:
+            generation = self.generation
+            self.arrived += 1
+            if self.arrived == self.world:
+                self.arrived, self.generation = 0, generation + 1
+                self.cond.notify_all()
+                return
+            while self.generation == generation:
+                if self.done or self.problem:
+                    raise _Hang("a rank waits at a collective no other rank will join")
+                if not self.cond.wait(COLLECTIVE_TIMEOUT_S):
+                    raise _Hang("a rank waited at a collective longer than the check allows")
+
+    def __call__(self, tensor, op=None, group=None, async_op=False):
+        rank = self.local.rank
+        if not isinstance(tensor, torch.Tensor):
+            with self.cond:
+                self.problem = self.problem or diagnosis_collective("not_tensor", type=type(tensor).__name__)
+                self.cond.notify_all()
+            raise TypeError(self.problem)
+        self.calls[rank] += 1
+        self.slots[rank] = tensor.detach().clone()
+        self._meet()  # every rank has contributed
+        shapes = {tuple(s.shape) for s in self.slots}
+        if len(shapes) > 1:
+            with self.cond:
+                self.problem = self.problem or diagnosis_collective(
+                    "shapes", shapes=", ".join(f"rank {r}: {tuple(s.shape)}" for r, s in enumerate(self.slots)))
+                self.cond.notify_all()
+            raise RuntimeError(self.problem)
+        total = torch.stack([s.to(torch.float64) for s in self.slots]).sum(0)
+        self._meet()  # every rank has read the contributions
+        tensor.copy_(total.to(tensor.dtype))
+
+    def run(self, fn, ranks) -> tuple[list, list]:
+        """``fn(ranks[r], self)`` on one thread per rank: the answers and the exceptions, by rank."""
+        import threading
+
+        answers, errors = [None] * self.world, [None] * self.world
+
+        def target(rank):
+            self.local.rank = rank
+            try:
+                answers[rank] = fn(ranks[rank], self)
+            except BaseException as error:  # noqa: BLE001  (reported by rank, never raised from a thread)
+                errors[rank] = error
+            finally:
+                with self.cond:
+                    self.done.add(rank)
+                    self.cond.notify_all()  # a rank still waiting at a collective would wait forever: release it
+
+        threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(self.world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(2 * COLLECTIVE_TIMEOUT_S)
+        return answers, errors
+
+
+def diagnosis_collective(key: str, **fields) -> str:
+    """The sentence ``COLLECTIVE_DIAGNOSES[key]`` with its fields filled in."""
+    return COLLECTIVE_DIAGNOSES[key].format(**fields)
+
+
+def _collective_case(fn, case: Case, ranks) -> str | None:
+    collective = _Collective(case.ranks)
+    answers, errors = collective.run(fn, ranks)
+    if any(isinstance(e, NotImplementedError) for e in errors):
+        return diagnosis_collective("stub")
+    if collective.problem:
+        return collective.problem
+    calls = collective.calls
+    if len(set(calls)) > 1:
+        more = max(range(case.ranks), key=lambda r: calls[r])
+        fewer = min(range(case.ranks), key=lambda r: calls[r])
+        return diagnosis_collective("hang", rank=more, more=calls[more], other=fewer, fewer=calls[fewer])
+    for rank, error in enumerate(errors):
+        if error is not None:
+            return diagnosis("raised", error=f"{type(error).__name__}: {last_line(error)}", rank=rank)
+    problem = _check_case(lambda _ranks, rank: answers[rank], case, ranks)
+    if problem is not None:
+        if calls[0] == 0 and problem.startswith(DIAGNOSES["local"][:40]):
+            return diagnosis_collective("none")
+        return problem
+    if calls[0] > 1:
+        return diagnosis_collective("several", calls=calls[0])
+    return None
+
+
+def check_global_label_count_collective(fn: Callable, seed: int | None = None, verbose: bool = True) -> Report:
+    """Check ``fn(steps, all_reduce) -> list``, run once per rank on that rank's step groups with a summing
+    ``all_reduce`` shared by the ranks (see the notes above ``COLLECTIVE_DIAGNOSES``). Prints the verdict (unless
+    ``verbose=False``) and returns it; never raises because ``fn`` is wrong or unfinished."""
+    gen = torch.Generator()
+    gen.manual_seed(seed) if seed is not None else gen.seed()
+    example = None
+    for case, ranks in make_cases(gen):
+        problem = _collective_case(fn, case, ranks)
+        if problem is not None:
+            stub = problem == COLLECTIVE_DIAGNOSES["stub"]
+            return verdict(False, problem if stub else f"{case}: {problem}", verbose)
+        if example is None:
+            local = [labels_per_step(steps)[0] for steps in ranks]
+            example = f"step 0 of {case.ranks} ranks: {' + '.join(map(str, local))} = {expected_counts(ranks)[0]}"
+    shapes = "; ".join(str(case) for case in CASES)
+    return verdict(True, diagnosis("passed", cases=len(CASES), shapes=shapes, example=example)
+                   + " One all_reduce per rank, the same on every rank.", verbose)

@@ -18,6 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import triton
+
+from kernels import runtime
 
 _OK = "✓ "
 _WRONG = "✗ "
@@ -213,3 +216,124 @@ def check_slice_gradient(fn: Callable, verbose: bool = True) -> bool:
         print(_OK + "slice_gradient is right on the first, a middle and the last slice, with targets inside and "
                     "outside each, ignored rows (ignore_index −100 and −1), a scale, and bfloat16 logits")
     return True
+
+
+# ====================================================================================================================
+# The exercise as a Triton kernel: one tile of the slice's gradient
+# ====================================================================================================================
+#
+# The reader writes ``slice_gradient_kernel``: each program owns ROWS rows × BLOCK_N columns of the slice, loads its
+# logits (rows ``stride_logits`` apart: the slice is a view of the [tokens, vocab] logits), each row's lse and
+# target, and stores (softmax − onehot) · scale, zero on ignored rows, into GRAD (rows ``stride_grad`` apart). The
+# check first launches it once on a slice inside the full logits, writing into a larger buffer filled with a
+# sentinel, and says where it wrote, where it did not and which stride it read; then it hands the launch to
+# ``check_slice_gradient``, whose slices name the arithmetic's mistakes.
+
+KERNEL_ROWS = 4
+KERNEL_BLOCK_N = 16
+SENTINEL = -4096.0  # what GRAD's surroundings and unwritten elements hold before a launch
+
+KERNEL_DIAGNOSES = {
+    "not_kernel": "check_slice_gradient_kernel takes a Triton kernel (an @triton.jit function), got {got}",
+    "raised": "your kernel raised {error}",
+    "nothing": ("the kernel stored nothing: is the mask still the placeholder? (the elements that exist are "
+                "rows < n_rows and columns < width)"),
+    "outside": ("the kernel wrote {count} value(s) outside the slice's [{rows}, {width}] gradient: mask the rows "
+                "past n_rows and the columns past width (the last tiles hang over both)"),
+    "unwritten": ("{count} element(s) of the gradient were never written, the first at row {row}, column {col}: "
+                  "program_id(0) numbers tiles of ROWS rows and program_id(1) blocks of BLOCK_N columns, and "
+                  "together they must cover the slice"),
+    "stride": ("the logits were read {what}: the slice is a view of the [tokens, vocab] logits, so its rows are "
+               "stride_logits elements apart (and GRAD's stride_grad), not width"),
+    "passed": ("your kernel is right: it writes exactly the slice's gradient, reads the slice through its stride, "
+               "and the arithmetic holds on every slice of the check."),
+}
+
+
+def kernel_diagnosis(key: str, **fields) -> str:
+    """The sentence ``KERNEL_DIAGNOSES[key]`` with its fields filled in."""
+    return KERNEL_DIAGNOSES[key].format(**fields)
+
+
+def launch_slice_gradient(kernel, logits, lse, target, col_start, scale, ignore_index=-100, grad=None):
+    """Launch ``kernel`` over the slice ``logits`` ([tokens, width], any row stride, unit column stride) into
+    ``grad`` (float32, default a new [tokens, width] tensor); returns ``grad``."""
+    tokens, width = logits.shape
+    if grad is None:
+        grad = torch.empty(tokens, width, dtype=torch.float32, device=logits.device)
+    grid = (triton.cdiv(tokens, KERNEL_ROWS), triton.cdiv(width, KERNEL_BLOCK_N))
+    kernel[grid](logits, lse.float().contiguous(), target.contiguous(), grad, tokens, width, col_start, float(scale),
+                 ignore_index, logits.stride(0), grad.stride(0), ROWS=KERNEL_ROWS, BLOCK_N=KERNEL_BLOCK_N)
+    return grad
+
+
+def _kernel_function(kernel) -> Callable:
+    """``kernel`` as ``slice_gradient(logits, lse, target, col_start, scale, ignore_index)``, on this machine's
+    device; a failed launch is raised as it came."""
+
+    def fn(logits, lse, target, col_start, scale, ignore_index=-100):
+        device = runtime.device()
+        grad = launch_slice_gradient(kernel, logits.to(device), lse.to(device), target.to(device), col_start, scale,
+                                     ignore_index)
+        return grad.cpu()
+
+    return fn
+
+
+def _placement(kernel, device) -> str | None:
+    """Launch once on a slice of 7 rows × 21 columns inside [7, 50] logits, into a [7 + 2, 27] buffer of sentinels:
+    what was written outside, what was not written, and whether the logits were read through their stride."""
+    g = torch.Generator().manual_seed(11)
+    tokens, vocab, col_start, width, stride_grad = 7, 50, 20, 21, 27
+    full = (torch.randn(tokens, vocab, generator=g) * 2).to(device)
+    lse = torch.logsumexp(full, dim=1)
+    target = torch.tensor([25, 3, 40, -100, 20, 30, 49], device=device)
+    logits = full[:, col_start:col_start + width]  # a view: rows `vocab` apart
+    buffer = torch.full((tokens + 2, stride_grad), SENTINEL, dtype=torch.float32, device=device)
+    grad = buffer[:tokens, :width]
+    try:
+        launch_slice_gradient(kernel, logits, lse, target, col_start, 0.5, -100, grad=grad)
+    except Exception as exc:  # noqa: BLE001  (the reader's kernel may fail in any way: say how)
+        text = [line for line in str(exc).strip().splitlines() if line.strip()]
+        return kernel_diagnosis("raised", error=f"{type(exc).__name__}: {text[-1][:200] if text else ''}")
+    written = (buffer != SENTINEL).cpu()
+    inside = torch.zeros_like(written)
+    inside[:tokens, :width] = True
+    if not written.any():
+        return kernel_diagnosis("nothing")
+    outside = int((written & ~inside).sum())
+    if outside:
+        return kernel_diagnosis("outside", count=outside, rows=tokens, width=width)
+    missing = (~written & inside).nonzero()
+    if len(missing):
+        row, col = (int(i) for i in missing[0])
+        return kernel_diagnosis("unwritten", count=len(missing), row=row, col=col)
+    got = grad.double().cpu()
+    expected = reference_slice_gradient(logits.cpu(), lse.cpu(), target.cpu(), col_start, 0.5)
+    if torch.allclose(got, expected, rtol=1e-5, atol=1e-7):
+        return None
+    packed = torch.as_strided(full, (tokens, width), (width, 1), full.storage_offset() + col_start)
+    if torch.allclose(got, reference_slice_gradient(packed.cpu(), lse.cpu(), target.cpu(), col_start, 0.5),
+                      rtol=1e-5, atol=1e-7):
+        return kernel_diagnosis("stride", what="width apart (as if the slice were contiguous)")
+    return None  # wrong arithmetic: the slices of check_slice_gradient name it
+
+
+def check_slice_gradient_kernel(kernel, verbose: bool = True) -> bool:
+    """Check the reader's ``slice_gradient_kernel`` (see the notes above ``KERNEL_DIAGNOSES``): where it writes,
+    the stride it reads, then the arithmetic on every slice of ``check_slice_gradient``. Prints the verdict (unless
+    ``verbose=False``) and returns whether it passed; never raises because the kernel is wrong."""
+    if not isinstance(kernel, triton.runtime.jit.KernelInterface):
+        message = kernel_diagnosis("not_kernel", got=type(kernel).__name__)
+    else:
+        message = _placement(kernel, runtime.device())
+    if message is None:
+        fn = _kernel_function(kernel)
+        for case in _cases():
+            message = _diagnose(fn, case)
+            if message:
+                message = message.replace("slice_gradient raised", "your kernel raised")
+                break
+    if verbose:
+        print((_WRONG + message) if message else (_OK + kernel_diagnosis("passed")))
+    return message is None

@@ -17,13 +17,18 @@ because the reader's function is wrong: it prints its verdict and returns a ``Re
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from unittest import mock
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels import runtime
-from kernels.tolerances import ELEMENT_TOL
+from kernels.reference import relative_error
+from kernels.tolerances import ELEMENT_TOL, RELATIVE_ERROR_TOL
 
 from .rmsnorm import Report
 
@@ -121,6 +126,9 @@ def _coverage_problem(traced: TracedMLP, case: TileCase) -> str | None:
     n, t = case.tokens, case.tile_rows
     if not traced.calls and n >= t:
         return "mlp_tile was never called: loop over the tiles and run each through it"
+    if any(call["n"] == 0 for call in traced.calls):
+        return ("an empty tile: mlp_tile was called on 0 rows, one step past the end of the tokens. On a GPU each "
+                "call launches kernels (an empty grid is refused by some of them): the loop ends with the last row")
     biggest = max((call["n"] for call in traced.calls), default=0)
     if biggest > t:
         whole = " (all the tokens at once: no tiling at all)" if biggest >= n and n > t else ""
@@ -135,14 +143,14 @@ def _coverage_problem(traced: TracedMLP, case: TileCase) -> str | None:
     twice = sorted(r for r, count in seen.items() if count > 1)
     if twice:
         return (f"tiles overlap: {_span(twice)} went through the MLP more than once. Each tile "
-                "starts where the last one stopped: range(0, n_rows, tile_rows), stop = start + tile_rows")
+                "starts where the last one stopped")
     missing = sorted(set(range(n)) - set(seen))
     if missing:
         tail = list(range(n - n % t, n)) if n % t else []
         if missing == tail or (missing == list(range(missing[0], n)) and missing[0] >= n - t):
             return (f"the last partial tile was dropped: {_span(missing)} never went through the MLP ({n} tokens = "
-                    f"{n // t} × {t} + {n % t}). Loop while start < n_rows and stop at min(start + tile_rows, "
-                    "n_rows)")
+                    f"{n // t} × {t} + {n % t}): the tiles must reach the last row even when tile_rows does not "
+                    "divide the tokens")
         return (f"rows skipped between tiles: {_span(missing)} never went through the MLP. "
                 "Each tile starts where the last one stopped")
     return None
@@ -204,4 +212,478 @@ def check_tiled_forward(fn: Callable, seed: int | None = None, verbose: bool = T
                           "most tile_rows, each result in its own rows.", verbose)
 
 
-__all__ = ["TileCase", "CASES", "TracedMLP", "check_tiled_forward"]
+# ====================================================================================================================
+# The second exercise: the pack/unpack pair that offloads a checkpoint to host memory
+# ====================================================================================================================
+#
+# The reader writes ``offload_pack(tensor, side) -> packed`` and ``offload_unpack(packed, side) -> tensor``: the pair
+# of saved-tensor hooks that ``kernels/hf/offload.py`` builds on, without its pool, plan or prefetch. ``side`` is the
+# side CUDA stream; the compute stream is ``torch.cuda.current_stream()``.
+#
+# Where there is no GPU, the check hands the functions a recording stand-in for ``side`` and, while they run, for
+# ``torch.cuda.current_stream``, ``torch.cuda.stream``, ``torch.cuda.Event``, ``torch.cuda.synchronize`` and
+# ``Tensor.record_stream``; a ``TorchDispatchMode`` notes every copy with the stream that was current. The order of
+# those notes is what a GPU would execute, so the check can say which wait, mark or flag is missing. Then it runs the
+# pair as hooks around every decoder layer of a checkpointed tiny Llama and compares the gradients, bit for bit.
+# On a GPU the same pair runs on real streams and the check provokes each race instead: the tensor is written on a
+# busy compute stream before the pack, the side stream is held up before the unpack, and the results must still be
+# exact, the pack must return before its copy is done, and the host copy must be pinned.
+
+OFFLOAD_HINTS = {
+    "stub": "offload_pack or offload_unpack is still the stub (it raises NotImplementedError)",
+    "raised": "your {hook} raised {error}",
+    "kept_tensor": ("pack's result still holds the tensor itself (or a view of it): nothing left the device, so "
+                    "nothing is saved. Allocate a host buffer (torch.empty(..., device='cpu', pin_memory=...)) and "
+                    "copy into it. (On a CPU, tensor.to('cpu') returns the tensor itself: copy_ into a buffer)"),
+    "no_copy_out": "pack issued no copy of the tensor: copy it into a host buffer with copy_",
+    "copy_out_on_compute": ("pack copied the tensor on the compute stream: the forward's kernels queue behind the "
+                            "copy. Issue it inside `with torch.cuda.stream(side):`"),
+    "no_wait_before_copy_out": ("pack's copy on the side stream does not wait for the compute stream: the side "
+                                "stream may read the tensor before the kernels that write it have run. Call "
+                                "side.wait_stream(torch.cuda.current_stream()) before the copy"),
+    "blocking_copy_out": ("pack's copy is blocking (non_blocking=False): from pinned memory the host need not wait "
+                          "for it, so pass non_blocking=True"),
+    "no_record_stream_out": ("pack never marks the tensor as used by the side stream (tensor.record_stream(side)): "
+                             "once autograd drops it, the caching allocator may hand its memory to the next layer "
+                             "while the side stream is still copying it"),
+    "synchronized": ("your {hook} waits on the host ({call}): every layer would stall until its copy is done. "
+                     "Order the streams with wait_stream, events and wait_event instead"),
+    "no_copy_back": ("unpack issued no copy back: allocate the tensor on its device (torch.empty(..., "
+                     "device=device)) and copy the host buffer into it"),
+    "copy_back_on_compute": ("unpack copied back on the compute stream: in the package this copy is issued one layer "
+                             "ahead, and only on the side stream can it overlap the layer above's backward. Issue it "
+                             "inside `with torch.cuda.stream(side):`"),
+    "blocking_copy_back": "unpack's copy back is blocking (non_blocking=False): pass non_blocking=True",
+    "no_wait_after_copy_back": ("the compute stream does not wait for the copy back: the backward may read the tensor "
+                                "before it has arrived. Record an event on the side stream after the copy "
+                                "(side.record_event()) and make the compute stream wait for it "
+                                "(torch.cuda.current_stream().wait_event(event))"),
+    "wait_before_copy_back": ("the compute stream waits for an event recorded before the copy back was queued: it "
+                              "does not wait for the copy. Record the event after the copy"),
+    "no_record_stream_back": ("the tensor unpack returns was allocated while the side stream was current, and is "
+                              "used on the compute stream: mark it (tensor.record_stream(torch.cuda.current_stream())) "
+                              "or allocate it before entering the side stream, or the allocator may reuse its memory "
+                              "while the backward still reads it"),
+    "wrong_tensor": ("unpack returned {got} for a tensor of {expected}: it must give back the very values, shape, "
+                     "dtype and device that were packed"),
+    "not_pinned": ("the host buffer is not pinned: a copy from pageable memory makes the host wait for it. Allocate it "
+                   "with pin_memory=True (torch.cuda.is_available() says when that is possible)"),
+    "pack_waited": ("pack returned only after {waited_ms:.0f} ms, with the compute stream busy for {busy_ms:.0f} ms: "
+                    "it waited for the copy (a blocking copy, pageable memory or a synchronize)"),
+    "race_out": ("the host copy does not hold what the compute stream wrote just before the pack: the side stream "
+                 "read the tensor too early (side.wait_stream(torch.cuda.current_stream()) before the copy)"),
+    "race_back": ("the tensor unpack returned was read by the compute stream before its copy back had arrived: make "
+                  "the compute stream wait for an event recorded after the copy"),
+    "gradients": ("with your hooks around the checkpointed tiny Llama, the gradient of {name} differs from the one "
+                  "without them (relative error {error:.1e}): the checkpoints did not come back as they left"),
+    "no_checkpoint": ("your pack never received a layer's checkpoint in the tiny Llama's step: the hooks did not run "
+                      "(is the model checkpointed?)"),
+}
+
+
+def offload_hint(key: str, **fields) -> str:
+    """The diagnosis ``OFFLOAD_HINTS[key]`` with its fields filled in."""
+    return OFFLOAD_HINTS[key].format(**fields)
+
+
+class _Problem(Exception):
+    """A diagnosis found while running the reader's hooks (the message is the verdict)."""
+
+
+# -- the recording stand-ins (CPU) -----------------------------------------------------------------------------------
+
+
+class _Recorder:
+    """The notes of one run, in order, and which stand-in stream is current."""
+
+    def __init__(self):
+        self.notes: list[tuple] = []
+        self.compute = _FakeStream("compute", self)
+        self.side = _FakeStream("side", self)
+        self.current = [self.compute]
+        self.events = 0
+
+    def note(self, *entry) -> None:
+        self.notes.append(entry)
+
+    def stream_context(self, stream):
+        return _StreamContext(self, stream)
+
+    def event(self, *args, **kwargs):
+        return _FakeEvent(self)
+
+    def current_stream(self, device=None):
+        return self.current[-1]
+
+    def synchronize(self, device=None):
+        self.note("synchronize", "torch.cuda.synchronize()")
+
+    def record_stream(self, tensor, stream):
+        self.note("record_stream", tensor.untyped_storage().data_ptr(), getattr(stream, "name", "?"))
+
+
+class _StreamContext:
+    def __init__(self, recorder: _Recorder, stream):
+        self.recorder, self.stream = recorder, stream
+
+    def __enter__(self):
+        if self.stream is not None:
+            self.recorder.current.append(self.stream)
+        return self.stream
+
+    def __exit__(self, *exc):
+        if self.stream is not None:
+            self.recorder.current.pop()
+        return False
+
+
+class _FakeStream:
+    """What the reader's hooks may ask of a stream, written down instead of done."""
+
+    def __init__(self, name: str, recorder: _Recorder):
+        self.name, self.recorder = name, recorder
+
+    def wait_stream(self, other):
+        self.recorder.note("wait_stream", self.name, getattr(other, "name", "?"))
+
+    def wait_event(self, event):
+        self.recorder.note("wait_event", self.name, getattr(event, "id", None))
+
+    def record_event(self, event=None):
+        event = event if event is not None else _FakeEvent(self.recorder)
+        event.record(self)
+        return event
+
+    def synchronize(self):
+        self.recorder.note("synchronize", f"{self.name}.synchronize()")
+
+    def query(self):
+        return True
+
+    def __enter__(self):
+        self.recorder.current.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        self.recorder.current.pop()
+        return False
+
+
+class _FakeEvent:
+    def __init__(self, recorder: _Recorder):
+        recorder.events += 1
+        self.id, self.recorder = recorder.events, recorder
+
+    def record(self, stream=None):
+        stream = stream if stream is not None else self.recorder.current[-1]
+        self.recorder.note("record_event", getattr(stream, "name", "?"), self.id)
+
+    def wait(self, stream=None):
+        (stream if stream is not None else self.recorder.current[-1]).wait_event(self)
+
+    def synchronize(self):
+        self.recorder.note("synchronize", "event.synchronize()")
+
+    def query(self):
+        return True
+
+
+class _CopyNotes(TorchDispatchMode):
+    """Notes every copy (``copy_``, ``_to_copy``) with the stream current at the time, whether it was non-blocking,
+    and the storages it read and wrote; and every tensor allocated while the side stream was current."""
+
+    def __init__(self, recorder: _Recorder):
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        stream = self.recorder.current[-1].name
+        packet = func.overloadpacket
+        if packet is torch.ops.aten.copy_:
+            blocking = not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+            self.recorder.note("copy", stream, _storage(args[1]), _storage(args[0]), blocking)
+        elif packet is torch.ops.aten._to_copy:
+            self.recorder.note("copy", stream, _storage(args[0]), _storage(out),
+                               not kwargs.get("non_blocking", False))
+        if stream == "side":
+            inputs = {_storage(a) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)}
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and _storage(t) not in inputs:  # new memory, not an in-place write
+                    self.recorder.note("allocated_on_side", _storage(t))
+        return out
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+@contextlib.contextmanager
+def _recording(recorder: _Recorder):
+    """The CUDA calls the hooks make, routed to ``recorder`` (only while the reader's functions run)."""
+    with contextlib.ExitStack() as stack:
+        for name, value in (("current_stream", recorder.current_stream), ("stream", recorder.stream_context),
+                            ("Event", recorder.event), ("synchronize", recorder.synchronize)):
+            stack.enter_context(mock.patch.object(torch.cuda, name, value))
+
+        def record_stream(tensor, stream):  # a plain function: looked up on a tensor, it becomes its method
+            recorder.record_stream(tensor, stream)
+
+        stack.enter_context(mock.patch.object(torch.Tensor, "record_stream", record_stream))
+        stack.enter_context(_CopyNotes(recorder))
+        yield
+
+
+def _tensors_in(obj, depth: int = 0):
+    """Every tensor inside what pack returned (tuples, lists, dicts, an object's attributes)."""
+    if depth > 4:
+        return
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from _tensors_in(item, depth + 1)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors_in(item, depth + 1)
+    elif hasattr(obj, "__dict__") or hasattr(obj, "__slots__"):
+        names = list(getattr(obj, "__dict__", {})) + list(getattr(type(obj), "__slots__", ()))
+        for name in names:
+            yield from _tensors_in(getattr(obj, name, None), depth + 1)
+
+
+def _guarded(hook: str, fn: Callable, *args, recorder: _Recorder | None = None):
+    """``fn(*args)``, its CUDA calls written down by ``recorder`` when there is one; any failure becomes a
+    ``_Problem`` that names it."""
+    try:
+        with _recording(recorder) if recorder is not None else contextlib.nullcontext():
+            return fn(*args)
+    except NotImplementedError as error:
+        raise _Problem(offload_hint("stub")) from error
+    except _Problem:
+        raise
+    except Exception as error:  # noqa: BLE001  (the reader's code may raise anything: say what)
+        lines = [line for line in str(error).strip().splitlines() if line.strip()]
+        raise _Problem(offload_hint("raised", hook=hook, error=f"{type(error).__name__}: "
+                                    f"{lines[0][:160] if lines else ''}")) from error
+
+
+def _synchronized(notes, hook: str) -> None:
+    sync = next((n for n in notes if n[0] == "synchronize"), None)
+    if sync is not None:
+        raise _Problem(offload_hint("synchronized", hook=hook, call=sync[1]))
+
+
+def _check_pack_order(notes, source: int) -> None:
+    """The pack's notes: a non-blocking copy of ``source`` on the side stream, after the side stream waited for the
+    compute stream, and the tensor marked as used by the side stream."""
+    _synchronized(notes, "pack")
+    copies = [(i, n) for i, n in enumerate(notes) if n[0] == "copy" and n[2] == source]
+    if not copies:
+        raise _Problem(offload_hint("no_copy_out"))
+    at, copy = copies[0]
+    if copy[1] != "side":
+        raise _Problem(offload_hint("copy_out_on_compute"))
+    if not any(n[:3] == ("wait_stream", "side", "compute") for n in notes[:at]):
+        raise _Problem(offload_hint("no_wait_before_copy_out"))
+    if copy[4]:
+        raise _Problem(offload_hint("blocking_copy_out"))
+    if not any(n[0] == "record_stream" and n[1] == source and n[2] == "side" for n in notes):
+        raise _Problem(offload_hint("no_record_stream_out"))
+
+
+def _check_unpack_order(notes, result: torch.Tensor) -> None:
+    """The unpack's notes: a non-blocking copy into the returned tensor on the side stream, an event recorded on
+    the side stream after it that the compute stream waits for, and the allocator told when the returned tensor
+    was allocated on the side stream."""
+    _synchronized(notes, "unpack")
+    target = _storage(result)
+    copies = [(i, n) for i, n in enumerate(notes) if n[0] == "copy" and n[3] == target]
+    if not copies:
+        raise _Problem(offload_hint("no_copy_back"))
+    at, copy = copies[-1]
+    if copy[1] != "side":
+        raise _Problem(offload_hint("copy_back_on_compute"))
+    if copy[4]:
+        raise _Problem(offload_hint("blocking_copy_back"))
+    recorded_after = {n[2] for n in notes[at + 1:] if n[0] == "record_event" and n[1] == "side"}
+    recorded_before = {n[2] for n in notes[:at] if n[0] == "record_event" and n[1] == "side"}
+    waits = [n for n in notes[at + 1:] if n[0] == "wait_event" and n[1] == "compute"]
+    waited_stream = any(n[:3] == ("wait_stream", "compute", "side") for n in notes[at + 1:])
+    if not waited_stream and not any(w[2] in recorded_after for w in waits):
+        key = "wait_before_copy_back" if any(w[2] in recorded_before for w in waits) else "no_wait_after_copy_back"
+        raise _Problem(offload_hint(key))
+    on_side = any(n[0] == "allocated_on_side" and n[1] == target for n in notes)
+    marked = any(n[0] == "record_stream" and n[1] == target and n[2] == "compute" for n in notes)
+    if on_side and not marked:
+        raise _Problem(offload_hint("no_record_stream_back"))
+
+
+def _same(got, want: torch.Tensor) -> None:
+    if not isinstance(got, torch.Tensor):
+        raise _Problem(offload_hint("wrong_tensor", got=type(got).__name__, expected=_describe_tensor(want)))
+    if (got.shape != want.shape or got.dtype != want.dtype or got.device != want.device
+            or not torch.equal(got, want)):
+        raise _Problem(offload_hint("wrong_tensor", got=_describe_tensor(got), expected=_describe_tensor(want)))
+
+
+def _describe_tensor(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)}, {str(t.dtype).removeprefix('torch.')} on {t.device.type}"
+
+
+def _check_order_on_stand_ins(pack: Callable, unpack: Callable, gen: torch.Generator) -> None:
+    """One pack and one unpack of a [2, 37, 48] checkpoint, with every CUDA call written down and checked."""
+    x = torch.randn(2, 37, 48, generator=gen)
+    want = x.clone()
+    recorder = _Recorder()
+    packed = _guarded("pack", pack, x, recorder.side, recorder=recorder)
+    if any(_storage(t) == _storage(x) for t in _tensors_in(packed)):
+        raise _Problem(offload_hint("kept_tensor"))
+    _check_pack_order(recorder.notes, _storage(x))
+    x.zero_()  # the layer's memory is reused once autograd drops it: the pack's copy must not depend on it
+    recorder.notes.clear()
+    got = _guarded("unpack", unpack, packed, recorder.side, recorder=recorder)
+    _same(got, want)
+    _check_unpack_order(recorder.notes, got)
+
+
+def _check_races_on_gpu(pack: Callable, unpack: Callable, gen: torch.Generator) -> None:
+    """The same pair on real streams, each race provoked: the tensor written on a busy compute stream just before
+    the pack, the side stream held up before the unpack."""
+    device = torch.device("cuda")
+    side = torch.cuda.Stream(device)
+    src = torch.randn(4, 1024, 1024, generator=gen).to(device)
+    x = torch.zeros_like(src)
+    torch.cuda.synchronize()
+    busy_ms = _sleep_ms(side=None)
+    start = time.perf_counter()
+    torch.cuda._sleep(_CYCLES)  # the compute stream is busy, then writes the checkpoint
+    x.copy_(src)
+    packed = _guarded("pack", pack, x, side)
+    waited_ms = (time.perf_counter() - start) * 1e3
+    host = [t for t in _tensors_in(packed) if t.device.type == "cpu"]
+    if any(t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for t in _tensors_in(packed)) or not host:
+        raise _Problem(offload_hint("kept_tensor"))
+    if waited_ms > 0.5 * busy_ms:
+        raise _Problem(offload_hint("pack_waited", waited_ms=waited_ms, busy_ms=busy_ms))
+    if not all(t.is_pinned() for t in host):
+        raise _Problem(offload_hint("not_pinned"))
+    torch.cuda.synchronize()
+    if not any(t.numel() == src.numel() and torch.equal(t.reshape(src.shape), src.cpu()) for t in host):
+        raise _Problem(offload_hint("race_out"))
+    x.fill_(float("nan"))  # freed memory keeps its values: a block handed out again must not still hold the answer
+    del x
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(_CYCLES)  # the side stream is held up: its copy back lands late
+    got = _guarded("unpack", unpack, packed, side)
+    seen = got.clone() if isinstance(got, torch.Tensor) else got  # read at once, on the compute stream
+    torch.cuda.synchronize()
+    if isinstance(seen, torch.Tensor) and seen.shape == src.shape and not torch.equal(seen, src):
+        if isinstance(got, torch.Tensor) and torch.equal(got, src):
+            raise _Problem(offload_hint("race_back"))
+    _same(got, src)
+
+
+_CYCLES = 200_000_000  # torch.cuda._sleep's spin: tens of milliseconds on any recent GPU
+
+
+def _sleep_ms(side) -> float:
+    """How long ``torch.cuda._sleep(_CYCLES)`` keeps a stream busy here."""
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    torch.cuda._sleep(_CYCLES)
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end)
+
+
+def _check_gradients(pack: Callable, unpack: Callable, side, recorder: _Recorder | None) -> int:
+    """The pair as saved-tensor hooks around every decoder layer's checkpoint call of a checkpointed tiny Llama
+    (float32), against the same step without them; returns how many tensors pack received."""
+    from kernels.training.loop import enable_checkpointing
+    from kernels.training.models import build_model
+
+    model = build_model("tiny", dtype=torch.float32, seed=0, device=runtime.device())
+    enable_checkpointing(model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 21), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(runtime.device())
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    plain = grads()
+    packs = []
+
+    def hooked_pack(t):
+        packs.append(tuple(t.shape))
+        return _guarded("pack", pack, t, side, recorder=recorder)
+
+    def hooked_unpack(packed):
+        return _guarded("unpack", unpack, packed, side, recorder=recorder)
+
+    hooks = torch.autograd.graph.saved_tensors_hooks(hooked_pack, hooked_unpack)
+
+    def around(checkpoint):
+        def checkpoint_with_hooks(function, *args, **kwargs):
+            with hooks:
+                return checkpoint(function, *args, **kwargs)
+        return checkpoint_with_hooks
+
+    layers = list(model.model.layers)
+    originals = [layer._gradient_checkpointing_func for layer in layers]
+    try:
+        for layer in layers:
+            layer._gradient_checkpointing_func = around(layer._gradient_checkpointing_func)
+        hooked = grads()
+    finally:
+        for layer, original in zip(layers, originals):
+            layer._gradient_checkpointing_func = original
+    if not any(len(shape) == 3 for shape in packs):
+        raise _Problem(offload_hint("no_checkpoint"))
+    # On the CPU the two steps are the same arithmetic, bit for bit. On a GPU, some backward kernels (attention's,
+    # the embedding's) add in an order that varies from run to run: equal within float32 rounding there.
+    exact = runtime.device().type != "cuda"
+    for name, want in plain.items():
+        got = hooked.get(name)
+        error = relative_error(got, want) if got is not None else float("inf")
+        if got is None or not (torch.equal(got, want) if exact else error <= RELATIVE_ERROR_TOL[torch.float32]):
+            raise _Problem(offload_hint("gradients", name=name, error=error))
+    return len(packs)
+
+
+def check_offload_hooks(pack: Callable, unpack: Callable, seed: int | None = None, verbose: bool = True) -> Report:
+    """Check the reader's pair ``pack(tensor, side) -> packed`` and ``unpack(packed, side) -> tensor`` (see the
+    notes above ``OFFLOAD_HINTS``). Without a GPU, the streams are recording stand-ins: the order of the copies,
+    waits and marks is checked, and the verdict says that the asynchrony and the pinning were not. Prints the
+    verdict (unless ``verbose=False``) and returns it."""
+    gen = torch.Generator()
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
+    gpu = torch.cuda.is_available() and runtime.MODE == "gpu"
+    try:
+        if gpu:
+            _check_races_on_gpu(pack, unpack, gen)
+            packs = _check_gradients(pack, unpack, torch.cuda.Stream(), None)
+        else:
+            _check_order_on_stand_ins(pack, unpack, gen)
+            recorder = _Recorder()
+            packs = _check_gradients(pack, unpack, recorder.side, recorder)
+    except _Problem as problem:
+        return _verdict(False, str(problem), verbose)
+    if gpu:
+        return _verdict(True, "on real CUDA streams: the pack returned while its copy was still queued, into pinned "
+                              "memory, after the kernels that wrote the tensor; the compute stream waited for the "
+                              f"copy back; and around the checkpointed tiny Llama ({packs} tensors packed) every "
+                              "gradient equals the one without hooks, within float32 rounding.", verbose)
+    return _verdict(True, "the copies, waits and marks come in the right order (recorded: no GPU here), and around "
+                          f"the checkpointed tiny Llama ({packs} tensors packed) every gradient is equal, bit for bit. "
+                          "Not checked without a GPU: that the copies really overlap and that the host buffer is "
+                          "pinned; run the check on a GPU for those.", verbose)
+
+
+__all__ = ["TileCase", "CASES", "TracedMLP", "check_tiled_forward", "OFFLOAD_HINTS", "check_offload_hooks"]

@@ -60,6 +60,11 @@ HINTS = {
     "rstd_dtype": ("rstd has dtype {got}, but the real rstd is float32: the kernel keeps rstd in float32 whatever the "
                    "input's dtype (the backward needs it exact)"),
     "rstd_strides": "rstd has strides {got}, but the real rstd is contiguous, strides {expected}",
+    "aliases": ("{name} is {what} itself (or a view of it), not a new tensor: the schema, (Tensor, Tensor) with no "
+                "alias annotation, promises fresh outputs, and the compiler may then free or overwrite x while y "
+                "lives. x.to(dtype) returns x itself when the dtype already matches: allocate with torch.empty(...)"),
+    "opcheck": ("your fake describes every input above, but torch.library.opcheck, with your fake registered by "
+                "torch.library.register_fake, failed {test}: {error}"),
 }
 
 
@@ -155,7 +160,7 @@ def _dtype(d: torch.dtype) -> str:
 
 
 def _run(fake: Callable, case: Case, x: torch.Tensor, w: torch.Tensor):
-    """The reader's outputs on fake copies of x and w (on ``case.fake_device`` when it has one)."""
+    """The reader's outputs on fake copies of x and w (on ``case.fake_device`` when it has one), and those copies."""
     with FakeTensorMode(allow_non_fake_inputs=False) as mode:
         if case.fake_device is None:
             fx, fw = mode.from_tensor(x), mode.from_tensor(w)
@@ -163,7 +168,15 @@ def _run(fake: Callable, case: Case, x: torch.Tensor, w: torch.Tensor):
             fx = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=case.fake_device)
             fw = torch.empty_strided(w.shape, w.stride(), dtype=w.dtype, device=case.fake_device)
         with _no_kernel_launches():
-            return fake(fx, fw, 1e-6)
+            return fake(fx, fw, 1e-6), {"x": fx, "weight": fw}
+
+
+def _aliased(got: torch.Tensor, inputs: dict[str, torch.Tensor]) -> str | None:
+    """Which input ``got`` is, or is a view of (fake tensors have no data pointer: compared by identity)."""
+    for what, t in inputs.items():
+        if got is t or (got._base is not None and (got._base is t or got._base is t._base)):
+            return what
+    return None
 
 
 def _compare(name: str, got: torch.Tensor, real: Meta, x: torch.Tensor) -> str | None:
@@ -200,7 +213,7 @@ def check_rms_norm_fake(fake: Callable, verbose: bool = True) -> Report:
         real = {"y": Meta.of(y_real, case.fake_device), "rstd": Meta.of(rstd_real, case.fake_device)}
         where = f"on a {case.name}: "
         try:
-            out = _run(fake, case, x, w)
+            out, fakes = _run(fake, case, x, w)
         except NotImplementedError:
             return verdict(False, hint("stub"), verbose)
         except _KernelLaunched:
@@ -216,8 +229,49 @@ def check_rms_norm_fake(fake: Callable, verbose: bool = True) -> Report:
         for name, got in zip(("y", "rstd"), out):
             if not isinstance(got, torch.Tensor):
                 return verdict(False, where + hint("not_tensor", name=name, got=_describe(got)), verbose)
+            aliased = _aliased(got, fakes)
+            if aliased:
+                return verdict(False, where + hint("aliases", name=name, what=aliased), verbose)
             problem = _compare(name, got, real[name], x)
             if problem:
                 return verdict(False, where + problem, verbose)
+    problem = _opcheck(fake, device, g)
+    if problem:
+        return verdict(False, problem, verbose)
     return verdict(True, f"your fake describes the real outputs (shape, dtype, strides, device) on all {len(CASES)} "
-                         "inputs, without computing anything.", verbose)
+                         "inputs, without computing anything, and torch.library.opcheck passes with it registered "
+                         "(the schema, fake against real, tracing with static and dynamic shapes).", verbose)
+
+
+# A scratch namespace for the check's own operators: each check registers the reader's fake on a new one (an
+# operator cannot be defined twice, nor its fake replaced).
+SCRATCH_NAMESPACE = "kernels_exercise"
+_scratch: list = []  # [the Library, the number of operators defined so far]
+
+
+def _scratch_operator(fake: Callable):
+    """A new operator ``kernels_exercise::rms_norm_fwd_<n>`` with the package's implementation and ``fake``,
+    registered with ``torch.library.register_fake`` as a reader would."""
+    if not _scratch:
+        _scratch.extend([torch.library.Library(SCRATCH_NAMESPACE, "FRAGMENT"), 0])
+    lib, n = _scratch[0], _scratch[1] + 1
+    _scratch[1] = n
+    name = f"rms_norm_fwd_{n}"
+    lib.define(f"{name}(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)")
+    lib.impl(name, rms_norm_fwd_op, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{SCRATCH_NAMESPACE}::{name}", fake, lib=lib)
+    return getattr(getattr(torch.ops, SCRATCH_NAMESPACE), name).default
+
+
+def _opcheck(fake: Callable, device, g: torch.Generator) -> str | None:
+    """``torch.library.opcheck`` of the reader's fake registered on a scratch operator, on one 3-D bfloat16 input
+    with a float32 weight; the first test that failed, in words, or None."""
+    op = _scratch_operator(fake)
+    x = torch.randn(2, 3, 40, generator=g).to(device=device, dtype=torch.bfloat16)
+    w = torch.randn(40, generator=g).to(device=device)
+    results = torch.library.opcheck(op, (x, w, 1e-6), raise_exception=False)
+    for test, outcome in results.items():
+        if outcome != "SUCCESS":
+            text = str(outcome).strip().splitlines()
+            return hint("opcheck", test=test, error=(text[0] if text else type(outcome).__name__)[:200])
+    return None

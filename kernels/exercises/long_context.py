@@ -460,7 +460,10 @@ def _guarded(hook: str, fn: Callable, *args, recorder: _Recorder | None = None):
         with _recording(recorder) if recorder is not None else contextlib.nullcontext():
             return fn(*args)
     except NotImplementedError as error:
-        raise _Problem(offload_hint("stub")) from error
+        if "Could not run" not in str(error):  # the stub's own raise, not an operator PyTorch lacks for a backend
+            raise _Problem(offload_hint("stub")) from error
+        lines = [line for line in str(error).strip().splitlines() if line.strip()]
+        raise _Problem(offload_hint("raised", hook=hook, error=f"NotImplementedError: {lines[0][:160]}")) from error
     except _Problem:
         raise
     except Exception as error:  # noqa: BLE001  (the reader's code may raise anything: say what)
@@ -598,6 +601,9 @@ def _sleep_ms(side) -> float:
     return begin.elapsed_time(end)
 
 
+_KEPT = object()  # marks a saved tensor that stays where it is (not on the GPU, so nothing to offload)
+
+
 def _check_gradients(pack: Callable, unpack: Callable, side, recorder: _Recorder | None) -> int:
     """The pair as saved-tensor hooks around every decoder layer's checkpoint call of a checkpointed tiny Llama
     (float32), against the same step without them; returns how many tensors pack received."""
@@ -617,11 +623,17 @@ def _check_gradients(pack: Callable, unpack: Callable, side, recorder: _Recorder
     plain = grads()
     packs = []
 
+    on_gpu = recorder is None
+
     def hooked_pack(t):
+        if on_gpu and t.device.type != "cuda":
+            return _KEPT, t  # a host tensor the layer saved (none to offload): what the package's hook leaves too
         packs.append(tuple(t.shape))
         return _guarded("pack", pack, t, side, recorder=recorder)
 
     def hooked_unpack(packed):
+        if isinstance(packed, tuple) and len(packed) == 2 and packed[0] is _KEPT:
+            return packed[1]
         return _guarded("unpack", unpack, packed, side, recorder=recorder)
 
     hooks = torch.autograd.graph.saved_tensors_hooks(hooked_pack, hooked_unpack)

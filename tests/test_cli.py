@@ -425,3 +425,19 @@ def test_a_failed_run_exits_non_zero_and_keeps_the_old_file(tmp_path, monkeypatc
     for relative, text in old.items():
         assert (tmp_path / relative).read_text() == text
     assert _leftovers(tmp_path / "finetune") == []
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_default_runs_leave_the_committed_results_alone(runs_in_repo, capsys):
+    # On a GPU the device slug is the committed files' own (nvidia-h200.json): the default must still be runs/.
+    before = _git_status()
+    committed = {p: p.read_bytes() for p in RESULTS.rglob("*.json")}
+    sweep = ["--kernel", "rmsnorm", "--tokens", "1024", "--hidden", "512", "--hidden-sweep", "none", "--impls", "ours",
+             "--passes", "fwd", "--warmup", "1", "--rep", "2", "--rounds", "1", "--no-progress"]
+    assert _main(SWEEP)(sweep) == 0
+    assert _main(OVERHEAD)(["--calls", "20"]) == 0
+    assert (runs_in_repo / f"rmsnorm/{SLUG}.json").exists() and (runs_in_repo / f"overhead/{SLUG}.json").exists()
+    assert _git_status() == before
+    assert all(path.read_bytes() == data for path, data in committed.items())
+    capsys.readouterr()
+    assert "exists: pass --force" in _refused(SWEEP, sweep, capsys)  # a second run asks before replacing the first

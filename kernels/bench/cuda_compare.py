@@ -284,10 +284,11 @@ def plot_comparison(results: dict):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m kernels.bench.cuda_compare", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kernels.bench.cuda_compare", description=__doc__.split("\n\n")[0],
+                                     epilog="Without a GPU nothing is saved unless --out names a folder: interpreter "
+                                            "timings say nothing about a GPU.")
     parser.add_argument("--quick", action="store_true", help="three token counts and two hidden sizes only")
-    cli.add_output_arguments(parser, "cuda_rmsnorm/<device>.json and .png (on a CPU: only when --out is given)",
-                             out_flags=("--out", "--out-dir"))
+    cli.add_output_arguments(parser, "cuda_rmsnorm/<device>.json and .png", out_flags=("--out", "--out-dir"))
     parser.add_argument("--warmup", type=cli.positive_int, default=25, help="do_bench warm-up, ms")
     parser.add_argument("--rep", type=cli.positive_int, default=50, help="do_bench repetitions, ms")
     parser.add_argument("--build-only", action="store_true",

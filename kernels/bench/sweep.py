@@ -934,8 +934,9 @@ def main(argv=None) -> int:
         else:
             from .plots import summary_figure
 
-            print("wrote", *cli.write_json_and_figure(path, results, summary_figure(results), path.with_suffix(".png"),
-                                                      dpi=110))
+            for written in cli.write_json_and_figure(path, results, summary_figure(results), path.with_suffix(".png"),
+                                                     dpi=110):
+                print(f"wrote {written}")
     return 0
 
 

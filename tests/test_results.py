@@ -105,7 +105,7 @@ def test_a_second_run_under_the_same_name_replaces_the_first(tmp_path):
     common = ["--preset", "tiny", "--steps", "1", "--seq-len", "32", "--batch-size", "1", "--grad-accum", "1",
               "--name", "tiny_check", "--out", str(tmp_path), "--no-progress"]
     assert finetune_main(common) == 0
-    assert finetune_main([*common, "--no-padding-mask", "--kernels", "rms_norm"]) == 0
+    assert finetune_main([*common, "--no-padding-mask", "--kernels", "rms_norm", "--force"]) == 0  # asked to
     assert sorted(p.name for p in (tmp_path / "finetune").iterdir()) == ["tiny_check.json", "tiny_check.png"]
     run = find_run("finetune", tmp_path, preset="tiny")
     assert run["settings"]["padding_mask"] is False and run["settings"]["patch_options"]["rms_norm"] is True

@@ -5,25 +5,24 @@ gradients (no model: only the tensors the optimizer touches), checks ours agains
 tensors, then times one optimizer step of each implementation (median of ``--reps``, after a first step that
 creates the states) and prints it beside the floor: 14 bytes per parameter (read the parameter, its gradient and
 both moments, write the parameter and both moments, all bf16) at the copy bandwidth measured in the same run.
-Writes ``assets/results/adamw/<gpu>.json`` (the preset inside). In the interpreter it runs the tiny preset; its
-times mean nothing.
+Writes ``adamw/<gpu>.json`` (the preset inside) into the runs folder, or with ``--record`` into ``assets/results/``,
+where chapter 11 reads it. In the interpreter it runs the tiny preset; its times mean nothing.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from kernels import runtime
 from kernels.adamw import TritonAdamW
-from kernels.hf.presets import llama_config
+from kernels.hf.presets import PRESETS, llama_config
 
-from .results import RESULTS, device_slug, results_file
+from . import cli
+from .results import device_slug, results_file
 from .timing import floor_ms, measure_copy_gbps
 
 IMPLEMENTATIONS = {
@@ -131,23 +130,28 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m kernels.bench.adamw", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default=None, help="model shapes (default: llama-3.1-8b on a GPU, tiny on a CPU)")
-    parser.add_argument("--reps", type=int, default=None, help="timed steps per implementation (default 5; CPU 2)")
-    parser.add_argument("--out", type=Path, default=RESULTS,
-                        help=f"results root; writes adamw/<gpu>.json there (default {RESULTS})")
+    parser.add_argument("--preset", choices=tuple(PRESETS), default=None,
+                        help="model shapes (default: llama-3.1-8b on a GPU, tiny on a CPU)")
+    parser.add_argument("--reps", type=cli.positive_int, default=None,
+                        help="timed steps per implementation (default 5; CPU 2)")
+    cli.add_output_arguments(parser, "adamw/<gpu>.json")
     parser.add_argument("--no-save", action="store_true", help="print only; write no JSON")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    path = results_file("adamw", device_slug(), cli.output_root(args))
+    cli.check_outputs(parser, args, [] if args.no_save else [path])
     preset = args.preset or ("llama-3.1-8b" if runtime.MODE == "gpu" else "tiny")
     print(runtime.describe())
     result = run(preset, args.reps or runtime.pick(2, 5))
     print(format_table(result))
     if not args.no_save:
-        path = results_file("adamw", result["device_slug"], args.out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1) + "\n")
-        print("saved", path)
+        print("saved", cli.write_json(path, result))
     return 0
 
 

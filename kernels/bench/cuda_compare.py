@@ -9,9 +9,10 @@ forward+backward of three implementations in one run:
 
 It reuses the benchmark sweep (``kernels.bench.sweep``: cases, float64 checks, eager and CUDA-graph device times, the
 measured copy bandwidth), so every number means what it means in chapter 04. The results, with the CUDA build's
-time and each kernel's lines of code, go to ``assets/results/cuda_rmsnorm/<device>.json`` and a PNG beside it.
+time and each kernel's lines of code, go to ``cuda_rmsnorm/<device>.json`` and a PNG beside it, in the runs folder
+(with ``--record``: in ``assets/results/``, where chapter 13 reads them).
 On a machine without a GPU it runs the tiny sizes (Triton in the interpreter, ``F.rms_norm`` on the CPU), skips
-the CUDA version with the reason, and saves nothing unless asked: those timings say nothing about a GPU.
+the CUDA version with the reason, and saves nothing unless ``--out`` asks: those timings say nothing about a GPU.
 ``--build-only`` builds the two C++ extensions this machine can build (``kernels.cuda_rmsnorm``) and says how long
 each took, without the benchmark.
 """
@@ -21,7 +22,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import io
-import json
 import re
 import tokenize
 from pathlib import Path
@@ -31,8 +31,9 @@ import torch.nn.functional as F
 
 from kernels import cuda_rmsnorm, runtime
 
+from . import cli
 from .peers import Impl
-from .results import RESULTS, format_table, results_file, runs
+from .results import RESULTS, device_slug, format_table, results_file, runs
 
 TARGET_SHAPE = (16384, 4096)  # where the targets are judged: tokens × hidden, bf16
 TARGET_VS_TRITON = 1.05  # CUDA forward time at most 5% above Triton's
@@ -227,11 +228,8 @@ def save_comparison(results: dict, directory: Path = RESULTS) -> tuple[Path, Pat
     """Write the results as ``cuda_rmsnorm/<device>.json`` under the results root ``directory`` (a folder of their
     own, never over chapter 04's ``rmsnorm/<device>.json``) and their plot as PNG beside it; returns both paths."""
     path = results_file("cuda_rmsnorm", results["device_slug"], directory)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=1) + "\n")
     fig = plot_comparison(results)
-    png = path.with_suffix(".png")
-    fig.savefig(png, dpi=110, bbox_inches="tight")
+    png = cli.write_json_and_figure(path, results, fig, path.with_suffix(".png"), dpi=110, bbox_inches="tight")[1]
     import matplotlib.pyplot as plt
 
     plt.close(fig)
@@ -285,32 +283,48 @@ def plot_comparison(results: dict):
     return fig
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m kernels.bench.cuda_compare", description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m kernels.bench.cuda_compare", description=__doc__.split("\n\n")[0],
+                                     epilog="Without a GPU nothing is saved unless --out names a folder: interpreter "
+                                            "timings say nothing about a GPU.")
     parser.add_argument("--quick", action="store_true", help="three token counts and two hidden sizes only")
-    parser.add_argument("--out-dir", type=Path, default=None,
-                        help="results root: writes cuda_rmsnorm/<device>.json and .png there (default: "
-                             "assets/results/ on a GPU; nothing on a CPU)")
-    parser.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
-    parser.add_argument("--rep", type=int, default=50, help="do_bench repetitions, ms")
+    cli.add_output_arguments(parser, "cuda_rmsnorm/<device>.json and .png", out_flags=("--out", "--out-dir"))
+    parser.add_argument("--warmup", type=cli.positive_int, default=25, help="do_bench warm-up, ms")
+    parser.add_argument("--rep", type=cli.positive_int, default=50, help="do_bench repetitions, ms")
     parser.add_argument("--build-only", action="store_true",
                         help="build (or load from PyTorch's cache) the extensions this machine can build, then stop")
+    return parser
+
+
+def _out_dir(args) -> Path | None:
+    """Where this run saves: the chosen results root, except on a CPU without ``--out`` (interpreter timings)."""
+    if args.build_only or (runtime.MODE != "gpu" and args.out is None and not args.record):
+        return None
+    return cli.output_root(args)
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    out_dir = _out_dir(args)
+    targets = [] if out_dir is None else [results_file("cuda_rmsnorm", device_slug(), out_dir, suffix)
+                                          for suffix in (".json", ".png")]
+    cli.check_outputs(parser, args, targets)
     print(runtime.describe())
     if args.build_only:
         print(cuda_rmsnorm.build_cpu().describe())
         reason = cuda_rmsnorm.cuda_build_unavailable()
         print(cuda_rmsnorm.build_cuda().describe() if reason is None else f"CUDA extension not built: {reason}")
-        return
+        return 0
     results = run_comparison(quick=args.quick, warmup=args.warmup, rep=args.rep)
     print(report(results))
-    out_dir = args.out_dir or (RESULTS if runtime.MODE == "gpu" else None)
     if out_dir is not None:
         for path in save_comparison(results, out_dir):
             print(f"wrote {path}")
     else:
-        print("not saved: interpreter timings are no GPU numbers (pass --out-dir to write them anyway)")
+        print("not saved: interpreter timings are no GPU numbers (pass --out to write them anyway)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -26,7 +26,6 @@ it is timed; one that fails is recorded and not timed. Times are ``eager_ms`` (t
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from kernels.linear_cross_entropy import linear_cross_entropy
 from kernels.reference import linear_cross_entropy_reference, relative_error
 from kernels.tolerances import RELATIVE_ERROR_TOL
 
+from . import cli
 from .results import RESULTS, device_slug, first_line, load_ceilings, results_file
 from .timing import device_time_ms, peak_extra_mib, time_ms
 
@@ -278,43 +278,34 @@ def save(results: dict, out: Path = RESULTS) -> tuple[Path, Path]:
 
     json_path = results_file(KERNEL, results["device_slug"], out)
     png_path = results_file(KERNEL, results["device_slug"], out, suffix=".png")
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(results, indent=1) + "\n")
     axes = plot(results)
     axes[0].figure.tight_layout()
-    axes[0].figure.savefig(png_path, dpi=120)
+    cli.write_json_and_figure(json_path, results, axes[0].figure, png_path, dpi=120)
     plt.close(axes[0].figure)
     return json_path, png_path
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
-    if any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"sizes must be positive, got {text!r}")
-    return values
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m kernels.bench.linear_ce", description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=cli.positive_ints, default=None, help="token counts, e.g. 2048,8192")
+    p.add_argument("--hidden", type=cli.positive_int, default=None, help="hidden width (default 4096 on a GPU)")
+    p.add_argument("--vocab", type=cli.positive_int, default=None, help="vocabulary (default 128,256 on a GPU)")
+    p.add_argument("--impls", type=cli.names(i.key for i in IMPLS), default=None,
+                   help=f"comma-separated, from {', '.join(i.key for i in IMPLS)}")
+    cli.add_output_arguments(p, f"{KERNEL}/<device>.json and .png")
+    p.add_argument("--no-progress", action="store_true")
+    return p
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kernels.bench.linear_ce", description=__doc__.split("\n")[0])
-    p.add_argument("--tokens", type=_int_list, default=None, help="token counts, e.g. 2048,8192")
-    p.add_argument("--hidden", type=int, default=None, help="hidden width (default 4096 on a GPU)")
-    p.add_argument("--vocab", type=int, default=None, help="vocabulary (default 128,256 on a GPU)")
-    p.add_argument("--impls", default=None, help=f"comma-separated, from {', '.join(i.key for i in IMPLS)}")
-    p.add_argument("--out", type=Path, default=RESULTS,
-                   help=f"results root; writes {KERNEL}/<device>.json and .png there (default {RESULTS})")
-    p.add_argument("--no-progress", action="store_true")
+    p = build_parser()
     args = p.parse_args(argv)
-    keys = None if args.impls is None else tuple(args.impls.split(","))
-    unknown = set(keys or ()) - {i.key for i in IMPLS}
-    if unknown:
-        p.error(f"unknown implementation {', '.join(sorted(unknown))}")
+    root = cli.output_root(args)
+    cli.check_outputs(p, args, [results_file(KERNEL, device_slug(), root, suffix) for suffix in (".json", ".png")])
     print(runtime.describe())
-    results = run(args.tokens, args.hidden, args.vocab, keys, progress=not args.no_progress)
+    results = run(args.tokens, args.hidden, args.vocab, args.impls, progress=not args.no_progress)
     print(table(results))
-    paths = save(results, args.out)
+    paths = save(results, root)
     print(f"wrote {paths[0]} and {paths[1]}")
     return 0
 

@@ -22,23 +22,23 @@ still pays, is measured beside them: the operators called directly (``ops``) min
 ``floor`` times what no Python-level operator with Triton launches can go below, on SwiGLU's tiny case: an
 ``autograd.Function`` that allocates its outputs and launches one empty Triton kernel per pass, against PyTorch's
 C++ operators doing the whole of Hugging Face's SwiGLU. ``python -m kernels.bench.overhead`` writes
-``assets/results/overhead/<device>.json`` and a PNG.
+``overhead/<device>.json`` and a PNG into the runs folder (with ``--record``: into ``assets/results/``, where
+chapter 09 reads it).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import triton
 
 from kernels import runtime
 
+from . import cli
 from .peers import implementations
 from .results import RESULTS, device_slug, first_line, results_file
 from .sweep import CASES
@@ -442,32 +442,38 @@ def plot(results: dict, ax=None):
 
 
 def save(results: dict, directory=RESULTS) -> tuple:
-    """Write ``overhead/<device>.json`` and ``.png`` under the results root ``directory``; returns both paths."""
+    """Write ``overhead/<device>.json`` and ``.png`` under the results root ``directory`` (each complete or not at
+    all); returns both paths."""
     import matplotlib.pyplot as plt
 
     path = results_file("overhead", results["device_slug"], directory)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=1) + "\n")
     ax = plot(results)
-    png = path.with_suffix(".png")
     ax.figure.tight_layout()
-    ax.figure.savefig(png, dpi=120)
+    png = cli.write_json_and_figure(path, results, ax.figure, path.with_suffix(".png"), dpi=120)[1]
     plt.close(ax.figure)
     return path, png
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m kernels.bench.overhead", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--calls", type=int, default=None, help="calls per measurement (default 2000 on a GPU)")
-    parser.add_argument("--out", type=Path, default=RESULTS,
-                        help=f"results root; writes overhead/<device>.json there (default {RESULTS})")
+    parser.add_argument("--calls", type=cli.positive_int, default=None,
+                        help="calls per measurement (default 2000 on a GPU)")
+    cli.add_output_arguments(parser, "overhead/<device>.json and .png")
     parser.add_argument("--no-save", action="store_true", help="print only; write no JSON or PNG")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    targets = [] if args.no_save else [results_file("overhead", device_slug(), cli.output_root(args), suffix)
+                                       for suffix in (".json", ".png")]
+    cli.check_outputs(parser, args, targets)
     print(runtime.describe())
     results = run(args.calls)
     print(format_table(results))
     if not args.no_save:
-        print("saved", *save(results, args.out))
+        print("saved", *save(results, cli.output_root(args)))
     return 0
 
 

@@ -25,7 +25,6 @@ import datetime
 import statistics
 import subprocess
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -33,18 +32,18 @@ from kernels import runtime
 from kernels.reference import relative_error, rms_norm_reference, rotary_cos_sin, rotary_reference, swiglu_reference
 from kernels.tolerances import RELATIVE_ERROR_TOL
 
+from . import cli
 from .peers import IMPLEMENTATIONS, Impl, implementations
 from .results import (
     ASSETS,
     DTYPES,
     KERNELS,
-    RESULTS,
     SCHEMA_VERSION,
     check_kernel,
     device_slug,
     first_line,
     format_table,
-    save_results,
+    results_file,
     summarize,
 )
 from .timing import (
@@ -780,20 +779,21 @@ def default_sizes(kernel: str, quick: bool = False) -> dict:
     return dict(table[kernel])
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-    if text.strip().lower() in ("", "none"):
-        return ()
-    try:
-        values = tuple(int(v.replace("_", "")) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"sizes must be positive, got {text!r}")
-    return values
+def _sizes_or_none(text: str) -> tuple[int, ...]:
+    """Positive sizes, or ``none`` for no sweep at all."""
+    return () if text.strip().lower() == "none" else cli.positive_ints(text)
 
 
-def _str_list(text: str) -> tuple[str, ...]:
-    return tuple(v.strip() for v in text.split(",") if v.strip())
+def _even(text: str) -> int:
+    value = cli.positive_int(text)
+    if value % 2:
+        raise argparse.ArgumentTypeError(f"must be even (rotate_half pairs column d with d + head_dim/2), "
+                                         f"got {text!r}")
+    return value
+
+
+def _all_impl_keys() -> tuple[str, ...]:
+    return tuple(sorted({i.key for impls in IMPLEMENTATIONS.values() for i in impls}))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -804,7 +804,8 @@ def build_parser() -> argparse.ArgumentParser:
             "Check, then time, the fused RMSNorm, cross-entropy, SwiGLU and RoPE kernels against every peer "
             "(Hugging Face eager, torch.compile, PyTorch's native ops, Liger-Kernel where installed). Every time is "
             "given twice: eager (the plain call, host overhead included) and device (CUDA-graph replay: GPU time "
-            "only). Writes <kernel>/<gpu>.json and .png into --out (the results root) and prints a table."
+            "only). Writes <kernel>/<gpu>.json and .png under the results root and prints a table: by default "
+            "the git-ignored runs folder, with --record the committed results the chapters read."
         ),
         epilog=(
             f"Implementation keys: rmsnorm: {keys['rmsnorm']}; cross_entropy: {keys['cross_entropy']}; "
@@ -817,26 +818,32 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("--kernel", choices=(*KERNELS, "all"), default="all", help="which kernel to benchmark")
-    parser.add_argument("--tokens", type=_int_list, help="token counts of the token sweep, e.g. 1024,4096,16384")
-    parser.add_argument("--hidden", type=int, help="RMSNorm: hidden size of the token sweep (GPU default 4096)")
-    parser.add_argument("--hidden-sweep", type=_int_list,
+    parser.add_argument("--tokens", type=cli.positive_ints,
+                        help="token counts of the token sweep, e.g. 1024,4096,16384")
+    parser.add_argument("--hidden", type=cli.positive_int, help="RMSNorm: hidden size of the token sweep (GPU default "
+                                                                "4096)")
+    parser.add_argument("--hidden-sweep", type=_sizes_or_none,
                         help="RMSNorm: hidden sizes swept at --hidden-sweep-tokens, e.g. 1024,8192 ('none' to skip)")
-    parser.add_argument("--hidden-sweep-tokens", type=int, help="RMSNorm: tokens of the hidden sweep (default 16384)")
-    parser.add_argument("--vocab", type=int, help="cross-entropy: vocabulary size (GPU default 128256)")
-    parser.add_argument("--intermediate", type=int, help="SwiGLU: intermediate size (GPU default 14336)")
-    parser.add_argument("--head-dim", type=int, help="RoPE: head_dim (GPU default 128; 32 q heads, 8 kv heads)")
+    parser.add_argument("--hidden-sweep-tokens", type=cli.positive_int,
+                        help="RMSNorm: tokens of the hidden sweep (default 16384)")
+    parser.add_argument("--vocab", type=cli.positive_int, help="cross-entropy: vocabulary size (GPU default 128256)")
+    parser.add_argument("--intermediate", type=cli.positive_int, help="SwiGLU: intermediate size (GPU default 14336)")
+    parser.add_argument("--head-dim", type=_even, help="RoPE: head_dim, even (GPU default 128; 32 q heads, 8 kv heads)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16")
-    parser.add_argument("--impls", type=_str_list, help="comma-separated implementation keys (default: all)")
-    parser.add_argument("--passes", type=_str_list, help="RMSNorm, SwiGLU, RoPE: fwd, fwd+bwd (default both)")
+    parser.add_argument("--impls", type=cli.names(_all_impl_keys()),
+                        help="comma-separated implementation keys (default: all)")
+    parser.add_argument("--passes", type=cli.names(("fwd", "fwd+bwd")),
+                        help="RMSNorm, SwiGLU, RoPE: fwd, fwd+bwd (default both)")
     parser.add_argument("--quick", action="store_true", help="a few sizes only")
-    parser.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms of GPU time (default 25)")
-    parser.add_argument("--rep", type=int, default=50, help="do_bench repetitions, ms of GPU time (default 50)")
-    parser.add_argument("--rounds", type=int, default=runtime.pick(1, 3),
+    parser.add_argument("--warmup", type=cli.positive_int, default=25,
+                        help="do_bench warm-up, ms of GPU time (default 25)")
+    parser.add_argument("--rep", type=cli.positive_int, default=50,
+                        help="do_bench repetitions, ms of GPU time (default 50)")
+    parser.add_argument("--rounds", type=cli.positive_int, default=runtime.pick(1, 3),
                         help="times every implementation is timed, in turn, at each shape; rows keep the median "
                              "(default 3 on a GPU, 1 in the interpreter)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=RESULTS,
-                        help=f"results root; writes <kernel>/<gpu>.json there (default {RESULTS})")
+    parser.add_argument("--seed", type=cli.non_negative_int, default=0)
+    cli.add_output_arguments(parser, "<kernel>/<gpu>.json and .png")
     parser.add_argument("--no-plots", action="store_true", help="write JSON only")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
@@ -862,11 +869,27 @@ def _sizes_from_args(kernel: str, args) -> dict:
 def _impls_for(kernel: str, keys) -> list[str] | None:
     if not keys:
         return None
-    everywhere = {i.key for impls in IMPLEMENTATIONS.values() for i in impls}
-    unknown = [k for k in keys if k not in everywhere]
-    if unknown:
-        raise SystemExit(f"unknown implementation key(s) {unknown}; known: {sorted(everywhere)}")
     return [k for k in keys if k in {i.key for i in IMPLEMENTATIONS[kernel]}]
+
+
+def _kernels_to_run(args) -> tuple[str, ...]:
+    """The kernels this run measures: those of ``--kernel`` that one of ``--impls`` (if given) applies to."""
+    chosen = KERNELS if args.kernel == "all" else (args.kernel,)
+    return tuple(k for k in chosen if _impls_for(k, args.impls) != [])
+
+
+def check_args(parser: argparse.ArgumentParser, args) -> tuple[str, ...]:
+    """Every check that needs more than one flag, and the output files, before any work; returns the kernels to run."""
+    problems = []
+    kernels_to_run = _kernels_to_run(args)
+    if not kernels_to_run:
+        problems.append(f"--impls {','.join(args.impls)}: none of them is an implementation of "
+                        f"{'any kernel' if args.kernel == 'all' else args.kernel}")
+    root = cli.output_root(args)
+    targets = [results_file(k, device_slug(), root, suffix) for k in kernels_to_run
+               for suffix in ((".json",) if args.no_plots else (".json", ".png"))]
+    cli.check_outputs(parser, args, targets, problems)
+    return kernels_to_run
 
 
 def run_kernel_cli(kernel: str, args, ceilings: dict | None) -> dict:
@@ -887,7 +910,10 @@ def run_kernel_cli(kernel: str, args, ceilings: dict | None) -> dict:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    kernels_to_run = check_args(parser, args)
+    root = cli.output_root(args)
     print(runtime.describe())
     print(runtime.timings_note())
     ceilings = None
@@ -895,20 +921,22 @@ def main(argv=None) -> int:
         ceilings = measure_ceilings()
         print(f"measured ceilings: copy {ceilings['copy_gbps']:,.0f} GB/s, bf16 matmul "
               f"{ceilings['matmul_tflops']:,.0f} TFLOP/s")
-    kernels_to_run = KERNELS if args.kernel == "all" else (args.kernel,)
     for kernel in kernels_to_run:
         results = run_kernel_cli(kernel, args, ceilings)
         if not results:
             continue
-        path = save_results(results, args.out)
+        path = results_file(kernel, results["device_slug"], root)
         print()
         print(format_table(results))
         print(summarize(results))
-        print(f"wrote {path}")
-        if not args.no_plots:
-            from .plots import save_summary_png
+        if args.no_plots:
+            print(f"wrote {cli.write_json(path, results)}")
+        else:
+            from .plots import summary_figure
 
-            print(f"wrote {save_summary_png(results, path.with_suffix('.png'))}")
+            for written in cli.write_json_and_figure(path, results, summary_figure(results), path.with_suffix(".png"),
+                                                     dpi=110):
+                print(f"wrote {written}")
     return 0
 
 

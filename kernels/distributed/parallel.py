@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from kernels import runtime
+from kernels.bench.cli import write_json
 from kernels.bench.results import RESULTS, results_file
 from kernels.training.loop import (
     VARIANTS,
@@ -292,9 +293,7 @@ def fsdp_finetune(
         free_memory()
     result = FsdpRun(settings, env.world_size, env.backend, runs, peaks, profiles)
     if out_dir is not None and env.is_rank0:
-        path = fsdp_results_file(name or preset, env.world_size, out_dir)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result.to_dict(), indent=1) + "\n")
+        path = write_json(fsdp_results_file(name or preset, env.world_size, out_dir), result.to_dict())
         print0(f"wrote {path}")
     return result
 

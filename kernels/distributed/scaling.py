@@ -7,8 +7,9 @@ For every number of GPUs, variant (``baseline``, ``patched``) and sequence lengt
 same per-GPU batch (``--batch-per-gpu`` rows; the global batch grows with N). Sequence lengths are tried in
 increasing order; the first that does not fit (the run dies with ``torch.OutOfMemoryError``) ends that series, so
 the longest length that ran is the longest that fits per GPU among those tried. Each run is a fresh process group,
-so an OOM leaves nothing behind for the next. Results: ``assets/results/scaling/<preset>.json`` and ``.png``
-(``plot_scaling``), over the preset's earlier run; its flags are the JSON's ``settings``.
+so an OOM leaves nothing behind for the next. Results: ``scaling/<preset>.json`` and ``.png`` (``plot_scaling``) in
+the runs folder, or with ``--record`` in ``assets/results/``, where chapter 12 reads them (over the preset's earlier
+run only with ``--force``); its flags are the JSON's ``settings``.
 On the CPU the same command runs tiny sizes with gloo processes (times there mean nothing).
 
 ``fsdp_budget`` is the arithmetic on paper for larger runs: state per GPU, bytes each GPU sends per step, the
@@ -18,14 +19,15 @@ time that takes over a link, against the compute time of a step measured on one 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kernels import runtime
-from kernels.bench.results import RESULTS, find_run, results_file
+from kernels.bench import cli
+from kernels.bench.results import find_run, results_file
+from kernels.hf.presets import PRESETS
 from kernels.training.models import GiB, count_parameters, llama_config
 
 from .parallel import launch
@@ -41,10 +43,7 @@ CPU_DEFAULTS = dict(preset="tiny", gpus="1,2", seq_lens="64,128", steps=3, batch
 
 
 def _ints(text: str) -> list[int]:
-    values = [int(v) for v in text.split(",") if v.strip()]
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
-    return values
+    return list(cli.positive_ints(text))
 
 
 def run_point(gpus: int, variant: str, seq_len: int, *, preset: str, steps: int, batch_per_gpu: int,
@@ -437,28 +436,29 @@ def budget_table(budgets: list[FsdpBudget]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     d = GPU_DEFAULTS if runtime.MODE == "gpu" else CPU_DEFAULTS
     p = argparse.ArgumentParser(prog="python -m kernels.distributed.scaling", description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default=d["preset"], help=f"model preset (default {d['preset']})")
+    p.add_argument("--preset", default=d["preset"], choices=tuple(PRESETS),
+                   help=f"model preset (default {d['preset']})")
     p.add_argument("--gpus", type=_ints, default=_ints(d["gpus"]),
                    help=f"numbers of processes (GPUs) to compare, comma-separated (default {d['gpus']})")
     p.add_argument("--seq-lens", type=_ints, default=_ints(d["seq_lens"]),
                    help=f"sequence lengths to try, comma-separated (default {d['seq_lens']})")
-    p.add_argument("--variants", default="baseline,patched", help="baseline, patched or both (default both)")
-    p.add_argument("--steps", type=int, default=d["steps"], help=f"steps per run (default {d['steps']})")
-    p.add_argument("--batch-per-gpu", type=int, default=d["batch_per_gpu"],
+    p.add_argument("--variants", type=cli.names(("baseline", "patched")), default=("baseline", "patched"),
+                   help="baseline, patched or both (default both)")
+    p.add_argument("--steps", type=cli.positive_int, default=d["steps"], help=f"steps per run (default {d['steps']})")
+    p.add_argument("--batch-per-gpu", type=cli.positive_int, default=d["batch_per_gpu"],
                    help=f"rows per GPU per step (default {d['batch_per_gpu']})")
     p.add_argument("--gradient-checkpointing", action="store_true", help="activation checkpointing in every run")
-    p.add_argument("--profile-steps", type=int, default=0, metavar="K",
+    p.add_argument("--profile-steps", type=cli.non_negative_int, default=0, metavar="K",
                    help="profile K more steps of every run on rank 0: compute, collectives, exposed collective time "
                         "and bytes sent (default 0: none)")
     p.add_argument("--kernels", default=None, metavar="NAME[,NAME...]",
                    help="the patched variant's kernels (finetune's --kernels; default: patch_llama's defaults)")
-    p.add_argument("--prefetch", type=int, default=0, metavar="K",
+    p.add_argument("--prefetch", type=cli.non_negative_int, default=0, metavar="K",
                    help="all-gather K layers ahead explicitly (default 0: FSDP2's implicit one layer)")
     p.add_argument("--name", default=None,
                    help="results file name under scaling/ (default: the preset)")
-    p.add_argument("--timeout", type=float, default=600, help="seconds one run may take (default 600)")
-    p.add_argument("--out", type=Path, default=RESULTS,
-                   help=f"results root; writes scaling/<preset>.json and .png there (default {RESULTS})")
+    p.add_argument("--timeout", type=cli.positive_float, default=600, help="seconds one run may take (default 600)")
+    cli.add_output_arguments(p, "scaling/<name>.json and .png")
     return p
 
 
@@ -468,29 +468,28 @@ def main(argv: list[str] | None = None) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    args = build_parser().parse_args(argv)
-    variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
-    if not variants or any(v not in ("baseline", "patched") for v in variants):
-        raise SystemExit(f"--variants takes baseline and/or patched, got {args.variants!r}")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    variants = args.variants
+    problems = []
     if runtime.MODE == "gpu":
         import torch
 
         have = torch.cuda.device_count()
         if max(args.gpus) > have:
-            raise SystemExit(f"--gpus asks for {max(args.gpus)} GPUs; this host has {have}")
+            problems.append(f"--gpus asks for {max(args.gpus)} GPUs; this host has {have}")
+    root = cli.output_root(args)
+    json_path = results_file("scaling", args.name or args.preset, root)
+    cli.check_outputs(parser, args, [json_path, json_path.with_suffix(".png")], problems)
     print(runtime.describe())
     results = run_scaling(args.preset, args.gpus, args.seq_lens, variants=variants, steps=args.steps,
                           batch_per_gpu=args.batch_per_gpu, gradient_checkpointing=args.gradient_checkpointing,
                           timeout_s=args.timeout, profile_steps=args.profile_steps, kernels=args.kernels,
                           prefetch=args.prefetch)
-    name = args.name or args.preset
-    json_path = results_file("scaling", name, args.out)
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(results, indent=1) + "\n")
     axes = plot_scaling(results)
     fig = axes[0].figure
     fig.tight_layout()
-    fig.savefig(results_file("scaling", name, args.out, suffix=".png"), dpi=120)
+    cli.write_json_and_figure(json_path, results, fig, json_path.with_suffix(".png"), dpi=120)
     plt.close(fig)
     print(efficiency_table(results))
     if args.profile_steps:

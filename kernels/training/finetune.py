@@ -9,21 +9,23 @@ Sharded across GPUs with FSDP2, the same flags run under torchrun from the distr
 
 Defaults: on a GPU, the largest preset that fits (``pick_preset_for_gpu``), 20 steps of one 2,048-token sequence;
 on the CPU, the tiny preset, 6 steps of 2 × 256 tokens with 2 micro-batches per step (about a minute or less in
-Triton's interpreter). Results go to ``assets/results/finetune/<name>.json`` and ``.png`` (``--name``, default the
-preset; ``<preset>_patched`` for the patched run alone) under the results root ``--out``. A run replaces the file of
-its name; the flags it ran with are the JSON's ``settings``, by which ``kernels.bench.results.find_run`` finds it.
+Triton's interpreter). Results go to ``finetune/<name>.json`` and ``.png`` (``--name``, default the preset;
+``<preset>_patched`` for the patched run alone) under the results root: the git-ignored runs folder, ``--out``, or
+with ``--record`` the committed results the chapters read (``assets/results/``). A file of that name is replaced only
+with ``--force``; the flags a run ran with are the JSON's ``settings``, by which ``kernels.bench.results.find_run``
+finds it. Every flag is checked before any work (``kernels.bench.cli``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 from kernels import runtime
-from kernels.bench.results import RESULTS, results_file
+from kernels.bench import cli
+from kernels.bench.results import results_file
 from kernels.hf.patch import DEFAULT_KERNELS, SWITCHES
+from kernels.hf.presets import PRESETS
 from kernels.memory import logits_bytes_per_token
 
 from .fit import fit_both, memory_slope
@@ -44,7 +46,8 @@ GPU_DEFAULTS = dict(steps=20, seq_len=2048, batch_size=1, grad_accum=1)
 CPU_DEFAULTS = dict(steps=6, seq_len=256, batch_size=2, grad_accum=2)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(writes: str = "finetune/<name>.json and .png") -> argparse.ArgumentParser:
+    """The command line's parser; ``writes`` is what a run writes under the results root (its help text)."""
     defaults = GPU_DEFAULTS if runtime.MODE == "gpu" else CPU_DEFAULTS
     p = argparse.ArgumentParser(
         prog="python -m kernels.training.finetune",
@@ -52,33 +55,37 @@ def build_parser() -> argparse.ArgumentParser:
                     "cross-entropy patched in; with --compare, also Hugging Face's model as it is, from the same "
                     "weights on the same batches.",
     )
-    p.add_argument("--preset", default=None,
+    p.add_argument("--preset", default=None, choices=tuple(PRESETS),
                    help="tiny, llama-3.2-1b or llama-3.1-8b (default: the largest that fits this GPU; tiny on the CPU)")
-    p.add_argument("--steps", type=int, default=defaults["steps"],
+    p.add_argument("--steps", type=cli.positive_int, default=defaults["steps"],
                    help=f"optimizer steps (default {defaults['steps']})")
-    p.add_argument("--seq-len", type=int, default=defaults["seq_len"],
+    p.add_argument("--seq-len", type=cli.positive_int, default=defaults["seq_len"],
                    help=f"tokens per row (default {defaults['seq_len']})")
-    p.add_argument("--batch-size", type=int, default=defaults["batch_size"],
+    p.add_argument("--batch-size", type=cli.positive_int, default=defaults["batch_size"],
                    help=f"rows per micro-batch (default {defaults['batch_size']})")
-    p.add_argument("--grad-accum", type=int, default=defaults["grad_accum"],
+    p.add_argument("--grad-accum", type=cli.positive_int, default=defaults["grad_accum"],
                    help=f"micro-batches per optimizer step (default {defaults['grad_accum']})")
-    p.add_argument("--lr", type=float, default=None,
+    p.add_argument("--lr", type=cli.positive_float, default=None,
                    help=f"AdamW learning rate (default: {default_lr('tiny'):g} for tiny, "
                         f"{default_lr('llama-3.1-8b'):g} for the Llama shapes; see kernels.training.loop.default_lr)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights and of the data order (default 0)")
+    p.add_argument("--seed", type=cli.non_negative_int, default=0,
+                   help="seed of the weights and of the data order (default 0)")
     p.add_argument("--compare", action="store_true", help="run Hugging Face's model first, then the patched one")
     p.add_argument("--fit", action="store_true",
                    help="also search the longest sequence at which a training step fits, baseline and patched (GPU)")
-    p.add_argument("--fit-lo", type=int, default=4096, help="first length the fit search tries (default 4096)")
-    p.add_argument("--fit-hi", type=int, default=65536, help="longest length the fit search tries (default 65536)")
-    p.add_argument("--fit-probes", type=int, default=8, help="most steps the fit search runs per variant (default 8)")
-    p.add_argument("--memory-fraction", type=float, default=None,
+    p.add_argument("--fit-lo", type=cli.positive_int, default=4096,
+                   help="first length the fit search tries (default 4096)")
+    p.add_argument("--fit-hi", type=cli.positive_int, default=65536,
+                   help="longest length the fit search tries (default 65536)")
+    p.add_argument("--fit-probes", type=cli.positive_int, default=8,
+                   help="most steps the fit search runs per variant (default 8)")
+    p.add_argument("--memory-fraction", type=cli.fraction, default=None,
                    help="cap the fit search's GPU memory at this fraction of the GPU's (a quicker search)")
-    p.add_argument("--probe", type=_int_list, default=None, metavar="A,B",
+    p.add_argument("--probe", type=cli.increasing_pair, default=None, metavar="A,B",
                    help="one real training step at each of two long lengths (e.g. 131072,262144) with the kernels "
                         "named by --kernels, then the longest length that fits this GPU and the host memory, "
                         "extrapolated from the two (GPU; with tiled_mlp and offload_checkpoints for the longest)")
-    p.add_argument("--slope", type=_int_list, default=None, metavar="A,B",
+    p.add_argument("--slope", type=cli.increasing_pair, default=None, metavar="A,B",
                    help="measure the activation memory per token, baseline and patched: the slope of a step's "
                         "peak between sequence lengths A and B (GPU)")
     p.add_argument("--compile", nargs="?", const="default", default=None, choices=COMPILE_MODES,
@@ -100,10 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--patched-adamw", choices=ADAMW_IMPLEMENTATIONS, default=None,
                    help="the AdamW of the patched run, if not --adamw's (e.g. --adamw fused --patched-adamw triton)")
     p.add_argument("--name", type=_name, default=None,
-                   help="the results' name: finetune/NAME.json and .png under --out (default: the preset; "
-                        "<preset>_patched without --compare; under torchrun fsdp/NAME_<N>gpu.json). A run replaces "
-                        "the file of its name; its flags are in the JSON's settings")
-    p.add_argument("--out", type=Path, default=RESULTS, help=f"results root (default {RESULTS})")
+                   help="the results' name: finetune/NAME.json and .png under the results root (default: the "
+                        "preset; <preset>_patched without --compare; under torchrun fsdp/NAME_<N>gpu.json); its "
+                        "flags are in the JSON's settings")
+    cli.add_output_arguments(p, writes)
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--fsdp", action="store_true", help=argparse.SUPPRESS)  # moved: main() says where to
     return p
@@ -125,16 +132,6 @@ def _name(text: str) -> str:
     return text
 
 
-def _int_list(text: str) -> tuple[int, int]:
-    try:
-        values = tuple(int(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected two lengths such as 16384,32768, got {text!r}") from None
-    if len(values) != 2 or not 0 < values[0] < values[1]:
-        raise argparse.ArgumentTypeError(f"expected two increasing lengths such as 16384,32768, got {text!r}")
-    return values
-
-
 def patch_options(args) -> dict:
     """``patch_llama`` keywords from ``--kernels``: each switch on exactly when named. Without ``--kernels``, none:
     patch_llama's default, ``kernels="auto"`` (every kernel of ``DEFAULT_KERNELS`` that applies)."""
@@ -145,7 +142,6 @@ def patch_options(args) -> dict:
 
 def _choose_preset(args) -> tuple[str, str]:
     if args.preset is not None:
-        llama_config(args.preset)  # a clear error for an unknown name
         return args.preset, "chosen on the command line"
     if runtime.MODE == "gpu":
         return pick_preset_for_gpu(seq_len=args.seq_len, batch_size=args.batch_size)
@@ -234,17 +230,14 @@ def _single_run(args, preset: str, lr: float) -> None:
     data = {"device": runtime.device_name(), "mode": runtime.MODE, "versions": runtime.versions(),
             "settings": _settings(args, preset, lr), "patched": run.to_dict(),
             "fit": _fit(args, preset) if args.fit else {}, "slope": _slope(args, preset) if args.slope else {}}
-    name = args.name or f"{preset}_patched"
-    json_path = results_file("finetune", name, args.out)
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(data, indent=1) + "\n")
+    json_path = results_file("finetune", results_name(args, preset), cli.output_root(args))
     fig, ax = plt.subplots(figsize=(8, 4))
     ax.plot([r.step + 1 for r in run.records], run.losses, "x--", color="#c44e52", label="patched")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(results_file("finetune", name, args.out, suffix=".png"), dpi=120)
+    cli.write_json_and_figure(json_path, data, fig, json_path.with_suffix(".png"), dpi=120)
     plt.close(fig)
     print(f"wrote {json_path} and its .png")
 
@@ -257,20 +250,39 @@ def _settings(args, preset: str, lr: float) -> dict:
             "adamw": args.adamw, "patched_adamw": args.patched_adamw or args.adamw}
 
 
-def check_counts(args) -> None:
-    """Stop with a message naming the flag when a count that must be positive is not."""
-    for name in ("steps", "seq_len", "batch_size", "grad_accum", "fit_probes"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+def results_name(args, preset: str) -> str:
+    """The results' name: ``--name``, else the preset (``--compare``) or ``<preset>_patched`` (the patched run
+    alone)."""
+    return args.name or (preset if args.compare else f"{preset}_patched")
+
+
+def flag_problems(args) -> list[str]:
+    """What is wrong with a combination of flags, one line each (each flag alone was checked as it was parsed)."""
+    problems = []
+    if args.fit_lo > args.fit_hi:
+        problems.append(f"--fit-lo {args.fit_lo} is above --fit-hi {args.fit_hi}: the search needs lo ≤ hi")
+    return problems
+
+
+def check_args(parser: argparse.ArgumentParser, args, preset: str) -> None:
+    """Every check before any work: the flags together, and the results files (none for ``--probe``)."""
+    problems = flag_problems(args)
+    if args.fsdp:
+        problems.append("sharded runs start under torchrun from the distributed wing, with the same flags: "
+                        "torchrun --nproc-per-node N -m kernels.distributed.finetune ...")
+    if args.compile and not args.compare and not args.probe:
+        problems.append("--compile compares compiled models: use it with --compare")
+    root = cli.output_root(args)
+    targets = [] if args.probe else [results_file("finetune", results_name(args, preset), root, suffix)
+                                     for suffix in (".json", ".png")]
+    cli.check_outputs(parser, args, targets, problems)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    check_counts(args)
-    if args.fsdp:
-        raise SystemExit("sharded runs start under torchrun from the distributed wing, with the same flags: "
-                         "torchrun --nproc-per-node N -m kernels.distributed.finetune ...")
+    parser = build_parser()
+    args = parser.parse_args(argv)
     preset, why = _choose_preset(args)
+    check_args(parser, args, preset)
     lr = args.lr if args.lr is not None else default_lr(preset)
     print(runtime.describe())
     print(f"preset {preset} ({why}); {args.steps} steps of {args.grad_accum} × {args.batch_size} × {args.seq_len} "
@@ -278,8 +290,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.probe:
         return probe_longest(args, preset)
     if not args.compare:
-        if args.compile:
-            raise SystemExit("--compile compares compiled models: use it with --compare")
         _single_run(args, preset, lr)
         return 0
 
@@ -300,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         result.slope = _slope(args, preset)
     print()
     print(result.table())
-    json_path, png_path = result.save(args.out, name=args.name or preset)
+    json_path, png_path = result.save(cli.output_root(args), name=results_name(args, preset))
     print(f"wrote {json_path} and {png_path}")
     return 0
 

@@ -24,8 +24,9 @@ intermediates one tile's worth, and checkpoint offload (``kernels.hf.offload``) 
   ``save_on_cpu(pin_memory=True)`` and Liger-Kernel's ``LigerTiledSwiGLUMLP`` where installed;
 * ``python -m kernels.training.long_context --probe 131072,262144`` runs it all, one variant per process (Liger's
   patch changes transformers' classes for the whole process; a variant that does not fit both lengths is probed again
-  at half of them), and writes ``assets/results/long_context/<gpu>.json``; ``--check-split N`` adds the split's
-  check at N tokens to that file.
+  at half of them), and writes ``long_context/<gpu>.json`` in the runs folder (``--record``: in ``assets/results/``,
+  where the chapter reads it); ``--force`` merges a run into an existing file, and ``--check-split N`` adds the
+  split's check at N tokens to that file.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ from pathlib import Path
 import torch
 
 from kernels import runtime
-from kernels.bench.results import RESULTS, device_slug
+from kernels.bench import cli
+from kernels.bench.results import RESULTS, device_slug, results_file
 from kernels.hf.offload import (
     HOST_MARGIN,
     HostMemoryError,
@@ -53,7 +55,7 @@ from kernels.hf.offload import (
     host_budget_bytes,
 )
 from kernels.hf.patch import patch_llama
-from kernels.hf.presets import count_parameters, llama_config
+from kernels.hf.presets import PRESETS, count_parameters, llama_config
 from kernels.hf.tiled_mlp import TiledSwiGLUMLP, apply_tiled_mlp, tile_bytes_per_row, tile_rows
 from kernels.linear_cross_entropy import linear_loss_extra_bytes
 
@@ -810,14 +812,16 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="The longest sequence one GPU trains: probes and step times.")
     parser.add_argument("--probe", type=_parse_lengths, default=(131072, 262144),
                         help="two lengths to probe (default 131072,262144)")
-    parser.add_argument("--preset", default="llama-3.1-8b")
+    parser.add_argument("--preset", default="llama-3.1-8b", choices=tuple(PRESETS))
     parser.add_argument("--variants", type=_parse_variants, default=tuple(VARIANTS),
                         help=f"comma-separated, of {', '.join(VARIANTS)} (liger only where liger_kernel imports)")
-    parser.add_argument("--timing-len", type=int, default=32768, help="tokens of the step-time comparison (0: skip)")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per configuration")
-    parser.add_argument("--out", type=Path, default=None, help="results file (default assets/results/long_context/"
-                                                               "<gpu>.json)")
-    parser.add_argument("--check-split", type=int, default=0, metavar="TOKENS",
+    parser.add_argument("--timing-len", type=cli.non_negative_int, default=32768,
+                        help="tokens of the step-time comparison (0: skip)")
+    parser.add_argument("--steps", type=cli.positive_int, default=3, help="timed steps per configuration")
+    cli.add_output_arguments(parser, "long_context/<gpu>.json", out_is_file=True,
+                             force_help="update a results file that exists: this run's variants replace theirs, the "
+                                        "others are kept")
+    parser.add_argument("--check-split", type=cli.non_negative_int, default=0, metavar="TOKENS",
                         help=f"one real {SPLIT_VARIANT} step at TOKENS with the checkpoints split between the GPU and "
                              "the host as the results file's extrapolation chose (0: skip)")
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
@@ -945,21 +949,35 @@ def run_split_check(args, results: dict) -> dict | None:
     return None if "error" in data else data
 
 
+def output_path(args) -> Path:
+    """The results file: ``--out``, else this GPU's file of the committed results (``--record``) or of the runs
+    folder."""
+    if args.out is not None:
+        return Path(args.out)
+    return results_path() if args.record else results_file("long_context", device_slug(), cli.runs_dir())
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.worker is not None:
         _worker(args)
         return 0
-    require_gpu("python -m kernels.training.long_context")
+    path = output_path(args)
+    nothing = [] if args.variants or args.timing_len or args.check_split else [
+        "--variants '' with --timing-len 0 and no --check-split: nothing to run"]
+    cli.check_outputs(parser, args, [path], nothing, out_is_file=True)
+    try:
+        require_gpu(parser.prog)
+    except RuntimeError as exc:  # not a bug: a message and a non-zero exit, no traceback
+        raise SystemExit(str(exc)) from None
     print(runtime.describe())
     print(memory_table(args.preset, max(args.probe)).format(), "\n")
-    path = args.out or results_path()
     results = fit_variants(merge_results(json.loads(path.read_text()) if path.exists() else None,
                                          run_all(args)))
     if args.check_split:
         results["split_check"] = run_split_check(args, results) or results.get("split_check")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=1) + "\n")
+    cli.write_json(path, results)
     print(format_probes(results))
     for name, run in results["variants"].items():
         if run.get("longest"):

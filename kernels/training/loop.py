@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -51,6 +50,7 @@ import torch
 
 from kernels import runtime
 from kernels.adamw import TritonAdamW
+from kernels.bench.cli import write_json_and_figure
 from kernels.bench.results import RESULTS, results_file
 from kernels.hf.padding_mask import drop_padding_mask
 from kernels.hf.patch import patch_llama
@@ -494,19 +494,17 @@ class Comparison:
 
     def save(self, out_dir: str | Path = RESULTS, name: str | None = None) -> tuple[Path, Path]:
         """Write ``finetune/<name>.json`` and ``.png`` (the loss curves) under the results root ``out_dir``, over any
-        earlier run of that name; ``name`` defaults to the preset. What the run was set up with is in the JSON's
-        ``settings`` (``kernels.bench.results.find_run`` finds it by them)."""
+        earlier run of that name, each file complete or not at all; ``name`` defaults to the preset. What the run was
+        set up with is in the JSON's ``settings`` (``kernels.bench.results.find_run`` finds it by them)."""
         import matplotlib.pyplot as plt
 
         name = name or self.settings.get("preset")
         json_path = results_file("finetune", name, out_dir)
         png_path = results_file("finetune", name, out_dir, suffix=".png")
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
         axes = self.plot()
         fig = axes[0].figure
         fig.tight_layout()
-        fig.savefig(png_path, dpi=120)
+        write_json_and_figure(json_path, self.to_dict(), fig, png_path, dpi=120)
         plt.close(fig)
         return json_path, png_path
 

@@ -15,7 +15,8 @@ Liger patches Hugging Face's Llama classes for the rest of the process, so its v
 
     python -m kernels.training.peak_memory --preset llama-3.2-1b   # GPU only
 
-It writes ``assets/results/peak_memory/<preset>_<gpu>.json``.
+It writes ``peak_memory/<preset>_<gpu>.json`` into the runs folder, or with ``--record`` into ``assets/results/``, where
+chapters 10 and 11 read it.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ from pathlib import Path
 import torch
 
 from kernels import runtime
+from kernels.bench import cli
 from kernels.bench.results import RESULTS, device_slug, results_file
 from kernels.hf.patch import patch_llama
+from kernels.hf.presets import PRESETS
 
 from .data import get_tokenizer
 from .fit import probe_batch
@@ -198,23 +201,28 @@ def load(preset: str = "llama-3.2-1b", directory: Path = RESULTS) -> dict | None
     return json.loads(found[0].read_text()) if found else None
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m kernels.training.peak_memory", description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="llama-3.2-1b")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {', '.join(VARIANTS)}")
-    p.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
-    p.add_argument("--out", type=Path, default=RESULTS,
-                   help=f"results root; writes peak_memory/<preset>_<gpu>.json there (default {RESULTS})")
+    p.add_argument("--preset", default="llama-3.2-1b", choices=tuple(PRESETS))
+    p.add_argument("--variants", type=cli.names(VARIANTS), default=tuple(VARIANTS),
+                   help=f"comma-separated, from {', '.join(VARIANTS)}")
+    p.add_argument("--lengths", type=cli.increasing_pair, default=tuple(LENGTHS),
+                   help=f"the two sequence lengths the slope is taken between (default {','.join(map(str, LENGTHS))})")
+    cli.add_output_arguments(p, "peak_memory/<preset>_<gpu>.json")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
+    path = results_file("peak_memory", f"{args.preset}_{device_slug()}", cli.output_root(args))
+    cli.check_outputs(p, args, [path])
     if runtime.MODE != "gpu" or not torch.cuda.is_available():
         print("kernels.training.peak_memory is GPU-only: the CPU keeps no allocator history.")
         return 0
-    results = run(args.preset, args.variants.split(","), tuple(int(n) for n in args.lengths.split(",")))
+    results = run(args.preset, args.variants, args.lengths)
     print(table(results))
-    path = results_file("peak_memory", f"{args.preset}_{device_slug()}", args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=1) + "\n")
-    print(f"wrote {path}")
+    print(f"wrote {cli.write_json(path, results)}")
     return 0
 
 

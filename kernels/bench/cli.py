@@ -1,0 +1,325 @@
+"""What every command line of the package shares: argument types that check, where results go, and safe writes.
+
+The policy, the same for every ``python -m kernels....`` command that writes results:
+
+* **Arguments are checked before any work.** Numbers are checked as argparse parses them (``positive_int``,
+  ``fraction``, ``positive_ints``, ...); what depends on several flags, and the output paths, is checked right after
+  parsing (``check_outputs``, ``fail``). A mistake exits with status 2 and one line per mistake naming the flag, no
+  traceback; a traceback means a bug.
+* **A run writes into the runs folder** (``runs_dir()``: ``runs/`` at the repository root, git-ignored; the
+  environment variable ``KERNELS_RUNS_DIR`` moves it), in the layout of the committed results
+  (``<root>/<group>/<name>.json``). ``--out`` names another results root. ``--record`` writes the committed reference
+  results, exactly where the chapters read them (``kernels.bench.results.RESULTS``); the committed files come from
+  GPU runs, so ``--record`` is refused without a GPU.
+* **An existing results file is replaced only with ``--force``.** Never a tracked file by accident, nor the last
+  run's file.
+* **A failed run leaves the earlier file as it was.** Results are written to a temporary file beside the target and
+  renamed over it only once complete (``replacing``, ``write_json``, ``write_json_and_figure``), so an exception, a
+  full disk or an interrupt midway never leaves half a file where a good one was, nor a new JSON beside an old plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from kernels import runtime
+
+from .results import RESULTS
+
+REPO = RESULTS.parents[1]
+RUNS_ENV = "KERNELS_RUNS_DIR"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Argument types: each raises argparse.ArgumentTypeError, which argparse reports as "argument --flag: <message>"
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(str(text).strip().replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(str(text).strip().replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value != value or value in (float("inf"), float("-inf")):  # NaN or infinite: no setting means that
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An integer ≥ 1 (sizes, counts, steps)."""
+    value = _integer(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An integer ≥ 0 (a seed; a length where 0 means "skip")."""
+    value = _integer(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer ≥ 0, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (a learning rate, a timeout in seconds)."""
+    value = _number(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number ≥ 0."""
+    value = _number(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a number ≥ 0, got {text!r}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A number in (0, 1] (a share of the GPU's memory)."""
+    value = _number(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1], got {text!r}")
+    return value
+
+
+def positive_ints(text: str) -> tuple[int, ...]:
+    """A non-empty comma-separated list of positive integers, e.g. ``1024,4096`` (``_`` allowed: ``131_072``)."""
+    parts = [p.strip() for p in str(text).split(",")]
+    if not any(parts):
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    values = []
+    for part in parts:
+        if not part:
+            raise argparse.ArgumentTypeError(f"an empty item in {text!r}: expected integers separated by commas")
+        try:
+            values.append(positive_int(part))
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}") from None
+    return tuple(values)
+
+
+def increasing_pair(text: str) -> tuple[int, int]:
+    """Two positive integers, the first smaller: two lengths to measure between (``16384,32768``)."""
+    values = positive_ints(text)
+    if len(values) != 2 or not values[0] < values[1]:
+        raise argparse.ArgumentTypeError(f"expected two increasing positive integers such as 16384,32768, "
+                                         f"got {text!r}")
+    return values
+
+
+def names(choices: Iterable[str], *, allow_empty: bool = False) -> Callable[[str], tuple[str, ...]]:
+    """An argument type: comma-separated names, each one of ``choices``, in the order given, without repeats;
+    empty only where ``allow_empty``."""
+    known = tuple(choices)
+
+    def parse(text: str) -> tuple[str, ...]:
+        given = tuple(dict.fromkeys(n.strip() for n in str(text).split(",") if n.strip()))
+        unknown = [n for n in given if n not in known]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(map(repr, unknown))}: choose from "
+                                             f"{', '.join(known)}")
+        if not given and not allow_empty:
+            raise argparse.ArgumentTypeError(f"name at least one of {', '.join(known)}")
+        return given
+
+    parse.__name__ = "names"  # what argparse calls the type in its messages
+    return parse
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Where results go
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def runs_dir() -> Path:
+    """The git-ignored folder command-line runs write into by default: ``runs/`` at the repository root, or
+    ``$KERNELS_RUNS_DIR``."""
+    return Path(os.environ.get(RUNS_ENV) or REPO / "runs")
+
+
+def add_output_arguments(parser: argparse.ArgumentParser, what: str, *, out_flags: tuple[str, ...] = ("--out",),
+                         out_is_file: bool = False,
+                         force_help: str = "replace a results file that already exists") -> None:
+    """``--out``, ``--record`` and ``--force``. ``what`` says what a run writes (``"rmsnorm/<gpu>.json and .png"``),
+    relative to the results root; where ``out_is_file``, ``--out`` names the file itself."""
+    group = parser.add_argument_group("where the results go")
+    where = group.add_mutually_exclusive_group()
+    if out_is_file:
+        where.add_argument(*out_flags, dest="out", type=Path, default=None, metavar="FILE",
+                           help=f"the results file (default: {_short(runs_dir())}/{what})")
+    else:
+        where.add_argument(*out_flags, dest="out", type=Path, default=None, metavar="DIR",
+                           help=f"results root: writes {what} there (default: {_short(runs_dir())}, git-ignored)")
+    where.add_argument("--record", action="store_true",
+                       help=f"replace the committed reference results the chapters read ({_short(RESULTS)}/{what}); "
+                            "GPU runs only")
+    group.add_argument("--force", action="store_true", help=force_help)
+
+
+def _short(path: Path) -> str:
+    try:
+        return str(Path(path).resolve().relative_to(REPO.resolve()))
+    except ValueError:
+        return str(path)
+
+
+def output_root(args: argparse.Namespace) -> Path:
+    """The results root of this run: ``--out``, else the committed results with ``--record``, else the runs folder."""
+    if getattr(args, "out", None) is not None:
+        return Path(args.out)
+    return RESULTS if getattr(args, "record", False) else runs_dir()
+
+
+def root_problems(root: Path, flag: str = "--out") -> list[str]:
+    """Why ``root`` cannot be a results root (a folder that exists or can be created), one line each; [] if it can."""
+    root = Path(root)
+    if root.exists() and not root.is_dir():
+        return [f"{flag} {root} is a file: {flag} names a folder, the results root (the run writes <group>/<name>.json "
+                "inside it)"]
+    return _creatable(root.parent if not root.exists() else root, flag, root)
+
+
+def file_problems(path: Path, force: bool, flag: str = "--out") -> list[str]:
+    """Why results cannot be written to ``path``, one line each; [] if they can. An existing file is refused unless
+    ``force``."""
+    path = Path(path)
+    if path.is_dir():
+        return [f"{flag}: {path} is a folder, not a results file"]
+    if path.exists() and not force:
+        return [f"{path} exists: pass --force to replace it (or --out to write elsewhere)"]
+    return _creatable(path.parent, flag, path)
+
+
+def _creatable(folder: Path, flag: str, target: Path) -> list[str]:
+    ancestor = Path(folder)
+    while not ancestor.exists():
+        if ancestor.parent == ancestor:
+            break
+        ancestor = ancestor.parent
+    if ancestor.exists() and not ancestor.is_dir():
+        return [f"{flag}: cannot create {target}: {ancestor} is a file, not a folder"]
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        return [f"{flag}: cannot write {target}: {ancestor} is not writable"]
+    return []
+
+
+def record_problems(args: argparse.Namespace) -> list[str]:
+    """``--record`` writes the committed results, which are GPU runs: refused in Triton's interpreter."""
+    if getattr(args, "record", False) and runtime.MODE != "gpu":
+        return ["--record replaces the committed results of a GPU run; this machine runs Triton's interpreter "
+                "(leave out --record: the run goes to the runs folder)"]
+    return []
+
+
+def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace, targets: Iterable[Path],
+                  problems: Iterable[str] = (), *, out_is_file: bool = False) -> None:
+    """Check the results root (unless ``--out`` names the file itself) and every file this run will write
+    (``targets``), with the ``problems`` the command found itself; on any, ``fail``. Call it right after parsing,
+    before any work."""
+    found = [*problems, *record_problems(args)]
+    where = [] if out_is_file else root_problems(output_root(args))
+    if not where:  # the files' own checks would only repeat a bad root
+        for target in targets:
+            where += file_problems(target, getattr(args, "force", False))
+    fail(parser, found + where)
+
+
+def fail(parser: argparse.ArgumentParser, problems: Iterable[str]) -> None:
+    """Exit with status 2, argparse's usage line and one ``prog: error: ...`` line per problem; nothing if none."""
+    problems = list(problems)
+    if not problems:
+        return
+    parser.print_usage(sys.stderr)
+    for problem in problems:
+        print(f"{parser.prog}: error: {problem}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Writing: complete or not at all
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _temporary(path: Path) -> Path:
+    # Beside the target (the same file system, so the rename is atomic), hidden, with the target's suffix last
+    # (matplotlib picks the format from it).
+    return path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+
+
+@contextmanager
+def replacing(*paths: Path) -> Iterator[tuple[Path, ...]]:
+    """Temporary files for ``paths``, renamed over them only when the block ends without an exception, all together
+    (a results JSON never lands beside the plot of another run); on an exception they are removed and every old file
+    stays as it was::
+
+        with replacing(json_path, png_path) as (json_tmp, png_tmp):
+            json_tmp.write_text(text)
+            fig.savefig(png_tmp)
+    """
+    paths = tuple(Path(p) for p in paths)
+    temps = tuple(_temporary(p) for p in paths)
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        yield temps
+        for tmp, path in zip(temps, paths):
+            os.replace(tmp, path)
+    finally:
+        for tmp in temps:
+            tmp.unlink(missing_ok=True)
+
+
+def _json_text(data) -> str:
+    return json.dumps(data, indent=1) + "\n"
+
+
+def write_text(path: Path, text: str) -> Path:
+    """Write ``text`` to ``path`` through a temporary file renamed over it: the old file stays until the new one is
+    complete. Returns the path."""
+    with replacing(path) as (tmp,):
+        tmp.write_text(text)
+    return Path(path)
+
+
+def write_json(path: Path, data) -> Path:
+    """``data`` as indented JSON, written like ``write_text``."""
+    return write_text(path, _json_text(data))
+
+
+def save_figure(fig, path: Path, **savefig_kwargs) -> Path:
+    """``fig.savefig`` through a temporary file renamed over ``path``."""
+    with replacing(path) as (tmp,):
+        fig.savefig(tmp, **savefig_kwargs)
+    return Path(path)
+
+
+def write_json_and_figure(json_path: Path, data, fig, png_path: Path, **savefig_kwargs) -> tuple[Path, Path]:
+    """A results JSON and its plot, both replaced or neither (``replacing``)."""
+    with replacing(json_path, png_path) as (json_tmp, png_tmp):
+        json_tmp.write_text(_json_text(data))
+        fig.savefig(png_tmp, **savefig_kwargs)
+    return Path(json_path), Path(png_path)
+
+
+__all__ = [
+    "positive_int", "non_negative_int", "positive_float", "non_negative_float", "fraction", "positive_ints",
+    "increasing_pair", "names", "runs_dir", "RUNS_ENV", "add_output_arguments", "output_root", "root_problems",
+    "file_problems", "record_problems", "check_outputs", "fail", "replacing", "write_text", "write_json", "save_figure",
+    "write_json_and_figure",
+]

@@ -287,15 +287,22 @@ def check_loss_args(target, rows_of: str, lead: tuple, device, ignore_index, red
         raise ValueError(f"{name} and target must be on the same device, got {device} and {target.device}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    if not -2**63 <= ignore_index < 2**63:  # compared with int64 class indices
+        raise ValueError(f"ignore_index must fit in int64, got {ignore_index}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if normalizer is not None:
         if reduction != "sum":
             raise ValueError(f'normalizer divides a summed loss: use it with reduction="sum", not {reduction!r}')
         is_number = isinstance(normalizer, Real) and not isinstance(normalizer, bool)
-        is_scalar_tensor = isinstance(normalizer, torch.Tensor) and normalizer.numel() == 1 and normalizer.dim() <= 1
+        is_scalar_tensor = (isinstance(normalizer, torch.Tensor) and normalizer.numel() == 1 and normalizer.dim() <= 1
+                            and not normalizer.is_complex() and normalizer.dtype != torch.bool)
         if not (is_number or is_scalar_tensor):
-            raise TypeError(f"normalizer must be a number or a one-element tensor, got {normalizer!r}")
+            raise TypeError(f"normalizer must be a real number or a one-element real tensor, got {normalizer!r}")
+        if isinstance(normalizer, torch.Tensor) and normalizer.requires_grad:
+            # The kernels treat it as a count (Hugging Face's num_items_in_batch): no gradient would reach it.
+            raise ValueError("normalizer must not require a gradient: it is a count the loss is divided by; pass "
+                             "normalizer.detach(), or divide the summed loss yourself")
 
 
 # nn.CrossEntropyLoss's options that the kernels do not implement, each with the one value that means "off". A module

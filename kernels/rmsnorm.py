@@ -288,10 +288,9 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, c
     x_rows = as_rows(x)
     n_rows, n_cols = x_rows.shape
     y = torch.empty(x.shape, dtype=out_dtype(x.dtype, weight.dtype), device=x.device)  # row r at r * n_cols
-    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-    if n_cols == 0:  # no values: y is empty, and rsqrt(0 / 0 + eps) is NaN, as the reference's mean over nothing
-        rstd.fill_(float("nan"))
-    elif n_rows:
+    # No columns: y is empty, and so is rstd (rows of nothing have none), as in the fake and the C++ operators.
+    rstd = torch.empty(n_rows if n_cols else 0, dtype=torch.float32, device=x.device)
+    if n_rows and n_cols:
         cfg = config or cached_forward_config(n_rows, n_cols, runtime.device_props(x.device))
         rms_norm_fwd_kernel[cfg.grid](
             x_rows, weight, y, rstd, n_rows, n_cols, x_rows.stride(0), n_cols, eps,
@@ -336,7 +335,7 @@ def rms_norm_backward(
 def rms_norm_fwd_fake(x, weight, eps):
     """The fake implementation of ``rms_norm_fwd``: ``(y, rstd)`` as empty tensors of the right shapes and dtypes.
     ``kernels.cuda_rmsnorm`` registers it for its C++ operators of the same schema."""
-    n_rows = math.prod(x.shape[:-1])
+    n_rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     y = torch.empty(x.shape, dtype=out_dtype(x.dtype, weight.dtype), device=x.device)
     return y, torch.empty(n_rows, dtype=torch.float32, device=x.device)
 

@@ -298,7 +298,7 @@ def check_loss_args(target, rows_of: str, lead: tuple, device, ignore_index, red
         is_scalar_tensor = (isinstance(normalizer, torch.Tensor) and normalizer.numel() == 1 and normalizer.dim() <= 1
                             and not normalizer.is_complex() and normalizer.dtype != torch.bool)
         if not (is_number or is_scalar_tensor):
-            raise TypeError(f"normalizer must be a real number or a one-element real tensor, got {normalizer!r}")
+            raise TypeError(f"normalizer must be a number or a one-element tensor of real values, got {normalizer!r}")
         if isinstance(normalizer, torch.Tensor) and normalizer.requires_grad:
             # The kernels treat it as a count (Hugging Face's num_items_in_batch): no gradient would reach it.
             raise ValueError("normalizer must not require a gradient: it is a count the loss is divided by; pass "

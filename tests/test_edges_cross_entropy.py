@@ -213,6 +213,20 @@ def test_overlapping_rows_are_not_written_in_place(device, gen):
     assert relative_error(leaf.grad, base64.grad) < FP32_TOL
 
 
+@pytest.mark.parametrize("inplace", [False, True])
+def test_permuted_leading_dimensions(device, gen, inplace):
+    # [seq, batch, V] read as [batch, seq, V]: two strided levels in the opposite order of memory.
+    base = torch.randn(5, 3, 29, generator=gen).to(device)
+    target = torch.randint(0, 29, (3, 5), generator=gen).to(device)
+    leaf = base.clone().requires_grad_()
+    base64 = base.double().requires_grad_()
+    expected = F.cross_entropy(base64.permute(1, 0, 2).reshape(-1, 29), target.reshape(-1), reduction="sum")
+    expected.backward()
+    loss = cross_entropy((leaf * 1.0).permute(1, 0, 2), target, reduction="sum", inplace_backward=inplace)
+    loss.backward()
+    assert relative_error(loss, expected) < FP32_TOL and relative_error(leaf.grad, base64.grad) < FP32_TOL
+
+
 def test_shifted_logits_stay_in_place(device, gen):
     # The overlap check must not push the causal LM's shifted view off the in-place path.
     base = torch.randn(2, 5, 33, generator=gen).to(device)
@@ -234,7 +248,7 @@ def test_targets_that_are_not_class_indices_are_refused(device, dtype):
     assert dtype not in TARGET_DTYPES
     logits = torch.randn(3, 5, device=device)
     with pytest.raises(TypeError, match="^target must hold integer class indices"):
-        cross_entropy(logits, torch.ones(3, device=device).to(dtype))
+        cross_entropy(logits, torch.ones(3).to(dtype).to(device))
 
 
 @pytest.mark.parametrize("target_shape", [(4, 3), (12, 1), (11,), (13,), (), (3, 4, 1)])

@@ -210,7 +210,7 @@ def test_dtypes_are_checked(device, h_dtype, w_dtype, match):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bool, torch.uint16, torch.uint64])
 def test_targets_that_are_not_class_indices_are_refused(device, dtype):
     with pytest.raises(TypeError, match="^target must hold integer class indices"):
-        linear_cross_entropy(*_args(device, target=torch.zeros(4, device=device).to(dtype)))
+        linear_cross_entropy(*_args(device, target=torch.zeros(4).to(dtype).to(device)))
 
 
 @pytest.mark.parametrize("shape", [(5,), (3,), (2, 2), (4, 1), ()])

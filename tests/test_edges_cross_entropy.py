@@ -197,6 +197,18 @@ def test_small_integer_targets_with_ignore_index_they_hold(device, gen, target_d
     assert relative_error(ours, expected) < FP32_TOL
 
 
+@pytest.mark.parametrize("target_dtype", strategies.INTEGER_DTYPES)
+def test_out_of_range_targets_of_every_dtype(device, gen, target_dtype):
+    # Checked: a ValueError naming the position. Unchecked (no host synchronisation): that row's loss is NaN.
+    logits = torch.randn(4, 9, generator=gen).to(device)
+    bad = 200 if target_dtype == torch.uint8 else (-5 if target_dtype == torch.int8 else 1000)
+    target = torch.tensor([1, bad, 2, 3], device=device).to(target_dtype)
+    with pytest.raises(ValueError, match=f"target\\[1\\] = {bad}"):
+        cross_entropy(logits, target)
+    rows = cross_entropy(logits, target, reduction="none", check_targets=False)
+    assert rows[1].isnan() and rows[[0, 2, 3]].isfinite().all()
+
+
 def test_overlapping_rows_are_not_written_in_place(device, gen):
     # logits.unfold(...) makes rows that share memory: the in-place backward wrote one row's gradient over the
     # logits of the next before the kernel had read them (a gradient wrong by O(1)).

@@ -209,6 +209,20 @@ def test_out_of_range_targets_of_every_dtype(device, gen, target_dtype):
     assert rows[1].isnan() and rows[[0, 2, 3]].isfinite().all()
 
 
+@pytest.mark.parametrize("shape", [(1,), (3, 1)])
+def test_one_class_with_a_strided_last_dimension(device, shape):
+    # Found by the property test: .contiguous() keeps the stride of a size-1 dimension, so a copy did not make the
+    # rows addressable and the launch got no layout (an AttributeError). Loss and gradient of one class are 0.
+    wide = torch.randn(*shape[:-1], 2, device=device)
+    logits = wide[..., ::2].requires_grad_()
+    target = torch.zeros(shape[:-1], dtype=torch.int64, device=device)
+    for inplace in (False, True):
+        loss = cross_entropy(logits, target, reduction="sum", inplace_backward=inplace)
+        loss.backward()
+        assert loss.item() == 0.0 and torch.equal(logits.grad, torch.zeros_like(logits.grad))
+        logits.grad = None
+
+
 def test_overlapping_rows_are_not_written_in_place(device, gen):
     # logits.unfold(...) makes rows that share memory: the in-place backward wrote one row's gradient over the
     # logits of the next before the kernel had read them (a gradient wrong by O(1)).

@@ -38,6 +38,10 @@ from .triton_utils import cast_to
 
 REDUCTIONS = ("mean", "sum", "none")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Class indices: every signed integer dtype and uint8. The kernels widen each index to int64 as they load it, so every
+# one of these gives the loss of ``F.cross_entropy(logits, target.long())`` (PyTorch itself takes int64 and uint8
+# only). The unsigned 16-64-bit dtypes, which most PyTorch operations do not support, are refused.
+TARGET_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 # --------------------------------------------------------------------------------------------------------------------
 # Kernels
@@ -147,8 +151,11 @@ def cross_entropy_setup_kernel(TARGET, NORMALIZER, SCALE, n_rows, ignore_index, 
         count = tl.zeros((BLOCK,), dtype=tl.int32)
         for start in range(0, n_rows, BLOCK):
             idx = start + tl.arange(0, BLOCK)
-            t = tl.load(TARGET + idx, mask=idx < n_rows, other=ignore_index)
-            count += tl.where(t != ignore_index, 1, 0)
+            in_rows = idx < n_rows
+            # Widen to int64 before comparing: a uint8 or int8 index compared with ignore_index in its own dtype
+            # would wrap (-100 is 156 as uint8), and so would a padding value standing in for ignore_index.
+            t = tl.load(TARGET + idx, mask=in_rows, other=0).to(tl.int64)
+            count += tl.where(in_rows & (t != ignore_index), 1, 0)
         divisor = tl.sum(count, axis=0).to(tl.float32)
     elif MODE == 1:
         divisor = tl.load(NORMALIZER).to(tl.float32)
@@ -243,14 +250,18 @@ def _backward_config(n_rows: int, n_cols: int, props: runtime.DeviceProps) -> Cr
 
 
 def check_scores(name: str, scores) -> None:
-    """The tensor of scores a loss reads (logits, or a linear layer's input): a float32/bf16/fp16 tensor."""
+    """The tensor of scores a loss reads (logits, or a linear layer's input): a float32/bf16/fp16 tensor, on the
+    device the kernels run on (or on the meta device, where only shapes are computed)."""
     if not isinstance(scores, torch.Tensor):
         raise TypeError(f"{name} must be a tensor, got {type(scores).__name__}")
     if not scores.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {scores.dtype}")
     if scores.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{name} must be float32, bfloat16 or float16, got dtype {scores.dtype}")
-    if not runtime.INTERPRET and scores.device.type != "cuda":
+        raise TypeError(
+            f"{name} must be float32, bfloat16 or float16, got dtype {scores.dtype}: the kernels compute in float32; "
+            f"cast with .float(), or use torch.nn.functional.cross_entropy for {scores.dtype}"
+        )
+    if not runtime.INTERPRET and scores.device.type not in ("cuda", "meta"):
         raise ValueError(f"in gpu mode the inputs must be CUDA tensors, got {name} on {scores.device}")
 
 
@@ -259,8 +270,12 @@ def check_loss_args(target, rows_of: str, lead: tuple, device, ignore_index, red
     on ``device``), and the reduction, ``ignore_index`` and ``normalizer`` are ones the kernels know."""
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"target must be a tensor, got {type(target).__name__}")
-    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
-        raise TypeError(f"target must hold integer class indices (e.g. torch.int64), got dtype {target.dtype}")
+    if target.dtype not in TARGET_DTYPES:
+        raise TypeError(
+            f"target must hold integer class indices of dtype int64, int32, int16, int8 or uint8, got dtype "
+            f"{target.dtype}" + ("" if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool
+                                 else ": cast it with .long()")
+        )
     n_rows = math.prod(lead)
     if tuple(target.shape) != lead and not (target.dim() == 1 and target.numel() == n_rows):
         raise ValueError(
@@ -272,15 +287,49 @@ def check_loss_args(target, rows_of: str, lead: tuple, device, ignore_index, red
         raise ValueError(f"{name} and target must be on the same device, got {device} and {target.device}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    if not -2**63 <= ignore_index < 2**63:  # compared with int64 class indices
+        raise ValueError(f"ignore_index must fit in int64, got {ignore_index}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if normalizer is not None:
         if reduction != "sum":
             raise ValueError(f'normalizer divides a summed loss: use it with reduction="sum", not {reduction!r}')
         is_number = isinstance(normalizer, Real) and not isinstance(normalizer, bool)
-        is_scalar_tensor = isinstance(normalizer, torch.Tensor) and normalizer.numel() == 1 and normalizer.dim() <= 1
+        is_scalar_tensor = (isinstance(normalizer, torch.Tensor) and normalizer.numel() == 1 and normalizer.dim() <= 1
+                            and not normalizer.is_complex() and normalizer.dtype != torch.bool)
         if not (is_number or is_scalar_tensor):
-            raise TypeError(f"normalizer must be a number or a one-element tensor, got {normalizer!r}")
+            raise TypeError(f"normalizer must be a number or a one-element tensor of real values, got {normalizer!r}")
+        if isinstance(normalizer, torch.Tensor) and normalizer.requires_grad:
+            # The kernels treat it as a count (Hugging Face's num_items_in_batch): no gradient would reach it.
+            raise ValueError("normalizer must not require a gradient: it is a count the loss is divided by; pass "
+                             "normalizer.detach(), or divide the summed loss yourself")
+
+
+# nn.CrossEntropyLoss's options that the kernels do not implement, each with the one value that means "off". A module
+# of this package refuses any other value at every call, however it was set (the attribute may be assigned after
+# construction): ignoring it would give a different loss without a word.
+OFF_OPTIONS = {"weight": None, "label_smoothing": 0.0, "size_average": None, "reduce": None}
+
+
+def check_options_off(module: torch.nn.Module, names=tuple(OFF_OPTIONS)) -> None:
+    """Raise a ValueError naming the first option of ``names`` (see ``OFF_OPTIONS``) set on ``module`` to
+    anything but its off value."""
+    for name in names:
+        value, off = getattr(module, name, OFF_OPTIONS[name]), OFF_OPTIONS[name]
+        is_off = value is None if off is None else (
+            isinstance(value, Real) and not isinstance(value, bool) and value == off)
+        if not is_off:
+            raise ValueError(
+                f"{type(module).__name__} does not implement {name}={value!r} (only {name}={off!r}): use "
+                "torch.nn.CrossEntropyLoss for it"
+            )
+
+
+def check_flags(**flags) -> None:
+    """Each keyword must be a bool: a string such as "False" is truthy, and would turn a switch on silently."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
 def _check_inputs(logits, target, ignore_index, reduction, normalizer) -> None:
@@ -293,11 +342,24 @@ def _check_inputs(logits, target, ignore_index, reduction, normalizer) -> None:
                     reduction, normalizer)
 
 
+def has_data(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds values that can be read: not a meta tensor, not a FakeTensor (shapes only). Decided from
+    metadata alone, outside ``torch.compile`` (which traces with fake tensors and keeps what a real call does)."""
+    if torch.compiler.is_compiling():
+        return True
+    return t.device.type != "meta" and not torch._subclasses.fake_tensor.is_fake(t)
+
+
 def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int) -> None:
     """Raise a ValueError naming the first target outside [0, ``n_classes``) that is not ``ignore_index``: what
-    ``check_targets=True`` asks of the losses of this module and of ``kernels.linear_cross_entropy``."""
+    ``check_targets=True`` asks of the losses of this module and of ``kernels.linear_cross_entropy``. Targets
+    without values (meta, FakeTensor) have nothing to check."""
     # One device-to-host transfer: the price of a clear error for a bad label. Callers under CUDA graphs or
     # torch.compile pass check_targets=False; the kernel then makes such rows NaN instead of reading out of bounds.
+    if not has_data(target):
+        return
+    # Compared as int64, as the kernels do: uint8 and int8 would wrap ignore_index (-100 == 156 as uint8).
+    target = target.long()
     bad = (target != ignore_index) & ((target < 0) | (target >= n_classes))
     if bad.any().item():
         position = tuple(int(i) for i in bad.nonzero()[0])
@@ -333,16 +395,31 @@ def _merged_leading_dims(shape: tuple[int, ...], strides: tuple[int, ...]) -> li
     return merged[::-1]
 
 
+def _overlapping(n_cols: int, dims: list[tuple[int, int]]) -> bool:
+    """Whether two rows may share memory: a stride of 0 (``expand``), or rows closer than a row's extent
+    (``unfold``, ``as_strided``). Sorted by stride, each level must step past everything inside it."""
+    if any(size == 0 for size, _ in dims):  # no rows at all
+        return False
+    extent = n_cols  # elements spanned by one element of the level below (a row, then a block of rows)
+    for size, stride in sorted(dims, key=lambda d: d[1]):
+        if stride < extent:
+            return True
+        extent = stride * (size - 1) + extent
+    return False
+
+
 @functools.lru_cache(maxsize=1024)
 def _row_decomposition(shape: tuple[int, ...], strides: tuple[int, ...], for_writing: bool):
     """(n_rows, n_cols, inner_rows, stride_outer, stride_inner), or None when the kernels cannot address the rows.
 
     Addressable: a contiguous last dimension and leading dimensions that collapse to at most two strided levels
     (any contiguous tensor, and sliced views such as ``logits[:, :-1, :]``). Rows that overlap in memory (a stride
-    of 0, from ``expand``) can be read but not written: two rows' gradients would land in the same place.
+    of 0, from ``expand``; windows from ``unfold``) can be read but not written: two rows' gradients would land in
+    the same place.
     """
     dims = _merged_leading_dims(shape, strides)
-    if strides[-1] != 1 or len(dims) > 2 or (for_writing and any(stride == 0 for _, stride in dims)):
+    # A last dimension of size 1 has a stride that nothing reads (and .contiguous() keeps it): column 0 only.
+    if (strides[-1] != 1 and shape[-1] != 1) or len(dims) > 2 or (for_writing and _overlapping(shape[-1], dims)):
         return None
     n_cols = shape[-1]
     n_rows = math.prod(shape[:-1])
@@ -460,6 +537,8 @@ def scale_gradient_(grad: torch.Tensor, grad_output: torch.Tensor, config: Cross
     ``grad_output`` is a scalar (reductions "mean" and "sum") or one value per row ("none"). Rows whose factor is
     exactly 1.0 are skipped on the device: no host sync, and no pass over the gradient in the common case.
     """
+    if grad.numel() == 0:  # no rows (or no columns): nothing to scale
+        return grad
     layout = _rows_in_place(grad, for_writing=True)
     if layout is None:  # never the case for a buffer the forward kernel wrote
         raise ValueError("scale_gradient_ needs a gradient whose rows the kernel can address in place")
@@ -650,6 +729,7 @@ def cross_entropy(
     ``torch.compile`` and CUDA graphs see each launch as one node.
     """
     _check_inputs(logits, target, ignore_index, reduction, normalizer)
+    check_flags(inplace_backward=inplace_backward, check_targets=check_targets)
     if check_targets:
         check_target_range(target, logits.shape[-1], ignore_index)
     norm_tensor, norm_value = split_normalizer(normalizer, logits.device)
@@ -664,7 +744,12 @@ class TritonCrossEntropyLoss(torch.nn.Module):
     """``nn.CrossEntropyLoss`` for [..., V] logits and [...] class indices, computed by the fused kernel.
 
     See ``cross_entropy`` for the semantics, and for what ``inplace_backward=True`` does to the logits you pass.
+    ``nn.CrossEntropyLoss``'s ``weight``, ``label_smoothing``, ``size_average`` and ``reduce`` are not implemented:
+    set to anything but their defaults (attributes of the same names), every call raises a ValueError.
     """
+
+    # The off values of the options the kernels do not implement (``check_options_off`` reads them at every call).
+    weight, label_smoothing, size_average, reduce = None, 0.0, None, None
 
     def __init__(self, ignore_index: int = -100, reduction: str = "mean", inplace_backward: bool = False,
                  check_targets: bool = True):
@@ -677,6 +762,7 @@ class TritonCrossEntropyLoss(torch.nn.Module):
         self.check_targets = check_targets
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor, normalizer=None) -> torch.Tensor:
+        check_options_off(self)
         return cross_entropy(
             logits, target, self.ignore_index, self.reduction, normalizer=normalizer,
             inplace_backward=self.inplace_backward, check_targets=self.check_targets,

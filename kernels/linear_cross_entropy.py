@@ -36,6 +36,7 @@ PyTorch operators (``torch.ops.kernels.linear_cross_entropy_*``), so ``torch.com
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +45,9 @@ import triton.language as tl
 
 from . import ops, runtime
 from .cross_entropy import (
+    check_flags,
     check_loss_args,
+    check_options_off,
     check_scores,
     check_target_range,
     cross_entropy_forward,
@@ -352,6 +355,13 @@ def _check_inputs(hidden, weight, target, ignore_index, reduction, normalizer, s
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
 
 
+def _dense_like(t: torch.Tensor) -> torch.Tensor:
+    """An empty contiguous tensor of ``t``'s shape, dtype and device. Gradients and the buffers that become them
+    are contiguous whatever the layout of the input (a transposed or strided LM head weight): the passes address
+    d_weight as one flat buffer, and autograd accepts a gradient of any strides."""
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+
 def _slices(vocab: int, width: int):
     """(start, stop) of each slice of the vocabulary."""
     return [(start, min(start + width, vocab)) for start in range(0, vocab, width)]
@@ -429,7 +439,7 @@ def logsumexp_pass(hidden, weight, target, ignore_index: int, width: int, keep: 
         return loss, lse, hidden.new_empty(0), weight.new_empty(0)
     layout = _layout(n_rows, vocab, width, keep, hidden.shape[1], in_grad)
     buffer = torch.empty(layout.buffer_numel, dtype=hidden.dtype, device=device)
-    grad_buffer = torch.empty_like(weight) if in_grad else weight.new_empty(0)
+    grad_buffer = _dense_like(weight) if in_grad else weight.new_empty(0)
     slices = layout.slices
     for i, (start, stop) in enumerate(slices):
         # The slices that are not kept come first, through the buffer's front; each kept one then gets its own place.
@@ -464,7 +474,7 @@ def gradient_pass(hidden, weight, target, lse, scale, grad_output, ignore_index:
             raise ValueError(f"grad_buffer must be the forward pass's d_weight, holding its first {in_grad} slices")
         d_weight = grad_buffer
     else:
-        d_weight = torch.empty_like(weight) if need_weight else weight.new_empty(0)
+        d_weight = _dense_like(weight) if need_weight else weight.new_empty(0)
     d_hidden_acc = torch.zeros(hidden.shape, dtype=torch.float32, device=device) if need_hidden else None
     if n_rows == 0:  # a sum over no tokens
         return (hidden.new_zeros(hidden.shape) if need_hidden else hidden.new_empty(0),
@@ -522,7 +532,7 @@ def chunked_forward(hidden, weight, target, ignore_index: int, reduction: str, n
     scale = gradient_scale(target, ignore_index, reduction, normalizer, device)
     divisor = scale[1:]
     loss = torch.zeros((), dtype=torch.float32, device=device)
-    d_hidden = torch.empty_like(hidden) if need_hidden else hidden.new_empty(0)
+    d_hidden = _dense_like(hidden) if need_hidden else hidden.new_empty(0)
     d_weight_acc = torch.zeros(weight.shape, dtype=torch.float32, device=device) if need_weight else None
     buffer = torch.empty(min(chunk, max(n_rows, 1)) * weight.shape[0], dtype=hidden.dtype, device=device)
     for start in range(0, n_rows, chunk):
@@ -560,7 +570,7 @@ def _fwd_fake(hidden, weight, target, ignore_index, reduction, normalizer, norma
     loss = hidden.new_empty((n_rows,) if reduction == "none" else (), dtype=torch.float32)
     kept = RecomputeLayout(n_rows, weight.shape[0], width, keep).buffer_numel if keep and n_rows else 0
     return (loss, hidden.new_empty(n_rows, dtype=torch.float32), hidden.new_empty(2, dtype=torch.float32),
-            hidden.new_empty(kept), torch.empty_like(weight) if in_grad and n_rows else weight.new_empty(0))
+            hidden.new_empty(kept), _dense_like(weight) if in_grad and n_rows else weight.new_empty(0))
 
 
 def _bwd_impl(grad_output, hidden, weight, target, lse, scale, kept, grad_buffer, ignore_index, width, keep, in_grad,
@@ -573,8 +583,8 @@ def _bwd_impl(grad_output, hidden, weight, target, lse, scale, kept, grad_buffer
 
 
 def _grads_fake(hidden, weight, need_hidden, need_weight):
-    return (torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
-            torch.empty_like(weight) if need_weight else weight.new_empty(0))
+    return (_dense_like(hidden) if need_hidden else hidden.new_empty(0),
+            _dense_like(weight) if need_weight else weight.new_empty(0))
 
 
 def _chunked_impl(hidden, weight, target, ignore_index, reduction, normalizer, normalizer_value, need_hidden,
@@ -712,10 +722,11 @@ def linear_cross_entropy(
     keeps none under ``torch.compile``, where a backward that writes over a saved tensor is not traced.
     """
     _check_inputs(hidden, weight, target, ignore_index, reduction, normalizer, strategy)
+    check_flags(check_targets=check_targets, keep_logits=keep_logits)
     vocab = weight.shape[0]
     if check_targets:
         check_target_range(target, vocab, ignore_index)
-    rows = hidden.reshape(-1, hidden.shape[-1])
+    rows = hidden.reshape(math.prod(hidden.shape[:-1]), hidden.shape[-1])  # -1 is ambiguous at a hidden size of 0
     target_rows = target.reshape(-1)
     if target_rows.stride(0) != 1:
         target_rows = target_rows.contiguous()
@@ -741,7 +752,11 @@ def linear_cross_entropy(
 
 
 class TritonLinearCrossEntropyLoss(torch.nn.Module):
-    """The loss of an LM head without its logits: ``forward(hidden, weight, target)``; see ``linear_cross_entropy``."""
+    """The loss of an LM head without its logits: ``forward(hidden, weight, target)``; see ``linear_cross_entropy``.
+    ``label_smoothing``, ``size_average`` and ``reduce`` (``nn.CrossEntropyLoss``'s) are not implemented: set to
+    anything but their defaults, every call raises a ValueError."""
+
+    label_smoothing, size_average, reduce = 0.0, None, None  # off (``check_options_off`` reads them at every call)
 
     def __init__(self, ignore_index: int = -100, reduction: str = "mean", strategy: str = "auto",
                  check_targets: bool = True, keep_logits: bool = True):
@@ -753,6 +768,7 @@ class TritonLinearCrossEntropyLoss(torch.nn.Module):
         self.keep_logits = keep_logits
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, normalizer=None):
+        check_options_off(self, ("label_smoothing", "size_average", "reduce"))
         return linear_cross_entropy(hidden, weight, target, self.ignore_index, self.reduction, normalizer=normalizer,
                                     strategy=self.strategy, check_targets=self.check_targets,
                                     keep_logits=self.keep_logits)

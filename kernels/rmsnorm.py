@@ -15,7 +15,9 @@ All arithmetic is float32 whatever the storage dtype; values are cast only when 
 
 from __future__ import annotations
 
+import copy
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +25,11 @@ import triton
 import triton.language as tl
 
 from . import host_path, ops, runtime
+from .reference import relative_error, rms_norm_reference
 from .triton_utils import cast_to
+
+# The storage dtypes of x and weight the kernels read (they compute in float32 whatever these are).
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # --------------------------------------------------------------------------------------------------------------------
 # Kernels
@@ -227,10 +233,14 @@ def check_tensors(x: torch.Tensor, weight: torch.Tensor) -> None:
     entry point makes, the C++ ones of ``kernels.cuda_rmsnorm`` too."""
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise TypeError(f"x and weight must be tensors, got {type(x).__name__} and {type(weight).__name__}")
-    if not x.is_floating_point():
-        raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
-    if not weight.is_floating_point():
-        raise TypeError(f"weight must be a floating-point tensor, got dtype {weight.dtype}")
+    for name, t in (("x", x), ("weight", weight)):
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"{name} must be float32, bfloat16 or float16, got dtype {t.dtype}: the kernels compute in float32; "
+                f"cast with .float(), or use kernels.reference.rms_norm_reference for {t.dtype}"
+            )
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the hidden size), got a scalar")
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
@@ -245,19 +255,21 @@ def check_tensors(x: torch.Tensor, weight: torch.Tensor) -> None:
 def _check_inputs(x: torch.Tensor, weight: torch.Tensor) -> None:
     """``check_tensors``, and CUDA tensors in gpu mode (the Triton kernels run where the mode says)."""
     check_tensors(x, weight)
-    if not runtime.INTERPRET and x.device.type != "cuda":
+    if not runtime.INTERPRET and x.device.type not in ("cuda", "meta"):  # meta: shapes only, by the fake operators
         raise ValueError(f"in gpu mode the inputs must be CUDA tensors, got a tensor on {x.device}")
 
 
 def as_rows(t: torch.Tensor) -> torch.Tensor:
     """View ``t`` as [rows, hidden] with unit stride along hidden; copies only when no such view exists. Rows as the
-    row kernels read them, with any row stride (``kernels.swiglu`` reads its strided inputs so too)."""
+    row kernels read them, with any row stride (``kernels.swiglu`` reads its strided inputs so too). The row count
+    is explicit: with a hidden size of 0, ``-1`` would not say how many empty rows there are."""
     if t.stride(-1) != 1:
         t = t.contiguous()
+    shape = (math.prod(t.shape[:-1]), t.shape[-1])
     try:
-        return t.view(-1, t.shape[-1])
+        return t.view(shape)
     except RuntimeError:  # leading dimensions that cannot be merged without a copy
-        return t.reshape(-1, t.shape[-1])
+        return t.reshape(shape)
 
 
 @functools.lru_cache(maxsize=64)
@@ -268,12 +280,17 @@ def out_dtype(x_dtype: torch.dtype, w_dtype: torch.dtype) -> torch.dtype:
 
 
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, config: ForwardConfig | None = None):
-    """Launch the forward kernel. Returns ``(y, rstd)``: the output (x's shape) and a float32 rstd per row."""
+    """Launch the forward kernel. Returns ``(y, rstd)``: the output (x's shape) and a float32 rstd per row.
+
+    The kernels read the weight with unit stride: a strided or expanded weight (``w[::2]``, a Parameter cut from a
+    larger buffer) is copied first, ``hidden`` values. Rows of x may have any row stride (``as_rows``)."""
+    weight = weight.contiguous()
     x_rows = as_rows(x)
     n_rows, n_cols = x_rows.shape
     y = torch.empty(x.shape, dtype=out_dtype(x.dtype, weight.dtype), device=x.device)  # row r at r * n_cols
-    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-    if n_rows:
+    # No columns: y is empty, and so is rstd (rows of nothing have none), as in the fake and the C++ operators.
+    rstd = torch.empty(n_rows if n_cols else 0, dtype=torch.float32, device=x.device)
+    if n_rows and n_cols:
         cfg = config or cached_forward_config(n_rows, n_cols, runtime.device_props(x.device))
         rms_norm_fwd_kernel[cfg.grid](
             x_rows, weight, y, rstd, n_rows, n_cols, x_rows.stride(0), n_cols, eps,
@@ -286,13 +303,14 @@ def rms_norm_backward(
     dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, compute_dw: bool = True,
     config: BackwardConfig | None = None,
 ):
-    """Launch the backward kernels. Returns ``(dx, dw)``: dx in x's shape, dw like ``weight`` (empty, shape [0],
-    when ``compute_dw`` is false: a frozen weight skips the dW reduction entirely)."""
+    """Launch the backward kernels. Returns ``(dx, dw)``: dx in x's shape, dw in weight's shape and dtype,
+    contiguous (empty, shape [0], when ``compute_dw`` is false: a frozen weight skips the dW reduction entirely)."""
+    weight = weight.contiguous()  # as in the forward: the kernels read it with unit stride
     x_rows = as_rows(x)
     dy_rows = as_rows(dy)
     n_rows, n_cols = x_rows.shape
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if n_rows == 0:  # no rows: dW is a sum over nothing
+    if n_rows == 0 or n_cols == 0:  # no rows: dW is a sum over nothing; no columns: nothing to compute
         return dx, (torch.zeros_like(weight) if compute_dw else weight.new_empty(0))
     dw = torch.empty_like(weight) if compute_dw else weight.new_empty(0)
     cfg = config or cached_backward_config(n_rows, n_cols, x.element_size(), runtime.device_props(x.device))
@@ -326,7 +344,8 @@ def rms_norm_bwd_fake(dy, x, weight, rstd, compute_dw):
     """The fake implementation of ``rms_norm_bwd``: ``(dx, dw)`` as empty tensors (dw empty, shape [0], without
     ``compute_dw``). ``kernels.cuda_rmsnorm`` registers it for its C++ operator of the same schema."""
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    return dx, (torch.empty_like(weight) if compute_dw else weight.new_empty(0))
+    return dx, (torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if compute_dw
+                else weight.new_empty(0))
 
 
 rms_norm_fwd_op = ops.define(
@@ -393,6 +412,40 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     return ops.call(rms_norm_fwd_op, x, weight, float(eps))[0]  # no autograd: skip the Function and its bookkeeping
 
 
+def check_llama_formula(module: torch.nn.Module, eps: float) -> None:
+    """Raise a TypeError unless ``module`` computes ``LlamaRMSNorm``'s weight · (x / sqrt(mean(x²) + eps)).
+
+    Checked by running a float32 CPU copy of it with a random weight on two random rows: one shifted off zero (a
+    LayerNorm subtracts the mean), one of magnitude sqrt(eps) (where an eps other than ``eps`` shows). The module
+    itself is not touched; a module on the meta device is copied to empty CPU memory first."""
+    name = type(module).__name__
+    if isinstance(module, (torch.nn.LayerNorm, torch.nn.GroupNorm)):
+        raise TypeError(f"{name} subtracts the mean: it is not an RMSNorm, and TritonRMSNorm cannot replace it")
+    if getattr(module, "bias", None) is not None:
+        raise TypeError(f"{name} has a bias; TritonRMSNorm computes weight · x / rms(x) without one")
+    gen = torch.Generator().manual_seed(0)
+    hidden = module.weight.shape[0]
+    x = torch.randn(2, hidden, generator=gen)
+    x[0] += 0.5
+    x[1] *= max(eps, 1e-12) ** 0.5
+    try:
+        probe = copy.deepcopy(module)
+        probe = probe.to_empty(device="cpu") if probe.weight.is_meta else probe.to("cpu")
+        probe = probe.float()
+        with torch.no_grad():
+            probe.weight.copy_(torch.randn(hidden, generator=gen))
+            got = probe(x)
+    except Exception as err:  # whatever stops the check, the conversion is refused with its cause
+        raise TypeError(f"could not run a copy of {name} to check that it computes LlamaRMSNorm's formula: "
+                        f"{type(err).__name__}: {err}") from err
+    expected = rms_norm_reference(x.double(), probe.weight.detach().double(), eps)
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape or relative_error(got, expected) > 1e-4:
+        raise TypeError(
+            f"{name} does not compute LlamaRMSNorm's weight · x / sqrt(mean(x²) + eps) with eps={eps} (e.g. "
+            "Gemma's norms multiply by 1 + weight): TritonRMSNorm cannot replace it"
+        )
+
+
 class TritonRMSNorm(torch.nn.Module):
     """Drop-in replacement for ``LlamaRMSNorm`` (and the identical norms of Mistral, Qwen2 and Qwen3)."""
 
@@ -403,13 +456,19 @@ class TritonRMSNorm(torch.nn.Module):
 
     @classmethod
     def from_hf(cls, module: torch.nn.Module) -> "TritonRMSNorm":
-        """A TritonRMSNorm that shares ``module``'s weight Parameter (no copy: optimisers and tying still see it)."""
+        """A TritonRMSNorm that shares ``module``'s weight Parameter (no copy: optimisers and tying still see it).
+
+        ``module`` must compute what ``LlamaRMSNorm`` computes, weight · (x / rms(x)), with its ``variance_epsilon``
+        (or ``eps``): a TypeError names any other kind (a LayerNorm, a norm with a bias, Gemma's (1 + weight)),
+        never a silent conversion to the wrong formula. ``check_llama_formula`` runs a copy of it to make sure."""
         weight = getattr(module, "weight", None)
         if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1:
             raise TypeError(f"{type(module).__name__} has no 1-D weight Parameter to share")
         eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-        if eps is None:
-            raise TypeError(f"{type(module).__name__} has neither `variance_epsilon` nor `eps`")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+            raise TypeError(f"{type(module).__name__} has no number `variance_epsilon` or `eps`, got {eps!r}")
+        if type(module) is not cls:
+            check_llama_formula(module, float(eps))
         new = cls.__new__(cls)
         torch.nn.Module.__init__(new)
         new.weight = weight

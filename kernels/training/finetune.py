@@ -3,6 +3,7 @@
     python -m kernels.training.finetune --compare            # baseline and patched, table, JSON and loss-curve PNG
     python -m kernels.training.finetune --compare --fit      # also the longest sequence that fits, each way (GPU)
     python -m kernels.training.finetune                      # the patched run alone
+    python -m kernels.training.finetune --lora 16 --compare  # Hugging Face + PEFT against patched + PEFT
 
 Sharded across GPUs with FSDP2, the same flags run under torchrun from the distributed wing:
 ``torchrun --nproc-per-node 2 -m kernels.distributed.finetune --batch-size 2``.
@@ -105,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the file of its name; its flags are in the JSON's settings")
     p.add_argument("--out", type=Path, default=RESULTS, help=f"results root (default {RESULTS})")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--lora", type=int, default=None, metavar="RANK",
+                   help="LoRA of this rank on q, k, v, o, gate, up, down (PEFT, dropout 0): with --compare, Hugging "
+                        "Face + PEFT against patched + PEFT; results in lora/<name>.json")
+    p.add_argument("--lora-alpha", type=float, default=None, metavar="A", help="LoRA's alpha (default 2 × RANK)")
     p.add_argument("--fsdp", action="store_true", help=argparse.SUPPRESS)  # moved: main() says where to
     return p
 
@@ -257,6 +262,58 @@ def _settings(args, preset: str, lr: float) -> dict:
             "adamw": args.adamw, "patched_adamw": args.patched_adamw or args.adamw}
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _lora_compare(args, preset: str, lr: float) -> int:
+    """``--lora RANK --compare``: Hugging Face + PEFT, then patched + PEFT (``patch_options``, the ``lora`` switch
+    among the defaults), from the same weights on the same batches; ``lora/<name>.json`` and ``.png``."""
+    import matplotlib
+    import peft
+    import torch
+
+    from kernels.hf.patch import patch_llama
+
+    from .loop import free_memory
+    from .models import build_model
+
+    if args.lora < 1 or not args.compare or args.fit or args.slope or args.compile:
+        raise SystemExit("--lora RANK (at least 1) runs with --compare, without --fit, --slope or --compile")
+    alpha = args.lora_alpha if args.lora_alpha is not None else 2.0 * args.lora
+    matplotlib.use("Agg")
+    batches = make_run_batches(preset, args.steps, args.seq_len, args.batch_size, args.grad_accum, args.seed)
+    runs = {}
+    for variant in ("baseline", "patched"):
+        free_memory()
+        model = build_model(preset, dtype=torch.bfloat16, seed=args.seed)
+        if args.gradient_checkpointing:
+            enable_checkpointing(model)
+        config = peft.LoraConfig(r=args.lora, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(LORA_TARGETS))
+        wrapped = peft.get_peft_model(model, config)
+        handle = patch_llama(wrapped, **patch_options(args)) if variant == "patched" else None
+        adamw = (args.patched_adamw or args.adamw) if variant == "patched" else args.adamw
+        runs[variant] = train(wrapped, batches, grad_accum=args.grad_accum, lr=lr, label=f"{variant} + PEFT",
+                              progress=not args.no_progress, padding_mask=args.padding_mask, adamw=adamw)
+        if handle is not None:
+            handle.undo()
+        del wrapped, model, handle
+        free_memory()
+    settings = {**_settings(args, preset, lr), "lora": {"rank": args.lora, "alpha": alpha, "dropout": 0.0,
+                                                       "targets": list(LORA_TARGETS)}}
+    result = Comparison(settings, runs["baseline"], runs["patched"])
+    print()
+    print(result.table())
+    name = args.name or f"{preset}_r{args.lora}"
+    json_path, png_path = results_file("lora", name, args.out), results_file("lora", name, args.out, suffix=".png")
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(result.to_dict(), indent=1) + "\n")
+    fig = result.plot()[0].figure
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    print(f"wrote {json_path} and {png_path}")
+    return 0
+
+
 def check_counts(args) -> None:
     """Stop with a message naming the flag when a count that must be positive is not."""
     for name in ("steps", "seq_len", "batch_size", "grad_accum", "fit_probes"):
@@ -277,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
           f"tokens, AdamW lr {lr:g}, bf16")
     if args.probe:
         return probe_longest(args, preset)
+    if args.lora is not None:
+        return _lora_compare(args, preset, lr)
     if not args.compare:
         if args.compile:
             raise SystemExit("--compile compares compiled models: use it with --compare")

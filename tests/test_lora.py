@@ -161,3 +161,36 @@ def test_splitk_config_fills_the_gpu():
     tiles = (16 + cfg.block_m - 1) // cfg.block_m * ((4096 + cfg.block_n - 1) // cfg.block_n)
     assert cfg.splits > 1 and tiles * cfg.splits >= h200.sm_count
     assert cfg.splits * cfg.chunk >= 8192 > (cfg.splits - 1) * cfg.chunk and cfg.chunk % cfg.block_t == 0
+
+
+def test_compiles_without_graph_break(device, gen):
+    from kernels import runtime
+
+    w, bias, a, b = _layer(gen, device, torch.float32, 24, 18, 2, bias=True)
+    x = torch.randn(11, 24, generator=gen).to(device)
+
+    def step(x, a, b):
+        return lora_linear(x, w, bias, a, b, 0.5, epilogue="triton", skinny="splitk").square().sum()
+
+    compiled = torch.compile(step, backend=runtime.COMPILE_BACKEND, fullgraph=True)
+    results = []
+    for fn in (step, compiled):
+        leaves = [t.detach().requires_grad_() for t in (x, a, b)]
+        fn(*leaves).backward()
+        results.append([t.grad for t in leaves])
+    for eager, traced in zip(*results):
+        torch.testing.assert_close(traced, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("epilogue,skinny", COMBOS)
+def test_llama_shapes_on_the_gpu(gen, epilogue, skinny):
+    """bf16 at a Llama-3.1-8B projection's shape (k_proj: 4,096 → 1,024, r=16) on 4,099 tokens (no multiple of any
+    tile), against float64."""
+    device = torch.device("cuda")
+    w, _, a, b = _layer(gen, device, torch.bfloat16, 4096, 1024, 16)
+    x = torch.randn(4099, 4096, generator=gen).to(device, torch.bfloat16)
+    dy = torch.randn(4099, 1024, generator=gen).to(device, torch.bfloat16)
+    errors = _errors(x, w, None, a, b, 2.0, dy, epilogue, skinny)
+    for name, err in errors.items():
+        assert err < TOL[torch.bfloat16], (name, err)

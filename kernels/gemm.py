@@ -157,7 +157,10 @@ def splitk_config(t: int, m: int, n: int, props: runtime.DeviceProps | None = No
     if props.interpreter:
         block_m, block_n, block_t, warps, stages = 32, 64, 64, 4, 1
     else:
-        block_m, block_n, block_t, warps, stages = 32 if m <= 32 else 64, 128, 64, 4, 3
+        # A short side gets a short tile (LoRA's dB is [out, r]: r = 16 columns would waste most of a 128-wide one).
+        block_n = min(128, max(16, triton.next_power_of_2(n)))
+        block_m = 32 if m <= 32 else (128 if block_n <= 32 else 64)
+        block_t, warps, stages = 64, 4, 3
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     steps = triton.cdiv(t, block_t)
     min_steps = 2 if props.interpreter else 8

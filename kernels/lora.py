@@ -107,14 +107,21 @@ def lora_forward(x2, weight, bias, lora_a, lora_b, scale: float, epilogue: str =
     return y, xa
 
 
+_MM_OUT_DTYPE = [True]  # whether this PyTorch's torch.mm takes out_dtype (found on the first call that tries)
+
+
 def skinny_mm(a: torch.Tensor, b: torch.Tensor, scale: float, out_dtype: torch.dtype, skinny: str = "cublas"):
     """``scale · aᵀ · b`` reduced over the tokens (the rows of both), accumulated in float32, in ``out_dtype``."""
     if skinny == "splitk":
         return splitk_mm(a, b, scale, out_dtype)
     if a.dtype == out_dtype and b.dtype == out_dtype:
         out = a.t() @ b
-    elif a.is_cuda and a.dtype == b.dtype and out_dtype == torch.float32:
-        out = torch.mm(a.t(), b, out_dtype=torch.float32)  # bf16 inputs, fp32 accumulator and output
+    elif a.is_cuda and a.dtype == b.dtype and out_dtype == torch.float32 and _MM_OUT_DTYPE[0]:
+        try:
+            out = torch.mm(a.t(), b, out_dtype=torch.float32)  # bf16 inputs, fp32 accumulator and output
+        except (TypeError, RuntimeError):  # a PyTorch without mm's out_dtype: upcast instead, from now on
+            _MM_OUT_DTYPE[0] = False
+            out = a.t().float() @ b.float()
     else:
         out = a.t().float() @ b.float()
     return (out.mul_(scale) if scale != 1.0 else out).to(out_dtype)

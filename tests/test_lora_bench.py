@@ -47,7 +47,7 @@ def test_finetune_lora_compare_writes_its_file(tmp_path):
     from kernels.training import finetune
 
     code = finetune.main(["--lora", "2", "--lora-alpha", "4", "--compare", "--preset", "tiny", "--steps", "2",
-                          "--seq-len", "16", "--batch-size", "1", "--grad-accum", "1", "--no-progress",
+                          "--seq-len", "64", "--batch-size", "1", "--grad-accum", "1", "--no-progress",
                           "--out", str(tmp_path)])
     assert code == 0
     data = json.loads((tmp_path / "lora" / "tiny_r2.json").read_text())

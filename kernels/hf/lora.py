@@ -10,7 +10,8 @@ forward is seen again (so ``merge_and_unload()`` then works as PEFT intends).
 **Both orders.** Wrapped first (``patch_llama(get_peft_model(llama, config))``), the LoRA layers are there to
 find. Patched first (``get_peft_model(patch_llama-ed llama, config)``), PEFT injects its layers afterwards; so the
 patch also leaves a forward pre-hook on the decoder that, before each forward, gives the fused forward to any
-LoRA layer that does not have it yet (a walk over the modules: well under a millisecond per step).
+LoRA layer that has taken a linear layer's place since (it looks at the children of the modules that held linear
+layers at the patch, not at every module).
 
 **Each call decides.** The fused path runs when the call is the plain case it computes, checked on attributes at
 each call (PEFT's state can change between steps): adapters enabled and not merged, exactly one active adapter,
@@ -95,24 +96,40 @@ class LoraFusion:
     left_off: dict[str, str] = field(default_factory=dict)  # qualified name → why PEFT's forward stays
     hook: object = None
     active: bool = True
+    parents: list = field(default_factory=list)  # (qualified name, module) of the modules that hold linear layers
 
     def fuse_new_layers(self) -> int:
-        """Give the fused forward to every LoRA layer that lacks it; returns how many were new."""
+        """Give the fused forward to every LoRA layer of the model that lacks it (a walk over every module); note
+        the modules PEFT puts its layers into, for the cheap walk of ``pre_hook``. Returns how many were new."""
         cls = lora_linear_class()
+        self.parents = []
         new = 0
         for where, module in self.model.named_modules():
             if type(module) is cls and "forward" not in module.__dict__:
-                module.forward = types.MethodType(_fused_forward, module)
-                self.layers.append(module)
-                reason = why_not_fused(module)
-                if reason is not None:
-                    self.left_off[where] = reason
+                self._fuse(where, module)
                 new += 1
+            if type(module) is not cls and not isinstance(module, torch.nn.ModuleDict) and any(
+                    type(c) is cls or isinstance(c, torch.nn.Linear) for c in module._modules.values()):
+                self.parents.append((where, module))
         return new
 
+    def _fuse(self, where: str, module: torch.nn.Module) -> None:
+        module.forward = types.MethodType(_fused_forward, module)
+        self.layers.append(module)
+        reason = why_not_fused(module)
+        if reason is not None:
+            self.left_off[where] = reason
+
     def pre_hook(self, module, args) -> None:
-        """The decoder's forward pre-hook: fuse what PEFT injected since (returns None: the arguments stay)."""
-        self.fuse_new_layers()
+        """The decoder's forward pre-hook: fuse the LoRA layers PEFT put, since, where a linear layer was. Only the
+        children of the modules that held a linear layer at the patch are looked at (PEFT swaps a targeted
+        ``nn.Linear`` in its parent): a few hundred attribute reads, not a walk over thousands of modules.
+        Returns None: the arguments stay."""
+        cls = lora_linear_class()
+        for where, parent in self.parents:
+            for name, child in parent._modules.items():
+                if type(child) is cls and "forward" not in child.__dict__:
+                    self._fuse(f"{where + '.' if where else ''}{name}", child)
 
     def summary(self) -> str:
         """"N LoRA layers fused" and, for each layer that stays PEFT's, why."""
@@ -132,9 +149,14 @@ class LoraFusion:
 
 
 def check_lora(model: torch.nn.Module) -> None:
-    """Raise (TypeError) where the lora switch cannot apply: peft is not installed."""
-    if lora_linear_class() is None:
+    """Raise (TypeError) where the lora switch cannot apply: peft is not installed, or the model has no PEFT LoRA
+    layer and is no Hugging Face model (with a ``config``) that PEFT could wrap after the patch."""
+    cls = lora_linear_class()
+    if cls is None:
         raise TypeError("lora needs peft (pip install peft), which is not installed; use lora=False")
+    if not hasattr(model, "config") and not any(type(m) is cls for m in model.modules()):
+        raise TypeError(f"{type(model).__name__} has no PEFT LoRA layer and is no Hugging Face model PEFT could wrap "
+                        "later: lora has nothing to fuse")
 
 
 def _decoder(model: torch.nn.Module) -> torch.nn.Module:

@@ -194,3 +194,18 @@ def test_llama_shapes_on_the_gpu(gen, epilogue, skinny):
     errors = _errors(x, w, None, a, b, 2.0, dy, epilogue, skinny)
     for name, err in errors.items():
         assert err < TOL[torch.bfloat16], (name, err)
+
+
+@pytest.mark.parametrize("epilogue,skinny", COMBOS)
+def test_edges_zero_tokens_and_an_expanded_input(device, gen, epilogue, skinny):
+    w, _, a, b = _layer(gen, device, torch.float32, 20, 9, 2)
+    empty = torch.zeros(0, 20, device=device, requires_grad=True)
+    y = lora_linear(empty, w, None, a.requires_grad_(), b.requires_grad_(), 1.0, epilogue=epilogue, skinny=skinny)
+    y.sum().backward()
+    assert y.shape == (0, 9) and empty.grad.shape == (0, 20)
+    assert torch.equal(a.grad, torch.zeros_like(a)) and torch.equal(b.grad, torch.zeros_like(b))
+    row = torch.randn(1, 20, generator=gen).to(device)
+    expanded = row.expand(6, 20)  # stride 0 along the tokens: every row the same memory
+    dy = torch.randn(6, 9, generator=gen).to(device)
+    errors = _errors(expanded, w, None, a.detach(), b.detach(), 0.5, dy, epilogue, skinny)
+    assert max(errors.values()) < TOL[torch.float32], errors

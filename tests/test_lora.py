@@ -3,9 +3,13 @@ they train), float32 and bfloat16, odd lengths, r = 1, rsLoRA's scale, 3-D and s
 the operators, bad input."""
 
 import pytest
+import strategies
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch.utils.checkpoint import checkpoint
 
+from kernels import runtime as kernels_runtime
 from kernels.gemm import gemm_epilogue, splitk_config, splitk_mm
 from kernels.lora import lora_linear, lora_linear_reference, lora_scale
 from kernels.reference import relative_error
@@ -209,3 +213,43 @@ def test_edges_zero_tokens_and_an_expanded_input(device, gen, epilogue, skinny):
     dy = torch.randn(6, 9, generator=gen).to(device)
     errors = _errors(expanded, w, None, a.detach(), b.detach(), 0.5, dy, epilogue, skinny)
     assert max(errors.values()) < TOL[torch.float32], errors
+
+
+@given(tokens=strategies.sizes(40), n_in=strategies.sizes(40, allow_zero=False),
+       n_out=strategies.sizes(40, allow_zero=False), rank=st.integers(1, 8), dtype=strategies.kernel_dtypes(),
+       layout=strategies.layouts(), combo=st.sampled_from(COMBOS), seed=st.integers(0, 2**31 - 1))
+def test_any_shape_dtype_and_layout_against_float64(tokens, n_in, n_out, rank, dtype, layout, combo, seed):
+    """Every gradient against float64, measured against the size of the sums that make it up (‖got − want‖ over
+    ‖the same products with absolute values‖): a single output whose terms cancel is held to the rounding of its
+    terms, not of its small result; where nothing cancels this is the plain relative error."""
+    gen = torch.Generator().manual_seed(seed)
+    device = kernels_runtime.device()
+    values = torch.randn(tokens, n_in, generator=gen, dtype=torch.float64).to(dtype).double()
+    if layout == "expanded" and tokens > 1:
+        values = values[:1].expand(tokens, n_in).clone()
+    leaf, view = strategies.shaped_leaf(values.to(device, dtype), layout)
+    leaf64, view64 = strategies.shaped_leaf(values, layout)
+    w, _, a, b = _layer(gen, device, dtype, n_in, n_out, rank)
+    aa, bb = a.clone().requires_grad_(), b.clone().requires_grad_()
+    dy = torch.randn(tokens, n_out, generator=gen, dtype=torch.float64).to(dtype).double()
+    lora_linear(view, w, None, aa, bb, 1.5, epilogue=combo[0], skinny=combo[1]).backward(dy.to(device, dtype))
+    w64, a64, b64 = (t.double().cpu() for t in (w, a, b))
+    a64.requires_grad_(), b64.requires_grad_()
+    lora_linear_reference(view64, w64, None, a64, b64, 1.5).backward(dy)
+    x64 = view64.detach()
+    # The same sums of products with every factor replaced by its absolute value.
+    dxa_mag = 1.5 * dy.abs() @ b64.detach().abs()
+    mags = {"dx": dy.abs() @ w64.abs() + dxa_mag @ a64.detach().abs(), "dA": dxa_mag.t() @ x64.abs(),
+            "dB": 1.5 * dy.abs().t() @ (x64.abs() @ a64.detach().abs().t())}
+    if layout == "expanded" and tokens > 1:  # the leaf is the one row all tokens share: its gradient sums them
+        mags["dx"] = mags["dx"].sum(0, keepdim=True)
+    # The leaves may be whole buffers around the views (zero gradient where a view does not reach): compare them
+    # whole; the magnitudes are the view's.
+    for name, got, want in (("dx", leaf.grad, leaf64.grad), ("dA", aa.grad, a64.grad), ("dB", bb.grad, b64.grad)):
+        assert got is not None and got.shape == want.shape, name
+        mag = mags[name].norm()
+        if mag > 0:
+            error = float((got.double().cpu() - want).norm() / mag)
+            assert error < TOL[dtype], (name, layout, dtype, error)
+        else:
+            assert torch.all(got == 0), name

@@ -51,6 +51,10 @@ cross-entropy), ``patch_llama(model, kernels=("rms_norm", "cross_entropy"))`` ex
   ``(q, k, cos, sin, unsqueeze_dim)``, and a module whose forward was already replaced on the instance (e.g. by
   accelerate's hooks).
 
+* **LoRA** (``lora``). Each PEFT ``lora.Linear`` computes its base layer and adapter as one fused node
+  (``kernels.hf.lora``, ``kernels.lora``), in either order of wrapping and patching; what stays PEFT's is named in
+  ``handle.left_off["lora"]`` with the reason.
+
 * **The padding mask** (``additive_mask``). Where a batch needs its mask, SDPA attention receives it as one additive
   bias in the model's dtype, built once per forward pass, instead of a boolean mask that every attention call copies
   into such a bias and keeps for its backward (``kernels.hf.attention_mask``).
@@ -89,6 +93,7 @@ from kernels.rope import apply_rotary
 from kernels.swiglu import TritonSwiGLUMLP
 
 from .attention_mask import CAUSAL_CALL, check_sdpa, is_plain_causal_call, use_mask_function
+from .lora import check_lora, enable_lora_fusion
 from .offload import check_offloadable, enable_checkpoint_offload
 from .tiled_mlp import TiledSwiGLUMLP, check_tileable
 
@@ -97,11 +102,13 @@ IGNORE_INDEX = -100
 # patch_llama's kernels, by name: what its ``kernels=`` selector and its keyword switches may name, and what
 # ``python -m kernels.training.finetune --kernels`` and ``compare``'s ``patch_options`` pass on.
 SWITCHES = ("rms_norm", "cross_entropy", "linear_cross_entropy", "swiglu", "rope", "additive_mask",
-            "skip_causal_mask", "tiled_mlp", "offload_checkpoints")
+            "skip_causal_mask", "tiled_mlp", "offload_checkpoints", "lora")
 
 # What ``patch_llama(model)`` turns on, where it applies: every kernel whose training step was measured no slower
 # than without it (patch_llama's docstring gives each measurement and its results file). Not the linear
 # cross-entropy: it saves memory at long sequences and costs a little time there.
+# ``lora`` is on when asked (``lora=True``, ``kernels=(..., "lora")``): its step has not yet been timed on a GPU, so it
+# does not meet the rule above.
 DEFAULT_KERNELS = ("rms_norm", "cross_entropy", "swiglu", "rope", "additive_mask", "skip_causal_mask")
 
 # (module path, class name) of the norms whose formula is Llama's: x · rsqrt(mean(x²) + eps) in float32, cast to the
@@ -496,6 +503,7 @@ class LlamaPatch:
     _head_previous_forward: object = None
     _restore_attention: object = None  # points the attention back at plain SDPA (additive_mask, skip_causal_mask)
     offload: object = None  # the CheckpointOffload handle (offload_checkpoints)
+    lora: object = None  # the LoraFusion handle (lora): PEFT's LoRA layers fused (kernels.hf.lora)
     mask: str = ""  # what the patched mask function does, for summary()
     active: bool = True
     kernels: tuple[str, ...] = ()  # the kernels turned on, by name (SWITCHES), in SWITCHES' order
@@ -513,6 +521,7 @@ class LlamaPatch:
                   else "RoPE: Hugging Face's apply_rotary_pos_emb (rope=False)")
         mask = f"; {self.mask}" if self.mask else ""
         mask += "; checkpoints offloaded to host memory" if self.offload is not None else ""
+        mask += f"; {self.lora.summary()}" if self.lora is not None else ""
         state = "" if self.active else " [undone]"
         return f"TritonRMSNorm replaces {norms}; loss: {loss}; {mlps}; {rotary}{mask}{state}"
 
@@ -534,6 +543,8 @@ class LlamaPatch:
         for swap in self.rotary:
             if swap.module.__dict__.get("forward") is not swap.forward:
                 raise RuntimeError(f"cannot undo: the forward of {swap.where} was replaced after the patch")
+        if self.lora is not None:
+            self.lora.undo()
         if self.offload is not None:
             self.offload.undo()  # first: it wraps the checkpointed layers, which the swaps below do not touch
         if self._restore_attention is not None:
@@ -712,7 +723,7 @@ def patch_llama(
     model: torch.nn.Module, kernels="auto", *, inplace_logits: bool = True, rms_norm: bool | None = None,
     cross_entropy: bool | None = None, linear_cross_entropy: bool | None = None, swiglu: bool | None = None,
     rope: bool | None = None, additive_mask: bool | None = None, skip_causal_mask: bool | None = None,
-    tiled_mlp: bool | None = None, offload_checkpoints: bool | None = None,
+    tiled_mlp: bool | None = None, offload_checkpoints: bool | None = None, lora: bool | None = None,
 ) -> LlamaPatch:
     """Put the workbook's kernels into a Hugging Face Llama (or Mistral, Qwen2, Qwen3); returns a handle whose
     ``undo()`` restores the model. What each kernel changes: the module docstring.
@@ -765,6 +776,8 @@ def patch_llama(
       (``rmsnorm_ce_compiled.json``), with SwiGLU and RoPE 7,406 against 7,441, 0.995×
       (``every_kernel_compiled_nomask.json``), inside the spread of repeated runs: Hugging Face's own eager step gave
       6,883 to 6,998 tokens/s at one setting (seq 2,048, no mask) in three files.
+    * ``lora``: on, it changes nothing in a model without PEFT LoRA layers (results of the LoRA step:
+      ``python -m kernels.bench.lora``, ``assets/results/lora/``).
     * ``tiled_mlp`` and ``offload_checkpoints`` stay off: they trade a little time for memory, for sequences
       too long otherwise (chapter 14, ``kernels.training.long_context``). ``tiled_mlp`` runs each MLP over tiles of
       rows (``kernels.hf.tiled_mlp``; it takes the place of ``swiglu``, whose kernel it runs per tile, and refuses
@@ -785,7 +798,7 @@ def patch_llama(
         raise TypeError(f"inplace_logits must be True or False, got {inplace_logits!r}")
     switches = dict(rms_norm=rms_norm, cross_entropy=cross_entropy, linear_cross_entropy=linear_cross_entropy,
                     swiglu=swiglu, rope=rope, additive_mask=additive_mask, skip_causal_mask=skip_causal_mask,
-                    tiled_mlp=tiled_mlp, offload_checkpoints=offload_checkpoints)
+                    tiled_mlp=tiled_mlp, offload_checkpoints=offload_checkpoints, lora=lora)
     for name, value in switches.items():
         if value is not None and not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False (or None: as kernels= says), got {value!r}")
@@ -810,6 +823,7 @@ def patch_llama(
         "skip_causal_mask": lambda: _check_mask_function(model, "skip_causal_mask"),
         "tiled_mlp": lambda: _tileable_mlps(model),
         "offload_checkpoints": lambda: check_offloadable(model),
+        "lora": lambda: check_lora(model),
     }
     found, left_off = {}, {}
     for kernel, check in checks.items():
@@ -867,5 +881,9 @@ def patch_llama(
                                if on)
     if "offload_checkpoints" in found:
         patch.offload = enable_checkpoint_offload(model)
+    if "lora" in found:
+        patch.lora = enable_lora_fusion(model)
+        if patch.lora.left_off:
+            patch.left_off["lora"] = patch.lora.summary()
     model.__dict__["_kernels_patch"] = patch
     return patch

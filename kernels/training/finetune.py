@@ -3,6 +3,7 @@
     python -m kernels.training.finetune --compare            # baseline and patched, table, JSON and loss-curve PNG
     python -m kernels.training.finetune --compare --fit      # also the longest sequence that fits, each way (GPU)
     python -m kernels.training.finetune                      # the patched run alone
+    python -m kernels.training.finetune --lora 16 --compare  # Hugging Face + PEFT against patched + PEFT
 
 Sharded across GPUs with FSDP2, the same flags run under torchrun from the distributed wing:
 ``torchrun --nproc-per-node 2 -m kernels.distributed.finetune --batch-size 2``.
@@ -112,6 +113,11 @@ def build_parser(writes: str = "finetune/<name>.json and .png") -> argparse.Argu
                         "flags are in the JSON's settings")
     cli.add_output_arguments(p, writes)
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--lora", type=cli.positive_int, default=None, metavar="RANK",
+                   help="LoRA of this rank on q, k, v, o, gate, up, down (PEFT, dropout 0): with --compare, Hugging "
+                        "Face + PEFT against patched + PEFT; results in lora/<name>.json")
+    p.add_argument("--lora-alpha", type=cli.positive_float, default=None, metavar="A",
+                   help="LoRA's alpha (default 2 × RANK)")
     p.add_argument("--fsdp", action="store_true", help=argparse.SUPPRESS)  # moved: main() says where to
     return p
 
@@ -256,6 +262,14 @@ def results_name(args, preset: str) -> str:
     return args.name or (preset if args.compare else f"{preset}_patched")
 
 
+def lora_results_paths(args, preset: str) -> tuple:
+    """``lora/<name>.json`` and ``.png`` of a ``--lora RANK --compare`` run (name: ``--name``, else
+    ``<preset>_r<RANK>``)."""
+    name = args.name or f"{preset}_r{args.lora}"
+    root = cli.output_root(args)
+    return results_file("lora", name, root), results_file("lora", name, root, suffix=".png")
+
+
 def flag_problems(args) -> list[str]:
     """What is wrong with a combination of flags, one line each (each flag alone was checked as it was parsed)."""
     problems = []
@@ -272,10 +286,63 @@ def check_args(parser: argparse.ArgumentParser, args, preset: str) -> None:
                         "torchrun --nproc-per-node N -m kernels.distributed.finetune ...")
     if args.compile and not args.compare and not args.probe:
         problems.append("--compile compares compiled models: use it with --compare")
+    if args.lora is not None and (not args.compare or args.fit or args.slope or args.compile or args.probe):
+        problems.append("--lora RANK runs with --compare, without --fit, --slope, --probe or --compile")
     root = cli.output_root(args)
-    targets = [] if args.probe else [results_file("finetune", results_name(args, preset), root, suffix)
-                                     for suffix in (".json", ".png")]
+    if args.lora is not None:
+        targets = list(lora_results_paths(args, preset))
+    else:
+        targets = [] if args.probe else [results_file("finetune", results_name(args, preset), root, suffix)
+                                         for suffix in (".json", ".png")]
     cli.check_outputs(parser, args, targets, problems)
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _lora_compare(args, preset: str, lr: float) -> int:
+    """``--lora RANK --compare``: Hugging Face + PEFT, then patched + PEFT (the defaults and the ``lora`` switch, or
+    ``--kernels``), from the same weights on the same batches; ``lora/<name>.json`` and ``.png``."""
+    import matplotlib
+    import peft
+    import torch
+
+    from kernels.hf.patch import patch_llama
+
+    from .loop import free_memory
+    from .models import build_model
+
+    alpha = args.lora_alpha if args.lora_alpha is not None else 2.0 * args.lora
+    matplotlib.use("Agg")
+    batches = make_run_batches(preset, args.steps, args.seq_len, args.batch_size, args.grad_accum, args.seed)
+    runs = {}
+    for variant in ("baseline", "patched"):
+        free_memory()
+        model = build_model(preset, dtype=torch.bfloat16, seed=args.seed)
+        if args.gradient_checkpointing:
+            enable_checkpointing(model)
+        config = peft.LoraConfig(r=args.lora, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(LORA_TARGETS))
+        wrapped = peft.get_peft_model(model, config)
+        options = patch_options(args) or {"lora": True}  # the defaults and the fused adapters, unless --kernels
+        handle = patch_llama(wrapped, **options) if variant == "patched" else None
+        adamw = (args.patched_adamw or args.adamw) if variant == "patched" else args.adamw
+        runs[variant] = train(wrapped, batches, grad_accum=args.grad_accum, lr=lr, label=f"{variant} + PEFT",
+                              progress=not args.no_progress, padding_mask=args.padding_mask, adamw=adamw)
+        if handle is not None:
+            handle.undo()
+        del wrapped, model, handle
+        free_memory()
+    settings = {**_settings(args, preset, lr), "lora": {"rank": args.lora, "alpha": alpha, "dropout": 0.0,
+                                                       "targets": list(LORA_TARGETS)}}
+    result = Comparison(settings, runs["baseline"], runs["patched"])
+    print()
+    print(result.table())
+    json_path, png_path = lora_results_paths(args, preset)
+    fig = result.plot()[0].figure
+    fig.tight_layout()
+    cli.write_json_and_figure(json_path, result.to_dict(), fig, png_path, dpi=120)
+    print(f"wrote {json_path} and {png_path}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -289,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
           f"tokens, AdamW lr {lr:g}, bf16")
     if args.probe:
         return probe_longest(args, preset)
+    if args.lora is not None:
+        return _lora_compare(args, preset, lr)
     if not args.compare:
         _single_run(args, preset, lr)
         return 0

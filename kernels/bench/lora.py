@@ -1,0 +1,408 @@
+"""The LoRA step, side by side in one run: the floor, Hugging Face + PEFT, patched + PEFT, Liger + PEFT.
+
+``python -m kernels.bench.lora`` builds one Llama (random weights, bf16 base, eager SDPA) and times, one after the
+other on the same model and the same batches:
+
+* **floor, Hugging Face**: the frozen model without adapters; the backward still runs through every layer (input
+  gradients only, as a LoRA step's does), no optimizer;
+* **floor, patched**: the same with ``patch_llama``'s default kernels: the floor the fused LoRA step is held to;
+* **Hugging Face + PEFT**: LoRA (r=16, α=32, dropout 0) on q, k, v, o, gate, up, down; torch's fused AdamW on the
+  adapters;
+* **patched + PEFT, lora off**: ``patch_llama``'s other defaults, PEFT's own LoRA layers;
+* **patched + PEFT**: the defaults with the ``lora`` switch: each LoRA layer one fused node (cuBLAS epilogue);
+* **patched + PEFT, Triton epilogue and split-K**: the same with the Triton GEMM epilogue and the split-K dA/dB;
+* **Liger + PEFT**: Liger's RoPE, SwiGLU, RMSNorm and fused linear cross-entropy, if ``liger_kernel`` imports.
+
+Each setup: tokens/s over timed steps after warm-up steps, the step's peak memory (``max_memory_allocated``),
+and the loss of its first step (the same batch for all: the patched setups must give PEFT's loss). Then the
+per-layer micro-benchmarks at the preset's shapes (``micro``): the forward of one adapted layer PEFT's way, with
+cuBLAS's β-epilogue and with the Triton epilogue, against the bare base GEMM; cuBLAS against the Triton GEMM with no
+epilogue; and cuBLAS against split-K for dA and dB.
+
+Results go to ``runs/lora/<name>.json`` (``--out`` picks another folder); ``--record`` writes
+``assets/results/lora/<name>.json``, the files chapter 15 reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kernels import runtime
+from kernels.gemm import gemm_epilogue, splitk_mm
+from kernels.hf import lora as hf_lora
+from kernels.hf.patch import patch_llama
+from kernels.hf.presets import llama_config
+from kernels.lora import lora_forward, skinny_mm
+
+from .results import RESULTS, device_slug, first_line, results_file
+from .timing import time_ms
+
+GROUP = "lora"
+RUNS = Path("runs")
+GIB = 2**30
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SETUPS = ("floor_hf", "floor_patched", "hf_peft", "patched_peft_lora_off", "patched_peft", "patched_peft_triton",
+          "liger_peft")
+LABELS = {
+    "floor_hf": "floor: frozen model, no adapters (Hugging Face)",
+    "floor_patched": "floor: frozen model, no adapters (patch_llama defaults)",
+    "hf_peft": "Hugging Face + PEFT",
+    "patched_peft_lora_off": "patch_llama (lora=False) + PEFT",
+    "patched_peft": "patch_llama (defaults, lora on) + PEFT",
+    "patched_peft_triton": "patch_llama + PEFT, Triton epilogue + split-K",
+    "liger_peft": "Liger (RoPE, SwiGLU, RMSNorm, FLCE) + PEFT",
+}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The model, the batches, one step
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def build_llama(preset: str, dtype: torch.dtype, device: torch.device, seed: int = 0) -> torch.nn.Module:
+    """A ``LlamaForCausalLM`` of ``preset`` built on ``device`` in ``dtype`` (random weights, SDPA, no cache)."""
+    from transformers import LlamaForCausalLM
+
+    config = llama_config(preset)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    model.config.use_cache = False
+    return model.train()
+
+
+def make_batches(vocab: int, batch: int, seq: int, count: int, device, seed: int = 0) -> list[dict]:
+    """``count`` random SFT batches: the first quarter of each row is prompt (labels -100)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(0, vocab, (batch, seq), generator=gen)
+        labels = ids.clone()
+        labels[:, : seq // 4] = -100
+        out.append({"input_ids": ids.to(device), "labels": labels.to(device)})
+    return out
+
+
+def lora_config(rank: int, alpha: float, use_rslora: bool = False):
+    import peft
+
+    return peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(TARGETS),
+                           use_rslora=use_rslora, task_type="CAUSAL_LM")
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(model, batches: list[dict], warmup: int, steps: int, optimizer=None) -> dict:
+    """Run ``warmup`` then ``steps`` training steps; tokens/s of the timed ones, the peak, the first loss."""
+    device = batches[0]["input_ids"].device
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    first_loss, elapsed, tokens = None, 0.0, 0
+    for i in range(warmup + steps):
+        batch = batches[i % len(batches)]
+        _sync(device)
+        start = time.perf_counter()
+        loss = model(**batch).loss
+        loss.backward()
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        _sync(device)
+        if i == 0:
+            first_loss = float(loss)
+        if i >= warmup:
+            elapsed += time.perf_counter() - start
+            tokens += batch["input_ids"].numel()
+    peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
+    return {"tokens_per_s": tokens / elapsed, "step_ms": 1e3 * elapsed / steps, "peak_gib": peak,
+            "first_loss": first_loss}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The setups
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _liger_patch(model):
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+    apply_liger_kernel_to_llama(rope=True, swiglu=True, rms_norm=True, cross_entropy=False,
+                                fused_linear_cross_entropy=True, model=model)
+
+
+@contextlib.contextmanager
+def _lora_backends(epilogue: str, skinny: str):
+    saved = hf_lora.EPILOGUE, hf_lora.SKINNY
+    hf_lora.EPILOGUE, hf_lora.SKINNY = epilogue, skinny
+    try:
+        yield
+    finally:
+        hf_lora.EPILOGUE, hf_lora.SKINNY = saved
+
+
+def run_setups(preset: str, batch: int, seq: int, rank: int, alpha: float, warmup: int, steps: int,
+               checkpointing: bool, setups=SETUPS, seed: int = 0, log=print) -> dict:
+    """Every setup of ``setups`` on one model, in a fixed order (Liger last: it patches modules for the process)."""
+    import peft
+
+    device = runtime.device()
+    dtype = torch.bfloat16 if runtime.MODE == "gpu" else torch.float32
+    model = build_llama(preset, dtype, device, seed)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.requires_grad_(False)
+    model.enable_input_require_grads()  # the frozen floor still runs the backward through every layer
+    batches = make_batches(model.config.vocab_size, batch, seq, 2, device, seed)
+    rows = {}
+
+    initial = {}  # the adapters as PEFT made them: every PEFT setup starts from them, with a fresh optimizer
+
+    def measure(name, net, adapters=False):
+        if name not in setups:
+            return
+        log(f"  {LABELS[name]} …", flush=True)
+        optimizer = None
+        if adapters:
+            trained = [p for p in net.parameters() if p.requires_grad]
+            with torch.no_grad():
+                for p in trained:
+                    p.copy_(initial[p])
+            optimizer = torch.optim.AdamW(trained, lr=1e-4, fused=device.type == "cuda")
+        try:
+            rows[name] = time_steps(net, batches, warmup, steps, optimizer)
+        except torch.OutOfMemoryError as err:
+            rows[name] = {"error": f"out of memory: {first_line(err)}"}
+        rows[name]["label"] = LABELS[name]
+        log(f"    {_row_text(rows[name])}", flush=True)
+
+    measure("floor_hf", model)
+    with patch_llama(model):
+        measure("floor_patched", model)
+    wrapped = peft.get_peft_model(model, lora_config(rank, alpha))
+    initial.update({p: p.detach().clone() for p in wrapped.parameters() if p.requires_grad})
+    measure("hf_peft", wrapped, adapters=True)
+    with patch_llama(wrapped, lora=False):
+        measure("patched_peft_lora_off", wrapped, adapters=True)
+    with patch_llama(wrapped, lora=True) as patch:
+        rows_lora = patch.lora.summary() if patch.lora is not None else ""
+        measure("patched_peft", wrapped, adapters=True)
+        with _lora_backends("triton", "splitk"):
+            measure("patched_peft_triton", wrapped, adapters=True)
+    if "liger_peft" in setups:
+        try:
+            _liger_patch(wrapped.get_base_model())
+        except ImportError as err:
+            rows["liger_peft"] = {"label": LABELS["liger_peft"], "error": f"liger_kernel not importable: {err}"}
+        else:
+            measure("liger_peft", wrapped, adapters=True)
+    trainable = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+    initial.clear()
+    del wrapped, model
+    gc.collect()
+    return {"rows": rows, "trainable_parameters": trainable, "lora_layers": rows_lora}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Per-layer micro-benchmarks
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def layer_shapes(preset: str) -> dict[str, tuple[int, int]]:
+    """(in, out) of each adapted projection of ``preset``."""
+    c = llama_config(preset)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv = c.num_key_value_heads * head_dim
+    return {"q_proj": (c.hidden_size, c.num_attention_heads * head_dim), "k_proj": (c.hidden_size, kv),
+            "v_proj": (c.hidden_size, kv), "o_proj": (c.num_attention_heads * head_dim, c.hidden_size),
+            "gate_proj": (c.hidden_size, c.intermediate_size), "up_proj": (c.hidden_size, c.intermediate_size),
+            "down_proj": (c.intermediate_size, c.hidden_size)}
+
+
+def _peft_forward(x, w, a32, b32, scale):
+    # What PEFT computes: the base layer, x cast to the adapters' float32, their two linears, the scaling, the add.
+    result = F.linear(x, w)
+    xf = x.to(a32.dtype)
+    return (result + F.linear(F.linear(xf, a32), b32) * scale).to(x.dtype)
+
+
+def _micro_row(name: str, n_in: int, n_out: int, tokens: int, rank: int, scale: float, gen, device, dtype) -> dict:
+    x = torch.randn(tokens, n_in, generator=gen).to(device, dtype)
+    w = (torch.randn(n_out, n_in, generator=gen) / n_in**0.5).to(device, dtype)
+    a = (torch.randn(rank, n_in, generator=gen) / n_in**0.5).to(device)
+    b = torch.randn(n_out, rank, generator=gen).to(device)
+    dy = torch.randn(tokens, n_out, generator=gen).to(device, dtype)
+    xa = x @ a.to(dtype).t()
+    dxa = (dy @ b.to(dtype)) * scale
+    wt = w.t()
+    return {
+        "layer": name, "tokens": tokens, "in": n_in, "out": n_out, "rank": rank,
+        "base_gemm_cublas_ms": time_ms(lambda: F.linear(x, w)),
+        "base_gemm_triton_ms": time_ms(lambda: gemm_epilogue(x, wt)),
+        "fwd_peft_ms": time_ms(lambda: _peft_forward(x, w, a, b, scale)),
+        "fwd_cublas_epilogue_ms": time_ms(lambda: lora_forward(x, w, None, a, b, scale, "cublas")),
+        "fwd_triton_epilogue_ms": time_ms(lambda: lora_forward(x, w, None, a, b, scale, "triton")),
+        "dA_cublas_ms": time_ms(lambda: skinny_mm(dxa, x, 1.0, torch.float32, "cublas")),
+        "dA_splitk_ms": time_ms(lambda: splitk_mm(dxa, x, 1.0, torch.float32)),
+        "dB_cublas_ms": time_ms(lambda: skinny_mm(dy, xa, scale, torch.float32, "cublas")),
+        "dB_splitk_ms": time_ms(lambda: splitk_mm(dy, xa, scale, torch.float32)),
+    }
+
+
+def micro(preset: str, tokens: int, rank: int, alpha: float, names=("q_proj", "k_proj", "gate_proj", "down_proj"),
+          seed: int = 0) -> list[dict]:
+    """Per adapted layer (ms, median): forward PEFT's way, with the cuBLAS β-epilogue, with the Triton epilogue,
+    and the bare base GEMM; the GEMM alone in cuBLAS and in Triton; dA and dB by cuBLAS and by split-K."""
+    device = runtime.device()
+    dtype = torch.bfloat16 if runtime.MODE == "gpu" else torch.float32
+    gen = torch.Generator().manual_seed(seed)
+    shapes = layer_shapes(preset)
+    return [_micro_row(name, *shapes[name], tokens, rank, alpha / rank, gen, device, dtype) for name in names]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Targets, text, the command line
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def verdicts(rows: dict) -> dict:
+    """The issue's targets, where the rows needed are there: patched against its floor (≥ 0.90), against Hugging Face
+    + PEFT (≥ 1.40), peak within the floor's + 8 GiB, ahead of Liger + PEFT."""
+    def tps(name):
+        return rows.get(name, {}).get("tokens_per_s")
+
+    out = {}
+    ours, floor, hf, liger = tps("patched_peft"), tps("floor_patched"), tps("hf_peft"), tps("liger_peft")
+    if ours and floor:
+        out["vs_floor_patched"] = {"ratio": ours / floor, "target": 0.90, "met": ours / floor >= 0.90}
+    if ours and hf:
+        out["vs_hf_peft"] = {"ratio": ours / hf, "target": 1.40, "met": ours / hf >= 1.40}
+    if ours and liger:
+        out["vs_liger_peft"] = {"ratio": ours / liger, "target": 1.0, "met": ours > liger}
+    peak, floor_peak = rows.get("patched_peft", {}).get("peak_gib"), rows.get("floor_patched", {}).get("peak_gib")
+    if peak is not None and floor_peak is not None:
+        out["peak_over_floor_gib"] = {"value": peak - floor_peak, "target": 8.0, "met": peak - floor_peak <= 8.0}
+    return out
+
+
+def _row_text(row: dict) -> str:
+    if "error" in row:
+        return row["error"]
+    peak = f"{row['peak_gib']:6.1f} GiB" if row.get("peak_gib") is not None else "   — GiB"
+    return (f"{row['tokens_per_s']:10,.0f} tokens/s  {row['step_ms']:9.1f} ms/step  peak {peak}  "
+            f"loss {row['first_loss']:.4f}")
+
+
+def format_table(result: dict) -> str:
+    lines = [f"LoRA step, {result['settings']['preset']}, batch {result['settings']['batch']} × "
+             f"{result['settings']['seq']}, r={result['settings']['rank']}, α={result['settings']['alpha']}"
+             f"{', checkpointing' if result['settings']['checkpointing'] else ''} on {result['device']}"]
+    hf = result["rows"].get("hf_peft", {}).get("tokens_per_s")
+    for name in SETUPS:
+        row = result["rows"].get(name)
+        if row is None:
+            continue
+        ratio = f"  {row['tokens_per_s'] / hf:5.3f}× HF+PEFT" if hf and "tokens_per_s" in row else ""
+        lines.append(f"  {row['label']:<52}{_row_text(row)}{ratio}")
+    for key, v in result["targets"].items():
+        value = v.get("ratio", v.get("value"))
+        lines.append(f"  target {key}: {value:.3f} (target {v['target']}) {'met' if v['met'] else 'NOT met'}")
+    for row in result.get("micro", []):
+        ms = {k: f"{v:.3f}" for k, v in row.items() if k.endswith("_ms")}
+        lines.append(
+            f"  {row['layer']:<9} fwd: PEFT {ms['fwd_peft_ms']}, cuBLAS epilogue {ms['fwd_cublas_epilogue_ms']}, "
+            f"Triton epilogue {ms['fwd_triton_epilogue_ms']}, base GEMM {ms['base_gemm_cublas_ms']} (Triton GEMM "
+            f"{ms['base_gemm_triton_ms']}) ms; dA cuBLAS {ms['dA_cublas_ms']} / split-K {ms['dA_splitk_ms']}; "
+            f"dB cuBLAS {ms['dB_cublas_ms']} / split-K {ms['dB_splitk_ms']} ms")
+    return "\n".join(lines)
+
+
+def load_recorded(name: str = "llama-3.1-8b_b4", directory: Path = RESULTS) -> dict | None:
+    """A committed run (``assets/results/lora/<name>.json``, written with ``--record``), or None if there is none."""
+    path = results_file(GROUP, name, directory)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def default_name(preset: str, batch: int, checkpointing: bool) -> str:
+    return f"{preset}_b{batch}{'_ckpt' if checkpointing else ''}"
+
+
+def run(preset: str, batch: int, seq: int, rank: int, alpha: float, warmup: int, steps: int, checkpointing: bool,
+        setups=SETUPS, with_micro: bool = True, log=print) -> dict:
+    log(runtime.describe())
+    settings = dict(preset=preset, batch=batch, seq=seq, rank=rank, alpha=alpha, dropout=0.0, targets=list(TARGETS),
+                    warmup=warmup, steps=steps, checkpointing=checkpointing, optimizer="torch AdamW (fused on GPU)",
+                    base_dtype="bfloat16" if runtime.MODE == "gpu" else "float32", attention="sdpa")
+    step = run_setups(preset, batch, seq, rank, alpha, warmup, steps, checkpointing, setups, log=log)
+    result = {"group": GROUP, "device": runtime.device_name(), "device_slug": device_slug(), "mode": runtime.MODE,
+              "settings": settings, **step, "targets": verdicts(step["rows"])}
+    if with_micro:
+        log("  per-layer micro-benchmarks …", flush=True)
+        result["micro"] = micro(preset, batch * seq, rank, alpha)
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kernels.bench.lora", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default=None, help="llama-3.1-8b (GPU default), llama-3.2-1b, tiny (CPU default)")
+    parser.add_argument("--batch", type=int, default=None, help="rows per step (default 4; CPU 1)")
+    parser.add_argument("--seq", type=int, default=None, help="tokens per row (default 2048; CPU 37)")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--alpha", type=float, default=32.0)
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2; CPU 0)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per setup (default 5; CPU 1)")
+    parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing on every layer")
+    parser.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated subset of {','.join(SETUPS)}")
+    parser.add_argument("--no-micro", action="store_true", help="skip the per-layer micro-benchmarks")
+    parser.add_argument("--name", default=None, help="file name (default <preset>_b<batch>[_ckpt])")
+    parser.add_argument("--out", type=Path, default=None, help=f"results root (default {RUNS}/)")
+    parser.add_argument("--record", action="store_true", help=f"write into {RESULTS} (the committed results)")
+    args = parser.parse_args(argv)
+    setups = tuple(s for s in args.setups.split(",") if s)
+    unknown = [s for s in setups if s not in SETUPS]
+    if unknown:
+        parser.error(f"unknown setups {unknown}: choose from {', '.join(SETUPS)}")
+    for name in ("batch", "seq", "steps", "rank"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name} must be at least 1, got {value}")
+    if args.record and args.out is not None:
+        parser.error("--record writes into the committed results; give --out or --record, not both")
+    if not math.isfinite(args.alpha) or args.alpha <= 0:
+        parser.error(f"--alpha must be a positive number, got {args.alpha}")
+    preset = args.preset or runtime.pick("tiny", "llama-3.1-8b")
+    batch, seq = args.batch or runtime.pick(1, 4), args.seq or runtime.pick(37, 2048)
+    warmup = args.warmup if args.warmup is not None else runtime.pick(0, 2)
+    steps = args.steps or runtime.pick(1, 5)
+    name = args.name or default_name(preset, batch, args.checkpointing)
+    path = results_file(GROUP, name, RESULTS if args.record else (args.out or RUNS))
+    result = run(preset, batch, seq, args.rank, args.alpha, warmup, steps, args.checkpointing, setups,
+                 with_micro=not args.no_micro)
+    print(format_table(result))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print("saved", path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

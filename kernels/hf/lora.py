@@ -1,0 +1,175 @@
+"""PEFT's LoRA layers computed by the fused LoRA linear (``patch_llama(..., lora=True)``; on by default).
+
+Each PEFT ``lora.Linear`` of the model gets an instance-level ``forward`` that computes its base layer and its
+adapter in one ``kernels.lora.lora_linear`` node, from the very same ``Parameter`` objects (the base weight,
+``lora_A[name].weight``, ``lora_B[name].weight``) and PEFT's own ``scaling[name]`` (α/r, or α/√r with rsLoRA).
+Nothing else changes: the modules, their names, the ``state_dict``, ``save_pretrained`` (PEFT's own adapter
+format) and the optimizer see what they saw before. ``undo()`` deletes the instance attributes, and PEFT's class
+forward is seen again (so ``merge_and_unload()`` then works as PEFT intends).
+
+**Both orders.** Wrapped first (``patch_llama(get_peft_model(llama, config))``), the LoRA layers are there to
+find. Patched first (``get_peft_model(patch_llama-ed llama, config)``), PEFT injects its layers afterwards; so the
+patch also leaves a forward pre-hook on the decoder that, before each forward, gives the fused forward to any
+LoRA layer that has taken a linear layer's place since (it looks at the children of the modules that held linear
+layers at the patch, not at every module).
+
+**Each call decides.** The fused path runs when the call is the plain case it computes, checked on attributes at
+each call (PEFT's state can change between steps): adapters enabled and not merged, exactly one active adapter,
+vanilla LoRA (no DoRA or other variant), dropout an identity (p = 0), no bias on ``lora_B``, ``fan_in_fan_out``
+off, the base a plain ``nn.Linear`` in the input's dtype, no autocast, no extra arguments. Anything else runs
+PEFT's forward, unchanged. What a layer had at patch time that keeps it on PEFT's path is listed, with the reason,
+in ``handle.left_off["lora"]``.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels.gemm import KERNEL_DTYPES
+from kernels.lora import LoRALinearFunction
+
+# How the fused layer computes its two halves (``kernels.lora``): the benchmark flips these to compare.
+EPILOGUE = "cublas"
+SKINNY = "cublas"
+
+
+def lora_linear_class() -> type | None:
+    """PEFT's LoRA ``Linear`` class, or None when peft is not installed."""
+    try:
+        from peft.tuners.lora.layer import Linear
+    except ImportError:
+        return None
+    return Linear
+
+
+def why_not_fused(layer: torch.nn.Module) -> str | None:
+    """Why ``layer`` (a PEFT ``lora.Linear``) runs PEFT's own forward right now, in words; None when it is fused."""
+    if layer.disable_adapters:
+        return "adapters disabled"
+    if layer.merged:
+        return "adapter merged into the base weight"
+    active = layer.active_adapters
+    if len(active) != 1:
+        return f"{len(active)} active adapters (the fused layer computes one)"
+    name = active[0]
+    if name not in layer.lora_A:
+        return f"the active adapter {name!r} is not on this layer"
+    if name in getattr(layer, "lora_variant", {}):
+        return f"a LoRA variant ({type(layer.lora_variant[name]).__name__}, e.g. DoRA) is not fused"
+    dropout = layer.lora_dropout[name]
+    if not isinstance(dropout, torch.nn.Identity) and getattr(dropout, "p", 1.0) != 0:
+        return f"lora_dropout={getattr(dropout, 'p', '?')} (dropout is not reproduced: it stays PEFT's)"
+    if layer.lora_B[name].bias is not None:
+        return "lora_bias=True is not fused"
+    if getattr(layer, "fan_in_fan_out", False):
+        return "fan_in_fan_out=True (a transposed base weight) is not fused"
+    base = layer.get_base_layer()
+    if type(base) is not torch.nn.Linear:
+        return f"the base layer is {type(base).__name__}, not a plain nn.Linear (e.g. quantised)"
+    if base.weight.dtype not in KERNEL_DTYPES:
+        return f"the base weight is {base.weight.dtype}"
+    return None
+
+
+def _fused_forward(self, x, *args, **kwargs):
+    """PEFT's ``lora.Linear.forward`` for the plain case, as one fused node; any other call goes to PEFT's."""
+    if args or kwargs or why_not_fused(self) is not None or torch.is_autocast_enabled(x.device.type):
+        return type(self).forward(self, x, *args, **kwargs)
+    base = self.get_base_layer()
+    name = self.active_adapters[0]
+    if x.dtype != base.weight.dtype or x.dtype not in KERNEL_DTYPES:
+        return type(self).forward(self, x, *args, **kwargs)
+    scale = self.scaling[name]
+    return LoRALinearFunction.apply(x, base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight,
+                                    float(scale), EPILOGUE, SKINNY)
+
+
+@dataclass
+class LoraFusion:
+    """The LoRA layers given the fused forward, and the hook that finds those PEFT adds later; ``undo()``."""
+
+    model: torch.nn.Module
+    layers: list[torch.nn.Module] = field(default_factory=list)
+    left_off: dict[str, str] = field(default_factory=dict)  # qualified name → why PEFT's forward stays
+    hook: object = None
+    active: bool = True
+    parents: list = field(default_factory=list)  # (qualified name, module) of the modules that hold linear layers
+
+    def fuse_new_layers(self) -> int:
+        """Give the fused forward to every LoRA layer of the model that lacks it (a walk over every module); note
+        the modules PEFT puts its layers into, for the cheap walk of ``pre_hook``. Returns how many were new."""
+        cls = lora_linear_class()
+        self.parents = []
+        new = 0
+        for where, module in self.model.named_modules():
+            if type(module) is cls and "forward" not in module.__dict__:
+                self._fuse(where, module)
+                new += 1
+            if type(module) is not cls and not isinstance(module, torch.nn.ModuleDict) and any(
+                    type(c) is cls or isinstance(c, torch.nn.Linear) for c in module._modules.values()):
+                self.parents.append((where, module))
+        return new
+
+    def _fuse(self, where: str, module: torch.nn.Module) -> None:
+        module.forward = types.MethodType(_fused_forward, module)
+        self.layers.append(module)
+        reason = why_not_fused(module)
+        if reason is not None:
+            self.left_off[where] = reason
+
+    def pre_hook(self, module, args) -> None:
+        """The decoder's forward pre-hook: fuse the LoRA layers PEFT put, since, where a linear layer was. Only the
+        children of the modules that held a linear layer at the patch are looked at (PEFT swaps a targeted
+        ``nn.Linear`` in its parent): a few hundred attribute reads, not a walk over thousands of modules.
+        Returns None: the arguments stay."""
+        cls = lora_linear_class()
+        for where, parent in self.parents:
+            for name, child in parent._modules.items():
+                if type(child) is cls and "forward" not in child.__dict__:
+                    self._fuse(f"{where + '.' if where else ''}{name}", child)
+
+    def summary(self) -> str:
+        """"N LoRA layers fused" and, for each layer that stays PEFT's, why."""
+        text = f"{len(self.layers) - len(self.left_off)} of {len(self.layers)} LoRA layers fused"
+        return text + "".join(f"; {where}: {why}" for where, why in self.left_off.items())
+
+    def undo(self) -> None:
+        if not self.active:
+            return
+        if self.hook is not None:
+            self.hook.remove()
+        for module in self.layers:
+            if getattr(module.__dict__.get("forward"), "__func__", None) is _fused_forward:
+                del module.forward
+        self.layers.clear()
+        self.active = False
+
+
+def check_lora(model: torch.nn.Module) -> None:
+    """Raise (TypeError) where the lora switch cannot apply: peft is not installed, or the model has no PEFT LoRA
+    layer and is no Hugging Face model (with a ``config``) that PEFT could wrap after the patch."""
+    cls = lora_linear_class()
+    if cls is None:
+        raise TypeError("lora needs peft (pip install peft), which is not installed; use lora=False")
+    if not hasattr(model, "config") and not any(type(m) is cls for m in model.modules()):
+        raise TypeError(f"{type(model).__name__} has no PEFT LoRA layer and is no Hugging Face model PEFT could wrap "
+                        "later: lora has nothing to fuse")
+
+
+def _decoder(model: torch.nn.Module) -> torch.nn.Module:
+    # The module every forward goes through as a call (so its hooks run): the decoder inside a causal LM.
+    get = getattr(model, "get_decoder", None)
+    decoder = get() if callable(get) else None
+    return decoder if isinstance(decoder, torch.nn.Module) else model
+
+
+def enable_lora_fusion(model: torch.nn.Module) -> LoraFusion:
+    """Fuse the LoRA layers of ``model`` now and, through a forward pre-hook, those PEFT injects later."""
+    check_lora(model)
+    fusion = LoraFusion(model)
+    fusion.fuse_new_layers()
+    fusion.hook = _decoder(model).register_forward_pre_hook(fusion.pre_hook)
+    return fusion

@@ -1,0 +1,221 @@
+"""The LoRA linear layer fused: ``y = x · Wᵀ + b + s · (x · Aᵀ) · Bᵀ`` as one autograd node.
+
+A LoRA adapter (``A`` [r, in], ``B`` [out, r], rank r, scale s = α/r, or α/√r for rsLoRA) beside a frozen linear
+layer costs little arithmetic, about 2·r/in of the layer's FLOPs, but PEFT computes it as four more modules and ops
+after the base layer: ``lora_A``, ``lora_B``, the scaling and the add, each reading and writing its own tensor, and
+(with the adapters in float32 over a bfloat16 model, PEFT's default) a float32 copy of ``x`` that autograd keeps
+for ``lora_A``'s backward. Here the whole layer is one ``autograd.Function``:
+
+* **forward**: ``xa = x · Aᵀ`` ([tokens, r], tiny), then the base GEMM with the low-rank product ``s · xa · Bᵀ``
+  added in its *epilogue* (before the output is stored): either cuBLAS's β-epilogue (``y = x·Wᵀ + b``, then
+  ``y.addmm_(xa, Bᵀ, alpha=s)``: one extra read and write of y) or a Triton GEMM whose tile adds the low-rank term in
+  registers (``kernels.gemm.gemm_epilogue``: y written once). ``epilogue="cublas"`` or ``"triton"``.
+* **saved for the backward**: ``x`` (the base layer's input, which a frozen linear layer saves anyway), ``W``, ``A``,
+  ``B`` and ``xa``: no float32 copy of anything, nothing of the output's size.
+* **backward**: ``dxa = s · dy · B``; ``dx = dy · W + dxa · A`` (the same epilogue trick); ``dB = s · dyᵀ · xa`` and
+  ``dA = dxaᵀ · x``, two skinny GEMMs whose reduction runs over all tokens: cuBLAS (``skinny="cublas"``) or a
+  split-K Triton kernel (``skinny="splitk"``, ``kernels.gemm.splitk_mm``), each accumulating in float32 and returned
+  in the adapter's own dtype. ``W`` and the bias get gradients only if they require them (a frozen base: never).
+
+The GEMMs run in ``x``'s dtype: a float32 adapter over a bfloat16 layer is cast to bfloat16 for them (r·(in + out)
+values, nothing of the tokens' size), and its gradients are accumulated in float32 and returned in float32.
+It works under gradient checkpointing (the forward is recomputed like any other node) and ``torch.compile``
+(the two halves are the operators ``torch.ops.kernels.lora_linear_fwd`` / ``_bwd``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from . import ops
+from .gemm import KERNEL_DTYPES, gemm_epilogue, splitk_mm
+
+EPILOGUES = ("cublas", "triton")
+SKINNY = ("cublas", "splitk")
+
+
+def lora_scale(alpha: float, rank: int, use_rslora: bool = False) -> float:
+    """PEFT's scaling: ``alpha / rank``, or ``alpha / sqrt(rank)`` for rsLoRA (rank-stabilised LoRA)."""
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"rank must be a positive int, got {rank!r}")
+    return alpha / math.sqrt(rank) if use_rslora else alpha / rank
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Checks
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _check_inputs(x, weight, bias, lora_a, lora_b, scale, epilogue, skinny) -> None:
+    for name, t in (("x", x), ("weight", weight), ("lora_a", lora_a), ("lora_b", lora_b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+        if t.dtype not in KERNEL_DTYPES:
+            raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}: cast it to float32, or "
+                            "use PEFT's own LoRA layer")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise TypeError(f"bias must be a tensor or None, got {type(bias).__name__}")
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dimension (its last is in_features), got a scalar")
+    if weight.dim() != 2 or lora_a.dim() != 2 or lora_b.dim() != 2:
+        raise ValueError(f"weight, lora_a and lora_b must be 2-D, got shapes {tuple(weight.shape)}, "
+                         f"{tuple(lora_a.shape)}, {tuple(lora_b.shape)}")
+    out_features, in_features = weight.shape
+    rank = lora_a.shape[0]
+    if x.shape[-1] != in_features:
+        raise ValueError(f"x's last dimension must be in_features={in_features} (weight is "
+                         f"{tuple(weight.shape)}), got shape {tuple(x.shape)}")
+    if rank < 1 or lora_a.shape[1] != in_features:
+        raise ValueError(f"lora_a must be [rank ≥ 1, in_features={in_features}], got {tuple(lora_a.shape)}")
+    if tuple(lora_b.shape) != (out_features, rank):
+        raise ValueError(f"lora_b must be [out_features={out_features}, rank={rank}], got {tuple(lora_b.shape)}")
+    if bias is not None and tuple(bias.shape) != (out_features,):
+        raise ValueError(f"bias must have shape ({out_features},), got {tuple(bias.shape)}")
+    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise TypeError(f"weight (and bias) must have x's dtype {x.dtype}, got {weight.dtype}"
+                        f"{'' if bias is None else f' and {bias.dtype}'}")
+    for name, t in (("weight", weight), ("bias", bias), ("lora_a", lora_a), ("lora_b", lora_b)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, x on {x.device}: put them on one device")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise TypeError(f"scale must be a finite float, got {scale!r}")
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
+    if skinny not in SKINNY:
+        raise ValueError(f"skinny must be one of {SKINNY}, got {skinny!r}")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The two halves on 2-D tensors
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def lora_forward(x2, weight, bias, lora_a, lora_b, scale: float, epilogue: str = "cublas"):
+    """(y, xa) for 2-D ``x2`` [tokens, in]: ``y = x2·Wᵀ + b + s·xa·Bᵀ`` and ``xa = x2·Aᵀ`` (kept for the backward)."""
+    a = lora_a.to(x2.dtype)
+    b = lora_b.to(x2.dtype)
+    xa = x2 @ a.t()
+    if epilogue == "triton":
+        y = gemm_epilogue(x2, weight.t(), xa, b.t(), scale, bias)
+    else:
+        # cuBLAS: the base GEMM (with its bias), then the low-rank GEMM accumulated into it (β = 1): y read once more.
+        y = F.linear(x2, weight, bias)
+        y.addmm_(xa, b.t(), alpha=scale)
+    return y, xa
+
+
+_MM_OUT_DTYPE = [True]  # whether this PyTorch's torch.mm takes out_dtype (found on the first call that tries)
+
+
+def skinny_mm(a: torch.Tensor, b: torch.Tensor, scale: float, out_dtype: torch.dtype, skinny: str = "cublas"):
+    """``scale · aᵀ · b`` reduced over the tokens (the rows of both), accumulated in float32, in ``out_dtype``."""
+    if skinny == "splitk":
+        return splitk_mm(a, b, scale, out_dtype)
+    if a.dtype == out_dtype and b.dtype == out_dtype:
+        out = a.t() @ b
+    elif a.is_cuda and a.dtype == b.dtype and out_dtype == torch.float32 and _MM_OUT_DTYPE[0]:
+        try:
+            out = torch.mm(a.t(), b, out_dtype=torch.float32)  # bf16 inputs, fp32 accumulator and output
+        except (TypeError, RuntimeError):  # a PyTorch without mm's out_dtype: upcast instead, from now on
+            _MM_OUT_DTYPE[0] = False
+            out = a.t().float() @ b.float()
+    else:
+        out = a.t().float() @ b.float()
+    return (out.mul_(scale) if scale != 1.0 else out).to(out_dtype)
+
+
+def lora_backward(dy2, x2, weight, lora_a, lora_b, xa, scale: float, need_dx: bool = True,
+                  epilogue: str = "cublas", skinny: str = "cublas"):
+    """(dx, dA, dB) for 2-D ``dy2`` [tokens, out]; ``dx`` is an empty tensor when ``need_dx`` is False."""
+    a = lora_a.to(x2.dtype)
+    b = lora_b.to(x2.dtype)
+    dxa = dy2 @ b
+    dxa.mul_(scale)  # [tokens, r]: s·dy·B, the gradient of xa
+    d_b = skinny_mm(dy2, xa, scale, lora_b.dtype, skinny)  # s·dyᵀ·xa  [out, r]
+    d_a = skinny_mm(dxa, x2, 1.0, lora_a.dtype, skinny)  # dxaᵀ·x   [r, in]
+    if not need_dx:
+        return x2.new_empty(0), d_a, d_b
+    if epilogue == "triton":
+        dx = gemm_epilogue(dy2, weight, dxa, a, 1.0)
+    else:
+        dx = dy2 @ weight
+        dx.addmm_(dxa, a)
+    return dx, d_a, d_b
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Operators
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _fwd_fake(x2, weight, bias, lora_a, lora_b, scale, epilogue):
+    return x2.new_empty((x2.shape[0], weight.shape[0])), x2.new_empty((x2.shape[0], lora_a.shape[0]))
+
+
+def _bwd_fake(dy2, x2, weight, lora_a, lora_b, xa, scale, need_dx, epilogue, skinny):
+    dx = x2.new_empty(x2.shape) if need_dx else x2.new_empty(0)
+    return dx, lora_a.new_empty(lora_a.shape), lora_b.new_empty(lora_b.shape)
+
+
+lora_fwd_op = ops.define(
+    "lora_linear_fwd(Tensor x, Tensor weight, Tensor? bias, Tensor lora_a, Tensor lora_b, float scale, "
+    "str epilogue) -> (Tensor, Tensor)", lora_forward, _fwd_fake)
+lora_bwd_op = ops.define(
+    "lora_linear_bwd(Tensor dy, Tensor x, Tensor weight, Tensor lora_a, Tensor lora_b, Tensor xa, float scale, "
+    "bool need_dx, str epilogue, str skinny) -> (Tensor, Tensor, Tensor)", lora_backward, _bwd_fake)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# autograd and the functional form
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class LoRALinearFunction(torch.autograd.Function):
+    """The fused LoRA layer as one autograd node: saves x, W, A, B and the [tokens, r] xa, nothing else."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scale, epilogue, skinny):
+        x2 = x.reshape(-1, x.shape[-1])
+        y, xa = ops.call(lora_fwd_op, x2, weight, bias, lora_a, lora_b, scale, epilogue)
+        ctx.save_for_backward(x2, weight, lora_a, lora_b, xa)
+        ctx.scale, ctx.epilogue, ctx.skinny = scale, epilogue, skinny
+        ctx.x_shape, ctx.has_bias = x.shape, bias is not None
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x2, weight, lora_a, lora_b, xa = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        need_dx, need_w, need_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        dx, d_a, d_b = ops.call(lora_bwd_op, dy2, x2, weight, lora_a, lora_b, xa, ctx.scale, need_dx,
+                                ctx.epilogue, ctx.skinny)
+        dw = dy2.t() @ x2 if need_w else None  # a trained base layer (not LoRA's usual case)
+        d_bias = dy2.sum(0) if need_bias and ctx.has_bias else None
+        return (dx.reshape(ctx.x_shape) if need_dx else None, dw, d_bias,
+                d_a if ctx.needs_input_grad[3] else None, d_b if ctx.needs_input_grad[4] else None,
+                None, None, None)
+
+
+def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
+                lora_b: torch.Tensor, scale: float, *, epilogue: str = "cublas", skinny: str = "cublas"
+                ) -> torch.Tensor:
+    """``F.linear(x, weight, bias) + scale * F.linear(F.linear(x, lora_a), lora_b)`` as one fused autograd node.
+
+    ``x`` [..., in] (any leading dimensions), ``weight`` [out, in] and ``bias`` [out] (or None) in ``x``'s dtype,
+    ``lora_a`` [r, in] and ``lora_b`` [out, r] in float32, bfloat16 or float16 (PEFT keeps them in float32 over a
+    bfloat16 model). Returns [..., out] in ``x``'s dtype. ``epilogue`` picks how the low-rank product joins the base
+    GEMM (``"cublas"``: addmm's β-epilogue; ``"triton"``: inside a Triton GEMM's tile), ``skinny`` how dA and dB
+    are reduced over the tokens (``"cublas"`` or ``"splitk"``). Gradients: x, A and B always when they require
+    them; W and the bias only if they do (a frozen base layer costs no dW GEMM).
+    """
+    _check_inputs(x, weight, bias, lora_a, lora_b, scale, epilogue, skinny)
+    return LoRALinearFunction.apply(x, weight, bias, lora_a, lora_b, float(scale), epilogue, skinny)
+
+
+def lora_linear_reference(x, weight, bias, lora_a, lora_b, scale):
+    """PEFT's computation in plain PyTorch: the base layer, then the adapter's two linears, scaled and added."""
+    return F.linear(x, weight, bias) + F.linear(F.linear(x, lora_a), lora_b) * scale

@@ -1,0 +1,64 @@
+"""The LoRA benchmark's command line on the CPU at the tiny preset: its file, its rows, the same first loss for PEFT
+and the fused layers, the micro-benchmark's row, and its argument checks (timings here mean nothing)."""
+
+import json
+
+import pytest
+
+from kernels.bench import lora as bench
+
+pytest.importorskip("peft", reason="peft is a test requirement (requirements.txt)")
+
+
+def test_one_run_writes_its_rows_and_the_losses_agree(tmp_path):
+    code = bench.main(["--preset", "tiny", "--batch", "1", "--seq", "13", "--steps", "1", "--warmup", "0",
+                       "--setups", "hf_peft,patched_peft,patched_peft_triton", "--no-micro", "--out", str(tmp_path)])
+    assert code == 0
+    result = json.loads((tmp_path / "lora" / "tiny_b1.json").read_text())
+    rows = result["rows"]
+    assert set(rows) == {"hf_peft", "patched_peft", "patched_peft_triton"}
+    assert all(row["tokens_per_s"] > 0 for row in rows.values())
+    # Every PEFT setup starts from the same adapters and batch: the fused layers give PEFT's loss (float32 here).
+    for name in ("patched_peft", "patched_peft_triton"):
+        assert rows[name]["first_loss"] == pytest.approx(rows["hf_peft"]["first_loss"], rel=1e-5)
+    assert "vs_hf_peft" in result["targets"] and result["settings"]["rank"] == 16
+    assert "28 of 28 LoRA layers fused" in result["lora_layers"]
+
+
+def test_micro_row_has_every_timing():
+    (row,) = bench.micro("tiny", tokens=9, rank=2, alpha=4.0, names=("k_proj",))
+    assert row["in"] == 128 and row["out"] == 64
+    assert all(row[k] > 0 for k in row if k.endswith("_ms")) and len([k for k in row if k.endswith("_ms")]) == 9
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--setups", "floor,nope"], "unknown setups"),
+    (["--batch", "0"], "--batch must be at least 1"),
+    (["--record", "--out", "x"], "give --out or --record"),
+    (["--alpha", "-1"], "--alpha must be a positive number"),
+])
+def test_bad_arguments_exit_before_any_work(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_finetune_lora_compare_writes_its_file(tmp_path):
+    from kernels.training import finetune
+
+    code = finetune.main(["--lora", "2", "--lora-alpha", "4", "--compare", "--preset", "tiny", "--steps", "2",
+                          "--seq-len", "64", "--batch-size", "1", "--grad-accum", "1", "--no-progress",
+                          "--out", str(tmp_path)])
+    assert code == 0
+    data = json.loads((tmp_path / "lora" / "tiny_r2.json").read_text())
+    assert data["settings"]["lora"] == {"rank": 2, "alpha": 4.0, "dropout": 0.0, "targets": list(finetune.LORA_TARGETS)}
+    assert (tmp_path / "lora" / "tiny_r2.png").exists()
+    # The same weights, adapters and batches: the first step's losses agree (bf16 kernels round differently).
+    assert data["summary"]["first_step_loss_difference"] < 0.05
+
+
+def test_finetune_lora_needs_compare():
+    from kernels.training import finetune
+
+    with pytest.raises(SystemExit, match="--lora RANK .* runs with --compare"):
+        finetune.main(["--lora", "4", "--preset", "tiny", "--steps", "1"])

@@ -1,0 +1,181 @@
+"""patch_llama's ``lora`` switch on PEFT LoRA models: the same losses and adapter gradients as PEFT (float32 to
+rounding, bfloat16 within the tolerance table), both orders, r = 1, rsLoRA, attention-only targets, an SFT label
+mask, what is left to PEFT and why, undo, save_pretrained, merge_and_unload after undo, checkpointing."""
+
+import copy
+
+import pytest
+import torch
+
+from kernels.hf.lora import LoraFusion, why_not_fused
+from kernels.hf.patch import patch_llama
+from kernels.reference import relative_error
+from kernels.tolerances import RELATIVE_ERROR_TOL as TOL
+from kernels.training.models import build_model
+
+peft = pytest.importorskip("peft", reason="peft is a test requirement (requirements.txt)")
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _config(r=4, alpha=8, targets=ALL_TARGETS, **kwargs):
+    return peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=kwargs.pop("dropout", 0.0),
+                           **kwargs)
+
+
+def _batch(model, gen, device, seq=21):
+    ids = torch.randint(0, model.config.vocab_size, (2, seq), generator=gen).to(device)
+    labels = ids.clone()
+    labels[0, :7] = -100  # an SFT mask: the prompt's labels do not count
+    labels[1, :3] = -100
+    return ids, labels
+
+
+def _base(device, gen, dtype=torch.float32):
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=gen)))
+    return build_model("tiny", dtype=dtype).to(device).train()
+
+
+def _wrap(model, config):
+    wrapped = peft.get_peft_model(model, config)
+    for name, p in wrapped.named_parameters():
+        if "lora_B" in name:  # B starts at zero: give it values, or the adapters' effect and dA would be zero
+            torch.nn.init.normal_(p, std=0.05)
+    return wrapped
+
+
+def _loss_and_grads(model, ids, labels):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=labels)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.loss.detach(), grads
+
+
+def _assert_close(result, reference, tol):
+    (loss, grads), (ref_loss, ref_grads) = result, reference
+    assert relative_error(loss, ref_loss) < tol
+    assert grads.keys() == ref_grads.keys()
+    assert any("lora_A" in k for k in grads) and all("lora_" in k for k in grads)  # only the adapters train
+    for name in ref_grads:
+        assert relative_error(grads[name], ref_grads[name]) < tol, name
+
+
+def _fused_count(model) -> int:
+    return sum(1 for m in model.modules() if "forward" in m.__dict__ and hasattr(m, "lora_A"))
+
+
+@pytest.mark.parametrize("config", [
+    dict(r=4, alpha=8),
+    dict(r=1, alpha=3, use_rslora=True, targets=["q_proj", "k_proj", "v_proj", "o_proj"]),
+], ids=["all-targets", "r1-rslora-attention-only"])
+def test_wrap_then_patch_float32(device, gen, config):
+    base = _base(device, gen)
+    reference = _wrap(copy.deepcopy(base), _config(**config))
+    ids, labels = _batch(base, gen, device)
+    expected = _loss_and_grads(reference, ids, labels)
+    model = copy.deepcopy(reference)
+    patch = patch_llama(model, kernels=("lora",))
+    assert patch.kernels == ("lora",) and "lora" not in patch.left_off
+    assert _fused_count(model) == len(patch.lora.layers) > 0
+    _assert_close(_loss_and_grads(model, ids, labels), expected, TOL[torch.float32])
+    patch.undo()
+    assert _fused_count(model) == 0
+    _assert_close(_loss_and_grads(model, ids, labels), expected, TOL[torch.float32])
+
+
+def test_patch_then_wrap_with_every_default_kernel(device, gen):
+    base = _base(device, gen)
+    reference = _wrap(copy.deepcopy(base), _config())
+    ids, labels = _batch(base, gen, device, seq=19)
+    expected = _loss_and_grads(reference, ids, labels)
+    inner = copy.deepcopy(base)
+    patch = patch_llama(inner, lora=True)  # the defaults and lora: no LoRA layer yet
+    assert "lora" in patch.kernels and patch.lora.layers == []
+    model = peft.get_peft_model(inner, _config())
+    model.load_state_dict(reference.state_dict())
+    result = _loss_and_grads(model, ids, labels)
+    assert _fused_count(model) == 7 * model.config.num_hidden_layers  # found by the hook at the first forward
+    _assert_close(result, expected, 5e-5)  # every kernel on: the norms and the loss round differently too
+    patch.undo()  # (undone, the MLPs are the Llama's own again, without the adapters PEFT put into the patched ones)
+    assert _fused_count(model) == 0
+
+
+def test_bfloat16_as_close_to_float64_as_peft(device, gen):
+    """In bfloat16 both PEFT's step and the fused one round, layer after layer: each is measured against the same
+    model in float64, and the fused one must be as close as PEFT's own (and within bfloat16's bound on the loss)."""
+    base = _base(device, gen, torch.bfloat16)
+    reference = _wrap(copy.deepcopy(base), _config(r=2, alpha=4))  # PEFT keeps the adapters in float32
+    ids, labels = _batch(base, gen, device)
+    peft_result = _loss_and_grads(reference, ids, labels)
+    exact = _loss_and_grads(copy.deepcopy(reference).double(), ids, labels)
+    model = copy.deepcopy(reference)
+    patch_llama(model, kernels=("lora",))
+    assert next(p for n, p in model.named_parameters() if "lora_A" in n).dtype == torch.float32
+    (loss, grads), (_, peft_grads), (loss64, grads64) = _loss_and_grads(model, ids, labels), peft_result, exact
+    assert relative_error(loss, loss64) < TOL[torch.bfloat16]
+    assert grads.keys() == grads64.keys()
+    for name in grads64:
+        ours, theirs = relative_error(grads[name], grads64[name]), relative_error(peft_grads[name], grads64[name])
+        assert ours < max(TOL[torch.bfloat16], 1.5 * theirs), (name, ours, theirs)
+
+
+def test_under_gradient_checkpointing(device, gen):
+    base = _base(device, gen)
+    reference = _wrap(copy.deepcopy(base), _config())
+    ids, labels = _batch(base, gen, device)
+    expected = _loss_and_grads(reference, ids, labels)
+    model = copy.deepcopy(reference)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    patch_llama(model, kernels=("lora",))
+    _assert_close(_loss_and_grads(model, ids, labels), expected, TOL[torch.float32])
+
+
+def test_what_stays_peft_and_why(device, gen):
+    base = _base(device, gen)
+    dropout = _wrap(copy.deepcopy(base), _config(targets=["q_proj"], dropout=0.1))
+    reference = copy.deepcopy(dropout)
+    patch = patch_llama(dropout, kernels=("lora",))
+    assert "lora_dropout=0.1" in patch.left_off["lora"] and "q_proj" in patch.left_off["lora"]
+    dora = _wrap(copy.deepcopy(base), _config(targets=["v_proj"], use_dora=True))
+    assert "variant" in patch_llama(dora, kernels=("lora",)).left_off["lora"]
+    two = _wrap(copy.deepcopy(base), _config(targets=["q_proj"]))
+    two.add_adapter("second", _config(targets=["q_proj"]))
+    two.base_model.set_adapter(["default", "second"])
+    assert "2 active adapters" in patch_llama(two, kernels=("lora",)).left_off["lora"]
+    merged = _wrap(copy.deepcopy(base), _config(targets=["k_proj"]))
+    layer = merged.base_model.model.model.layers[0].self_attn.k_proj
+    layer.merge()
+    assert why_not_fused(layer) == "adapter merged into the base weight"
+    # What stays PEFT's still computes PEFT's answer (the fused forward hands those calls back).
+    ids, _ = _batch(base, gen, device)
+    dropout.eval(), reference.eval()
+    torch.testing.assert_close(dropout(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
+def test_no_lora_layers_changes_nothing(device, gen):
+    model = _base(device, gen)
+    patch = patch_llama(model, kernels=("lora",))
+    assert isinstance(patch.lora, LoraFusion) and patch.lora.layers == []
+    ids, _ = _batch(model, gen, device)
+    model(input_ids=ids)
+    patch.undo()
+    assert not model.model._forward_pre_hooks  # the hook that finds later layers is gone
+
+
+def test_save_pretrained_and_merge_after_undo(device, gen, tmp_path):
+    base = _base(device, gen)
+    reference = _wrap(copy.deepcopy(base), _config(r=2, alpha=4))
+    model = copy.deepcopy(reference)
+    patch = patch_llama(model, kernels=("lora",))
+    model.save_pretrained(tmp_path / "adapter")
+    loaded = peft.PeftModel.from_pretrained(copy.deepcopy(base), tmp_path / "adapter")
+    ids, _ = _batch(base, gen, device)
+    reference.eval(), loaded.eval(), model.eval()
+    expected = reference(input_ids=ids).logits
+    torch.testing.assert_close(loaded(input_ids=ids).logits, expected)
+    torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
+    patch.undo()
+    merged = model.merge_and_unload()
+    assert not any(hasattr(m, "lora_A") for m in merged.modules())
+    torch.testing.assert_close(merged(input_ids=ids).logits, expected, rtol=1e-4, atol=1e-4)

@@ -57,8 +57,9 @@ def test_finetune_lora_compare_writes_its_file(tmp_path):
     assert data["summary"]["first_step_loss_difference"] < 0.05
 
 
-def test_finetune_lora_needs_compare():
+def test_finetune_lora_needs_compare(capsys):
     from kernels.training import finetune
 
-    with pytest.raises(SystemExit, match="--lora RANK .* runs with --compare"):
+    with pytest.raises(SystemExit) as stop:
         finetune.main(["--lora", "4", "--preset", "tiny", "--steps", "1"])
+    assert stop.value.code == 2 and "--lora RANK runs with --compare" in capsys.readouterr().err

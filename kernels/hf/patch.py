@@ -88,7 +88,7 @@ from kernels.cross_entropy import cross_entropy as fused_cross_entropy
 from kernels.linear_cross_entropy import linear_cross_entropy as fused_linear_cross_entropy
 from kernels.rmsnorm import TritonRMSNorm
 from kernels.rope import apply_rotary
-from kernels.swiglu import TritonSwiGLUMLP
+from kernels.swiglu import TritonSwiGLUMLP, may_overwrite
 
 from .attention_mask import CAUSAL_CALL, check_sdpa, is_plain_causal_call, use_mask_function
 from .offload import check_offloadable, enable_checkpoint_offload
@@ -319,7 +319,9 @@ class _PatchedLoss:
             return self.original(logits, labels, vocab_size, **kwargs)
         # In place only in training with autograd on: then the logits exist for the loss alone and nothing reads
         # them afterwards. In eval mode or under no_grad the kernel computes no gradient at all.
-        inplace = self.inplace_logits and self.model.training and torch.is_grad_enabled() and logits.requires_grad
+        # Never into a leaf or a view of one: logits a caller passes to model.loss_function themselves are theirs.
+        inplace = (self.inplace_logits and self.model.training and torch.is_grad_enabled() and logits.requires_grad
+                   and may_overwrite(logits))
         loss = causal_lm_loss(logits, labels, vocab_size, inplace_backward=inplace, **kwargs)
         if inplace:
             self.consumed = logits

@@ -266,9 +266,11 @@ def may_overwrite(t: torch.Tensor) -> bool:
 
 def inplace_backward_allowed(gate: torch.Tensor, up: torch.Tensor) -> bool:
     """Whether ``swiglu(gate, up, inplace_backward=True)`` really writes its gradients over gate and up: in eager
-    autograd, with gate and up intermediate results (``may_overwrite``), dense, and in memory of their own."""
-    return (not torch.compiler.is_compiling() and may_overwrite(gate) and may_overwrite(up)
-            and _in_place_addressable(gate, up))
+    autograd on plain tensors, with gate and up intermediate results (``may_overwrite``), dense, and in memory of
+    their own."""
+    # ops.direct: plain eager tensors with memory (not fake or meta tensors, not while compiling), whose addresses
+    # can be compared.
+    return (ops.direct(gate, up) and may_overwrite(gate) and may_overwrite(up) and _in_place_addressable(gate, up))
 
 
 def swiglu_backward_(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> None:
@@ -496,7 +498,7 @@ class TritonSwiGLUMLP(torch.nn.Module):
         # gate and up are this forward's own temporaries: their backward may overwrite them (swiglu's docstring),
         # and with a plain down_proj the product is not kept for its weight's gradient but recomputed. Not when a
         # projection hands x itself (or a view of it) through, e.g. an nn.Identity: x belongs to the caller.
-        if not torch.compiler.is_compiling() and isinstance(x, torch.Tensor) and _shares_memory(x, gate, up):
+        if isinstance(x, torch.Tensor) and ops.direct(x, gate, up) and _shares_memory(x, gate, up):
             return self.down_proj(swiglu(gate, up))
         if self._down_fuses(gate, up):
             return SwiGLUDownFunction.apply(gate, up, self.down_proj.weight, self.down_proj.bias)

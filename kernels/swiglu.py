@@ -268,9 +268,14 @@ def inplace_backward_allowed(gate: torch.Tensor, up: torch.Tensor) -> bool:
     """Whether ``swiglu(gate, up, inplace_backward=True)`` really writes its gradients over gate and up: in eager
     autograd on plain tensors, with gate and up intermediate results (``may_overwrite``), dense, and in memory of
     their own."""
-    # ops.direct: plain eager tensors with memory (not fake or meta tensors, not while compiling), whose addresses
-    # can be compared.
-    return (ops.direct(gate, up) and may_overwrite(gate) and may_overwrite(up) and _in_place_addressable(gate, up))
+    return (not torch.compiler.is_compiling() and _has_memory(gate, up) and may_overwrite(gate) and may_overwrite(up)
+            and _in_place_addressable(gate, up))
+
+
+def _has_memory(*tensors: torch.Tensor) -> bool:
+    # Plain tensors with memory of their own, whose storage addresses can be compared: not fake tensors (a subclass,
+    # while tracing) nor meta tensors, which take the out-of-place backward.
+    return all(type(t) in (torch.Tensor, torch.nn.Parameter) and not t.is_meta for t in tensors)
 
 
 def swiglu_backward_(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> None:
@@ -498,7 +503,8 @@ class TritonSwiGLUMLP(torch.nn.Module):
         # gate and up are this forward's own temporaries: their backward may overwrite them (swiglu's docstring),
         # and with a plain down_proj the product is not kept for its weight's gradient but recomputed. Not when a
         # projection hands x itself (or a view of it) through, e.g. an nn.Identity: x belongs to the caller.
-        if isinstance(x, torch.Tensor) and ops.direct(x, gate, up) and _shares_memory(x, gate, up):
+        if (not torch.compiler.is_compiling() and isinstance(x, torch.Tensor) and _has_memory(x, gate, up)
+                and _shares_memory(x, gate, up)):
             return self.down_proj(swiglu(gate, up))
         if self._down_fuses(gate, up):
             return SwiGLUDownFunction.apply(gate, up, self.down_proj.weight, self.down_proj.bias)

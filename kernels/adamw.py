@@ -19,8 +19,12 @@ tensors' own dtypes. ``assets/notes/adamw.md`` has the measurements.
 ``exp_avg``, ``exp_avg_sq``, the moments in the parameter's dtype), so a state dict saved by one loads into the
 other, and learning-rate schedulers, ``zero_grad`` and step hooks work as with any optimizer. Sharded parameters
 (FSDP2's ``DTensor``s) are stepped shard by shard: the update is elementwise, so each rank's kernel on its local
-shard is the whole update. What it does not have is refused by name: ``amsgrad``, ``maximize``, sparse gradients,
-complex or non-contiguous parameters, and partial (not yet reduced) gradients.
+shard is the whole update. ``maximize`` is implemented (the gradient's sign flipped as it is loaded). What it does
+not have is refused by name, however it is set (the constructor, a group edited later, ``add_param_group``,
+``load_state_dict``): ``amsgrad``, ``capturable``, ``differentiable``, ``decoupled_weight_decay=False`` (Adam's L2
+penalty), sparse gradients, complex, float64 or non-contiguous parameters, and partial (not yet reduced) gradients.
+``foreach`` and ``fused`` choose among ``torch.optim.AdamW``'s implementations of one and the same update; any value
+is kept in the group (a state dict goes both ways) and the update is this kernel's.
 """
 
 from __future__ import annotations
@@ -43,13 +47,16 @@ from .triton_utils import cast_to
 def _adamw_kernel(
     P, G, M, V, n,
     lr_weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, bias_correction2_sqrt,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, MAXIMIZE: tl.constexpr,
 ):
     # Each tensor as a flat array: BLOCK values per program. int64 offsets: an LM head has 525M values at the 8B shape.
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
     p = tl.load(P + offs, mask=ok, other=0.0).to(tl.float32)
     g = tl.load(G + offs, mask=ok, other=0.0).to(tl.float32)
+    if MAXIMIZE:
+        # Ascend: every use of the gradient below sees −g, as torch.optim.AdamW(maximize=True) negates it first.
+        g = -g
     m = tl.load(M + offs, mask=ok, other=0.0).to(tl.float32)
     v = tl.load(V + offs, mask=ok, other=0.0).to(tl.float32)
     # 1 − β comes from the host, computed in float64: 1 − β2 taken here from β2 = 0.999 rounded to float32 would be
@@ -83,10 +90,18 @@ def block_for(n: int) -> tuple[int, int]:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+# The dtypes the kernel stores (its arithmetic is float32 whatever they are). float64 is refused, as by every kernel of
+# the package: its answer would be a float32 one in float64 clothes.
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _check_tensors(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
     for name, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be a real floating-point tensor, got dtype {t.dtype}")
+        if t.dtype not in KERNEL_DTYPES:
+            raise TypeError(
+                f"{name} must be float32, bfloat16 or float16, got dtype {t.dtype}: the kernel computes in float32; "
+                "cast the parameters to float32, or use torch.optim.AdamW"
+            )
         if t.shape != param.shape:
             raise ValueError(f"{name} must have the parameter's shape {tuple(param.shape)}, got {tuple(t.shape)}")
         if not t.is_contiguous():
@@ -98,11 +113,12 @@ def _check_tensors(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tenso
 
 
 def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-               lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: float) -> None:
+               lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: float,
+               maximize: bool = False) -> None:
     """One AdamW step of one tensor, in place: ``param``, ``exp_avg`` and ``exp_avg_sq`` are overwritten.
 
     ``step`` is the step's number counting from 1, for the bias corrections 1 − β1ᵗ and 1 − β2ᵗ. All four tensors
-    are contiguous, of one shape and on one device; each keeps its dtype.
+    are contiguous, of one shape and on one device; each keeps its dtype. ``maximize``: step along +grad.
     """
     _check_tensors(param, grad, exp_avg, exp_avg_sq)
     n = param.numel()
@@ -115,13 +131,13 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
         param, grad, exp_avg, exp_avg_sq, n,
         lr * weight_decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps, lr / bias_correction1,
         math.sqrt(bias_correction2),
-        BLOCK=block, num_warps=warps,
+        BLOCK=block, MAXIMIZE=bool(maximize), num_warps=warps,
     )
 
 
 adamw_step_op = ops.define(
     "adamw_step_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, float lr, float beta1, "
-    "float beta2, float eps, float weight_decay, float step) -> ()",
+    "float beta2, float eps, float weight_decay, float step, bool maximize=False) -> ()",
     adamw_step, lambda *args: None,
 )
 
@@ -142,12 +158,44 @@ def _check_hyperparameters(lr, betas, eps, weight_decay) -> None:
         raise ValueError(f"weight_decay must be a non-negative number, got {weight_decay!r}")
 
 
-def _refuse_unsupported(options: dict) -> None:
+# torch.optim.AdamW's flags beyond the hyperparameters, with their defaults (torch 2.11 to 2.13). Every group of a
+# TritonAdamW carries them all, so that its state dict loads into torch.optim.AdamW and back.
+FLAG_DEFAULTS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
+                     decoupled_weight_decay=True)
+# The values this optimizer computes exactly. maximize is implemented; foreach and fused choose among torch's
+# implementations of the same update, so any value gives the update this kernel computes. Any other value of a flag is
+# refused by name, wherever it came from.
+_ACCEPTED = dict(amsgrad=(False,), maximize=(False, True), capturable=(False,), differentiable=(False,),
+                 decoupled_weight_decay=(True,))
+_WHY = dict(
+    amsgrad="amsgrad keeps the running maximum of the second moment, which this kernel does not",
+    capturable="capturable steps keep the step count on the GPU for CUDA graphs; here it is a host number baked into "
+               "each launch, so a replayed graph would repeat one step's bias corrections",
+    differentiable="differentiable steps are recorded by autograd; this step is a Triton kernel under no_grad",
+    decoupled_weight_decay="decoupled_weight_decay=False is Adam's L2 penalty added to the gradient; this is AdamW's "
+                           "decoupled decay",
+)
+
+
+def check_flags(group: dict, where: str = "TritonAdamW") -> None:
+    """Raise a TypeError naming the first flag of ``group`` (a parameter group, or the constructor's arguments) whose
+    value TritonAdamW does not compute. Host-side dict reads only: ``step()`` runs it on every group, every step,
+    since a group can be edited at any time."""
+    for name, accepted in _ACCEPTED.items():
+        value = group.get(name, FLAG_DEFAULTS[name])
+        if bool(value) not in accepted:  # read as torch.optim.AdamW reads them: by truth value
+            raise TypeError(
+                f"{where}: {name}={value!r} is not supported ({_WHY.get(name, 'not implemented')}); TritonAdamW "
+                f"computes {name} in {list(accepted)}. Use torch.optim.AdamW for it"
+            )
+
+
+def _refuse_unknown(options: dict) -> None:
     if options:
         names = ", ".join(sorted(options))
         raise TypeError(
-            f"TritonAdamW does not take {names}: it implements torch.optim.AdamW's default algorithm (no amsgrad, "
-            "no maximize) as one Triton kernel per tensor; use torch.optim.AdamW for the others"
+            f"TritonAdamW does not take {names}: it takes torch.optim.AdamW's arguments (params, lr, betas, eps, "
+            f"weight_decay, {', '.join(FLAG_DEFAULTS)})"
         )
 
 
@@ -171,22 +219,59 @@ def _check_parameter(p: torch.Tensor) -> None:
             raise TypeError("TritonAdamW steps reduced gradients, not partial sums: reduce them first")
     if p.grad.is_sparse:
         raise TypeError("TritonAdamW does not take sparse gradients")
+    _check_parameter_dtype(p)
+    if not _local(p).is_contiguous():
+        raise ValueError(
+            f"TritonAdamW steps contiguous parameters (the kernel reads one flat array), got one of shape "
+            f"{tuple(p.shape)} with strides {_local(p).stride()}: make it contiguous, or use torch.optim.AdamW"
+        )
+
+
+def _check_parameter_dtype(p: torch.Tensor) -> None:
     if torch.is_complex(p):
-        raise TypeError("TritonAdamW does not take complex parameters")
+        raise TypeError("TritonAdamW does not take complex parameters: use torch.optim.AdamW for them")
+    if p.dtype not in KERNEL_DTYPES:
+        raise TypeError(
+            f"TritonAdamW steps float32, bfloat16 and float16 parameters, got a parameter of dtype {p.dtype}: cast the "
+            "model to float32, or use torch.optim.AdamW"
+        )
 
 
 class TritonAdamW(torch.optim.Optimizer):
     """``torch.optim.AdamW`` (decoupled weight decay, no amsgrad) with its step as one Triton kernel per parameter.
 
-    Same arguments, defaults, parameter groups and state as ``torch.optim.AdamW(params, lr, betas, eps,
-    weight_decay)``; the moments are kept in each parameter's dtype, as PyTorch keeps them. Arithmetic is float32.
+    Same arguments, defaults, parameter groups and state as ``torch.optim.AdamW``; the moments are kept in each
+    parameter's dtype, as PyTorch keeps them. Arithmetic is float32. ``maximize=True`` ascends, as PyTorch's does.
+    ``amsgrad``, ``capturable``, ``differentiable`` and ``decoupled_weight_decay=False`` raise a TypeError whether
+    given here, set in a group later, or loaded with a state dict (checked again at every ``step()``); ``foreach`` and
+    ``fused`` are accepted and kept, and change nothing.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, **unsupported):
-        _refuse_unsupported(unsupported)
+                 weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
+                 foreach: bool | None = None, capturable: bool = False, differentiable: bool = False,
+                 fused: bool | None = None, **unknown):
+        _refuse_unknown(unknown)
+        flags = dict(amsgrad=amsgrad, maximize=maximize, foreach=foreach, capturable=capturable,
+                     differentiable=differentiable, fused=fused, decoupled_weight_decay=True)
+        check_flags(flags)
         _check_hyperparameters(lr, betas, eps, weight_decay)
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **flags))
+
+    def add_param_group(self, param_group: dict) -> None:
+        """``torch.optim.Optimizer.add_param_group``, then the group's flags, hyperparameters and dtypes checked."""
+        super().add_param_group(param_group)
+        _check_group(self.param_groups[-1])
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state dict of TritonAdamW or ``torch.optim.AdamW``; refuse one whose groups set a flag this
+        optimizer does not compute (e.g. from ``torch.optim.AdamW(amsgrad=True)``), leaving this optimizer as it was."""
+        for group in state_dict.get("param_groups", ()):
+            check_flags(group, "TritonAdamW.load_state_dict")
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            for name, default in FLAG_DEFAULTS.items():
+                group.setdefault(name, default)  # a state dict of an older torch may lack a flag
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -195,13 +280,20 @@ class TritonAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # Everything checked before any tensor moves, so a refused group or parameter leaves the model as it was.
+        # Groups can be edited at any time (group["maximize"] = True, a scheduler's lr): read on every step.
         for group in self.param_groups:
+            check_flags(group, "TritonAdamW.step")
             _check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            for p in group["params"]:
+                if p.grad is not None:
+                    _check_parameter(p)
+        for group in self.param_groups:
             beta1, beta2 = group["betas"]
+            maximize = bool(group.get("maximize", False))
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                _check_parameter(p)
                 state = self.state[p]
                 if not state:
                     # As torch.optim.AdamW keeps it (not capturable, not fused): the step count as a CPU float32
@@ -209,12 +301,22 @@ class TritonAdamW(torch.optim.Optimizer):
                     state["step"] = torch.tensor(0.0)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                elif state["step"].device.type != "cpu":
+                elif not isinstance(state["step"], torch.Tensor) or state["step"].device.type != "cpu":
                     # A state dict saved by torch's fused AdamW keeps the count on the GPU: read there, every step
-                    # would wait for the GPU.
-                    state["step"] = state["step"].to("cpu", torch.float32)
+                    # would wait for the GPU. (An old one may hold a plain number.)
+                    state["step"] = torch.as_tensor(state["step"]).to("cpu", torch.float32)
                 state["step"] += 1
-                ops.call(adamw_step_op, _local(p), _local(p.grad), _local(state["exp_avg"]),
+                grad = _local(p.grad)
+                # A gradient set by hand may be a strided view: the kernel reads flat arrays, so read a dense copy.
+                grad = grad if grad.is_contiguous() else grad.contiguous()
+                ops.call(adamw_step_op, _local(p), grad, _local(state["exp_avg"]),
                          _local(state["exp_avg_sq"]), float(group["lr"]), float(beta1), float(beta2),
-                         float(group["eps"]), float(group["weight_decay"]), float(state["step"]))
+                         float(group["eps"]), float(group["weight_decay"]), float(state["step"]), maximize)
         return loss
+
+
+def _check_group(group: dict) -> None:
+    check_flags(group, "TritonAdamW.add_param_group")
+    _check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+    for p in group["params"]:
+        _check_parameter_dtype(p)

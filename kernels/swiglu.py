@@ -145,12 +145,22 @@ def _backward_config(n_rows: int, n_cols: int, props: runtime.DeviceProps) -> Co
 # --------------------------------------------------------------------------------------------------------------------
 
 
+# The dtypes the kernels store; their arithmetic is float32 whatever these are. float64 is refused, as by every kernel
+# of the package: a float32 answer in a float64 tensor would look more precise than it is.
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _check_inputs(gate: torch.Tensor, up: torch.Tensor) -> None:
     for name, t in (("gate", gate), ("up", up)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+        if t.dtype not in KERNEL_DTYPES:
+            raise TypeError(
+                f"{name} must be float32, bfloat16 or float16, got dtype {t.dtype}: the kernels compute in float32; "
+                "cast to float32, or use torch.nn.functional.silu(gate) * up"
+            )
         if t.dim() == 0:
             raise ValueError(f"{name} must have at least one dimension (the intermediate size), got a scalar")
     if gate.shape != up.shape:
@@ -241,6 +251,33 @@ def _in_place_addressable(gate: torch.Tensor, up: torch.Tensor) -> bool:
             and gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr())
 
 
+def _shares_memory(t: torch.Tensor, *others: torch.Tensor) -> bool:
+    # Same storage, by its address: views of one buffer, whatever their offsets and strides.
+    return any(t.untyped_storage().data_ptr() == o.untyped_storage().data_ptr() for o in others)
+
+
+def may_overwrite(t: torch.Tensor) -> bool:
+    """Whether a backward may write over ``t``: an intermediate result of autograd, never a leaf (a parameter, a
+    caller's input) nor a view of one. A view's ``grad_fn`` is a view node even when its memory is a leaf's, so the
+    tensor the view was cut from (``_base``) must be an intermediate result too."""
+    base = t._base if t._base is not None else t
+    return t.grad_fn is not None and not t.is_leaf and base.grad_fn is not None and not base.is_leaf
+
+
+def inplace_backward_allowed(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """Whether ``swiglu(gate, up, inplace_backward=True)`` really writes its gradients over gate and up: in eager
+    autograd on plain tensors, with gate and up intermediate results (``may_overwrite``), dense, and in memory of
+    their own."""
+    return (not torch.compiler.is_compiling() and _has_memory(gate, up) and may_overwrite(gate) and may_overwrite(up)
+            and _in_place_addressable(gate, up))
+
+
+def _has_memory(*tensors: torch.Tensor) -> bool:
+    # Plain tensors with memory of their own, whose storage addresses can be compared: not fake tensors (a subclass,
+    # while tracing) nor meta tensors, which take the out-of-place backward.
+    return all(type(t) in (torch.Tensor, torch.nn.Parameter) and not t.is_meta for t in tensors)
+
+
 def swiglu_backward_(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> None:
     """Launch the backward kernel writing d(gate) over ``gate`` and d(up) over ``up``.
 
@@ -326,6 +363,7 @@ class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, inplace_backward):
         ctx.save_for_backward(gate, up)
+        # The caller decided (``swiglu``: intermediate results only); the layout is checked here once more.
         ctx.inplace = inplace_backward and _in_place_addressable(gate, up)
         return _forward(gate, up)
 
@@ -333,7 +371,10 @@ class SwiGLUFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
-        d_gate, d_up = _backward_in_place(dy, gate, up) if ctx.inplace else ops.call(swiglu_bwd_op, dy, gate, up)
+        # A gradient that is itself a view of gate or up (a hand-written backward upstream) would be read after it
+        # is overwritten: out of place then.
+        inplace = ctx.inplace and not _shares_memory(dy, gate, up)
+        d_gate, d_up = _backward_in_place(dy, gate, up) if inplace else ops.call(swiglu_bwd_op, dy, gate, up)
         return (d_gate if ctx.needs_input_grad[0] else None), (d_up if ctx.needs_input_grad[1] else None), None
 
 
@@ -347,11 +388,13 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = Fal
     (``kernels.host_path``).
 
     ``inplace_backward=True`` lets the backward write d(gate) and d(up) over gate and up when each is the output of
-    another operation (never a leaf such as a parameter), contiguous, and in memory of its own; otherwise, and under
-    ``torch.compile``, it changes nothing. That saves two tensors of gate's size at the backward's peak, and is safe
-    only when nothing else reads gate and up after this backward: true of a Llama MLP's projection outputs. Anything
-    that saved them for its own backward gets PyTorch's "modified by an inplace operation" error, not wrong
-    gradients.
+    another operation (never a leaf such as a parameter or a caller's input, nor a view of one: ``h.view(4, 6)`` of a
+    leaf ``h`` is its memory), contiguous, and in memory of its own; otherwise, and under ``torch.compile``, it
+    falls back to the out-of-place backward, with the same gradients: the flag is a memory hint, never an error.
+    Writing in place saves two tensors of gate's size at the backward's peak, and is safe only when nothing else
+    reads gate and up after this backward: true of a Llama MLP's projection outputs. Anything that saved them for
+    its own backward gets PyTorch's "modified by an inplace operation" error, not wrong gradients; a caller who
+    keeps gate or up to read after the backward must not pass the flag.
     """
     _check_inputs(gate, up)
     with_grad = torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)
@@ -359,10 +402,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = Fal
         # Dense tensors on a GPU, eagerly: the same kernels, with the autograd node and the launches in C++.
         return host_path.swiglu(gate, up, with_grad)
     if with_grad:
-        # Leaves (parameters, a caller's inputs) are never overwritten: only outputs of other operations. Under
-        # torch.compile the compiler plans the backward's memory itself: the out-of-place operator there.
-        inplace_backward = (inplace_backward and not torch.compiler.is_compiling()
-                            and gate.grad_fn is not None and up.grad_fn is not None)
+        # Leaves (parameters, a caller's inputs) and views of them are never overwritten: only outputs of other
+        # operations. Under torch.compile the compiler plans the backward's memory itself: the out-of-place operator.
+        inplace_backward = inplace_backward and inplace_backward_allowed(gate, up)
         return SwiGLUFunction.apply(gate, up, inplace_backward)
     return _forward(gate, up)
 
@@ -452,15 +494,18 @@ class TritonSwiGLUMLP(torch.nn.Module):
         gate and up the backward may overwrite, and ``down_proj`` a plain ``nn.Linear`` whose forward nothing hooks
         (a PEFT LoRA layer, a quantised layer or a sharding hook keeps its own forward)."""
         down = self.down_proj
-        return (self.fuse_down_proj and torch.is_grad_enabled() and not torch.compiler.is_compiling()
-                and type(down) is torch.nn.Linear and not (down._forward_hooks or down._forward_pre_hooks)
-                and not _global_module_hooks()
-                and gate.grad_fn is not None and up.grad_fn is not None and _in_place_addressable(gate, up))
+        return (self.fuse_down_proj and torch.is_grad_enabled() and type(down) is torch.nn.Linear
+                and not (down._forward_hooks or down._forward_pre_hooks) and not _global_module_hooks()
+                and inplace_backward_allowed(gate, up))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
         # gate and up are this forward's own temporaries: their backward may overwrite them (swiglu's docstring),
-        # and with a plain down_proj the product is not kept for its weight's gradient but recomputed.
+        # and with a plain down_proj the product is not kept for its weight's gradient but recomputed. Not when a
+        # projection hands x itself (or a view of it) through, e.g. an nn.Identity: x belongs to the caller.
+        if (not torch.compiler.is_compiling() and isinstance(x, torch.Tensor) and _has_memory(x, gate, up)
+                and _shares_memory(x, gate, up)):
+            return self.down_proj(swiglu(gate, up))
         if self._down_fuses(gate, up):
             return SwiGLUDownFunction.apply(gate, up, self.down_proj.weight, self.down_proj.bias)
         return self.down_proj(swiglu(gate, up, inplace_backward=True))

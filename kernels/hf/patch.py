@@ -80,6 +80,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import math
+import numbers
 import types
 from dataclasses import dataclass, field
 
@@ -90,7 +92,7 @@ from kernels.cross_entropy import cross_entropy as fused_cross_entropy
 from kernels.linear_cross_entropy import linear_cross_entropy as fused_linear_cross_entropy
 from kernels.rmsnorm import TritonRMSNorm
 from kernels.rope import apply_rotary
-from kernels.swiglu import TritonSwiGLUMLP
+from kernels.swiglu import TritonSwiGLUMLP, may_overwrite
 
 from .attention_mask import CAUSAL_CALL, check_sdpa, is_plain_causal_call, use_mask_function
 from .lora import check_lora, enable_lora_fusion
@@ -166,6 +168,59 @@ def shift_labels_like_hf(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX)
     return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
 
 
+# The logits' dtypes the fused losses compute (in float32 registers). float64 is refused, as by every kernel.
+LOSS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_label_tensor(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor of token ids, got {type(t).__name__}")
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise TypeError(f"{name} must hold integer token ids (any integer dtype, e.g. torch.int64), got dtype {t.dtype}")
+
+
+def loss_targets(labels, shift_labels, lead: tuple, ignore_index, device, where: str) -> torch.Tensor:
+    """The int64 targets of the causal-LM loss, one per row of ``lead`` (the logits' or hidden states' leading
+    dimensions): ``labels`` shifted as Hugging Face shifts them, or ``shift_labels`` as given.
+
+    ``labels`` must have the shape ``lead`` ([batch, seq], as input_ids): the shift runs along their last dimension,
+    so labels of another shape with as many elements (transposed, flattened across sequences) would pair tokens with
+    the wrong positions without an error. ``shift_labels`` may also be flat (``lead``'s rows in order). Labels of any
+    integer dtype are read as int64 *before* the shift: its padding value ``ignore_index`` (-100) does not fit
+    uint8, and int8 or int16 would wrap ids; bool and floating labels are refused."""
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise TypeError(f"ignore_index must be an integer, got {ignore_index!r}")
+    ignore_index = int(ignore_index)
+    lead = tuple(lead)
+    if shift_labels is None:
+        if labels is None:
+            raise ValueError(f"{where} needs labels or shift_labels, got neither")
+        _check_label_tensor("labels", labels)
+        if tuple(labels.shape) != lead:
+            raise ValueError(
+                f"labels must have the shape of the logits without their last dimension, {lead} (that of "
+                f"input_ids), got {tuple(labels.shape)}: the shift by one runs along the last dimension"
+            )
+        targets = shift_labels_like_hf(labels.long(), ignore_index)
+    else:
+        _check_label_tensor("shift_labels", shift_labels)
+        if tuple(shift_labels.shape) != lead and not (shift_labels.dim() == 1 and shift_labels.numel() == math.prod(lead)):
+            raise ValueError(
+                f"shift_labels must have the shape of the logits without their last dimension, {lead}, or be those "
+                f"{math.prod(lead)} targets flattened, got {tuple(shift_labels.shape)}"
+            )
+        targets = shift_labels.long()
+    return targets.to(device).reshape(lead)
+
+
+def shaped_like_hf(loss: torch.Tensor, num_items_in_batch) -> torch.Tensor:
+    """The loss in the shape Hugging Face's has: its ``sum / num_items_in_batch`` broadcasts, so a one-element tensor
+    of shape [1] (as some trainers pass) gives a loss of shape [1]. A view: no copy, no synchronisation."""
+    if isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.dim() > 0:
+        return loss.reshape(num_items_in_batch.shape)
+    return loss
+
+
 def causal_lm_loss(
     logits: torch.Tensor,
     labels: torch.Tensor | None,
@@ -185,26 +240,31 @@ def causal_lm_loss(
     Differences: the logits are not copied to float32 (the kernel computes in float32 anyway), labels are not
     range-checked on the host (an out-of-range label gives NaN), and with ``inplace_backward=True`` the logits are
     overwritten by their gradient (see ``kernels.cross_entropy.cross_entropy``). Other keyword arguments Hugging
-    Face passes along (attention flags and the like) are ignored, as ``ForCausalLMLoss`` ignores them.
+    Face passes along (attention flags and the like) are ignored, as ``ForCausalLMLoss`` ignores them. Stricter
+    than Hugging Face (``loss_targets``): labels must have the logits' leading shape; labels of any integer dtype
+    give the int64 labels' loss; float64 logits are refused (the kernel computes in float32).
     """
+    if logits.dtype not in LOSS_DTYPES:
+        raise TypeError(
+            f"logits must be float32, bfloat16 or float16 for the fused loss, got dtype {logits.dtype}: it computes in "
+            "float32. Run the model in float32 (model.float()), or patch it with cross_entropy=False to keep Hugging "
+            "Face's loss"
+        )
     if logits.shape[-1] != vocab_size:
         raise ValueError(f"logits must have vocab_size={vocab_size} classes in their last dimension, got shape {tuple(logits.shape)}")
-    if shift_labels is None:
-        if labels is None:
-            raise ValueError("causal_lm_loss needs labels or shift_labels, got neither")
-        shift_labels = shift_labels_like_hf(labels, ignore_index)
-    shift_labels = shift_labels.to(logits.device)
+    target = loss_targets(labels, shift_labels, logits.shape[:-1], ignore_index, logits.device, "causal_lm_loss")
+    ignore_index = int(ignore_index)
     if num_items_in_batch is not None:
         reduction, normalizer = "sum", num_items_in_batch
     else:
         reduction, normalizer = "mean", None
     # No reshape of the logits: the kernel reads any leading dimensions in place, so a [batch, seq, vocab] tensor is
     # never copied (and, in place, its own memory receives the gradient).
-    target = shift_labels.reshape(logits.shape[:-1])
-    return fused_cross_entropy(
+    loss = fused_cross_entropy(
         logits, target, ignore_index, reduction, normalizer=normalizer,
         inplace_backward=inplace_backward, check_targets=False,
     )
+    return shaped_like_hf(loss, num_items_in_batch)
 
 
 def causal_lm_linear_loss(
@@ -219,18 +279,23 @@ def causal_lm_linear_loss(
     """``causal_lm_loss`` of the logits ``hidden @ weight.T``, computed without them (``kernels.linear_cross_entropy``).
 
     Same label shift, ``ignore_index`` and ``num_items_in_batch`` rule as Hugging Face's ``ForCausalLMLoss``; no host
-    synchronisation (an out-of-range label gives NaN). ``hidden`` is what the LM head would have received."""
-    if shift_labels is None:
-        if labels is None:
-            raise ValueError("causal_lm_linear_loss needs labels or shift_labels, got neither")
-        shift_labels = shift_labels_like_hf(labels, ignore_index)
-    target = shift_labels.to(hidden.device).reshape(hidden.shape[:-1])
+    synchronisation (an out-of-range label gives NaN). ``hidden`` is what the LM head would have received. Labels
+    are checked as ``causal_lm_loss`` checks them (``loss_targets``)."""
+    if hidden.dtype not in LOSS_DTYPES:
+        raise TypeError(
+            f"hidden must be float32, bfloat16 or float16 for the fused loss, got dtype {hidden.dtype}: it computes "
+            "in float32. Run the model in float32 (model.float()), or patch it with linear_cross_entropy=False"
+        )
+    target = loss_targets(labels, shift_labels, hidden.shape[:-1], ignore_index, hidden.device,
+                          "causal_lm_linear_loss")
+    ignore_index = int(ignore_index)
     if num_items_in_batch is not None:
         reduction, normalizer = "sum", num_items_in_batch
     else:
         reduction, normalizer = "mean", None
-    return fused_linear_cross_entropy(hidden, weight, target, ignore_index, reduction, normalizer=normalizer,
+    loss = fused_linear_cross_entropy(hidden, weight, target, ignore_index, reduction, normalizer=normalizer,
                                       check_targets=False)
+    return shaped_like_hf(loss, num_items_in_batch)
 
 
 class _PatchedLoss:
@@ -261,7 +326,9 @@ class _PatchedLoss:
             return self.original(logits, labels, vocab_size, **kwargs)
         # In place only in training with autograd on: then the logits exist for the loss alone and nothing reads
         # them afterwards. In eval mode or under no_grad the kernel computes no gradient at all.
-        inplace = self.inplace_logits and self.model.training and torch.is_grad_enabled() and logits.requires_grad
+        # Never into a leaf or a view of one: logits a caller passes to model.loss_function themselves are theirs.
+        inplace = (self.inplace_logits and self.model.training and torch.is_grad_enabled() and logits.requires_grad
+                   and may_overwrite(logits))
         loss = causal_lm_loss(logits, labels, vocab_size, inplace_backward=inplace, **kwargs)
         if inplace:
             self.consumed = logits

@@ -115,7 +115,7 @@ def _query_range(n0, n, SEG, SEG_END, BLOCK_M: tl.constexpr, BLOCK_N: tl.constex
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, O, LSE, SEG, SEG_END,
+    Q, K, V, OUT, LSE, SEG, SEG_END,
     sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_s,
     n, qk_scale, n_heads,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -153,14 +153,14 @@ def _fwd_kernel(
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # rows past n only; every real row sees at least its own key
     out = acc / l_safe[:, None]
     ok = rows < n
-    o_at = O + b * so_b + h * so_h + rows[:, None].to(tl.int64) * so_s + cols_d[None, :]
-    tl.store(o_at, out.to(O.dtype.element_ty), mask=ok[:, None])
+    o_at = OUT + b * so_b + h * so_h + rows[:, None].to(tl.int64) * so_s + cols_d[None, :]
+    tl.store(o_at, out.to(OUT.dtype.element_ty), mask=ok[:, None])
     # lse in natural log: m is in base 2 (scores were multiplied by log2 e).
     tl.store(LSE + bh * n + rows, (m_i + tl.log2(l_safe)) / 1.4426950408889634, mask=ok)
 
 
 @triton.jit
-def _delta_kernel(O, DO, DELTA, so_b, so_h, so_s, sd_b, sd_h, sd_s, n, n_heads,
+def _delta_kernel(OUT, DO, DELTA, so_b, so_h, so_s, sd_b, sd_h, sd_s, n, n_heads,
                   D: tl.constexpr, BLOCK_M: tl.constexpr):
     # The backward's preprocess: delta = rowsum(dO ∘ O), one float32 per query row.
     bh = tl.program_id(1).to(tl.int64)
@@ -168,7 +168,7 @@ def _delta_kernel(O, DO, DELTA, so_b, so_h, so_s, sd_b, sd_h, sd_s, n, n_heads,
     h = bh % n_heads
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols_d = tl.arange(0, D)
-    o = _tile(O + b * so_b + h * so_h, rows, n, so_s, cols_d, True)
+    o = _tile(OUT + b * so_b + h * so_h, rows, n, so_s, cols_d, True)
     do = _tile(DO + b * sd_b + h * sd_h, rows, n, sd_s, cols_d, True)
     tl.store(DELTA + bh * n + rows, tl.sum(o * do, 1), mask=rows < n)
 

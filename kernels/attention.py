@@ -22,10 +22,12 @@ Layout: SDPA's [batch, heads, seq, head_dim], read through strides (Llama's q, k
 heads, and query head h reads KV head h // (heads / kv_heads); K and V are never repeated in memory.
 
 Packed documents: with ``cu_seqlens`` (int32, [n_docs + 1], batch 1) the sequence holds documents
-[cu_seqlens[i], cu_seqlens[i + 1]) and a query attends only to keys of its own document. Each token carries its
-document's first and one-past-last position (``segment_bounds``); a query block walks only the key blocks between
-the start of its first row's document and the end of its last row's document, and a key is masked where its document
-start differs from the query's. Padded-free SFT batches pack independent examples this way.
+[cu_seqlens[i], cu_seqlens[i + 1]) and a query attends only to keys of its own document; with ``position_ids``
+([batch, seq]) each row's documents are the runs of consecutive positions. Each token carries its document's first and
+one-past-last position (``segment_bounds``, ``segment_bounds_from_positions``; int32 [batch, seq]); a query block
+walks only the key blocks between the start of its first row's document and the end of its last row's document, and
+a key is masked where its document start differs from the query's. Padding-free SFT batches pack independent
+examples this way.
 
 Arithmetic is float32. On a GPU the matmuls take bf16/fp16 tiles into tensor cores with float32 accumulation (the
 product of two bf16 values is exact in float32, so this is the float32 matmul of the rounded inputs); probabilities
@@ -127,6 +129,8 @@ def _fwd_kernel(
     b = bh // n_heads
     h = bh % n_heads
     hk = h // GROUP  # GQA: the KV head this query head reads
+    SEG += b * n  # this row's document bounds (read only when PACKED)
+    SEG_END += b * n
     rows = m0 + tl.arange(0, BLOCK_M)
     cols_d = tl.arange(0, D)
     q = _tile(Q + b * sq_b + h * sq_h, rows, n, sq_s, cols_d, UPCAST)
@@ -197,6 +201,8 @@ def _bwd_dkdv_kernel(
     bhk = tl.program_id(1).to(tl.int64)
     b = bhk // n_kv_heads
     hk = bhk % n_kv_heads
+    SEG += b * n
+    SEG_END += b * n
     cols = n0 + tl.arange(0, BLOCK_N)
     cols_d = tl.arange(0, D)
     k = _tile(K + b * sk_b + hk * sk_h, cols, n, sk_s, cols_d, UPCAST)
@@ -241,6 +247,8 @@ def _bwd_dq_kernel(
     b = bh // n_heads
     h = bh % n_heads
     hk = h // GROUP
+    SEG += b * n
+    SEG_END += b * n
     rows = m0 + tl.arange(0, BLOCK_M)
     cols_d = tl.arange(0, D)
     q = _tile(Q + b * sq_b + h * sq_h, rows, n, sq_s, cols_d, UPCAST)
@@ -314,11 +322,26 @@ def _attention_config(seq: int, head_dim: int, props: runtime.DeviceProps) -> Co
 
 
 def segment_bounds(cu_seqlens: torch.Tensor, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's document start and end (int32, [seq] each) for documents ``cu_seqlens`` (no host sync)."""
+    """Each token's document start and end (int32, [1, seq] each) for documents ``cu_seqlens`` (no host sync)."""
     cu = cu_seqlens.to(torch.int64)
     pos = torch.arange(seq, device=cu.device)
     doc = torch.searchsorted(cu[1:], pos, right=True)
-    return cu[doc].to(torch.int32), cu[doc + 1].to(torch.int32)
+    return cu[doc].to(torch.int32)[None], cu[doc + 1].to(torch.int32)[None]
+
+
+def segment_bounds_from_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's document start and end (int32, [batch, seq] each) where documents are the runs of consecutive
+    position ids (0, 1, 2, 0, 1, ... : a new document wherever a position is not the previous one plus 1, as
+    ``DataCollatorWithFlattening`` writes them). Tensor operations only: no host sync, traceable."""
+    batch, seq = position_ids.shape
+    idx = torch.arange(seq, device=position_ids.device).expand(batch, seq)
+    new = torch.ones(batch, seq, dtype=torch.bool, device=position_ids.device)
+    new[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    start = torch.where(new, idx, 0).cummax(dim=1).values
+    # The end of i's document is the next document's start after i (or seq): a running minimum from the right.
+    later_starts = torch.cat([torch.where(new, idx, seq)[:, 1:], idx.new_full((batch, 1), seq)], dim=1)
+    end = later_starts.flip(1).cummin(dim=1).values.flip(1)
+    return start.to(torch.int32).contiguous(), end.to(torch.int32).contiguous()
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
@@ -519,9 +542,22 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, seq: int) -> None:
         raise ValueError(f"cu_seqlens must rise from 0 to seq={seq} (document offsets), got {shown}")
 
 
+def _check_position_ids(position_ids, q, cu_seqlens) -> None:
+    if cu_seqlens is not None:
+        raise ValueError("give cu_seqlens or position_ids, not both")
+    if not isinstance(position_ids, torch.Tensor) or position_ids.is_floating_point() or position_ids.is_complex():
+        got = position_ids.dtype if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
+        raise TypeError(f"position_ids must be an integer tensor [batch, seq], got {got}")
+    batch, seq = q.shape[0], q.shape[2]
+    if position_ids.dim() != 2 or position_ids.shape[1] != seq or position_ids.shape[0] not in (1, batch):
+        raise ValueError(f"position_ids must be [batch={batch} (or 1), seq={seq}], got {tuple(position_ids.shape)}")
+    if position_ids.device != q.device:
+        raise ValueError(f"position_ids must be on q's device {q.device}, got {position_ids.device}")
+
+
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                     scale: float | None = None, cu_seqlens: torch.Tensor | None = None, *,
-                    check_cu_seqlens_values: bool = True) -> torch.Tensor:
+                    position_ids: torch.Tensor | None = None, check_cu_seqlens_values: bool = True) -> torch.Tensor:
     """softmax(q kᵀ · scale [+ causal mask]) v, like ``F.scaled_dot_product_attention(q, k, v, is_causal=causal,
     scale=scale, enable_gqa=True)``, differentiable in q, k and v.
 
@@ -534,11 +570,17 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     document boundary. Its values are checked on the host (one synchronisation) unless
     ``check_cu_seqlens_values=False``, for callers that built it themselves (the Hugging Face patch does), and
     never while ``torch.compile`` traces.
+
+    ``position_ids`` (integer, [batch, seq]; instead of ``cu_seqlens``): documents are the runs of consecutive
+    positions in each row, a new one wherever the positions restart (``segment_bounds_from_positions``).
     """
     check_inputs(q, k, v, causal, scale, cu_seqlens)
     seq, head_dim = q.shape[2], q.shape[3]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     seg_start = seg_end = None
+    if position_ids is not None:
+        _check_position_ids(position_ids, q, cu_seqlens)
+        seg_start, seg_end = segment_bounds_from_positions(position_ids.expand(q.shape[0], seq))
     if cu_seqlens is not None:
         if check_cu_seqlens_values and not torch.compiler.is_compiling():
             check_cu_seqlens(cu_seqlens, seq)
@@ -551,7 +593,7 @@ def document_mask(cu_seqlens: torch.Tensor, seq: int, causal: bool = True) -> to
     if cu_seqlens is None:
         allowed = torch.ones(seq, seq, dtype=torch.bool)
     else:
-        start, _ = segment_bounds(cu_seqlens.cpu(), seq)
+        start = segment_bounds(cu_seqlens.cpu(), seq)[0][0]
         allowed = start[:, None] == start[None, :]
     if causal:
         allowed = allowed & torch.ones(seq, seq, dtype=torch.bool).tril()

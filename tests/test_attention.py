@@ -22,6 +22,7 @@ from kernels.attention import (
     flash_attention_bwd,
     flash_attention_fwd,
     segment_bounds,
+    segment_bounds_from_positions,
 )
 from kernels.reference import relative_error
 from kernels.tolerances import RELATIVE_ERROR_TOL
@@ -127,7 +128,22 @@ def test_document_mask(device):
     expected = torch.tensor([[1, 0, 0], [1, 1, 0], [0, 0, 1]], dtype=torch.bool)
     assert torch.equal(document_mask(cu, 3, causal=True), expected)
     start, end = segment_bounds(cu, 3)
-    assert start.tolist() == [0, 0, 2] and end.tolist() == [2, 2, 3]
+    assert start.tolist() == [[0, 0, 2]] and end.tolist() == [[2, 2, 3]]
+    positions = torch.tensor([[0, 1, 0, 0, 1, 2], [5, 6, 7, 8, 9, 10]])
+    start, end = segment_bounds_from_positions(positions)
+    assert start.tolist() == [[0, 0, 2, 3, 3, 3], [0] * 6] and end.tolist() == [[2, 2, 3, 6, 6, 6], [6] * 6]
+
+
+def test_position_ids_pack_each_row(device, gen):
+    # Two rows, each packed differently by restarting positions; the same as cu_seqlens row by row.
+    q, k, v = _inputs(gen, device, 2, 4, 2, 30, 16, torch.float32)
+    positions = torch.cat([torch.arange(10), torch.arange(1), torch.arange(19)]).expand(2, 30).clone()
+    positions[1] = torch.cat([torch.arange(25), torch.arange(5)])
+    out = flash_attention(q, k, v, position_ids=positions.to(device))
+    for row, cu in ((0, [0, 10, 11, 30]), (1, [0, 25, 30])):
+        cu = torch.tensor(cu, dtype=torch.int32, device=device)
+        ref = attention_reference(*(x.detach()[row:row + 1].double() for x in (q, k, v)), cu_seqlens=cu)
+        assert relative_error(out[row:row + 1], ref) < 1e-5
 
 
 def test_matches_sdpa(device, gen):
@@ -204,6 +220,12 @@ def test_errors(device):
         flash_attention(q, k, v, cu_seqlens=torch.tensor([0, 3, 7], dtype=torch.int32, device=device))
     with pytest.raises(ValueError, match="rise from 0 to seq=8"):
         flash_attention(q, k, v, cu_seqlens=torch.tensor([0, 5, 3, 8], dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="not both"):
+        flash_attention(q, k, v, cu_seqlens=cu, position_ids=torch.arange(8, device=device)[None])
+    with pytest.raises(TypeError, match="position_ids must be an integer tensor"):
+        flash_attention(q, k, v, position_ids=torch.zeros(1, 8, device=device))
+    with pytest.raises(ValueError, match="position_ids must be"):
+        flash_attention(q, k, v, position_ids=torch.arange(7, device=device)[None])
 
 
 def test_config_from_one_function():

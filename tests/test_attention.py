@@ -272,5 +272,5 @@ def test_gpu_llama_shapes(gen, seq):
     # The 8B shape on a GPU: 32 q heads, 8 KV heads, head_dim 128, bf16; poisoned outputs are fully written.
     q, k, v = _inputs(gen, "cuda", 1, 32, 8, seq, 128, torch.bfloat16)
     _check_against_float64(q, k, v, True, gen=gen)
-    cu = torch.tensor([0, 1, seq // 3, seq], dtype=torch.int32, device="cuda").unique_consecutive().to(torch.int32)
+    cu = torch.tensor(sorted({0, 1, seq // 3, seq}), dtype=torch.int32, device="cuda")  # a one-token document first
     _check_against_float64(q, k, v, True, cu_seqlens=cu, gen=gen)

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from kernels import runtime
 from kernels.bench import attention as bench
 
 
@@ -18,8 +19,11 @@ def test_command_writes_a_checked_run(tmp_path, capsys):
     (path,) = (tmp_path / "attention").glob("*.json")
     result = json.loads(path.read_text())
     row, docs = result["rows"][0], result["documents"][0]
-    assert row["seq"] == 32 and set(row["ms"]) == {"ours", "sdpa_math"} and not row["missing"]
-    assert row["error"]["sdpa_math"] < 1e-5  # float32 in the interpreter: checked against ours before timing
+    if runtime.MODE == "gpu":  # bf16; a peer without a kernel for this tiny case is recorded as missing, with why
+        assert row["seq"] == 32 and {"ours", "sdpa_flash"} <= set(row["ms"]) and row["error"]["sdpa_flash"] < 3e-2
+    else:
+        assert row["seq"] == 32 and set(row["ms"]) == {"ours", "sdpa_math"} and not row["missing"]
+        assert row["error"]["sdpa_math"] < 1e-5  # float32 in the interpreter: checked against ours before timing
     assert docs["ms"]["ours_packed"] > 0
     assert "ours against peers" in capsys.readouterr().out
 

@@ -116,6 +116,40 @@ def _query_range(n0, n, SEG, SEG_END, BLOCK_M: tl.constexpr, BLOCK_N: tl.constex
 
 
 @triton.jit
+def _unmasked_end(m0, n, lo, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PACKED: tl.constexpr):
+    # Where a query block's key walk needs its mask: every key block before the returned position is wholly
+    # visible to every row (in range, and before the block's first row when causal), so it skips the mask's
+    # compares and selects. Packed documents can end anywhere: everything is masked there.
+    if PACKED:
+        return lo
+    elif CAUSAL:
+        return m0  # a multiple of BLOCK_N (attention_config keeps BLOCK_M a multiple of BLOCK_N)
+    else:
+        return (n // BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def _fwd_blocks(q, k_base, v_base, rows, start, end, n, sk_s, sv_s, cols_d, SEG, qk_scale, m_i, l_i, acc,
+                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, PACKED: tl.constexpr,
+                UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    # The online softmax over key blocks start, start + BLOCK_N, ... < end: the forward's inner loop.
+    for n0 in range(start, end, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        k = _tile(k_base, cols, n, sk_s, cols_d, UPCAST)
+        v = _tile(v_base, cols, n, sv_s, cols_d, UPCAST)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if MASKED:
+            s = tl.where(_allowed(rows, cols, n, SEG, CAUSAL, PACKED), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)  # rescale what was summed under the old maximum
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _fwd_kernel(
     Q, K, V, OUT, LSE, SEG, SEG_END,
     sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_s,
@@ -141,18 +175,11 @@ def _fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     lo, hi = _key_range(m0, n, SEG, SEG_END, BLOCK_M, BLOCK_N, CAUSAL, PACKED)
-    for n0 in range(lo, hi, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
-        k = _tile(k_base, cols, n, sk_s, cols_d, UPCAST)
-        v = _tile(v_base, cols, n, sv_s, cols_d, UPCAST)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(_allowed(rows, cols, n, SEG, CAUSAL, PACKED), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)  # rescale what was summed under the old maximum
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    full = _unmasked_end(m0, n, lo, BLOCK_N, CAUSAL, PACKED)
+    m_i, l_i, acc = _fwd_blocks(q, k_base, v_base, rows, lo, full, n, sk_s, sv_s, cols_d, SEG, qk_scale, m_i, l_i,
+                                acc, BLOCK_N, False, CAUSAL, PACKED, UPCAST, PRECISION)
+    m_i, l_i, acc = _fwd_blocks(q, k_base, v_base, rows, full, hi, n, sk_s, sv_s, cols_d, SEG, qk_scale, m_i, l_i,
+                                acc, BLOCK_N, True, CAUSAL, PACKED, UPCAST, PRECISION)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # rows past n only; every real row sees at least its own key
     out = acc / l_safe[:, None]
@@ -179,11 +206,28 @@ def _delta_kernel(OUT, DO, DELTA, so_b, so_h, so_s, sd_b, sd_h, sd_s, n, n_heads
 
 @triton.jit
 def _probabilities(q, k, rows, cols, n, lse2, SEG, qk_scale, CAUSAL: tl.constexpr, PACKED: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   PRECISION: tl.constexpr, MASKED: tl.constexpr = True):
     # p = exp(s − lse) for a [BLOCK_M, BLOCK_N] tile, recomputed from the saved log-sum-exp (lse2 is in base 2).
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-    s = tl.where(_allowed(rows, cols, n, SEG, CAUSAL, PACKED), s, float("-inf"))
+    if MASKED:
+        s = tl.where(_allowed(rows, cols, n, SEG, CAUSAL, PACKED), s, float("-inf"))
     return tl.exp2(s - lse2[:, None])
+
+
+@triton.jit
+def _dq_blocks(q, do, k_base, v_base, rows, start, end, n, sk_s, sv_s, cols_d, lse2, delta, SEG, qk_scale, dq,
+               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, PACKED: tl.constexpr,
+               UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    # dQ += dS · K over key blocks start, start + BLOCK_N, ... < end: the dQ kernel's inner loop.
+    for n0 in range(start, end, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        k = _tile(k_base, cols, n, sk_s, cols_d, UPCAST)
+        v = _tile(v_base, cols, n, sv_s, cols_d, UPCAST)
+        p = _probabilities(q, k, rows, cols, n, lse2, SEG, qk_scale, CAUSAL, PACKED, PRECISION, MASKED)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    return dq
 
 
 @triton.jit
@@ -259,14 +303,11 @@ def _bwd_dq_kernel(
     v_base = V + b * sv_b + hk * sv_h
     dq = tl.zeros([BLOCK_M, D], tl.float32)
     lo, hi = _key_range(m0, n, SEG, SEG_END, BLOCK_M, BLOCK_N, CAUSAL, PACKED)
-    for n0 in range(lo, hi, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
-        k = _tile(k_base, cols, n, sk_s, cols_d, UPCAST)
-        v = _tile(v_base, cols, n, sv_s, cols_d, UPCAST)
-        p = _probabilities(q, k, rows, cols, n, lse2, SEG, qk_scale, CAUSAL, PACKED, PRECISION)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    full = _unmasked_end(m0, n, lo, BLOCK_N, CAUSAL, PACKED)
+    dq = _dq_blocks(q, do, k_base, v_base, rows, lo, full, n, sk_s, sv_s, cols_d, lse2, delta, SEG, qk_scale, dq,
+                    BLOCK_N, False, CAUSAL, PACKED, UPCAST, PRECISION)
+    dq = _dq_blocks(q, do, k_base, v_base, rows, full, hi, n, sk_s, sv_s, cols_d, lse2, delta, SEG, qk_scale, dq,
+                    BLOCK_N, True, CAUSAL, PACKED, UPCAST, PRECISION)
     tl.store(DQ + b * sdq_b + h * sdq_h + rows[:, None].to(tl.int64) * sdq_s + cols_d[None, :],
              (dq * scale).to(DQ.dtype.element_ty), mask=(rows < n)[:, None])
 
@@ -313,7 +354,10 @@ def _attention_config(seq: int, head_dim: int, props: runtime.DeviceProps) -> Co
     forward = BlockConfig(128, 64 if wide else 128, 8 if wide else 4, 3)
     dkdv = BlockConfig(64, 64, 8 if wide else 4, 2)
     dq = BlockConfig(64, 64, 8 if wide else 4, 2)
-    return Config(forward, dkdv, dq, 64)
+    config = Config(forward, dkdv, dq, 64)
+    # The query kernels' mask-free walk ends at the query block's first row: a whole number of key blocks.
+    assert forward.block_m % forward.block_n == 0 and dq.block_m % dq.block_n == 0, config
+    return config
 
 
 # --------------------------------------------------------------------------------------------------------------------

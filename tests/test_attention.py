@@ -15,7 +15,11 @@ from hypothesis import strategies as st
 
 from kernels import runtime
 from kernels.attention import (
+    BlockConfig,
+    Config,
+    attention_backward,
     attention_config,
+    attention_forward,
     attention_reference,
     document_mask,
     flash_attention,
@@ -235,6 +239,25 @@ def test_config_from_one_function():
     assert cfg.dkdv.block_m * cfg.dkdv.block_n <= cfg.forward.block_m * cfg.forward.block_n
     tiny = attention_config(77, 16, runtime.INTERPRETER)
     assert tiny.forward.block_m == 128  # one program per (batch, head) at the chapter's sizes
+
+
+@pytest.mark.parametrize("causal,packed", [(True, False), (False, False), (True, True)])
+def test_small_blocks_walk_masked_and_unmasked_blocks(device, gen, causal, packed):
+    # GPU-sized walks in the interpreter: blocks of 32 queries and 16 keys over 77 tokens, so that the key blocks
+    # before a query block's diagonal (or all full blocks, not causal) run without the mask, and the rest with it.
+    blocks = BlockConfig(32, 16, 4, 1)
+    cfg = Config(blocks, BlockConfig(16, 32, 4, 1), blocks, 32)
+    q, k, v = (x.detach() for x in _inputs(gen, device, 2 if not packed else 1, 4, 2, 77, 16, torch.float32))
+    seg = segment_bounds(torch.tensor([0, 1, 30, 77], dtype=torch.int32, device=device), 77) if packed else (None, None)
+    cu = torch.tensor([0, 1, 30, 77], dtype=torch.int32) if packed else None
+    out, lse = attention_forward(q, k, v, causal, 0.25, *seg, config=cfg)
+    grad = torch.randn(out.shape, generator=gen).to(device)
+    dq, dk, dv = attention_backward(grad, q, k, v, out, lse, causal, 0.25, *seg, config=cfg)
+    leaves = [x.double().requires_grad_(True) for x in (q, k, v)]
+    ref = attention_reference(*leaves, causal=causal, scale=0.25, cu_seqlens=cu)
+    ref_grads = torch.autograd.grad(ref, leaves, grad.double())
+    for name, a, b in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), (ref, *ref_grads)):
+        assert relative_error(a, b) < 1e-5, name
 
 
 def test_opcheck(device, gen):

@@ -11,6 +11,7 @@ At the top level, only what a training script needs:
   ``TritonCrossEntropyLoss``, ``TritonLinearCrossEntropyLoss`` and ``TritonSwiGLUMLP``;
 * ``patch_llama`` (and its handle, ``LlamaPatch``), which puts them into a Hugging Face model;
 * ``TritonAdamW``, ``torch.optim.AdamW``'s algorithm with its step as one Triton kernel per tensor;
+* ``flash_attention``, FlashAttention-2 in Triton (causal or not, grouped-query, packed documents by ``cu_seqlens``);
 * ``describe()`` and ``runtime``: where the kernels run.
 
 Three names are both: ``kernels.cross_entropy``, ``kernels.linear_cross_entropy`` and ``kernels.swiglu`` are the
@@ -35,6 +36,7 @@ from .swiglu import TritonSwiGLUMLP, swiglu
 from .rope import apply_rotary
 from .hf.patch import LlamaPatch, patch_llama
 from .adamw import TritonAdamW
+from .attention import flash_attention
 
 __all__ = [
     "runtime", "describe",
@@ -44,4 +46,5 @@ __all__ = [
     "swiglu", "TritonSwiGLUMLP", "apply_rotary",
     "patch_llama", "LlamaPatch",
     "TritonAdamW",
+    "flash_attention",
 ]

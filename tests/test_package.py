@@ -6,7 +6,7 @@ import kernels
 
 PRODUCT_API = {"runtime", "describe", "rms_norm", "TritonRMSNorm", "cross_entropy", "TritonCrossEntropyLoss",
                "linear_cross_entropy", "TritonLinearCrossEntropyLoss", "swiglu", "TritonSwiGLUMLP", "apply_rotary",
-               "patch_llama", "LlamaPatch", "TritonAdamW"}
+               "patch_llama", "LlamaPatch", "TritonAdamW", "flash_attention"}
 
 
 def test_top_level_is_the_product_api():

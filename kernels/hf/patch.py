@@ -94,6 +94,7 @@ from kernels.rmsnorm import TritonRMSNorm
 from kernels.rope import apply_rotary
 from kernels.swiglu import TritonSwiGLUMLP, may_overwrite
 
+from .attention import attention_choice, check_attention, use_flash_attention
 from .attention_mask import CAUSAL_CALL, check_sdpa, is_plain_causal_call, use_mask_function
 from .lora import check_lora, enable_lora_fusion
 from .offload import check_offloadable, enable_checkpoint_offload
@@ -104,7 +105,7 @@ IGNORE_INDEX = -100
 # patch_llama's kernels, by name: what its ``kernels=`` selector and its keyword switches may name, and what
 # ``python -m kernels.training.finetune --kernels`` and ``compare``'s ``patch_options`` pass on.
 SWITCHES = ("rms_norm", "cross_entropy", "linear_cross_entropy", "swiglu", "rope", "additive_mask",
-            "skip_causal_mask", "tiled_mlp", "offload_checkpoints", "lora")
+            "skip_causal_mask", "tiled_mlp", "offload_checkpoints", "lora", "attention")
 
 # What ``patch_llama(model)`` turns on, where it applies: every kernel whose training step was measured no slower
 # than without it (patch_llama's docstring gives each measurement and its results file). Not the linear
@@ -575,6 +576,7 @@ class LlamaPatch:
     active: bool = True
     kernels: tuple[str, ...] = ()  # the kernels turned on, by name (SWITCHES), in SWITCHES' order
     left_off: dict[str, str] = field(default_factory=dict)  # kernels="auto": each default kernel left off, and why
+    attention: str = ""  # which attention runs, and why (kernels.hf.attention.attention_choice)
 
     def summary(self) -> str:
         """One line: which norms were replaced, what computes the loss, and the MLPs and attention patched."""
@@ -589,6 +591,7 @@ class LlamaPatch:
         mask = f"; {self.mask}" if self.mask else ""
         mask += "; checkpoints offloaded to host memory" if self.offload is not None else ""
         mask += f"; {self.lora.summary()}" if self.lora is not None else ""
+        mask += f"; attention: {self.attention}" if self.attention else ""
         state = "" if self.active else " [undone]"
         return f"TritonRMSNorm replaces {norms}; loss: {loss}; {mlps}; {rotary}{mask}{state}"
 
@@ -791,6 +794,7 @@ def patch_llama(
     cross_entropy: bool | None = None, linear_cross_entropy: bool | None = None, swiglu: bool | None = None,
     rope: bool | None = None, additive_mask: bool | None = None, skip_causal_mask: bool | None = None,
     tiled_mlp: bool | None = None, offload_checkpoints: bool | None = None, lora: bool | None = None,
+    attention: bool | None = None,
 ) -> LlamaPatch:
     """Put the workbook's kernels into a Hugging Face Llama (or Mistral, Qwen2, Qwen3); returns a handle whose
     ``undo()`` restores the model. What each kernel changes: the module docstring.
@@ -853,6 +857,8 @@ def patch_llama(
       ``model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})``, and patch the
       eager model, not a compiled one. Their cost in step time and the length they reach are measured by
       ``python -m kernels.training.long_context`` (results in ``assets/results/long_context/``).
+    * ``attention`` (our FlashAttention, packed rows without cross-example attention; ``kernels.hf.attention``) is
+      on by default only where ``attention_choice`` finds it measured no slower than SDPA on this GPU.
     * ``linear_cross_entropy`` stays off: it is the memory switch, for long sequences. It was level at 2,048 tokens
       with every kernel on (7,846 against 7,826 tokens/s: every logit is kept) and, with RMSNorm and checkpointing,
       0.16% slower at 8,192 (1,412.1 against 1,409.8 ms per step), where it recomputes a quarter of a matmul's logits
@@ -865,11 +871,15 @@ def patch_llama(
         raise TypeError(f"inplace_logits must be True or False, got {inplace_logits!r}")
     switches = dict(rms_norm=rms_norm, cross_entropy=cross_entropy, linear_cross_entropy=linear_cross_entropy,
                     swiglu=swiglu, rope=rope, additive_mask=additive_mask, skip_causal_mask=skip_causal_mask,
-                    tiled_mlp=tiled_mlp, offload_checkpoints=offload_checkpoints, lora=lora)
+                    tiled_mlp=tiled_mlp, offload_checkpoints=offload_checkpoints, lora=lora, attention=attention)
     for name, value in switches.items():
         if value is not None and not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False (or None: as kernels= says), got {value!r}")
     selected = _selection(kernels, switches)
+    # Our attention is a default only where the recorded benchmark of this GPU found it no slower (kernels.hf.attention).
+    attention_default, attention_why = attention_choice()
+    if attention_default and attention is None and isinstance(kernels, str):
+        selected["attention"] = False
     previous = model.__dict__.get("_kernels_patch")
     if previous is not None and previous.active:
         raise RuntimeError("this model is already patched: call .undo() on the handle patch_llama returned first")
@@ -891,6 +901,7 @@ def patch_llama(
         "tiled_mlp": lambda: _tileable_mlps(model),
         "offload_checkpoints": lambda: check_offloadable(model),
         "lora": lambda: check_lora(model),
+        "attention": lambda: check_attention(model),
     }
     found, left_off = {}, {}
     for kernel, check in checks.items():
@@ -906,6 +917,8 @@ def patch_llama(
         reasons = "; ".join(f"{kernel}: {why}" for kernel, why in left_off.items())
         raise TypeError(f"no kernel of patch_llama applies to {name}: {reasons}")
 
+    if "attention" in found:  # its mask function supersedes the two SDPA mask kernels
+        found.pop("additive_mask", None), found.pop("skip_causal_mask", None)
     cross_entropy, linear_cross_entropy = "cross_entropy" in found, "linear_cross_entropy" in found
     additive_mask, skip_causal_mask = "additive_mask" in found, "skip_causal_mask" in found
     head = found.get("linear_cross_entropy")
@@ -946,6 +959,11 @@ def patch_llama(
         patch.mask = "; ".join(what for what, on in (("padding mask: one additive bias per forward", additive_mask),
                                                      ("causal mask: skipped under torch.compile", skip_causal_mask))
                                if on)
+    if "attention" in found:
+        patch._restore_attention = use_flash_attention(model)
+    patch.attention = (("Triton flash_attention, asked for" if selected["attention"] else f"Triton flash_attention, "
+                        f"{attention_why}") if "attention" in found else left_off.get("attention", attention_why)
+                       if "attention" in selected or attention is None else "sdpa (attention=False)")
     if "offload_checkpoints" in found:
         patch.offload = enable_checkpoint_offload(model)
     if "lora" in found:

@@ -1,0 +1,657 @@
+"""FlashAttention-2 in Triton: chapter 05's online softmax over key blocks, forward and backward.
+
+Attention is softmax(q kᵀ · scale) v, one softmax per query row over its keys. Like the cross-entropy's softmax over
+the vocabulary (chapter 05), that row never needs to exist as a whole: a program holds a block of query rows and
+walks the keys one block at a time, keeping per row the running maximum m, the running sum l of exp(s − m), and the
+accumulator acc of exp(s − m)·v. When a new key block raises the maximum, l and acc are rescaled by exp(m_old − m_new)
+before the block's terms are added. At the end out = acc / l, and the forward saves one float32 per row, the
+log-sum-exp lse = m + log l, for the backward.
+
+The backward recomputes each block of probabilities from the saved lse, p = exp(s − lse), instead of keeping the
+[seq, seq] matrix. With dP = dO vᵀ and the preprocess delta = rowsum(dO ∘ O) (= rowsum(p ∘ dP)), the softmax's
+gradient is dS = p ∘ (dP − delta), and
+
+    dV = pᵀ dO,      dK = scale · dSᵀ q,      dQ = scale · dS k.
+
+Two kernels compute them without atomics: one program per key block accumulates dK and dV over every query block
+(and, for grouped-query attention, over every query head of its KV head); one program per query block accumulates dQ
+over every key block, as the forward does.
+
+Layout: SDPA's [batch, heads, seq, head_dim], read through strides (Llama's q, k and v are transposed views of
+[batch, seq, heads, head_dim] projections and are not copied). Grouped-query attention (GQA): q has a multiple of k's
+heads, and query head h reads KV head h // (heads / kv_heads); K and V are never repeated in memory.
+
+Packed documents: with ``cu_seqlens`` (int32, [n_docs + 1], batch 1) the sequence holds documents
+[cu_seqlens[i], cu_seqlens[i + 1]) and a query attends only to keys of its own document; with ``position_ids``
+([batch, seq]) each row's documents are the runs of consecutive positions. Each token carries its document's first and
+one-past-last position (``segment_bounds``, ``segment_bounds_from_positions``; int32 [batch, seq]); a query block
+walks only the key blocks between the start of its first row's document and the end of its last row's document, and
+a key is masked where its document start differs from the query's. Padding-free SFT batches pack independent
+examples this way.
+
+Arithmetic is float32. On a GPU the matmuls take bf16/fp16 tiles into tensor cores with float32 accumulation (the
+product of two bf16 values is exact in float32, so this is the float32 matmul of the rounded inputs); probabilities
+are rounded to the input dtype for the p·v and pᵀ·dO products, as FlashAttention does. float32 inputs use IEEE float32
+matmuls, not TF32. In Triton's interpreter every tile is upcast to float32 first (its bf16 dot is wrong).
+
+Order: kernels → launch configuration → host launches → operators → autograd → ``flash_attention`` and the float64
+reference ``attention_reference``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import ops, runtime
+
+LOG2E = 1.4426950408889634  # exp(x) = exp2(x · log2 e): the kernels work in base 2, exp2 is the hardware's
+HEAD_DIMS = (16, 32, 64, 128)  # tl.dot needs 16 ≤ head_dim; 16 and 32 keep the interpreter's sizes small
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# --------------------------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tile(ptr, rows, n_rows, stride_row, cols, UPCAST: tl.constexpr):
+    # A [rows, head_dim] tile of a [seq, head_dim] slice; rows past n_rows read as 0. Upcast in the interpreter only.
+    x = tl.load(ptr + rows[:, None].to(tl.int64) * stride_row + cols[None, :], mask=(rows < n_rows)[:, None], other=0.0)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _allowed(rows, cols, n, SEG, CAUSAL: tl.constexpr, PACKED: tl.constexpr):
+    # Which (query row, key column) pairs take part: both in range, key not after the query (causal), both in the same
+    # document (packed: equal document starts).
+    ok = (rows < n)[:, None] & (cols < n)[None, :]
+    if CAUSAL:
+        ok = ok & (cols[None, :] <= rows[:, None])
+    if PACKED:
+        seg_r = tl.load(SEG + rows, mask=rows < n, other=-1)
+        seg_c = tl.load(SEG + cols, mask=cols < n, other=-2)
+        ok = ok & (seg_r[:, None] == seg_c[None, :])
+    return ok
+
+
+@triton.jit
+def _key_range(m0, n, SEG, SEG_END, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               CAUSAL: tl.constexpr, PACKED: tl.constexpr):
+    # The key blocks a query block [m0, m0 + BLOCK_M) can see: from its first row's document start (rounded down to
+    # a block) to its last row's document end, and no further than its last row when causal.
+    lo = 0
+    hi = n
+    last = tl.minimum(m0 + BLOCK_M, n) - 1
+    if PACKED:
+        lo = (tl.load(SEG + m0) // BLOCK_N) * BLOCK_N
+        hi = tl.load(SEG_END + last)
+    if CAUSAL:
+        hi = tl.minimum(hi, last + 1)
+    return lo, hi
+
+
+@triton.jit
+def _query_range(n0, n, SEG, SEG_END, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 CAUSAL: tl.constexpr, PACKED: tl.constexpr):
+    # The query blocks that can see a key block [n0, n0 + BLOCK_N): from the first key's document start (or the
+    # first key itself, causal), rounded down to a block, to the last key's document end.
+    lo = 0
+    hi = n
+    last = tl.minimum(n0 + BLOCK_N, n) - 1
+    if PACKED:
+        lo = tl.load(SEG + n0)
+        hi = tl.load(SEG_END + last)
+    if CAUSAL:
+        lo = tl.maximum(lo, n0)
+    lo = (lo // BLOCK_M) * BLOCK_M
+    return lo, hi
+
+
+@triton.jit
+def _unmasked_end(m0, n, lo, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PACKED: tl.constexpr):
+    # Where a query block's key walk needs its mask: every key block before the returned position is wholly
+    # visible to every row (in range, and before the block's first row when causal), so it skips the mask's
+    # compares and selects. Packed documents can end anywhere: everything is masked there.
+    if PACKED:
+        return lo
+    elif CAUSAL:
+        return m0  # a multiple of BLOCK_N (attention_config keeps BLOCK_M a multiple of BLOCK_N)
+    else:
+        return (n // BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def _fwd_blocks(q, k_base, v_base, rows, start, end, n, sk_s, sv_s, cols_d, SEG, qk_scale, m_i, l_i, acc,
+                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, PACKED: tl.constexpr,
+                UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    # The online softmax over key blocks start, start + BLOCK_N, ... < end: the forward's inner loop.
+    for n0 in range(start, end, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        k = _tile(k_base, cols, n, sk_s, cols_d, UPCAST)
+        v = _tile(v_base, cols, n, sv_s, cols_d, UPCAST)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if MASKED:
+            s = tl.where(_allowed(rows, cols, n, SEG, CAUSAL, PACKED), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)  # rescale what was summed under the old maximum
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, OUT, LSE, SEG, SEG_END,
+    sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_s,
+    n, qk_scale, n_heads,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, PACKED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # One program: BLOCK_M query rows of one (batch, head). qk_scale = scale · log2 e (exp2 below).
+    m0 = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // n_heads
+    h = bh % n_heads
+    hk = h // GROUP  # GQA: the KV head this query head reads
+    SEG += b * n  # this row's document bounds (read only when PACKED)
+    SEG_END += b * n
+    rows = m0 + tl.arange(0, BLOCK_M)
+    cols_d = tl.arange(0, D)
+    q = _tile(Q + b * sq_b + h * sq_h, rows, n, sq_s, cols_d, UPCAST)
+    k_base = K + b * sk_b + hk * sk_h
+    v_base = V + b * sv_b + hk * sv_h
+
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a fully masked block leaves exp2(m_old − m_new) = 1
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    lo, hi = _key_range(m0, n, SEG, SEG_END, BLOCK_M, BLOCK_N, CAUSAL, PACKED)
+    full = _unmasked_end(m0, n, lo, BLOCK_N, CAUSAL, PACKED)
+    m_i, l_i, acc = _fwd_blocks(q, k_base, v_base, rows, lo, full, n, sk_s, sv_s, cols_d, SEG, qk_scale, m_i, l_i,
+                                acc, BLOCK_N, False, CAUSAL, PACKED, UPCAST, PRECISION)
+    m_i, l_i, acc = _fwd_blocks(q, k_base, v_base, rows, full, hi, n, sk_s, sv_s, cols_d, SEG, qk_scale, m_i, l_i,
+                                acc, BLOCK_N, True, CAUSAL, PACKED, UPCAST, PRECISION)
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)  # rows past n only; every real row sees at least its own key
+    out = acc / l_safe[:, None]
+    ok = rows < n
+    o_at = OUT + b * so_b + h * so_h + rows[:, None].to(tl.int64) * so_s + cols_d[None, :]
+    tl.store(o_at, out.to(OUT.dtype.element_ty), mask=ok[:, None])
+    # lse in natural log: m is in base 2 (scores were multiplied by log2 e).
+    tl.store(LSE + bh * n + rows, (m_i + tl.log2(l_safe)) / 1.4426950408889634, mask=ok)
+
+
+@triton.jit
+def _delta_kernel(OUT, DO, DELTA, so_b, so_h, so_s, sd_b, sd_h, sd_s, n, n_heads,
+                  D: tl.constexpr, BLOCK_M: tl.constexpr):
+    # The backward's preprocess: delta = rowsum(dO ∘ O), one float32 per query row.
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // n_heads
+    h = bh % n_heads
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols_d = tl.arange(0, D)
+    o = _tile(OUT + b * so_b + h * so_h, rows, n, so_s, cols_d, True)
+    do = _tile(DO + b * sd_b + h * sd_h, rows, n, sd_s, cols_d, True)
+    tl.store(DELTA + bh * n + rows, tl.sum(o * do, 1), mask=rows < n)
+
+
+@triton.jit
+def _probabilities(q, k, rows, cols, n, lse2, SEG, qk_scale, CAUSAL: tl.constexpr, PACKED: tl.constexpr,
+                   PRECISION: tl.constexpr, MASKED: tl.constexpr = True):
+    # p = exp(s − lse) for a [BLOCK_M, BLOCK_N] tile, recomputed from the saved log-sum-exp (lse2 is in base 2).
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if MASKED:
+        s = tl.where(_allowed(rows, cols, n, SEG, CAUSAL, PACKED), s, float("-inf"))
+    return tl.exp2(s - lse2[:, None])
+
+
+@triton.jit
+def _dq_blocks(q, do, k_base, v_base, rows, start, end, n, sk_s, sv_s, cols_d, lse2, delta, SEG, qk_scale, dq,
+               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, PACKED: tl.constexpr,
+               UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    # dQ += dS · K over key blocks start, start + BLOCK_N, ... < end: the dQ kernel's inner loop.
+    for n0 in range(start, end, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        k = _tile(k_base, cols, n, sk_s, cols_d, UPCAST)
+        v = _tile(v_base, cols, n, sv_s, cols_d, UPCAST)
+        p = _probabilities(q, k, rows, cols, n, lse2, SEG, qk_scale, CAUSAL, PACKED, PRECISION, MASKED)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    return dq
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, SEG, SEG_END,
+    sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sd_b, sd_h, sd_s,
+    sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s,
+    n, qk_scale, scale, n_kv_heads,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, PACKED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # One program: BLOCK_N keys of one (batch, KV head); dK and dV summed over every query head of the group and every
+    # query block that sees them.
+    n0 = tl.program_id(0) * BLOCK_N
+    bhk = tl.program_id(1).to(tl.int64)
+    b = bhk // n_kv_heads
+    hk = bhk % n_kv_heads
+    SEG += b * n
+    SEG_END += b * n
+    cols = n0 + tl.arange(0, BLOCK_N)
+    cols_d = tl.arange(0, D)
+    k = _tile(K + b * sk_b + hk * sk_h, cols, n, sk_s, cols_d, UPCAST)
+    v = _tile(V + b * sv_b + hk * sv_h, cols, n, sv_s, cols_d, UPCAST)
+    dk = tl.zeros([BLOCK_N, D], tl.float32)
+    dv = tl.zeros([BLOCK_N, D], tl.float32)
+    lo, hi = _query_range(n0, n, SEG, SEG_END, BLOCK_M, BLOCK_N, CAUSAL, PACKED)
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        bh = b * (n_kv_heads * GROUP) + h
+        q_base = Q + b * sq_b + h * sq_h
+        do_base = DO + b * sd_b + h * sd_h
+        for m0 in range(lo, hi, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            q = _tile(q_base, rows, n, sq_s, cols_d, UPCAST)
+            do = _tile(do_base, rows, n, sd_s, cols_d, UPCAST)
+            lse2 = tl.load(LSE + bh * n + rows, mask=rows < n, other=0.0) * 1.4426950408889634
+            delta = tl.load(DELTA + bh * n + rows, mask=rows < n, other=0.0)
+            p = _probabilities(q, k, rows, cols, n, lse2, SEG, qk_scale, CAUSAL, PACKED, PRECISION)
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+            ds = p * (dp - delta[:, None])
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+    ok = (cols < n)[:, None]
+    tl.store(DK + b * sdk_b + hk * sdk_h + cols[:, None].to(tl.int64) * sdk_s + cols_d[None, :],
+             (dk * scale).to(DK.dtype.element_ty), mask=ok)
+    tl.store(DV + b * sdv_b + hk * sdv_h + cols[:, None].to(tl.int64) * sdv_s + cols_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, SEG, SEG_END,
+    sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sd_b, sd_h, sd_s, sdq_b, sdq_h, sdq_s,
+    n, qk_scale, scale, n_heads,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, PACKED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # One program: BLOCK_M query rows of one (batch, head), dQ summed over the key blocks they see (the forward's walk).
+    m0 = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // n_heads
+    h = bh % n_heads
+    hk = h // GROUP
+    SEG += b * n
+    SEG_END += b * n
+    rows = m0 + tl.arange(0, BLOCK_M)
+    cols_d = tl.arange(0, D)
+    q = _tile(Q + b * sq_b + h * sq_h, rows, n, sq_s, cols_d, UPCAST)
+    do = _tile(DO + b * sd_b + h * sd_h, rows, n, sd_s, cols_d, UPCAST)
+    lse2 = tl.load(LSE + bh * n + rows, mask=rows < n, other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + bh * n + rows, mask=rows < n, other=0.0)
+    k_base = K + b * sk_b + hk * sk_h
+    v_base = V + b * sv_b + hk * sv_h
+    dq = tl.zeros([BLOCK_M, D], tl.float32)
+    lo, hi = _key_range(m0, n, SEG, SEG_END, BLOCK_M, BLOCK_N, CAUSAL, PACKED)
+    full = _unmasked_end(m0, n, lo, BLOCK_N, CAUSAL, PACKED)
+    dq = _dq_blocks(q, do, k_base, v_base, rows, lo, full, n, sk_s, sv_s, cols_d, lse2, delta, SEG, qk_scale, dq,
+                    BLOCK_N, False, CAUSAL, PACKED, UPCAST, PRECISION)
+    dq = _dq_blocks(q, do, k_base, v_base, rows, full, hi, n, sk_s, sv_s, cols_d, lse2, delta, SEG, qk_scale, dq,
+                    BLOCK_N, True, CAUSAL, PACKED, UPCAST, PRECISION)
+    tl.store(DQ + b * sdq_b + h * sdq_h + rows[:, None].to(tl.int64) * sdq_s + cols_d[None, :],
+             (dq * scale).to(DQ.dtype.element_ty), mask=(rows < n)[:, None])
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Launch configuration
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BlockConfig:
+    block_m: int  # query rows per tile
+    block_n: int  # keys per tile
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class Config:
+    forward: BlockConfig
+    dkdv: BlockConfig  # the backward's key-block kernel
+    dq: BlockConfig  # the backward's query-block kernel
+    delta_rows: int  # rows per program of the rowsum(dO ∘ O) preprocess
+
+
+_INTERPRETER_BLOCK = 128  # the interpreter pays per program, not per element: big tiles keep launches few
+
+
+def attention_config(seq: int, head_dim: int, props: runtime.DeviceProps | None = None) -> Config:
+    """Block sizes of the forward and both backward kernels for a sequence of ``seq`` tokens and ``head_dim``."""
+    return _attention_config(seq, head_dim, props or runtime.device_props())
+
+
+@functools.lru_cache(maxsize=256)
+def _attention_config(seq: int, head_dim: int, props: runtime.DeviceProps) -> Config:
+    if props.interpreter:
+        block = min(_INTERPRETER_BLOCK, max(16, triton.next_power_of_2(max(seq, 1))))
+        one = BlockConfig(block, block, 4, 1)
+        return Config(one, one, one, block)
+    # Hopper-sized tiles, not autotuned: FlashAttention-2's forward shape (128 query rows, 64 keys, 8 warps, 3
+    # stages of K/V prefetch). The backward holds two [BLOCK, head_dim] float32 accumulators (dK and dV) besides its
+    # recomputed [BLOCK_M, BLOCK_N] tiles, so its tiles are smaller. Measured timings go to assets/notes/attention.md.
+    wide = head_dim > 64
+    forward = BlockConfig(128, 64 if wide else 128, 8 if wide else 4, 3)
+    dkdv = BlockConfig(64, 64, 8 if wide else 4, 2)
+    dq = BlockConfig(64, 64, 8 if wide else 4, 2)
+    config = Config(forward, dkdv, dq, 64)
+    # The query kernels' mask-free walk ends at the query block's first row: a whole number of key blocks.
+    assert forward.block_m % forward.block_n == 0 and dq.block_m % dq.block_n == 0, config
+    return config
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Host side: launches
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def segment_bounds(cu_seqlens: torch.Tensor, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's document start and end (int32, [1, seq] each) for documents ``cu_seqlens`` (no host sync)."""
+    cu = cu_seqlens.to(torch.int64)
+    pos = torch.arange(seq, device=cu.device)
+    doc = torch.searchsorted(cu[1:], pos, right=True)
+    return cu[doc].to(torch.int32)[None], cu[doc + 1].to(torch.int32)[None]
+
+
+def segment_bounds_from_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's document start and end (int32, [batch, seq] each) where documents are the runs of consecutive
+    position ids (0, 1, 2, 0, 1, ... : a new document wherever a position is not the previous one plus 1, as
+    ``DataCollatorWithFlattening`` writes them). Tensor operations only: no host sync, traceable."""
+    batch, seq = position_ids.shape
+    idx = torch.arange(seq, device=position_ids.device).expand(batch, seq)
+    new = torch.ones(batch, seq, dtype=torch.bool, device=position_ids.device)
+    new[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    start = torch.where(new, idx, 0).cummax(dim=1).values
+    # The end of i's document is the next document's start after i (or seq): a running minimum from the right.
+    later_starts = torch.cat([torch.where(new, idx, seq)[:, 1:], idx.new_full((batch, 1), seq)], dim=1)
+    end = later_starts.flip(1).cummin(dim=1).values.flip(1)
+    return start.to(torch.int32).contiguous(), end.to(torch.int32).contiguous()
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    # Columns must be adjacent (the kernels add a column index to a row's address); any other stride is read as is.
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # float32 tiles (float32 inputs, and every tile in the interpreter, which upcasts): IEEE float32 matmuls, since
+    # TF32 would leave ~1e-3 errors. bf16/fp16 tiles on a GPU ignore the choice.
+    return "ieee" if dtype == torch.float32 or runtime.INTERPRET else "tf32"
+
+
+def _seg_args(seg_start, seg_end, like: torch.Tensor):
+    if seg_start is None:
+        dummy = torch.zeros(1, dtype=torch.int32, device=like.device)
+        return dummy, dummy, False
+    return seg_start, seg_end, True
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def attention_forward(q, k, v, causal: bool, scale: float, seg_start=None, seg_end=None,
+                      config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward: ``(out, lse)``, out [batch, heads, seq, head_dim] (memory in [batch, seq, heads, head_dim]
+    order, so Hugging Face's transpose back is free), lse float32 [batch, heads, seq] in natural log."""
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    batch, heads, seq, head_dim = q.shape
+    out = torch.empty(batch, seq, heads, head_dim, dtype=q.dtype, device=q.device).transpose(1, 2)
+    lse = torch.empty(batch, heads, seq, dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    cfg = (config or attention_config(seq, head_dim, runtime.device_props(q.device))).forward
+    seg, seg_e, packed = _seg_args(seg_start, seg_end, q)
+    grid = (triton.cdiv(seq, cfg.block_m), batch * heads)
+    _fwd_kernel[grid](
+        q, k, v, out, lse, seg, seg_e, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
+        seq, scale * LOG2E, heads,
+        GROUP=heads // k.shape[1], D=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
+        PACKED=packed, UPCAST=runtime.INTERPRET, PRECISION=_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, lse
+
+
+def attention_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float, seg_start=None, seg_end=None,
+                       config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the backward: ``(dq, dk, dv)`` in the layouts of q, k and v (dense ones are kept)."""
+    q, k, v, grad_out = _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(grad_out)
+    batch, heads, seq, head_dim = q.shape
+    kv_heads = k.shape[1]
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if q.numel() == 0:
+        return dq, dk.zero_(), dv.zero_()
+    cfg = config or attention_config(seq, head_dim, runtime.device_props(q.device))
+    seg, seg_e, packed = _seg_args(seg_start, seg_end, q)
+    delta = torch.empty(batch, heads, seq, dtype=torch.float32, device=q.device)
+    _delta_kernel[(triton.cdiv(seq, cfg.delta_rows), batch * heads)](
+        out, grad_out, delta, *_strides(out), *_strides(grad_out), seq, heads, D=head_dim, BLOCK_M=cfg.delta_rows,
+    )
+    common = dict(GROUP=heads // kv_heads, D=head_dim, CAUSAL=causal, PACKED=packed, UPCAST=runtime.INTERPRET,
+                  PRECISION=_precision(q.dtype))
+    c = cfg.dkdv
+    _bwd_dkdv_kernel[(triton.cdiv(seq, c.block_n), batch * kv_heads)](
+        q, k, v, grad_out, lse, delta, dk, dv, seg, seg_e,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(grad_out), *_strides(dk), *_strides(dv),
+        seq, scale * LOG2E, scale, kv_heads,
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **common,
+    )
+    c = cfg.dq
+    _bwd_dq_kernel[(triton.cdiv(seq, c.block_m), batch * heads)](
+        q, k, v, grad_out, lse, delta, dq, seg, seg_e,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(grad_out), *_strides(dq),
+        seq, scale * LOG2E, scale, heads,
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **common,
+    )
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Operators
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _fwd_impl(q, k, v, causal, scale, seg_start, seg_end):
+    return attention_forward(q, k, v, causal, scale, seg_start, seg_end)
+
+
+def _fwd_fake(q, k, v, causal, scale, seg_start, seg_end):
+    batch, heads, seq, head_dim = q.shape
+    out = q.new_empty(batch, seq, heads, head_dim).transpose(1, 2)
+    return out, q.new_empty(batch, heads, seq, dtype=torch.float32)
+
+
+def _bwd_impl(grad_out, q, k, v, out, lse, causal, scale, seg_start, seg_end):
+    return attention_backward(grad_out, q, k, v, out, lse, causal, scale, seg_start, seg_end)
+
+
+def _bwd_fake(grad_out, q, k, v, out, lse, causal, scale, seg_start, seg_end):
+    return torch.empty_like(_unit_last(q)), torch.empty_like(_unit_last(k)), torch.empty_like(_unit_last(v))
+
+
+flash_attention_fwd = ops.define(
+    "flash_attention_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale, Tensor? seg_start, "
+    "Tensor? seg_end) -> (Tensor, Tensor)",
+    _fwd_impl, _fwd_fake,
+)
+flash_attention_bwd = ops.define(
+    "flash_attention_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, "
+    "float scale, Tensor? seg_start, Tensor? seg_end) -> (Tensor, Tensor, Tensor)",
+    _bwd_impl, _bwd_fake,
+)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Autograd and the functional form
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class FlashAttentionFunction(torch.autograd.Function):
+    """Attention forward and backward as two operators; saves q, k, v, the output and the log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal: bool, scale: float, seg_start, seg_end):
+        out, lse = ops.call(flash_attention_fwd, q, k, v, causal, scale, seg_start, seg_end)
+        ctx.save_for_backward(q, k, v, out, lse, seg_start, seg_end)
+        ctx.causal, ctx.scale = causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, seg_start, seg_end = ctx.saved_tensors
+        dq, dk, dv = ops.call(flash_attention_bwd, grad_out, q, k, v, out, lse, ctx.causal, ctx.scale,
+                              seg_start, seg_end)
+        return dq, dk, dv, None, None, None, None
+
+
+def _check_tensor(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.dtype not in DTYPES:
+        hint = ("cast it to float32 (or use torch.nn.functional.scaled_dot_product_attention for float64)"
+                if t.dtype == torch.float64 else "expected float32, bfloat16 or float16")
+        raise TypeError(f"{name} has dtype {t.dtype}, which the attention kernels do not take: {hint}")
+    if t.dim() != 4:
+        raise ValueError(f"{name} must be 4-D [batch, heads, seq, head_dim] (SDPA's layout), got {tuple(t.shape)}")
+
+
+def check_inputs(q, k, v, causal, scale, cu_seqlens) -> None:
+    """Raise a ``TypeError``/``ValueError`` naming the argument for anything ``flash_attention`` does not take."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must have one dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
+    batch, heads, seq, head_dim = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    kv_batch, kv_heads, kv_seq, kv_dim = k.shape
+    if kv_batch != batch or kv_seq != seq or kv_dim != head_dim:
+        raise ValueError(f"k and v must be [batch={batch}, kv_heads, seq={seq}, head_dim={head_dim}] like q "
+                         f"{tuple(q.shape)} (self-attention: one sequence length), got {tuple(k.shape)}")
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"q's heads ({heads}) must be a multiple of k's and v's heads ({kv_heads}) "
+                         "(grouped-query attention)")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not math.isfinite(scale)):
+        raise TypeError(f"scale must be a finite float or None (1/sqrt(head_dim)), got {scale!r}")
+    devices = {t.device for t in (q, k, v)}
+    if len(devices) > 1:
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device} and {v.device}")
+    if not runtime.INTERPRET and q.device.type != "cuda":
+        raise ValueError(f"in gpu mode q, k and v must be CUDA tensors, got tensors on {q.device}")
+    if cu_seqlens is None:
+        return
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
+        got = (f"{cu_seqlens.dtype} tensor of shape {tuple(cu_seqlens.shape)}" if isinstance(cu_seqlens, torch.Tensor)
+               else type(cu_seqlens).__name__)
+        raise TypeError(f"cu_seqlens must be a 1-D int32 tensor [n_docs + 1], got {got}")
+    if cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must hold at least two offsets [0, ..., seq], got {cu_seqlens.numel()}")
+    if batch != 1:
+        raise ValueError(f"cu_seqlens packs documents along one row: q's batch must be 1, got {batch}")
+    if cu_seqlens.device != q.device:
+        raise ValueError(f"cu_seqlens must be on q's device {q.device}, got {cu_seqlens.device}")
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor, seq: int) -> None:
+    """The values of ``cu_seqlens``: 0 first, ``seq`` last, never decreasing. Reads them to the host (a sync)."""
+    values = cu_seqlens.tolist()
+    if values[0] != 0 or values[-1] != seq or any(b < a for a, b in zip(values, values[1:])):
+        shown = values if len(values) <= 12 else values[:6] + ["..."] + values[-6:]
+        raise ValueError(f"cu_seqlens must rise from 0 to seq={seq} (document offsets), got {shown}")
+
+
+def _check_position_ids(position_ids, q, cu_seqlens) -> None:
+    if cu_seqlens is not None:
+        raise ValueError("give cu_seqlens or position_ids, not both")
+    if not isinstance(position_ids, torch.Tensor) or position_ids.is_floating_point() or position_ids.is_complex():
+        got = position_ids.dtype if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
+        raise TypeError(f"position_ids must be an integer tensor [batch, seq], got {got}")
+    batch, seq = q.shape[0], q.shape[2]
+    if position_ids.dim() != 2 or position_ids.shape[1] != seq or position_ids.shape[0] not in (1, batch):
+        raise ValueError(f"position_ids must be [batch={batch} (or 1), seq={seq}], got {tuple(position_ids.shape)}")
+    if position_ids.device != q.device:
+        raise ValueError(f"position_ids must be on q's device {q.device}, got {position_ids.device}")
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                    scale: float | None = None, cu_seqlens: torch.Tensor | None = None, *,
+                    position_ids: torch.Tensor | None = None, check_cu_seqlens_values: bool = True) -> torch.Tensor:
+    """softmax(q kᵀ · scale [+ causal mask]) v, like ``F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+    scale=scale, enable_gqa=True)``, differentiable in q, k and v.
+
+    q is [batch, heads, seq, head_dim], k and v [batch, kv_heads, seq, head_dim] with heads a multiple of kv_heads
+    (grouped-query attention, K and V not repeated); head_dim one of 16, 32, 64, 128; float32, bfloat16 or float16.
+    Any strides with unit stride along head_dim are read in place (others are copied). ``scale`` defaults to
+    1/sqrt(head_dim).
+
+    ``cu_seqlens`` (int32 [n_docs + 1], batch 1): documents packed along the sequence; no query attends across a
+    document boundary. Its values are checked on the host (one synchronisation) unless
+    ``check_cu_seqlens_values=False``, for callers that built it themselves (the Hugging Face patch does), and
+    never while ``torch.compile`` traces.
+
+    ``position_ids`` (integer, [batch, seq]; instead of ``cu_seqlens``): documents are the runs of consecutive
+    positions in each row, a new one wherever the positions restart (``segment_bounds_from_positions``).
+    """
+    check_inputs(q, k, v, causal, scale, cu_seqlens)
+    seq, head_dim = q.shape[2], q.shape[3]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    seg_start = seg_end = None
+    if position_ids is not None:
+        _check_position_ids(position_ids, q, cu_seqlens)
+        seg_start, seg_end = segment_bounds_from_positions(position_ids.expand(q.shape[0], seq))
+    if cu_seqlens is not None:
+        if check_cu_seqlens_values and not torch.compiler.is_compiling():
+            check_cu_seqlens(cu_seqlens, seq)
+        seg_start, seg_end = segment_bounds(cu_seqlens, seq)
+    return FlashAttentionFunction.apply(q, k, v, causal, scale, seg_start, seg_end)
+
+
+def document_mask(cu_seqlens: torch.Tensor, seq: int, causal: bool = True) -> torch.Tensor:
+    """The boolean [seq, seq] mask ``flash_attention`` applies (True: the query row may attend to the key column)."""
+    if cu_seqlens is None:
+        allowed = torch.ones(seq, seq, dtype=torch.bool)
+    else:
+        start = segment_bounds(cu_seqlens.cpu(), seq)[0][0]
+        allowed = start[:, None] == start[None, :]
+    if causal:
+        allowed = allowed & torch.ones(seq, seq, dtype=torch.bool).tril()
+    return allowed
+
+
+def attention_reference(q, k, v, causal: bool = True, scale: float | None = None,
+                        cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain PyTorch attention in the inputs' dtype (float64 for tests), K and V repeated for GQA, the mask
+    materialised: what ``flash_attention`` must equal."""
+    heads, kv_heads, seq, head_dim = q.shape[1], k.shape[1], q.shape[2], q.shape[3]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    k = k.repeat_interleave(heads // kv_heads, dim=1)
+    v = v.repeat_interleave(heads // kv_heads, dim=1)
+    s = (q @ k.transpose(-1, -2)) * scale
+    s = s.masked_fill(~document_mask(cu_seqlens, seq, causal).to(s.device), float("-inf"))
+    return torch.softmax(s, dim=-1) @ v

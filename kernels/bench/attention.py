@@ -1,0 +1,299 @@
+"""Attention forward + backward: ours against SDPA (flash, cuDNN), compiled flex_attention, and packed documents.
+
+``python -m kernels.bench.attention`` measures, at Llama-3.1-8B's attention (32 query heads, 8 KV heads, head dim
+128, bf16, causal) with 16,384 tokens per batch (batch = 16,384 / seq) at seq 2,048, 8,192 and 32,768
+(``--seqs`` adds 131,072):
+
+* dense causal attention: ours (``kernels.flash_attention``), SDPA's flash kernel (FlashAttention-2), SDPA's cuDNN
+  kernel, and ``flex_attention`` compiled with a causal ``BlockMask``;
+* packed documents of 1,024 tokens: ours with restarting position ids against ``flex_attention`` with a document
+  ``BlockMask``.
+
+Times are ``triton.testing.do_bench`` medians of forward + backward (the gradients of q, k and v). TFLOP/s counts a
+causal forward as 2·2·B·H·S²·D / 2 and the backward as 2.5× that (so forward + backward is 3.5×); for documents
+the same count over each document's own causal square. The share of the bf16 matmul ceiling is of the rate measured
+in the same run (an 8,192³ matmul, as chapter 00 measures it). Each peer's output and gradients are checked against
+ours before timing (bf16 relative error). A peer that has no kernel for the case is recorded as missing, with why.
+
+Results go to ``runs/attention/<gpu>.json``; ``--record`` writes ``assets/results/attention/<gpu>.json`` instead,
+the file ``kernels.hf.attention.attention_choice`` reads to decide ``patch_llama``'s default attention. In the
+interpreter the command runs tiny shapes and SDPA's math kernel only (timings there mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kernels import runtime
+from kernels.attention import flash_attention
+from kernels.reference import relative_error
+from kernels.tolerances import RELATIVE_ERROR_TOL
+
+from .results import RESULTS, device_slug, first_line, results_file
+from .timing import time_ms
+
+RUNS = RESULTS.parents[1] / "runs"
+GPU_SHAPE = dict(heads=32, kv_heads=8, head_dim=128, tokens=16384, seqs=(2048, 8192, 32768), doc=1024)
+CPU_SHAPE = dict(heads=2, kv_heads=1, head_dim=32, tokens=128, seqs=(64, 128), doc=32)
+BACKWARD_FACTOR = 2.5
+
+
+def causal_flops(batch: int, heads: int, seq: int, head_dim: int) -> float:
+    """Forward + backward FLOPs of causal attention as counted here: 2·2·B·H·S²·D/2 forward, 2.5× that backward."""
+    return 2 * 2 * batch * heads * seq * seq * head_dim / 2 * (1 + BACKWARD_FACTOR)
+
+
+def _inputs(batch, heads, kv_heads, seq, head_dim, dtype, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    dev = runtime.device()
+
+    def draw(h):
+        return torch.randn(batch, h, seq, head_dim, generator=g).to(dev, dtype).requires_grad_(True)
+
+    q, k, v = draw(heads), draw(kv_heads), draw(kv_heads)
+    return q, k, v, torch.randn(batch, heads, seq, head_dim, generator=g).to(dev, dtype)
+
+
+def _sdpa(backend):
+    """SDPA forced to one backend, K and V shared by the query heads (``enable_gqa``). A backend without a GQA kernel
+    gets K and V repeated inside the timed call (the copy is part of what using it costs)."""
+    from torch.nn.attention import sdpa_kernel
+
+    def gqa(q, k, v):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    def repeated(q, k, v):
+        group = q.shape[1] // k.shape[1]
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+                                                  is_causal=True)
+
+    def run(q, k, v):
+        if run.repeat:
+            return repeated(q, k, v)
+        try:
+            return gqa(q, k, v)
+        except RuntimeError:
+            run.repeat = True
+            return repeated(q, k, v)
+    run.repeat = False
+    return run
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex(mask_mod_for: Callable):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def make(batch, heads, seq):
+        block_mask = create_block_mask(mask_mod_for(seq), None, None, seq, seq, device=runtime.device())
+        return lambda q, k, v: _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=True)
+    return make
+
+
+def _causal(seq):
+    return lambda b, h, qi, ki: qi >= ki
+
+
+def _documents(doc):
+    def mask_for(seq):
+        return lambda b, h, qi, ki: (qi >= ki) & (qi // doc == ki // doc)
+    return mask_for
+
+
+def dense_peers() -> dict[str, Callable]:
+    """Name → factory(batch, heads, seq) of a function (q, k, v) → out, for dense causal attention."""
+    if runtime.MODE != "gpu":
+        from torch.nn.attention import SDPBackend
+
+        return {"ours": lambda *s: lambda q, k, v: flash_attention(q, k, v, causal=True),
+                "sdpa_math": lambda *s: _sdpa(SDPBackend.MATH)}
+    from torch.nn.attention import SDPBackend
+
+    return {"ours": lambda *s: lambda q, k, v: flash_attention(q, k, v, causal=True),
+            "sdpa_flash": lambda *s: _sdpa(SDPBackend.FLASH_ATTENTION),
+            "sdpa_cudnn": lambda *s: _sdpa(SDPBackend.CUDNN_ATTENTION),
+            "flex": _flex(_causal)}
+
+
+def document_peers(doc: int) -> dict[str, Callable]:
+    """Name → factory for causal attention within documents of ``doc`` tokens."""
+    def ours(batch, heads, seq):
+        positions = (torch.arange(seq, device=runtime.device()) % doc)[None].expand(batch, seq)
+        return lambda q, k, v: flash_attention(q, k, v, causal=True, position_ids=positions)
+    peers = {"ours_packed": ours}
+    if runtime.MODE == "gpu":
+        peers["flex_documents"] = _flex(_documents(doc))
+    return peers
+
+
+def _fwd_bwd(fn, q, k, v, grad):
+    out = fn(q, k, v)
+    out.backward(grad)
+    return out
+
+
+def _check(fn, reference, q, k, v, grad) -> float:
+    """The worst relative error of fn's output and gradients against ``reference`` (ours): both on one input."""
+    results = []
+    for f in (fn, reference):
+        for t in (q, k, v):
+            t.grad = None
+        out = _fwd_bwd(f, q, k, v, grad)
+        results.append([out.detach()] + [t.grad.detach().clone() for t in (q, k, v)])
+    for t in (q, k, v):
+        t.grad = None
+    return max(relative_error(a, b, on_device=True) for a, b in zip(*results))
+
+
+def measure(peers: dict[str, Callable], batch, heads, kv_heads, seq, head_dim, flops, matmul_tflops) -> dict:
+    """One row: each peer's checked forward + backward time, TFLOP/s and share of the matmul ceiling."""
+    q, k, v, grad = _inputs(batch, heads, kv_heads, seq, head_dim, torch.bfloat16 if runtime.MODE == "gpu"
+                            else torch.float32)
+    row = {"seq": seq, "batch": batch, "ms": {}, "tflops": {}, "of_matmul": {}, "error": {}, "missing": {}}
+    fns = {}
+    for name, factory in peers.items():
+        try:
+            fns[name] = factory(batch, heads, seq)
+        except Exception as exc:  # noqa: BLE001  (a peer without a kernel for this case is recorded, not fatal)
+            row["missing"][name] = first_line(exc)
+    reference = next(iter(fns.values()))
+    tol = RELATIVE_ERROR_TOL[q.dtype] * 2  # two bf16 implementations, each within the bound of float64
+    for name, fn in fns.items():
+        try:
+            err = _check(fn, reference, q, k, v, grad) if fn is not reference else 0.0
+            if not err < tol:
+                row["missing"][name] = f"disagrees with ours: relative error {err:.2e}"
+                continue
+            ms = time_ms(lambda fn=fn: _fwd_bwd(fn, q, k, v, grad), grad_to_none=[q, k, v])
+        except Exception as exc:  # noqa: BLE001
+            row["missing"][name] = first_line(exc)
+            continue
+        row["ms"][name], row["error"][name] = ms, err
+        if getattr(fn, "repeat", False):
+            row.setdefault("notes", {})[name] = "no GQA kernel: K and V repeated inside the timed call"
+        row["tflops"][name] = flops / (ms * 1e-3) / 1e12
+        row["of_matmul"][name] = row["tflops"][name] / matmul_tflops if matmul_tflops else None
+    return row
+
+
+def _matmul_tflops() -> float | None:
+    if runtime.MODE != "gpu":
+        return None
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = time_ms(functools.partial(torch.matmul, a, b), warmup=50, rep=200)
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def run(seqs=None, tokens: int | None = None) -> dict:
+    shape = GPU_SHAPE if runtime.MODE == "gpu" else CPU_SHAPE
+    seqs = tuple(seqs or shape["seqs"])
+    heads, kv_heads, d, doc = (shape[k] for k in ("heads", "kv_heads", "head_dim", "doc"))
+    tokens = tokens or shape["tokens"]
+    matmul = _matmul_tflops()
+    result = {"device": runtime.device_name(), "device_slug": device_slug(), "mode": runtime.MODE,
+              "versions": runtime.versions(), "matmul_tflops": matmul,
+              "settings": dict(heads=heads, kv_heads=kv_heads, head_dim=d, tokens_per_batch=tokens, seqs=list(seqs),
+                               document_tokens=doc, dtype="bfloat16" if runtime.MODE == "gpu" else "float32",
+                               causal=True, backward_factor=BACKWARD_FACTOR),
+              "rows": [], "documents": []}
+    for seq in seqs:
+        batch = max(1, tokens // seq)
+        result["rows"].append(measure(dense_peers(), batch, heads, kv_heads, seq, d,
+                                      causal_flops(batch, heads, seq, d), matmul))
+        docs_flops = causal_flops(batch * max(1, seq // doc), heads, min(doc, seq), d)
+        result["documents"].append(measure(document_peers(doc), batch, heads, kv_heads, seq, d, docs_flops, matmul))
+        if runtime.MODE == "gpu":
+            torch.cuda.empty_cache()  # the next length's inputs have other shapes
+    return result
+
+
+def ratios(result: dict) -> list[dict]:
+    """Ours against each peer per length (peer time / our time: above 1 means ours is faster)."""
+    out = []
+    for row, docs in zip(result["rows"], result["documents"]):
+        ms, dms = row["ms"], docs["ms"]
+        entry = {"seq": row["seq"]}
+        for peer in ("sdpa_flash", "sdpa_cudnn", "flex", "sdpa_math"):
+            if peer in ms and "ours" in ms:
+                entry[f"vs_{peer}"] = ms[peer] / ms["ours"]
+        if "flex_documents" in dms and "ours_packed" in dms:
+            entry["packed_vs_flex_documents"] = dms["flex_documents"] / dms["ours_packed"]
+        out.append(entry)
+    return out
+
+
+def format_table(result: dict) -> str:
+    matmul = result.get("matmul_tflops")
+    st = result["settings"]
+    lines = [f"{result['device']}: attention forward + backward, {st['heads']}/{st['kv_heads']} heads, "
+             f"d={st['head_dim']}, {st['tokens_per_batch']:,} tokens per batch, causal"
+             + (f"; bf16 matmul ceiling {matmul:.0f} TFLOP/s" if matmul else "")]
+    for row in result["rows"] + result["documents"]:
+        kind = "documents" if "ours_packed" in row["ms"] or "flex_documents" in row["ms"] else "dense"
+        for name, ms in row["ms"].items():
+            share = f" {row['of_matmul'][name]:6.1%} of matmul" if row["of_matmul"].get(name) else ""
+            lines.append(f"  seq {row['seq']:>7,} {kind:<9} {name:<15}{ms:10.2f} ms {row['tflops'][name]:7.1f} "
+                         f"TFLOP/s{share}")
+        for name, why in row["missing"].items():
+            lines.append(f"  seq {row['seq']:>7,} {kind:<9} {name:<15} missing: {why}")
+    for entry in ratios(result):
+        parts = ", ".join(f"{k} {v:.2f}×" for k, v in entry.items() if k != "seq")
+        lines.append(f"  seq {entry['seq']:>7,}: ours against peers (their time / ours): {parts}")
+    return "\n".join(lines)
+
+
+def load(path: Path | None = None) -> dict | None:
+    """The recorded run of this GPU (else the first recorded one), or None when there is none yet."""
+    folder = RESULTS / "attention"
+    if path is None:
+        candidates = [folder / f"{device_slug()}.json", *sorted(folder.glob("*.json"))]
+        path = next((p for p in candidates if p.exists()), None)
+    return json.loads(path.read_text()) if path is not None and path.exists() else None
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kernels.bench.attention", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seqs", type=int, nargs="+", default=None,
+                        help="sequence lengths (default 2048 8192 32768 on a GPU; 131072 is optional)")
+    parser.add_argument("--tokens", type=int, default=None,
+                        help="tokens per batch (default 16384 on a GPU); batch = tokens / seq, at least 1")
+    parser.add_argument("--record", action="store_true",
+                        help="write assets/results/attention/<gpu>.json (the file patch_llama's default reads)")
+    parser.add_argument("--out", type=Path, default=None, help=f"results root (default {RUNS}; --record: {RESULTS})")
+    args = parser.parse_args(argv)
+    if args.seqs is not None and any(s < 1 for s in args.seqs):
+        parser.error(f"--seqs must be positive, got {args.seqs}")
+    if args.tokens is not None and args.tokens < 1:
+        parser.error(f"--tokens must be positive, got {args.tokens}")
+    root = args.out or (RESULTS if args.record else RUNS)
+    if root.resolve() == RESULTS.resolve() and not args.record:
+        parser.error("writing into assets/results needs --record (the committed results are not replaced by default)")
+    path = results_file("attention", device_slug(), root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    print(runtime.describe())
+    result = run(args.seqs, args.tokens)
+    print(format_table(result))
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print("saved", path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+

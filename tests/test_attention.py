@@ -1,0 +1,299 @@
+"""FlashAttention (kernels/attention.py) against a float64 reference: the output, dQ, dK and dV; causal and not; GQA;
+odd lengths; packed documents (cu_seqlens) including documents of one token; layouts; bad inputs; the operators.
+
+Sizes stay tiny: in Triton's interpreter each program costs milliseconds.
+"""
+
+import math
+
+import pytest
+import strategies
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kernels import runtime
+from kernels.attention import (
+    BlockConfig,
+    Config,
+    attention_backward,
+    attention_config,
+    attention_forward,
+    attention_reference,
+    document_mask,
+    flash_attention,
+    flash_attention_bwd,
+    flash_attention_fwd,
+    segment_bounds,
+    segment_bounds_from_positions,
+)
+from kernels.reference import relative_error
+from kernels.tolerances import RELATIVE_ERROR_TOL
+
+
+def _inputs(gen, device, batch, heads, kv_heads, seq, head_dim, dtype):
+    def draw(h):
+        return torch.randn(batch, h, seq, head_dim, generator=gen).to(device, dtype).requires_grad_(True)
+    return draw(heads), draw(kv_heads), draw(kv_heads)
+
+
+def _check_against_float64(q, k, v, causal, scale=None, cu_seqlens=None, gen=None, leaves=None):
+    """Run ours and the float64 reference forward and backward; every relative error within the dtype's bound."""
+    out = flash_attention(q, k, v, causal=causal, scale=scale, cu_seqlens=cu_seqlens)
+    grad = torch.randn(out.shape, generator=gen).to(out.device, out.dtype)
+    leaves = leaves or (q, k, v)
+    grads = torch.autograd.grad(out, leaves, grad) if out.numel() else [torch.zeros_like(x) for x in leaves]
+    leaves64 = [x.detach().double().requires_grad_(True) for x in leaves]
+    views64 = [x64.as_strided(v.shape, v.stride(), v.storage_offset()) if x is not v else x64
+               for x, x64, v in zip(leaves, leaves64, (q, k, v))]
+    ref = attention_reference(*views64, causal=causal, scale=scale, cu_seqlens=cu_seqlens)
+    ref_grads = (torch.autograd.grad(ref, leaves64, grad.double(), allow_unused=True) if ref.numel()
+                 else [torch.zeros_like(x) for x in leaves64])
+    tol = RELATIVE_ERROR_TOL[q.dtype]
+    assert out.shape == ref.shape and out.dtype == q.dtype
+    for name, a, b in (("out", out, ref), ("dq", grads[0], ref_grads[0]), ("dk", grads[1], ref_grads[1]),
+                       ("dv", grads[2], ref_grads[2])):
+        if b.numel() == 0 or b.abs().max() == 0:
+            # dQ of a row that sees one key is exactly 0 (dP = delta); ours may keep a rounding residue of that
+            # difference, bounded by the sizes it came from.
+            scale = grad.double().norm() * v.double().norm() * k.double().norm()
+            assert a.numel() == 0 or a.double().abs().max() <= tol * scale, name
+            continue
+        err = relative_error(a, b)
+        assert err < tol, f"{name}: relative error {err:.2e} over {tol:.0e}"
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("seq", [1, 77, 130])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 1), (8, 2)])
+def test_matches_float64(device, gen, heads, kv_heads, seq, causal):
+    q, k, v = _inputs(gen, device, 1, heads, kv_heads, seq, 16, torch.float32)
+    _check_against_float64(q, k, v, causal, gen=gen)
+
+
+@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 64), (torch.float16, 32), (torch.float32, 128)])
+def test_dtypes_and_head_dims(device, gen, dtype, head_dim):
+    q, k, v = _inputs(gen, device, 2, 4, 2, 37, head_dim, dtype)
+    _check_against_float64(q, k, v, True, gen=gen)
+
+
+def test_scale_and_large_scores(device, gen):
+    # A scale far from 1/sqrt(d) and scores in the hundreds (exp would overflow float32 past 88): the running maximum
+    # must keep every exp in range. Rounding a score of ~300 to float32 already moves p by ~3e-5, so the gradients
+    # are held to a few times PyTorch's own float32 error on the same inputs (the output keeps the float32 bound).
+    q, k, v = _inputs(gen, device, 1, 2, 2, 50, 16, torch.float32)
+    with torch.no_grad():
+        q.mul_(8)
+    out = flash_attention(q, k, v, causal=False, scale=2.5)
+    grad = torch.randn(out.shape, generator=gen).to(device)
+    ours = (out, *torch.autograd.grad(out, (q, k, v), grad))
+    torch32 = attention_reference(q, k, v, causal=False, scale=2.5)
+    torch32 = (torch32, *torch.autograd.grad(torch32, (q, k, v), grad))
+    leaves64 = [x.detach().double().requires_grad_(True) for x in (q, k, v)]
+    ref = attention_reference(*leaves64, causal=False, scale=2.5)
+    ref = (ref, *torch.autograd.grad(ref, leaves64, grad.double()))
+    assert ours[0].abs().max() > 0 and relative_error(ours[0], ref[0]) < 1e-5
+    for a, t, r in zip(ours, torch32, ref):
+        assert relative_error(a, r) <= max(1e-5, 4 * relative_error(t, r))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_packed_documents(device, gen, causal):
+    # Documents of 1, 39, 1, 49 and 40 tokens, blocks of the interpreter's 128 span several of them.
+    cu = torch.tensor([0, 1, 40, 41, 90, 130], dtype=torch.int32, device=device)
+    q, k, v = _inputs(gen, device, 1, 8, 2, 130, 16, torch.float32)
+    _check_against_float64(q, k, v, causal, cu_seqlens=cu, gen=gen)
+
+
+def test_packed_equals_documents_one_by_one(device, gen):
+    # Each document's rows of the packed output and gradients are those of the document attended alone.
+    lengths = [5, 1, 30, 1, 12]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    q, k, v = _inputs(gen, device, 1, 4, 2, sum(lengths), 32, torch.float32)
+    out = flash_attention(q, k, v, cu_seqlens=cu)
+    grad = torch.randn(out.shape, generator=gen).to(device)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        part = [x.detach()[:, :, a:b].clone().requires_grad_(True) for x in (q, k, v)]
+        alone = flash_attention(*part)
+        grads = torch.autograd.grad(alone, part, grad[:, :, a:b])
+        assert relative_error(out[:, :, a:b], alone) < 1e-6
+        for name, whole, piece in zip(("dq", "dk", "dv"), (dq, dk, dv), grads):
+            if b - a == 1 and name in ("dq", "dk"):
+                # A softmax over one key is constant: dQ and dK are 0 up to the rounding of dP − delta, in both runs.
+                assert whole[:, :, a:b].abs().max() < 1e-5 and piece.abs().max() < 1e-5
+            else:
+                assert relative_error(whole[:, :, a:b], piece) < 1e-6, name
+
+
+def test_document_mask(device):
+    cu = torch.tensor([0, 2, 3], dtype=torch.int32)
+    expected = torch.tensor([[1, 0, 0], [1, 1, 0], [0, 0, 1]], dtype=torch.bool)
+    assert torch.equal(document_mask(cu, 3, causal=True), expected)
+    start, end = segment_bounds(cu, 3)
+    assert start.tolist() == [[0, 0, 2]] and end.tolist() == [[2, 2, 3]]
+    positions = torch.tensor([[0, 1, 0, 0, 1, 2], [5, 6, 7, 8, 9, 10]])
+    start, end = segment_bounds_from_positions(positions)
+    assert start.tolist() == [[0, 0, 2, 3, 3, 3], [0] * 6] and end.tolist() == [[2, 2, 3, 6, 6, 6], [6] * 6]
+
+
+def test_position_ids_pack_each_row(device, gen):
+    # Two rows, each packed differently by restarting positions; the same as cu_seqlens row by row.
+    q, k, v = _inputs(gen, device, 2, 4, 2, 30, 16, torch.float32)
+    positions = torch.cat([torch.arange(10), torch.arange(1), torch.arange(19)]).expand(2, 30).clone()
+    positions[1] = torch.cat([torch.arange(25), torch.arange(5)])
+    out = flash_attention(q, k, v, position_ids=positions.to(device))
+    for row, cu in ((0, [0, 10, 11, 30]), (1, [0, 25, 30])):
+        cu = torch.tensor(cu, dtype=torch.int32, device=device)
+        ref = attention_reference(*(x.detach()[row:row + 1].double() for x in (q, k, v)), cu_seqlens=cu)
+        assert relative_error(out[row:row + 1], ref) < 1e-5
+
+
+def test_matches_sdpa(device, gen):
+    q, k, v = _inputs(gen, device, 2, 6, 3, 45, 32, torch.float32)
+    ours = flash_attention(q, k, v, causal=True)
+    theirs = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert relative_error(ours, theirs) < 1e-5
+
+
+def test_llama_layout_is_read_in_place(device, gen):
+    # Llama's q, k and v are [batch, heads, seq, d] views of [batch, seq, heads, d] projections.
+    b, s, h, hk, d = 2, 33, 4, 2, 16
+    q = torch.randn(b, s, h, d, generator=gen).to(device).transpose(1, 2).requires_grad_(True)
+    k = torch.randn(b, s, hk, d, generator=gen).to(device).transpose(1, 2).requires_grad_(True)
+    v = torch.randn(b, s, hk, d, generator=gen).to(device).transpose(1, 2).requires_grad_(True)
+    _check_against_float64(q, k, v, True, gen=gen)
+    out = flash_attention(q, k, v)
+    assert out.transpose(1, 2).is_contiguous()  # Hugging Face transposes it back: no copy
+
+
+@given(data=st.data())
+def test_any_shape_dtype_layout(data):
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    dtype = data.draw(strategies.kernel_dtypes())
+    kv_heads = data.draw(st.integers(1, 2))
+    heads = kv_heads * data.draw(st.sampled_from([1, 2, 3]))
+    batch = data.draw(st.integers(1, 2))
+    seq = data.draw(strategies.sizes(40))
+    head_dim = data.draw(st.sampled_from([16, 32]))
+    causal = data.draw(st.booleans())
+    leaves, views = [], []
+    for h in (heads, kv_heads, kv_heads):
+        values = torch.randn(batch, h, seq, head_dim, generator=gen).to(runtime.device(), dtype)
+        leaf, view = strategies.shaped_leaf(values, data.draw(strategies.layouts()))
+        leaves.append(leaf)
+        views.append(view)
+    _check_against_float64(*views, causal, gen=gen, leaves=leaves)
+
+
+def _good(device, **kw):
+    shape = dict(batch=1, heads=4, kv_heads=2, seq=8, head_dim=16)
+    shape.update(kw)
+    q = torch.randn(shape["batch"], shape["heads"], shape["seq"], shape["head_dim"], device=device)
+    k = torch.randn(shape["batch"], shape["kv_heads"], shape["seq"], shape["head_dim"], device=device)
+    return q, k, k.clone()
+
+
+def test_errors(device):
+    q, k, v = _good(device)
+    with pytest.raises(TypeError, match="q has dtype torch.float64.*cast it to float32"):
+        flash_attention(q.double(), k, v)
+    with pytest.raises(TypeError, match="k has dtype torch.int64"):
+        flash_attention(q, k.long(), v)
+    with pytest.raises(TypeError, match="one dtype"):
+        flash_attention(q, k.half(), v)
+    with pytest.raises(ValueError, match="4-D"):
+        flash_attention(q[0], k, v)
+    with pytest.raises(ValueError, match="multiple of k's and v's heads"):
+        flash_attention(*_good(device, heads=3))
+    with pytest.raises(ValueError, match="head_dim must be one of"):
+        flash_attention(*_good(device, head_dim=48))
+    with pytest.raises(ValueError, match="one sequence length"):
+        flash_attention(q, k[:, :, :5], v[:, :, :5])
+    with pytest.raises(TypeError, match="scale must be"):
+        flash_attention(q, k, v, scale=math.nan)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        flash_attention(q, k, v, causal=None)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="batch must be 1, got 2"):
+        flash_attention(*_good(device, batch=2), cu_seqlens=cu)
+    with pytest.raises(TypeError, match="int32"):
+        flash_attention(q, k, v, cu_seqlens=cu.long())
+    with pytest.raises(ValueError, match="rise from 0 to seq=8"):
+        flash_attention(q, k, v, cu_seqlens=torch.tensor([0, 3, 7], dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="rise from 0 to seq=8"):
+        flash_attention(q, k, v, cu_seqlens=torch.tensor([0, 5, 3, 8], dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="not both"):
+        flash_attention(q, k, v, cu_seqlens=cu, position_ids=torch.arange(8, device=device)[None])
+    with pytest.raises(TypeError, match="position_ids must be an integer tensor"):
+        flash_attention(q, k, v, position_ids=torch.zeros(1, 8, device=device))
+    with pytest.raises(ValueError, match="position_ids must be"):
+        flash_attention(q, k, v, position_ids=torch.arange(7, device=device)[None])
+
+
+def test_config_from_one_function():
+    gpu = runtime.DeviceProps("H200", False, 132, 232448, 65536)
+    cfg = attention_config(16384, 128, gpu)
+    assert (cfg.forward.block_m, cfg.forward.block_n, cfg.forward.num_warps, cfg.forward.num_stages) == (128, 64, 8, 3)
+    assert cfg.dkdv.block_m * cfg.dkdv.block_n <= cfg.forward.block_m * cfg.forward.block_n
+    tiny = attention_config(77, 16, runtime.INTERPRETER)
+    assert tiny.forward.block_m == 128  # one program per (batch, head) at the chapter's sizes
+
+
+@pytest.mark.parametrize("causal,packed", [(True, False), (False, False), (True, True)])
+def test_small_blocks_walk_masked_and_unmasked_blocks(device, gen, causal, packed):
+    # GPU-sized walks in the interpreter: blocks of 32 queries and 16 keys over 77 tokens, so that the key blocks
+    # before a query block's diagonal (or all full blocks, not causal) run without the mask, and the rest with it.
+    blocks = BlockConfig(32, 16, 4, 1)
+    cfg = Config(blocks, BlockConfig(16, 32, 4, 1), blocks, 32)
+    q, k, v = (x.detach() for x in _inputs(gen, device, 2 if not packed else 1, 4, 2, 77, 16, torch.float32))
+    seg = segment_bounds(torch.tensor([0, 1, 30, 77], dtype=torch.int32, device=device), 77) if packed else (None, None)
+    cu = torch.tensor([0, 1, 30, 77], dtype=torch.int32) if packed else None
+    out, lse = attention_forward(q, k, v, causal, 0.25, *seg, config=cfg)
+    grad = torch.randn(out.shape, generator=gen).to(device)
+    dq, dk, dv = attention_backward(grad, q, k, v, out, lse, causal, 0.25, *seg, config=cfg)
+    leaves = [x.double().requires_grad_(True) for x in (q, k, v)]
+    ref = attention_reference(*leaves, causal=causal, scale=0.25, cu_seqlens=cu)
+    ref_grads = torch.autograd.grad(ref, leaves, grad.double())
+    for name, a, b in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), (ref, *ref_grads)):
+        assert relative_error(a, b) < 1e-5, name
+
+
+def test_opcheck(device, gen):
+    q, k, v = (x.detach() for x in _inputs(gen, device, 1, 4, 2, 20, 16, torch.float32))
+    cu = torch.tensor([0, 1, 12, 20], dtype=torch.int32, device=device)
+    seg_start, seg_end = segment_bounds(cu, 20)
+    for seg in ((None, None), (seg_start, seg_end)):
+        torch.library.opcheck(flash_attention_fwd, (q, k, v, True, 0.25, *seg))
+        out, lse = flash_attention_fwd(q, k, v, True, 0.25, *seg)
+        grad = torch.randn(out.shape, generator=gen).to(device)
+        torch.library.opcheck(flash_attention_bwd, (grad, q, k, v, out, lse, True, 0.25, *seg))
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_compiles_without_graph_break(device, gen):
+    q, k, v = _inputs(gen, device, 1, 4, 2, 24, 16, torch.float32)
+    cu = torch.tensor([0, 10, 24], dtype=torch.int32, device=device)
+
+    def step(q, k, v):
+        return (flash_attention(q, k, v, cu_seqlens=cu) ** 2).sum()
+
+    compiled = torch.compile(step, backend=runtime.COMPILE_BACKEND, fullgraph=True)
+    loss = compiled(q, k, v)
+    grads = torch.autograd.grad(loss, (q, k, v))
+    eager = step(q, k, v)
+    eager_grads = torch.autograd.grad(eager, (q, k, v))
+    assert relative_error(loss, eager) < 1e-6
+    for a, b in zip(grads, eager_grads):
+        assert relative_error(a, b) < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seq", [1, 200, 1000, 2049])
+def test_gpu_llama_shapes(gen, seq):
+    # The 8B shape on a GPU: 32 q heads, 8 KV heads, head_dim 128, bf16; poisoned outputs are fully written.
+    q, k, v = _inputs(gen, "cuda", 1, 32, 8, seq, 128, torch.bfloat16)
+    _check_against_float64(q, k, v, True, gen=gen)
+    cu = torch.tensor(sorted({0, 1, seq // 3, seq}), dtype=torch.int32, device="cuda")  # a one-token document first
+    _check_against_float64(q, k, v, True, cu_seqlens=cu, gen=gen)

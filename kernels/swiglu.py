@@ -169,7 +169,7 @@ def _check_inputs(gate: torch.Tensor, up: torch.Tensor) -> None:
         raise TypeError(f"gate and up must have the same dtype, got gate {gate.dtype} and up {up.dtype}")
     if gate.device != up.device:
         raise ValueError(f"gate and up must be on the same device, got gate on {gate.device} and up on {up.device}")
-    if not runtime.INTERPRET and gate.device.type != "cuda":
+    if not runtime.INTERPRET and gate.device.type not in ("cuda", "meta"):  # meta: shapes only (the fakes)
         raise ValueError(f"in gpu mode gate and up must be CUDA tensors, got tensors on {gate.device}")
 
 

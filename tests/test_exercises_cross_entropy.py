@@ -115,6 +115,10 @@ def gradient_attempt(mistake):
         onehot = F.one_hot(target.clamp(min=0), logits.shape[-1]).double() * counted[:, None]
         keep = counted[:, None].double()
         n = counted.sum()
+
+        def column(i):
+            return torch.tensor(i, device=logits.device)
+
         return {
             "right": (p - onehot) / n * keep,
             "shape": p[:, :-1],
@@ -133,8 +137,8 @@ def gradient_attempt(mistake):
             "log-softmax": (x - torch.logsumexp(x, -1, keepdim=True) - onehot) / n * keep,
             "scaled": 0.5 * (p - onehot) / n * keep,
             # A mistake nobody makes, with rows that still sum to 0: the check can only point at the largest error.
-            "wrong": (p - onehot) / n * keep + 0.01 * keep * (F.one_hot(torch.tensor(7), logits.shape[-1])
-                                                              - F.one_hot(torch.tensor(8), logits.shape[-1])),
+            "wrong": (p - onehot) / n * keep + 0.01 * keep * (F.one_hot(column(7), logits.shape[-1])
+                                                              - F.one_hot(column(8), logits.shape[-1])),
         }[mistake].float()
     return attempt
 

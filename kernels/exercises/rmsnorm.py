@@ -19,6 +19,7 @@ because the reader's code is wrong or unfinished: it prints its verdict and retu
 from __future__ import annotations
 
 import mmap
+import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -627,6 +628,11 @@ def _launch(kernel, which: str, grid, case: TileCase, *args) -> str | None:
         if which == "backward" and "Expected pointer argument to have shape" in text:
             return f"on a {case}, " + hint("dw_not_summed", error=_shorten(detail))
         if "oop-carried variable" in text or "loop-carried" in text.lower():
+            # The compiler (on a GPU) names the accumulator's type before and after: a new shape with the same dtype
+            # is a block added to a per-column sum without summing it over the rows first.
+            types = re.search(r"initial type <\[(.*?)\], (\w+)> but is re-assigned to <\[(.*?)\], (\w+)>", text)
+            if which == "backward" and types and types.group(1) != types.group(3) and types.group(2) == types.group(4):
+                return f"on a {case}, " + hint("dw_not_summed", error=_shorten(detail))
             return f"on a {case}, " + hint("dw_loop_dtype", error=_shorten(detail))
         return f"on a {case}, " + hint("kernel_raised", error=f"{type(error).__name__}: {detail}")
     return None

@@ -269,6 +269,14 @@ def announce_build(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+def home_relative(path: Path) -> str:
+    """``path`` with the home folder written ``~``: what a message shows, the same on every machine."""
+    try:
+        return str(Path("~") / Path(path).resolve().relative_to(Path.home().resolve()))
+    except ValueError:
+        return str(path)
+
+
 def load_announced(name: str, sources: list[Path], what: str, seconds: str, build_directory: str | None = None,
                    arch_list: str | None = None, **options):
     """``torch.utils.cpp_extension.load`` of ``sources`` as extension ``name``, announced by one line when it will
@@ -283,7 +291,7 @@ def load_announced(name: str, sources: list[Path], what: str, seconds: str, buil
     why = build_state(name, folder, key, sources)
     if why is not None:
         files = ", ".join(f"kernels/csrc/{Path(s).name}" for s in sources)
-        announce_build(f"kernels: compiling {what} ({files}): {why}; {seconds}, then cached in {folder}")
+        announce_build(f"kernels: compiling {what} ({files}): {why}; {seconds}, then cached in {home_relative(folder)}")
     with arch_list_set(arch_list):
         result = load(name=name, sources=[str(s) for s in sources], build_directory=build_directory, **options)
     folder.mkdir(parents=True, exist_ok=True)

@@ -285,7 +285,7 @@ def micro(preset: str, tokens: int, rank: int, alpha: float, names=("q_proj", "k
 
 
 def verdicts(rows: dict) -> dict:
-    """The issue's targets, where the rows needed are there: patched against its floor (≥ 0.90), against Hugging Face
+    """The targets, where the rows needed are there: patched against its floor (≥ 0.90), against Hugging Face
     + PEFT (≥ 1.40), peak within the floor's + 8 GiB, ahead of Liger + PEFT."""
     def tps(name):
         return rows.get(name, {}).get("tokens_per_s")

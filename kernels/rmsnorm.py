@@ -417,7 +417,8 @@ def check_llama_formula(module: torch.nn.Module, eps: float) -> None:
 
     Checked by running a float32 CPU copy of it with a random weight on two random rows: one shifted off zero (a
     LayerNorm subtracts the mean), one of magnitude sqrt(eps) (where an eps other than ``eps`` shows). The module
-    itself is not touched; a module on the meta device is copied to empty CPU memory first."""
+    itself is not touched, and its weight is not copied (a fresh one stands in), so a weight on the meta device or
+    sharded by FSDP2 is no obstacle."""
     name = type(module).__name__
     if isinstance(module, (torch.nn.LayerNorm, torch.nn.GroupNorm)):
         raise TypeError(f"{name} subtracts the mean: it is not an RMSNorm, and TritonRMSNorm cannot replace it")
@@ -429,8 +430,11 @@ def check_llama_formula(module: torch.nn.Module, eps: float) -> None:
     x[0] += 0.5
     x[1] *= max(eps, 1e-12) ** 0.5
     try:
-        probe = copy.deepcopy(module)
-        probe = probe.to_empty(device="cpu") if probe.weight.is_meta else probe.to("cpu")
+        # The copy gets a plain float32 CPU weight of its own (deepcopy's memo swaps it in), whatever the module's
+        # weight is: on the meta device, on a GPU, or a DTensor shard under FSDP2.
+        fresh = torch.nn.Parameter(torch.empty(hidden, dtype=torch.float32), requires_grad=False)
+        probe = copy.deepcopy(module, {id(module.weight): fresh})
+        probe = probe.to_empty(device="cpu") if any(t.is_meta for t in probe.buffers()) else probe.to("cpu")
         probe = probe.float()
         with torch.no_grad():
             probe.weight.copy_(torch.randn(hidden, generator=gen))

@@ -123,6 +123,7 @@ TOP_LEVEL_KEYS = {
     "overhead": {"device", "device_slug", "mode", "calls"},
     "linear_cross_entropy": {"kernel", "device", "device_slug", "mode", "hidden", "vocab", "tokens"},
     "peak_memory": {"device", "preset", "lengths", "gradient_checkpointing"},
+    "attention": {"device", "device_slug", "mode", "versions", "matmul_tflops", "settings", "rows"},
 }
 SWEEP_KEYS = {"kernel", "device", "device_slug", "mode", "date", "settings"}
 
@@ -147,7 +148,7 @@ def test_every_committed_result_parses_and_carries_its_configuration():
 
 def test_committed_layout_is_short_names_in_group_folders():
     files = [p for p in RESULTS.rglob("*") if p.is_file()]
-    assert len(files) <= 40
+    assert len(files) <= 50  # each a run a chapter or the README cites
     for path in files:
         relative = path.relative_to(RESULTS)
         assert len(path.name) <= 60, relative

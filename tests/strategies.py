@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from hypothesis import strategies as st
 
+from kernels.tolerances import RELATIVE_ERROR_TOL
+
 # The dtypes the kernels compute in (float32 registers, stored as any of these); float64 is refused by every op.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Every integer dtype a caller can hand over as targets or labels.
@@ -89,3 +91,21 @@ def shaped_leaf(values: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.
     view = leaf.as_strided(base.shape, base.stride(), base.storage_offset() - storage.storage_offset())
     return leaf, view
 
+
+
+def grad_on_leaf(values: torch.Tensor, layout: str, view_grad: torch.Tensor) -> torch.Tensor:
+    """What autograd makes of ``view_grad`` (a gradient of the laid-out view of ``values``) on its leaf, in float64:
+    the reference for an op's gradient reaching an input of that layout (summed where the layout broadcasts)."""
+    leaf, view = shaped_leaf(values.double(), layout)
+    view.backward(view_grad)
+    return leaf.grad
+
+
+def assert_within(name: str, ours: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+    """‖ours − ref‖ ≤ tolerance(dtype) · ‖scale‖, with ``scale`` ≥ |ref| element by element: the magnitudes of the
+    terms that were rounded to the dtype and then added (autograd sums a broadcast or reused input's gradients in its
+    dtype, and they may cancel). Where nothing was added, ``scale`` is |ref| and this is the relative error. NaN
+    never passes."""
+    err = (ours.detach().double().cpu() - ref.detach().cpu()).norm().item()
+    bound = RELATIVE_ERROR_TOL[dtype] * scale.detach().cpu().norm().item()
+    assert err <= bound, f"{name}: error {err:.3g} above {bound:.3g}"

@@ -43,11 +43,10 @@ def scaled_error(actual: torch.Tensor, expected: torch.Tensor, *scales: float) -
     return (actual - expected).norm().item() / max(expected.norm().item(), *scales, 1e-300)
 
 
-def reference_terms(logits64: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str, divisor,
-                    grad_output: torch.Tensor):
-    """The norms of what the loss and its gradient are differences of (``scaled_error``), in float64: per row
-    |logsumexp| + |x[target]|, reduced as the loss is; per element (softmax + onehot) · |row factor|."""
-    rows = logits64.detach().reshape(-1, logits64.shape[-1])
+def loss_terms(rows: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str, divisor,
+               grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """In float64, for logits ``rows`` [N, V]: per row |logsumexp| + |x[target]|, reduced as the loss is (the
+    scale of the loss), and per element (softmax + onehot) · |row factor| (the scale of its gradient)."""
     t = target.reshape(-1).long()
     counted = t != ignore_index
     safe = torch.where(counted, t, 0)
@@ -60,8 +59,16 @@ def reference_terms(logits64: torch.Tensor, target: torch.Tensor, ignore_index: 
         loss_scale, factor = terms.sum() / divisor, factor / divisor
     else:
         loss_scale = terms
-    onehot = F.one_hot(safe, rows.shape[-1]).double() if rows.numel() else torch.zeros_like(rows)
-    grad_terms = (torch.softmax(rows, -1) + onehot) * factor[:, None]
+    onehot = F.one_hot(safe, rows.shape[-1]).double() if t.numel() else torch.zeros_like(rows)
+    return loss_scale, (torch.softmax(rows, -1) + onehot) * factor[:, None]
+
+
+def reference_terms(logits64: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str, divisor,
+                    grad_output: torch.Tensor):
+    """The norms of what the loss and its gradient are differences of (``scaled_error``), in float64
+    (``loss_terms``)."""
+    rows = logits64.detach().reshape(-1, logits64.shape[-1])
+    loss_scale, grad_terms = loss_terms(rows, target, ignore_index, reduction, divisor, grad_output)
     return loss_scale.norm().item(), grad_terms.norm().item()
 
 

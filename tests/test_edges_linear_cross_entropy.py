@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
-from test_edges_cross_entropy import make_targets, scaled_error
+from test_edges_cross_entropy import loss_terms, make_targets, scaled_error
 
 from kernels import runtime
 from kernels.linear_cross_entropy import TritonLinearCrossEntropyLoss, linear_cross_entropy, plan_recompute
@@ -27,21 +27,7 @@ def reference_terms(h64, w64, target, ignore_index, reduction, divisor, grad_out
     exactly 0 (each row of G sums to 0), which float32 gives only to a fraction of these terms."""
     h_rows = h64.detach().reshape(target.numel(), h64.shape[-1])
     w = w64.detach()
-    logits = h_rows @ w.T
-    t = target.reshape(-1).long()
-    counted = t != ignore_index
-    safe = torch.where(counted, t, 0)
-    lse = torch.logsumexp(logits, dim=-1)
-    terms = (lse.abs() + logits.gather(1, safe[:, None])[:, 0].abs()) * counted
-    factor = counted.double() * grad_output.detach().double().reshape(-1).abs().expand(t.shape)
-    if reduction == "mean":
-        loss_scale, factor = terms.sum() / counted.sum(), factor / counted.sum()
-    elif reduction == "sum":
-        loss_scale, factor = terms.sum() / divisor, factor / divisor
-    else:
-        loss_scale = terms
-    onehot = F.one_hot(safe, w.shape[0]).double() if t.numel() else torch.zeros_like(logits)
-    g_abs = (torch.softmax(logits, -1) + onehot) * factor[:, None]
+    loss_scale, g_abs = loss_terms(h_rows @ w.T, target, ignore_index, reduction, divisor, grad_output)
     return (loss_scale.norm().item(), (g_abs @ w.abs()).norm().item(), (g_abs.T @ h_rows.abs()).norm().item())
 
 

@@ -16,21 +16,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from kernels import apply_rotary
 from kernels.reference import rotary_reference
-from kernels.tolerances import RELATIVE_ERROR_TOL as TOL
-
-
-def _assert_close(name, ours, ref, scale, dtype):
-    """‖ours − ref‖ ≤ tolerance · ‖scale‖ with ``scale`` ≥ |ref|: the magnitudes of terms rounded to the dtype and
-    then summed (a broadcast input's gradient), which may cancel; |ref| itself where nothing is summed. No NaN."""
-    err = (ours.detach().double().cpu() - ref.detach().cpu()).norm().item()
-    bound = TOL[dtype] * scale.detach().cpu().norm().item()
-    assert err <= bound, f"{name}: error {err:.3g} above {bound:.3g}"
-
-
-def _on_leaf(values, layout, view_grad):
-    leaf, view = strategies.shaped_leaf(values.double(), layout)
-    view.backward(view_grad)
-    return leaf.grad
 
 
 # Head counts and head_dim are compile-time constants of the kernel: on a GPU each new combination compiles (about a
@@ -81,13 +66,13 @@ def test_outputs_and_every_gradient_match_float64(batch, q_heads, k_heads, seq, 
     q64, k64 = rotary_reference(ref_views["q"], ref_views["k"], ref_views["cos"], ref_views["sin"], unsqueeze_dim)
     torch.autograd.backward((q64, k64), (dq.double(), dk.double()))
 
-    _assert_close("q_embed", q_embed, q64, q64, out_dtype)
-    _assert_close("k_embed", k_embed, k64, k64, out_dtype)
+    strategies.assert_within("q_embed", q_embed, q64, q64, out_dtype)
+    strategies.assert_within("k_embed", k_embed, k64, k64, out_dtype)
     for name in ("q", "k"):
         ref = ref_views[name].grad
-        _assert_close(f"d{name}", views[name].grad, ref, ref.abs(), x_dtype)
-        _assert_close(f"{name}'s leaf gradient", leaves[name].grad, ref_leaves[name].grad,
-                      _on_leaf(values[name], layouts[name], ref.abs()), x_dtype)
+        strategies.assert_within(f"d{name}", views[name].grad, ref, ref.abs(), x_dtype)
+        strategies.assert_within(f"{name}'s leaf gradient", leaves[name].grad, ref_leaves[name].grad,
+                      strategies.grad_on_leaf(values[name], layouts[name], ref.abs()), x_dtype)
     if trig_grad:
         # Each value of cos and sin meets every head of q and k: its gradient is a sum over heads (in float32).
         xs = [(ref_views["q"], dq.double()), (ref_views["k"], dk.double())]
@@ -95,7 +80,7 @@ def test_outputs_and_every_gradient_match_float64(batch, q_heads, k_heads, seq, 
         for name, rot in (("cos", lambda x: x), ("sin", lambda x: torch.cat((-x[..., half:], x[..., :half]), -1))):
             terms = sum((g * rot(x.detach())).abs().sum(dims) for x, g in xs)
             scale = terms.sum_to_size(ref_views[name].shape)
-            _assert_close(f"d{name}", views[name].grad, ref_views[name].grad, scale, trig_dtype)
+            strategies.assert_within(f"d{name}", views[name].grad, ref_views[name].grad, scale, trig_dtype)
     for name, leaf in leaves.items():
         torch.testing.assert_close(leaf.detach(), before[name], rtol=0, atol=0, equal_nan=True)
 
@@ -126,8 +111,8 @@ def test_mixed_dtypes_follow_pytorch_promotion(device, gen):
     q_embed, k_embed = apply_rotary(q, k, cos, sin)
     q64, k64 = rotary_reference(q.double(), k.double(), cos.double(), sin.double())
     assert q_embed.dtype == (q * cos.unsqueeze(1)).dtype == torch.float32
-    _assert_close("q_embed", q_embed, q64, q64, torch.float32)
-    _assert_close("k_embed", k_embed, k64, k64, torch.float32)
+    strategies.assert_within("q_embed", q_embed, q64, q64, torch.float32)
+    strategies.assert_within("k_embed", k_embed, k64, k64, torch.float32)
 
 
 @pytest.mark.parametrize("requires_grad", [False, True])

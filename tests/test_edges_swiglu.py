@@ -30,23 +30,6 @@ def _reference_grads(values_gate, values_up, layout_gate, layout_up, dy):
     return y.detach(), leaf_g.grad, leaf_u.grad
 
 
-def _assert_close(name, ours, ref, scale, dtype):
-    """‖ours − ref‖ ≤ tolerance · ‖scale‖, where ``scale`` ≥ |ref| element by element: the magnitudes of the terms
-    that were rounded to the dtype and then added (autograd sums a broadcast or reused input's gradients in its
-    dtype, and they may cancel). Where nothing was added, ``scale`` is |ref| and this is the relative error. NaN
-    never passes."""
-    err = (ours.detach().double().cpu() - ref.detach().cpu()).norm().item()
-    bound = TOL[dtype] * scale.detach().cpu().norm().item()
-    assert err <= bound, f"{name}: error {err:.3g} above {bound:.3g}"
-
-
-def _on_leaf(values, layout, view_grad):
-    """What autograd makes of ``view_grad`` (a gradient of the laid-out view) on the leaf: float64, summed."""
-    leaf, view = strategies.shaped_leaf(values.double(), layout)
-    view.backward(view_grad)
-    return leaf.grad
-
-
 def _as_intermediate(leaf, view):
     """The same view, cut from an intermediate result (``leaf * 1``) instead of the leaf: what a projection gives."""
     inter = leaf * 1.0
@@ -88,19 +71,19 @@ def test_output_and_every_gradient_match_float64(shape, dtype, layout_gate, layo
     u64.retain_grad()
     y64 = swiglu_reference(g64, u64)
     y64.backward(dy.double())
-    _assert_close("y", y, y64, y64, dtype)
+    strategies.assert_within("y", y, y64, y64, dtype)
     if same:  # gate is up: one input, whose gradient is d(gate) + d(up)
         scale = g64.grad.abs() + u64.grad.abs()
-        _assert_close("d(gate) + d(up)", g.grad, g64.grad + u64.grad, scale, dtype)
-        _assert_close("leaf gradient", leaf_g.grad, leaf_g64.grad + leaf_u64.grad,
-                      _on_leaf(values_g, layout_gate, scale), dtype)
+        strategies.assert_within("d(gate) + d(up)", g.grad, g64.grad + u64.grad, scale, dtype)
+        strategies.assert_within("leaf gradient", leaf_g.grad, leaf_g64.grad + leaf_u64.grad,
+                      strategies.grad_on_leaf(values_g, layout_gate, scale), dtype)
     else:
-        _assert_close("d(gate)", g.grad, g64.grad, g64.grad.abs(), dtype)
-        _assert_close("d(up)", u.grad, u64.grad, u64.grad.abs(), dtype)
-        _assert_close("gate's leaf gradient", leaf_g.grad, leaf_g64.grad,
-                      _on_leaf(values_g, layout_gate, g64.grad.abs()), dtype)
-        _assert_close("up's leaf gradient", leaf_u.grad, leaf_u64.grad,
-                      _on_leaf(values_u, layout_u, u64.grad.abs()), dtype)
+        strategies.assert_within("d(gate)", g.grad, g64.grad, g64.grad.abs(), dtype)
+        strategies.assert_within("d(up)", u.grad, u64.grad, u64.grad.abs(), dtype)
+        strategies.assert_within("gate's leaf gradient", leaf_g.grad, leaf_g64.grad,
+                      strategies.grad_on_leaf(values_g, layout_gate, g64.grad.abs()), dtype)
+        strategies.assert_within("up's leaf gradient", leaf_u.grad, leaf_u64.grad,
+                      strategies.grad_on_leaf(values_u, layout_u, u64.grad.abs()), dtype)
     # Leaves are never written by a backward, whatever the flag (bit for bit; a buffer's unused, uninitialised
     # elements may hold NaN).
     for leaf, before in zip((leaf_g, leaf_u), leaves_before):

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from test_peft import lora_with_values, loss_and_grads
 
 from kernels.hf.lora import LoraFusion, why_not_fused
 from kernels.hf.patch import patch_llama
@@ -36,22 +37,6 @@ def _base(device, gen, dtype=torch.float32):
     return build_model("tiny", dtype=dtype).to(device).train()
 
 
-def _wrap(model, config):
-    wrapped = peft.get_peft_model(model, config)
-    for name, p in wrapped.named_parameters():
-        if "lora_B" in name:  # B starts at zero: give it values, or the adapters' effect and dA would be zero
-            torch.nn.init.normal_(p, std=0.05)
-    return wrapped
-
-
-def _loss_and_grads(model, ids, labels):
-    model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids, labels=labels)
-    out.loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return out.loss.detach(), grads
-
-
 def _assert_close(result, reference, tol):
     (loss, grads), (ref_loss, ref_grads) = result, reference
     assert relative_error(loss, ref_loss) < tol
@@ -71,30 +56,30 @@ def _fused_count(model) -> int:
 ], ids=["all-targets", "r1-rslora-attention-only"])
 def test_wrap_then_patch_float32(device, gen, config):
     base = _base(device, gen)
-    reference = _wrap(copy.deepcopy(base), _config(**config))
+    reference = lora_with_values(copy.deepcopy(base), _config(**config))
     ids, labels = _batch(base, gen, device)
-    expected = _loss_and_grads(reference, ids, labels)
+    expected = loss_and_grads(reference, ids, labels)
     model = copy.deepcopy(reference)
     patch = patch_llama(model, kernels=("lora",))
     assert patch.kernels == ("lora",) and "lora" not in patch.left_off
     assert _fused_count(model) == len(patch.lora.layers) > 0
-    _assert_close(_loss_and_grads(model, ids, labels), expected, TOL[torch.float32])
+    _assert_close(loss_and_grads(model, ids, labels), expected, TOL[torch.float32])
     patch.undo()
     assert _fused_count(model) == 0
-    _assert_close(_loss_and_grads(model, ids, labels), expected, TOL[torch.float32])
+    _assert_close(loss_and_grads(model, ids, labels), expected, TOL[torch.float32])
 
 
 def test_patch_then_wrap_with_every_default_kernel(device, gen):
     base = _base(device, gen)
-    reference = _wrap(copy.deepcopy(base), _config())
+    reference = lora_with_values(copy.deepcopy(base), _config())
     ids, labels = _batch(base, gen, device, seq=19)
-    expected = _loss_and_grads(reference, ids, labels)
+    expected = loss_and_grads(reference, ids, labels)
     inner = copy.deepcopy(base)
     patch = patch_llama(inner, lora=True)  # the defaults and lora: no LoRA layer yet
     assert "lora" in patch.kernels and patch.lora.layers == []
     model = peft.get_peft_model(inner, _config())
     model.load_state_dict(reference.state_dict())
-    result = _loss_and_grads(model, ids, labels)
+    result = loss_and_grads(model, ids, labels)
     assert _fused_count(model) == 7 * model.config.num_hidden_layers  # found by the hook at the first forward
     _assert_close(result, expected, 5e-5)  # every kernel on: the norms and the loss round differently too
     patch.undo()  # (undone, the MLPs are the Llama's own again, without the adapters PEFT put into the patched ones)
@@ -105,14 +90,14 @@ def test_bfloat16_as_close_to_float64_as_peft(device, gen):
     """In bfloat16 both PEFT's step and the fused one round, layer after layer: each is measured against the same
     model in float64, and the fused one must be as close as PEFT's own (and within bfloat16's bound on the loss)."""
     base = _base(device, gen, torch.bfloat16)
-    reference = _wrap(copy.deepcopy(base), _config(r=2, alpha=4))  # PEFT keeps the adapters in float32
+    reference = lora_with_values(copy.deepcopy(base), _config(r=2, alpha=4))  # PEFT keeps the adapters in float32
     ids, labels = _batch(base, gen, device)
-    peft_result = _loss_and_grads(reference, ids, labels)
-    exact = _loss_and_grads(copy.deepcopy(reference).double(), ids, labels)
+    peft_result = loss_and_grads(reference, ids, labels)
+    exact = loss_and_grads(copy.deepcopy(reference).double(), ids, labels)
     model = copy.deepcopy(reference)
     patch_llama(model, kernels=("lora",))
     assert next(p for n, p in model.named_parameters() if "lora_A" in n).dtype == torch.float32
-    (loss, grads), (_, peft_grads), (loss64, grads64) = _loss_and_grads(model, ids, labels), peft_result, exact
+    (loss, grads), (_, peft_grads), (loss64, grads64) = loss_and_grads(model, ids, labels), peft_result, exact
     assert relative_error(loss, loss64) < TOL[torch.bfloat16]
     assert grads.keys() == grads64.keys()
     for name in grads64:
@@ -124,28 +109,28 @@ def test_bfloat16_as_close_to_float64_as_peft(device, gen):
 
 def test_under_gradient_checkpointing(device, gen):
     base = _base(device, gen)
-    reference = _wrap(copy.deepcopy(base), _config())
+    reference = lora_with_values(copy.deepcopy(base), _config())
     ids, labels = _batch(base, gen, device)
-    expected = _loss_and_grads(reference, ids, labels)
+    expected = loss_and_grads(reference, ids, labels)
     model = copy.deepcopy(reference)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     patch_llama(model, kernels=("lora",))
-    _assert_close(_loss_and_grads(model, ids, labels), expected, TOL[torch.float32])
+    _assert_close(loss_and_grads(model, ids, labels), expected, TOL[torch.float32])
 
 
 def test_what_stays_peft_and_why(device, gen):
     base = _base(device, gen)
-    dropout = _wrap(copy.deepcopy(base), _config(targets=["q_proj"], dropout=0.1))
+    dropout = lora_with_values(copy.deepcopy(base), _config(targets=["q_proj"], dropout=0.1))
     reference = copy.deepcopy(dropout)
     patch = patch_llama(dropout, kernels=("lora",))
     assert "lora_dropout=0.1" in patch.left_off["lora"] and "q_proj" in patch.left_off["lora"]
-    dora = _wrap(copy.deepcopy(base), _config(targets=["v_proj"], use_dora=True))
+    dora = lora_with_values(copy.deepcopy(base), _config(targets=["v_proj"], use_dora=True))
     assert "variant" in patch_llama(dora, kernels=("lora",)).left_off["lora"]
-    two = _wrap(copy.deepcopy(base), _config(targets=["q_proj"]))
+    two = lora_with_values(copy.deepcopy(base), _config(targets=["q_proj"]))
     two.add_adapter("second", _config(targets=["q_proj"]))
     two.base_model.set_adapter(["default", "second"])
     assert "2 active adapters" in patch_llama(two, kernels=("lora",)).left_off["lora"]
-    merged = _wrap(copy.deepcopy(base), _config(targets=["k_proj"]))
+    merged = lora_with_values(copy.deepcopy(base), _config(targets=["k_proj"]))
     layer = merged.base_model.model.model.layers[0].self_attn.k_proj
     layer.merge()
     assert why_not_fused(layer) == "adapter merged into the base weight"
@@ -167,7 +152,7 @@ def test_no_lora_layers_changes_nothing(device, gen):
 
 def test_save_pretrained_and_merge_after_undo(device, gen, tmp_path):
     base = _base(device, gen)
-    reference = _wrap(copy.deepcopy(base), _config(r=2, alpha=4))
+    reference = lora_with_values(copy.deepcopy(base), _config(r=2, alpha=4))
     model = copy.deepcopy(reference)
     patch = patch_llama(model, kernels=("lora",))
     model.save_pretrained(tmp_path / "adapter")

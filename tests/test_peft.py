@@ -26,15 +26,21 @@ def base_and_batch(device, gen):
     return model, ids, labels
 
 
-def _lora(model):
-    wrapped = peft.get_peft_model(model, _lora_config())
+def lora_with_values(model, config):
+    """``model`` wrapped by PEFT with ``config``, its B matrices given values (LoRA starts B at zero, which would make
+    the adapters' effect and dA zero, and a test of them pass on anything)."""
+    wrapped = peft.get_peft_model(model, config)
     for name, p in wrapped.named_parameters():
-        if "lora_B" in name:  # LoRA starts B at zero; give it values so that the adapters' gradients are tested
+        if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.05)
     return wrapped
 
 
-def _loss_and_grads(model, ids, labels):
+def _lora(model):
+    return lora_with_values(model, _lora_config())
+
+
+def loss_and_grads(model, ids, labels):
     model.zero_grad(set_to_none=True)
     out = model(input_ids=ids, labels=labels)
     out.loss.backward()
@@ -55,7 +61,7 @@ def lora_reference(base_and_batch):
     """The unpatched LoRA model and its loss and gradients: what every patched variant must reproduce."""
     base, ids, labels = base_and_batch
     reference = _lora(copy.deepcopy(base))
-    return reference, _loss_and_grads(reference, ids, labels)
+    return reference, loss_and_grads(reference, ids, labels)
 
 
 @pytest.mark.parametrize("kernels", [NORM_AND_LOSS, "auto"], ids=["norm-and-loss", "defaults"])
@@ -65,10 +71,10 @@ def test_wrap_then_patch(base_and_batch, lora_reference, kernels):
     model = copy.deepcopy(reference)
     patch = patch_llama(model, kernels=kernels)
     assert len(patch.replaced) > 0 and patch.model is model.get_base_model()
-    _assert_same(_loss_and_grads(model, ids, labels), expected)
+    _assert_same(loss_and_grads(model, ids, labels), expected)
     patch.undo()
     assert not any("TritonRMSNorm" in type(m).__name__ for m in model.modules())
-    _assert_same(_loss_and_grads(model, ids, labels), expected)
+    _assert_same(loss_and_grads(model, ids, labels), expected)
 
 
 def test_patch_then_wrap(base_and_batch, lora_reference):
@@ -78,9 +84,9 @@ def test_patch_then_wrap(base_and_batch, lora_reference):
     patch = patch_llama(inner, kernels=NORM_AND_LOSS)
     model = peft.get_peft_model(inner, _lora_config())
     model.load_state_dict(reference.state_dict())  # the same adapter weights as the reference
-    _assert_same(_loss_and_grads(model, ids, labels), expected)
+    _assert_same(loss_and_grads(model, ids, labels), expected)
     patch.undo()
-    _assert_same(_loss_and_grads(model, ids, labels), expected)
+    _assert_same(loss_and_grads(model, ids, labels), expected)
 
 
 def test_patching_a_patched_peft_model_twice_is_refused(base_and_batch):

@@ -328,8 +328,9 @@ class _PatchedLoss:
         # In place only in training with autograd on: then the logits exist for the loss alone and nothing reads
         # them afterwards. In eval mode or under no_grad the kernel computes no gradient at all.
         # Never into a leaf or a view of one: logits a caller passes to model.loss_function themselves are theirs.
+        # Under torch.compile (which cannot read grad_fn) the logits are the traced LM head's output, never a leaf.
         inplace = (self.inplace_logits and self.model.training and torch.is_grad_enabled() and logits.requires_grad
-                   and may_overwrite(logits))
+                   and (torch.compiler.is_compiling() or may_overwrite(logits)))
         loss = causal_lm_loss(logits, labels, vocab_size, inplace_backward=inplace, **kwargs)
         if inplace:
             self.consumed = logits

@@ -90,18 +90,11 @@ def block_for(n: int) -> tuple[int, int]:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-# The dtypes the kernel stores (its arithmetic is float32 whatever they are). float64 is refused, as by every kernel of
-# the package: its answer would be a float32 one in float64 clothes.
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _check_tensors(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
     for name, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-        if t.dtype not in KERNEL_DTYPES:
-            raise TypeError(
-                f"{name} must be float32, bfloat16 or float16, got dtype {t.dtype}: the kernel computes in float32; "
-                "cast the parameters to float32, or use torch.optim.AdamW"
-            )
+        ops.check_kernel_dtype(name, t, "cast the parameters to float32, or use torch.optim.AdamW")
         if t.shape != param.shape:
             raise ValueError(f"{name} must have the parameter's shape {tuple(param.shape)}, got {tuple(t.shape)}")
         if not t.is_contiguous():
@@ -230,7 +223,7 @@ def _check_parameter(p: torch.Tensor) -> None:
 def _check_parameter_dtype(p: torch.Tensor) -> None:
     if torch.is_complex(p):
         raise TypeError("TritonAdamW does not take complex parameters: use torch.optim.AdamW for them")
-    if p.dtype not in KERNEL_DTYPES:
+    if p.dtype not in ops.KERNEL_DTYPES:
         raise TypeError(
             f"TritonAdamW steps float32, bfloat16 and float16 parameters, got a parameter of dtype {p.dtype}: cast the "
             "model to float32, or use torch.optim.AdamW"

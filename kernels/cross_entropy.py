@@ -37,7 +37,6 @@ from . import ops, runtime
 from .triton_utils import cast_to
 
 REDUCTIONS = ("mean", "sum", "none")
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Class indices: every signed integer dtype and uint8. The kernels widen each index to int64 as they load it, so every
 # one of these gives the loss of ``F.cross_entropy(logits, target.long())`` (PyTorch itself takes int64 and uint8
 # only). The unsigned 16-64-bit dtypes, which most PyTorch operations do not support, are refused.
@@ -256,11 +255,8 @@ def check_scores(name: str, scores) -> None:
         raise TypeError(f"{name} must be a tensor, got {type(scores).__name__}")
     if not scores.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {scores.dtype}")
-    if scores.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(
-            f"{name} must be float32, bfloat16 or float16, got dtype {scores.dtype}: the kernels compute in float32; "
-            f"cast with .float(), or use torch.nn.functional.cross_entropy for {scores.dtype}"
-        )
+    ops.check_kernel_dtype(name, scores,
+                           f"cast with .float(), or use torch.nn.functional.cross_entropy for {scores.dtype}")
     if not runtime.INTERPRET and scores.device.type not in ("cuda", "meta"):
         raise ValueError(f"in gpu mode the inputs must be CUDA tensors, got {name} on {scores.device}")
 

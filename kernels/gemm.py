@@ -32,7 +32,7 @@ import triton.language as tl
 from . import ops, runtime
 from .triton_utils import cast_to
 
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+KERNEL_DTYPES = ops.KERNEL_DTYPES
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -36,6 +36,17 @@ _LIBRARY = torch.library.Library(NAMESPACE, "DEF")
 _IMPLS: dict[torch._ops.OpOverload, Callable] = {}  # each operator's implementation, for ``call``
 
 
+# The dtypes every kernel takes (it loads them, computes in float32 and stores them back); float64 and the rest are
+# refused with what to do instead (docs/ARCHITECTURE.md, "What the ops accept").
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_kernel_dtype(name: str, t: torch.Tensor, instead: str) -> None:
+    """A TypeError naming ``name`` unless ``t`` has one of ``KERNEL_DTYPES``; ``instead`` says what to do then."""
+    if t.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got dtype {t.dtype}: the kernels compute in "
+                        f"float32; {instead}")
+
 def define(schema: str, impl: Callable, fake: Callable) -> torch._ops.OpOverload:
     """Register ``torch.ops.kernels.<name>`` from a schema such as ``"rms_norm_fwd(Tensor x, float eps) -> Tensor"``.
 

@@ -29,7 +29,6 @@ from .reference import relative_error, rms_norm_reference
 from .triton_utils import cast_to
 
 # The storage dtypes of x and weight the kernels read (they compute in float32 whatever these are).
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # --------------------------------------------------------------------------------------------------------------------
 # Kernels
@@ -236,11 +235,7 @@ def check_tensors(x: torch.Tensor, weight: torch.Tensor) -> None:
     for name, t in (("x", x), ("weight", weight)):
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(
-                f"{name} must be float32, bfloat16 or float16, got dtype {t.dtype}: the kernels compute in float32; "
-                f"cast with .float(), or use kernels.reference.rms_norm_reference for {t.dtype}"
-            )
+        ops.check_kernel_dtype(name, t, f"cast with .float(), or use kernels.reference.rms_norm_reference for {t.dtype}")
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the hidden size), got a scalar")
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:

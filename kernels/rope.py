@@ -250,7 +250,6 @@ def _rope_config(n_rows: int, head_dim: int, n_q_heads: int, n_k_heads: int, pro
 
 # The dtypes the kernel stores; its arithmetic is float32 whatever these are. float64 is refused, as by every kernel of
 # the package: a float32 answer in a float64 tensor would look more precise than it is.
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _check_inputs(q, k, cos, sin) -> None:
@@ -259,11 +258,7 @@ def _check_inputs(q, k, cos, sin) -> None:
             raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
-        if t.dtype not in KERNEL_DTYPES:
-            raise TypeError(
-                f"{name} must be float32, bfloat16 or float16, got dtype {t.dtype}: the kernel computes in float32; "
-                "cast to float32, or use Hugging Face's apply_rotary_pos_emb"
-            )
+        ops.check_kernel_dtype(name, t, "cast to float32, or use Hugging Face's apply_rotary_pos_emb")
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(
             f"q and k must be 4-D [batch, heads, seq, head_dim], got q {tuple(q.shape)} and k {tuple(k.shape)}"

@@ -147,7 +147,6 @@ def _backward_config(n_rows: int, n_cols: int, props: runtime.DeviceProps) -> Co
 
 # The dtypes the kernels store; their arithmetic is float32 whatever these are. float64 is refused, as by every kernel
 # of the package: a float32 answer in a float64 tensor would look more precise than it is.
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _check_inputs(gate: torch.Tensor, up: torch.Tensor) -> None:
@@ -156,11 +155,7 @@ def _check_inputs(gate: torch.Tensor, up: torch.Tensor) -> None:
             raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
-        if t.dtype not in KERNEL_DTYPES:
-            raise TypeError(
-                f"{name} must be float32, bfloat16 or float16, got dtype {t.dtype}: the kernels compute in float32; "
-                "cast to float32, or use torch.nn.functional.silu(gate) * up"
-            )
+        ops.check_kernel_dtype(name, t, "cast to float32, or use torch.nn.functional.silu(gate) * up")
         if t.dim() == 0:
             raise ValueError(f"{name} must have at least one dimension (the intermediate size), got a scalar")
     if gate.shape != up.shape:

@@ -90,8 +90,6 @@ def block_for(n: int) -> tuple[int, int]:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-
-
 def _check_tensors(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
     for name, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
         ops.check_kernel_dtype(name, t, "cast the parameters to float32, or use torch.optim.AdamW")

@@ -101,12 +101,12 @@ def test_bfloat16_as_close_to_float64_as_peft(device, gen):
     assert relative_error(loss, loss64) < TOL[torch.bfloat16]
     assert grads.keys() == grads64.keys()
     # The fused GEMMs keep x in bfloat16 (no float32 copy of it, which is where PEFT's extra memory goes) and round
-    # the [tokens, r] product once more. Over all adapter gradients together that costs little: over 25 seeds the
-    # fused error was 0.87-1.23x PEFT's. One small tensor alone varies more (up to 2.4x PEFT's in the same seeds),
+    # the [tokens, r] product once more. Over all adapter gradients together that costs little: over 60 seeds the
+    # fused error was 0.87-1.32x PEFT's. One small tensor alone varies more (up to 2.6x PEFT's in the same seeds),
     # so each is held to 4x, still far below what zeros or a wrong gradient give (a relative error near 1).
     everything = lambda g: torch.cat([g[name].flatten().double() for name in sorted(grads64)])  # noqa: E731
     ours, theirs = (relative_error(everything(g), everything(grads64)) for g in (grads, peft_grads))
-    assert ours < 1.5 * theirs, (ours, theirs)
+    assert ours < 1.75 * theirs, (ours, theirs)
     for name in grads64:
         ours, theirs = relative_error(grads[name], grads64[name]), relative_error(peft_grads[name], grads64[name])
         assert ours < max(TOL[torch.bfloat16], 4 * theirs), (name, ours, theirs)

@@ -82,8 +82,10 @@ def test_patch_then_wrap_with_every_default_kernel(device, gen):
     result = loss_and_grads(model, ids, labels)
     assert _fused_count(model) == 7 * model.config.num_hidden_layers  # found by the hook at the first forward
     _assert_close(result, expected, 5e-5)  # every kernel on: the norms and the loss round differently too
-    patch.undo()  # (undone, the MLPs are the Llama's own again, without the adapters PEFT put into the patched ones)
+    patch.undo()  # the MLPs are the Llama's own again, with the adapters PEFT put into the patched ones
     assert _fused_count(model) == 0
+    assert model.state_dict().keys() == reference.state_dict().keys()
+    _assert_close(loss_and_grads(model, ids, labels), expected, TOL[torch.float32])
 
 
 def test_bfloat16_as_close_to_float64_as_peft(device, gen):

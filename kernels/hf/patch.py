@@ -554,6 +554,16 @@ class _Swap:
     replacement: torch.nn.Module
 
 
+def _carry_new_children(replacement: torch.nn.Module, original: torch.nn.Module) -> None:
+    """Give ``original`` the submodules put into ``replacement`` since the patch. A replacement shares the original's
+    submodules (``TritonSwiGLUMLP`` keeps the very same projections), so a submodule that differs now was swapped
+    in later: PEFT, wrapping a patched model, puts its LoRA layers there. Putting back the original without them
+    would silently drop those adapters, weights and all."""
+    for name, child in replacement._modules.items():
+        if name in original._modules and original._modules[name] is not child:
+            setattr(original, name, child)
+
+
 @dataclass(repr=False)
 class LlamaPatch:
     """What ``patch_llama`` changed, and how to change it back (``undo()``; also a context manager)."""
@@ -621,6 +631,7 @@ class LlamaPatch:
         if self._restore_attention is not None:
             self._restore_attention()  # first: it refuses, changing nothing, if the implementation was changed since
         for swap in reversed([*self.swaps, *self.mlp_swaps]):
+            _carry_new_children(swap.replacement, swap.original)
             setattr(swap.parent, swap.name, swap.original)
         for swap in self.rotary:
             del swap.module.forward  # the class's forward is seen again

@@ -255,6 +255,21 @@ def test_without_labels_names_still_find_rmsnorm_pieces(tiny_setup):
     assert p.families["cross_entropy"].time_ms > 0
 
 
+def test_a_peft_model_is_profiled_with_its_loss_labelled(tmp_path):
+    """The profiler takes a PEFT LoRA model as it takes the Llama inside: the loss region goes to the Hugging Face
+    model that calls it (an attribute set on the wrapper would never be read), and nothing is left behind."""
+    peft = pytest.importorskip("peft", reason="peft is a test requirement (requirements.txt)")
+    model = peft.get_peft_model(build_model(llama_config("tiny", num_hidden_layers=1)),
+                                peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "gate_proj"]))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    batch = make_sft_batches(get_tokenizer(), 2, 32, 1, vocab_size=model.config.vocab_size)[0]
+    p = profile_training_step(model, batch, optimizer, warmup=1, timed_steps=1, trace_path=tmp_path / "peft.json")
+    names = {e.get("name") for e in json.loads(p.trace_path.read_text())["traceEvents"]}
+    assert {"region::rmsnorm", "region::loss"} <= names
+    assert p.families["cross_entropy"].time_ms > 0 and p.families["rmsnorm"].time_ms > 0
+    assert not any(k in m.__dict__ for m in model.modules() for k in ("_loss_function", "loss_function", "forward"))
+
+
 def test_cpu_memory_is_the_computed_estimate(tiny_setup, tiny_profile):
     if runtime.MODE == "gpu":
         pytest.skip("on a GPU the memory is measured (see the gpu test)")

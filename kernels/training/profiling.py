@@ -168,8 +168,20 @@ def _wrap_forward(module: torch.nn.Module, label: str) -> Callable[[], None]:
     return restore
 
 
+def _loss_owner(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The module whose forward calls ``self.loss_function``: the model itself, or the Hugging Face model inside a
+    wrapper (a PEFT ``PeftModel`` hands attribute reads to it, but an attribute set on the wrapper stays there,
+    where the forward that computes the loss never looks). None where no module has the property."""
+    for module in model.modules():
+        if isinstance(getattr(type(module), "loss_function", None), property):
+            return module
+    return None
+
+
 def _wrap_loss_function(model: torch.nn.Module) -> Callable[[], None] | None:
-    """Put Hugging Face's ``model.loss_function`` inside ``region::loss``; None where the model has none."""
+    """Put Hugging Face's ``loss_function`` (of ``model`` or the model it wraps) inside ``region::loss``; None where
+    there is none."""
+    model = _loss_owner(model)
     inner = getattr(model, "loss_function", None)
     if inner is None or not callable(inner):
         return None

@@ -69,6 +69,18 @@ def test_wrap_then_patch_float32(device, gen, config):
     _assert_close(loss_and_grads(model, ids, labels), expected, TOL[torch.float32])
 
 
+def test_lora_is_a_default_where_the_model_holds_lora_layers(device, gen):
+    base = _base(device, gen)
+    wrapped = lora_with_values(copy.deepcopy(base), _config(targets=["q_proj", "down_proj"]))
+    patch = patch_llama(wrapped)  # wrapped first: the adapters are there, lora is on
+    assert "lora" in patch.kernels and _fused_count(wrapped) == 2 * wrapped.config.num_hidden_layers
+    patch.undo()
+    with patch_llama(wrapped, lora=False) as off:
+        assert "lora" not in off.kernels and _fused_count(wrapped) == 0
+    with patch_llama(copy.deepcopy(base)) as plain:  # no adapter, nothing to say about lora
+        assert "lora" not in plain.kernels and "lora" not in plain.left_off
+
+
 def test_patch_then_wrap_with_every_default_kernel(device, gen):
     base = _base(device, gen)
     reference = lora_with_values(copy.deepcopy(base), _config())

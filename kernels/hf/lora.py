@@ -1,4 +1,5 @@
-"""PEFT's LoRA layers computed by the fused LoRA linear (``patch_llama(..., lora=True)``; on by default).
+"""PEFT's LoRA layers computed by the fused LoRA linear (``patch_llama(..., lora=True)``; on by default in a model
+that holds PEFT LoRA layers when it is patched).
 
 Each PEFT ``lora.Linear`` of the model gets an instance-level ``forward`` that computes its base layer and its
 adapter in one ``kernels.lora.lora_linear`` node, from the very same ``Parameter`` objects (the base weight,
@@ -146,6 +147,12 @@ class LoraFusion:
                 del module.forward
         self.layers.clear()
         self.active = False
+
+
+def has_lora_layers(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds a PEFT LoRA ``Linear`` now (wrapped before the patch): where ``lora`` is a default."""
+    cls = lora_linear_class()
+    return cls is not None and any(type(m) is cls for m in model.modules())
 
 
 def check_lora(model: torch.nn.Module) -> None:

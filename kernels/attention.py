@@ -231,6 +231,41 @@ def _dq_blocks(q, do, k_base, v_base, rows, start, end, n, sk_s, sv_s, cols_d, l
 
 
 @triton.jit
+def _masked_query_end(n0, lo, hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                      PACKED: tl.constexpr):
+    # Where a key block's query walk stops needing its mask: from the returned position on, every query block sees
+    # every key of [n0, n0 + BLOCK_N) (causal: its first row is at or past the block's last key). Rows and keys past
+    # n need no mask here: their q, dO and k read as 0, so they add 0 to dK and dV, and dK, dV of keys past n are not
+    # stored. Packed documents can end anywhere: everything is masked there.
+    if PACKED:
+        return hi
+    elif CAUSAL:
+        return tl.minimum(hi, ((n0 + BLOCK_N - 1 + BLOCK_M - 1) // BLOCK_M) * BLOCK_M)
+    else:
+        return lo
+
+
+@triton.jit
+def _dkdv_blocks(q_base, do_base, k, v, cols, start, end, n, sq_s, sd_s, cols_d, LSE, DELTA, bh, SEG, qk_scale,
+                 dk, dv, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, PACKED: tl.constexpr,
+                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    # dV += Pᵀ · dO and dK += dSᵀ · Q over query blocks start, start + BLOCK_M, ... < end: the dK/dV kernel's inner
+    # loop, for one query head.
+    for m0 in range(start, end, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        q = _tile(q_base, rows, n, sq_s, cols_d, UPCAST)
+        do = _tile(do_base, rows, n, sd_s, cols_d, UPCAST)
+        lse2 = tl.load(LSE + bh * n + rows, mask=rows < n, other=0.0) * 1.4426950408889634
+        delta = tl.load(DELTA + bh * n + rows, mask=rows < n, other=0.0)
+        p = _probabilities(q, k, rows, cols, n, lse2, SEG, qk_scale, CAUSAL, PACKED, PRECISION, MASKED)
+        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+    return dk, dv
+
+
+@triton.jit
 def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, SEG, SEG_END,
     sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sd_b, sd_h, sd_s,
@@ -240,7 +275,7 @@ def _bwd_dkdv_kernel(
     CAUSAL: tl.constexpr, PACKED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     # One program: BLOCK_N keys of one (batch, KV head); dK and dV summed over every query head of the group and every
-    # query block that sees them.
+    # query block that sees them. The blocks on the diagonal (causal) or in packed documents are masked; the rest not.
     n0 = tl.program_id(0) * BLOCK_N
     bhk = tl.program_id(1).to(tl.int64)
     b = bhk // n_kv_heads
@@ -254,22 +289,16 @@ def _bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, D], tl.float32)
     dv = tl.zeros([BLOCK_N, D], tl.float32)
     lo, hi = _query_range(n0, n, SEG, SEG_END, BLOCK_M, BLOCK_N, CAUSAL, PACKED)
+    masked_end = _masked_query_end(n0, lo, hi, BLOCK_M, BLOCK_N, CAUSAL, PACKED)
     for g in range(GROUP):
         h = hk * GROUP + g
         bh = b * (n_kv_heads * GROUP) + h
         q_base = Q + b * sq_b + h * sq_h
         do_base = DO + b * sd_b + h * sd_h
-        for m0 in range(lo, hi, BLOCK_M):
-            rows = m0 + tl.arange(0, BLOCK_M)
-            q = _tile(q_base, rows, n, sq_s, cols_d, UPCAST)
-            do = _tile(do_base, rows, n, sd_s, cols_d, UPCAST)
-            lse2 = tl.load(LSE + bh * n + rows, mask=rows < n, other=0.0) * 1.4426950408889634
-            delta = tl.load(DELTA + bh * n + rows, mask=rows < n, other=0.0)
-            p = _probabilities(q, k, rows, cols, n, lse2, SEG, qk_scale, CAUSAL, PACKED, PRECISION)
-            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
-            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-            ds = p * (dp - delta[:, None])
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+        dk, dv = _dkdv_blocks(q_base, do_base, k, v, cols, lo, masked_end, n, sq_s, sd_s, cols_d, LSE, DELTA, bh, SEG,
+                              qk_scale, dk, dv, BLOCK_M, True, CAUSAL, PACKED, UPCAST, PRECISION)
+        dk, dv = _dkdv_blocks(q_base, do_base, k, v, cols, masked_end, hi, n, sq_s, sd_s, cols_d, LSE, DELTA, bh,
+                              SEG, qk_scale, dk, dv, BLOCK_M, False, CAUSAL, PACKED, UPCAST, PRECISION)
     ok = (cols < n)[:, None]
     tl.store(DK + b * sdk_b + hk * sdk_h + cols[:, None].to(tl.int64) * sdk_s + cols_d[None, :],
              (dk * scale).to(DK.dtype.element_ty), mask=ok)

@@ -241,12 +241,14 @@ def test_config_from_one_function():
     assert tiny.forward.block_m == 128  # one program per (batch, head) at the chapter's sizes
 
 
+@pytest.mark.parametrize("dkdv_blocks", [(16, 32), (32, 16)], ids=lambda b: f"dkdv{b[0]}x{b[1]}")
 @pytest.mark.parametrize("causal,packed", [(True, False), (False, False), (True, True)])
-def test_small_blocks_walk_masked_and_unmasked_blocks(device, gen, causal, packed):
+def test_small_blocks_walk_masked_and_unmasked_blocks(device, gen, causal, packed, dkdv_blocks):
     # GPU-sized walks in the interpreter: blocks of 32 queries and 16 keys over 77 tokens, so that the key blocks
     # before a query block's diagonal (or all full blocks, not causal) run without the mask, and the rest with it.
+    # The dK/dV walk likewise, over query blocks past a key block's diagonal, with fewer or more rows than keys.
     blocks = BlockConfig(32, 16, 4, 1)
-    cfg = Config(blocks, BlockConfig(16, 32, 4, 1), blocks, 32)
+    cfg = Config(blocks, BlockConfig(*dkdv_blocks, 4, 1), blocks, 32)
     q, k, v = (x.detach() for x in _inputs(gen, device, 2 if not packed else 1, 4, 2, 77, 16, torch.float32))
     seg = segment_bounds(torch.tensor([0, 1, 30, 77], dtype=torch.int32, device=device), 77) if packed else (None, None)
     cu = torch.tensor([0, 1, 30, 77], dtype=torch.int32) if packed else None

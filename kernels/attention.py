@@ -50,6 +50,9 @@ import triton.language as tl
 
 from . import ops, runtime
 
+# Which version of the kernels this is (assets/notes/attention.md lists each, and what was measured of it): the
+# benchmark records it, so a recorded timing says which code it timed. 2: the dK/dV walk masks only its diagonal.
+VERSION = 2
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x · log2 e): the kernels work in base 2, exp2 is the hardware's
 HEAD_DIMS = (16, 32, 64, 128)  # tl.dot needs 16 ≤ head_dim; 16 and 32 keep the interpreter's sizes small
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

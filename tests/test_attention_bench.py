@@ -25,7 +25,12 @@ def test_command_writes_a_checked_run(tmp_path, capsys):
         assert row["seq"] == 32 and set(row["ms"]) == {"ours", "sdpa_math"} and not row["missing"]
         assert row["error"]["sdpa_math"] < 1e-5  # float32 in the interpreter: checked against ours before timing
     assert docs["ms"]["ours_packed"] > 0
-    assert "ours against peers" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "ours against peers" in out and f"kernel version {bench.attention.VERSION}, the package's" in out
+    older = {**result, "kernel_version": bench.attention.VERSION - 1}
+    assert "not timed in this run" in bench.format_table(older)
+    del older["kernel_version"]  # a run recorded before the field timed version 1
+    assert "kernel version 1;" in bench.format_table(older)
 
 
 def test_refuses_to_replace_recorded_results_without_record():

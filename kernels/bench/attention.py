@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import runtime
+from kernels import attention, runtime
 from kernels.attention import flash_attention
 from kernels.reference import relative_error
 from kernels.tolerances import RELATIVE_ERROR_TOL
@@ -207,7 +207,7 @@ def run(seqs=None, tokens: int | None = None) -> dict:
     tokens = tokens or shape["tokens"]
     matmul = _matmul_tflops()
     result = {"device": runtime.device_name(), "device_slug": device_slug(), "mode": runtime.MODE,
-              "versions": runtime.versions(), "matmul_tflops": matmul,
+              "versions": runtime.versions(), "kernel_version": attention.VERSION, "matmul_tflops": matmul,
               "settings": dict(heads=heads, kv_heads=kv_heads, head_dim=d, tokens_per_batch=tokens, seqs=list(seqs),
                                document_tokens=doc, dtype="bfloat16" if runtime.MODE == "gpu" else "float32",
                                causal=True, backward_factor=BACKWARD_FACTOR),
@@ -255,7 +255,17 @@ def format_table(result: dict) -> str:
     for entry in ratios(result):
         parts = ", ".join(f"{k} {v:.2f}×" for k, v in entry.items() if k != "seq")
         lines.append(f"  seq {entry['seq']:>7,}: ours against peers (their time / ours): {parts}")
+    lines.append(version_note(result))
     return "\n".join(lines)
+
+
+def version_note(result: dict) -> str:
+    """Which version of our kernels the run timed, and whether it is the package's (runs before the field: 1)."""
+    timed = result.get("kernel_version", 1)
+    if timed == attention.VERSION:
+        return f"  ours: kernel version {timed}, the package's"
+    return (f"  ours: kernel version {timed}; the package's is version {attention.VERSION}, not timed in this run "
+            "(assets/notes/attention.md says what changed)")
 
 
 def load(path: Path | None = None) -> dict | None:

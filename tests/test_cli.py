@@ -161,6 +161,8 @@ LONG = "kernels.training.long_context"
 PEAK = "kernels.training.peak_memory"
 FSDP = "kernels.distributed.finetune"
 SCALING = "kernels.distributed.scaling"
+ATTENTION = "kernels.bench.attention"
+LORA = "kernels.bench.lora"
 
 MISTAKES = [
     (SWEEP, ["--hidden", "0"], "argument --hidden: must be a positive integer, got '0'"),
@@ -214,6 +216,13 @@ MISTAKES = [
     (SCALING, ["--steps", "0"], "argument --steps"),
     (SCALING, ["--timeout", "0"], "argument --timeout"),
     (SCALING, ["--variants", "both"], "argument --variants"),
+    (ATTENTION, ["--seqs", "64", "0"], "argument --seqs"),
+    (ATTENTION, ["--tokens", "-1"], "argument --tokens"),
+    (LORA, ["--batch", "0"], "argument --batch"),
+    (LORA, ["--alpha", "nan"], "argument --alpha"),
+    (LORA, ["--setups", "hf_peft,nope"], "argument --setups: unknown 'nope'"),
+    (LORA, ["--preset", "llama-99b"], "argument --preset: invalid choice"),
+    (LORA, ["--name", "a/b"], "argument --name"),
 ]
 
 
@@ -256,6 +265,8 @@ WRITERS = {
     FSDP: (["--preset", "tiny"], "fsdp/tiny_1gpu.json"),
     PEAK: ([], f"peak_memory/llama-3.2-1b_{SLUG}.json"),
     SCALING: (["--preset", "tiny"], "scaling/tiny.json"),
+    ATTENTION: ([], f"attention/{SLUG}.json"),
+    LORA: (["--preset", "tiny", "--batch", "1"], "lora/tiny_b1.json"),
 }
 
 
@@ -332,6 +343,9 @@ TINY_RUNS = [
     (OVERHEAD, ["--calls", "2"], [f"overhead/{SLUG}.json", f"overhead/{SLUG}.png"]),
     (FINETUNE, ["--preset", "tiny", "--steps", "1", "--seq-len", "32", "--batch-size", "1", "--grad-accum", "1",
                 "--no-progress"], ["finetune/tiny_patched.json", "finetune/tiny_patched.png"]),
+    (ATTENTION, ["--seqs", "32", "--tokens", "32"], [f"attention/{SLUG}.json"]),
+    (LORA, ["--preset", "tiny", "--seq", "13", "--setups", "floor_hf,patched_peft", "--no-micro"],
+     ["lora/tiny_b1.json"]),
     (CUDA, ["--quick"], []),  # interpreter timings: saved only where --out asks
     (PEAK, [], []),  # GPU-only: says so and writes nothing
 ]

@@ -32,10 +32,10 @@ def test_micro_row_has_every_timing():
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--setups", "floor,nope"], "unknown setups"),
-    (["--batch", "0"], "--batch must be at least 1"),
-    (["--record", "--out", "x"], "give --out or --record"),
-    (["--alpha", "-1"], "--alpha must be a positive number"),
+    (["--setups", "floor_hf,nope"], "argument --setups: unknown 'nope'"),
+    (["--batch", "0"], "argument --batch: must be a positive integer"),
+    (["--record", "--out", "x"], "argument --out: not allowed with argument --record"),
+    (["--alpha", "-1"], "argument --alpha: must be a number > 0"),
 ])
 def test_bad_arguments_exit_before_any_work(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -15,7 +15,8 @@ the same count over each document's own causal square. The share of the bf16 mat
 in the same run (an 8,192³ matmul, as chapter 00 measures it). Each peer's output and gradients are checked against
 ours before timing (bf16 relative error). A peer that has no kernel for the case is recorded as missing, with why.
 
-Results go to ``runs/attention/<gpu>.json``; ``--record`` writes ``assets/results/attention/<gpu>.json`` instead,
+Results go to ``runs/attention/<gpu>.json`` (``--out`` picks another results root; an existing file is replaced
+only with ``--force``); ``--record`` writes ``assets/results/attention/<gpu>.json`` instead,
 the file ``kernels.hf.attention.attention_choice`` reads to decide ``patch_llama``'s default attention. In the
 interpreter the command runs tiny shapes and SDPA's math kernel only (timings there mean nothing).
 """
@@ -36,10 +37,10 @@ from kernels.attention import flash_attention
 from kernels.reference import relative_error
 from kernels.tolerances import RELATIVE_ERROR_TOL
 
+from . import cli
 from .results import RESULTS, device_slug, first_line, results_file
 from .timing import time_ms
 
-RUNS = RESULTS.parents[1] / "runs"
 GPU_SHAPE = dict(heads=32, kv_heads=8, head_dim=128, tokens=16384, seqs=(2048, 8192, 32768), doc=1024)
 CPU_SHAPE = dict(heads=2, kv_heads=1, head_dim=32, tokens=128, seqs=(64, 128), doc=32)
 BACKWARD_FACTOR = 2.5
@@ -277,30 +278,30 @@ def load(path: Path | None = None) -> dict | None:
     return json.loads(path.read_text()) if path is not None and path.exists() else None
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m kernels.bench.attention", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seqs", type=int, nargs="+", default=None,
+    parser.add_argument("--seqs", type=cli.positive_int, nargs="+", default=None,
                         help="sequence lengths (default 2048 8192 32768 on a GPU; 131072 is optional)")
-    parser.add_argument("--tokens", type=int, default=None,
+    parser.add_argument("--tokens", type=cli.positive_int, default=None,
                         help="tokens per batch (default 16384 on a GPU); batch = tokens / seq, at least 1")
-    parser.add_argument("--record", action="store_true",
-                        help="write assets/results/attention/<gpu>.json (the file patch_llama's default reads)")
-    parser.add_argument("--out", type=Path, default=None, help=f"results root (default {RUNS}; --record: {RESULTS})")
+    cli.add_output_arguments(parser, "attention/<gpu>.json (with --record, the file patch_llama's default reads)")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
-    if args.seqs is not None and any(s < 1 for s in args.seqs):
-        parser.error(f"--seqs must be positive, got {args.seqs}")
-    if args.tokens is not None and args.tokens < 1:
-        parser.error(f"--tokens must be positive, got {args.tokens}")
-    root = args.out or (RESULTS if args.record else RUNS)
-    if root.resolve() == RESULTS.resolve() and not args.record:
-        parser.error("writing into assets/results needs --record (the committed results are not replaced by default)")
+    root = cli.output_root(args)
     path = results_file("attention", device_slug(), root)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    problems = []
+    if root.resolve() == RESULTS.resolve() and not args.record:
+        problems.append("writing into assets/results needs --record (the committed results are not replaced by "
+                        "default)")
+    cli.check_outputs(parser, args, [path], problems)
     print(runtime.describe())
     result = run(args.seqs, args.tokens)
     print(format_table(result))
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    print("saved", path)
+    print("saved", cli.write_json(path, result))
     return 0
 
 

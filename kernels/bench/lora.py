@@ -19,7 +19,8 @@ per-layer micro-benchmarks at the preset's shapes (``micro``): the forward of on
 cuBLAS's β-epilogue and with the Triton epilogue, against the bare base GEMM; cuBLAS against the Triton GEMM with no
 epilogue; and cuBLAS against split-K for dA and dB.
 
-Results go to ``runs/lora/<name>.json`` (``--out`` picks another folder); ``--record`` writes
+Results go to ``runs/lora/<name>.json`` (``--out`` picks another results root; an existing file is replaced only
+with ``--force``); ``--record`` writes
 ``assets/results/lora/<name>.json``, the files chapter 15 reads.
 """
 
@@ -29,7 +30,6 @@ import argparse
 import contextlib
 import gc
 import json
-import math
 import time
 from pathlib import Path
 
@@ -40,14 +40,14 @@ from kernels import runtime
 from kernels.gemm import gemm_epilogue, splitk_mm
 from kernels.hf import lora as hf_lora
 from kernels.hf.patch import patch_llama
-from kernels.hf.presets import llama_config
+from kernels.hf.presets import PRESETS, llama_config
 from kernels.lora import lora_forward, skinny_mm
 
+from . import cli
 from .results import RESULTS, device_slug, first_line, results_file
 from .timing import time_ms
 
 GROUP = "lora"
-RUNS = Path("runs")
 GIB = 2**30
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SETUPS = ("floor_hf", "floor_patched", "hf_peft", "patched_peft_lora_off", "patched_peft", "patched_peft_triton",
@@ -361,46 +361,49 @@ def run(preset: str, batch: int, seq: int, rank: int, alpha: float, warmup: int,
     return result
 
 
-def main(argv=None) -> int:
+def _name(text: str) -> str:
+    try:
+        results_file(GROUP, text)  # a file name, no folder
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m kernels.bench.lora", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default=None, help="llama-3.1-8b (GPU default), llama-3.2-1b, tiny (CPU default)")
-    parser.add_argument("--batch", type=int, default=None, help="rows per step (default 4; CPU 1)")
-    parser.add_argument("--seq", type=int, default=None, help="tokens per row (default 2048; CPU 37)")
-    parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--alpha", type=float, default=32.0)
-    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2; CPU 0)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per setup (default 5; CPU 1)")
+    parser.add_argument("--preset", default=None, choices=tuple(PRESETS),
+                        help="llama-3.1-8b (GPU default), llama-3.2-1b, tiny (CPU default)")
+    parser.add_argument("--batch", type=cli.positive_int, default=None, help="rows per step (default 4; CPU 1)")
+    parser.add_argument("--seq", type=cli.positive_int, default=None, help="tokens per row (default 2048; CPU 37)")
+    parser.add_argument("--rank", type=cli.positive_int, default=16)
+    parser.add_argument("--alpha", type=cli.positive_float, default=32.0)
+    parser.add_argument("--warmup", type=cli.non_negative_int, default=None,
+                        help="untimed steps first (default 2; CPU 0)")
+    parser.add_argument("--steps", type=cli.positive_int, default=None, help="timed steps per setup (default 5; CPU 1)")
     parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing on every layer")
-    parser.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated subset of {','.join(SETUPS)}")
+    parser.add_argument("--setups", type=cli.names(SETUPS), default=SETUPS,
+                        help=f"comma-separated subset of {','.join(SETUPS)}")
     parser.add_argument("--no-micro", action="store_true", help="skip the per-layer micro-benchmarks")
-    parser.add_argument("--name", default=None, help="file name (default <preset>_b<batch>[_ckpt])")
-    parser.add_argument("--out", type=Path, default=None, help=f"results root (default {RUNS}/)")
-    parser.add_argument("--record", action="store_true", help=f"write into {RESULTS} (the committed results)")
+    parser.add_argument("--name", type=_name, default=None, help="file name (default <preset>_b<batch>[_ckpt])")
+    cli.add_output_arguments(parser, f"{GROUP}/<name>.json")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
-    setups = tuple(s for s in args.setups.split(",") if s)
-    unknown = [s for s in setups if s not in SETUPS]
-    if unknown:
-        parser.error(f"unknown setups {unknown}: choose from {', '.join(SETUPS)}")
-    for name in ("batch", "seq", "steps", "rank"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            parser.error(f"--{name} must be at least 1, got {value}")
-    if args.record and args.out is not None:
-        parser.error("--record writes into the committed results; give --out or --record, not both")
-    if not math.isfinite(args.alpha) or args.alpha <= 0:
-        parser.error(f"--alpha must be a positive number, got {args.alpha}")
+    setups = args.setups
     preset = args.preset or runtime.pick("tiny", "llama-3.1-8b")
     batch, seq = args.batch or runtime.pick(1, 4), args.seq or runtime.pick(37, 2048)
     warmup = args.warmup if args.warmup is not None else runtime.pick(0, 2)
     steps = args.steps or runtime.pick(1, 5)
     name = args.name or default_name(preset, batch, args.checkpointing)
-    path = results_file(GROUP, name, RESULTS if args.record else (args.out or RUNS))
+    path = results_file(GROUP, name, cli.output_root(args))
+    cli.check_outputs(parser, args, [path])
     result = run(preset, batch, seq, args.rank, args.alpha, warmup, steps, args.checkpointing, setups,
                  with_micro=not args.no_micro)
     print(format_table(result))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    print("saved", path)
+    print("saved", cli.write_json(path, result))
     return 0
 
 

@@ -163,6 +163,7 @@ FSDP = "kernels.distributed.finetune"
 SCALING = "kernels.distributed.scaling"
 ATTENTION = "kernels.bench.attention"
 LORA = "kernels.bench.lora"
+BLOCKS = "kernels.bench.attention_blocks"
 
 MISTAKES = [
     (SWEEP, ["--hidden", "0"], "argument --hidden: must be a positive integer, got '0'"),
@@ -223,6 +224,8 @@ MISTAKES = [
     (LORA, ["--setups", "hf_peft,nope"], "argument --setups: unknown 'nope'"),
     (LORA, ["--preset", "llama-99b"], "argument --preset: invalid choice"),
     (LORA, ["--name", "a/b"], "argument --name"),
+    (BLOCKS, ["--seq", "0"], "argument --seq"),
+    (BLOCKS, ["--kernels", "delta"], "argument --kernels: unknown 'delta'"),
 ]
 
 
@@ -267,6 +270,7 @@ WRITERS = {
     SCALING: (["--preset", "tiny"], "scaling/tiny.json"),
     ATTENTION: ([], f"attention/{SLUG}.json"),
     LORA: (["--preset", "tiny", "--batch", "1"], "lora/tiny_b1.json"),
+    BLOCKS: ([], f"attention_blocks/{SLUG}.json"),
 }
 
 

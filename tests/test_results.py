@@ -124,6 +124,7 @@ TOP_LEVEL_KEYS = {
     "linear_cross_entropy": {"kernel", "device", "device_slug", "mode", "hidden", "vocab", "tokens"},
     "peak_memory": {"device", "preset", "lengths", "gradient_checkpointing"},
     "attention": {"device", "device_slug", "mode", "versions", "matmul_tflops", "settings", "rows"},
+    "attention_blocks": {"device", "device_slug", "mode", "kernel_version", "settings", "configured", "rows", "best"},
 }
 SWEEP_KEYS = {"kernel", "device", "device_slug", "mode", "date", "settings"}
 

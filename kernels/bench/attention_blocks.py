@@ -1,0 +1,202 @@
+"""The attention kernels' tile shapes, measured: ``python -m kernels.bench.attention_blocks``.
+
+Each kernel of ``kernels.attention`` takes its tiles from ``attention_config``: query rows and keys per tile, warps,
+and pipeline stages. That choice was made from FlashAttention-2's shapes, not from a measurement. This command
+measures it, one kernel at a time, at one shape (default: Llama-3.1-8B's attention, 32 query and 8 KV heads, d =
+128, bf16, causal, 8,192 tokens, batch 2), with the other kernels at their configured tiles:
+
+* the forward, for each forward candidate;
+* the backward (the delta preprocess, dK/dV, dQ), for each dK/dV candidate;
+* the backward again, for each dQ candidate, beside the fastest dK/dV.
+
+Before a candidate is timed its outputs are checked against the configured kernels' (relative error within the
+tolerance of two implementations in the dtype): a tile shape that computes something else is recorded as failing,
+never timed. One that does not compile on this GPU (more shared memory than a block may have) is recorded with the
+reason. The first candidate of each list is the configured one.
+
+The table gives each candidate's time against the configured one's. Choosing stays a person's decision, written into
+``attention_config`` with the run beside it (``assets/notes/attention.md``), as for the other kernels' launch
+settings. Results: ``runs/attention_blocks/<gpu>.json``; ``--record`` writes
+``assets/results/attention_blocks/<gpu>.json``. In the interpreter the shapes and tiles are tiny and the timings mean
+nothing; the run checks that every candidate computes attention.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import torch
+
+from kernels import attention, runtime
+from kernels.attention import BlockConfig, Config, attention_backward, attention_config, attention_forward
+from kernels.reference import relative_error
+from kernels.tolerances import RELATIVE_ERROR_TOL
+
+from . import cli
+from .results import device_slug, first_line, results_file
+from .timing import time_ms
+
+GROUP = "attention_blocks"
+GPU_SHAPE = dict(batch=2, heads=32, kv_heads=8, seq=8192, head_dim=128)
+CPU_SHAPE = dict(batch=1, heads=2, kv_heads=1, seq=48, head_dim=16)
+
+# (block_m, block_n, num_warps, num_stages). The forward and dQ walks need block_m a multiple of block_n (their
+# mask-free part ends at the query block's first row). Candidates from FlashAttention-2's and Triton's tutorial
+# shapes around the configured ones; each list starts with what attention_config gives at d = 128.
+GPU_CANDIDATES = {
+    "forward": [(128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (128, 64, 4, 3), (128, 128, 8, 2),
+                (128, 128, 8, 3), (128, 32, 4, 3), (128, 32, 8, 4), (64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 4)],
+    "dkdv": [(64, 64, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 8, 2), (32, 128, 4, 3), (32, 128, 8, 3),
+             (32, 64, 4, 3), (32, 64, 4, 4), (16, 128, 4, 3), (64, 32, 4, 3)],
+    "dq": [(64, 64, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 32, 4, 3), (128, 32, 8, 3),
+           (64, 32, 4, 3), (64, 32, 4, 4), (128, 128, 8, 2)],
+}
+CPU_CANDIDATES = {
+    "forward": [(16, 16, 4, 1), (32, 16, 4, 1)],
+    "dkdv": [(16, 16, 4, 1), (16, 32, 4, 1), (32, 16, 4, 1)],
+    "dq": [(16, 16, 4, 1), (32, 16, 4, 1)],
+}
+KERNELS = ("forward", "dkdv", "dq")
+
+
+def candidates(kernel: str, props: runtime.DeviceProps | None = None) -> list[BlockConfig]:
+    """The tiles tried for ``kernel`` ("forward", "dkdv" or "dq"): the configured one first, then the others."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    table = CPU_CANDIDATES if (props or runtime.device_props()).interpreter else GPU_CANDIDATES
+    return [BlockConfig(*c) for c in table[kernel]]
+
+
+def base_config(shape: dict) -> Config:
+    """The configuration every row starts from: ``attention_config``'s on a GPU; in the interpreter the first
+    candidates (``attention_config`` there gives one tile of up to 128 rows, which would walk no second block)."""
+    if runtime.MODE == "gpu":
+        return attention_config(shape["seq"], shape["head_dim"])
+    first = {k: candidates(k)[0] for k in KERNELS}
+    return Config(first["forward"], first["dkdv"], first["dq"], 16)
+
+
+def _inputs(shape: dict, seed: int = 0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    dtype = torch.bfloat16 if runtime.MODE == "gpu" else torch.float32
+    b, h, hk, s, d = (shape[k] for k in ("batch", "heads", "kv_heads", "seq", "head_dim"))
+
+    def draw(heads):
+        return torch.randn(b, heads, s, d, generator=g).to(runtime.device(), dtype)
+
+    return draw(h), draw(hk), draw(hk), draw(h)
+
+
+def _with(config: Config, kernel: str, block: BlockConfig) -> Config:
+    return dataclasses.replace(config, **{kernel: block})
+
+
+def measure_kernel(kernel: str, shape: dict, config: Config, blocks: list[BlockConfig], scale: float) -> list[dict]:
+    """One row per candidate tile of ``kernel``: checked against ``config``'s outputs, then timed (the forward alone,
+    or the whole backward)."""
+    q, k, v, grad = _inputs(shape)
+    out, lse = attention_forward(q, k, v, True, scale, config=config)
+    expected = (out, lse) if kernel == "forward" else attention_backward(grad, q, k, v, out, lse, True, scale,
+                                                                     config=config)
+    tol = 2 * RELATIVE_ERROR_TOL[q.dtype]
+    rows = []
+    for block in blocks:
+        row = {"kernel": kernel, "block": dataclasses.asdict(block)}
+        cfg = _with(config, kernel, block)
+        if kernel == "forward":
+            def call(cfg=cfg):
+                return attention_forward(q, k, v, True, scale, config=cfg)
+        else:
+            def call(cfg=cfg):
+                return attention_backward(grad, q, k, v, out, lse, True, scale, config=cfg)
+        try:
+            error = max(relative_error(a, b, on_device=True) for a, b in zip(call(), expected))
+            row["error"] = error
+            if not error < tol:
+                row["failed"] = f"disagrees with the configured tiles: relative error {error:.2e}"
+            else:
+                row["ms"] = time_ms(call)
+        except Exception as exc:  # noqa: BLE001  (a tile this GPU cannot run, e.g. out of shared memory, is recorded)
+            row["failed"] = first_line(exc)
+        rows.append(row)
+    return rows
+
+
+def fastest(rows: list[dict]) -> dict | None:
+    """The timed row with the least time, or None."""
+    timed = [r for r in rows if "ms" in r]
+    return min(timed, key=lambda r: r["ms"]) if timed else None
+
+
+def run(shape: dict | None = None, kernels=KERNELS) -> dict:
+    """Every candidate of each of ``kernels`` at ``shape``; dQ's candidates run beside the fastest dK/dV."""
+    shape = dict(shape or (GPU_SHAPE if runtime.MODE == "gpu" else CPU_SHAPE))
+    scale = 1.0 / shape["head_dim"] ** 0.5
+    config = base_config(shape)
+    result = {"device": runtime.device_name(), "device_slug": device_slug(), "mode": runtime.MODE,
+              "versions": runtime.versions(), "kernel_version": attention.VERSION, "settings": {**shape,
+              "causal": True, "dtype": "bfloat16" if runtime.MODE == "gpu" else "float32"},
+              "configured": dataclasses.asdict(config), "rows": [], "best": {}}
+    for kernel in kernels:
+        rows = measure_kernel(kernel, shape, config, candidates(kernel), scale)
+        result["rows"] += rows
+        best = fastest(rows)
+        if best is not None:
+            result["best"][kernel] = best
+            if kernel == "dkdv":  # the dQ candidates are timed beside the fastest dK/dV
+                config = _with(config, "dkdv", BlockConfig(**best["block"]))
+    return result
+
+
+def _label(block: dict) -> str:
+    return f"{block['block_m']:>3}×{block['block_n']:<3} w{block['num_warps']} s{block['num_stages']}"
+
+
+def format_table(result: dict) -> str:
+    st = result["settings"]
+    lines = [f"{result['device']}: attention tiles, batch {st['batch']}, {st['heads']}/{st['kv_heads']} heads, "
+             f"seq {st['seq']:,}, d={st['head_dim']}, causal; time against the first (configured) tile of each"]
+    for kernel in KERNELS:
+        rows = [r for r in result["rows"] if r["kernel"] == kernel]
+        if not rows:
+            continue
+        first = rows[0].get("ms")
+        what = {"forward": "forward", "dkdv": "backward, dK/dV tiles", "dq": "backward, dQ tiles"}[kernel]
+        lines.append(f"  {what}:")
+        for r in rows:
+            if "ms" in r:
+                ratio = f"  {first / r['ms']:.2f}× the configured" if first else ""
+                lines.append(f"    {_label(r['block'])} {r['ms']:9.3f} ms{ratio}")
+            else:
+                lines.append(f"    {_label(r['block'])}   failed: {r['failed']}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m kernels.bench.attention_blocks",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq", type=cli.positive_int, default=None, help="tokens per sequence (GPU default 8192)")
+    parser.add_argument("--batch", type=cli.positive_int, default=None, help="sequences (GPU default 2)")
+    parser.add_argument("--kernels", type=cli.names(KERNELS), default=KERNELS,
+                        help=f"comma-separated subset of {','.join(KERNELS)}")
+    cli.add_output_arguments(parser, f"{GROUP}/<gpu>.json")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    path = results_file(GROUP, device_slug(), cli.output_root(args))
+    cli.check_outputs(parser, args, [path])
+    shape = dict(GPU_SHAPE if runtime.MODE == "gpu" else CPU_SHAPE)
+    shape.update({k: v for k, v in (("seq", args.seq), ("batch", args.batch)) if v is not None})
+    print(runtime.describe())
+    result = run(shape, args.kernels)
+    print(format_table(result))
+    print("saved", cli.write_json(path, result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,52 @@
+"""The attention tile sweep (kernels.bench.attention_blocks): every candidate checked before it is timed, one that
+computes something else or cannot run recorded as failing with why, the fastest of each kernel named, and the file
+written where the command-line policy says."""
+
+import json
+
+import pytest
+
+from kernels import runtime
+from kernels.attention import BlockConfig
+from kernels.bench import attention_blocks as sweep
+
+CPU_ONLY = pytest.mark.skipif(runtime.MODE == "gpu", reason="interpreter shapes; on a GPU the sweep takes minutes")
+
+
+def test_each_list_starts_with_the_configured_tiles():
+    gpu = runtime.DeviceProps("H200", False, 132, 232448, 65536)
+    from kernels.attention import attention_config
+
+    configured = attention_config(8192, 128, gpu)
+    for kernel in sweep.KERNELS:
+        blocks = sweep.candidates(kernel, gpu)
+        assert blocks[0] == getattr(configured, kernel) and len(set(blocks)) == len(blocks) > 3
+        if kernel != "dkdv":  # the forward and dQ walks need whole key blocks before the query block's first row
+            assert all(b.block_m % b.block_n == 0 for b in blocks), kernel
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        sweep.candidates("delta")
+
+
+@CPU_ONLY
+def test_the_command_checks_times_and_names_the_fastest(tmp_path, capsys):
+    assert sweep.main(["--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "attention_blocks" / "cpu-interpreter.json").read_text())
+    for kernel in sweep.KERNELS:
+        rows = [r for r in result["rows"] if r["kernel"] == kernel]
+        assert len(rows) == len(sweep.candidates(kernel)) and all(r["ms"] > 0 and r["error"] < 1e-5 for r in rows)
+        assert result["best"][kernel]["ms"] == min(r["ms"] for r in rows)
+    assert "backward, dQ tiles" in capsys.readouterr().out
+
+
+@CPU_ONLY
+def test_a_wrong_or_broken_tile_is_recorded_and_never_timed(monkeypatch):
+    # 16 query rows with 32-key tiles: the forward's mask-free walk would end inside a key block and count keys
+    # after the diagonal (attention_config never gives it); a zero-row tile cannot launch at all.
+    monkeypatch.setitem(sweep.CPU_CANDIDATES, "forward", [(16, 16, 4, 1), (16, 32, 4, 1), (0, 16, 4, 1)])
+    result = sweep.run(kernels=("forward",))
+    good, wrong, broken = result["rows"]
+    assert "ms" in good and result["best"]["forward"] is good
+    assert "ms" not in wrong and "disagrees with the configured tiles" in wrong["failed"]
+    assert "ms" not in broken and broken["failed"]
+    assert "failed" in sweep.format_table(result)
+    assert BlockConfig(**good["block"]) == sweep.candidates("forward")[0]

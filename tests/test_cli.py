@@ -164,6 +164,7 @@ SCALING = "kernels.distributed.scaling"
 ATTENTION = "kernels.bench.attention"
 LORA = "kernels.bench.lora"
 BLOCKS = "kernels.bench.attention_blocks"
+PACKED = "kernels.training.packed"
 
 MISTAKES = [
     (SWEEP, ["--hidden", "0"], "argument --hidden: must be a positive integer, got '0'"),
@@ -226,6 +227,10 @@ MISTAKES = [
     (LORA, ["--name", "a/b"], "argument --name"),
     (BLOCKS, ["--seq", "0"], "argument --seq"),
     (BLOCKS, ["--kernels", "delta"], "argument --kernels: unknown 'delta'"),
+    (PACKED, ["--examples", "0"], "argument --examples"),
+    (PACKED, ["--max-len", "16"], "--max-len must be at least 32"),
+    (PACKED, ["--max-len", "64", "--tokens", "48"], "--tokens 48 is below --max-len 64"),
+    (PACKED, ["--name", "a/b"], "argument --name"),
 ]
 
 
@@ -271,6 +276,7 @@ WRITERS = {
     ATTENTION: ([], f"attention/{SLUG}.json"),
     LORA: (["--preset", "tiny", "--batch", "1"], "lora/tiny_b1.json"),
     BLOCKS: ([], f"attention_blocks/{SLUG}.json"),
+    PACKED: ([], "packing/tiny.json"),
 }
 
 

@@ -1,6 +1,8 @@
 """Packed SFT batches (kernels.training.data): independent examples in one row with restarting positions and
 document offsets, beside the same examples padded; the two give the same per-example losses."""
 
+import json
+
 import pytest
 import torch
 
@@ -81,3 +83,19 @@ def test_packed_and_padded_give_the_same_per_example_losses(seed):
     # more than this (tests/test_attention_hf.py shows the same examples attended across).
     lengths = [len(ids) for ids, _ in examples]
     assert abs(packed - padded) <= 1e-4 * abs(padded), (packed, padded, lengths)
+
+
+
+@pytest.mark.skipif(runtime.MODE == "gpu", reason="the GPU run is the 8B shape: python -m kernels.training.packed")
+def test_the_end_to_end_command_runs_both_layouts_over_the_same_examples(tmp_path, capsys):
+    from kernels.training import packed
+
+    assert packed.main(["--out", str(tmp_path), "--no-progress", "--examples", "5", "--max-len", "40"]) == 0
+    result = json.loads((tmp_path / "packing" / "tiny.json").read_text())
+    padded, packed_row = result["rows"]["padded"], result["rows"]["packed"]
+    assert "flash_attention" in packed_row["attention"] and "sdpa" in padded["attention"]
+    assert padded["labels"] == packed_row["labels"] > 0  # the same examples, the same trained labels
+    assert result["loss_relative_difference"] < 1e-5 and padded["summed_loss"] > 0
+    assert 0 < padded["useful_fraction"] <= 1 and 0 < packed_row["useful_fraction"] <= 1
+    assert result["speedup"] == pytest.approx(packed_row["useful_tokens_per_s"] / padded["useful_tokens_per_s"])
+    assert "packed against padded" in capsys.readouterr().out

@@ -24,6 +24,7 @@ few short examples (the timings there mean nothing; the losses are checked). Res
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from dataclasses import dataclass
 
@@ -143,6 +144,12 @@ def format_table(result: dict) -> str:
     lines.append(f"  packed against padded: {result['speedup']:.2f}× the useful tokens/s; summed losses differ by "
                  f"{result['loss_relative_difference']:.1e} (relative)")
     return "\n".join(lines)
+
+
+def load(name: str = GPU_SETUP.preset) -> dict | None:
+    """The recorded run ``assets/results/packing/<name>.json``, or None when there is none yet."""
+    path = results_file(GROUP, name)
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def build_parser() -> argparse.ArgumentParser:

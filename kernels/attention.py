@@ -621,7 +621,8 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, seq: int) -> None:
 def _check_position_ids(position_ids, q, cu_seqlens) -> None:
     if cu_seqlens is not None:
         raise ValueError("give cu_seqlens or position_ids, not both")
-    if not isinstance(position_ids, torch.Tensor) or position_ids.is_floating_point() or position_ids.is_complex():
+    if (not isinstance(position_ids, torch.Tensor) or position_ids.is_floating_point() or position_ids.is_complex()
+            or position_ids.dtype == torch.bool):  # bool: True/False would read as positions 1/0, other documents
         got = position_ids.dtype if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
         raise TypeError(f"position_ids must be an integer tensor [batch, seq], got {got}")
     batch, seq = q.shape[0], q.shape[2]

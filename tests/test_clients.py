@@ -130,13 +130,37 @@ def test_trainer_with_triton_adamw(device, gen, tmp_path):
     assert optimizer.param_groups[0]["lr"] < 1e-3  # the Trainer's schedule reached our optimizer
 
 
-def test_generate_is_unchanged(device, gen):
+@pytest.mark.parametrize("options", [dict(), dict(kernels=NORM_AND_LOSS, attention=True)],
+                         ids=["defaults", "our-attention"])
+def test_generate_is_unchanged(device, gen, options):
+    # With a cache (every step after the prompt) and with a padded prompt, our attention hands the call to SDPA.
     model = _tiny(device, gen).eval()
     prompt = torch.randint(0, model.config.vocab_size, (2, 7), generator=gen).to(device)
-    settings = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
-    expected = model.generate(prompt, **settings)
-    with patch_llama(model, kernels=NORM_AND_LOSS):
-        tokens = model.generate(prompt, **settings)
+    mask = torch.ones_like(prompt)
+    mask[1, :2] = 0  # the second prompt left-padded, as generate wants
+    settings = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    expected = [model.generate(prompt, **settings), model.generate(prompt, attention_mask=mask, **settings)]
+    with patch_llama(model, **options):
+        tokens = [model.generate(prompt, **settings), model.generate(prompt, attention_mask=mask, **settings)]
+    for got, want in zip(tokens, expected):
+        assert torch.equal(got, want)
+
+
+def test_generate_with_fused_lora_adapters(device, gen):
+    peft = pytest.importorskip("peft", reason="peft is a test requirement (requirements.txt)")
+    model = peft.get_peft_model(_tiny(device, gen), peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0,
+                                                                     target_modules=["q_proj", "v_proj", "up_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # B starts at zero: give it values, or the adapters change nothing
+                p.copy_(torch.randn(p.shape, generator=gen).to(p) * 0.5)
+    model.eval()
+    prompt = torch.randint(0, model.config.vocab_size, (2, 7), generator=gen).to(device)
+    settings = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    expected = model.generate(input_ids=prompt, **settings)
+    with patch_llama(model) as patch:  # wrapped first: lora is on by default
+        assert "lora" in patch.kernels
+        tokens = model.generate(input_ids=prompt, **settings)
     assert torch.equal(tokens, expected)
 
 

@@ -48,6 +48,37 @@ def patch_after_shard_error(env, batch) -> str:
     return ""
 
 
+def lora_under_fsdp(env, batch, seed: int) -> dict:
+    """PEFT LoRA (B given values) on the tiny Llama, patched (the fused LoRA layers on by default), then sharded with
+    FSDP2 in float32: the loss of ``batch`` (this rank's rows, its share of the global mean) and every adapter's
+    gradient gathered from its shards. Every rank calls it (the gathers are collectives)."""
+    import peft
+
+    from kernels.distributed.fsdp import mixed_precision
+    from kernels.training.loop import count_trained_labels
+
+    model = build_model("tiny", dtype=torch.float32, device=env.device, seed=seed)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0,
+                                                       target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"]))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:  # A is drawn from the global random state, B starts at zero: both from the seed
+                param.copy_(torch.randn(param.shape, generator=generator).to(param) * 0.1)
+    patch = patch_llama(model)
+    inner = model.get_base_model()
+    shard_llama(inner, mixed_precision(torch.float32, torch.float32))
+    total = torch.tensor(float(count_trained_labels(batch)), device=env.device)
+    torch.distributed.all_reduce(total)
+    loss = inner(**batch, num_items_in_batch=total).loss
+    loss.backward()
+    grads = {name: p.grad.full_tensor().detach().clone() for name, p in inner.named_parameters() if p.requires_grad}
+    summed = loss.detach().clone()
+    torch.distributed.all_reduce(summed)
+    return {"kernels": patch.kernels, "loss": summed.item(), "grads": grads,
+            "fused": sum(1 for m in inner.modules() if "forward" in m.__dict__ and hasattr(m, "lora_A"))}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -78,12 +109,15 @@ def main() -> None:
         del model
         local_batch = {k: v[: args.batch_size // env.world_size] for k, v in batches[0].items()}
         order_error = patch_after_shard_error(env, local_batch)
+        rows = args.batch_size // env.world_size
+        rank_batch = {k: v[env.rank * rows:(env.rank + 1) * rows].to(env.device) for k, v in batches[0].items()}
+        lora = lora_under_fsdp(env, rank_batch, args.seed)
         if env.is_rank0:
             torch.save({"losses": run.losses, "optimizer": run.what_ran["optimizer"],
                         "gradient_checkpointing": model_checkpointed, "grads": grads,
                         "norms": norms, "mlps": mlps, "world_size": env.world_size,
                         "global_trained_labels": run.what_ran["global_trained_labels"],
-                        "patch_after_shard_error": order_error}, args.out)
+                        "patch_after_shard_error": order_error, "lora": lora, "seed": args.seed}, args.out)
     finally:
         teardown()
 

@@ -187,6 +187,33 @@ def test_patching_after_sharding_fails_loudly(two_and_one):
     assert "DTensor" in error, error
 
 
+@two_processes
+def test_fused_lora_under_fsdp2_equals_peft_in_one_process(two_and_one):
+    """PEFT LoRA wrapped, patched (the fused adapters on by default) and sharded with FSDP2 over two processes: the
+    global loss and every adapter gradient, gathered from its shards, equal PEFT's own layers in one process."""
+    peft = pytest.importorskip("peft", reason="peft is a test requirement (requirements.txt)")
+    sharded, _, _, batches = two_and_one
+    lora, seed = sharded["lora"], sharded["seed"]
+    assert "lora" in lora["kernels"] and lora["fused"] == 4 * llama_config("tiny").num_hidden_layers
+    model = build_model("tiny", dtype=torch.float32, device=runtime.device(), seed=seed)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0,
+                                                       target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"]))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:  # A is drawn from the global random state, B starts at zero: both from the seed
+                param.copy_(torch.randn(param.shape, generator=generator).to(param) * 0.1)
+    inner = model.get_base_model()
+    loss = inner(**{k: v.to(runtime.device()) for k, v in batches[0].items()}).loss
+    loss.backward()
+    assert abs(lora["loss"] - loss.item()) < LOSS_TOL * abs(loss.item())
+    grads = {name: p.grad for name, p in inner.named_parameters() if p.requires_grad}
+    assert set(lora["grads"]) == set(grads) and all("lora_" in name for name in grads)
+    for name, ref in grads.items():
+        err = relative_error(lora["grads"][name], ref)
+        assert err < GRAD_TOL, f"{name}: relative error {err:.2e} against PEFT in one process"
+
+
 GPU_CHECK_ARGS = ["--preset", "llama-3.2-1b", "--steps", "200", "--seq-len", "2048", "--batch-size", "2",
                   "--compare", "--prefetch", "2"]
 

@@ -79,6 +79,33 @@ def test_trainer_with_gradient_accumulation(device, gen, tmp_path, monkeypatch, 
     patch.undo()
 
 
+def test_trainer_with_peft_lora_fused(device, gen, tmp_path, monkeypatch):
+    """The Trainer on a PEFT LoRA model, gradient accumulation and checkpointing: patched (every default kernel and
+    the fused adapters), the logged losses are PEFT's own."""
+    peft = pytest.importorskip("peft", reason="peft is a test requirement (requirements.txt)")
+    base = _tiny(device, gen).train()
+    base.config.use_cache = False
+    model = peft.get_peft_model(base, peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0,
+                                                      target_modules=["q_proj", "k_proj", "up_proj", "down_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # B starts at zero: give it values, so the adapters shape the losses from step 1
+                p.copy_(torch.randn(p.shape, generator=gen).to(p) * 0.1)
+    data = _dataset(base.config.vocab_size, gen)
+    expected = _train_with_trainer(copy.deepcopy(model), data, tmp_path / "peft", gradient_checkpointing=True)
+    from kernels.lora import LoRALinearFunction
+
+    fused, apply = [], LoRALinearFunction.apply
+    monkeypatch.setattr(LoRALinearFunction, "apply", lambda *args: fused.append(1) or apply(*args))
+    with patch_llama(model) as patch:
+        assert "lora" in patch.kernels and "lora" not in patch.left_off
+        losses = _train_with_trainer(model, data, tmp_path / "patched", gradient_checkpointing=True)
+    # 4 adapted layers per decoder layer, 2 steps × 2 micro-batches, each forward run again under checkpointing.
+    assert len(fused) == 2 * 4 * base.config.num_hidden_layers * 2 * 2
+    assert len(losses) == len(expected) == 2
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=1e-4)
+
+
 def _shadowed_triton_adamw(params, **hyperparameters):
     """A ``TritonAdamW`` that, at every step, also steps ``torch.optim.AdamW`` on copies of the same weights with the
     same gradients and learning rate, and records how far apart the two steps' results are beyond float32 rounding

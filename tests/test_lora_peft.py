@@ -185,3 +185,23 @@ def test_save_pretrained_and_merge_after_undo(device, gen, tmp_path):
     merged = model.merge_and_unload()
     assert not any(hasattr(m, "lora_A") for m in merged.modules())
     torch.testing.assert_close(merged(input_ids=ids).logits, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_compiled_patched_peft_model_has_one_graph_and_peft_gradients(device, gen):
+    from kernels import runtime
+
+    base = _base(device, gen)
+    reference = lora_with_values(copy.deepcopy(base), _config(targets=["q_proj", "v_proj", "up_proj"]))
+    ids, labels = _batch(base, gen, device)
+    expected = loss_and_grads(reference, ids, labels)
+    model = copy.deepcopy(reference)
+    patch = patch_llama(model)
+    assert "lora" in patch.kernels
+    explained = torch._dynamo.explain(model)(input_ids=ids, labels=labels)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=runtime.COMPILE_BACKEND)
+    loss, grads = loss_and_grads(compiled, ids, labels)
+    grads = {name.removeprefix("_orig_mod."): g for name, g in grads.items()}  # the compiled wrapper's prefix
+    _assert_close((loss, grads), expected, 5e-5)  # every kernel on, as patch-then-wrap

@@ -19,7 +19,7 @@ BACKEND = runtime.COMPILE_BACKEND
 # The modules by their paths: ``kernels.swiglu`` at the top level is the function.
 rope_module = importlib.import_module("kernels.rope")
 swiglu_module = importlib.import_module("kernels.swiglu")
-patch_module = importlib.import_module("kernels.hf.patch")
+rotary_module = importlib.import_module("kernels.hf.rotary")
 ONLY_NEW = dict(kernels=("swiglu", "rope"))
 
 
@@ -178,7 +178,7 @@ def _wrapped_forward(new=None):
 
 
 def test_a_wrapped_forward_keeps_its_wrapper_around_the_rebuilt_function():
-    rebuilt = patch_module._rebuilt_with_kernel_rotary(_wrapped_forward, "here")
+    rebuilt = rotary_module._rebuilt_with_kernel_rotary(_wrapped_forward, "here")
     assert rebuilt(old=3) == (apply_rotary, 3)  # our kernel inside, and the wrapper still renames the argument
     assert _wrapped_forward(old=3) == (apply_rotary_pos_emb, 3)  # the original untouched
     assert inspect.unwrap(rebuilt).__globals__["apply_rotary_pos_emb"] is apply_rotary
@@ -188,7 +188,7 @@ def test_a_wrapped_forward_keeps_its_wrapper_around_the_rebuilt_function():
     registry = {"fn": inspect.unwrap(_wrapped_forward)}
     opaque.__wrapped__ = registry["fn"]
     with pytest.raises(ValueError, match="cannot be rebuilt around the patched function"):
-        patch_module._rebuilt_with_kernel_rotary(opaque, "here")
+        rotary_module._rebuilt_with_kernel_rotary(opaque, "here")
 
 
 # LoRA on gate and up leaves down_proj a frozen nn.Linear (the MLP's fused down projection, nothing recomputed); LoRA

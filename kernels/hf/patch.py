@@ -49,7 +49,7 @@ cross-entropy), ``patch_llama(model, kernels=("rms_norm", "cross_entropy"))`` ex
   wrapper, rebuilt around the rebuilt function. Refused: an attention class the patch does not know, a forward that
   does not call ``apply_rotary_pos_emb`` by name (through such wrappers), a rotary function whose signature is not
   ``(q, k, cos, sin, unsqueeze_dim)``, and a module whose forward was already replaced on the instance (e.g. by
-  accelerate's hooks).
+  accelerate's hooks). The code: ``kernels.hf.rotary``.
 
 * **LoRA** (``lora``). Each PEFT ``lora.Linear`` computes its base layer and adapter as one fused node
   (``kernels.hf.lora``, ``kernels.lora``), in either order of wrapping and patching; what stays PEFT's is named in
@@ -79,7 +79,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import inspect
 import math
 import numbers
 import types
@@ -91,13 +90,13 @@ import torch.nn.functional as F
 from kernels.cross_entropy import cross_entropy as fused_cross_entropy
 from kernels.linear_cross_entropy import linear_cross_entropy as fused_linear_cross_entropy
 from kernels.rmsnorm import TritonRMSNorm
-from kernels.rope import apply_rotary
 from kernels.swiglu import TritonSwiGLUMLP, may_overwrite
 
 from .attention import attention_choice, check_attention, use_flash_attention
 from .attention_mask import CAUSAL_CALL, check_sdpa, is_plain_causal_call, use_mask_function
 from .lora import check_lora, enable_lora_fusion, has_lora_layers
 from .offload import check_offloadable, enable_checkpoint_offload
+from .rotary import RotarySwap, find_attention
 from .tiled_mlp import TiledSwiGLUMLP, check_tileable
 
 IGNORE_INDEX = -100
@@ -394,10 +393,6 @@ def _without_consumed_logits(output, consumed: torch.Tensor):
 # The MLP activation and the rotary embedding
 # ---------------------------------------------------------------------------------------------------------------
 
-_ROTARY_NAME = "apply_rotary_pos_emb"
-_ROTARY_PARAMETERS = ["q", "k", "cos", "sin", "unsqueeze_dim"]
-
-
 def _where(parent_name: str, name: str) -> str:
     return f"{parent_name + '.' if parent_name else ''}{name}"
 
@@ -436,108 +431,12 @@ def _tileable_mlps(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, s
     return mlps
 
 
-def _calls_rotary(forward) -> bool:
-    # The function under any functools.wraps-style decorators (transformers' deprecate_kwarg wraps some forwards).
-    return _ROTARY_NAME in getattr(getattr(inspect.unwrap(forward), "__code__", None), "co_names", ())
-
-
-def _forward_with_kernel_rotary(cls: type, where: str) -> types.FunctionType:
-    """``cls.forward`` rebuilt over a copy of its module's globals in which ``apply_rotary_pos_emb`` is ours, after
-    checking that it calls that function by name and that the function has the kernel's signature."""
-    if not _calls_rotary(cls.forward):
-        raise ValueError(
-            f"cannot patch the rotary embedding of {where} ({cls.__name__}): its forward does not call "
-            f"{_ROTARY_NAME} by name (a transformers version this patch does not know). Use rope=False"
-        )
-    original = inspect.unwrap(cls.forward).__globals__.get(_ROTARY_NAME)
-    try:
-        parameters = list(inspect.signature(original).parameters)
-    except (TypeError, ValueError):
-        parameters = None
-    if parameters != _ROTARY_PARAMETERS:
-        raise ValueError(
-            f"cannot patch the rotary embedding of {where}: {cls.__module__}.{_ROTARY_NAME} takes {parameters}, "
-            f"not {_ROTARY_PARAMETERS} as the kernel does. Use rope=False"
-        )
-    rebuilt = _rebuilt_with_kernel_rotary(cls.forward, where)
-    rebuilt.__doc__ = f"{cls.__name__}.forward with {_ROTARY_NAME} computed by the Triton RoPE kernel (patch_llama)."
-    return rebuilt
-
-
-def _find_attention(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, types.FunctionType]]:
-    """(qualified name, module, the forward to give it) of every attention module whose rotary call is swapped, the
-    forward rebuilt once per class; raises before any change."""
-    accepted = set(_classes(SUPPORTED_ATTENTION).values())
-    forwards: dict[type, types.FunctionType] = {}
-    found = []
-    for where, module in model.named_modules():
-        cls = type(module)
-        if cls in accepted:
-            if cls not in forwards:
-                forwards[cls] = _forward_with_kernel_rotary(cls, where)
-            if "forward" in module.__dict__:
-                raise ValueError(
-                    f"cannot patch the rotary embedding of {where}: its forward was already replaced on the "
-                    "instance (by another patch, or accelerate's hooks). Use rope=False"
-                )
-            found.append((where, module, forwards[cls]))
-        elif cls.__name__.endswith("Attention") and _calls_rotary(cls.forward):
-            raise ValueError(
-                f"cannot patch the rotary embedding of {where}: {cls.__module__}.{cls.__name__} is not an attention "
-                f"class patch_llama knows (it patches {sorted(c.__name__ for c in accepted)}). Use rope=False"
-            )
-    return found
-
-
-def _rebuilt_with_kernel_rotary(fn: types.FunctionType, where: str) -> types.FunctionType:
-    """``fn`` with ``apply_rotary_pos_emb`` resolved to ours. A decorator's wrapper (``functools.wraps`` keeps the
-    wrapped function as ``__wrapped__``, and the wrapper finds it in a cell of its closure) is rebuilt around the
-    rebuilt function, so what the decorator does (a renamed keyword argument, a warning) still happens."""
-    inner = getattr(fn, "__wrapped__", None)
-    if inner is None:
-        namespace = dict(fn.__globals__)
-        namespace[_ROTARY_NAME] = apply_rotary
-        rebuilt = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
-    else:
-        cells = fn.__closure__ or ()
-        holding = [i for i, cell in enumerate(cells) if _cell_holds(cell, inner)]
-        if len(holding) != 1:
-            raise ValueError(
-                f"cannot patch the rotary embedding of {where}: {fn.__qualname__} is wrapped by a decorator that "
-                "does not keep the function it wraps in its closure, so it cannot be rebuilt around the patched "
-                "function. Use rope=False"
-            )
-        new_inner = _rebuilt_with_kernel_rotary(inner, where)
-        closure = tuple(types.CellType(new_inner) if i == holding[0] else cell for i, cell in enumerate(cells))
-        rebuilt = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, closure)
-        rebuilt.__dict__.update(fn.__dict__)
-        rebuilt.__wrapped__ = new_inner
-    rebuilt.__kwdefaults__ = fn.__kwdefaults__
-    rebuilt.__qualname__ = fn.__qualname__
-    return rebuilt
-
-
-def _cell_holds(cell, value) -> bool:
-    try:
-        return cell.cell_contents is value
-    except ValueError:  # an empty cell
-        return False
-
-
 def _count(names) -> str:
     """"2 LlamaMLP, 1 X" from an iterable of class names, in first-seen order."""
     counts: dict[str, int] = {}
     for name in names:
         counts[name] = counts.get(name, 0) + 1
     return ", ".join(f"{n} {name}" for name, n in counts.items())
-
-
-@dataclass
-class _RotarySwap:
-    where: str
-    module: torch.nn.Module
-    forward: types.MethodType  # the instance-level forward the patch installed
-
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -571,7 +470,7 @@ class LlamaPatch:
     model: torch.nn.Module
     swaps: list[_Swap] = field(default_factory=list)
     mlp_swaps: list[_Swap] = field(default_factory=list)
-    rotary: list[_RotarySwap] = field(default_factory=list)
+    rotary: list[RotarySwap] = field(default_factory=list)
     loss: _PatchedLoss | None = None
     _had_own_loss: bool = False
     _previous_loss: object = None
@@ -911,7 +810,7 @@ def patch_llama(
                                                        "nothing to replace"),
         "swiglu": lambda: _found(_find_mlps(model), f"{name} has no MLP patch_llama knows: swiglu has nothing to "
                                                     "replace"),
-        "rope": lambda: _found(_find_attention(model), f"{name} has no attention module patch_llama knows: rope has "
+        "rope": lambda: _found(find_attention(model, set(_classes(SUPPORTED_ATTENTION).values())), f"{name} has no attention module patch_llama knows: rope has "
                                                        "nothing to patch"),
         "additive_mask": lambda: _check_mask_function(model, "additive_mask"),
         "skip_causal_mask": lambda: _check_mask_function(model, "skip_causal_mask"),
@@ -955,7 +854,7 @@ def patch_llama(
             patch.mlp_swaps.append(_Swap(where, parent, attr, module, replacement))
     for where, module, forward in found.get("rope", []):
         module.forward = types.MethodType(forward, module)
-        patch.rotary.append(_RotarySwap(where, module, module.forward))
+        patch.rotary.append(RotarySwap(where, module, module.forward))
     patch_loss = cross_entropy or linear_cross_entropy
     if patch_loss:
         patch._had_own_loss = "_loss_function" in model.__dict__

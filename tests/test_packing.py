@@ -99,3 +99,24 @@ def test_the_end_to_end_command_runs_both_layouts_over_the_same_examples(tmp_pat
     assert 0 < padded["useful_fraction"] <= 1 and 0 < packed_row["useful_fraction"] <= 1
     assert result["speedup"] == pytest.approx(packed_row["useful_tokens_per_s"] / padded["useful_tokens_per_s"])
     assert "packed against padded" in capsys.readouterr().out
+
+
+def test_examples_that_would_pack_wrongly_are_refused():
+    # Each of these packed or padded silently out of step (labels shorter than the ids) or into a useless batch.
+    for pack in (lambda e: pack_examples(e, 16), lambda e: pad_examples(e, 2)):
+        with pytest.raises(ValueError, match="3 input_ids but 1 labels"):
+            pack([([5, 6, 7], [5, 6, 7]), ([1, 2, 3], [IGNORE_INDEX])])
+        with pytest.raises(ValueError, match="example 0 has no tokens"):
+            pack([([], [])])
+        with pytest.raises(TypeError, match="input_ids must be integers"):
+            pack([([1.5, 2.0], [1, 2])])
+        with pytest.raises(TypeError, match="must be a pair"):
+            pack([[1, 2, 3]])
+    tensors = [(torch.tensor([4, 5, 6]), torch.tensor([IGNORE_INDEX, 5, 6]))]  # tensors are taken as their values
+    assert pack_examples(tensors, 8)[0]["labels"][0, :3].tolist() == [IGNORE_INDEX, 5, 6]
+    with pytest.raises(ValueError, match="no tokens"):
+        useful_fraction([], [])
+    with pytest.raises(ValueError, match="median must be a positive int"):
+        example_lengths(3, 64, median=0)
+    with pytest.raises(ValueError, match="sigma must be"):
+        example_lengths(3, 64, sigma=float("nan"))

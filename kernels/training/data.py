@@ -490,6 +490,9 @@ def example_lengths(n: int, max_len: int, seed: int = 0, median: int = PACKED_ME
     [32, ``max_len``]."""
     _check_positive_int("n", n)
     _check_positive_int("max_len", max_len)
+    _check_positive_int("median", median)
+    if not isinstance(sigma, (int, float)) or isinstance(sigma, bool) or not 0 <= sigma < float("inf"):
+        raise ValueError(f"sigma must be a finite number ≥ 0, got {sigma!r}")
     if max_len < MIN_EXAMPLE_TOKENS:
         raise ValueError(f"max_len must be at least {MIN_EXAMPLE_TOKENS}, got {max_len}")
     rng = random.Random(f"lengths/{seed}")
@@ -509,12 +512,40 @@ def make_sft_examples(tokenizer, n: int, max_len: int, seed: int = 0, **length_k
     return examples
 
 
+def check_examples(examples) -> list[tuple[list[int], list[int]]]:
+    """``examples`` as a list of ``(input_ids, labels)`` pairs of int lists, or a ``ValueError``/``TypeError`` naming
+    the first that is not one: ids and labels of one length (a label per token, or the two would be read out of
+    step), at least one token, integers only."""
+    checked = []
+    for i, example in enumerate(examples):
+        try:
+            ids, labels = example
+        except (TypeError, ValueError):
+            raise TypeError(f"example {i} must be a pair (input_ids, labels), got {type(example).__name__}") from None
+        ids, labels = _int_list(f"example {i}'s input_ids", ids), _int_list(f"example {i}'s labels", labels)
+        if not ids:
+            raise ValueError(f"example {i} has no tokens: an example needs at least one")
+        if len(ids) != len(labels):
+            raise ValueError(f"example {i} has {len(ids)} input_ids but {len(labels)} labels: one label per token")
+        checked.append((ids, labels))
+    return checked
+
+
+def _int_list(name: str, values) -> list[int]:
+    values = values.tolist() if isinstance(values, torch.Tensor) else list(values)
+    bad = next((v for v in values if not isinstance(v, int) or isinstance(v, bool)), None)
+    if bad is not None:
+        raise TypeError(f"{name} must be integers (token ids, or -100), got {bad!r}")
+    return values
+
+
 def pack_examples(examples, tokens_per_batch: int, pad_id: int = 0) -> list[dict[str, torch.Tensor]]:
     """Batches of one row of exactly ``tokens_per_batch`` tokens: whole examples in order, a new batch when the next
     does not fit. The rest of a row is one padding document (labels -100, a document of its own, so no example
     attends to it). Keys: ``input_ids``, ``labels``, ``position_ids`` [1, tokens_per_batch], ``cu_seq_lens_q`` and
     ``cu_seq_lens_k`` (int32), ``max_length_q``/``max_length_k`` (ints), as ``DataCollatorWithFlattening`` gives."""
     _check_positive_int("tokens_per_batch", tokens_per_batch)
+    examples = check_examples(examples)
     rows: list[list] = [[]]
     used = 0
     for ids, labels in examples:
@@ -554,6 +585,7 @@ def pad_examples(examples, batch_size: int, pad_id: int = 0) -> list[dict[str, t
     """The same examples as padded batches, ``batch_size`` per batch, each padded on the right to its longest:
     ``input_ids``, ``attention_mask``, ``labels`` (-100 on padding and on each example's first token, as packed)."""
     _check_positive_int("batch_size", batch_size)
+    examples = check_examples(examples)
     batches = []
     for start in range(0, len(examples), batch_size):
         group = examples[start:start + batch_size]
@@ -572,4 +604,6 @@ def pad_examples(examples, batch_size: int, pad_id: int = 0) -> list[dict[str, t
 def useful_fraction(examples, batches) -> float:
     """The examples' tokens over all tokens the batches made of them hold (padding included): 1.0 means none."""
     total = sum(b["input_ids"].numel() for b in batches)
+    if total == 0:
+        raise ValueError("the batches hold no tokens: there is no fraction to take")
     return sum(len(ids) for ids, _ in examples) / total

@@ -232,11 +232,17 @@ def test_any_shape_dtype_and_layout_against_float64(tokens, n_in, n_out, rank, d
     w, _, a, b = _layer(gen, device, dtype, n_in, n_out, rank)
     aa, bb = a.clone().requires_grad_(), b.clone().requires_grad_()
     dy = torch.randn(tokens, n_out, generator=gen, dtype=torch.float64).to(dtype).double()
-    lora_linear(view, w, None, aa, bb, 1.5, epilogue=combo[0], skinny=combo[1]).backward(dy.to(device, dtype))
+    y = lora_linear(view, w, None, aa, bb, 1.5, epilogue=combo[0], skinny=combo[1])
+    y.backward(dy.to(device, dtype))
     w64, a64, b64 = (t.double().cpu() for t in (w, a, b))
     a64.requires_grad_(), b64.requires_grad_()
-    lora_linear_reference(view64, w64, None, a64, b64, 1.5).backward(dy)
+    y64 = lora_linear_reference(view64, w64, None, a64, b64, 1.5)
+    y64.backward(dy)
     x64 = view64.detach()
+    y_mag = (x64.abs() @ w64.abs().t() + 1.5 * (x64.abs() @ a64.detach().abs().t()) @ b64.detach().abs().t()).norm()
+    assert y.shape == y64.shape and y.dtype == dtype
+    if y_mag > 0:
+        assert float((y.detach().double().cpu() - y64.detach()).norm() / y_mag) < TOL[dtype], ("y", layout, dtype)
     # The same sums of products with every factor replaced by its absolute value.
     dxa_mag = 1.5 * dy.abs() @ b64.detach().abs()
     mags = {"dx": dy.abs() @ w64.abs() + dxa_mag @ a64.detach().abs(), "dA": dxa_mag.t() @ x64.abs(),

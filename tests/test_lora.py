@@ -217,8 +217,10 @@ def test_edges_zero_tokens_and_an_expanded_input(device, gen, epilogue, skinny):
 
 @given(tokens=strategies.sizes(40), n_in=strategies.sizes(40, allow_zero=False),
        n_out=strategies.sizes(40, allow_zero=False), rank=st.integers(1, 8), dtype=strategies.kernel_dtypes(),
-       layout=strategies.layouts(), combo=st.sampled_from(COMBOS), seed=st.integers(0, 2**31 - 1))
-def test_any_shape_dtype_and_layout_against_float64(tokens, n_in, n_out, rank, dtype, layout, combo, seed):
+       layout=strategies.layouts(), combo=st.sampled_from(COMBOS), seed=st.integers(0, 2**31 - 1),
+       weight_layouts=st.tuples(*[st.sampled_from(["contiguous", "strided", "transposed", "offset"])] * 3))
+def test_any_shape_dtype_and_layout_against_float64(tokens, n_in, n_out, rank, dtype, layout, combo, seed,
+                                                   weight_layouts):
     """Every gradient against float64, measured against the size of the sums that make it up (‖got − want‖ over
     ‖the same products with absolute values‖): a single output whose terms cancel is held to the rounding of its
     terms, not of its small result; where nothing cancels this is the plain relative error."""
@@ -230,7 +232,10 @@ def test_any_shape_dtype_and_layout_against_float64(tokens, n_in, n_out, rank, d
     leaf, view = strategies.shaped_leaf(values.to(device, dtype), layout)
     leaf64, view64 = strategies.shaped_leaf(values, layout)
     w, _, a, b = _layer(gen, device, dtype, n_in, n_out, rank)
-    aa, bb = a.clone().requires_grad_(), b.clone().requires_grad_()
+    # The base weight and the adapters in any layout too (a view into a larger buffer, a transpose, an offset).
+    w, a, b = (strategies.laid_out(t, how) for t, how in zip((w, a, b), weight_layouts))
+    aa, bb = (strategies.shaped_leaf(t, how)[1] for t, how in zip((a, b), weight_layouts[1:]))
+    aa.retain_grad(), bb.retain_grad()  # views of leaves (or the leaves): their gradients, in the views' shapes
     dy = torch.randn(tokens, n_out, generator=gen, dtype=torch.float64).to(dtype).double()
     y = lora_linear(view, w, None, aa, bb, 1.5, epilogue=combo[0], skinny=combo[1])
     y.backward(dy.to(device, dtype))

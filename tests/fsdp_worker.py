@@ -48,23 +48,33 @@ def patch_after_shard_error(env, batch) -> str:
     return ""
 
 
-def lora_under_fsdp(env, batch, seed: int) -> dict:
-    """PEFT LoRA (B given values) on the tiny Llama, patched (the fused LoRA layers on by default), then sharded with
-    FSDP2 in float32: the loss of ``batch`` (this rank's rows, its share of the global mean) and every adapter's
-    gradient gathered from its shards. Every rank calls it (the gathers are collectives)."""
+LORA_TARGETS = ["q_proj", "v_proj", "gate_proj", "down_proj"]
+
+
+def lora_tiny(device, seed: int):
+    """The tiny Llama in float32 wrapped with PEFT LoRA on ``LORA_TARGETS``, every adapter weight drawn from
+    ``seed`` (PEFT draws A from the global random state and starts B at zero): the same model in every process."""
     import peft
 
-    from kernels.distributed.fsdp import mixed_precision
-    from kernels.training.loop import count_trained_labels
-
-    model = build_model("tiny", dtype=torch.float32, device=env.device, seed=seed)
+    model = build_model("tiny", dtype=torch.float32, device=device, seed=seed)
     model = peft.get_peft_model(model, peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0,
-                                                       target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"]))
+                                                       target_modules=LORA_TARGETS))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "lora_" in name:  # A is drawn from the global random state, B starts at zero: both from the seed
+            if "lora_" in name:
                 param.copy_(torch.randn(param.shape, generator=generator).to(param) * 0.1)
+    return model
+
+
+def lora_under_fsdp(env, batch, seed: int) -> dict:
+    """``lora_tiny``, patched (the fused LoRA layers on by default), then sharded with FSDP2 in float32: the loss of
+    ``batch`` (this rank's rows, its share of the global mean) and every adapter's gradient gathered from its shards.
+    Every rank calls it (the gathers are collectives)."""
+    from kernels.distributed.fsdp import mixed_precision
+    from kernels.training.loop import count_trained_labels
+
+    model = lora_tiny(env.device, seed)
     patch = patch_llama(model)
     inner = model.get_base_model()
     shard_llama(inner, mixed_precision(torch.float32, torch.float32))

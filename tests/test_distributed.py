@@ -191,19 +191,13 @@ def test_patching_after_sharding_fails_loudly(two_and_one):
 def test_fused_lora_under_fsdp2_equals_peft_in_one_process(two_and_one):
     """PEFT LoRA wrapped, patched (the fused adapters on by default) and sharded with FSDP2 over two processes: the
     global loss and every adapter gradient, gathered from its shards, equal PEFT's own layers in one process."""
-    peft = pytest.importorskip("peft", reason="peft is a test requirement (requirements.txt)")
+    pytest.importorskip("peft", reason="peft is a test requirement (requirements.txt)")
+    from fsdp_worker import LORA_TARGETS, lora_tiny
+
     sharded, _, _, batches = two_and_one
     lora, seed = sharded["lora"], sharded["seed"]
-    assert "lora" in lora["kernels"] and lora["fused"] == 4 * llama_config("tiny").num_hidden_layers
-    model = build_model("tiny", dtype=torch.float32, device=runtime.device(), seed=seed)
-    model = peft.get_peft_model(model, peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0,
-                                                       target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"]))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:  # A is drawn from the global random state, B starts at zero: both from the seed
-                param.copy_(torch.randn(param.shape, generator=generator).to(param) * 0.1)
-    inner = model.get_base_model()
+    assert "lora" in lora["kernels"] and lora["fused"] == len(LORA_TARGETS) * llama_config("tiny").num_hidden_layers
+    inner = lora_tiny(runtime.device(), seed).get_base_model()  # PEFT's own layers, one process
     loss = inner(**{k: v.to(runtime.device()) for k, v in batches[0].items()}).loss
     loss.backward()
     assert abs(lora["loss"] - loss.item()) < LOSS_TOL * abs(loss.item())

@@ -51,7 +51,8 @@ def causal_flops(batch: int, heads: int, seq: int, head_dim: int) -> float:
     return 2 * 2 * batch * heads * seq * seq * head_dim / 2 * (1 + BACKWARD_FACTOR)
 
 
-def _inputs(batch, heads, kv_heads, seq, head_dim, dtype, seed=0):
+def inputs(batch, heads, kv_heads, seq, head_dim, dtype, seed=0):
+    """q, k, v (requiring gradients) and an output gradient, drawn from ``seed`` on this device in ``dtype``."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     dev = runtime.device()
 
@@ -162,7 +163,7 @@ def _check(fn, reference, q, k, v, grad) -> float:
 
 def measure(peers: dict[str, Callable], batch, heads, kv_heads, seq, head_dim, flops, matmul_tflops) -> dict:
     """One row: each peer's checked forward + backward time, TFLOP/s and share of the matmul ceiling."""
-    q, k, v, grad = _inputs(batch, heads, kv_heads, seq, head_dim, torch.bfloat16 if runtime.MODE == "gpu"
+    q, k, v, grad = inputs(batch, heads, kv_heads, seq, head_dim, torch.bfloat16 if runtime.MODE == "gpu"
                             else torch.float32)
     row = {"seq": seq, "batch": batch, "ms": {}, "tflops": {}, "of_matmul": {}, "error": {}, "missing": {}}
     fns = {}

@@ -34,6 +34,7 @@ from kernels.reference import relative_error
 from kernels.tolerances import RELATIVE_ERROR_TOL
 
 from . import cli
+from .attention import inputs
 from .results import device_slug, first_line, results_file
 from .timing import time_ms
 
@@ -77,17 +78,6 @@ def base_config(shape: dict) -> Config:
     return Config(first["forward"], first["dkdv"], first["dq"], 16)
 
 
-def _inputs(shape: dict, seed: int = 0):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    dtype = torch.bfloat16 if runtime.MODE == "gpu" else torch.float32
-    b, h, hk, s, d = (shape[k] for k in ("batch", "heads", "kv_heads", "seq", "head_dim"))
-
-    def draw(heads):
-        return torch.randn(b, heads, s, d, generator=g).to(runtime.device(), dtype)
-
-    return draw(h), draw(hk), draw(hk), draw(h)
-
-
 def _with(config: Config, kernel: str, block: BlockConfig) -> Config:
     return dataclasses.replace(config, **{kernel: block})
 
@@ -95,7 +85,9 @@ def _with(config: Config, kernel: str, block: BlockConfig) -> Config:
 def measure_kernel(kernel: str, shape: dict, config: Config, blocks: list[BlockConfig], scale: float) -> list[dict]:
     """One row per candidate tile of ``kernel``: checked against ``config``'s outputs, then timed (the forward alone,
     or the whole backward)."""
-    q, k, v, grad = _inputs(shape)
+    dtype = torch.bfloat16 if runtime.MODE == "gpu" else torch.float32
+    drawn = inputs(*(shape[k] for k in ("batch", "heads", "kv_heads", "seq", "head_dim")), dtype)
+    q, k, v, grad = (t.detach() for t in drawn)  # the kernels are launched directly: no autograd here
     out, lse = attention_forward(q, k, v, True, scale, config=config)
     expected = (out, lse) if kernel == "forward" else attention_backward(grad, q, k, v, out, lse, True, scale,
                                                                      config=config)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from kernels import runtime
 
-from .results import RESULTS
+from .results import RESULTS, results_file
 
 REPO = RESULTS.parents[1]
 RUNS_ENV = "KERNELS_RUNS_DIR"
@@ -121,6 +121,15 @@ def increasing_pair(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"expected two increasing positive integers such as 16384,32768, "
                                          f"got {text!r}")
     return values
+
+
+def file_name(text: str) -> str:
+    """A results name (``--name``): a file name without a folder, as ``results_file`` takes it."""
+    try:
+        results_file("runs", text)  # the group does not matter: only the name is checked
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def names(choices: Iterable[str], *, allow_empty: bool = False) -> Callable[[str], tuple[str, ...]]:

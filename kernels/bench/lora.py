@@ -361,14 +361,6 @@ def run(preset: str, batch: int, seq: int, rank: int, alpha: float, warmup: int,
     return result
 
 
-def _name(text: str) -> str:
-    try:
-        results_file(GROUP, text)  # a file name, no folder
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m kernels.bench.lora", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default=None, choices=tuple(PRESETS),
@@ -384,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--setups", type=cli.names(SETUPS), default=SETUPS,
                         help=f"comma-separated subset of {','.join(SETUPS)}")
     parser.add_argument("--no-micro", action="store_true", help="skip the per-layer micro-benchmarks")
-    parser.add_argument("--name", type=_name, default=None, help="file name (default <preset>_b<batch>[_ckpt])")
+    parser.add_argument("--name", type=cli.file_name, default=None, help="file name (default <preset>_b<batch>[_ckpt])")
     cli.add_output_arguments(parser, f"{GROUP}/<name>.json")
     return parser
 

@@ -158,10 +158,9 @@ def has_lora_layers(model: torch.nn.Module) -> bool:
 def check_lora(model: torch.nn.Module) -> None:
     """Raise (TypeError) where the lora switch cannot apply: peft is not installed, or the model has no PEFT LoRA
     layer and is no Hugging Face model (with a ``config``) that PEFT could wrap after the patch."""
-    cls = lora_linear_class()
-    if cls is None:
+    if lora_linear_class() is None:
         raise TypeError("lora needs peft (pip install peft), which is not installed; use lora=False")
-    if not hasattr(model, "config") and not any(type(m) is cls for m in model.modules()):
+    if not hasattr(model, "config") and not has_lora_layers(model):
         raise TypeError(f"{type(model).__name__} has no PEFT LoRA layer and is no Hugging Face model PEFT could wrap "
                         "later: lora has nothing to fuse")
 

@@ -107,7 +107,7 @@ def build_parser(writes: str = "finetune/<name>.json and .png") -> argparse.Argu
                         "default optimizer of Hugging Face's Trainer), or this package's triton (kernels.adamw)")
     p.add_argument("--patched-adamw", choices=ADAMW_IMPLEMENTATIONS, default=None,
                    help="the AdamW of the patched run, if not --adamw's (e.g. --adamw fused --patched-adamw triton)")
-    p.add_argument("--name", type=_name, default=None,
+    p.add_argument("--name", type=cli.file_name, default=None,
                    help="the results' name: finetune/NAME.json and .png under the results root (default: the "
                         "preset; <preset>_patched without --compare; under torchrun fsdp/NAME_<N>gpu.json); its "
                         "flags are in the JSON's settings")
@@ -128,14 +128,6 @@ def _switches(text: str) -> tuple[str, ...]:
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown kernel {', '.join(unknown)}: choose from {', '.join(SWITCHES)}")
     return names
-
-
-def _name(text: str) -> str:
-    try:
-        results_file("finetune", text)  # a file name, no folder
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
 
 
 def patch_options(args) -> dict:

@@ -36,8 +36,8 @@ from kernels.bench.results import results_file
 from kernels.hf.patch import patch_llama
 from kernels.hf.presets import PRESETS
 
-from .data import IGNORE_INDEX, get_tokenizer, make_sft_examples, pack_examples, pad_examples, useful_fraction
-from .loop import enable_checkpointing, free_memory
+from .data import get_tokenizer, make_sft_examples, pack_examples, pad_examples, useful_fraction
+from .loop import _sync, count_trained_labels, enable_checkpointing, free_memory
 from .models import build_model, llama_config
 
 GROUP = "packing"
@@ -62,18 +62,8 @@ GPU_SETUP = Setup("llama-3.1-8b", examples=256, max_len=2048, batch=4, tokens=81
 CPU_SETUP = Setup("tiny", examples=6, max_len=48, batch=2, tokens=128, median=24, checkpointing=False)
 
 
-def trained_labels(batch: dict) -> int:
-    """The labels a batch's loss averages over: those after the shift (a row's first token is never a target)."""
-    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
-
-
 def _on(batch: dict, device) -> dict:
     return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def one_pass(model: torch.nn.Module, batches: list[dict], progress: bool = True, desc: str = "") -> dict:
@@ -82,7 +72,7 @@ def one_pass(model: torch.nn.Module, batches: list[dict], progress: bool = True,
     from tqdm.auto import tqdm
 
     device = next(model.parameters()).device
-    counted = [(b, trained_labels(b)) for b in batches]
+    counted = [(b, count_trained_labels(b)) for b in batches]
 
     def step(batch: dict, count: int) -> float:
         loss = model(**_on(batch, device)).loss
@@ -166,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"tokens per packed row, at least --max-len (GPU default {GPU_SETUP.tokens})")
     parser.add_argument("--no-checkpointing", action="store_true",
                         help="keep every activation (GPU default: gradient checkpointing)")
-    parser.add_argument("--name", default=None, help="the results' name (default: the preset)")
+    parser.add_argument("--name", type=cli.file_name, default=None, help="the results' name (default: the preset)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     cli.add_output_arguments(parser, f"{GROUP}/<name>.json")
     return parser
@@ -191,10 +181,7 @@ def main(argv=None) -> int:
     if setup.tokens < setup.max_len:
         problems.append(f"--tokens {setup.tokens} is below --max-len {setup.max_len}: the longest example would not "
                         "fit a packed row")
-    try:
-        path = results_file(GROUP, args.name or setup.preset, cli.output_root(args))
-    except ValueError as exc:
-        cli.fail(parser, [f"argument --name: {exc}"])
+    path = results_file(GROUP, args.name or setup.preset, cli.output_root(args))
     cli.check_outputs(parser, args, [path], problems)
     print(runtime.describe())
     result = run(setup, progress=not args.no_progress)

@@ -29,6 +29,11 @@ def sizes(max_size: int = 67, *, allow_zero: bool = True) -> st.SearchStrategy[i
     return st.one_of(st.sampled_from(edges), st.integers(min_value=1, max_value=max_size))
 
 
+def leading_dims() -> st.SearchStrategy[tuple[int, ...]]:
+    """The dimensions before an op's last one: none, one (up to 40) or two (up to 6 each), zeros among them."""
+    return st.one_of(st.just(()), st.tuples(sizes(40)), st.tuples(sizes(6), sizes(6)))
+
+
 def kernel_dtypes() -> st.SearchStrategy[torch.dtype]:
     return st.sampled_from(KERNEL_DTYPES)
 

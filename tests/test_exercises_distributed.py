@@ -213,21 +213,17 @@ def test_each_collective_mistake_is_named(fn, key):
     assert _diagnoses.says(COLLECTIVE_DIAGNOSES[key], report.message), report.message
 
 
-def test_ranks_that_call_the_collective_unequally_are_named_not_hung():
-    # Seeds until some rank takes the extra call and another does not (the batches decide).
+@pytest.mark.parametrize("mistake, key, what", [
+    (collective_conditional, "hang", "made the ranks' calls differ"),  # some rank takes the extra call, another not
+    (collective_own_shapes, "shapes", "gave the ranks different shapes"),
+], ids=["unequal-calls-named-not-hung", "shapes-differ-by-rank"])
+def test_a_collective_the_ranks_do_not_share_is_named(mistake, key, what):
+    # Seeds until the batches make the ranks differ.
     for seed in range(20):
-        report = check_global_label_count_collective(collective_conditional, seed=seed, verbose=False)
-        if not report and _diagnoses.says(COLLECTIVE_DIAGNOSES["hang"], report.message):
+        report = check_global_label_count_collective(mistake, seed=seed, verbose=False)
+        if not report and _diagnoses.says(COLLECTIVE_DIAGNOSES[key], report.message):
             return
-    pytest.fail(f"no seed made the ranks' calls differ: {report.message}")
-
-
-def test_shapes_that_differ_by_rank_are_named():
-    for seed in range(20):
-        report = check_global_label_count_collective(collective_own_shapes, seed=seed, verbose=False)
-        if not report and _diagnoses.says(COLLECTIVE_DIAGNOSES["shapes"], report.message):
-            return
-    pytest.fail(f"no seed gave the ranks different shapes: {report.message}")
+    pytest.fail(f"no seed {what}: {report.message}")
 
 
 def test_the_answer_mistakes_are_still_named_through_the_collective():

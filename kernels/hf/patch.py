@@ -390,7 +390,7 @@ def _without_consumed_logits(output, consumed: torch.Tensor):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The MLP activation and the rotary embedding
+# The MLP activation (the rotary embedding: kernels.hf.rotary)
 # ---------------------------------------------------------------------------------------------------------------
 
 def _where(parent_name: str, name: str) -> str:
@@ -810,8 +810,8 @@ def patch_llama(
                                                        "nothing to replace"),
         "swiglu": lambda: _found(_find_mlps(model), f"{name} has no MLP patch_llama knows: swiglu has nothing to "
                                                     "replace"),
-        "rope": lambda: _found(find_attention(model, set(_classes(SUPPORTED_ATTENTION).values())), f"{name} has no attention module patch_llama knows: rope has "
-                                                       "nothing to patch"),
+        "rope": lambda: _found(find_attention(model, set(_classes(SUPPORTED_ATTENTION).values())),
+                               f"{name} has no attention module patch_llama knows: rope has nothing to patch"),
         "additive_mask": lambda: _check_mask_function(model, "additive_mask"),
         "skip_causal_mask": lambda: _check_mask_function(model, "skip_causal_mask"),
         "tiled_mlp": lambda: _tileable_mlps(model),

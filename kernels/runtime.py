@@ -51,6 +51,13 @@ def device() -> torch.device:
     return torch.device("cuda") if MODE == "gpu" else torch.device("cpu")
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (a CUDA device); nothing to wait for on the CPU. A timer reads the
+    clock after this, or it measures the launches, not the work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def pick(tiny, full):
     """Return ``tiny`` or ``full`` according to the size profile: the one switch every size in the workbook uses."""
     return tiny if PROFILE == "tiny" else full

@@ -105,10 +105,6 @@ def lora_config(rank: int, alpha: float, use_rslora: bool = False):
                            use_rslora=use_rslora, task_type="CAUSAL_LM")
 
 
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 def time_steps(model, batches: list[dict], warmup: int, steps: int, optimizer=None) -> dict:
     """Run ``warmup`` then ``steps`` training steps; tokens/s of the timed ones, the peak, the first loss."""
@@ -120,14 +116,14 @@ def time_steps(model, batches: list[dict], warmup: int, steps: int, optimizer=No
     first_loss, elapsed, tokens = None, 0.0, 0
     for i in range(warmup + steps):
         batch = batches[i % len(batches)]
-        _sync(device)
+        runtime.synchronize(device)
         start = time.perf_counter()
         loss = model(**batch).loss
         loss.backward()
         if optimizer is not None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        _sync(device)
+        runtime.synchronize(device)
         if i == 0:
             first_loss = float(loss)
         if i >= warmup:

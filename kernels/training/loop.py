@@ -164,10 +164,6 @@ class RunResult:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 def count_trained_labels(batch: dict[str, torch.Tensor], ignore_index: int = IGNORE_INDEX) -> int:
     """Labels a causal-LM loss counts in one batch: those that are not ignored after the shift (``labels[..., 1:]``)."""
@@ -351,7 +347,7 @@ def train_steps(
 
     records: list[StepRecord] = []
     bar = tqdm(range(steps), desc=desc or label, disable=not progress, leave=True)
-    _sync(device)
+    runtime.synchronize(device)
     for step in bar:
         start = time.perf_counter()
         step_loss = _forward_backward(model, micro[step], label_counts[step])
@@ -360,7 +356,7 @@ def train_steps(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step_loss = reduce_loss(step_loss)
-        _sync(device)  # the step's time covers every kernel it launched, the reduction's included
+        runtime.synchronize(device)  # the step's time covers every kernel it launched, the reduction's included
         elapsed = time.perf_counter() - start
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         record = StepRecord(step, float(step_loss), elapsed, total[step], real[step], label_counts[step], peak,

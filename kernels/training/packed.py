@@ -37,7 +37,7 @@ from kernels.hf.patch import patch_llama
 from kernels.hf.presets import PRESETS
 
 from .data import get_tokenizer, make_sft_examples, pack_examples, pad_examples, useful_fraction
-from .loop import _sync, count_trained_labels, enable_checkpointing, free_memory
+from .loop import count_trained_labels, enable_checkpointing, free_memory
 from .models import build_model, llama_config
 
 GROUP = "packing"
@@ -81,13 +81,13 @@ def one_pass(model: torch.nn.Module, batches: list[dict], progress: bool = True,
         return loss.detach() * count
 
     step(*counted[0])
-    _sync(device)
+    runtime.synchronize(device)
     start = time.perf_counter()
     total = torch.zeros((), device=device, dtype=torch.float64)
     for batch, count in tqdm(counted, desc=desc, disable=not progress):
         if count:  # an example truncated to its prompt trains no label: its mean loss is 0/0
             total += step(batch, count)
-    _sync(device)
+    runtime.synchronize(device)
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "summed_loss": float(total), "batches": len(batches),
             "tokens": sum(b["input_ids"].numel() for b in batches), "labels": sum(c for _, c in counted)}

@@ -52,6 +52,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from kernels import runtime
 from kernels.bench.results import ASSETS
 from kernels.memory import hf_loss_buffers
 
@@ -241,10 +242,6 @@ def training_step(model, batch, optimizer, compute_loss=hf_loss) -> torch.Tensor
     return loss.detach()
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 def _unique_bytes(tensors) -> int:
     seen: dict[int, int] = {}
@@ -274,22 +271,22 @@ def measure_step_memory(model, batch, optimizer, compute_loss=hf_loss) -> Memory
     device = next(model.parameters()).device
     if device.type != "cuda":
         raise RuntimeError("measure_step_memory needs a model on a CUDA device; on the CPU use full_finetune_memory")
-    _sync(device)
+    runtime.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     loss = compute_loss(model, batch)
-    _sync(device)
+    runtime.synchronize(device)
     after_forward = torch.cuda.memory_allocated(device)
     peak_forward = torch.cuda.max_memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     loss.backward()
-    _sync(device)
+    runtime.synchronize(device)
     after_backward = torch.cuda.memory_allocated(device)
     peak_backward = torch.cuda.max_memory_allocated(device)
     gradients = _unique_bytes(p.grad for p in model.parameters())
     torch.cuda.reset_peak_memory_stats(device)
     optimizer.step()
-    _sync(device)
+    runtime.synchronize(device)
     peak_step = torch.cuda.max_memory_allocated(device)
     optimizer.zero_grad(set_to_none=True)
     del loss
@@ -597,12 +594,12 @@ def profile_training_step(
 
     for _ in range(warmup):
         step()
-    _sync(device)
+    runtime.synchronize(device)
     times = []
     for _ in range(timed_steps):
         start = time.perf_counter()
         step()
-        _sync(device)
+        runtime.synchronize(device)
         times.append((time.perf_counter() - start) * 1e3)
 
     tokens, vocab, dtype = _loss_shapes(model, batch)
@@ -620,7 +617,7 @@ def profile_training_step(
                                            profile_memory=False) as prof:
         start = time.perf_counter()
         step()
-        _sync(device)
+        runtime.synchronize(device)
         profiled_ms = (time.perf_counter() - start) * 1e3
 
     if trace_path is not None:

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from . import ops, runtime
 
@@ -368,28 +369,84 @@ class Config:
 _INTERPRETER_BLOCK = 128  # the interpreter pays per program, not per element: big tiles keep launches few
 
 
-def attention_config(seq: int, head_dim: int, props: runtime.DeviceProps | None = None) -> Config:
-    """Block sizes of the forward and both backward kernels for a sequence of ``seq`` tokens and ``head_dim``."""
-    return _attention_config(seq, head_dim, props or runtime.device_props())
+def attention_config(seq: int, head_dim: int, props: runtime.DeviceProps | None = None,
+                     element_size: int = 2) -> Config:
+    """Block sizes of the forward and both backward kernels for a sequence of ``seq`` tokens and ``head_dim``, for
+    inputs of ``element_size`` bytes (2: bf16 or fp16; 4: float32). A GPU whose shared memory cannot hold these
+    tiles gets smaller ones at launch (``shrinking``)."""
+    return _attention_config(seq, head_dim, props or runtime.device_props(), element_size)
 
 
 @functools.lru_cache(maxsize=256)
-def _attention_config(seq: int, head_dim: int, props: runtime.DeviceProps) -> Config:
+def _attention_config(seq: int, head_dim: int, props: runtime.DeviceProps, element_size: int) -> Config:
     if props.interpreter:
         block = min(_INTERPRETER_BLOCK, max(16, triton.next_power_of_2(max(seq, 1))))
         one = BlockConfig(block, block, 4, 1)
         return Config(one, one, one, block)
-    # Hopper-sized tiles, not autotuned: FlashAttention-2's forward shape (128 query rows, 64 keys, 8 warps, 3
-    # stages of K/V prefetch). The backward holds two [BLOCK, head_dim] float32 accumulators (dK and dV) besides its
-    # recomputed [BLOCK_M, BLOCK_N] tiles, so its tiles are smaller. Measured timings go to assets/notes/attention.md.
+    # Hopper tiles, measured rather than autotuned: `python -m kernels.bench.attention_blocks` on an H200 (d = 128,
+    # 8,192 tokens; assets/results/attention_blocks/, assets/notes/attention.md). The forward takes 128 query rows
+    # by 128 keys with 8 warps and 3 stages of K/V prefetch. Both backward kernels hold float32 accumulators besides
+    # their recomputed [BLOCK_M, BLOCK_N] tiles, and run fastest at 64 × 64 with 4 warps and 2 stages: 1.42× (dK/dV)
+    # and 1.48× (dQ) the 8-warp tiles first chosen from FlashAttention-2's shapes. d = 64 was not swept.
+    # float32 tiles take twice the bytes: half the rows and keys, for checking rather than training (not timed).
     wide = head_dim > 64
-    forward = BlockConfig(128, 64 if wide else 128, 8 if wide else 4, 3)
-    dkdv = BlockConfig(64, 64, 8 if wide else 4, 2)
-    dq = BlockConfig(64, 64, 8 if wide else 4, 2)
+    if element_size > 2:
+        forward = dkdv = dq = BlockConfig(64, 64, 4, 2)
+    else:
+        forward = BlockConfig(128, 128, 8 if wide else 4, 3)
+        dkdv = BlockConfig(64, 64, 4, 2)
+        dq = BlockConfig(64, 64, 4, 2)
     config = Config(forward, dkdv, dq, 64)
     # The query kernels' mask-free walk ends at the query block's first row: a whole number of key blocks.
     assert forward.block_m % forward.block_n == 0 and dq.block_m % dq.block_n == 0, config
     return config
+
+
+def shrinking(block: BlockConfig, divisible: bool):
+    """``block``, then ever smaller tiles: two pipeline stages instead of more, then half the keys, then half the
+    rows (down to 16 each), then one stage. A GPU with less shared memory per block than a tile needs (a consumer
+    card has under half of Hopper's) refuses the launch; the launch then takes the next one. ``divisible`` keeps
+    ``block_m`` a multiple of ``block_n``, as the query kernels' mask-free walk needs."""
+    m, n, warps, stages = block.block_m, block.block_n, block.num_warps, block.num_stages
+    yield block
+    while True:
+        if stages > 2:
+            stages = 2
+        elif n > 16:
+            n //= 2
+        elif m > 16:
+            m //= 2
+        elif stages > 1:
+            stages = 1
+        else:
+            return
+        if divisible and m % n:
+            n = m
+        yield BlockConfig(m, n, warps if m * n > 64 * 64 else min(warps, 4), stages)
+
+
+_FITTED: dict[tuple, BlockConfig] = {}  # (kernel, device, tile asked for, head_dim, dtype, flags) -> tile launched
+
+
+def _launch(kernel, grid, block: BlockConfig, fit: bool, divisible: bool, key: tuple, *args, **meta) -> None:
+    """``kernel[grid(tile)](*args)`` with ``block``'s tile, or where ``fit`` is set and this GPU's shared memory
+    cannot hold it, with the first of ``shrinking(block)`` that it can (remembered per ``key``). An explicit
+    configuration is launched as given: a tile sweep must see its own tile fail, not a smaller one run."""
+    key = (kernel.fn.__name__, block, *key)
+    tiles = shrinking(_FITTED.get(key, block), divisible) if fit else iter([block])
+    error = None
+    for tile in tiles:
+        try:
+            kernel[grid(tile)](*args, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, num_warps=tile.num_warps,
+                               num_stages=tile.num_stages, **meta)
+        except OutOfResources as exc:  # raised before the kernel runs: nothing was written
+            if not fit:
+                raise
+            error = exc
+            continue
+        _FITTED[key] = tile
+        return
+    raise RuntimeError(f"{kernel.fn.__name__}: no tile down to 16 × 16 fits this GPU's shared memory ({error})")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -452,16 +509,14 @@ def attention_forward(q, k, v, causal: bool, scale: float, seg_start=None, seg_e
     lse = torch.empty(batch, heads, seq, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
-    cfg = (config or attention_config(seq, head_dim, runtime.device_props(q.device))).forward
+    cfg = (config or attention_config(seq, head_dim, runtime.device_props(q.device), q.element_size())).forward
     seg, seg_e, packed = _seg_args(seg_start, seg_end, q)
-    grid = (triton.cdiv(seq, cfg.block_m), batch * heads)
-    _fwd_kernel[grid](
-        q, k, v, out, lse, seg, seg_e, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
-        seq, scale * LOG2E, heads,
-        GROUP=heads // k.shape[1], D=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
-        PACKED=packed, UPCAST=runtime.INTERPRET, PRECISION=_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    _launch(_fwd_kernel, lambda c: (triton.cdiv(seq, c.block_m), batch * heads), cfg, config is None, True,
+            (q.device, head_dim, q.dtype, causal, packed),
+            q, k, v, out, lse, seg, seg_e, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
+            seq, scale * LOG2E, heads,
+            GROUP=heads // k.shape[1], D=head_dim, CAUSAL=causal, PACKED=packed, UPCAST=runtime.INTERPRET,
+            PRECISION=_precision(q.dtype))
     return out, lse
 
 
@@ -474,7 +529,7 @@ def attention_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float, 
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if q.numel() == 0:
         return dq, dk.zero_(), dv.zero_()
-    cfg = config or attention_config(seq, head_dim, runtime.device_props(q.device))
+    cfg = config or attention_config(seq, head_dim, runtime.device_props(q.device), q.element_size())
     seg, seg_e, packed = _seg_args(seg_start, seg_end, q)
     delta = torch.empty(batch, heads, seq, dtype=torch.float32, device=q.device)
     _delta_kernel[(triton.cdiv(seq, cfg.delta_rows), batch * heads)](
@@ -482,20 +537,15 @@ def attention_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float, 
     )
     common = dict(GROUP=heads // kv_heads, D=head_dim, CAUSAL=causal, PACKED=packed, UPCAST=runtime.INTERPRET,
                   PRECISION=_precision(q.dtype))
-    c = cfg.dkdv
-    _bwd_dkdv_kernel[(triton.cdiv(seq, c.block_n), batch * kv_heads)](
-        q, k, v, grad_out, lse, delta, dk, dv, seg, seg_e,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(grad_out), *_strides(dk), *_strides(dv),
-        seq, scale * LOG2E, scale, kv_heads,
-        BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **common,
-    )
-    c = cfg.dq
-    _bwd_dq_kernel[(triton.cdiv(seq, c.block_m), batch * heads)](
-        q, k, v, grad_out, lse, delta, dq, seg, seg_e,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(grad_out), *_strides(dq),
-        seq, scale * LOG2E, scale, heads,
-        BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **common,
-    )
+    key, fit = (q.device, head_dim, q.dtype, causal, packed), config is None
+    _launch(_bwd_dkdv_kernel, lambda c: (triton.cdiv(seq, c.block_n), batch * kv_heads), cfg.dkdv, fit, False, key,
+            q, k, v, grad_out, lse, delta, dk, dv, seg, seg_e,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(grad_out), *_strides(dk), *_strides(dv),
+            seq, scale * LOG2E, scale, kv_heads, **common)
+    _launch(_bwd_dq_kernel, lambda c: (triton.cdiv(seq, c.block_m), batch * heads), cfg.dq, fit, True, key,
+            q, k, v, grad_out, lse, delta, dq, seg, seg_e,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(grad_out), *_strides(dq),
+            seq, scale * LOG2E, scale, heads, **common)
     return dq, dk, dv
 
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kernels import attention as attention_module
 from kernels import runtime
 from kernels.attention import (
     BlockConfig,
@@ -27,6 +28,7 @@ from kernels.attention import (
     flash_attention_fwd,
     segment_bounds,
     segment_bounds_from_positions,
+    shrinking,
 )
 from kernels.reference import relative_error
 from kernels.tolerances import RELATIVE_ERROR_TOL
@@ -244,7 +246,7 @@ def test_errors(device):
 def test_config_from_one_function():
     gpu = runtime.DeviceProps("H200", False, 132, 232448, 65536)
     cfg = attention_config(16384, 128, gpu)
-    assert (cfg.forward.block_m, cfg.forward.block_n, cfg.forward.num_warps, cfg.forward.num_stages) == (128, 64, 8, 3)
+    assert (cfg.forward.block_m, cfg.forward.block_n, cfg.forward.num_warps, cfg.forward.num_stages) == (128, 128, 8, 3)
     assert cfg.dkdv.block_m * cfg.dkdv.block_n <= cfg.forward.block_m * cfg.forward.block_n
     tiny = attention_config(77, 16, runtime.INTERPRETER)
     assert tiny.forward.block_m == 128  # one program per (batch, head) at the chapter's sizes
@@ -308,3 +310,54 @@ def test_gpu_llama_shapes(gen, seq):
     _check_against_float64(q, k, v, True, gen=gen)
     cu = torch.tensor(sorted({0, 1, seq // 3, seq}), dtype=torch.int32, device="cuda")  # a one-token document first
     _check_against_float64(q, k, v, True, cu_seqlens=cu, gen=gen)
+
+
+def test_shrinking_tiles_get_smaller_and_keep_the_query_walk_whole():
+    first = BlockConfig(128, 128, 8, 3)
+    tiles = list(shrinking(first, divisible=True))
+    assert tiles[0] == first and tiles[-1] == BlockConfig(16, 16, 4, 1)
+    sizes = [t.block_m * t.block_n * t.num_stages for t in tiles]
+    assert all(a > b for a, b in zip(sizes, sizes[1:]))
+    assert all(t.block_m % t.block_n == 0 for t in tiles)
+    assert any(t.block_m % t.block_n for t in shrinking(BlockConfig(32, 128, 4, 3), divisible=False))
+
+
+class _TooBigOver:
+    """A stand-in for a Triton kernel that refuses tiles over ``limit`` elements, as a GPU refuses a launch whose
+    tile needs more shared memory than a block may have."""
+
+    def __init__(self, limit):
+        self.limit, self.launched = limit, []
+        self.fn = self._too_big_over
+
+    def _too_big_over(self):
+        pass
+
+    def __getitem__(self, grid):
+        def call(*args, BLOCK_M, BLOCK_N, num_warps, num_stages, **meta):
+            need = BLOCK_M * BLOCK_N * num_stages
+            if need > self.limit:
+                raise attention_module.OutOfResources(need, self.limit, "shared memory")
+            self.launched.append((grid, BLOCK_M, BLOCK_N, num_stages))
+        return call
+
+
+def test_a_tile_too_big_for_the_gpu_falls_back_and_an_explicit_one_raises():
+    kernel = _TooBigOver(limit=128 * 64 * 2)
+    key = ("test", object())  # a key of its own: nothing remembered from another launch
+    attention_module._launch(kernel, lambda c: (c.block_m,), BlockConfig(128, 128, 8, 3), True, True, key)
+    assert kernel.launched == [((128,), 128, 64, 2)]
+    attention_module._launch(kernel, lambda c: (c.block_m,), BlockConfig(128, 128, 8, 3), True, True, key)
+    assert kernel.launched[-1] == ((128,), 128, 64, 2) and len(kernel.launched) == 2  # remembered: no retries
+    with pytest.raises(attention_module.OutOfResources):
+        attention_module._launch(kernel, lambda c: (c.block_m,), BlockConfig(128, 128, 8, 3), False, True, key)
+    with pytest.raises(RuntimeError, match="no tile down to 16"):
+        attention_module._launch(_TooBigOver(limit=1), lambda c: (1,), BlockConfig(64, 64, 4, 2), True, True, key)
+
+
+def test_float32_inputs_get_smaller_tiles_than_bf16():
+    gpu = runtime.DeviceProps("a Hopper-like GPU", False, 132, 227 << 10, 64 << 10)
+    wide, narrow = attention_config(4096, 128, gpu, 2), attention_config(4096, 128, gpu, 4)
+    for a, b in ((wide.forward, narrow.forward), (wide.dkdv, narrow.dkdv), (wide.dq, narrow.dq)):
+        assert b.block_m * b.block_n <= a.block_m * a.block_n
+    assert narrow.forward.block_m * narrow.forward.block_n < wide.forward.block_m * wide.forward.block_n

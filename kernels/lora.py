@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from . import ops
 from .gemm import KERNEL_DTYPES, gemm_epilogue, splitk_mm
+from .swiglu import swiglu_backward_, swiglu_forward
 
 EPILOGUES = ("cublas", "triton")
 SKINNY = ("cublas", "splitk")
@@ -174,7 +175,8 @@ lora_bwd_op = ops.define(
 
 
 class LoRALinearFunction(torch.autograd.Function):
-    """The fused LoRA layer as one autograd node: saves x, W, A, B and the [tokens, r] xa, nothing else."""
+    """The fused LoRA layer as one autograd node: saves x, W, A, B and the [tokens, r] xa, nothing else. Returns y
+    as [tokens, out] (``lora_linear`` gives it x's leading dimensions)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, lora_a, lora_b, scale, epilogue, skinny):
@@ -183,7 +185,9 @@ class LoRALinearFunction(torch.autograd.Function):
         ctx.save_for_backward(x2, weight, lora_a, lora_b, xa)
         ctx.scale, ctx.epilogue, ctx.skinny = scale, epilogue, skinny
         ctx.x_shape, ctx.has_bias = x.shape, bias is not None
-        return y.reshape(*x.shape[:-1], weight.shape[0])
+        # y stays 2-D here; callers reshape it. A reshape inside would be a view of a tensor made without autograd,
+        # and a later backward may not write over such an output (swiglu.may_overwrite): gate and up of the MLP.
+        return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -200,6 +204,41 @@ class LoRALinearFunction(torch.autograd.Function):
                 None, None, None)
 
 
+class SwiGLULoRADownFunction(torch.autograd.Function):
+    """``lora_linear(swiglu(gate, up), ...)``, Llama's LoRA ``down_proj`` over its SwiGLU, keeping gate and up only.
+
+    The fused LoRA layer keeps its input x for dA. For ``down_proj`` that input is h = silu(gate) · up, a [tokens,
+    intermediate] tensor (235 MB per layer at 8,192 tokens of Llama-3.1-8B) that nothing else keeps: the SwiGLU
+    backward needs gate and up, not h. So the forward frees h at once, and the backward recomputes it from gate and
+    up (one elementwise kernel, the same bits) for dA and, for a trained base, dW. d(gate) and d(up) are written over
+    gate and up, as ``swiglu(..., inplace_backward=True)`` does: the caller passes gate and up only where that is
+    allowed (``swiglu.inplace_backward_allowed``)."""
+
+    @staticmethod
+    def forward(ctx, gate, up, weight, bias, lora_a, lora_b, scale, epilogue, skinny):
+        h = swiglu_forward(gate, up)
+        y, xa = ops.call(lora_fwd_op, h.reshape(-1, h.shape[-1]), weight, bias, lora_a, lora_b, scale, epilogue)
+        del h
+        ctx.save_for_backward(gate, up, weight, lora_a, lora_b, xa)
+        ctx.scale, ctx.epilogue, ctx.skinny, ctx.has_bias = scale, epilogue, skinny, bias is not None
+        return y.reshape(*gate.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        gate, up, weight, lora_a, lora_b, xa = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        h2 = swiglu_forward(gate, up).reshape(-1, gate.shape[-1])
+        dh, d_a, d_b = ops.call(lora_bwd_op, dy2, h2, weight, lora_a, lora_b, xa, ctx.scale, True, ctx.epilogue,
+                                ctx.skinny)
+        dw = dy2.t() @ h2 if ctx.needs_input_grad[2] else None
+        del h2
+        d_bias = dy2.sum(0) if ctx.needs_input_grad[3] and ctx.has_bias else None
+        swiglu_backward_(dh.reshape(gate.shape), gate, up)  # d(gate), d(up) over gate and up
+        return (gate.detach(), up.detach(), dw, d_bias, d_a if ctx.needs_input_grad[4] else None,
+                d_b if ctx.needs_input_grad[5] else None, None, None, None)
+
+
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
                 lora_b: torch.Tensor, scale: float, *, epilogue: str = "cublas", skinny: str = "cublas"
                 ) -> torch.Tensor:
@@ -213,7 +252,8 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     them; W and the bias only if they do (a frozen base layer costs no dW GEMM).
     """
     _check_inputs(x, weight, bias, lora_a, lora_b, scale, epilogue, skinny)
-    return LoRALinearFunction.apply(x, weight, bias, lora_a, lora_b, float(scale), epilogue, skinny)
+    y = LoRALinearFunction.apply(x, weight, bias, lora_a, lora_b, float(scale), epilogue, skinny)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def lora_linear_reference(x, weight, bias, lora_a, lora_b, scale):

@@ -503,4 +503,16 @@ class TritonSwiGLUMLP(torch.nn.Module):
             return self.down_proj(swiglu(gate, up))
         if self._down_fuses(gate, up):
             return SwiGLUDownFunction.apply(gate, up, self.down_proj.weight, self.down_proj.bias)
-        return self.down_proj(swiglu(gate, up, inplace_backward=True))
+        out = self._down_after_swiglu(gate, up)
+        return out if out is not None else self.down_proj(swiglu(gate, up, inplace_backward=True))
+
+    def _down_after_swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+        """``down_proj.forward_after_swiglu(gate, up)``: a down_proj that computes ``down_proj(swiglu(gate, up))``
+        itself without keeping the product (``kernels.hf.lora`` gives one to PEFT's fused LoRA layers), under the
+        conditions of ``_down_fuses`` but the layer's type. None where down_proj has none or it declines the call."""
+        down = self.down_proj
+        after = getattr(down, "forward_after_swiglu", None)
+        if (after is None or not (self.fuse_down_proj and torch.is_grad_enabled()) or down._forward_hooks
+                or down._forward_pre_hooks or _global_module_hooks() or not inplace_backward_allowed(gate, up)):
+            return None
+        return after(gate, up)

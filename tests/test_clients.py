@@ -93,14 +93,16 @@ def test_trainer_with_peft_lora_fused(device, gen, tmp_path, monkeypatch):
                 p.copy_(torch.randn(p.shape, generator=gen).to(p) * 0.1)
     data = _dataset(base.config.vocab_size, gen)
     expected = _train_with_trainer(copy.deepcopy(model), data, tmp_path / "peft", gradient_checkpointing=True)
-    from kernels.lora import LoRALinearFunction
+    from kernels.lora import LoRALinearFunction, SwiGLULoRADownFunction
 
-    fused, apply = [], LoRALinearFunction.apply
-    monkeypatch.setattr(LoRALinearFunction, "apply", lambda *args: fused.append(1) or apply(*args))
+    fused = []
+    for function in (LoRALinearFunction, SwiGLULoRADownFunction):
+        monkeypatch.setattr(function, "apply", lambda *args, apply=function.apply: fused.append(1) or apply(*args))
     with patch_llama(model) as patch:
         assert "lora" in patch.kernels and "lora" not in patch.left_off
         losses = _train_with_trainer(model, data, tmp_path / "patched", gradient_checkpointing=True)
-    # 4 adapted layers per decoder layer, 2 steps × 2 micro-batches, each forward run again under checkpointing.
+    # 4 adapted layers per decoder layer (down_proj with its SwiGLU), 2 steps × 2 micro-batches, each forward run
+    # again under checkpointing.
     assert len(fused) == 2 * 4 * base.config.num_hidden_layers * 2 * 2
     assert len(losses) == len(expected) == 2
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=1e-4)

@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 from kernels import runtime as kernels_runtime
 from kernels.gemm import gemm_epilogue, splitk_config, splitk_mm
-from kernels.lora import lora_linear, lora_linear_reference, lora_scale
+from kernels.lora import SwiGLULoRADownFunction, lora_linear, lora_linear_reference, lora_scale
 from kernels.reference import relative_error
 from kernels.runtime import DeviceProps
 from kernels.tolerances import RELATIVE_ERROR_TOL as TOL
@@ -58,6 +58,37 @@ def test_lora_linear_against_float64(device, gen, dtype, epilogue, skinny, rank,
     assert set(errors) == {"y", "dx", "dA", "dB"}
     for name, err in errors.items():
         assert err < TOL[dtype], (name, err)
+
+
+@pytest.mark.parametrize("epilogue,skinny", COMBOS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("train_base", [False, True])
+def test_down_proj_over_swiglu_keeps_no_product_and_matches_float64(device, gen, dtype, epilogue, skinny,
+                                                                     train_base):
+    # Llama's LoRA down_proj over its SwiGLU as one node: y and every gradient (gate, up, A, B, and W and the bias
+    # when the base trains) against float64; gate and up are intermediate results, which its backward overwrites.
+    n_mid, n_out, rank = 77, 45, 3
+    w, bias, a, b = _layer(gen, device, dtype, n_mid, n_out, rank, bias=train_base)
+    g0, u0 = (torch.randn(2, 29, n_mid, generator=gen, dtype=torch.float64).to(device, dtype).requires_grad_()
+              for _ in range(2))
+    dy = torch.randn(2, 29, n_out, generator=gen, dtype=torch.float64).to(device, dtype)
+    leaves = [w.requires_grad_(train_base), None if bias is None else bias.requires_grad_(), a.requires_grad_(),
+              b.requires_grad_()]
+    scale = lora_scale(8, rank)
+    y = SwiGLULoRADownFunction.apply(g0 * 1, u0 * 1, *leaves, scale, epilogue, skinny)
+    # Saved: gate, up, W, A, B and the [tokens, r] xa; not the [tokens, n_mid] product.
+    assert [tuple(s.shape) for s in y.grad_fn.saved_tensors] == [(2, 29, n_mid), (2, 29, n_mid), (n_out, n_mid),
+                                                                  (rank, n_mid), (n_out, rank), (58, rank)]
+    y.backward(dy)
+    refs = [t.detach().double().requires_grad_(t.requires_grad) for t in (g0, u0)]
+    refs += [None if t is None else t.detach().double().requires_grad_(t.requires_grad) for t in leaves]
+    h = torch.nn.functional.silu(refs[0]) * refs[1]
+    y64 = lora_linear_reference(h, *refs[2:], scale)
+    y64.backward(dy.double())
+    assert relative_error(y, y64) < TOL[dtype]
+    for name, t, r in zip(("gate", "up", "W", "bias", "A", "B"), (g0, u0, *leaves), refs):
+        if t is not None and t.requires_grad:
+            assert t.grad is not None and relative_error(t.grad, r.grad) < TOL[dtype], name
 
 
 @pytest.mark.parametrize("epilogue,skinny", COMBOS)

@@ -10,6 +10,7 @@ from test_peft import lora_with_values, loss_and_grads
 
 from kernels.hf.lora import LoraFusion, why_not_fused
 from kernels.hf.patch import patch_llama
+from kernels.lora import SwiGLULoRADownFunction
 from kernels.reference import relative_error
 from kernels.tolerances import RELATIVE_ERROR_TOL as TOL
 from kernels.training.models import build_model
@@ -79,6 +80,36 @@ def test_lora_is_a_default_where_the_model_holds_lora_layers(device, gen):
         assert "lora" not in off.kernels and _fused_count(wrapped) == 0
     with patch_llama(copy.deepcopy(base)) as plain:  # no adapter, nothing to say about lora
         assert "lora" not in plain.kernels and "lora" not in plain.left_off
+
+
+def test_down_proj_over_the_fused_swiglu_keeps_no_product(device, gen, monkeypatch):
+    # With the SwiGLU kernel on, each LoRA down_proj and its SwiGLU are one node (SwiGLULoRADownFunction), in both
+    # orders; PEFT's losses and gradients; after undo no layer keeps the method.
+    calls = []
+    apply = SwiGLULoRADownFunction.apply
+    monkeypatch.setattr(SwiGLULoRADownFunction, "apply", lambda *a: calls.append(1) or apply(*a))
+    base = _base(device, gen)
+    reference = lora_with_values(copy.deepcopy(base), _config())
+    ids, labels = _batch(base, gen, device)
+    expected = loss_and_grads(reference, ids, labels)
+    layers = base.config.num_hidden_layers
+    for order in ("wrap, patch", "patch, wrap"):
+        calls.clear()
+        if order == "wrap, patch":
+            model = copy.deepcopy(reference)
+            patch = patch_llama(model, kernels=("swiglu", "lora"))
+        else:
+            inner = copy.deepcopy(base)
+            patch = patch_llama(inner, kernels=("swiglu", "lora"))
+            model = peft.get_peft_model(inner, _config())
+            model.load_state_dict(reference.state_dict())
+        _assert_close(loss_and_grads(model, ids, labels), expected, TOL[torch.float32])
+        assert len(calls) == layers, order
+        patch.undo()
+        assert not any("forward_after_swiglu" in m.__dict__ for m in model.modules())
+        calls.clear()
+        _assert_close(loss_and_grads(model, ids, labels), expected, TOL[torch.float32])
+        assert calls == []
 
 
 def test_patch_then_wrap_with_every_default_kernel(device, gen):

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.gemm import KERNEL_DTYPES
-from kernels.lora import LoRALinearFunction
+from kernels.lora import LoRALinearFunction, SwiGLULoRADownFunction
 
 # How the fused layer computes its two halves (``kernels.lora``): the benchmark flips these to compare.
 EPILOGUE = "cublas"
@@ -75,17 +75,31 @@ def why_not_fused(layer: torch.nn.Module) -> str | None:
     return None
 
 
+def _plain_call(layer: torch.nn.Module, x: torch.Tensor) -> bool:
+    """Whether a call of ``layer`` on ``x`` is the plain case the fused layer computes (the module docstring)."""
+    return (why_not_fused(layer) is None and not torch.is_autocast_enabled(x.device.type)
+            and x.dtype == layer.get_base_layer().weight.dtype and x.dtype in KERNEL_DTYPES)
+
+
+def _adapter(layer: torch.nn.Module) -> tuple:
+    # The fused node's arguments after the input: base weight and bias, A, B, the scale, how to compute.
+    base, name = layer.get_base_layer(), layer.active_adapters[0]
+    return (base.weight, base.bias, layer.lora_A[name].weight, layer.lora_B[name].weight, float(layer.scaling[name]),
+            EPILOGUE, SKINNY)
+
+
 def _fused_forward(self, x, *args, **kwargs):
     """PEFT's ``lora.Linear.forward`` for the plain case, as one fused node; any other call goes to PEFT's."""
-    if args or kwargs or why_not_fused(self) is not None or torch.is_autocast_enabled(x.device.type):
+    if args or kwargs or not _plain_call(self, x):
         return type(self).forward(self, x, *args, **kwargs)
-    base = self.get_base_layer()
-    name = self.active_adapters[0]
-    if x.dtype != base.weight.dtype or x.dtype not in KERNEL_DTYPES:
-        return type(self).forward(self, x, *args, **kwargs)
-    scale = self.scaling[name]
-    return LoRALinearFunction.apply(x, base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight,
-                                    float(scale), EPILOGUE, SKINNY)
+    return LoRALinearFunction.apply(x, *_adapter(self)).reshape(*x.shape[:-1], self.get_base_layer().out_features)
+
+
+def _forward_after_swiglu(self, gate, up):
+    """This layer (a ``down_proj``) over ``swiglu(gate, up)`` as one node that keeps gate and up, not the product
+    (``kernels.lora.SwiGLULoRADownFunction``); None for a call that is not the plain case (the MLP then runs
+    ``down_proj(swiglu(gate, up))``)."""
+    return SwiGLULoRADownFunction.apply(gate, up, *_adapter(self)) if _plain_call(self, gate) else None
 
 
 @dataclass
@@ -116,6 +130,7 @@ class LoraFusion:
 
     def _fuse(self, where: str, module: torch.nn.Module) -> None:
         module.forward = types.MethodType(_fused_forward, module)
+        module.forward_after_swiglu = types.MethodType(_forward_after_swiglu, module)  # read by the patched MLP
         self.layers.append(module)
         reason = why_not_fused(module)
         if reason is not None:
@@ -145,6 +160,7 @@ class LoraFusion:
         for module in self.layers:
             if getattr(module.__dict__.get("forward"), "__func__", None) is _fused_forward:
                 del module.forward
+            module.__dict__.pop("forward_after_swiglu", None)
         self.layers.clear()
         self.active = False
 

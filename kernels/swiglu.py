@@ -452,7 +452,9 @@ class TritonSwiGLUMLP(torch.nn.Module):
     Memory: the SwiGLU backward writes its gradients over gate and up, and when ``down_proj`` is a plain
     ``nn.Linear`` the product silu(gate) · up is not kept for its weight's gradient but recomputed in the backward
     (``SwiGLUDownFunction``): two [tokens, intermediate] tensors kept per layer, where ``down_proj(swiglu(...))``
-    keeps three and Hugging Face's MLP four, and at most three alive in its backward. Under ``torch.compile`` it is
+    keeps three and Hugging Face's MLP four, and at most three alive in its backward. A ``down_proj`` with a
+    ``forward_after_swiglu(gate, up)`` method (a fused PEFT LoRA layer, ``kernels.hf.lora``) is handed gate and up
+    likewise, and recomputes the product for its adapter's gradient. Under ``torch.compile`` it is
     ``down_proj(swiglu(gate, up))``.
     """
 

@@ -8,6 +8,11 @@ Nothing else changes: the modules, their names, the ``state_dict``, ``save_pretr
 format) and the optimizer see what they saw before. ``undo()`` deletes the instance attributes, and PEFT's class
 forward is seen again (so ``merge_and_unload()`` then works as PEFT intends).
 
+**down_proj over the SwiGLU.** Each fused layer also gets ``forward_after_swiglu(gate, up)``, which the patched MLP
+(``kernels.swiglu.TritonSwiGLUMLP``) calls on its ``down_proj``: the layer and the SwiGLU before it as one node
+(``kernels.lora.SwiGLULoRADownFunction``) that keeps gate and up but not their product, the widest input of the
+layer, recomputed in the backward for dA instead. It declines (returns None) any call that is not the plain case.
+
 **Both orders.** Wrapped first (``patch_llama(get_peft_model(llama, config))``), the LoRA layers are there to
 find. Patched first (``get_peft_model(patch_llama-ed llama, config)``), PEFT injects its layers afterwards; so the
 patch also leaves a forward pre-hook on the decoder that, before each forward, gives the fused forward to any

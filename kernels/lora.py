@@ -9,7 +9,9 @@ for ``lora_A``'s backward. Here the whole layer is one ``autograd.Function``:
 * **forward**: ``xa = x · Aᵀ`` ([tokens, r], tiny), then the base GEMM with the low-rank product ``s · xa · Bᵀ``
   added in its *epilogue* (before the output is stored): either cuBLAS's β-epilogue (``y = x·Wᵀ + b``, then
   ``y.addmm_(xa, Bᵀ, alpha=s)``: one extra read and write of y) or a Triton GEMM whose tile adds the low-rank term in
-  registers (``kernels.gemm.gemm_epilogue``: y written once). ``epilogue="cublas"`` or ``"triton"``.
+  registers (``kernels.gemm.gemm_epilogue``: y written once). ``epilogue="cublas"`` or ``"triton"``; or
+  ``"cublas_lowrank_first"``: the low-rank product written first, then the base GEMM accumulating onto it (β = 1),
+  so that cuBLAS reads it in the big GEMM's own epilogue rather than in a pass of its own.
 * **saved for the backward**: ``x`` (the base layer's input, which a frozen linear layer saves anyway), ``W``, ``A``,
   ``B`` and ``xa``: no float32 copy of anything, nothing of the output's size.
 * **backward**: ``dxa = s · dy · B``; ``dx = dy · W + dxa · A`` (the same epilogue trick); ``dB = s · dyᵀ · xa`` and
@@ -34,7 +36,7 @@ from . import ops
 from .gemm import KERNEL_DTYPES, gemm_epilogue, splitk_mm
 from .swiglu import swiglu_backward_, swiglu_forward
 
-EPILOGUES = ("cublas", "triton")
+EPILOGUES = ("cublas", "cublas_lowrank_first", "triton")
 SKINNY = ("cublas", "splitk")
 
 
@@ -101,6 +103,11 @@ def lora_forward(x2, weight, bias, lora_a, lora_b, scale: float, epilogue: str =
     xa = x2 @ a.t()
     if epilogue == "triton":
         y = gemm_epilogue(x2, weight.t(), xa, b.t(), scale, bias)
+    elif epilogue == "cublas_lowrank_first":
+        # s·xa·Bᵀ (+ b) first, a GEMM over K = r; then the base GEMM adds onto it in its own epilogue (β = 1), where
+        # the compute-bound main loops of other tiles may hide the read.
+        y = (xa * scale) @ b.t() if bias is None else torch.addmm(bias, xa * scale, b.t())
+        y.addmm_(x2, weight.t())
     else:
         # cuBLAS: the base GEMM (with its bias), then the low-rank GEMM accumulated into it (β = 1): y read once more.
         y = F.linear(x2, weight, bias)
@@ -141,6 +148,9 @@ def lora_backward(dy2, x2, weight, lora_a, lora_b, xa, scale: float, need_dx: bo
         return x2.new_empty(0), d_a, d_b
     if epilogue == "triton":
         dx = gemm_epilogue(dy2, weight, dxa, a, 1.0)
+    elif epilogue == "cublas_lowrank_first":
+        dx = dxa @ a
+        dx.addmm_(dy2, weight)
     else:
         dx = dy2 @ weight
         dx.addmm_(dxa, a)
@@ -247,7 +257,8 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ``x`` [..., in] (any leading dimensions), ``weight`` [out, in] and ``bias`` [out] (or None) in ``x``'s dtype,
     ``lora_a`` [r, in] and ``lora_b`` [out, r] in float32, bfloat16 or float16 (PEFT keeps them in float32 over a
     bfloat16 model). Returns [..., out] in ``x``'s dtype. ``epilogue`` picks how the low-rank product joins the base
-    GEMM (``"cublas"``: addmm's β-epilogue; ``"triton"``: inside a Triton GEMM's tile), ``skinny`` how dA and dB
+    GEMM (``"cublas"``: addmm's β-epilogue; ``"cublas_lowrank_first"``: the low-rank product first, read by the base
+    GEMM's β-epilogue; ``"triton"``: inside a Triton GEMM's tile), ``skinny`` how dA and dB
     are reduced over the tokens (``"cublas"`` or ``"splitk"``). Gradients: x, A and B always when they require
     them; W and the bias only if they do (a frozen base layer costs no dW GEMM).
     """

@@ -25,10 +25,22 @@ def test_one_run_writes_its_rows_and_the_losses_agree(tmp_path):
     assert "28 of 28 LoRA layers fused" in result["lora_layers"]
 
 
+def test_micro_line_with_and_without_the_low_rank_first_timing():
+    row = {"layer": "q_proj", **{k: 1.0 for k in ("fwd_peft_ms", "fwd_cublas_epilogue_ms", "fwd_triton_epilogue_ms",
+                                               "base_gemm_cublas_ms", "base_gemm_triton_ms", "dA_cublas_ms",
+                                               "dA_splitk_ms", "dB_cublas_ms", "dB_splitk_ms")}}
+    result = {"settings": {"preset": "tiny", "batch": 1, "seq": 8, "rank": 2, "alpha": 4.0, "checkpointing": False},
+              "device": "cpu", "rows": {}, "targets": {}, "micro": [row]}
+    older = bench.format_table(result).splitlines()[-1]
+    assert "low-rank first" not in older and "cuBLAS epilogue 1.000, Triton epilogue 1.000" in older
+    row["fwd_cublas_lowrank_first_ms"] = 0.5
+    assert "cuBLAS epilogue 1.000, low-rank first 0.500, Triton" in bench.format_table(result)
+
+
 def test_micro_row_has_every_timing():
     (row,) = bench.micro("tiny", tokens=9, rank=2, alpha=4.0, names=("k_proj",))
     assert row["in"] == 128 and row["out"] == 64
-    assert all(row[k] > 0 for k in row if k.endswith("_ms")) and len([k for k in row if k.endswith("_ms")]) == 9
+    assert all(row[k] > 0 for k in row if k.endswith("_ms")) and len([k for k in row if k.endswith("_ms")]) == 10
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -133,6 +133,41 @@ def _unmasked_end(m0, n, lo, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PACKED
 
 
 @triton.jit
+def _interior_keys(m0, n, lo, SEG, SEG_END, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    # Packed, a query block whose rows all lie in one document: the key blocks [a, b) that every row sees whole,
+    # from the document's start rounded up to a block to the block's first row (causal) or to the document's end
+    # rounded down. They need no mask. Rows in several documents: the empty range at lo (everything masked).
+    last = tl.minimum(m0 + BLOCK_M, n) - 1
+    start = tl.load(SEG + m0)
+    one_doc = start == tl.load(SEG + last)
+    a = ((start + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+    if CAUSAL:
+        b = m0  # a multiple of BLOCK_N (attention_config keeps BLOCK_M a multiple of BLOCK_N)
+    else:
+        b = (tl.load(SEG_END + m0) // BLOCK_N) * BLOCK_N
+    b = tl.where(b > a, b, a)
+    return tl.where(one_doc, a, lo), tl.where(one_doc, b, lo)
+
+
+@triton.jit
+def _interior_queries(n0, n, lo, SEG, SEG_END, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      CAUSAL: tl.constexpr):
+    # The dK/dV walk's counterpart: for a key block whose keys all lie in one document, the query blocks [a, b)
+    # whose every row sees every key: past the key block's last key (causal) or from the document's start, rounded
+    # up to a query block, to the document's end rounded down. Keys in several documents: the empty range at lo.
+    last = tl.minimum(n0 + BLOCK_N, n) - 1
+    start = tl.load(SEG + n0)
+    one_doc = start == tl.load(SEG + last)
+    if CAUSAL:
+        a = ((n0 + BLOCK_N - 1 + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+    else:
+        a = ((start + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+    b = (tl.load(SEG_END + n0) // BLOCK_M) * BLOCK_M
+    b = tl.where(b > a, b, a)
+    return tl.where(one_doc, a, lo), tl.where(one_doc, b, lo)
+
+
+@triton.jit
 def _fwd_blocks(q, k_base, v_base, rows, start, end, n, sk_s, sv_s, cols_d, SEG, qk_scale, m_i, l_i, acc,
                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, PACKED: tl.constexpr,
                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
@@ -160,6 +195,7 @@ def _fwd_kernel(
     n, qk_scale, n_heads,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, PACKED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    INTERIOR: tl.constexpr = False,
 ):
     # One program: BLOCK_M query rows of one (batch, head). qk_scale = scale · log2 e (exp2 below).
     m0 = tl.program_id(0) * BLOCK_M
@@ -179,11 +215,20 @@ def _fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     lo, hi = _key_range(m0, n, SEG, SEG_END, BLOCK_M, BLOCK_N, CAUSAL, PACKED)
-    full = _unmasked_end(m0, n, lo, BLOCK_N, CAUSAL, PACKED)
-    m_i, l_i, acc = _fwd_blocks(q, k_base, v_base, rows, lo, full, n, sk_s, sv_s, cols_d, SEG, qk_scale, m_i, l_i,
-                                acc, BLOCK_N, False, CAUSAL, PACKED, UPCAST, PRECISION)
-    m_i, l_i, acc = _fwd_blocks(q, k_base, v_base, rows, full, hi, n, sk_s, sv_s, cols_d, SEG, qk_scale, m_i, l_i,
-                                acc, BLOCK_N, True, CAUSAL, PACKED, UPCAST, PRECISION)
+    if PACKED and INTERIOR:  # masked [lo, a), whole [a, z), masked [z, hi)
+        a, z = _interior_keys(m0, n, lo, SEG, SEG_END, BLOCK_M, BLOCK_N, CAUSAL)
+        m_i, l_i, acc = _fwd_blocks(q, k_base, v_base, rows, lo, a, n, sk_s, sv_s, cols_d, SEG, qk_scale, m_i, l_i,
+                                    acc, BLOCK_N, True, CAUSAL, PACKED, UPCAST, PRECISION)
+        m_i, l_i, acc = _fwd_blocks(q, k_base, v_base, rows, a, z, n, sk_s, sv_s, cols_d, SEG, qk_scale, m_i, l_i,
+                                    acc, BLOCK_N, False, CAUSAL, PACKED, UPCAST, PRECISION)
+        m_i, l_i, acc = _fwd_blocks(q, k_base, v_base, rows, z, hi, n, sk_s, sv_s, cols_d, SEG, qk_scale, m_i, l_i,
+                                    acc, BLOCK_N, True, CAUSAL, PACKED, UPCAST, PRECISION)
+    else:
+        full = _unmasked_end(m0, n, lo, BLOCK_N, CAUSAL, PACKED)
+        m_i, l_i, acc = _fwd_blocks(q, k_base, v_base, rows, lo, full, n, sk_s, sv_s, cols_d, SEG, qk_scale, m_i,
+                                    l_i, acc, BLOCK_N, False, CAUSAL, PACKED, UPCAST, PRECISION)
+        m_i, l_i, acc = _fwd_blocks(q, k_base, v_base, rows, full, hi, n, sk_s, sv_s, cols_d, SEG, qk_scale, m_i,
+                                    l_i, acc, BLOCK_N, True, CAUSAL, PACKED, UPCAST, PRECISION)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # rows past n only; every real row sees at least its own key
     out = acc / l_safe[:, None]
@@ -277,6 +322,7 @@ def _bwd_dkdv_kernel(
     n, qk_scale, scale, n_kv_heads,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, PACKED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    INTERIOR: tl.constexpr = False,
 ):
     # One program: BLOCK_N keys of one (batch, KV head); dK and dV summed over every query head of the group and every
     # query block that sees them. The blocks on the diagonal (causal) or in packed documents are masked; the rest not.
@@ -293,16 +339,23 @@ def _bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, D], tl.float32)
     dv = tl.zeros([BLOCK_N, D], tl.float32)
     lo, hi = _query_range(n0, n, SEG, SEG_END, BLOCK_M, BLOCK_N, CAUSAL, PACKED)
-    masked_end = _masked_query_end(n0, lo, hi, BLOCK_M, BLOCK_N, CAUSAL, PACKED)
+    if PACKED and INTERIOR:  # masked [lo, a), whole [a, z), masked [z, hi)
+        a, z = _interior_queries(n0, n, lo, SEG, SEG_END, BLOCK_M, BLOCK_N, CAUSAL)
+    else:  # masked [lo, a), whole [a, hi)
+        a = _masked_query_end(n0, lo, hi, BLOCK_M, BLOCK_N, CAUSAL, PACKED)
+        z = hi
     for g in range(GROUP):
         h = hk * GROUP + g
         bh = b * (n_kv_heads * GROUP) + h
         q_base = Q + b * sq_b + h * sq_h
         do_base = DO + b * sd_b + h * sd_h
-        dk, dv = _dkdv_blocks(q_base, do_base, k, v, cols, lo, masked_end, n, sq_s, sd_s, cols_d, LSE, DELTA, bh, SEG,
+        dk, dv = _dkdv_blocks(q_base, do_base, k, v, cols, lo, a, n, sq_s, sd_s, cols_d, LSE, DELTA, bh, SEG,
                               qk_scale, dk, dv, BLOCK_M, True, CAUSAL, PACKED, UPCAST, PRECISION)
-        dk, dv = _dkdv_blocks(q_base, do_base, k, v, cols, masked_end, hi, n, sq_s, sd_s, cols_d, LSE, DELTA, bh,
+        dk, dv = _dkdv_blocks(q_base, do_base, k, v, cols, a, z, n, sq_s, sd_s, cols_d, LSE, DELTA, bh,
                               SEG, qk_scale, dk, dv, BLOCK_M, False, CAUSAL, PACKED, UPCAST, PRECISION)
+        if PACKED and INTERIOR:
+            dk, dv = _dkdv_blocks(q_base, do_base, k, v, cols, z, hi, n, sq_s, sd_s, cols_d, LSE, DELTA, bh,
+                                  SEG, qk_scale, dk, dv, BLOCK_M, True, CAUSAL, PACKED, UPCAST, PRECISION)
     ok = (cols < n)[:, None]
     tl.store(DK + b * sdk_b + hk * sdk_h + cols[:, None].to(tl.int64) * sdk_s + cols_d[None, :],
              (dk * scale).to(DK.dtype.element_ty), mask=ok)
@@ -317,6 +370,7 @@ def _bwd_dq_kernel(
     n, qk_scale, scale, n_heads,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, PACKED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    INTERIOR: tl.constexpr = False,
 ):
     # One program: BLOCK_M query rows of one (batch, head), dQ summed over the key blocks they see (the forward's walk).
     m0 = tl.program_id(0) * BLOCK_M
@@ -336,8 +390,14 @@ def _bwd_dq_kernel(
     v_base = V + b * sv_b + hk * sv_h
     dq = tl.zeros([BLOCK_M, D], tl.float32)
     lo, hi = _key_range(m0, n, SEG, SEG_END, BLOCK_M, BLOCK_N, CAUSAL, PACKED)
-    full = _unmasked_end(m0, n, lo, BLOCK_N, CAUSAL, PACKED)
-    dq = _dq_blocks(q, do, k_base, v_base, rows, lo, full, n, sk_s, sv_s, cols_d, lse2, delta, SEG, qk_scale, dq,
+    if PACKED and INTERIOR:  # masked [lo, a), whole [a, full), masked [full, hi)
+        a, full = _interior_keys(m0, n, lo, SEG, SEG_END, BLOCK_M, BLOCK_N, CAUSAL)
+        dq = _dq_blocks(q, do, k_base, v_base, rows, lo, a, n, sk_s, sv_s, cols_d, lse2, delta, SEG, qk_scale, dq,
+                        BLOCK_N, True, CAUSAL, PACKED, UPCAST, PRECISION)
+    else:  # whole [lo, full), masked [full, hi)
+        a = lo
+        full = _unmasked_end(m0, n, lo, BLOCK_N, CAUSAL, PACKED)
+    dq = _dq_blocks(q, do, k_base, v_base, rows, a, full, n, sk_s, sv_s, cols_d, lse2, delta, SEG, qk_scale, dq,
                     BLOCK_N, False, CAUSAL, PACKED, UPCAST, PRECISION)
     dq = _dq_blocks(q, do, k_base, v_base, rows, full, hi, n, sk_s, sv_s, cols_d, lse2, delta, SEG, qk_scale, dq,
                     BLOCK_N, True, CAUSAL, PACKED, UPCAST, PRECISION)
@@ -364,9 +424,15 @@ class Config:
     dkdv: BlockConfig  # the backward's key-block kernel
     dq: BlockConfig  # the backward's query-block kernel
     delta_rows: int  # rows per program of the rowsum(dO ∘ O) preprocess
+    interior: bool = False  # packed: walk the blocks wholly inside one document without the mask (PACKED_INTERIOR)
 
 
 _INTERPRETER_BLOCK = 128  # the interpreter pays per program, not per element: big tiles keep launches few
+
+# Packed documents: whether the kernels run the key (or query) blocks that lie wholly inside one document without
+# the mask, as they do the blocks before the diagonal of a dense row. Correct (the tests run both ways); off until a
+# GPU run has timed it against the masked walk (python -m kernels.bench.attention times both).
+PACKED_INTERIOR = False
 
 
 def attention_config(seq: int, head_dim: int, props: runtime.DeviceProps | None = None,
@@ -374,15 +440,16 @@ def attention_config(seq: int, head_dim: int, props: runtime.DeviceProps | None 
     """Block sizes of the forward and both backward kernels for a sequence of ``seq`` tokens and ``head_dim``, for
     inputs of ``element_size`` bytes (2: bf16 or fp16; 4: float32). A GPU whose shared memory cannot hold these
     tiles gets smaller ones at launch (``shrinking``)."""
-    return _attention_config(seq, head_dim, props or runtime.device_props(), element_size)
+    return _attention_config(seq, head_dim, props or runtime.device_props(), element_size, PACKED_INTERIOR)
 
 
 @functools.lru_cache(maxsize=256)
-def _attention_config(seq: int, head_dim: int, props: runtime.DeviceProps, element_size: int) -> Config:
+def _attention_config(seq: int, head_dim: int, props: runtime.DeviceProps, element_size: int,
+                      interior: bool) -> Config:
     if props.interpreter:
         block = min(_INTERPRETER_BLOCK, max(16, triton.next_power_of_2(max(seq, 1))))
         one = BlockConfig(block, block, 4, 1)
-        return Config(one, one, one, block)
+        return Config(one, one, one, block, interior)
     # Hopper tiles, measured rather than autotuned: `python -m kernels.bench.attention_blocks` on an H200 (d = 128,
     # 8,192 tokens; assets/results/attention_blocks/, assets/notes/attention.md). The forward takes 128 query rows
     # by 128 keys with 8 warps and 3 stages of K/V prefetch. Both backward kernels hold float32 accumulators besides
@@ -396,7 +463,7 @@ def _attention_config(seq: int, head_dim: int, props: runtime.DeviceProps, eleme
         forward = BlockConfig(128, 128, 8 if wide else 4, 3)
         dkdv = BlockConfig(64, 64, 4, 2)
         dq = BlockConfig(64, 64, 4, 2)
-    config = Config(forward, dkdv, dq, 64)
+    config = Config(forward, dkdv, dq, 64, interior)
     # The query kernels' mask-free walk ends at the query block's first row: a whole number of key blocks.
     assert forward.block_m % forward.block_n == 0 and dq.block_m % dq.block_n == 0, config
     return config
@@ -509,14 +576,15 @@ def attention_forward(q, k, v, causal: bool, scale: float, seg_start=None, seg_e
     lse = torch.empty(batch, heads, seq, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
-    cfg = (config or attention_config(seq, head_dim, runtime.device_props(q.device), q.element_size())).forward
+    full_cfg = config or attention_config(seq, head_dim, runtime.device_props(q.device), q.element_size())
     seg, seg_e, packed = _seg_args(seg_start, seg_end, q)
-    _launch(_fwd_kernel, lambda c: (triton.cdiv(seq, c.block_m), batch * heads), cfg, config is None, True,
-            (q.device, head_dim, q.dtype, causal, packed),
+    interior = packed and full_cfg.interior
+    _launch(_fwd_kernel, lambda c: (triton.cdiv(seq, c.block_m), batch * heads), full_cfg.forward, config is None,
+            True, (q.device, head_dim, q.dtype, causal, packed, interior),
             q, k, v, out, lse, seg, seg_e, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
             seq, scale * LOG2E, heads,
             GROUP=heads // k.shape[1], D=head_dim, CAUSAL=causal, PACKED=packed, UPCAST=runtime.INTERPRET,
-            PRECISION=_precision(q.dtype))
+            PRECISION=_precision(q.dtype), INTERIOR=interior)
     return out, lse
 
 
@@ -535,9 +603,10 @@ def attention_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float, 
     _delta_kernel[(triton.cdiv(seq, cfg.delta_rows), batch * heads)](
         out, grad_out, delta, *_strides(out), *_strides(grad_out), seq, heads, D=head_dim, BLOCK_M=cfg.delta_rows,
     )
+    interior = packed and cfg.interior
     common = dict(GROUP=heads // kv_heads, D=head_dim, CAUSAL=causal, PACKED=packed, UPCAST=runtime.INTERPRET,
-                  PRECISION=_precision(q.dtype))
-    key, fit = (q.device, head_dim, q.dtype, causal, packed), config is None
+                  PRECISION=_precision(q.dtype), INTERIOR=interior)
+    key, fit = (q.device, head_dim, q.dtype, causal, packed, interior), config is None
     _launch(_bwd_dkdv_kernel, lambda c: (triton.cdiv(seq, c.block_n), batch * kv_heads), cfg.dkdv, fit, False, key,
             q, k, v, grad_out, lse, delta, dk, dv, seg, seg_e,
             *_strides(q), *_strides(k), *_strides(v), *_strides(grad_out), *_strides(dk), *_strides(dv),

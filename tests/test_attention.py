@@ -361,3 +361,33 @@ def test_float32_inputs_get_smaller_tiles_than_bf16():
     for a, b in ((wide.forward, narrow.forward), (wide.dkdv, narrow.dkdv), (wide.dq, narrow.dq)):
         assert b.block_m * b.block_n <= a.block_m * a.block_n
     assert narrow.forward.block_m * narrow.forward.block_n < wide.forward.block_m * wide.forward.block_n
+
+
+@pytest.mark.parametrize("dkdv_blocks", [(16, 32), (32, 16)], ids=lambda b: f"dkdv{b[0]}x{b[1]}")
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("bounds", [[0, 1, 40, 41, 90, 130], [0, 32, 96, 130], [0, 130]],
+                         ids=["short-and-odd", "block-aligned", "one-document"])
+def test_packed_interior_blocks_walk_without_the_mask(device, gen, causal, dkdv_blocks, bounds):
+    # Packed rows with the interior walk on (Config.interior): the key blocks wholly inside a query block's document,
+    # and the query blocks wholly inside a key block's, run unmasked; documents of 1 token, documents that start and
+    # end inside a block and on a block's edge, and one document across the whole row. Same answer as float64.
+    blocks = BlockConfig(32, 16, 4, 1)
+    cfg = Config(blocks, BlockConfig(*dkdv_blocks, 4, 1), blocks, 32, interior=True)
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    q, k, v = (x.detach() for x in _inputs(gen, device, 1, 4, 2, 130, 16, torch.float32))
+    seg = segment_bounds(cu.to(device), 130)
+    out, lse = attention_forward(q, k, v, causal, 0.25, *seg, config=cfg)
+    grad = torch.randn(out.shape, generator=gen).to(device)
+    dq, dk, dv = attention_backward(grad, q, k, v, out, lse, causal, 0.25, *seg, config=cfg)
+    leaves = [x.double().requires_grad_(True) for x in (q, k, v)]
+    ref = attention_reference(*leaves, causal=causal, scale=0.25, cu_seqlens=cu)
+    ref_grads = torch.autograd.grad(ref, leaves, grad.double())
+    for name, a, b in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), (ref, *ref_grads)):
+        assert relative_error(a, b) < 1e-5, name
+
+
+def test_the_interior_walk_is_off_by_default_and_follows_the_switch(monkeypatch):
+    gpu = runtime.DeviceProps("a Hopper-like GPU", False, 132, 227 << 10, 64 << 10)
+    assert not attention_config(4096, 128, gpu).interior
+    monkeypatch.setattr(attention_module, "PACKED_INTERIOR", True)
+    assert attention_config(4096, 128, gpu).interior and attention_config(77, 16, runtime.INTERPRETER).interior

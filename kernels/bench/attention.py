@@ -24,6 +24,7 @@ interpreter the command runs tiny shapes and SDPA's math kernel only (timings th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 from collections.abc import Callable
@@ -131,12 +132,28 @@ def dense_peers() -> dict[str, Callable]:
             "flex": _flex(_causal)}
 
 
+@contextlib.contextmanager
+def _packed_interior(on: bool):
+    saved, attention.PACKED_INTERIOR = attention.PACKED_INTERIOR, on
+    try:
+        yield
+    finally:
+        attention.PACKED_INTERIOR = saved
+
+
 def document_peers(doc: int) -> dict[str, Callable]:
     """Name → factory for causal attention within documents of ``doc`` tokens."""
-    def ours(batch, heads, seq):
-        positions = (torch.arange(seq, device=runtime.device()) % doc)[None].expand(batch, seq)
-        return lambda q, k, v: flash_attention(q, k, v, causal=True, position_ids=positions)
-    peers = {"ours_packed": ours}
+    def ours(interior):
+        def make(batch, heads, seq):
+            positions = (torch.arange(seq, device=runtime.device()) % doc)[None].expand(batch, seq)
+
+            def call(q, k, v):
+                with _packed_interior(interior):
+                    return flash_attention(q, k, v, causal=True, position_ids=positions)
+            return call
+        return make
+    # ours_packed with the package's setting; ours_interior with the interior walk on (attention.PACKED_INTERIOR)
+    peers = {"ours_packed": ours(attention.PACKED_INTERIOR), "ours_interior": ours(True)}
     if runtime.MODE == "gpu":
         peers["flex_documents"] = _flex(_documents(doc))
     return peers
@@ -236,6 +253,8 @@ def ratios(result: dict) -> list[dict]:
                 entry[f"vs_{peer}"] = ms[peer] / ms["ours"]
         if "flex_documents" in dms and "ours_packed" in dms:
             entry["packed_vs_flex_documents"] = dms["flex_documents"] / dms["ours_packed"]
+        if "flex_documents" in dms and "ours_interior" in dms:
+            entry["interior_vs_flex_documents"] = dms["flex_documents"] / dms["ours_interior"]
         out.append(entry)
     return out
 

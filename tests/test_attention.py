@@ -54,16 +54,53 @@ def _check_against_float64(q, k, v, causal, scale=None, cu_seqlens=None, gen=Non
                  else [torch.zeros_like(x) for x in leaves64])
     tol = RELATIVE_ERROR_TOL[q.dtype]
     assert out.shape == ref.shape and out.dtype == q.dtype
-    for name, a, b in (("out", out, ref), ("dq", grads[0], ref_grads[0]), ("dk", grads[1], ref_grads[1]),
-                       ("dv", grads[2], ref_grads[2])):
+    torch_own = _torch_in_dtype(leaves, (q, k, v), causal, scale, cu_seqlens, grad)
+    delta_share = _stored_output_delta_error(views64, ref, out, grad.double(), causal, scale, cu_seqlens,
+                                             ref_grads) if ref.numel() else {}
+    for i, (name, a, b) in enumerate((("out", out, ref), ("dq", grads[0], ref_grads[0]),
+                                      ("dk", grads[1], ref_grads[1]), ("dv", grads[2], ref_grads[2]))):
         if b.numel() == 0 or b.abs().max() == 0:
             # dQ of a row that sees one key is exactly 0 (dP = delta); ours may keep a rounding residue of that
             # difference, bounded by the sizes it came from.
-            scale = grad.double().norm() * v.double().norm() * k.double().norm()
-            assert a.numel() == 0 or a.double().abs().max() <= tol * scale, name
+            bound = grad.double().norm() * v.double().norm() * k.double().norm()
+            assert a.numel() == 0 or a.double().abs().max() <= tol * bound, name
             continue
+        # dQ = Σ p·(dP − delta)·K and dK = Σ p·(dP − delta)·Q sum terms whose weights add up to 0: where they
+        # nearly cancel, rounding is a large share of the result. Two such errors are allowed for, never below the
+        # table's bound: a few times PyTorch's own error in the inputs' dtype, and the error every FlashAttention
+        # backward shares, delta = rowsum(dO ∘ O) taken from the output as stored (rounded to that dtype; the
+        # output itself is held to the table's bound above).
         err = relative_error(a, b)
-        assert err < tol, f"{name}: relative error {err:.2e} over {tol:.0e}"
+        bound = max(tol, 4 * relative_error(torch_own[i], b), tol + delta_share.get(name, 0.0))
+        assert err < bound, f"{name}: relative error {err:.2e} over {bound:.1e}"
+
+
+def _stored_output_delta_error(qkv64, out64, out, grad64, causal, scale, cu_seqlens, grads64) -> dict:
+    """How far dQ and dK move (relative to float64's) when delta = rowsum(dO ∘ O) is taken from the output ``out``
+    as stored, in the inputs' dtype, as every FlashAttention backward reads it: with Δ the change of delta, d(dQ) =
+    −s·Δ·(P·K) and d(dK) = −s·Pᵀ·(Δ·Q), P the float64 probabilities."""
+    q, k, v = (x.detach() for x in qkv64)
+    group = q.shape[1] // k.shape[1]
+    s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    k_rep = k.repeat_interleave(group, dim=1)
+    allowed = document_mask(cu_seqlens, q.shape[2], causal).to(q.device)
+    p = torch.softmax((q @ k_rep.transpose(-1, -2) * s).masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
+    shift = (grad64 * (out.detach().double() - out64.detach())).sum(-1, keepdim=True)
+    d_dq = -s * shift * (p @ k_rep)
+    d_dk = (-s * p.transpose(-1, -2) @ (shift * q)).unflatten(1, (k.shape[1], group)).sum(2)
+    return {name: (d.norm() / g.norm()).item() if g.norm() > 0 else 0.0
+            for name, d, g in (("dq", d_dq, grads64[0]), ("dk", d_dk, grads64[1]))}
+
+
+def _torch_in_dtype(leaves, views, causal, scale, cu_seqlens, grad):
+    """PyTorch's attention (``attention_reference``) in the inputs' own dtype: its output and gradients."""
+    own = [x.detach().clone().requires_grad_(True) for x in leaves]
+    own_views = [o.as_strided(v.shape, v.stride(), v.storage_offset()) if x is not v else o
+                 for x, o, v in zip(leaves, own, views)]
+    out = attention_reference(*own_views, causal=causal, scale=scale, cu_seqlens=cu_seqlens)
+    if out.numel() == 0:
+        return [out, *own]
+    return [out, *torch.autograd.grad(out, own, grad.to(out.dtype), allow_unused=True)]
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -260,9 +297,15 @@ def test_small_blocks_walk_masked_and_unmasked_blocks(device, gen, causal, packe
     # The dK/dV walk likewise, over query blocks past a key block's diagonal, with fewer or more rows than keys.
     blocks = BlockConfig(32, 16, 4, 1)
     cfg = Config(blocks, BlockConfig(*dkdv_blocks, 4, 1), blocks, 32)
-    q, k, v = (x.detach() for x in _inputs(gen, device, 2 if not packed else 1, 4, 2, 77, 16, torch.float32))
-    seg = segment_bounds(torch.tensor([0, 1, 30, 77], dtype=torch.int32, device=device), 77) if packed else (None, None)
-    cu = torch.tensor([0, 1, 30, 77], dtype=torch.int32) if packed else None
+    _launches_against_float64(gen, device, cfg, causal, 77, [0, 1, 30, 77] if packed else None)
+
+
+def _launches_against_float64(gen, device, cfg, causal, seq, bounds):
+    """The kernels launched with ``cfg`` (document ``bounds`` packed along one row, or two rows without), forward and
+    backward, against float64."""
+    q, k, v = (x.detach() for x in _inputs(gen, device, 1 if bounds else 2, 4, 2, seq, 16, torch.float32))
+    cu = torch.tensor(bounds, dtype=torch.int32) if bounds else None
+    seg = segment_bounds(cu.to(device), seq) if bounds else (None, None)
     out, lse = attention_forward(q, k, v, causal, 0.25, *seg, config=cfg)
     grad = torch.randn(out.shape, generator=gen).to(device)
     dq, dk, dv = attention_backward(grad, q, k, v, out, lse, causal, 0.25, *seg, config=cfg)
@@ -373,17 +416,7 @@ def test_packed_interior_blocks_walk_without_the_mask(device, gen, causal, dkdv_
     # end inside a block and on a block's edge, and one document across the whole row. Same answer as float64.
     blocks = BlockConfig(32, 16, 4, 1)
     cfg = Config(blocks, BlockConfig(*dkdv_blocks, 4, 1), blocks, 32, interior=True)
-    cu = torch.tensor(bounds, dtype=torch.int32)
-    q, k, v = (x.detach() for x in _inputs(gen, device, 1, 4, 2, 130, 16, torch.float32))
-    seg = segment_bounds(cu.to(device), 130)
-    out, lse = attention_forward(q, k, v, causal, 0.25, *seg, config=cfg)
-    grad = torch.randn(out.shape, generator=gen).to(device)
-    dq, dk, dv = attention_backward(grad, q, k, v, out, lse, causal, 0.25, *seg, config=cfg)
-    leaves = [x.double().requires_grad_(True) for x in (q, k, v)]
-    ref = attention_reference(*leaves, causal=causal, scale=0.25, cu_seqlens=cu)
-    ref_grads = torch.autograd.grad(ref, leaves, grad.double())
-    for name, a, b in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), (ref, *ref_grads)):
-        assert relative_error(a, b) < 1e-5, name
+    _launches_against_float64(gen, device, cfg, causal, 130, bounds)
 
 
 def test_the_interior_walk_is_off_by_default_and_follows_the_switch(monkeypatch):

@@ -355,6 +355,32 @@ def test_gpu_llama_shapes(gen, seq):
     _check_against_float64(q, k, v, True, cu_seqlens=cu, gen=gen)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("interior", [False, True])
+def test_gpu_tiles_too_big_for_shared_memory_shrink_and_the_interior_walk(gen, monkeypatch, interior):
+    # On the GPU: tiles no Hopper block can hold (float32, 256 × 256, 4 stages) are refused at launch and the launch
+    # takes smaller ones, with the same answer; the packed rows also with the interior walk on.
+    too_big = BlockConfig(256, 256, 8, 4)
+    config = Config(too_big, too_big, too_big, 64, interior)
+    monkeypatch.setattr(attention_module, "attention_config", lambda *args, **kwargs: config)
+    q, k, v = _inputs(gen, "cuda", 1, 4, 2, 300, 128, torch.float32)
+    _check_against_float64(q, k, v, True, gen=gen)
+    cu = torch.tensor([0, 1, 140, 300], dtype=torch.int32, device="cuda")
+    _check_against_float64(q, k, v, True, cu_seqlens=cu, gen=gen)
+    fitted = [tile for key, tile in attention_module._FITTED.items() if key[1] == too_big]
+    assert fitted and all(tile != too_big for tile in fitted)
+
+
+@pytest.mark.gpu
+def test_gpu_packed_interior_walk_at_the_8b_shape(gen, monkeypatch):
+    # The interior walk with the configured tiles at the 8B attention shape, bf16, documents of 1,024 tokens and a
+    # ragged tail: the same answer as float64 within the table's bound.
+    monkeypatch.setattr(attention_module, "PACKED_INTERIOR", True)
+    q, k, v = _inputs(gen, "cuda", 1, 32, 8, 3000, 128, torch.bfloat16)
+    cu = torch.tensor([0, 1024, 2048, 2049, 3000], dtype=torch.int32, device="cuda")
+    _check_against_float64(q, k, v, True, cu_seqlens=cu, gen=gen)
+
+
 def test_shrinking_tiles_get_smaller_and_keep_the_query_walk_whole():
     first = BlockConfig(128, 128, 8, 3)
     tiles = list(shrinking(first, divisible=True))

@@ -11,7 +11,10 @@ for ``lora_A``'s backward. Here the whole layer is one ``autograd.Function``:
   ``y.addmm_(xa, Bᵀ, alpha=s)``: one extra read and write of y) or a Triton GEMM whose tile adds the low-rank term in
   registers (``kernels.gemm.gemm_epilogue``: y written once). ``epilogue="cublas"`` or ``"triton"``; or
   ``"cublas_lowrank_first"``: the low-rank product written first, then the base GEMM accumulating onto it (β = 1),
-  so that cuBLAS reads it in the big GEMM's own epilogue rather than in a pass of its own.
+  so that cuBLAS reads it in the big GEMM's own epilogue rather than in a pass of its own; or ``"merged"``: the
+  adapter merged into a temporary weight, ``W + s·B·A``, and one GEMM with it (2·out·in values read and written
+  instead of the epilogue's 2·tokens·out); or ``"auto"``: merged wherever that moves fewer bytes (in_features below
+  the tokens forward, out_features below them for dx), else ``"cublas"``.
 * **saved for the backward**: ``x`` (the base layer's input, which a frozen linear layer saves anyway), ``W``, ``A``,
   ``B`` and ``xa``: no float32 copy of anything, nothing of the output's size.
 * **backward**: ``dxa = s · dy · B``; ``dx = dy · W + dxa · A`` (the same epilogue trick); ``dB = s · dyᵀ · xa`` and
@@ -36,7 +39,7 @@ from . import ops
 from .gemm import KERNEL_DTYPES, gemm_epilogue, splitk_mm
 from .swiglu import swiglu_backward_, swiglu_forward
 
-EPILOGUES = ("cublas", "cublas_lowrank_first", "triton")
+EPILOGUES = ("cublas", "cublas_lowrank_first", "triton", "merged", "auto")
 SKINNY = ("cublas", "splitk")
 
 
@@ -96,12 +99,26 @@ def _check_inputs(x, weight, bias, lora_a, lora_b, scale, epilogue, skinny) -> N
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def _merges(epilogue: str, tokens: int, reduced: int) -> bool:
+    # Merging writes and reads a temporary [out, in] weight; the epilogue writes and reads a [tokens, out] output
+    # (forward) or [tokens, in] gradient (dx). Per GEMM: merged costs less where the dimension it reduces over is
+    # smaller than the tokens.
+    return epilogue == "merged" or (epilogue == "auto" and reduced < tokens)
+
+
+def _merged(weight, a, b, scale: float) -> torch.Tensor:
+    """``W + s·B·A`` in W's dtype: a temporary weight with the adapter in it (what PEFT's merge computes, not kept)."""
+    return torch.addmm(weight, b, a, alpha=scale)
+
+
 def lora_forward(x2, weight, bias, lora_a, lora_b, scale: float, epilogue: str = "cublas"):
     """(y, xa) for 2-D ``x2`` [tokens, in]: ``y = x2·Wᵀ + b + s·xa·Bᵀ`` and ``xa = x2·Aᵀ`` (kept for the backward)."""
     a = lora_a.to(x2.dtype)
     b = lora_b.to(x2.dtype)
     xa = x2 @ a.t()
-    if epilogue == "triton":
+    if _merges(epilogue, x2.shape[0], weight.shape[1]):
+        y = F.linear(x2, _merged(weight, a, b, scale), bias)
+    elif epilogue == "triton":
         y = gemm_epilogue(x2, weight.t(), xa, b.t(), scale, bias)
     elif epilogue == "cublas_lowrank_first":
         # s·xa·Bᵀ (+ b) first, a GEMM over K = r; then the base GEMM adds onto it in its own epilogue (β = 1), where
@@ -146,7 +163,9 @@ def lora_backward(dy2, x2, weight, lora_a, lora_b, xa, scale: float, need_dx: bo
     d_a = skinny_mm(dxa, x2, 1.0, lora_a.dtype, skinny)  # dxaᵀ·x   [r, in]
     if not need_dx:
         return x2.new_empty(0), d_a, d_b
-    if epilogue == "triton":
+    if _merges(epilogue, dy2.shape[0], weight.shape[0]):
+        dx = dy2 @ _merged(weight, a, b, scale)
+    elif epilogue == "triton":
         dx = gemm_epilogue(dy2, weight, dxa, a, 1.0)
     elif epilogue == "cublas_lowrank_first":
         dx = dxa @ a
@@ -258,7 +277,8 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ``lora_a`` [r, in] and ``lora_b`` [out, r] in float32, bfloat16 or float16 (PEFT keeps them in float32 over a
     bfloat16 model). Returns [..., out] in ``x``'s dtype. ``epilogue`` picks how the low-rank product joins the base
     GEMM (``"cublas"``: addmm's β-epilogue; ``"cublas_lowrank_first"``: the low-rank product first, read by the base
-    GEMM's β-epilogue; ``"triton"``: inside a Triton GEMM's tile), ``skinny`` how dA and dB
+    GEMM's β-epilogue; ``"triton"``: inside a Triton GEMM's tile; ``"merged"``: into a temporary weight W + s·B·A;
+    ``"auto"``: merged where that moves fewer bytes), ``skinny`` how dA and dB
     are reduced over the tokens (``"cublas"`` or ``"splitk"``). Gradients: x, A and B always when they require
     them; W and the bias only if they do (a frozen base layer costs no dW GEMM).
     """

@@ -16,7 +16,8 @@ from kernels.reference import relative_error
 from kernels.runtime import DeviceProps
 from kernels.tolerances import RELATIVE_ERROR_TOL as TOL
 
-COMBOS = [("cublas", "cublas"), ("cublas_lowrank_first", "cublas"), ("triton", "splitk")]
+COMBOS = [("cublas", "cublas"), ("cublas_lowrank_first", "cublas"), ("triton", "splitk"), ("merged", "cublas"),
+          ("auto", "cublas")]
 
 
 def _layer(gen, device, dtype, n_in, n_out, rank, adapter_dtype=torch.float32, bias=False):

@@ -33,14 +33,14 @@ def test_micro_line_with_and_without_the_low_rank_first_timing():
               "device": "cpu", "rows": {}, "targets": {}, "micro": [row]}
     older = bench.format_table(result).splitlines()[-1]
     assert "low-rank first" not in older and "cuBLAS epilogue 1.000, Triton epilogue 1.000" in older
-    row["fwd_cublas_lowrank_first_ms"] = 0.5
-    assert "cuBLAS epilogue 1.000, low-rank first 0.500, Triton" in bench.format_table(result)
+    row["fwd_cublas_lowrank_first_ms"], row["fwd_merged_ms"] = 0.5, 0.25
+    assert "cuBLAS epilogue 1.000, low-rank first 0.500, merged 0.250, Triton" in bench.format_table(result)
 
 
 def test_micro_row_has_every_timing():
     (row,) = bench.micro("tiny", tokens=9, rank=2, alpha=4.0, names=("k_proj",))
     assert row["in"] == 128 and row["out"] == 64
-    assert all(row[k] > 0 for k in row if k.endswith("_ms")) and len([k for k in row if k.endswith("_ms")]) == 10
+    assert all(row[k] > 0 for k in row if k.endswith("_ms")) and len([k for k in row if k.endswith("_ms")]) == 11
 
 
 @pytest.mark.parametrize("argv,message", [

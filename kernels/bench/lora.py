@@ -12,6 +12,8 @@ other on the same model and the same batches:
 * **patched + PEFT**: the defaults with the ``lora`` switch: each LoRA layer one fused node (cuBLAS epilogue);
 * **patched + PEFT, low-rank product first**: the same with the low-rank product written first and the base GEMM
   adding onto it (``epilogue="cublas_lowrank_first"``; the same for dx in the backward);
+* **patched + PEFT, adapter merged where cheaper** (``epilogue="auto"``): W + s·B·A as a temporary weight for
+  each GEMM whose reduced dimension is below the tokens, the β-epilogue elsewhere;
 * **patched + PEFT, Triton epilogue and split-K**: the same with the Triton GEMM epilogue and the split-K dA/dB;
 * **Liger + PEFT**: Liger's RoPE, SwiGLU, RMSNorm and fused linear cross-entropy, if ``liger_kernel`` imports.
 
@@ -53,7 +55,7 @@ GROUP = "lora"
 GIB = 2**30
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SETUPS = ("floor_hf", "floor_patched", "hf_peft", "patched_peft_lora_off", "patched_peft",
-          "patched_peft_lowrank_first", "patched_peft_triton", "liger_peft")
+          "patched_peft_lowrank_first", "patched_peft_auto", "patched_peft_triton", "liger_peft")
 LABELS = {
     "floor_hf": "floor: frozen model, no adapters (Hugging Face)",
     "floor_patched": "floor: frozen model, no adapters (patch_llama defaults)",
@@ -61,6 +63,7 @@ LABELS = {
     "patched_peft_lora_off": "patch_llama (lora=False) + PEFT",
     "patched_peft": "patch_llama (defaults, lora on) + PEFT",
     "patched_peft_lowrank_first": "patch_llama + PEFT, cuBLAS, low-rank product first",
+    "patched_peft_auto": "patch_llama + PEFT, adapter merged where cheaper",
     "patched_peft_triton": "patch_llama + PEFT, Triton epilogue + split-K",
     "liger_peft": "Liger (RoPE, SwiGLU, RMSNorm, FLCE) + PEFT",
 }
@@ -207,6 +210,8 @@ def run_setups(preset: str, batch: int, seq: int, rank: int, alpha: float, warmu
         measure("patched_peft", wrapped, adapters=True)
         with _lora_backends("cublas_lowrank_first", "cublas"):
             measure("patched_peft_lowrank_first", wrapped, adapters=True)
+        with _lora_backends("auto", "cublas"):
+            measure("patched_peft_auto", wrapped, adapters=True)
         with _lora_backends("triton", "splitk"):
             measure("patched_peft_triton", wrapped, adapters=True)
     if "liger_peft" in setups:
@@ -262,6 +267,7 @@ def _micro_row(name: str, n_in: int, n_out: int, tokens: int, rank: int, scale: 
         "fwd_peft_ms": time_ms(lambda: _peft_forward(x, w, a, b, scale)),
         "fwd_cublas_epilogue_ms": time_ms(lambda: lora_forward(x, w, None, a, b, scale, "cublas")),
         "fwd_cublas_lowrank_first_ms": time_ms(lambda: lora_forward(x, w, None, a, b, scale, "cublas_lowrank_first")),
+        "fwd_merged_ms": time_ms(lambda: lora_forward(x, w, None, a, b, scale, "merged")),
         "fwd_triton_epilogue_ms": time_ms(lambda: lora_forward(x, w, None, a, b, scale, "triton")),
         "dA_cublas_ms": time_ms(lambda: skinny_mm(dxa, x, 1.0, torch.float32, "cublas")),
         "dA_splitk_ms": time_ms(lambda: splitk_mm(dxa, x, 1.0, torch.float32)),
@@ -273,8 +279,8 @@ def _micro_row(name: str, n_in: int, n_out: int, tokens: int, rank: int, scale: 
 def micro(preset: str, tokens: int, rank: int, alpha: float, names=("q_proj", "k_proj", "gate_proj", "down_proj"),
           seed: int = 0) -> list[dict]:
     """Per adapted layer (ms, median): forward PEFT's way, with the cuBLAS β-epilogue (the low-rank product added
-    after the base GEMM, and written before it), with the Triton epilogue, and the bare base GEMM; the GEMM alone in
-    cuBLAS and in Triton; dA and dB by cuBLAS and by split-K."""
+    after the base GEMM, and written before it), merged into a temporary weight, with the Triton epilogue, and the
+    bare base GEMM; the GEMM alone in cuBLAS and in Triton; dA and dB by cuBLAS and by split-K."""
     device = runtime.device()
     dtype = torch.bfloat16 if runtime.MODE == "gpu" else torch.float32
     gen = torch.Generator().manual_seed(seed)
@@ -331,10 +337,11 @@ def format_table(result: dict) -> str:
         lines.append(f"  target {key}: {value:.3f} (target {v['target']}) {'met' if v['met'] else 'NOT met'}")
     for row in result.get("micro", []):
         ms = {k: f"{v:.3f}" for k, v in row.items() if k.endswith("_ms")}
-        first = ms.get("fwd_cublas_lowrank_first_ms")  # not in runs recorded before it was measured
+        # Columns added later are not in the runs recorded before them.
+        first, merged = ms.get("fwd_cublas_lowrank_first_ms"), ms.get("fwd_merged_ms")
         lines.append(
             f"  {row['layer']:<9} fwd: PEFT {ms['fwd_peft_ms']}, cuBLAS epilogue {ms['fwd_cublas_epilogue_ms']}, "
-            + (f"low-rank first {first}, " if first else "")
+            + (f"low-rank first {first}, " if first else "") + (f"merged {merged}, " if merged else "")
             + f"Triton epilogue {ms['fwd_triton_epilogue_ms']}, base GEMM {ms['base_gemm_cublas_ms']} (Triton GEMM "
             f"{ms['base_gemm_triton_ms']}) ms; dA cuBLAS {ms['dA_cublas_ms']} / split-K {ms['dA_splitk_ms']}; "
             f"dB cuBLAS {ms['dB_cublas_ms']} / split-K {ms['dB_splitk_ms']} ms")

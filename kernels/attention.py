@@ -219,16 +219,13 @@ def _fwd_kernel(
         a, z = _interior_keys(m0, n, lo, SEG, SEG_END, BLOCK_M, BLOCK_N, CAUSAL)
         m_i, l_i, acc = _fwd_blocks(q, k_base, v_base, rows, lo, a, n, sk_s, sv_s, cols_d, SEG, qk_scale, m_i, l_i,
                                     acc, BLOCK_N, True, CAUSAL, PACKED, UPCAST, PRECISION)
-        m_i, l_i, acc = _fwd_blocks(q, k_base, v_base, rows, a, z, n, sk_s, sv_s, cols_d, SEG, qk_scale, m_i, l_i,
-                                    acc, BLOCK_N, False, CAUSAL, PACKED, UPCAST, PRECISION)
-        m_i, l_i, acc = _fwd_blocks(q, k_base, v_base, rows, z, hi, n, sk_s, sv_s, cols_d, SEG, qk_scale, m_i, l_i,
-                                    acc, BLOCK_N, True, CAUSAL, PACKED, UPCAST, PRECISION)
-    else:
-        full = _unmasked_end(m0, n, lo, BLOCK_N, CAUSAL, PACKED)
-        m_i, l_i, acc = _fwd_blocks(q, k_base, v_base, rows, lo, full, n, sk_s, sv_s, cols_d, SEG, qk_scale, m_i,
-                                    l_i, acc, BLOCK_N, False, CAUSAL, PACKED, UPCAST, PRECISION)
-        m_i, l_i, acc = _fwd_blocks(q, k_base, v_base, rows, full, hi, n, sk_s, sv_s, cols_d, SEG, qk_scale, m_i,
-                                    l_i, acc, BLOCK_N, True, CAUSAL, PACKED, UPCAST, PRECISION)
+    else:  # whole [lo, z), masked [z, hi)
+        a = lo
+        z = _unmasked_end(m0, n, lo, BLOCK_N, CAUSAL, PACKED)
+    m_i, l_i, acc = _fwd_blocks(q, k_base, v_base, rows, a, z, n, sk_s, sv_s, cols_d, SEG, qk_scale, m_i, l_i,
+                                acc, BLOCK_N, False, CAUSAL, PACKED, UPCAST, PRECISION)
+    m_i, l_i, acc = _fwd_blocks(q, k_base, v_base, rows, z, hi, n, sk_s, sv_s, cols_d, SEG, qk_scale, m_i, l_i,
+                                acc, BLOCK_N, True, CAUSAL, PACKED, UPCAST, PRECISION)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # rows past n only; every real row sees at least its own key
     out = acc / l_safe[:, None]
@@ -576,10 +573,10 @@ def attention_forward(q, k, v, causal: bool, scale: float, seg_start=None, seg_e
     lse = torch.empty(batch, heads, seq, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
-    full_cfg = config or attention_config(seq, head_dim, runtime.device_props(q.device), q.element_size())
+    cfg = config or attention_config(seq, head_dim, runtime.device_props(q.device), q.element_size())
     seg, seg_e, packed = _seg_args(seg_start, seg_end, q)
-    interior = packed and full_cfg.interior
-    _launch(_fwd_kernel, lambda c: (triton.cdiv(seq, c.block_m), batch * heads), full_cfg.forward, config is None,
+    interior = packed and cfg.interior
+    _launch(_fwd_kernel, lambda c: (triton.cdiv(seq, c.block_m), batch * heads), cfg.forward, config is None,
             True, (q.device, head_dim, q.dtype, causal, packed, interior),
             q, k, v, out, lse, seg, seg_e, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
             seq, scale * LOG2E, heads,

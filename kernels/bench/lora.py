@@ -111,7 +111,6 @@ def lora_config(rank: int, alpha: float, use_rslora: bool = False):
                            use_rslora=use_rslora, task_type="CAUSAL_LM")
 
 
-
 def time_steps(model, batches: list[dict], warmup: int, steps: int, optimizer=None) -> dict:
     """Run ``warmup`` then ``steps`` training steps; tokens/s of the timed ones, the peak, the first loss."""
     device = batches[0]["input_ids"].device

@@ -24,6 +24,17 @@ for ``lora_A``'s backward. Here the whole layer is one ``autograd.Function``:
 
 The GEMMs run in ``x``'s dtype: a float32 adapter over a bfloat16 layer is cast to bfloat16 for them (r·(in + out)
 values, nothing of the tokens' size), and its gradients are accumulated in float32 and returned in float32.
+**Layers that share one input** (``lora_group``, ``LoRAGroupFunction``): q, k and v of an attention block, or gate
+and up of a Llama MLP, fused one by one still read ``x`` once per layer for ``x · A_iᵀ`` and again for dA_i, and
+autograd adds their input gradients with elementwise passes over a [tokens, in] tensor. As one node: ``xa = x ·
+[A_1; A_2; A_3]ᵀ`` in one GEMM; each output with its low-rank product joined to its base GEMM as above (the two
+cuBLAS epilogues; each output its own tensor, which a later backward may write over, as SwiGLU's does over gate and
+up); saved: x once, the weights, the adapters and the [tokens, Σr] xa; backward: ``dxa_i = s_i · dy_i · B_i`` and
+``dB_i`` per layer, every ``dA_i`` in one GEMM ``dxaᵀ · x``, and ``dx = dxa · [A_1; A_2; A_3] + Σ dy_i · W_i``
+accumulated by β = 1 GEMMs. By bytes at the Llama-3.1-8B shape (8,192 tokens, bf16) that is about 960 MiB a decoder
+layer less than the layers fused one by one: x read four times fewer for q/k/v and twice for gate/up, and
+autograd's three additions of input gradients (each reads two [tokens, 4,096] tensors and writes one) gone.
+
 It works under gradient checkpointing (the forward is recomputed like any other node) and ``torch.compile``
 (the two halves are the operators ``torch.ops.kernels.lora_linear_fwd`` / ``_bwd``).
 """
@@ -55,7 +66,8 @@ def lora_scale(alpha: float, rank: int, use_rslora: bool = False) -> float:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _check_inputs(x, weight, bias, lora_a, lora_b, scale, epilogue, skinny) -> None:
+def check_lora_inputs(x, weight, bias, lora_a, lora_b, scale, epilogue, skinny) -> None:
+    """A clear error (TypeError or ValueError) unless ``lora_linear`` computes this call."""
     for name, t in (("x", x), ("weight", weight), ("lora_a", lora_a), ("lora_b", lora_b)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
@@ -282,7 +294,7 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     are reduced over the tokens (``"cublas"`` or ``"splitk"``). Gradients: x, A and B always when they require
     them; W and the bias only if they do (a frozen base layer costs no dW GEMM).
     """
-    _check_inputs(x, weight, bias, lora_a, lora_b, scale, epilogue, skinny)
+    check_lora_inputs(x, weight, bias, lora_a, lora_b, scale, epilogue, skinny)
     y = LoRALinearFunction.apply(x, weight, bias, lora_a, lora_b, float(scale), epilogue, skinny)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
@@ -290,3 +302,127 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 def lora_linear_reference(x, weight, bias, lora_a, lora_b, scale):
     """PEFT's computation in plain PyTorch: the base layer, then the adapter's two linears, scaled and added."""
     return F.linear(x, weight, bias) + F.linear(F.linear(x, lora_a), lora_b) * scale
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Layers that share one input: q, k and v; gate and up
+# --------------------------------------------------------------------------------------------------------------------
+
+GROUP_EPILOGUES = ("cublas", "cublas_lowrank_first")
+
+
+def _bounds(lora_as) -> list[tuple[int, int]]:
+    # Each adapter's columns of the concatenated xa (and rows of the concatenated A).
+    bounds, lo = [], 0
+    for a in lora_as:
+        bounds.append((lo, lo + a.shape[0]))
+        lo += a.shape[0]
+    return bounds
+
+
+def _stacked(lora_as, dtype: torch.dtype) -> torch.Tensor:
+    """[A_1; A_2; ...] in the GEMMs' dtype: r_1 + r_2 + ... rows of in_features (nothing of the tokens' size)."""
+    return torch.cat([a.to(dtype) for a in lora_as])
+
+
+def group_forward(x2, weights, biases, lora_as, lora_bs, scales, epilogue):
+    """(outputs, xa) for 2-D ``x2`` [tokens, in]: one ``y_i`` [tokens, out_i] per layer and ``xa`` [tokens, Σr]."""
+    xa = x2 @ _stacked(lora_as, x2.dtype).t()
+    outputs = []
+    for (lo, hi), w, bias, b, s in zip(_bounds(lora_as), weights, biases, lora_bs, scales):
+        xa_i, b = xa[:, lo:hi], b.to(x2.dtype)
+        if epilogue == "cublas_lowrank_first":
+            y = (xa_i * s) @ b.t() if bias is None else torch.addmm(bias, xa_i * s, b.t())
+            y.addmm_(x2, w.t())
+        else:
+            y = torch.nn.functional.linear(x2, w, bias)
+            y.addmm_(xa_i, b.t(), alpha=s)
+        outputs.append(y)
+    return outputs, xa
+
+
+def group_backward(dys, x2, weights, lora_as, lora_bs, xa, scales, need_dx, epilogue, skinny):
+    """(dx, [dA_i], [dB_i]) for the 2-D output gradients ``dys``; ``dx`` is None when ``need_dx`` is False."""
+    dxas, d_bs = [], []
+    for (lo, hi), dy, b, s in zip(_bounds(lora_as), dys, lora_bs, scales):
+        dxa = dy @ b.to(dy.dtype)
+        dxas.append(dxa.mul_(s))  # s·dy·B: the gradient of this layer's columns of xa
+        d_bs.append(skinny_mm(dy, xa[:, lo:hi], s, b.dtype, skinny))  # s·dyᵀ·xa_i
+    dxa = torch.cat(dxas, dim=1)
+    d_a = skinny_mm(dxa, x2, 1.0, lora_as[0].dtype, skinny)  # every dA_i in one GEMM: x read once
+    d_as = [d_a[lo:hi] for lo, hi in _bounds(lora_as)]
+    if not need_dx:
+        return None, d_as, d_bs
+    stacked = _stacked(lora_as, x2.dtype)
+    if epilogue == "cublas_lowrank_first":
+        dx = dxa @ stacked
+        for dy, w in zip(dys, weights):
+            dx.addmm_(dy, w)
+    else:
+        dx = dys[0] @ weights[0]
+        for dy, w in zip(dys[1:], weights[1:]):
+            dx.addmm_(dy, w)
+        dx.addmm_(dxa, stacked)
+    return dx, d_as, d_bs
+
+
+def check_group(x, weights, biases, lora_as, lora_bs, scales, epilogue, skinny) -> None:
+    """A clear error unless the layers can be one group node on ``x``: each layer one ``lora_linear`` could
+    compute on ``x``, adapters of one dtype, a grouped epilogue."""
+    n = len(weights)
+    if n < 1 or not (len(biases) == len(lora_as) == len(lora_bs) == len(scales) == n):
+        raise ValueError(f"one weight, bias (or None), lora_a, lora_b and scale per layer, got {n}, {len(biases)}, "
+                         f"{len(lora_as)}, {len(lora_bs)}, {len(scales)}")
+    if epilogue not in GROUP_EPILOGUES:
+        raise ValueError(f"epilogue must be one of {GROUP_EPILOGUES}, got {epilogue!r}")
+    for layer in zip(weights, biases, lora_as, lora_bs, scales):
+        check_lora_inputs(x, *layer, epilogue, skinny)
+    if len({a.dtype for a in lora_as} | {b.dtype for b in lora_bs}) != 1:
+        raise TypeError("the adapters must share one dtype, got "
+                        f"{sorted({str(t.dtype) for t in (*lora_as, *lora_bs)})}")
+
+
+class LoRAGroupFunction(torch.autograd.Function):
+    """Several LoRA layers on one input as one autograd node (the module docstring). ``apply(x, epilogue, skinny,
+    scales, w_1, b_1, A_1, B_1, w_2, ...)``: four tensors per layer (a bias may be None); returns one 2-D output
+    [tokens, out_i] per layer."""
+
+    @staticmethod
+    def forward(ctx, x, epilogue, skinny, scales, *params):
+        weights, biases, lora_as, lora_bs = (list(params[i::4]) for i in range(4))
+        x2 = x.reshape(-1, x.shape[-1])
+        outputs, xa = group_forward(x2, weights, biases, lora_as, lora_bs, scales, epilogue)
+        ctx.save_for_backward(x2, xa, *weights, *lora_as, *lora_bs)
+        ctx.n, ctx.scales, ctx.epilogue, ctx.skinny = len(weights), scales, epilogue, skinny
+        ctx.x_shape, ctx.has_bias = x.shape, [bias is not None for bias in biases]
+        return tuple(outputs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *dys):
+        x2, xa, *rest = ctx.saved_tensors
+        n = ctx.n
+        weights, lora_as, lora_bs = rest[:n], rest[n:2 * n], rest[2 * n:]
+        needs = ctx.needs_input_grad[4:]
+        dys = [dy.reshape(-1, dy.shape[-1]) for dy in dys]
+        dx, d_as, d_bs = group_backward(dys, x2, weights, lora_as, lora_bs, xa, ctx.scales,
+                                        ctx.needs_input_grad[0], ctx.epilogue, ctx.skinny)
+        grads = []
+        for i, dy in enumerate(dys):
+            need_w, need_bias, need_a, need_b = needs[4 * i:4 * i + 4]
+            grads += [dy.t() @ x2 if need_w else None,  # a trained base layer (not LoRA's usual case)
+                      dy.sum(0) if need_bias and ctx.has_bias[i] else None,
+                      d_as[i] if need_a else None, d_bs[i] if need_b else None]
+        return (None if dx is None else dx.reshape(ctx.x_shape), None, None, None, *grads)
+
+
+def lora_group(x: torch.Tensor, weights, biases, lora_as, lora_bs, scales, *, epilogue: str = "cublas",
+               skinny: str = "cublas") -> list[torch.Tensor]:
+    """``[lora_linear(x, w_i, b_i, A_i, B_i, s_i) for each layer]`` as one fused node: x [..., in], one weight
+    [out_i, in] and bias (or None) in x's dtype per layer, adapters A_i [r_i, in] and B_i [out_i, r_i] of one dtype,
+    scales s_i. Returns one [..., out_i] tensor per layer; gradients as ``kernels.lora.lora_linear`` gives them."""
+    scales = tuple(float(s) for s in scales)
+    check_group(x, weights, biases, lora_as, lora_bs, scales, epilogue, skinny)
+    params = [t for layer in zip(weights, biases, lora_as, lora_bs) for t in layer]
+    outputs = LoRAGroupFunction.apply(x, epilogue, skinny, scales, *params)
+    return [y.reshape(*x.shape[:-1], y.shape[-1]) for y in outputs]

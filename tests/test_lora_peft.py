@@ -8,9 +8,10 @@ import pytest
 import torch
 from test_peft import lora_with_values, loss_and_grads
 
+from kernels.hf import lora as hf_lora
 from kernels.hf.lora import LoraFusion, why_not_fused
 from kernels.hf.patch import patch_llama
-from kernels.lora import SwiGLULoRADownFunction
+from kernels.lora import LoRAGroupFunction, LoRALinearFunction, SwiGLULoRADownFunction
 from kernels.reference import relative_error
 from kernels.tolerances import RELATIVE_ERROR_TOL as TOL
 from kernels.training.models import build_model
@@ -110,6 +111,76 @@ def test_down_proj_over_the_fused_swiglu_keeps_no_product(device, gen, monkeypat
         calls.clear()
         _assert_close(loss_and_grads(model, ids, labels), expected, TOL[torch.float32])
         assert calls == []
+
+
+def _counting(monkeypatch, cls, calls, name):
+    apply = cls.apply
+    monkeypatch.setattr(cls, "apply", lambda *a: calls.append(name) or apply(*a))
+
+
+@pytest.mark.parametrize("order", ["wrap, patch", "patch, wrap"])
+def test_layers_on_a_shared_input_run_as_one_node(device, gen, monkeypatch, order):
+    # q/k/v and gate/up are one node each per decoder layer (kernels.lora.lora_group), o_proj fused alone and down_proj
+    # over the SwiGLU, in both orders; PEFT's losses and gradients; with SHARED_INPUT off, each layer on its own.
+    calls = []
+    for cls, name in ((LoRAGroupFunction, "group"), (LoRALinearFunction, "one"), (SwiGLULoRADownFunction, "down")):
+        _counting(monkeypatch, cls, calls, name)
+    base = _base(device, gen)
+    reference = lora_with_values(copy.deepcopy(base), _config())
+    ids, labels = _batch(base, gen, device)
+    expected = loss_and_grads(reference, ids, labels)
+    if order == "wrap, patch":
+        model = copy.deepcopy(reference)
+        patch = patch_llama(model, kernels=("swiglu", "lora"))
+    else:
+        inner = copy.deepcopy(base)
+        patch = patch_llama(inner, kernels=("swiglu", "lora"))
+        model = peft.get_peft_model(inner, _config())
+        model.load_state_dict(reference.state_dict())
+    _assert_close(loss_and_grads(model, ids, labels), expected, TOL[torch.float32])
+    layers = base.config.num_hidden_layers
+    assert sorted(calls) == sorted(["group"] * 2 * layers + ["one"] * layers + ["down"] * layers)
+    assert f"{2 * layers} groups of them on a shared input" in patch.lora.summary()
+    assert not any("_lora_pending" in m.__dict__ for m in model.modules())  # every output handed out
+    calls.clear()
+    monkeypatch.setattr(hf_lora, "SHARED_INPUT", False)
+    _assert_close(loss_and_grads(model, ids, labels), expected, TOL[torch.float32])
+    assert sorted(calls) == sorted(["one"] * 6 * layers + ["down"] * layers)
+    patch.undo()
+    assert not any(k.startswith("_lora") for m in model.modules() for k in m.__dict__)
+
+
+def test_a_sibling_takes_the_group_output_only_for_the_same_input(device, gen):
+    # k_proj hands out what q_proj's group node left for it only when called on the very tensor q_proj was, with
+    # nothing changed since: another input, an in-place change of the input or of its adapter, or another grad mode
+    # computes afresh.
+    model = lora_with_values(_base(device, gen), _config(targets=["q_proj", "k_proj", "v_proj"]))
+    patch_llama(model, kernels=("lora",))
+    attn = model.base_model.model.model.layers[0].self_attn
+    hidden = model.config.hidden_size
+
+    def fresh(layer, x):
+        with torch.no_grad():
+            return type(layer).forward(layer, x)  # PEFT's own forward
+
+    x = torch.randn(3, 5, hidden, generator=gen).to(device)
+    other = torch.randn(3, 5, hidden, generator=gen).to(device)
+    attn.q_proj(x)
+    assert torch.allclose(attn.k_proj(other), fresh(attn.k_proj, other), atol=1e-5)
+    attn.q_proj(x)
+    x.add_(1.0)
+    assert torch.allclose(attn.k_proj(x), fresh(attn.k_proj, x), atol=1e-5)
+    attn.q_proj(x)
+    with torch.no_grad():
+        attn.v_proj.lora_B["default"].weight.mul_(2.0)
+    assert torch.allclose(attn.v_proj(x), fresh(attn.v_proj, x), atol=1e-5)
+    with torch.no_grad():
+        attn.q_proj(x)
+    y = attn.k_proj(x)
+    assert y.requires_grad and torch.allclose(y, fresh(attn.k_proj, x), atol=1e-5)
+    attn.q_proj(x)
+    y = attn.k_proj(x)
+    assert y.grad_fn is not None and "LoRAGroup" in type(y.grad_fn).__name__ + str(y.grad_fn.next_functions)
 
 
 def test_patch_then_wrap_with_every_default_kernel(device, gen):

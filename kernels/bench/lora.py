@@ -9,9 +9,12 @@ other on the same model and the same batches:
 * **Hugging Face + PEFT**: LoRA (r=16, α=32, dropout 0) on q, k, v, o, gate, up, down; torch's fused AdamW on the
   adapters;
 * **patched + PEFT, lora off**: ``patch_llama``'s other defaults, PEFT's own LoRA layers;
-* **patched + PEFT**: the defaults with the ``lora`` switch: each LoRA layer one fused node (cuBLAS epilogue);
-* **patched + PEFT, low-rank product first**: the same with the low-rank product written first and the base GEMM
-  adding onto it (``epilogue="cublas_lowrank_first"``; the same for dx in the backward);
+* **patched + PEFT**: the defaults with the ``lora`` switch: q/k/v and gate/up one node per group on their shared
+  input (``kernels.lora.lora_group``), o_proj and down_proj one fused node each, the low-rank product written first and
+  the base GEMM adding onto it in its β-epilogue (``epilogue="cublas_lowrank_first"``; the same for dx);
+* **patched + PEFT, one node per layer**: the same with every LoRA layer its own node (``SHARED_INPUT = False``);
+* **patched + PEFT, low-rank product after**: one node per layer, the base GEMM first and the low-rank product
+  added onto its output (``epilogue="cublas"``);
 * **patched + PEFT, adapter merged where cheaper** (``epilogue="auto"``): W + s·B·A as a temporary weight for
   each GEMM whose reduced dimension is below the tokens, the β-epilogue elsewhere;
 * **patched + PEFT, Triton epilogue and split-K**: the same with the Triton GEMM epilogue and the split-K dA/dB;
@@ -54,15 +57,16 @@ from .timing import time_ms
 GROUP = "lora"
 GIB = 2**30
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-SETUPS = ("floor_hf", "floor_patched", "hf_peft", "patched_peft_lora_off", "patched_peft",
-          "patched_peft_lowrank_first", "patched_peft_auto", "patched_peft_triton", "liger_peft")
+SETUPS = ("floor_hf", "floor_patched", "hf_peft", "patched_peft_lora_off", "patched_peft", "patched_peft_one_by_one",
+          "patched_peft_lowrank_after", "patched_peft_auto", "patched_peft_triton", "liger_peft")
 LABELS = {
     "floor_hf": "floor: frozen model, no adapters (Hugging Face)",
     "floor_patched": "floor: frozen model, no adapters (patch_llama defaults)",
     "hf_peft": "Hugging Face + PEFT",
     "patched_peft_lora_off": "patch_llama (lora=False) + PEFT",
     "patched_peft": "patch_llama (defaults, lora on) + PEFT",
-    "patched_peft_lowrank_first": "patch_llama + PEFT, cuBLAS, low-rank product first",
+    "patched_peft_one_by_one": "patch_llama + PEFT, one node per layer",
+    "patched_peft_lowrank_after": "patch_llama + PEFT, one node per layer, low-rank after",
     "patched_peft_auto": "patch_llama + PEFT, adapter merged where cheaper",
     "patched_peft_triton": "patch_llama + PEFT, Triton epilogue + split-K",
     "liger_peft": "Liger (RoPE, SwiGLU, RMSNorm, FLCE) + PEFT",
@@ -152,13 +156,13 @@ def _liger_patch(model):
 
 
 @contextlib.contextmanager
-def _lora_backends(epilogue: str, skinny: str):
-    saved = hf_lora.EPILOGUE, hf_lora.SKINNY
-    hf_lora.EPILOGUE, hf_lora.SKINNY = epilogue, skinny
+def _lora_backends(epilogue: str, skinny: str, shared_input: bool = False):
+    saved = hf_lora.EPILOGUE, hf_lora.SKINNY, hf_lora.SHARED_INPUT
+    hf_lora.EPILOGUE, hf_lora.SKINNY, hf_lora.SHARED_INPUT = epilogue, skinny, shared_input
     try:
         yield
     finally:
-        hf_lora.EPILOGUE, hf_lora.SKINNY = saved
+        hf_lora.EPILOGUE, hf_lora.SKINNY, hf_lora.SHARED_INPUT = saved
 
 
 def run_setups(preset: str, batch: int, seq: int, rank: int, alpha: float, warmup: int, steps: int,
@@ -208,7 +212,9 @@ def run_setups(preset: str, batch: int, seq: int, rank: int, alpha: float, warmu
         rows_lora = patch.lora.summary() if patch.lora is not None else ""
         measure("patched_peft", wrapped, adapters=True)
         with _lora_backends("cublas_lowrank_first", "cublas"):
-            measure("patched_peft_lowrank_first", wrapped, adapters=True)
+            measure("patched_peft_one_by_one", wrapped, adapters=True)
+        with _lora_backends("cublas", "cublas"):
+            measure("patched_peft_lowrank_after", wrapped, adapters=True)
         with _lora_backends("auto", "cublas"):
             measure("patched_peft_auto", wrapped, adapters=True)
         with _lora_backends("triton", "splitk"):

@@ -13,6 +13,14 @@ forward is seen again (so ``merge_and_unload()`` then works as PEFT intends).
 (``kernels.lora.SwiGLULoRADownFunction``) that keeps gate and up but not their product, the widest input of the
 layer, recomputed in the backward for dA instead. It declines (returns None) any call that is not the plain case.
 
+**Layers that share an input.** q_proj, k_proj and v_proj of an attention block read one input, and so do
+gate_proj and up_proj of an MLP. When all of a group are fused LoRA layers, the first one called computes the whole
+group as one node (``kernels.lora.lora_group``: x read once for the adapters, the input gradients summed by the GEMMs
+instead of by autograd's adds) and leaves each sibling its output; the sibling's own call hands it out when it comes
+with the very same input tensor, unchanged since (version counters of the input, base weight and adapters), under
+the same grad mode. A call with another input computes on its own, as does everything under ``torch.compile``.
+``SHARED_INPUT = False`` turns grouping off.
+
 **Both orders.** Wrapped first (``patch_llama(get_peft_model(llama, config))``), the LoRA layers are there to
 find. Patched first (``get_peft_model(patch_llama-ed llama, config)``), PEFT injects its layers afterwards; so the
 patch also leaves a forward pre-hook on the decoder that, before each forward, gives the fused forward to any
@@ -35,11 +43,16 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.gemm import KERNEL_DTYPES
-from kernels.lora import LoRALinearFunction, SwiGLULoRADownFunction
+from kernels.lora import GROUP_EPILOGUES, LoRAGroupFunction, LoRALinearFunction, SwiGLULoRADownFunction
 
-# How the fused layer computes its two halves (``kernels.lora``): the benchmark flips these to compare.
-EPILOGUE = "cublas"
+# How the fused layer computes its two halves (``kernels.lora``): the benchmark flips these to compare. The
+# low-rank product first, then the base GEMM onto it: 16,767 against 16,458 tokens/s for the base GEMM first, the
+# LoRA step at the 8B shape on one H200 (assets/notes/lora.md).
+EPILOGUE = "cublas_lowrank_first"
 SKINNY = "cublas"
+# Whether LoRA layers on one input run as one node (``kernels.lora.lora_group``), and which layers those are.
+SHARED_INPUT = True
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def lora_linear_class() -> type | None:
@@ -94,10 +107,48 @@ def _adapter(layer: torch.nn.Module) -> tuple:
 
 
 def _fused_forward(self, x, *args, **kwargs):
-    """PEFT's ``lora.Linear.forward`` for the plain case, as one fused node; any other call goes to PEFT's."""
+    """PEFT's ``lora.Linear.forward`` for the plain case, as one fused node (or its share of a group node, see the
+    module docstring); any other call goes to PEFT's."""
     if args or kwargs or not _plain_call(self, x):
+        self.__dict__.pop("_lora_pending", None)
         return type(self).forward(self, x, *args, **kwargs)
-    return LoRALinearFunction.apply(x, *_adapter(self)).reshape(*x.shape[:-1], self.get_base_layer().out_features)
+    y = None if torch.compiler.is_compiling() else _pending_output(self, x)
+    if y is None:
+        y = _group_call(self, x)
+    if y is None:
+        y = LoRALinearFunction.apply(x, *_adapter(self))
+    return y.reshape(*x.shape[:-1], self.get_base_layer().out_features)
+
+
+def _state(layer: torch.nn.Module, x: torch.Tensor) -> tuple:
+    # What a sibling's output was computed from: the input's and parameters' version counters, and the grad mode.
+    tensors = (x, *(t for t in _adapter(layer)[:4] if t is not None))
+    return (torch.is_grad_enabled(), *((id(t), t._version) for t in tensors))
+
+
+def _pending_output(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """The output a group node left for ``layer``, if it was computed from this very ``x`` as it is now."""
+    pending = layer.__dict__.pop("_lora_pending", None)
+    if pending is None or pending[0] is not x or pending[1] != _state(layer, x):
+        return None
+    return pending[2]
+
+
+def _group_call(first: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """``first``'s output from one node for its whole group, the siblings' outputs left for their calls; None when
+    ``first`` leads no group or the group cannot run as one now."""
+    siblings = first.__dict__.get("_lora_siblings")
+    if (not siblings or not SHARED_INPUT or EPILOGUE not in GROUP_EPILOGUES or torch.compiler.is_compiling()
+            or not all(_plain_call(m, x) for m in siblings)):
+        return None
+    layers = [_adapter(m) for m in (first, *siblings)]
+    if len({t.dtype for layer in layers for t in layer[2:4]}) != 1:
+        return None  # adapters of several dtypes: each layer on its own
+    params = [t for layer in layers for t in layer[:4]]
+    outputs = LoRAGroupFunction.apply(x, EPILOGUE, SKINNY, tuple(layer[4] for layer in layers), *params)
+    for sibling, y in zip(siblings, outputs[1:]):
+        sibling.__dict__["_lora_pending"] = (x, _state(sibling, x), y)
+    return outputs[0]
 
 
 def _forward_after_swiglu(self, gate, up):
@@ -117,6 +168,8 @@ class LoraFusion:
     hook: object = None
     active: bool = True
     parents: list = field(default_factory=list)  # (qualified name, module) of the modules that hold linear layers
+    leaders: set = field(default_factory=set)  # the first layer of each group on a shared input
+    groups: int = 0
 
     def fuse_new_layers(self) -> int:
         """Give the fused forward to every LoRA layer of the model that lacks it (a walk over every module); note
@@ -131,7 +184,20 @@ class LoraFusion:
             if type(module) is not cls and not isinstance(module, torch.nn.ModuleDict) and any(
                     type(c) is cls or isinstance(c, torch.nn.Linear) for c in module._modules.values()):
                 self.parents.append((where, module))
+        for _, parent in self.parents:
+            self._link(parent)
         return new
+
+    def _link(self, parent: torch.nn.Module) -> None:
+        # Each group of ``parent``'s children on one input (GROUPS) whose members are all fused LoRA layers: the
+        # first member computes the group (_group_call), the others take their outputs.
+        cls = lora_linear_class()
+        for names in GROUPS:
+            members = [parent._modules.get(name) for name in names]
+            if all(type(m) is cls and m in self.layers for m in members):
+                members[0].__dict__["_lora_siblings"] = tuple(members[1:])
+                self.groups += 0 if members[0] in self.leaders else 1
+                self.leaders.add(members[0])
 
     def _fuse(self, where: str, module: torch.nn.Module) -> None:
         module.forward = types.MethodType(_fused_forward, module)
@@ -148,13 +214,19 @@ class LoraFusion:
         Returns None: the arguments stay."""
         cls = lora_linear_class()
         for where, parent in self.parents:
+            new = False
             for name, child in parent._modules.items():
                 if type(child) is cls and "forward" not in child.__dict__:
                     self._fuse(f"{where + '.' if where else ''}{name}", child)
+                    new = True
+            if new:
+                self._link(parent)
 
     def summary(self) -> str:
         """"N LoRA layers fused" and, for each layer that stays PEFT's, why."""
         text = f"{len(self.layers) - len(self.left_off)} of {len(self.layers)} LoRA layers fused"
+        if self.groups and SHARED_INPUT:
+            text += f", {self.groups} groups of them on a shared input run as one node each"
         return text + "".join(f"; {where}: {why}" for where, why in self.left_off.items())
 
     def undo(self) -> None:
@@ -165,8 +237,10 @@ class LoraFusion:
         for module in self.layers:
             if getattr(module.__dict__.get("forward"), "__func__", None) is _fused_forward:
                 del module.forward
-            module.__dict__.pop("forward_after_swiglu", None)
+            for name in ("forward_after_swiglu", "_lora_siblings", "_lora_pending"):
+                module.__dict__.pop(name, None)
         self.layers.clear()
+        self.leaders.clear()
         self.active = False
 
 

@@ -358,14 +358,15 @@ def test_gpu_llama_shapes(gen, seq):
 @pytest.mark.gpu
 @pytest.mark.parametrize("interior", [False, True])
 def test_gpu_tiles_too_big_for_shared_memory_shrink_and_the_interior_walk(gen, monkeypatch, interior):
-    # On the GPU: tiles no Hopper block can hold (float32, 256 × 256, 4 stages) are refused at launch and the launch
-    # takes smaller ones, with the same answer; the packed rows also with the interior walk on.
-    too_big = BlockConfig(256, 256, 8, 4)
+    # On the GPU: tiles no Hopper block can hold (float32, 64 × 64 with 8 pipeline stages: eight copies of the
+    # loaded tiles, over 400 KB) are refused at launch and the launch takes smaller ones, with the same answer:
+    # dense rows, and packed rows with the interior walk on. (Each refused tile compiles before the refusal; a
+    # small tile with many stages compiles in seconds, where large float32 tiles took minutes.)
+    too_big = BlockConfig(64, 64, 4, 8)
     config = Config(too_big, too_big, too_big, 64, interior)
     monkeypatch.setattr(attention_module, "attention_config", lambda *args, **kwargs: config)
     q, k, v = _inputs(gen, "cuda", 1, 4, 2, 300, 128, torch.float32)
-    _check_against_float64(q, k, v, True, gen=gen)
-    cu = torch.tensor([0, 1, 140, 300], dtype=torch.int32, device="cuda")
+    cu = torch.tensor([0, 1, 140, 300], dtype=torch.int32, device="cuda") if interior else None
     _check_against_float64(q, k, v, True, cu_seqlens=cu, gen=gen)
     fitted = [tile for key, tile in attention_module._FITTED.items() if key[1] == too_big]
     assert fitted and all(tile != too_big for tile in fitted)
@@ -445,8 +446,8 @@ def test_packed_interior_blocks_walk_without_the_mask(device, gen, causal, dkdv_
     _launches_against_float64(gen, device, cfg, causal, 130, bounds)
 
 
-def test_the_interior_walk_is_off_by_default_and_follows_the_switch(monkeypatch):
+def test_the_interior_walk_is_on_by_default_and_follows_the_switch(monkeypatch):
     gpu = runtime.DeviceProps("a Hopper-like GPU", False, 132, 227 << 10, 64 << 10)
-    assert not attention_config(4096, 128, gpu).interior
-    monkeypatch.setattr(attention_module, "PACKED_INTERIOR", True)
     assert attention_config(4096, 128, gpu).interior and attention_config(77, 16, runtime.INTERPRETER).interior
+    monkeypatch.setattr(attention_module, "PACKED_INTERIOR", False)
+    assert not attention_config(4096, 128, gpu).interior and not attention_config(77, 16, runtime.INTERPRETER).interior

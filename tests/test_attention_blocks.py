@@ -39,6 +39,22 @@ def test_the_command_checks_times_and_names_the_fastest(tmp_path, capsys):
 
 
 @CPU_ONLY
+def test_packed_rows_are_swept_into_their_own_file(tmp_path, capsys):
+    assert sweep.main(["--out", str(tmp_path), "--documents", "13", "--kernels", "forward,dq"]) == 0
+    result = json.loads((tmp_path / "attention_blocks" / "cpu-interpreter_documents13.json").read_text())
+    assert result["settings"]["documents"] == 13 and {r["kernel"] for r in result["rows"]} == {"forward", "dq"}
+    assert all(r["ms"] > 0 and r["error"] < 1e-5 for r in result["rows"])
+    assert "packed documents of 13 tokens" in capsys.readouterr().out
+
+
+def test_packed_segments_restart_every_document():
+    start, end = sweep.packed_segments(dict(batch=2, seq=10, documents=4), "cpu")
+    assert start.tolist() == [[0, 0, 0, 0, 4, 4, 4, 4, 8, 8]] * 2
+    assert end.tolist() == [[4, 4, 4, 4, 8, 8, 8, 8, 10, 10]] * 2
+    assert sweep.packed_segments(dict(batch=2, seq=10), "cpu") == ()
+
+
+@CPU_ONLY
 def test_a_wrong_or_broken_tile_is_recorded_and_never_timed(monkeypatch):
     # 16 query rows with 32-key tiles: the forward's mask-free walk would end inside a key block and count keys
     # after the diagonal (attention_config never gives it); a zero-row tile cannot launch at all.

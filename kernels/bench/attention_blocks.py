@@ -14,6 +14,9 @@ tolerance of two implementations in the dtype): a tile shape that computes somet
 never timed. One that does not compile on this GPU (more shared memory than a block may have) is recorded with the
 reason. The first candidate of each list is the configured one.
 
+``--documents N`` times packed rows instead: each row holds documents of N tokens (position ids restarting every N),
+as ``kernels.bench.attention``'s packed comparison does, with the package's walk of packed rows.
+
 The table gives each candidate's time against the configured one's. Choosing stays a person's decision, written into
 ``attention_config`` with the run beside it (``assets/notes/attention.md``), as for the other kernels' launch
 settings. Results: ``runs/attention_blocks/<gpu>.json``; ``--record`` writes
@@ -29,7 +32,14 @@ import dataclasses
 import torch
 
 from kernels import attention, runtime
-from kernels.attention import BlockConfig, Config, attention_backward, attention_config, attention_forward
+from kernels.attention import (
+    BlockConfig,
+    Config,
+    attention_backward,
+    attention_config,
+    attention_forward,
+    segment_bounds_from_positions,
+)
 from kernels.reference import relative_error
 from kernels.tolerances import RELATIVE_ERROR_TOL
 
@@ -44,14 +54,16 @@ CPU_SHAPE = dict(batch=1, heads=2, kv_heads=1, seq=48, head_dim=16)
 
 # (block_m, block_n, num_warps, num_stages). The forward and dQ walks need block_m a multiple of block_n (their
 # mask-free part ends at the query block's first row). Candidates from FlashAttention-2's and Triton's tutorial
-# shapes around the configured ones; each list starts with what attention_config gives at d = 128.
+# shapes around the configured ones, and small two-stage tiles for the short walks of packed documents; each list
+# starts with what attention_config gives at d = 128.
 GPU_CANDIDATES = {
     "forward": [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4),
-                (128, 64, 4, 3), (128, 32, 4, 3), (128, 32, 8, 4), (64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 4)],
+                (128, 64, 4, 3), (128, 32, 4, 3), (128, 32, 8, 4), (64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 4),
+                (64, 64, 4, 2), (64, 32, 4, 2)],
     "dkdv": [(64, 64, 4, 2), (64, 64, 8, 2), (64, 64, 4, 3), (64, 128, 8, 2), (32, 128, 4, 3), (32, 128, 8, 3),
-             (32, 64, 4, 3), (32, 64, 4, 4), (16, 128, 4, 3), (64, 32, 4, 3)],
+             (32, 64, 4, 3), (32, 64, 4, 4), (16, 128, 4, 3), (64, 32, 4, 3), (32, 32, 4, 2), (64, 32, 4, 2)],
     "dq": [(64, 64, 4, 2), (64, 64, 8, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 32, 4, 3), (128, 32, 8, 3),
-           (64, 32, 4, 3), (64, 32, 4, 4), (128, 128, 8, 2)],
+           (64, 32, 4, 3), (64, 32, 4, 4), (128, 128, 8, 2), (64, 32, 4, 2), (32, 32, 4, 2)],
 }
 CPU_CANDIDATES = {
     "forward": [(16, 16, 4, 1), (32, 16, 4, 1)],
@@ -88,9 +100,10 @@ def measure_kernel(kernel: str, shape: dict, config: Config, blocks: list[BlockC
     dtype = torch.bfloat16 if runtime.MODE == "gpu" else torch.float32
     drawn = inputs(*(shape[k] for k in ("batch", "heads", "kv_heads", "seq", "head_dim")), dtype)
     q, k, v, grad = (t.detach() for t in drawn)  # the kernels are launched directly: no autograd here
-    out, lse = attention_forward(q, k, v, True, scale, config=config)
+    segments = packed_segments(shape, q.device)
+    out, lse = attention_forward(q, k, v, True, scale, *segments, config=config)
     expected = (out, lse) if kernel == "forward" else attention_backward(grad, q, k, v, out, lse, True, scale,
-                                                                     config=config)
+                                                                     *segments, config=config)
     tol = 2 * RELATIVE_ERROR_TOL[q.dtype]
     rows = []
     for block in blocks:
@@ -98,10 +111,10 @@ def measure_kernel(kernel: str, shape: dict, config: Config, blocks: list[BlockC
         cfg = _with(config, kernel, block)
         if kernel == "forward":
             def call(cfg=cfg):
-                return attention_forward(q, k, v, True, scale, config=cfg)
+                return attention_forward(q, k, v, True, scale, *segments, config=cfg)
         else:
             def call(cfg=cfg):
-                return attention_backward(grad, q, k, v, out, lse, True, scale, config=cfg)
+                return attention_backward(grad, q, k, v, out, lse, True, scale, *segments, config=cfg)
         try:
             error = max(relative_error(a, b, on_device=True) for a, b in zip(call(), expected))
             row["error"] = error
@@ -113,6 +126,15 @@ def measure_kernel(kernel: str, shape: dict, config: Config, blocks: list[BlockC
             row["failed"] = first_line(exc)
         rows.append(row)
     return rows
+
+
+def packed_segments(shape: dict, device) -> tuple:
+    """(seg_start, seg_end) of packed rows with documents of ``shape["documents"]`` tokens, or () for dense rows."""
+    doc = shape.get("documents")
+    if not doc:
+        return ()
+    positions = (torch.arange(shape["seq"], device=device) % doc)[None].expand(shape["batch"], shape["seq"])
+    return segment_bounds_from_positions(positions)
 
 
 def fastest(rows: list[dict]) -> dict | None:
@@ -128,7 +150,8 @@ def run(shape: dict | None = None, kernels=KERNELS) -> dict:
     config = base_config(shape)
     result = {"device": runtime.device_name(), "device_slug": device_slug(), "mode": runtime.MODE,
               "versions": runtime.versions(), "kernel_version": attention.VERSION, "settings": {**shape,
-              "causal": True, "dtype": "bfloat16" if runtime.MODE == "gpu" else "float32"},
+              "causal": True, "dtype": "bfloat16" if runtime.MODE == "gpu" else "float32",
+              "packed_interior": attention.PACKED_INTERIOR},
               "configured": dataclasses.asdict(config), "rows": [], "best": {}}
     for kernel in kernels:
         rows = measure_kernel(kernel, shape, config, candidates(kernel), scale)
@@ -147,8 +170,9 @@ def _label(block: dict) -> str:
 
 def format_table(result: dict) -> str:
     st = result["settings"]
+    docs = f", packed documents of {st['documents']:,} tokens" if st.get("documents") else ""
     lines = [f"{result['device']}: attention tiles, batch {st['batch']}, {st['heads']}/{st['kv_heads']} heads, "
-             f"seq {st['seq']:,}, d={st['head_dim']}, causal; time against the first (configured) tile of each"]
+             f"seq {st['seq']:,}{docs}, d={st['head_dim']}, causal; time against the first (configured) tile of each"]
     for kernel in KERNELS:
         rows = [r for r in result["rows"] if r["kernel"] == kernel]
         if not rows:
@@ -172,17 +196,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch", type=cli.positive_int, default=None, help="sequences (GPU default 2)")
     parser.add_argument("--kernels", type=cli.names(KERNELS), default=KERNELS,
                         help=f"comma-separated subset of {','.join(KERNELS)}")
-    cli.add_output_arguments(parser, f"{GROUP}/<gpu>.json")
+    parser.add_argument("--documents", type=cli.positive_int, default=None,
+                        help="packed rows: documents of this many tokens each (default: dense rows)")
+    cli.add_output_arguments(parser, f"{GROUP}/<gpu>[_documents<N>].json")
     return parser
 
 
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    path = results_file(GROUP, device_slug(), cli.output_root(args))
+    name = device_slug() + (f"_documents{args.documents}" if args.documents else "")
+    path = results_file(GROUP, name, cli.output_root(args))
     cli.check_outputs(parser, args, [path])
     shape = dict(GPU_SHAPE if runtime.MODE == "gpu" else CPU_SHAPE)
-    shape.update({k: v for k, v in (("seq", args.seq), ("batch", args.batch)) if v is not None})
+    shape.update({k: v for k, v in (("seq", args.seq), ("batch", args.batch), ("documents", args.documents))
+                  if v is not None})
     print(runtime.describe())
     result = run(shape, args.kernels)
     print(format_table(result))

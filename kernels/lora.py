@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from . import ops
 from .gemm import KERNEL_DTYPES, gemm_epilogue, splitk_mm
-from .swiglu import swiglu_backward_, swiglu_forward
+from .swiglu import inplace_backward_allowed, swiglu_backward, swiglu_backward_, swiglu_forward
 
 EPILOGUES = ("cublas", "cublas_lowrank_first", "triton", "merged", "auto")
 SKINNY = ("cublas", "splitk")
@@ -252,8 +252,9 @@ class SwiGLULoRADownFunction(torch.autograd.Function):
     intermediate] tensor (235 MB per layer at 8,192 tokens of Llama-3.1-8B) that nothing else keeps: the SwiGLU
     backward needs gate and up, not h. So the forward frees h at once, and the backward recomputes it from gate and
     up (one elementwise kernel, the same bits) for dA and, for a trained base, dW. d(gate) and d(up) are written over
-    gate and up, as ``swiglu(..., inplace_backward=True)`` does: the caller passes gate and up only where that is
-    allowed (``swiglu.inplace_backward_allowed``)."""
+    gate and up, as ``swiglu(..., inplace_backward=True)`` does, where that is allowed
+    (``swiglu.inplace_backward_allowed``: intermediate results of autograd, dense, in memory of their own); a
+    caller's leaf, a view of one, or a strided view gets new gradient tensors instead."""
 
     @staticmethod
     def forward(ctx, gate, up, weight, bias, lora_a, lora_b, scale, epilogue, skinny):
@@ -262,6 +263,7 @@ class SwiGLULoRADownFunction(torch.autograd.Function):
         del h
         ctx.save_for_backward(gate, up, weight, lora_a, lora_b, xa)
         ctx.scale, ctx.epilogue, ctx.skinny, ctx.has_bias = scale, epilogue, skinny, bias is not None
+        ctx.overwrite = inplace_backward_allowed(gate, up)
         return y.reshape(*gate.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -275,8 +277,12 @@ class SwiGLULoRADownFunction(torch.autograd.Function):
         dw = dy2.t() @ h2 if ctx.needs_input_grad[2] else None
         del h2
         d_bias = dy2.sum(0) if ctx.needs_input_grad[3] and ctx.has_bias else None
-        swiglu_backward_(dh.reshape(gate.shape), gate, up)  # d(gate), d(up) over gate and up
-        return (gate.detach(), up.detach(), dw, d_bias, d_a if ctx.needs_input_grad[4] else None,
+        if ctx.overwrite:
+            swiglu_backward_(dh.reshape(gate.shape), gate, up)  # d(gate), d(up) over gate and up
+            d_gate, d_up = gate.detach(), up.detach()
+        else:
+            d_gate, d_up = swiglu_backward(dh.reshape(gate.shape), gate, up)
+        return (d_gate, d_up, dw, d_bias, d_a if ctx.needs_input_grad[4] else None,
                 d_b if ctx.needs_input_grad[5] else None, None, None, None)
 
 
@@ -297,6 +303,22 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     check_lora_inputs(x, weight, bias, lora_a, lora_b, scale, epilogue, skinny)
     y = LoRALinearFunction.apply(x, weight, bias, lora_a, lora_b, float(scale), epilogue, skinny)
     return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def swiglu_lora_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float, *, epilogue: str = "cublas",
+                     skinny: str = "cublas") -> torch.Tensor:
+    """``lora_linear(silu(gate) * up, weight, bias, lora_a, lora_b, scale)`` as one node that keeps gate and up, not
+    their product (``SwiGLULoRADownFunction``): gate and up [..., intermediate] of one shape and dtype, the layer as
+    ``lora_linear`` takes it. Returns [..., out]."""
+    for name, t in (("gate", gate), ("up", up)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    if gate.shape != up.shape or gate.dtype != up.dtype or gate.device != up.device:
+        raise ValueError(f"gate and up must have one shape, dtype and device, got {tuple(gate.shape)} {gate.dtype} "
+                         f"on {gate.device} and {tuple(up.shape)} {up.dtype} on {up.device}")
+    check_lora_inputs(gate, weight, bias, lora_a, lora_b, scale, epilogue, skinny)
+    return SwiGLULoRADownFunction.apply(gate, up, weight, bias, lora_a, lora_b, float(scale), epilogue, skinny)
 
 
 def lora_linear_reference(x, weight, bias, lora_a, lora_b, scale):

@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 from kernels import runtime as kernels_runtime
 from kernels.gemm import gemm_epilogue, splitk_config, splitk_mm
-from kernels.lora import SwiGLULoRADownFunction, lora_linear, lora_linear_reference, lora_scale
+from kernels.lora import SwiGLULoRADownFunction, lora_linear, lora_linear_reference, lora_scale, swiglu_lora_down
 from kernels.reference import relative_error
 from kernels.runtime import DeviceProps
 from kernels.tolerances import RELATIVE_ERROR_TOL as TOL
@@ -90,6 +90,58 @@ def test_down_proj_over_swiglu_keeps_no_product_and_matches_float64(device, gen,
     for name, t, r in zip(("gate", "up", "W", "bias", "A", "B"), (g0, u0, *leaves), refs):
         if t is not None and t.requires_grad:
             assert t.grad is not None and relative_error(t.grad, r.grad) < TOL[dtype], name
+
+
+@pytest.mark.parametrize("layout", ["leaves", "views of one tensor", "transposed"])
+def test_down_proj_over_swiglu_leaves_a_callers_tensors_alone(device, gen, layout):
+    # gate and up that are not the node's to overwrite (a caller's leaves, views of one, strided views): the
+    # gradients are new tensors, gate and up keep their values, and every gradient matches float64.
+    n_mid, n_out = 24, 10
+    w, _, a, b = _layer(gen, device, torch.float32, n_mid, n_out, 2)
+    values = torch.randn(2, 7, 2 * n_mid, generator=gen, dtype=torch.float64)
+    if layout == "leaves":
+        g0, u0 = (values[..., :n_mid].clone().to(device, torch.float32).requires_grad_(),
+                  values[..., n_mid:].clone().to(device, torch.float32).requires_grad_())
+        gate, up = g0, u0
+    elif layout == "views of one tensor":
+        g0 = values.to(device, torch.float32).requires_grad_()
+        gate, up = g0[..., :n_mid], g0[..., n_mid:]
+    else:
+        g0 = values[..., :n_mid].transpose(0, 1).contiguous().to(device, torch.float32).requires_grad_()
+        u0 = values[..., n_mid:].transpose(0, 1).contiguous().to(device, torch.float32).requires_grad_()
+        gate, up = (g0 * 1).transpose(0, 1), (u0 * 1).transpose(0, 1)
+    before = [t.detach().clone() for t in (gate, up)]
+    a.requires_grad_(), b.requires_grad_()
+    dy = torch.randn(2, 7, n_out, generator=gen, dtype=torch.float64)
+    y = swiglu_lora_down(gate, up, w, None, a, b, 0.75)
+    y.backward(dy.to(device, torch.float32))
+    assert all(torch.equal(t.detach(), v) for t, v in zip((gate, up), before))
+    g64, u64 = (t.detach().double().cpu().requires_grad_() for t in (gate, up))
+    a64, b64 = (t.detach().double().cpu().requires_grad_() for t in (a, b))
+    lora_linear_reference(torch.nn.functional.silu(g64) * u64, w.double().cpu(), None, a64, b64, 0.75).backward(dy)
+    if layout == "views of one tensor":
+        assert relative_error(g0.grad, torch.cat([g64.grad, u64.grad], -1)) < TOL[torch.float32]
+    elif layout == "leaves":
+        assert relative_error(g0.grad, g64.grad) < TOL[torch.float32]
+        assert relative_error(u0.grad, u64.grad) < TOL[torch.float32]
+    else:
+        assert relative_error(g0.grad.transpose(0, 1), g64.grad) < TOL[torch.float32]
+        assert relative_error(u0.grad.transpose(0, 1), u64.grad) < TOL[torch.float32]
+    assert relative_error(a.grad, a64.grad) < TOL[torch.float32]
+    assert relative_error(b.grad, b64.grad) < TOL[torch.float32]
+
+
+def test_down_proj_over_swiglu_bad_input(device, gen):
+    w, _, a, b = _layer(gen, device, torch.float32, 24, 10, 2)
+    gate = torch.randn(5, 24, generator=gen).to(device)
+    with pytest.raises(ValueError, match="one shape, dtype and device"):
+        swiglu_lora_down(gate, gate[:, :20], w, None, a, b, 1.0)
+    with pytest.raises(ValueError, match="in_features=24"):
+        swiglu_lora_down(gate[:, :20], gate[:, :20], w, None, a, b, 1.0)
+    with pytest.raises(TypeError, match="float64"):
+        swiglu_lora_down(gate.double(), gate.double(), w, None, a, b, 1.0)
+    with pytest.raises(TypeError, match="must be a tensor"):
+        swiglu_lora_down(gate, None, w, None, a, b, 1.0)
 
 
 @pytest.mark.parametrize("epilogue,skinny", COMBOS)

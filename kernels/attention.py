@@ -53,8 +53,9 @@ from . import ops, runtime
 
 # Which version of the kernels this is (assets/notes/attention.md lists each, and what was measured of it): the
 # benchmark records it, so a recorded timing says which code it timed. 2: the dK/dV walk masks only its diagonal.
-# 3: packed rows walk the blocks wholly inside one document without the mask (PACKED_INTERIOR).
-VERSION = 3
+# 3: packed rows walk the blocks wholly inside one document without the mask (PACKED_INTERIOR). 4: packed rows'
+# forward takes 64 × 64 tiles (timed by the tile sweep, not yet by the benchmark of forward + backward).
+VERSION = 4
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x · log2 e): the kernels work in base 2, exp2 is the hardware's
 HEAD_DIMS = (16, 32, 64, 128)  # tl.dot needs 16 ≤ head_dim; 16 and 32 keep the interpreter's sizes small
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -435,16 +436,16 @@ PACKED_INTERIOR = True
 
 
 def attention_config(seq: int, head_dim: int, props: runtime.DeviceProps | None = None,
-                     element_size: int = 2) -> Config:
+                     element_size: int = 2, packed: bool = False) -> Config:
     """Block sizes of the forward and both backward kernels for a sequence of ``seq`` tokens and ``head_dim``, for
-    inputs of ``element_size`` bytes (2: bf16 or fp16; 4: float32). A GPU whose shared memory cannot hold these
-    tiles gets smaller ones at launch (``shrinking``)."""
-    return _attention_config(seq, head_dim, props or runtime.device_props(), element_size, PACKED_INTERIOR)
+    inputs of ``element_size`` bytes (2: bf16 or fp16; 4: float32), of dense rows or of ``packed`` documents. A GPU
+    whose shared memory cannot hold these tiles gets smaller ones at launch (``shrinking``)."""
+    return _attention_config(seq, head_dim, props or runtime.device_props(), element_size, PACKED_INTERIOR, packed)
 
 
 @functools.lru_cache(maxsize=256)
 def _attention_config(seq: int, head_dim: int, props: runtime.DeviceProps, element_size: int,
-                      interior: bool) -> Config:
+                      interior: bool, packed: bool = False) -> Config:
     if props.interpreter:
         block = min(_INTERPRETER_BLOCK, max(16, triton.next_power_of_2(max(seq, 1))))
         one = BlockConfig(block, block, 4, 1)
@@ -455,11 +456,14 @@ def _attention_config(seq: int, head_dim: int, props: runtime.DeviceProps, eleme
     # their recomputed [BLOCK_M, BLOCK_N] tiles, and run fastest at 64 × 64 with 4 warps and 2 stages: 1.42× (dK/dV)
     # and 1.48× (dQ) the 8-warp tiles first chosen from FlashAttention-2's shapes. d = 64 was not swept.
     # float32 tiles take twice the bytes: half the rows and keys, for checking rather than training (not timed).
+    # Packed rows of short documents walk a few key blocks per query block, and the forward runs fastest there at
+    # 64 × 64 with 4 warps and 2 stages: 0.453 against 0.567 ms for the dense rows' tiles with 1,024-token documents
+    # (the same sweep with --documents 1024, checked against them first); the backward's tiles stay the fastest there.
     wide = head_dim > 64
     if element_size > 2:
         forward = dkdv = dq = BlockConfig(64, 64, 4, 2)
     else:
-        forward = BlockConfig(128, 128, 8 if wide else 4, 3)
+        forward = BlockConfig(64, 64, 4, 2) if packed and wide else BlockConfig(128, 128, 8 if wide else 4, 3)
         dkdv = BlockConfig(64, 64, 4, 2)
         dq = BlockConfig(64, 64, 4, 2)
     config = Config(forward, dkdv, dq, 64, interior)
@@ -576,7 +580,8 @@ def attention_forward(q, k, v, causal: bool, scale: float, seg_start=None, seg_e
     lse = torch.empty(batch, heads, seq, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
-    cfg = config or attention_config(seq, head_dim, runtime.device_props(q.device), q.element_size())
+    cfg = config or attention_config(seq, head_dim, runtime.device_props(q.device), q.element_size(),
+                                     seg_start is not None)
     seg, seg_e, packed = _seg_args(seg_start, seg_end, q)
     interior = packed and cfg.interior
     _launch(_fwd_kernel, lambda c: (triton.cdiv(seq, c.block_m), batch * heads), cfg.forward, config is None,
@@ -597,7 +602,8 @@ def attention_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float, 
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if q.numel() == 0:
         return dq, dk.zero_(), dv.zero_()
-    cfg = config or attention_config(seq, head_dim, runtime.device_props(q.device), q.element_size())
+    cfg = config or attention_config(seq, head_dim, runtime.device_props(q.device), q.element_size(),
+                                     seg_start is not None)
     seg, seg_e, packed = _seg_args(seg_start, seg_end, q)
     delta = torch.empty(batch, heads, seq, dtype=torch.float32, device=q.device)
     _delta_kernel[(triton.cdiv(seq, cfg.delta_rows), batch * heads)](

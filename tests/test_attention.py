@@ -358,14 +358,14 @@ def test_gpu_llama_shapes(gen, seq):
 @pytest.mark.gpu
 @pytest.mark.parametrize("interior", [False, True])
 def test_gpu_tiles_too_big_for_shared_memory_shrink_and_the_interior_walk(gen, monkeypatch, interior):
-    # On the GPU: tiles no Hopper block can hold (float32, 64 × 64 with 8 pipeline stages: eight copies of the
-    # loaded tiles, over 400 KB) are refused at launch and the launch takes smaller ones, with the same answer:
-    # dense rows, and packed rows with the interior walk on. (Each refused tile compiles before the refusal; a
-    # small tile with many stages compiles in seconds, where large float32 tiles took minutes.)
-    too_big = BlockConfig(64, 64, 4, 8)
+    # On the GPU: tiles no Hopper block can hold (128 × 128 with 8 pipeline stages: eight copies of the loaded
+    # tiles, over 400 KB) are refused at launch and the launch takes smaller ones, with the same answer: dense rows,
+    # and packed rows with the interior walk on. bf16: each refused tile compiles before the refusal, and float32
+    # tiles of this size took minutes to compile on an H200.
+    too_big = BlockConfig(128, 128, 8, 8)
     config = Config(too_big, too_big, too_big, 64, interior)
     monkeypatch.setattr(attention_module, "attention_config", lambda *args, **kwargs: config)
-    q, k, v = _inputs(gen, "cuda", 1, 4, 2, 300, 128, torch.float32)
+    q, k, v = _inputs(gen, "cuda", 1, 4, 2, 300, 128, torch.bfloat16)
     cu = torch.tensor([0, 1, 140, 300], dtype=torch.int32, device="cuda") if interior else None
     _check_against_float64(q, k, v, True, cu_seqlens=cu, gen=gen)
     fitted = [tile for key, tile in attention_module._FITTED.items() if key[1] == too_big]
@@ -444,6 +444,16 @@ def test_packed_interior_blocks_walk_without_the_mask(device, gen, causal, dkdv_
     blocks = BlockConfig(32, 16, 4, 1)
     cfg = Config(blocks, BlockConfig(*dkdv_blocks, 4, 1), blocks, 32, interior=True)
     _launches_against_float64(gen, device, cfg, causal, 130, bounds)
+
+
+def test_packed_rows_take_their_own_forward_tiles():
+    # Measured on an H200 with 1,024-token documents: the forward of packed rows at 64 × 64, 4 warps, 2 stages; the
+    # dense rows' tiles and both backward kernels' unchanged.
+    gpu = runtime.DeviceProps("a Hopper-like GPU", False, 132, 227 << 10, 64 << 10)
+    dense, packed = attention_config(8192, 128, gpu), attention_config(8192, 128, gpu, packed=True)
+    assert dense.forward == BlockConfig(128, 128, 8, 3) and packed.forward == BlockConfig(64, 64, 4, 2)
+    assert (dense.dkdv, dense.dq) == (packed.dkdv, packed.dq)
+    assert attention_config(8192, 128, gpu, 4, packed=True) == attention_config(8192, 128, gpu, 4)
 
 
 def test_the_interior_walk_is_on_by_default_and_follows_the_switch(monkeypatch):

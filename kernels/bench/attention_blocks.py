@@ -85,7 +85,7 @@ def base_config(shape: dict) -> Config:
     """The configuration every row starts from: ``attention_config``'s on a GPU; in the interpreter the first
     candidates (``attention_config`` there gives one tile of up to 128 rows, which would walk no second block)."""
     if runtime.MODE == "gpu":
-        return attention_config(shape["seq"], shape["head_dim"])
+        return attention_config(shape["seq"], shape["head_dim"], packed=bool(shape.get("documents")))
     first = {k: candidates(k)[0] for k in KERNELS}
     return Config(first["forward"], first["dkdv"], first["dq"], 16)
 
@@ -154,7 +154,9 @@ def run(shape: dict | None = None, kernels=KERNELS) -> dict:
               "packed_interior": attention.PACKED_INTERIOR},
               "configured": dataclasses.asdict(config), "rows": [], "best": {}}
     for kernel in kernels:
-        rows = measure_kernel(kernel, shape, config, candidates(kernel), scale)
+        configured = getattr(config, kernel)  # first, whatever the list starts with (packed rows have their own)
+        blocks = [configured] + [b for b in candidates(kernel) if b != configured]
+        rows = measure_kernel(kernel, shape, config, blocks, scale)
         result["rows"] += rows
         best = fastest(rows)
         if best is not None:

@@ -181,6 +181,20 @@ def test_a_sibling_takes_the_group_output_only_for_the_same_input(device, gen):
     attn.q_proj(x)
     y = attn.k_proj(x)
     assert y.grad_fn is not None and "LoRAGroup" in type(y.grad_fn).__name__ + str(y.grad_fn.next_functions)
+    # A sibling with a forward pre-hook keeps its own computation: the hook may change its weights in ways no
+    # version counter sees (through .data), after the group would have run.
+    lora_b = attn.v_proj.lora_B["default"].weight
+
+    def double_b(module, args):
+        lora_b.data.mul_(2.0)
+
+    handle = attn.v_proj.register_forward_pre_hook(double_b)
+    attn.v_proj.__dict__.pop("_lora_pending", None)
+    attn.q_proj(x)
+    assert "_lora_pending" not in attn.v_proj.__dict__
+    y = attn.v_proj(x)  # the hook doubles B, then v_proj computes
+    handle.remove()
+    assert torch.allclose(y, fresh(attn.v_proj, x), atol=1e-5)
 
 
 def test_patch_then_wrap_with_every_default_kernel(device, gen):

@@ -18,7 +18,9 @@ gate_proj and up_proj of an MLP. When all of a group are fused LoRA layers, the 
 group as one node (``kernels.lora.lora_group``: x read once for the adapters, the input gradients summed by the GEMMs
 instead of by autograd's adds) and leaves each sibling its output; the sibling's own call hands it out when it comes
 with the very same input tensor, unchanged since (version counters of the input, base weight and adapters), under
-the same grad mode. A call with another input computes on its own, as does everything under ``torch.compile``.
+the same grad mode. A call with another input computes on its own, as does everything under ``torch.compile``, a
+group where a sibling has a forward pre-hook (it could change the sibling's weights after the group ran), and one
+whose parameters are not plain tensors (a sharded DTensor, say).
 ``SHARED_INPUT = False`` turns grouping off.
 
 **Both orders.** Wrapped first (``patch_llama(get_peft_model(llama, config))``), the LoRA layers are there to
@@ -139,11 +141,14 @@ def _group_call(first: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     ``first`` leads no group or the group cannot run as one now."""
     siblings = first.__dict__.get("_lora_siblings")
     if (not siblings or not SHARED_INPUT or EPILOGUE not in GROUP_EPILOGUES or torch.compiler.is_compiling()
-            or not all(_plain_call(m, x) for m in siblings)):
+            or not all(_plain_call(m, x) for m in siblings)
+            or any(m._forward_pre_hooks for m in siblings)):  # a sibling's pre-hook may change its input or weights
         return None
     layers = [_adapter(m) for m in (first, *siblings)]
-    if len({t.dtype for layer in layers for t in layer[2:4]}) != 1:
-        return None  # adapters of several dtypes: each layer on its own
+    tensors = [t for layer in layers for t in layer[:4] if t is not None]
+    if (len({t.dtype for layer in layers for t in layer[2:4]}) != 1  # adapters of several dtypes
+            or not all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)):  # e.g. a sharded DTensor
+        return None
     params = [t for layer in layers for t in layer[:4]]
     outputs = LoRAGroupFunction.apply(x, EPILOGUE, SKINNY, tuple(layer[4] for layer in layers), *params)
     for sibling, y in zip(siblings, outputs[1:]):

@@ -132,7 +132,15 @@ def lora_forward(x2, weight, bias, lora_a, lora_b, scale: float, epilogue: str =
         y = F.linear(x2, _merged(weight, a, b, scale), bias)
     elif epilogue == "triton":
         y = gemm_epilogue(x2, weight.t(), xa, b.t(), scale, bias)
-    elif epilogue == "cublas_lowrank_first":
+    else:
+        y = _cublas_output(x2, weight, bias, xa, b, scale, epilogue)
+    return y, xa
+
+
+def _cublas_output(x2, weight, bias, xa, b, scale: float, epilogue: str) -> torch.Tensor:
+    """``x2·Wᵀ + bias + s·xa·Bᵀ`` with the low-rank product joined by cuBLAS's β = 1 epilogue (``b`` in x2's dtype;
+    ``xa`` may be a column slice of a wider tensor)."""
+    if epilogue == "cublas_lowrank_first":
         # s·xa·Bᵀ (+ b) first, a GEMM over K = r; then the base GEMM adds onto it in its own epilogue (β = 1), where
         # the compute-bound main loops of other tiles may hide the read.
         y = (xa * scale) @ b.t() if bias is None else torch.addmm(bias, xa * scale, b.t())
@@ -141,7 +149,21 @@ def lora_forward(x2, weight, bias, lora_a, lora_b, scale: float, epilogue: str =
         # cuBLAS: the base GEMM (with its bias), then the low-rank GEMM accumulated into it (β = 1): y read once more.
         y = F.linear(x2, weight, bias)
         y.addmm_(xa, b.t(), alpha=scale)
-    return y, xa
+    return y
+
+
+def _cublas_input_grad(dys, weights, dxa, a, epilogue: str) -> torch.Tensor:
+    """``dxa·A + Σ dy_i·W_i`` as one tensor accumulated by cuBLAS's β = 1 epilogue: the low-rank term first
+    (``"cublas_lowrank_first"``) or last (``"cublas"``). One layer, or the layers of a group (A stacked)."""
+    if epilogue == "cublas_lowrank_first":
+        dx = dxa @ a
+        for dy, w in zip(dys, weights):
+            dx.addmm_(dy, w)
+        return dx
+    dx = dys[0] @ weights[0]
+    for dy, w in zip(dys[1:], weights[1:]):
+        dx.addmm_(dy, w)
+    return dx.addmm_(dxa, a)
 
 
 _MM_OUT_DTYPE = [True]  # whether this PyTorch's torch.mm takes out_dtype (found on the first call that tries)
@@ -179,12 +201,8 @@ def lora_backward(dy2, x2, weight, lora_a, lora_b, xa, scale: float, need_dx: bo
         dx = dy2 @ _merged(weight, a, b, scale)
     elif epilogue == "triton":
         dx = gemm_epilogue(dy2, weight, dxa, a, 1.0)
-    elif epilogue == "cublas_lowrank_first":
-        dx = dxa @ a
-        dx.addmm_(dy2, weight)
     else:
-        dx = dy2 @ weight
-        dx.addmm_(dxa, a)
+        dx = _cublas_input_grad([dy2], [weight], dxa, a, epilogue)
     return dx, d_a, d_b
 
 
@@ -352,14 +370,7 @@ def group_forward(x2, weights, biases, lora_as, lora_bs, scales, epilogue):
     xa = x2 @ _stacked(lora_as, x2.dtype).t()
     outputs = []
     for (lo, hi), w, bias, b, s in zip(_bounds(lora_as), weights, biases, lora_bs, scales):
-        xa_i, b = xa[:, lo:hi], b.to(x2.dtype)
-        if epilogue == "cublas_lowrank_first":
-            y = (xa_i * s) @ b.t() if bias is None else torch.addmm(bias, xa_i * s, b.t())
-            y.addmm_(x2, w.t())
-        else:
-            y = torch.nn.functional.linear(x2, w, bias)
-            y.addmm_(xa_i, b.t(), alpha=s)
-        outputs.append(y)
+        outputs.append(_cublas_output(x2, w, bias, xa[:, lo:hi], b.to(x2.dtype), s, epilogue))
     return outputs, xa
 
 
@@ -375,17 +386,7 @@ def group_backward(dys, x2, weights, lora_as, lora_bs, xa, scales, need_dx, epil
     d_as = [d_a[lo:hi] for lo, hi in _bounds(lora_as)]
     if not need_dx:
         return None, d_as, d_bs
-    stacked = _stacked(lora_as, x2.dtype)
-    if epilogue == "cublas_lowrank_first":
-        dx = dxa @ stacked
-        for dy, w in zip(dys, weights):
-            dx.addmm_(dy, w)
-    else:
-        dx = dys[0] @ weights[0]
-        for dy, w in zip(dys[1:], weights[1:]):
-            dx.addmm_(dy, w)
-        dx.addmm_(dxa, stacked)
-    return dx, d_as, d_bs
+    return _cublas_input_grad(dys, weights, dxa, _stacked(lora_as, x2.dtype), epilogue), d_as, d_bs
 
 
 def check_group(x, weights, biases, lora_as, lora_bs, scales, epilogue, skinny) -> None:

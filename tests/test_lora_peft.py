@@ -83,12 +83,29 @@ def test_lora_is_a_default_where_the_model_holds_lora_layers(device, gen):
         assert "lora" not in plain.kernels and "lora" not in plain.left_off
 
 
+def _counting(monkeypatch, cls, calls, name):
+    apply = cls.apply
+    monkeypatch.setattr(cls, "apply", lambda *a: calls.append(name) or apply(*a))
+
+
+def _patched_in_order(order, base, reference):
+    """(model, handle): PEFT's LoRA model with reference's values, patched with swiglu and lora, wrapped then patched
+    or patched then wrapped."""
+    if order == "wrap, patch":
+        model = copy.deepcopy(reference)
+        return model, patch_llama(model, kernels=("swiglu", "lora"))
+    inner = copy.deepcopy(base)
+    patch = patch_llama(inner, kernels=("swiglu", "lora"))
+    model = peft.get_peft_model(inner, _config())
+    model.load_state_dict(reference.state_dict())
+    return model, patch
+
+
 def test_down_proj_over_the_fused_swiglu_keeps_no_product(device, gen, monkeypatch):
     # With the SwiGLU kernel on, each LoRA down_proj and its SwiGLU are one node (SwiGLULoRADownFunction), in both
     # orders; PEFT's losses and gradients; after undo no layer keeps the method.
     calls = []
-    apply = SwiGLULoRADownFunction.apply
-    monkeypatch.setattr(SwiGLULoRADownFunction, "apply", lambda *a: calls.append(1) or apply(*a))
+    _counting(monkeypatch, SwiGLULoRADownFunction, calls, 1)
     base = _base(device, gen)
     reference = lora_with_values(copy.deepcopy(base), _config())
     ids, labels = _batch(base, gen, device)
@@ -96,14 +113,7 @@ def test_down_proj_over_the_fused_swiglu_keeps_no_product(device, gen, monkeypat
     layers = base.config.num_hidden_layers
     for order in ("wrap, patch", "patch, wrap"):
         calls.clear()
-        if order == "wrap, patch":
-            model = copy.deepcopy(reference)
-            patch = patch_llama(model, kernels=("swiglu", "lora"))
-        else:
-            inner = copy.deepcopy(base)
-            patch = patch_llama(inner, kernels=("swiglu", "lora"))
-            model = peft.get_peft_model(inner, _config())
-            model.load_state_dict(reference.state_dict())
+        model, patch = _patched_in_order(order, base, reference)
         _assert_close(loss_and_grads(model, ids, labels), expected, TOL[torch.float32])
         assert len(calls) == layers, order
         patch.undo()
@@ -111,11 +121,6 @@ def test_down_proj_over_the_fused_swiglu_keeps_no_product(device, gen, monkeypat
         calls.clear()
         _assert_close(loss_and_grads(model, ids, labels), expected, TOL[torch.float32])
         assert calls == []
-
-
-def _counting(monkeypatch, cls, calls, name):
-    apply = cls.apply
-    monkeypatch.setattr(cls, "apply", lambda *a: calls.append(name) or apply(*a))
 
 
 @pytest.mark.parametrize("order", ["wrap, patch", "patch, wrap"])
@@ -129,14 +134,7 @@ def test_layers_on_a_shared_input_run_as_one_node(device, gen, monkeypatch, orde
     reference = lora_with_values(copy.deepcopy(base), _config())
     ids, labels = _batch(base, gen, device)
     expected = loss_and_grads(reference, ids, labels)
-    if order == "wrap, patch":
-        model = copy.deepcopy(reference)
-        patch = patch_llama(model, kernels=("swiglu", "lora"))
-    else:
-        inner = copy.deepcopy(base)
-        patch = patch_llama(inner, kernels=("swiglu", "lora"))
-        model = peft.get_peft_model(inner, _config())
-        model.load_state_dict(reference.state_dict())
+    model, patch = _patched_in_order(order, base, reference)
     _assert_close(loss_and_grads(model, ids, labels), expected, TOL[torch.float32])
     layers = base.config.num_hidden_layers
     assert sorted(calls) == sorted(["group"] * 2 * layers + ["one"] * layers + ["down"] * layers)

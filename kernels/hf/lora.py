@@ -145,11 +145,10 @@ def _group_call(first: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
             or any(m._forward_pre_hooks for m in siblings)):  # a sibling's pre-hook may change its input or weights
         return None
     layers = [_adapter(m) for m in (first, *siblings)]
-    tensors = [t for layer in layers for t in layer[:4] if t is not None]
-    if (len({t.dtype for layer in layers for t in layer[2:4]}) != 1  # adapters of several dtypes
-            or not all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)):  # e.g. a sharded DTensor
-        return None
     params = [t for layer in layers for t in layer[:4]]
+    if (len({t.dtype for layer in layers for t in layer[2:4]}) != 1  # adapters of several dtypes
+            or not all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in params if t is not None)):  # DTensor
+        return None
     outputs = LoRAGroupFunction.apply(x, EPILOGUE, SKINNY, tuple(layer[4] for layer in layers), *params)
     for sibling, y in zip(siblings, outputs[1:]):
         sibling.__dict__["_lora_pending"] = (x, _state(sibling, x), y)
@@ -174,7 +173,6 @@ class LoraFusion:
     active: bool = True
     parents: list = field(default_factory=list)  # (qualified name, module) of the modules that hold linear layers
     leaders: set = field(default_factory=set)  # the first layer of each group on a shared input
-    groups: int = 0
 
     def fuse_new_layers(self) -> int:
         """Give the fused forward to every LoRA layer of the model that lacks it (a walk over every module); note
@@ -201,7 +199,6 @@ class LoraFusion:
             members = [parent._modules.get(name) for name in names]
             if all(type(m) is cls and m in self.layers for m in members):
                 members[0].__dict__["_lora_siblings"] = tuple(members[1:])
-                self.groups += 0 if members[0] in self.leaders else 1
                 self.leaders.add(members[0])
 
     def _fuse(self, where: str, module: torch.nn.Module) -> None:
@@ -230,8 +227,8 @@ class LoraFusion:
     def summary(self) -> str:
         """"N LoRA layers fused" and, for each layer that stays PEFT's, why."""
         text = f"{len(self.layers) - len(self.left_off)} of {len(self.layers)} LoRA layers fused"
-        if self.groups and SHARED_INPUT:
-            text += f", {self.groups} groups of them on a shared input run as one node each"
+        if self.leaders and SHARED_INPUT:
+            text += f", {len(self.leaders)} groups of them on a shared input run as one node each"
         return text + "".join(f"; {where}: {why}" for where, why in self.left_off.items())
 
     def undo(self) -> None:

@@ -26,6 +26,7 @@ from kernels.attention import (
     flash_attention,
     flash_attention_bwd,
     flash_attention_fwd,
+    running_max,
     segment_bounds,
     segment_bounds_from_positions,
     shrinking,
@@ -175,6 +176,19 @@ def test_document_mask(device):
     positions = torch.tensor([[0, 1, 0, 0, 1, 2], [5, 6, 7, 8, 9, 10]])
     start, end = segment_bounds_from_positions(positions)
     assert start.tolist() == [[0, 0, 2, 3, 3, 3], [0] * 6] and end.tolist() == [[2, 2, 3, 6, 6, 6], [6] * 6]
+
+
+@pytest.mark.parametrize("seq", [1, 255, 256, 257, 1000])
+def test_running_max_is_cummax_across_chunks(gen, seq):
+    # The two-level scan behind segment_bounds_from_positions: rows of one, of a chunk, and across several chunks
+    # (with a partial last one), on values that rise and fall, and negative ones (the end's running minimum).
+    x = torch.randint(-10**6, 10**6, (3, seq), generator=gen)
+    assert torch.equal(running_max(x), x.cummax(dim=1).values)
+    positions = torch.cat([torch.arange(300), torch.arange(1), torch.arange(seq)])[None]
+    start, end = segment_bounds_from_positions(positions)
+    first = torch.tensor([0] * 300 + [300] + [301] * seq)
+    assert start.tolist() == [first.tolist()]
+    assert end.tolist() == [[300] * 300 + [301] + [301 + seq] * seq]
 
 
 def test_position_ids_pack_each_row(device, gen):
@@ -358,11 +372,11 @@ def test_gpu_llama_shapes(gen, seq):
 @pytest.mark.gpu
 @pytest.mark.parametrize("interior", [False, True])
 def test_gpu_tiles_too_big_for_shared_memory_shrink_and_the_interior_walk(gen, monkeypatch, interior):
-    # On the GPU: tiles no Hopper block can hold (128 × 128 with 8 pipeline stages: eight copies of the loaded
-    # tiles, over 400 KB) are refused at launch and the launch takes smaller ones, with the same answer: dense rows,
-    # and packed rows with the interior walk on. bf16: each refused tile compiles before the refusal, and float32
-    # tiles of this size took minutes to compile on an H200.
-    too_big = BlockConfig(128, 128, 8, 8)
+    # On the GPU: tiles no Hopper block can hold (128 × 128 with 4 pipeline stages: four copies of the loaded
+    # tiles, over 250 KB in each kernel) are refused at launch and the launch takes smaller ones, with the same
+    # answer: dense rows, and packed rows with the interior walk on. bf16: each refused tile compiles before the
+    # refusal; float32 tiles of this size, and bf16 ones with 8 stages, took minutes to compile on an H200.
+    too_big = BlockConfig(128, 128, 8, 4)
     config = Config(too_big, too_big, too_big, 64, interior)
     monkeypatch.setattr(attention_module, "attention_config", lambda *args, **kwargs: config)
     q, k, v = _inputs(gen, "cuda", 1, 4, 2, 300, 128, torch.bfloat16)

@@ -98,7 +98,8 @@ def test_packed_batch_differs_without_the_boundaries(gen):
     ids = torch.cat(examples)[None].to(runtime.device())
     with patch_llama(model, kernels=(), attention=True):
         with torch.no_grad():
-            packed = model(input_ids=ids, position_ids=torch.cat([torch.arange(n) for n in LENGTHS])[None]).logits
+            positions = torch.cat([torch.arange(n) for n in LENGTHS])[None].to(runtime.device())
+            packed = model(input_ids=ids, position_ids=positions).logits
             plain = model(input_ids=ids).logits
     assert relative_error(plain[:, LENGTHS[0]:], packed[:, LENGTHS[0]:]) > 1e-3
     assert relative_error(plain[:, :LENGTHS[0]], packed[:, :LENGTHS[0]]) < 1e-5  # the first example sees the same

@@ -569,17 +569,20 @@ _SCAN_CHUNK = 256
 
 
 def running_max(x: torch.Tensor) -> torch.Tensor:
-    """``x.cummax(dim=1).values`` of an integer [batch, seq] tensor, in two levels: within chunks of 256, then each
-    chunk's maximum carried into the chunks after it. PyTorch scans a whole row in one thread block: at 32,768 tokens
-    that took 93 µs on an H200, as long as a tenth of the packed forward. The chunks scan side by side instead."""
+    """``x.cummax(dim=1).values`` of a [batch, seq] tensor, in two levels: within chunks of 256, then each chunk's
+    maximum carried into the chunks after it. PyTorch scans a whole row in one thread block: at 32,768 tokens that
+    took 93 µs on an H200, as long as a tenth of the packed forward. The chunks scan side by side instead."""
+    if x.dim() != 2:
+        raise ValueError(f"running_max takes a [batch, seq] tensor, got shape {tuple(x.shape)}")
     batch, seq = x.shape
     pad = (-seq) % _SCAN_CHUNK
     if pad:  # repeating the last value changes no earlier maximum
         x = torch.cat([x, x[:, -1:].expand(batch, pad)], dim=1)
-    local = x.reshape(batch, -1, _SCAN_CHUNK).cummax(dim=2).values
+    chunks = (seq + _SCAN_CHUNK - 1) // _SCAN_CHUNK
+    local = x.reshape(batch, chunks, _SCAN_CHUNK).cummax(dim=2).values
     through = local[:, :, -1].cummax(dim=1).values  # the maximum up to the end of each chunk
-    before = torch.cat([torch.full_like(through[:, :1], torch.iinfo(x.dtype).min), through[:, :-1]], dim=1)
-    return torch.maximum(local, before[:, :, None]).reshape(batch, -1)[:, :seq]
+    local[:, 1:] = torch.maximum(local[:, 1:], through[:, :-1, None])
+    return local.reshape(batch, chunks * _SCAN_CHUNK)[:, :seq]
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:

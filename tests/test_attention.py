@@ -184,11 +184,26 @@ def test_running_max_is_cummax_across_chunks(gen, seq):
     # (with a partial last one), on values that rise and fall, and negative ones (the end's running minimum).
     x = torch.randint(-10**6, 10**6, (3, seq), generator=gen)
     assert torch.equal(running_max(x), x.cummax(dim=1).values)
+    y = torch.randn(2, seq, generator=gen)  # any dtype cummax takes
+    assert torch.equal(running_max(y), y.cummax(dim=1).values)
+    for empty in (torch.zeros(0, seq, dtype=torch.long), torch.zeros(3, 0, dtype=torch.long)):
+        assert running_max(empty).shape == empty.shape
+    with pytest.raises(ValueError, match="batch, seq"):
+        running_max(x[0])
     positions = torch.cat([torch.arange(300), torch.arange(1), torch.arange(seq)])[None]
     start, end = segment_bounds_from_positions(positions)
     first = torch.tensor([0] * 300 + [300] + [301] * seq)
     assert start.tolist() == [first.tolist()]
     assert end.tolist() == [[300] * 300 + [301] + [301 + seq] * seq]
+
+
+def test_position_ids_with_no_rows(device):
+    # batch 0 with position ids: an empty output and empty gradients, as with dense rows
+    q = torch.randn(0, 2, 10, 16, device=device, requires_grad=True)
+    k = torch.randn(0, 1, 10, 16, device=device)
+    out = flash_attention(q, k, k, position_ids=torch.arange(10, device=device)[None])
+    out.sum().backward()
+    assert out.shape == q.shape and q.grad.shape == q.shape
 
 
 def test_position_ids_pack_each_row(device, gen):

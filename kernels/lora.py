@@ -376,14 +376,15 @@ def group_forward(x2, weights, biases, lora_as, lora_bs, scales, epilogue):
 
 def group_backward(dys, x2, weights, lora_as, lora_bs, xa, scales, need_dx, epilogue, skinny):
     """(dx, [dA_i], [dB_i]) for the 2-D output gradients ``dys``; ``dx`` is None when ``need_dx`` is False."""
+    bounds = _bounds(lora_as)
     dxas, d_bs = [], []
-    for (lo, hi), dy, b, s in zip(_bounds(lora_as), dys, lora_bs, scales):
+    for (lo, hi), dy, b, s in zip(bounds, dys, lora_bs, scales):
         dxa = dy @ b.to(dy.dtype)
         dxas.append(dxa.mul_(s))  # s·dy·B: the gradient of this layer's columns of xa
         d_bs.append(skinny_mm(dy, xa[:, lo:hi], s, b.dtype, skinny))  # s·dyᵀ·xa_i
     dxa = torch.cat(dxas, dim=1)
     d_a = skinny_mm(dxa, x2, 1.0, lora_as[0].dtype, skinny)  # every dA_i in one GEMM: x read once
-    d_as = [d_a[lo:hi] for lo, hi in _bounds(lora_as)]
+    d_as = [d_a[lo:hi] for lo, hi in bounds]
     if not need_dx:
         return None, d_as, d_bs
     return _cublas_input_grad(dys, weights, dxa, _stacked(lora_as, x2.dtype), epilogue), d_as, d_bs
@@ -400,9 +401,14 @@ def check_group(x, weights, biases, lora_as, lora_bs, scales, epilogue, skinny) 
         raise ValueError(f"epilogue must be one of {GROUP_EPILOGUES}, got {epilogue!r}")
     for layer in zip(weights, biases, lora_as, lora_bs, scales):
         check_lora_inputs(x, *layer, epilogue, skinny)
-    if len({a.dtype for a in lora_as} | {b.dtype for b in lora_bs}) != 1:
+    if not adapters_share_dtype(lora_as, lora_bs):
         raise TypeError("the adapters must share one dtype, got "
                         f"{sorted({str(t.dtype) for t in (*lora_as, *lora_bs)})}")
+
+
+def adapters_share_dtype(lora_as, lora_bs) -> bool:
+    """Whether every A and B of a group has one dtype, as the stacked [A_1; A_2; ...] and its gradient need."""
+    return len({t.dtype for t in (*lora_as, *lora_bs)}) == 1
 
 
 class LoRAGroupFunction(torch.autograd.Function):

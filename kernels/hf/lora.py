@@ -45,7 +45,13 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.gemm import KERNEL_DTYPES
-from kernels.lora import GROUP_EPILOGUES, LoRAGroupFunction, LoRALinearFunction, SwiGLULoRADownFunction
+from kernels.lora import (
+    GROUP_EPILOGUES,
+    LoRAGroupFunction,
+    LoRALinearFunction,
+    SwiGLULoRADownFunction,
+    adapters_share_dtype,
+)
 
 # How the fused layer computes its two halves (``kernels.lora``): the benchmark flips these to compare. The
 # low-rank product first, then the base GEMM onto it: 16,767 against 16,458 tokens/s for the base GEMM first, the
@@ -146,7 +152,7 @@ def _group_call(first: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         return None
     layers = [_adapter(m) for m in (first, *siblings)]
     params = [t for layer in layers for t in layer[:4]]
-    if (len({t.dtype for layer in layers for t in layer[2:4]}) != 1  # adapters of several dtypes
+    if (not adapters_share_dtype([layer[2] for layer in layers], [layer[3] for layer in layers])
             or not all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in params if t is not None)):  # DTensor
         return None
     outputs = LoRAGroupFunction.apply(x, EPILOGUE, SKINNY, tuple(layer[4] for layer in layers), *params)

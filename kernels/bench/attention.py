@@ -141,11 +141,16 @@ def _packed_interior(on: bool):
         attention.PACKED_INTERIOR = saved
 
 
+def document_positions(batch: int, seq: int, doc: int, device=None) -> torch.Tensor:
+    """Position ids [batch, seq] of rows packed with documents of ``doc`` tokens: 0, 1, ..., doc − 1, 0, 1, ..."""
+    return (torch.arange(seq, device=device or runtime.device()) % doc)[None].expand(batch, seq)
+
+
 def document_peers(doc: int) -> dict[str, Callable]:
     """Name → factory for causal attention within documents of ``doc`` tokens."""
     def ours(interior):
         def make(batch, heads, seq):
-            positions = (torch.arange(seq, device=runtime.device()) % doc)[None].expand(batch, seq)
+            positions = document_positions(batch, seq, doc)
 
             def call(q, k, v):
                 with _packed_interior(interior):

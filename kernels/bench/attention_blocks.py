@@ -44,7 +44,7 @@ from kernels.reference import relative_error
 from kernels.tolerances import RELATIVE_ERROR_TOL
 
 from . import cli
-from .attention import inputs
+from .attention import document_positions, inputs
 from .results import device_slug, first_line, results_file
 from .timing import time_ms
 
@@ -133,8 +133,7 @@ def packed_segments(shape: dict, device) -> tuple:
     doc = shape.get("documents")
     if not doc:
         return ()
-    positions = (torch.arange(shape["seq"], device=device) % doc)[None].expand(shape["batch"], shape["seq"])
-    return segment_bounds_from_positions(positions)
+    return segment_bounds_from_positions(document_positions(shape["batch"], shape["seq"], doc, device))
 
 
 def fastest(rows: list[dict]) -> dict | None:

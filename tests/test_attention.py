@@ -197,6 +197,16 @@ def test_running_max_is_cummax_across_chunks(gen, seq):
     assert end.tolist() == [[300] * 300 + [301] + [301 + seq] * seq]
 
 
+@given(batch=st.integers(0, 3), seq=st.integers(0, 600),
+       dtype=st.sampled_from([torch.int64, torch.int32, torch.float32]), transposed=st.booleans())
+def test_running_max_any_shape_dtype_layout(batch, seq, dtype, transposed):
+    # Any row count and length (empty ones, one chunk, several and a partial one), integer and float values, and a
+    # transposed view as well as a dense tensor: always cummax's answer.
+    values = torch.randn(seq, batch) * 1000
+    x = values.to(dtype).t() if transposed else values.t().contiguous().to(dtype)
+    assert torch.equal(running_max(x), x.cummax(dim=1).values)
+
+
 def test_position_ids_with_no_rows(device):
     # batch 0 with position ids: an empty output and empty gradients, as with dense rows
     q = torch.randn(0, 2, 10, 16, device=device, requires_grad=True)

@@ -70,11 +70,15 @@ def _step_and_check(opt, params, grads_per_step):
             assert p.dtype == m_after.dtype == v_after.dtype == g.dtype
             g64, beta1 = g.double().cpu(), group["betas"][0]
             fp32_in_dtype = _EPS32 / torch.finfo(p.dtype).eps  # float32 round-off, in spacings of the dtype
-            # Scales: the parameter before and after (two roundings of values that size), plus float32 round-off of
-            # the update; the moments' terms before they are added (they may cancel).
-            update = (p_ref - p0.double()).abs().cpu()
-            p_scale = torch.maximum(p_ref.abs(), p0.double().abs()).cpu() + 64 * fp32_in_dtype * update
+            # Scales: the moments' terms before they are added (they may cancel); the parameter before and after (two
+            # roundings of values that size), plus float32 round-off of the update, which carries m's round-off: the
+            # step a moment of m's terms' size would take, not only the step taken after their cancellation.
             m_terms = beta1 * m0.double().abs().cpu() + (1 - beta1) * g64.abs()
+            update = (p_ref - p0.double()).abs().cpu()
+            denom = v_ref.cpu().sqrt() / (1 - group["betas"][1] ** t) ** 0.5 + group["eps"]
+            step_of_terms = torch.where(denom > 0, group["lr"] / (1 - beta1 ** t) * m_terms / denom, 0.0)
+            p_scale = (torch.maximum(p_ref.abs(), p0.double().abs()).cpu()
+                       + 64 * fp32_in_dtype * (update + step_of_terms))
             m_scale = m_ref.abs().cpu() + 8 * fp32_in_dtype * m_terms
             v_scale = v_ref.abs().cpu() * (1 + 8 * fp32_in_dtype)
             _assert_within_a_spacing(f"param after step {t}", p, p_ref, p_scale, p.dtype)

@@ -180,9 +180,7 @@ def _fwd_blocks(q, k_base, v_base, rows, start, end, n, sk_s, sv_s, cols_d, SEG,
         cols = n0 + tl.arange(0, BLOCK_N)
         k = _tile(k_base, cols, n, sk_s, cols_d, UPCAST)
         v = _tile(v_base, cols, n, sv_s, cols_d, UPCAST)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        if MASKED:
-            s = tl.where(_allowed(rows[:, None], cols[None, :], n, SEG, CAUSAL, PACKED), s, float("-inf"))
+        s = _scores(q, k, rows[:, None], cols[None, :], n, SEG, qk_scale, CAUSAL, PACKED, PRECISION, MASKED)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)  # rescale what was summed under the old maximum
         p = tl.exp2(s - m_new[:, None])
@@ -255,13 +253,14 @@ def _delta_kernel(OUT, DO, DELTA, so_b, so_h, so_s, sd_b, sd_h, sd_s, n, n_heads
 
 
 @triton.jit
-def _probabilities(q, k, rows, cols, n, lse2, SEG, qk_scale, CAUSAL: tl.constexpr, PACKED: tl.constexpr,
-                   PRECISION: tl.constexpr, MASKED: tl.constexpr = True):
-    # p = exp(s − lse) for a [BLOCK_M, BLOCK_N] tile, recomputed from the saved log-sum-exp (lse2 is in base 2).
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+def _scores(a, b, rows, cols, n, SEG, qk_scale, CAUSAL: tl.constexpr, PACKED: tl.constexpr,
+            PRECISION: tl.constexpr, MASKED: tl.constexpr):
+    # The scaled scores a · bᵀ (base 2), -inf where _allowed says no: queries × keys for a = q, b = k, or keys ×
+    # queries for a = k, b = q. rows (query indices) and cols (key indices) come broadcastable to that orientation.
+    s = tl.dot(a, tl.trans(b), input_precision=PRECISION) * qk_scale
     if MASKED:
-        s = tl.where(_allowed(rows[:, None], cols[None, :], n, SEG, CAUSAL, PACKED), s, float("-inf"))
-    return tl.exp2(s - lse2[:, None])
+        s = tl.where(_allowed(rows, cols, n, SEG, CAUSAL, PACKED), s, float("-inf"))
+    return s
 
 
 @triton.jit
@@ -273,7 +272,8 @@ def _dq_blocks(q, do, k_base, v_base, rows, start, end, n, sk_s, sv_s, cols_d, l
         cols = n0 + tl.arange(0, BLOCK_N)
         k = _tile(k_base, cols, n, sk_s, cols_d, UPCAST)
         v = _tile(v_base, cols, n, sv_s, cols_d, UPCAST)
-        p = _probabilities(q, k, rows, cols, n, lse2, SEG, qk_scale, CAUSAL, PACKED, PRECISION, MASKED)
+        s = _scores(q, k, rows[:, None], cols[None, :], n, SEG, qk_scale, CAUSAL, PACKED, PRECISION, MASKED)
+        p = tl.exp2(s - lse2[:, None])  # recomputed from the saved log-sum-exp (lse2: base 2)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
@@ -305,7 +305,7 @@ def _dkdv_blocks(q_base, do_base, sq_h, sd_h, k, v, cols, start, end, n, sq_s, s
     # transpose of a tile held in registers.
     steps = tl.cdiv(end - start, BLOCK_M)
     for it in range(0, HEADS * steps):
-        if HEADS == 1:
+        if HEADS == 1:  # dense rows' loop, as measured: no division per step
             g = 0
             m0 = start + it * BLOCK_M
         else:
@@ -316,9 +316,7 @@ def _dkdv_blocks(q_base, do_base, sq_h, sd_h, k, v, cols, start, end, n, sq_s, s
         do = _tile(do_base + g * sd_h, rows, n, sd_s, cols_d, UPCAST)
         lse2 = tl.load(LSE + (bh + g) * n + rows, mask=rows < n, other=0.0) * 1.4426950408889634
         delta = tl.load(DELTA + (bh + g) * n + rows, mask=rows < n, other=0.0)
-        st = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
-        if MASKED:
-            st = tl.where(_allowed(rows[None, :], cols[:, None], n, SEG, CAUSAL, PACKED), st, float("-inf"))
+        st = _scores(k, q, rows[None, :], cols[:, None], n, SEG, qk_scale, CAUSAL, PACKED, PRECISION, MASKED)
         pt = tl.exp2(st - lse2[None, :])
         dv += tl.dot(pt.to(do.dtype), do, input_precision=PRECISION)
         dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)

@@ -139,13 +139,14 @@ adamw_step_op = ops.define(
 
 
 def _check_hyperparameters(lr, betas, eps, weight_decay) -> None:
-    if isinstance(lr, torch.Tensor) or not isinstance(lr, (int, float)) or lr < 0:
+    # `not x >= 0` rather than `x < 0`: NaN compares false both ways, and torch.optim.AdamW refuses it the same way.
+    if isinstance(lr, torch.Tensor) or not isinstance(lr, (int, float)) or not lr >= 0:
         raise ValueError(f"lr must be a non-negative number (not a tensor), got {lr!r}")
     if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
         raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
-    if not isinstance(eps, (int, float)) or eps < 0:
+    if not isinstance(eps, (int, float)) or not eps >= 0:
         raise ValueError(f"eps must be a non-negative number, got {eps!r}")
-    if not isinstance(weight_decay, (int, float)) or weight_decay < 0:
+    if not isinstance(weight_decay, (int, float)) or not weight_decay >= 0:
         raise ValueError(f"weight_decay must be a non-negative number, got {weight_decay!r}")
 
 

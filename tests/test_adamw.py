@@ -156,6 +156,17 @@ def test_bad_arguments_are_refused(make, error, message, device):
         make(torch.nn.Parameter(torch.ones(2, device=device)))
 
 
+@pytest.mark.parametrize("name", ["lr", "eps", "weight_decay", "betas"])
+def test_nan_hyperparameters_are_refused_like_torch(name, device):
+    # NaN compares false with everything: a `< 0` check lets it through, and one step turns every weight into NaN.
+    value = (float("nan"), 0.999) if name == "betas" else float("nan")
+    w = torch.nn.Parameter(torch.ones(2, device=device))
+    with pytest.raises(ValueError):
+        torch.optim.AdamW([w], **{name: value})
+    with pytest.raises(ValueError, match=name):
+        TritonAdamW([w], **{name: value})
+
+
 def test_bad_parameters_are_refused(device):
     w = torch.nn.Parameter(torch.ones(4, 6, device=device).t())  # a transposed view: not one flat array
     w.grad = torch.ones_like(w)

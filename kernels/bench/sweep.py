@@ -44,8 +44,10 @@ from .results import (
     first_line,
     format_table,
     results_file,
+    speedups,
     summarize,
 )
+from .tables import Section, Table, html_table
 from .timing import (
     device_time_ms,
     gbps,
@@ -688,7 +690,7 @@ def run_benchmark(
     if ceilings is None and runtime.MODE == "gpu":
         ceilings = measure_ceilings()
 
-    from tqdm.auto import tqdm
+    from .progress import progress_bar as tqdm
 
     rows: list[dict] = []
     bar = tqdm(total=len(shapes) * rounds * len(chosen), desc=kernel, disable=not progress, leave=True)
@@ -769,6 +771,50 @@ def _git_commit() -> str | None:
     return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
+
+
+def results_table(results: dict) -> Table:
+    """``format_table``'s figures as a ``Table`` that reads at a laptop's width (``display`` it in a notebook).
+
+    One section per shape and pass, one row per implementation under it; ``ours×`` is that row's time over ours' at
+    the same shape and pass (above 1: ours is faster). ``print`` gives the same table as text.
+    """
+    ours = {basis: {(e["tokens"], e["width"], e["pass"]): e["ours_ms"] for e in speedups(results, basis)}
+            for basis in ("device", "eager")}
+    gpu = results["mode"] == "gpu"
+    sections: dict[tuple, list] = {}
+    for row in results["rows"]:
+        key = (row["tokens"], row["width"], row["pass"])
+        x_dev = _ratio(row["device_ms"], ours["device"].get(key))
+        x_eag = _ratio(row["eager_ms"], ours["eager"].get(key))
+        status = row["status"] if row["status"] != "ok" else (
+            "ok" if row["device_note"] is None or not gpu else "no graph")
+        same = row.get("frac_same_bytes_copy")
+        sections.setdefault((row["shape"], row["pass"]), []).append([
+            row["label"], _fmt(row["eager_ms"], ".3f"), _fmt(row["device_ms"], ".3f"), _fmt(row["gbps"], ",.0f"),
+            _fmt(row["frac_copy"] and 100 * row["frac_copy"], ".1f"), _fmt(same and 100 * same, ".1f"),
+            _fmt(x_dev, ".3g"), _fmt(x_eag, ".3g"), _fmt(row["peak_extra_mib"], ",.1f"), status])
+    rows: list = []
+    for (shape, pass_), members in sections.items():
+        rows += [Section(f"{shape} (tokens × {WIDTH_NAMES[results['kernel']]}), {pass_}"), *members]
+    notes = ["ours× = this row's time / ours' time at the same shape and pass (above 1: ours is faster)",
+             "% copy: of the copy bandwidth measured on gigabytes; % same: a copy of this row's bytes, timed the same "
+             "way, over this row's device time (100: as fast as that copy)"]
+    if not gpu:
+        notes.insert(0, "* wall-clock of Triton's CPU interpreter: meaningless as GPU time; no device times "
+                        "without a GPU")
+    columns = ["implementation", "eager ms" if gpu else "wall ms*", "device ms", "GB/s", "% copy", "% same",
+               "ours× device", "ours× eager", "peak MiB", "status"]
+    caption = f"{results['kernel']} on {results['device']} ({results['mode']}), {results['date']}"
+    return html_table(columns, rows, align="lrrrrrrrrl", caption=caption, notes=notes)
+
+
+def _ratio(time_ms: float | None, ours_ms: float | None) -> float | None:
+    return time_ms / ours_ms if (time_ms and ours_ms) else None
+
+
+def _fmt(value, spec: str) -> str | None:
+    return None if value is None else format(value, spec)
 
 
 def default_sizes(kernel: str, quick: bool = False) -> dict:

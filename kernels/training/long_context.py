@@ -379,7 +379,7 @@ def probe(preset: str = "llama-3.1-8b", lengths=(131072, 262144), kernels="ours"
                 "gradient_checkpointing": gradient_checkpointing, "tile": tile, "dtype": "bfloat16",
                 "batch_size": 1, "optimizer": "torch.optim.AdamW(fused=True)", "warmup_len": warmup_len}
     run = ProbeRun(variant or describe_variant(kernels, tiled_mlp, offload), preset, settings)
-    from tqdm.auto import tqdm
+    from kernels.bench.progress import progress_bar as tqdm
 
     setup = prepare(preset, kernels, tiled_mlp, offload, gradient_checkpointing, offload_options, tile, seed)
     try:
@@ -621,7 +621,7 @@ def step_times(preset: str = "llama-3.1-8b", seq_len: int = 32768, steps: int = 
     (``ours+save_on_cpu``), plus the tiled MLP (``ours+tiled``), plus Liger's ``LigerTiledSwiGLUMLP``
     (``ours+liger_tiled``, skipped where Liger is not installed). Each with its peak and bytes offloaded per step."""
     require_gpu("step_times")
-    from tqdm.auto import tqdm
+    from kernels.bench.progress import progress_bar as tqdm
 
     results = {}
     for config in tqdm(list(configs), desc=f"step time at {seq_len:,}", disable=not progress):

@@ -343,7 +343,7 @@ def train_steps(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
-    from tqdm.auto import tqdm
+    from kernels.bench.progress import progress_bar as tqdm
 
     records: list[StepRecord] = []
     bar = tqdm(range(steps), desc=desc or label, disable=not progress, leave=True)

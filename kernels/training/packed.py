@@ -69,7 +69,7 @@ def _on(batch: dict, device) -> dict:
 def one_pass(model: torch.nn.Module, batches: list[dict], progress: bool = True, desc: str = "") -> dict:
     """Forward and backward over every batch (gradients freed after each): the pass's time, its summed loss, and
     the batches' tokens. The first batch runs once more before the clock starts, untimed."""
-    from tqdm.auto import tqdm
+    from kernels.bench.progress import progress_bar as tqdm
 
     device = next(model.parameters()).device
     counted = [(b, count_trained_labels(b)) for b in batches]

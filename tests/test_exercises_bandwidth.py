@@ -12,6 +12,7 @@ from kernels.bench.timing import floor_ms
 from kernels.exercises import solutions
 from kernels.exercises.bandwidth import (
     BYTES_MISTAKES,
+    EXTRA_TRANSFERS,
     FLOOR_MISTAKES,
     HINTS,
     KERNELS,
@@ -148,6 +149,7 @@ PLANTED_BYTES = [
     ("rmsnorm", rms(5, 0, FP32), ["two_mistakes", "no_weight", "float32_size"]),
     ("rmsnorm", rms(5, 3, per_row=100), ["per_row"]),
     ("rmsnorm", lambda M, N, d: RMSNORM(M, N, d) + 1000, ["constant"]),
+    ("rmsnorm", rms(6, 3), ["y_read"]),  # the backward reading y as well
     ("rmsnorm", rms(7, 0), ["unrecognised"]),
     ("rmsnorm", lambda M, N, d: RMSNORM(M, N, d) / 1e6, ["not_bytes"]),
     ("rmsnorm", lambda M, N, d: M * M * N * d.itemsize, ["not_linear"]),
@@ -157,6 +159,7 @@ PLANTED_BYTES = [
     ("cross_entropy", ce(3, FP32), ["float32_size"]),
     ("cross_entropy", ce(3, FIXED_2), ["fixed_2_bytes"]),
     ("cross_entropy", lambda M, N, d: CROSS_ENTROPY(M, N, d) / 2**30, ["not_bytes"]),
+    ("cross_entropy", ce(4), ["four_transfers"]),  # the gradient written twice, or a third read
     ("cross_entropy", ce(5), ["unrecognised"]),
 ]
 
@@ -174,6 +177,7 @@ def test_each_byte_count_mistake_is_named(kernel, attempt, keys):
 def test_every_byte_mistake_has_its_wording_and_a_planted_answer():
     planted = {key for _, _, keys in PLANTED_BYTES for key in keys}
     named = {key for filters in BYTES_MISTAKES.values() for key in filters} | set(SIZE_MISTAKES)
+    named |= {key for extras in EXTRA_TRANSFERS.values() for key in extras}
     assert named <= set(HINTS)
     assert named <= planted, named - planted
 
@@ -182,6 +186,59 @@ def test_the_unrecognised_count_shows_the_terms():
     message = bytes_message(rms(7, 0), "rmsnorm")
     assert "you count 14 bytes, the transfers 10" in message and "you count 0, the transfers 6" in message
     assert "per element of [N]" not in bytes_message(ce(5), "cross_entropy")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The package's own count and floor: refused by name, wherever the learner's code reaches them
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def sweep_plus_weight(M, N, dtype):
+    # The sweep's count, with the weight the table rounds away added back.
+    return rmsnorm_bytes(M, N, dtype.itemsize) + 3 * N * dtype.itemsize
+
+
+def sweep_two_read(N, V, dtype):
+    return cross_entropy_bytes(N, V, dtype.itemsize, "two_read")
+
+
+def package_count(M, N, dtype):
+    from kernels.exercises import bandwidth
+
+    return bandwidth.transfer_bytes("rmsnorm", M, N, dtype)
+
+
+def floor_from_ms(n_bytes, gbps):
+    return floor_ms(n_bytes, gbps) * 1e3
+
+
+def floor_from_module(n_bytes, gbps):
+    from kernels.bench import timing
+
+    return timing.floor_ms(n_bytes, gbps) * 1e3
+
+
+@pytest.mark.parametrize("kernel, attempt, name", [
+    ("rmsnorm", sweep_plus_weight, "rmsnorm_bytes"),
+    ("rmsnorm", package_count, "transfer_bytes"),
+    ("rmsnorm", lambda M, N, d: transfer_bytes("rmsnorm", M, N, d), "transfer_bytes"),
+    ("cross_entropy", sweep_two_read, "cross_entropy_bytes"),
+])
+def test_the_package_count_is_refused(kernel, attempt, name):
+    message = bytes_message(attempt, kernel)
+    assert name in message and "finished answer" in message, message
+
+
+@pytest.mark.parametrize("attempt, name", [(floor_from_ms, "floor_ms"), (floor_from_module, "floor_ms")])
+def test_the_package_floor_is_refused(attempt, name):
+    message = floor_message(attempt)
+    assert name in message and "finished answer" in message, message
+    assert floor_ms(4e9, 4000) == pytest.approx(1.0)  # put back afterwards
+
+
+def test_a_refused_answer_leaves_the_comparison_empty(capsys):
+    rows = compare_floor("rmsnorm", measurements(fake_results()), sweep_plus_weight, floor_from_ms)
+    assert rows[0]["yours_us"] is None and "✓" not in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------------------------------------------------

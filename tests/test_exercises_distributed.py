@@ -105,8 +105,10 @@ def test_the_solution_passes(seed, capsys):
 
 
 def test_a_tensor_answer_is_read_as_numbers(seed):
+    solution = load("global_label_count")
+
     def as_tensor(ranks, rank):
-        return torch.tensor(load("global_label_count")(ranks, rank))
+        return torch.tensor(solution(ranks, rank))
 
     assert check_global_label_count(as_tensor, seed=seed, verbose=False)
 
@@ -224,6 +226,84 @@ def test_a_collective_the_ranks_do_not_share_is_named(mistake, key, what):
         if not report and _diagnoses.says(COLLECTIVE_DIAGNOSES[key], report.message):
             return
     pytest.fail(f"no seed {what}: {report.message}")
+
+
+def collective_per_micro_batch(steps, all_reduce):
+    counts = torch.tensor([int((b["labels"][:, 1:] != -100).sum()) for micro in steps for b in micro])
+    all_reduce(counts)
+    return counts.tolist()
+
+
+def collective_padding(steps, all_reduce):
+    counts = torch.tensor([sum(b["labels"][:, 1:].numel() for b in micro) for micro in steps])
+    all_reduce(counts)
+    return counts.tolist()
+
+
+def collective_attention_mask(steps, all_reduce):
+    # The tokens the attention mask lets through, prompts included.
+    counts = torch.tensor([sum(int(b["attention_mask"][:, 1:].sum()) for b in micro) for micro in steps])
+    all_reduce(counts)
+    return counts.tolist()
+
+
+@pytest.mark.parametrize("fn, key", [
+    (collective_per_micro_batch, "per_micro_batch"),
+    (collective_padding, "padding"),
+    (collective_attention_mask, "ignore_index"),
+])
+def test_the_counting_mistakes_are_named_through_the_collective(fn, key):
+    report = check_global_label_count_collective(fn, seed=0, verbose=False)
+    assert not report and _diagnoses.says(DIAGNOSES[key], report.message), report.message
+
+
+def collective_by_the_package(steps, all_reduce):
+    # The chapter's own helper, printed in section 4: without a process group it returns this rank's counts.
+    return global_label_counts(steps, torch.device("cpu"))
+
+
+def collective_by_labels_per_step(steps, all_reduce):
+    counts = torch.tensor(labels_per_step(steps))
+    all_reduce(counts)
+    return counts.tolist()
+
+
+def collective_by_count_trained_labels(steps, all_reduce):
+    from kernels.training.loop import count_trained_labels
+
+    counts = torch.tensor([sum(count_trained_labels(b) for b in micro) for micro in steps])
+    all_reduce(counts)
+    return counts.tolist()
+
+
+def collective_by_the_package_caught(steps, all_reduce):
+    try:
+        return collective_by_labels_per_step(steps, all_reduce)
+    except Exception:  # noqa: BLE001  (a learner hiding the refusal: still refused)
+        return collective_right(steps, all_reduce)
+
+
+@pytest.mark.parametrize("fn, name", [
+    (global_label_counts, "global_label_counts"),  # handed to the check itself
+    (collective_by_the_package, "global_label_counts"),
+    (collective_by_labels_per_step, "labels_per_step"),
+    (collective_by_count_trained_labels, "count_trained_labels"),
+    (collective_by_the_package_caught, "labels_per_step"),
+])
+def test_the_package_count_is_refused_by_name_in_the_collective(fn, name):
+    report = check_global_label_count_collective(fn, seed=0, verbose=False)
+    assert not report and name in report.message and "finished answer" in report.message, report.message
+    assert labels_per_step([[{"labels": torch.tensor([[-100, 1, 2]])}]]) == [2]  # put back afterwards
+
+
+@pytest.mark.parametrize("fn, name", [
+    (lambda ranks, rank: [sum(c) for c in zip(*[labels_per_step(s) for s in ranks])], "labels_per_step"),
+    (lambda ranks, rank: expected_counts(ranks), "expected_counts"),
+    (lambda ranks, rank: global_label_counts(ranks[rank], torch.device("cpu")), "global_label_counts"),
+])
+def test_the_package_count_is_refused_by_name(fn, name):
+    report = check_global_label_count(fn, seed=0, verbose=False)
+    assert not report and name in report.message and "finished answer" in report.message, report.message
 
 
 def test_the_answer_mistakes_are_still_named_through_the_collective():

@@ -148,10 +148,13 @@ def planted_kernel(LOGITS, LSE, TARGET, GRAD, n_rows, width, col_start, scale, i
         is_target = cols[None, :] == target[:, None]
     else:
         is_target = (col_start + cols)[None, :] == target[:, None]
-    g = tl.where(is_target, p - 1.0, p) * scale
+    g = tl.where(is_target, p - 1.0, p)
+    if MISTAKE != "no_scale":
+        g = g * scale
     if MISTAKE == "sign":
         g = -g
-    g = tl.where((target != ignore_index)[:, None], g, 0.0)
+    if MISTAKE != "ignored_rows_count":
+        g = tl.where((target != ignore_index)[:, None], g, 0.0)
     if MISTAKE == "no_mask":
         tl.store(GRAD + rows[:, None] * stride_grad + cols[None, :], g)
     else:
@@ -187,6 +190,8 @@ KERNEL_CASES = {
     "contiguous": KERNEL_DIAGNOSES["stride"],
     "no_offset": DIAGNOSES["no_offset"],
     "sign": DIAGNOSES["sign"],
+    "no_scale": DIAGNOSES["no_scale"],
+    "ignored_rows_count": DIAGNOSES["ignored_rows_count"],
 }
 
 
@@ -214,3 +219,59 @@ def test_a_kernel_that_raises_and_a_function_are_named(capsys):
 def test_every_kernel_diagnosis_has_a_test():
     named = {k for k, v in KERNEL_DIAGNOSES.items() if v in KERNEL_CASES.values()}
     assert named | {"raised", "not_kernel", "passed"} == set(KERNEL_DIAGNOSES)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The finished answers: refused by name, wherever the learner's code reaches them
+# --------------------------------------------------------------------------------------------------------------------
+
+from kernels.exercises.linear_cross_entropy import reference_slice_gradient  # noqa: E402
+from kernels.linear_cross_entropy import _grad_slice_kernel  # noqa: E402
+
+
+def _by_the_reference(logits, lse, target, col_start, scale, ignore_index):
+    return reference_slice_gradient(logits, lse, target, col_start, scale, ignore_index).float()
+
+
+def _by_autograd(logits, lse, target, col_start, scale, ignore_index):
+    # The slice's share of the loss, differentiated by autograd: the lse term is all of the rows' softmax.
+    x = logits.float().requires_grad_()
+    local = (target - col_start).clamp(0, x.shape[1] - 1)
+    inside = (target >= col_start) & (target < col_start + x.shape[1]) & (target != ignore_index)
+    picked = x.gather(1, local[:, None])[:, 0] * inside
+    counted = (target != ignore_index).float()
+    loss = (torch.exp(x - lse[:, None]).detach() * x).sum(1) * counted - picked
+    (grad,) = torch.autograd.grad(loss.sum() * scale, x)
+    return grad
+
+
+def _by_cross_entropy(logits, lse, target, col_start, scale, ignore_index):
+    x = logits.float().requires_grad_()
+    F.cross_entropy(x, (target - col_start).clamp(0, x.shape[1] - 1)).backward()
+    return x.grad
+
+
+def _by_the_reference_caught(logits, lse, target, col_start, scale, ignore_index):
+    try:
+        return _by_the_reference(logits, lse, target, col_start, scale, ignore_index)
+    except Exception:  # noqa: BLE001  (a learner hiding the refusal: still refused)
+        return right(logits, lse, target, col_start, scale, ignore_index)
+
+
+@pytest.mark.parametrize("fn, name", [
+    (reference_slice_gradient, "reference_slice_gradient"),  # handed to the check itself
+    (_by_the_reference, "reference_slice_gradient"),
+    (_by_autograd, "autograd"),
+    (_by_cross_entropy, "cross_entropy"),
+    (_by_the_reference_caught, "reference_slice_gradient"),
+])
+def test_the_finished_gradient_is_refused_by_name(fn, name, capsys):
+    assert not check_slice_gradient(fn)
+    out = capsys.readouterr().out
+    assert out.startswith("✗") and name in out and "finished answer" in out, out
+
+
+def test_the_package_kernel_is_refused_by_name(capsys):
+    assert not check_slice_gradient_kernel(_grad_slice_kernel)
+    out = capsys.readouterr().out
+    assert "_grad_slice_kernel" in out and "finished answer" in out, out

@@ -4,12 +4,14 @@
 import diagnoses
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from triton.runtime.jit import KernelInterface
 
+import kernels
 from kernels import runtime
 from kernels.exercises.ops import HINTS, check_rms_norm_fake
 from kernels.exercises.solutions import load
-from kernels.rmsnorm import rms_norm_forward, rms_norm_fwd_fake
+from kernels.rmsnorm import rms_norm_forward, rms_norm_fwd_fake, rms_norm_fwd_op
 
 
 def _rows(x):
@@ -39,9 +41,50 @@ def test_the_solution_passes():
     assert check_rms_norm_fake(load("rms_norm_fake"), verbose=False)
 
 
-def test_the_package_fake_passes(capsys):
-    assert check_rms_norm_fake(rms_norm_fwd_fake)
-    assert "✓" in capsys.readouterr().out
+def _by_the_operator(x, w, eps):
+    # The chapter's section 2 calls the package's operator under FakeTensorMode: it answers from the finished fake.
+    return torch.ops.kernels.rms_norm_fwd(x, w, eps)
+
+
+def _by_the_overload(x, w, eps):
+    return torch.ops.kernels.rms_norm_fwd.default(x, w, eps)
+
+
+def _by_the_package_fake(x, w, eps):
+    return rms_norm_fwd_fake(x, w, eps)
+
+
+def _by_the_op_handle(x, w, eps):
+    return rms_norm_fwd_op(x, w, eps)
+
+
+def _by_the_package_rms_norm(x, w, eps):
+    return kernels.rms_norm(x, w, eps), _rstd(x)
+
+
+def _by_the_operator_caught(x, w, eps):
+    try:
+        return torch.ops.kernels.rms_norm_fwd(x, w, eps)
+    except Exception:  # noqa: BLE001  (a learner hiding the refusal: still refused)
+        return _y(x, w), _rstd(x)
+
+
+@pytest.mark.parametrize("fake, name", [
+    (rms_norm_fwd_fake, "rms_norm_fwd_fake"),  # the package's fake handed to the check
+    (_by_the_package_fake, "rms_norm_fwd_fake"),
+    (_by_the_operator, "torch.ops.kernels.rms_norm_fwd"),
+    (_by_the_overload, "torch.ops.kernels.rms_norm_fwd"),
+    (_by_the_op_handle, "torch.ops.kernels.rms_norm_fwd"),
+    (_by_the_package_rms_norm, "kernels.rmsnorm.rms_norm"),
+    (_by_the_operator_caught, "torch.ops.kernels.rms_norm_fwd"),
+])
+def test_the_package_fake_is_refused_by_name(fake, name):
+    message = _diagnosis(fake)
+    assert name in message and "finished answer" in message, message
+    x = torch.randn(3, 16, device=runtime.device())
+    with FakeTensorMode():  # the operator answers from its fake again afterwards
+        y, _ = torch.ops.kernels.rms_norm_fwd(torch.empty(3, 16), torch.empty(16), 1e-6)
+    assert y.shape == x.shape
 
 
 def _stub(x, w, eps):

@@ -95,6 +95,52 @@ def test_each_wrong_formula_is_named(key, capsys):
     assert capsys.readouterr().out.strip() == report.message  # printed, not raised
 
 
+def stub(share, factor):
+    # The chapter's cell as it ships.
+    return 1.0
+
+
+def test_the_stub_as_shipped_is_named_the_placeholder():
+    report = check_amdahl(stub, {"family": None, "share": None, "factor": 9}, fake_profile(), verbose=False)
+    assert not report.passed and says("placeholder", report.message), report.message
+
+
+def borrowed_step_speedup(share, factor):
+    return step_speedup(share, factor)
+
+
+def borrowed_by_module(share, factor):
+    import kernels.training.profiling as profiling
+
+    return profiling.step_speedup(share, factor)
+
+
+def borrowed_reference(share, factor):
+    from kernels.exercises import profile
+
+    return profile.amdahl_reference(share, factor)
+
+
+def borrowed_and_caught(share, factor):
+    try:
+        return step_speedup(share, factor)
+    except Exception:  # noqa: BLE001  (a learner hiding the refusal: still refused)
+        return 1.0 / ((1.0 - share) + share / factor)
+
+
+@pytest.mark.parametrize("fn, name", [
+    (step_speedup, "step_speedup"),  # the package's function handed to the check
+    (borrowed_step_speedup, "step_speedup"),  # called by the name the chapter imported
+    (borrowed_by_module, "step_speedup"),
+    (borrowed_reference, "amdahl_reference"),
+    (borrowed_and_caught, "step_speedup"),
+])
+def test_the_finished_law_is_refused_by_name(fn, name):
+    report = check_amdahl(fn, PREDICTION, fake_profile(), verbose=False)
+    assert not report.passed and name in report.message and "finished answer" in report.message, report.message
+    assert step_speedup(0.5, 2) == pytest.approx(4 / 3)  # put back afterwards
+
+
 def test_the_limit_diagnosis_says_what_the_answer_is():
     report = check_amdahl(PLANTED_FORMULAS["limit"], verbose=False)
     assert "gives nan for factor = math.inf" in report.message, report.message

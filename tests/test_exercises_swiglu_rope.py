@@ -1,5 +1,7 @@
 """Chapter 11's exercise checks: each passes a right answer and names each planted mistake, without raising."""
 
+import importlib
+
 import pytest
 import torch
 import triton
@@ -97,10 +99,17 @@ def _words(key: str) -> str:
     return HINTS[key].split("{")[0].split(":")[0][:60]
 
 
+@pytest.fixture(autouse=True)
+def planted_kernels_are_kernels(monkeypatch):
+    # The checks insist on a Triton kernel: let the stand-ins that bind MISTAKE pass for one.
+    monkeypatch.setattr(triton.runtime.jit, "KernelInterface", (triton.runtime.jit.KernelInterface, _Planted))
+
+
 def test_swiglu_solution_passes(capsys):
     assert "swiglu_bwd_tile_kernel" in solutions.names()
     report = check_swiglu_backward_tile(solutions.load("swiglu_bwd_tile_kernel"), seed=3)
-    assert report.passed and "correct on 3 inputs" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert report.passed and "correct on 3 inputs" in out and "d_up = dy·g·s" in out  # the derivation, once passed
 
 
 def test_swiglu_planted_right_kernel_passes():
@@ -152,13 +161,13 @@ def test_swiglu_truncating_store_is_named():
 
 
 def test_swiglu_bad_kernels_are_reported_not_raised():
-    class Raises:
+    class Raises(_Planted):
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
                 raise RuntimeError("kernel exploded")
             return launch
 
-    assert "raised RuntimeError: kernel exploded" in check_swiglu_backward_tile(Raises(), verbose=False).message
+    assert "raised RuntimeError: kernel exploded" in check_swiglu_backward_tile(Raises("right"), verbose=False).message
 
 
 # The chapter's exercise as the reader finds it: the placeholders of the stub.
@@ -188,6 +197,7 @@ def test_the_chapters_swiglu_stub():
 
 
 def ours(dy, cos, sin):
+    # The package's backward: a finished answer, which the check refuses.
     return rope_backward(dy, dy[:, :1], cos, sin, dy.dtype)[0]
 
 
@@ -225,8 +235,9 @@ def planted(mistake):
 
 
 def test_rope_right_answer_passes(capsys):
-    report = check_rope_backward(ours, seed=3)
-    assert report.passed and "correct on 4 inputs" in capsys.readouterr().out
+    report = check_rope_backward(planted("right"), seed=3)
+    out = capsys.readouterr().out
+    assert report.passed and "correct on 4 inputs" in out and "dx2 = dy2·cos2 − dy1·sin1" in out  # once passed
 
 
 def test_rope_solution_passes():
@@ -255,10 +266,11 @@ def test_rope_bad_calls_are_reported_not_raised():
 
     def contiguous_reader(dy, cos, sin):  # reads dy's memory as if it were contiguous [b, h, s, D]
         flat = torch.as_strided(dy, dy.shape, dy.contiguous().stride())
-        return ours(flat.contiguous(), cos, sin)
+        return planted("right")(flat.contiguous(), cos, sin)
 
     assert "raised RuntimeError: kernel exploded" in check_rope_backward(raises, verbose=False).message
-    assert "dtype" in check_rope_backward(lambda dy, c, s: ours(dy, c, s).double(), verbose=False).message
+    assert "dtype" in check_rope_backward(lambda dy, c, s: planted("right")(dy, c, s).double(),
+                                          verbose=False).message
     message = check_rope_backward(contiguous_reader, seed=1, verbose=False).message
     assert "strides of the view" in message and "first at batch" in message
 
@@ -313,3 +325,82 @@ def test_the_chapters_rope_stub_and_its_completion():
 
     assert "still the placeholder" in check_rope_backward(as_function(_Bound(False)), verbose=False).message
     assert check_rope_backward(as_function(_Bound(True)), verbose=False).passed
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The finished answers: refused by name, wherever the learner's code reaches them
+# ----------------------------------------------------------------------------------------------------------------------
+
+import torch.nn.functional as F  # noqa: E402
+
+from kernels.reference import rotary_reference  # noqa: E402
+
+swiglu_module = importlib.import_module("kernels.swiglu")  # the module: kernels.swiglu is also the function's name
+
+
+class _BorrowsTheBackward(_Planted):
+    """A launcher (let through as a kernel here) that hands the work to the package's backward."""
+
+    def __init__(self):
+        super().__init__("right")
+
+    def __getitem__(self, grid):
+        def launch(dy, g, u, d_gate, d_up, *args, **kwargs):
+            a, b = swiglu_module.swiglu_backward(dy, g, u)
+            d_gate.copy_(a)
+            d_up.copy_(b)
+        return launch
+
+
+class _PythonLauncher:
+    """Not a kernel: d_gate and d_up by autograd through F.silu, written through the launch syntax."""
+
+    def __getitem__(self, grid):
+        def launch(dy, g, u, d_gate, d_up, *args, **kwargs):
+            gg, uu = g.float().requires_grad_(), u.float().requires_grad_()
+            (F.silu(gg) * uu).backward(dy.float())
+            d_gate.copy_(gg.grad)
+            d_up.copy_(uu.grad)
+        return launch
+
+
+def test_swiglu_finished_answers_are_refused_by_name():
+    message = check_swiglu_backward_tile(swiglu_module.swiglu_bwd_kernel, verbose=False).message
+    assert "swiglu_bwd_kernel" in message and "finished answer" in message, message
+    message = check_swiglu_backward_tile(_BorrowsTheBackward(), verbose=False).message
+    assert "swiglu_backward" in message and "finished answer" in message, message
+    message = check_swiglu_backward_tile(_PythonLauncher(), verbose=False).message
+    assert _words("not_kernel") in message, message
+
+
+def _by_autograd_through_the_reference(dy, cos, sin):
+    x = torch.zeros(dy.shape, dtype=torch.float64, requires_grad=True)
+    rotary_reference(x, x, cos.double(), sin.double())[0].backward(dy.double())
+    return x.grad.to(dy.dtype)
+
+
+def _by_hugging_face(dy, cos, sin):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    x = torch.zeros(dy.shape, dtype=torch.float32, requires_grad=True)
+    (grad,) = torch.autograd.grad(apply_rotary_pos_emb(x, x, cos.float(), sin.float())[0], x, dy.float())
+    return grad.to(dy.dtype)
+
+
+def _by_the_package_caught(dy, cos, sin):
+    try:
+        return ours(dy, cos, sin)
+    except Exception:  # noqa: BLE001  (a learner hiding the refusal: still refused)
+        return planted("right")(dy, cos, sin)
+
+
+@pytest.mark.parametrize("fn, name", [
+    (rope_backward, "rope_backward"),  # handed to the check itself
+    (ours, "rope_backward"),
+    (_by_autograd_through_the_reference, "rotary_reference"),
+    (_by_hugging_face, "apply_rotary_pos_emb"),
+    (_by_the_package_caught, "rope_backward"),
+])
+def test_rope_finished_answers_are_refused_by_name(fn, name):
+    message = check_rope_backward(fn, verbose=False).message
+    assert name in message and "finished answer" in message, message

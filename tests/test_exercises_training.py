@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from kernels import TritonRMSNorm
+from kernels import TritonRMSNorm, patch_llama
 from kernels.exercises.solutions import load
 from kernels.exercises.training import MANUAL_PATCH_DIAGNOSES, check_manual_patch
 from kernels.rmsnorm import rms_norm
@@ -53,18 +53,18 @@ def attempt(mistake):
             for parent in model.modules():
                 for name, child in parent.named_children():
                     if type(child).__name__ == "LlamaRMSNorm":
-                        setattr(parent, name, TritonRMSNorm.from_hf(child))
+                        setattr(parent, name, shared(child))
             return model
         if mistake == "one-phase-named-modules":  # swapped inside the walk of named_modules(), by the parent's path
             for path, module in model.named_modules():
                 if type(module).__name__ == "LlamaRMSNorm":
                     parent_path, _, name = path.rpartition(".")
-                    setattr(model.get_submodule(parent_path), name, TritonRMSNorm.from_hf(module))
+                    setattr(model.get_submodule(parent_path), name, shared(module))
             return model
         if mistake == "dotted-name":
             for path, module in list(model.named_modules()):
                 if type(module).__name__ == "LlamaRMSNorm":
-                    setattr(model, path, TritonRMSNorm.from_hf(module))
+                    setattr(model, path, shared(module))
             return model
         if mistake == "nothing":
             for _name, module in model.named_modules():
@@ -98,8 +98,10 @@ def attempt(mistake):
             elif mistake == "gradients":
                 new = WithoutWeight(norm.weight.shape[0], eps=norm.variance_epsilon)
                 new.weight = norm.weight
-            else:
+            elif mistake == "from_hf":
                 new = TritonRMSNorm.from_hf(norm)
+            else:
+                new = shared(norm)
             setattr(parent, name, new)
         return model
     return patch
@@ -134,11 +136,47 @@ def test_a_missed_norm_is_named_by_its_role(capsys):
     assert "the attention norms" in out and "model.layers.0.input_layernorm" in out
 
 
-def test_the_solution_and_from_hf_pass(capsys):
+def test_the_solution_and_a_right_answer_pass(capsys):
     assert check_manual_patch(load("patch_norms_by_hand"))
     assert check_manual_patch(attempt("right"))
     out = capsys.readouterr().out
     assert out.startswith("✓") and "✗" not in out and "all 9 LlamaRMSNorm" in out
+
+
+def by_the_package(model):
+    # The chapter's own patch, imported above the exercise, with the norms alone switched on.
+    patch_llama(model, kernels=("rms_norm",))
+    return model
+
+
+def by_the_package_module(model):
+    import kernels
+
+    kernels.patch_llama(model, kernels=("rms_norm",))
+    return model
+
+
+def by_the_package_caught(model):
+    try:
+        patch_llama(model, kernels=("rms_norm",))
+    except Exception:  # noqa: BLE001  (a learner hiding the refusal, then doing nothing: still refused)
+        pass
+    return model
+
+
+@pytest.mark.parametrize("fn, name", [
+    (attempt("from_hf"), "TritonRMSNorm.from_hf"),  # the package's replacement carries weight and eps for you
+    (by_the_package, "patch_llama"),
+    (by_the_package_module, "patch_llama"),
+    (by_the_package_caught, "patch_llama"),
+    (patch_llama, "patch_llama"),  # handed to the check itself
+    (TritonRMSNorm.from_hf, "TritonRMSNorm.from_hf"),
+])
+def test_the_finished_surgery_is_refused_by_name(fn, name, capsys):
+    assert not check_manual_patch(fn)
+    out = capsys.readouterr().out
+    assert out.startswith("✗") and name in out and "finished answer" in out, out
+    assert not isinstance(vars(TritonRMSNorm)["from_hf"], type(lambda: 0))  # the classmethod is put back
 
 
 def test_a_one_phase_swap_gives_the_right_model_but_is_named(capsys):
@@ -151,11 +189,11 @@ def test_a_one_phase_swap_gives_the_right_model_but_is_named(capsys):
 
 
 def test_the_check_leaves_plain_children_behind():
-    seen = []
+    seen, solution = [], load("patch_norms_by_hand")
 
     def patch(model):
         seen.append(model)
-        return load("patch_norms_by_hand")(model)
+        return solution(model)
 
     assert check_manual_patch(patch, verbose=False)
     assert all(type(m._modules) is dict for m in seen[0].modules())  # the watched children are gone

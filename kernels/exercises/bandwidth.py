@@ -15,13 +15,15 @@ both chapters:
   the [rows, columns] tensors, per element of a [columns] vector (the weight), per row and a constant. The first two
   must be what the transfers add up to; per-row scalars (RMSNorm's float32 rstd, the cross-entropy's int64 targets
   and float32 logsumexp) may be counted or left out, as ``kernels.bench.sweep`` leaves them out. A wrong count is
-  compared with what the usual mistakes add up to, alone or two at a time (``BYTES_MISTAKES``, ``SIZE_MISTAKES``),
-  and a count in kB, MB or GiB instead of bytes is named as such.
+  compared with what the usual mistakes add up to, alone or two at a time (``BYTES_MISTAKES``,
+  ``EXTRA_TRANSFERS``, ``SIZE_MISTAKES``), and a count in kB, MB or GiB instead of bytes is named as such.
 * ``floor_us`` is run on a few byte counts and bandwidths; an answer a constant factor away from the right one
   names the unit mistake that factor comes from (``FLOOR_MISTAKES``), alone or two at a time.
 
-Every diagnosis is worded once, in ``HINTS``. The check never raises because the reader's code is unfinished or
-wrong: it prints a verdict and returns a :class:`~kernels.exercises.rmsnorm.Report`.
+Both run with their exercise's finished answers out of reach (``reach.FORBIDDEN``: the package's count
+``transfer_bytes``, the sweep's ``rmsnorm_bytes``/``cross_entropy_bytes``, ``timing.floor_ms``): a call of one is
+refused by name. Every diagnosis is worded once, in ``HINTS``. The check never raises because the reader's code is
+unfinished or wrong: it prints a verdict and returns a :class:`~kernels.exercises.rmsnorm.Report`.
 
 ``compare_floor`` then sets the floor beside measured device times of the package's kernel: the rows of a results
 file of ``kernels.bench.sweep`` (the committed GPU run, ``kernels.bench.results.load_results``) or a time measured
@@ -39,6 +41,7 @@ import torch
 
 from kernels.bench.timing import floor_ms
 
+from .reach import FinishedCodeCalled, call_learner
 from .rmsnorm import Report, last_line
 
 KERNELS = ("rmsnorm", "cross_entropy")
@@ -102,6 +105,12 @@ BYTES_MISTAKES: dict[str, dict[str, Callable[[Transfer], bool]]] = {
     },
 }
 
+# The usual ways of counting a transfer that does not happen: the transfer each adds.
+EXTRA_TRANSFERS: dict[str, dict[str, Transfer]] = {
+    "rmsnorm": {"y_read": Transfer("y", "backward", "read", "element")},
+    "cross_entropy": {"four_transfers": Transfer("gradient", "second pass", "write", "element")},
+}
+
 # Element sizes a count may use instead of the dtype's: the bytes per element it gives for a dtype of ``itemsize``.
 SIZE_MISTAKES: dict[str, Callable[[int], int]] = {
     "element_in_bits": lambda itemsize: 8 * itemsize,
@@ -146,6 +155,11 @@ HINTS = {
                     "once for its running max and sum (the logsumexp), once more to write the gradient. Three "
                     "logit-sized transfers, not two; one read is the floor of a design that keeps the whole row on "
                     "chip"),
+    "y_read": ("you counted y read by the backward: the backward reads x and dy (and w) and recomputes x·rstd "
+               "from x; y is written once, by the forward, and read by the next layer, not by this kernel"),
+    "four_transfers": ("your count holds four [{rows}, {cols}] transfers (the output counted twice, or the logits "
+                       "read three times): this design reads the logits twice, once for the logsumexp and once for "
+                       "the gradient, and writes the gradient once, over the logits: three transfers"),
     "element_in_bits": ("the element size is in bits: torch.finfo(dtype).bits is 16 for bf16, and a byte count "
                         "needs bytes, dtype.itemsize (2)"),
     "float32_size": ("4 bytes per element is float32's size, but the data here are bf16, 2 bytes per element: take "
@@ -261,9 +275,18 @@ class _NotDone(_Problem):
     """The reader's function returned None: the stub as the chapter ships it."""
 
 
-def _number(fn: Callable, name: str, args: tuple, shown: str) -> float:
+# The name each function's exercise has in ``reach.FORBIDDEN`` (its solution's name).
+_EXERCISES = {("minimal_bytes", "rmsnorm"): "rmsnorm_minimal_bytes",
+              ("minimal_bytes", "cross_entropy"): "cross_entropy_minimal_bytes",
+              ("floor_us", "rmsnorm"): "floor_us", ("floor_us", "cross_entropy"): "floor_us"}
+
+
+def _number(fn: Callable, name: str, args: tuple, shown: str, kernel: str = "rmsnorm") -> float:
+    """``fn(*args)`` as a finite float, run with its exercise's finished answers out of reach."""
     try:
-        out = fn(*args)
+        out = call_learner(_EXERCISES[name, kernel], fn, *args)
+    except FinishedCodeCalled as called:
+        raise _Problem(str(called)) from None
     except Exception as error:  # noqa: BLE001  (any failure of the reader's code is reported, not raised)
         raise _Problem(hint("raised", name=name, error=f"{type(error).__name__}: {last_line(error)}",
                             args=shown)) from None
@@ -304,7 +327,8 @@ class _Terms:
 
 def _terms(fn: Callable, kernel: str, dtype: torch.dtype) -> _Terms:
     """Split ``fn``'s count at ``dtype`` into its terms (four shapes fix them), then confirm them on other shapes."""
-    f = {(m, n): _number(fn, "minimal_bytes", (m, n, dtype), _shape(kernel, m, n, dtype)) for m, n in _FIT_SHAPES}
+    f = {(m, n): _number(fn, "minimal_bytes", (m, n, dtype), _shape(kernel, m, n, dtype), kernel)
+         for m, n in _FIT_SHAPES}
     (m1, n1), (m2, _), (_, n2) = _FIT_SHAPES[0], _FIT_SHAPES[1], _FIT_SHAPES[2]
     element = (f[m2, n2] - f[m1, n2] - f[m2, n1] + f[m1, n1]) / ((m2 - m1) * (n2 - n1))
     column = (f[m1, n2] - f[m1, n1]) / (n2 - n1) - element * m1
@@ -316,14 +340,16 @@ def _terms(fn: Callable, kernel: str, dtype: torch.dtype) -> _Terms:
 def _candidates(kernel: str) -> list[tuple[tuple[str, ...], dict[torch.dtype, tuple[int, int]]]]:
     """Every way of counting with at most two of the usual mistakes (at most one of them an element size): the
     mistakes' names and the (per-element, per-column) bytes they give for each dtype. The right count comes first."""
-    transfers, filters = TRANSFERS[kernel], BYTES_MISTAKES[kernel]
+    transfers, filters, extras = TRANSFERS[kernel], BYTES_MISTAKES[kernel], EXTRA_TRANSFERS[kernel]
+    counting = [*filters, *extras]
     combos: list[tuple[str, ...]] = [()]
-    combos += [(k,) for k in filters] + [(k,) for k in SIZE_MISTAKES]
-    combos += [pair for pair in itertools.combinations(filters, 2)]
-    combos += [(f, s) for f in filters for s in SIZE_MISTAKES]
+    combos += [(k,) for k in counting] + [(k,) for k in SIZE_MISTAKES]
+    combos += [pair for pair in itertools.combinations(counting, 2)]
+    combos += [(f, s) for f in counting for s in SIZE_MISTAKES]
     out = []
     for combo in combos:
         kept = [t for t in transfers if all(filters[k](t) for k in combo if k in filters)]
+        kept += [extras[k] for k in combo if k in extras]
         size_mistake = next((SIZE_MISTAKES[k] for k in combo if k in SIZE_MISTAKES), None)
         out.append((combo, {dt: _count(kept, size_mistake(dt.itemsize) if size_mistake else dt.itemsize)
                             for dt in _DTYPES}))
@@ -353,7 +379,7 @@ def _check_bytes(fn: Callable, kernel: str) -> str | None:
         terms = _terms(fn, kernel, dtype)
         for m, n in _CONFIRM_SHAPES:
             shape = _shape(kernel, m, n, dtype)
-            value = _number(fn, "minimal_bytes", (m, n, dtype), shape)
+            value = _number(fn, "minimal_bytes", (m, n, dtype), shape, kernel)
             if not _close(value, terms.at(m, n)):
                 right = transfer_bytes(kernel, m, n, dtype)
                 raise _Problem(_in_units(value, right, shape)
@@ -407,7 +433,7 @@ def _show_int(value: float) -> int | float:
 
 def _bytes_passed(fn: Callable, kernel: str) -> str:
     m, n = _SHOWN[kernel]
-    total = int(fn(m, n, torch.bfloat16))
+    total = int(_number(fn, "minimal_bytes", (m, n, torch.bfloat16), _shape(kernel, m, n, torch.bfloat16), kernel))
     element, column = _count(TRANSFERS[kernel], 2)
     column_note = ""
     if column:
@@ -524,11 +550,13 @@ def measurements(results: dict, label: str = "", impl: str = "ours", pass_: str 
             if r["impl"] == impl and r["pass"] == pass_ and r.get("device_ms") and r.get("status") == "ok"]
 
 
-def _yours(minimal_bytes, floor_us, m: int, n: int, dtype, copy: float) -> float | None:
+def _yours(minimal_bytes, floor_us, m: int, n: int, dtype, copy: float, kernel: str) -> float | None:
+    """The reader's floor at one shape, or None where their functions give no number of their own (unfinished,
+    failing, or calling a finished answer)."""
     try:
-        value = floor_us(minimal_bytes(m, n, dtype), copy)
-        return float(value) if value is not None and math.isfinite(float(value)) else None
-    except Exception:  # noqa: BLE001  (an unfinished answer leaves its column empty)
+        n_bytes = _number(minimal_bytes, "minimal_bytes", (m, n, dtype), "", kernel)
+        return _number(floor_us, "floor_us", (n_bytes, copy), "", kernel)
+    except _Problem:  # an unfinished or refused answer leaves its column empty
         return None
 
 
@@ -542,7 +570,7 @@ def compare_floor(kernel: str, measured: Iterable[Measurement], minimal_bytes: C
     for meas in measured:
         n_bytes = transfer_bytes(kernel, meas.m, meas.n, meas.dtype)
         floor = floor_reference_us(n_bytes, meas.copy_gbps)
-        yours = (_yours(minimal_bytes, floor_us, meas.m, meas.n, meas.dtype, meas.copy_gbps)
+        yours = (_yours(minimal_bytes, floor_us, meas.m, meas.n, meas.dtype, meas.copy_gbps, kernel)
                  if minimal_bytes is not None and floor_us is not None else None)
         rows.append({"m": meas.m, "n": meas.n, "bytes": n_bytes, "copy_gbps": meas.copy_gbps, "floor_us": floor,
                      "yours_us": yours, "device_us": meas.device_ms * 1e3,

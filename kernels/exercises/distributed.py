@@ -16,7 +16,9 @@ rank's batches stands in for the ``all_reduce`` that combines the ranks' counts 
 (ranks with different amounts of padding, rows whose first label is trained, several micro-batches per step) and
 names the mistake it recognises: averaging instead of summing across ranks, each rank keeping its own count,
 counting ignore_index (-100) labels or padding, forgetting the shift of a causal LM's loss, counting per
-micro-batch instead of per step. Every diagnosis is worded once, in ``DIAGNOSES``. It never raises because the
+micro-batch instead of per step. The reader's function runs with the package's count out of reach
+(``reach.FORBIDDEN["global_label_count"]``: ``global_label_counts``, ``labels_per_step``, ``count_trained_labels``):
+calling one is refused by name. Every diagnosis is worded once, in ``DIAGNOSES``. It never raises because the
 reader's function is wrong or unfinished: it prints its verdict and returns a ``Report``.
 """
 
@@ -32,6 +34,7 @@ import torch
 from kernels.training.data import IGNORE_INDEX
 from kernels.training.loop import count_trained_labels, labels_per_step
 
+from .reach import FinishedCodeCalled, Tripwire, call_learner, out_of_reach, resolve, targets
 from .rmsnorm import Report, last_line, verdict
 
 # Every verdict, worded once. The mistakes of a wrong answer are joined with "; and ".
@@ -254,11 +257,19 @@ def _same(got: list[list[float]], want: list[list[float]]) -> bool:
                for a, b in zip(got_rank, want_rank))
 
 
-def _check_case(fn, case: Case, ranks) -> str | None:
+class _Refused(Exception):
+    """The reader's function called a finished answer: the message is the verdict, said without the set-up."""
+
+
+def _check_case(fn, case: Case, ranks, exercise: str | None = "global_label_count") -> str | None:
+    """What is wrong with ``fn``'s answers on one set-up, or None; ``fn`` runs with ``exercise``'s finished answers
+    out of reach (``exercise`` None: ``fn`` is the check's own, replaying answers already given)."""
     got = []
     for rank in range(case.ranks):
         try:
-            out = fn(ranks, rank)
+            out = fn(ranks, rank) if exercise is None else call_learner(exercise, fn, ranks, rank)
+        except FinishedCodeCalled as called:
+            raise _Refused(str(called)) from None
         except NotImplementedError:
             return diagnosis("stub")
         except Exception as error:  # noqa: BLE001  (any failure of the reader's code is reported, not raised)
@@ -292,7 +303,10 @@ def check_global_label_count(fn: Callable, seed: int | None = None, verbose: boo
     gen.manual_seed(seed) if seed is not None else gen.seed()  # fresh batches unless a seed replays some
     example = None
     for case, ranks in make_cases(gen):
-        problem = _check_case(fn, case, ranks)
+        try:
+            problem = _check_case(fn, case, ranks)
+        except _Refused as called:
+            return verdict(False, str(called), verbose)
         if problem is not None:  # named with the set-up it showed on, unless the function is not written yet
             return verdict(False, problem if problem == DIAGNOSES["stub"] else f"{case}: {problem}", verbose)
         if example is None:
@@ -418,9 +432,24 @@ def diagnosis_collective(key: str, **fields) -> str:
     return COLLECTIVE_DIAGNOSES[key].format(**fields)
 
 
+COLLECTIVE_EXERCISE = "global_label_count_collective"
+
+
+def _finished(fn) -> str | None:
+    """The verdict when ``fn`` is itself one of the collective exercise's finished answers."""
+    for forbid in targets(COLLECTIVE_EXERCISE):
+        if resolve(forbid.target)[2] is fn:
+            return Tripwire(COLLECTIVE_EXERCISE, [(forbid.target.replace(":", "."), forbid.what)]).message
+    return None
+
+
 def _collective_case(fn, case: Case, ranks) -> str | None:
     collective = _Collective(case.ranks)
-    answers, errors = collective.run(fn, ranks)
+    # One tripwire for every rank's thread: the ranks run the reader's function at the same time.
+    with out_of_reach(COLLECTIVE_EXERCISE, fn) as tripwire:
+        answers, errors = collective.run(fn, ranks)
+    if tripwire.called:
+        raise _Refused(tripwire.message)
     if any(isinstance(e, NotImplementedError) for e in errors):
         return diagnosis_collective("stub")
     if collective.problem:
@@ -433,7 +462,7 @@ def _collective_case(fn, case: Case, ranks) -> str | None:
     for rank, error in enumerate(errors):
         if error is not None:
             return diagnosis("raised", error=f"{type(error).__name__}: {last_line(error)}", rank=rank)
-    problem = _check_case(lambda _ranks, rank: answers[rank], case, ranks)
+    problem = _check_case(lambda _ranks, rank: answers[rank], case, ranks, exercise=None)
     if problem is not None:
         if calls[0] == 0 and problem.startswith(DIAGNOSES["local"][:40]):
             return diagnosis_collective("none")
@@ -447,11 +476,17 @@ def check_global_label_count_collective(fn: Callable, seed: int | None = None, v
     """Check ``fn(steps, all_reduce) -> list``, run once per rank on that rank's step groups with a summing
     ``all_reduce`` shared by the ranks (see the notes above ``COLLECTIVE_DIAGNOSES``). Prints the verdict (unless
     ``verbose=False``) and returns it; never raises because ``fn`` is wrong or unfinished."""
+    refused = _finished(fn)
+    if refused is not None:
+        return verdict(False, refused, verbose)
     gen = torch.Generator()
     gen.manual_seed(seed) if seed is not None else gen.seed()
     example = None
     for case, ranks in make_cases(gen):
-        problem = _collective_case(fn, case, ranks)
+        try:
+            problem = _collective_case(fn, case, ranks)
+        except _Refused as called:
+            return verdict(False, str(called), verbose)
         if problem is not None:
             stub = problem == COLLECTIVE_DIAGNOSES["stub"]
             return verdict(False, problem if stub else f"{case}: {problem}", verbose)

@@ -10,6 +10,10 @@ says which mistake it sees, on which slice.
 
 The sentence that names each mistake is in ``DIAGNOSES``; the tests feed every mistake to the check and look for
 its sentence. The check prints its verdict, returns True when everything is right, and never raises.
+
+The reader's code runs with the exercise's finished answers out of reach (``reach.FORBIDDEN["slice_gradient"]`` and
+``["slice_gradient_kernel"]``: the package's slice-gradient kernel and gradient pass, the float64 reference of this
+module, PyTorch's cross-entropy and autograd): calling one, or handing one to the check, is refused by name.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import torch
 import triton
 
 from kernels import runtime
+
+from .reach import FinishedCodeCalled, Tripwire, call_learner, out_of_reach, resolve, targets
 
 _OK = "✓ "
 _WRONG = "✗ "
@@ -170,11 +176,39 @@ def _has_no_column(case: Case) -> bool:
     return bool(((local < 0) | (local >= case.logits.shape[1])).any())
 
 
-def _diagnose(fn: Callable, case: Case) -> str | None:
+def _finished(exercise: str, obj) -> str | None:
+    """The verdict when ``obj`` is itself one of ``exercise``'s finished answers (a kernel handed to the check)."""
+    for forbid in targets(exercise):
+        if resolve(forbid.target)[2] is obj:
+            return Tripwire(exercise, [(forbid.target.replace(":", "."), forbid.what)]).message
+    return None
+
+
+def _learner_call(exercise: str, fn: Callable, code, *args):
+    """``fn(*args)`` with ``exercise``'s finished answers out of reach of ``code``, the learner's own function (a
+    kernel's Python function, whose names the tripwire replaces), or of ``fn`` itself when ``code`` is None. Raises
+    ``FinishedCodeCalled`` as ``reach.call_learner`` does."""
+    if code is None:
+        return call_learner(exercise, fn, *args)
+    with out_of_reach(exercise, code) as tripwire:
+        try:
+            out = fn(*args)
+        except Exception:
+            if tripwire.called:
+                raise FinishedCodeCalled(tripwire.message) from None
+            raise
+    if tripwire.called:
+        raise FinishedCodeCalled(tripwire.message)
+    return out
+
+
+def _diagnose(fn: Callable, case: Case, exercise: str = "slice_gradient", code=None) -> str | None:
     where = f" (seen on {case})"
     try:
-        got = fn(case.logits.clone(), case.lse.clone(), case.target.clone(), case.col_start, case.scale,
-                 case.ignore_index)
+        got = _learner_call(exercise, fn, code, case.logits.clone(), case.lse.clone(), case.target.clone(),
+                            case.col_start, case.scale, case.ignore_index)
+    except FinishedCodeCalled as called:
+        return str(called)
     except NotImplementedError:
         return diagnosis("stub")
     except Exception as exc:  # noqa: BLE001  (the reader's code may fail in any way: say how)
@@ -229,6 +263,7 @@ def check_slice_gradient(fn: Callable, verbose: bool = True) -> bool:
 # sentinel, and says where it wrote, where it did not and which stride it read; then it hands the launch to
 # ``check_slice_gradient``, whose slices name the arithmetic's mistakes.
 
+EXERCISE_KERNEL = "slice_gradient_kernel"
 KERNEL_ROWS = 4
 KERNEL_BLOCK_N = 16
 SENTINEL = -4096.0  # what GRAD's surroundings and unwritten elements hold before a launch
@@ -292,7 +327,10 @@ def _placement(kernel, device) -> str | None:
     buffer = torch.full((tokens + 2, stride_grad), SENTINEL, dtype=torch.float32, device=device)
     grad = buffer[:tokens, :width]
     try:
-        launch_slice_gradient(kernel, logits, lse, target, col_start, 0.5, -100, grad=grad)
+        _learner_call(EXERCISE_KERNEL, launch_slice_gradient, getattr(kernel, "fn", kernel), kernel, logits, lse,
+                      target, col_start, 0.5, -100, grad)
+    except FinishedCodeCalled as called:
+        return str(called)
     except Exception as exc:  # noqa: BLE001  (the reader's kernel may fail in any way: say how)
         text = [line for line in str(exc).strip().splitlines() if line.strip()]
         return kernel_diagnosis("raised", error=f"{type(exc).__name__}: {text[-1][:200] if text else ''}")
@@ -323,14 +361,15 @@ def check_slice_gradient_kernel(kernel, verbose: bool = True) -> bool:
     """Check the reader's ``slice_gradient_kernel`` (see the notes above ``KERNEL_DIAGNOSES``): where it writes,
     the stride it reads, then the arithmetic on every slice of ``check_slice_gradient``. Prints the verdict (unless
     ``verbose=False``) and returns whether it passed; never raises because the kernel is wrong."""
-    if not isinstance(kernel, triton.runtime.jit.KernelInterface):
+    message = _finished(EXERCISE_KERNEL, kernel)
+    if message is None and not isinstance(kernel, triton.runtime.jit.KernelInterface):
         message = kernel_diagnosis("not_kernel", got=type(kernel).__name__)
-    else:
+    if message is None:
         message = _placement(kernel, runtime.device())
     if message is None:
         fn = _kernel_function(kernel)
         for case in _cases():
-            message = _diagnose(fn, case)
+            message = _diagnose(fn, case, EXERCISE_KERNEL, getattr(kernel, "fn", kernel))
             if message:
                 message = message.replace("slice_gradient raised", "your kernel raised")
                 break

@@ -6,7 +6,9 @@ a model. The check runs the reader's function under ``FakeTensorMode`` on inputs
 mistakes (a float32 weight with a bfloat16 input promotes the output, a 3-D input, a transposed view, a single row,
 an input on a GPU) and compares every output's shape, dtype, strides and device with what
 ``torch.ops.kernels.rms_norm_fwd`` really returns. While the reader's function runs, launching a Triton kernel
-raises instead of running: on a GPU, a kernel handed fake tensors would read and write memory nobody owns.
+raises instead of running: on a GPU, a kernel handed fake tensors would read and write memory nobody owns. The
+package's own fake, and its operator ``torch.ops.kernels.rms_norm_fwd`` that answers from it, are out of reach
+(``reach.FORBIDDEN["rms_norm_fake"]``): calling either is refused by name.
 
 The sentence that names each mistake is in ``HINTS``; the tests feed every mistake to the check and look for its
 sentence. The check never raises because the reader's function is wrong or unfinished: it prints its verdict and
@@ -26,7 +28,10 @@ from triton.runtime.jit import KernelInterface
 from kernels import runtime
 from kernels.rmsnorm import rms_norm_fwd_op
 
+from .reach import FinishedCodeCalled, call_learner
 from .rmsnorm import Report, verdict
+
+EXERCISE = "rms_norm_fake"
 
 # Every diagnosis, in one place. Fields in braces are filled in for the input at hand.
 HINTS = {
@@ -168,7 +173,7 @@ def _run(fake: Callable, case: Case, x: torch.Tensor, w: torch.Tensor):
             fx = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=case.fake_device)
             fw = torch.empty_strided(w.shape, w.stride(), dtype=w.dtype, device=case.fake_device)
         with _no_kernel_launches():
-            return fake(fx, fw, 1e-6), {"x": fx, "weight": fw}
+            return call_learner(EXERCISE, fake, fx, fw, 1e-6), {"x": fx, "weight": fw}
 
 
 def _aliased(got: torch.Tensor, inputs: dict[str, torch.Tensor]) -> str | None:
@@ -214,6 +219,8 @@ def check_rms_norm_fake(fake: Callable, verbose: bool = True) -> Report:
         where = f"on a {case.name}: "
         try:
             out, fakes = _run(fake, case, x, w)
+        except FinishedCodeCalled as called:
+            return verdict(False, str(called), verbose)
         except NotImplementedError:
             return verdict(False, hint("stub"), verbose)
         except _KernelLaunched:
@@ -249,6 +256,20 @@ SCRATCH_NAMESPACE = "kernels_exercise"
 _scratch: list = []  # [the Library, the number of operators defined so far]
 
 
+def _guarded(fake: Callable, refused: list) -> Callable:
+    """``fake`` as opcheck calls it, with the exercise's finished answers out of reach; a refusal is kept in
+    ``refused`` (opcheck reports errors as failed tests, in its own words)."""
+
+    def guarded(x, weight, eps):
+        try:
+            return call_learner(EXERCISE, fake, x, weight, eps)
+        except FinishedCodeCalled as called:
+            refused.append(str(called))
+            raise
+
+    return guarded
+
+
 def _scratch_operator(fake: Callable):
     """A new operator ``kernels_exercise::rms_norm_fwd_<n>`` with the package's implementation and ``fake``,
     registered with ``torch.library.register_fake`` as a reader would."""
@@ -266,10 +287,13 @@ def _scratch_operator(fake: Callable):
 def _opcheck(fake: Callable, device, g: torch.Generator) -> str | None:
     """``torch.library.opcheck`` of the reader's fake registered on a scratch operator, on one 3-D bfloat16 input
     with a float32 weight; the first test that failed, in words, or None."""
-    op = _scratch_operator(fake)
+    refused: list[str] = []
+    op = _scratch_operator(_guarded(fake, refused))
     x = torch.randn(2, 3, 40, generator=g).to(device=device, dtype=torch.bfloat16)
     w = torch.randn(40, generator=g).to(device=device)
     results = torch.library.opcheck(op, (x, w, 1e-6), raise_exception=False)
+    if refused:
+        return refused[0]
     for test, outcome in results.items():
         if outcome != "SUCCESS":
             text = str(outcome).strip().splitlines()

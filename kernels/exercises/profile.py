@@ -7,8 +7,10 @@ time and becomes ``factor`` times faster, and fills a prediction from the family
 
 ``check_amdahl`` runs the function on a grid of shares and factors (and on ``factor = math.inf``, the family costing
 nothing), recognises the usual wrong formulas, then checks the prediction against the profile: a family a fused
-kernel can shrink, and its share read from the right row and column. Every diagnosis is worded in ``HINTS``. It
-never raises because the reader's code is wrong or unfinished: it prints a verdict and returns a :class:`Report`.
+kernel can shrink, and its share read from the right row and column. The function runs with the package's Amdahl's
+law (``step_speedup``, ``amdahl``) out of reach (``reach.FORBIDDEN["amdahl_speedup"]``): calling it is refused by
+name. Every diagnosis is worded in ``HINTS``. It never raises because the reader's code is wrong or unfinished: it
+prints a verdict and returns a :class:`Report`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Callable
 
 from kernels.training.profiling import FAMILIES, FAMILY_TITLES
 
+from .reach import FinishedCodeCalled, call_learner
 from .rmsnorm import Report, last_line, verdict
 
 # The grid the function is tried on: shares of a step's time and how many times faster that part becomes.
@@ -119,7 +122,10 @@ def check_amdahl(fn: Callable, prediction: dict | None = None, profile=None, by_
     """Check ``fn(share, factor) -> speed-up`` and, given the chapter's ``profile`` (a ``StepProfile``), the
     reader's ``prediction``. ``by_names`` is the profile taken without regions, if the chapter made one: a share read
     from it is recognised. Prints the verdict (unless ``verbose=False``) and returns it."""
-    problem = _check_function(fn)
+    try:
+        problem = _check_function(fn)
+    except _Finished as called:
+        return verdict(False, str(called), verbose)
     if problem is not None:
         return verdict(False, problem, verbose)
     points = len(SHARES) * len(FACTORS)
@@ -130,13 +136,21 @@ def check_amdahl(fn: Callable, prediction: dict | None = None, profile=None, by_
         return verdict(False, problem, verbose)
     title = _title(family)
     return verdict(True, hint("passed", points=points, title=title, share=share, kind=profile.time_kind,
-                              factor=factor, speedup=fn(share, factor), limit=1.0 / (1.0 - share)), verbose)
+                              factor=factor, speedup=amdahl_reference(share, factor), limit=1.0 / (1.0 - share)),
+                   verbose)
+
+
+class _Finished(Exception):
+    """The reader's function called a finished answer (the package's Amdahl's law): the message is the verdict."""
 
 
 def _value(fn, share, factor):
-    """fn(share, factor) as a float, or (None, what went wrong)."""
+    """fn(share, factor) as a float, or (None, what went wrong); raises ``_Finished`` when fn called a finished
+    answer."""
     try:
-        out = fn(share, factor)
+        out = call_learner("amdahl_speedup", fn, share, factor)
+    except FinishedCodeCalled as called:
+        raise _Finished(str(called)) from None
     except Exception as error:  # noqa: BLE001  (any failure of the reader's code is reported, not raised)
         return None, hint("raised", error=f"{type(error).__name__}: {last_line(error)}", share=share, factor=factor)
     try:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -76,16 +77,37 @@ RMS_NORM_BACKWARD = (
     Forbid("kernels.rmsnorm:rms_norm_backward", "the package's finished RMSNorm backward"),
     *RMS_NORM_FORWARD, *AUTOGRAD,
 )
+
+
+def _asks_for_gradient(*args, **kwargs) -> bool:
+    """Whether a call of ``kernels.cross_entropy.cross_entropy_forward`` asks for the gradient (``compute_grad``,
+    by name or by position): with ``compute_grad=False`` it gives only the loss and the logsumexp."""
+    module = importlib.import_module("kernels.cross_entropy")  # the module: kernels.cross_entropy is its function
+    bound = inspect.signature(module.cross_entropy_forward).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bool(bound.arguments["compute_grad"])
+
+
 CROSS_ENTROPY = (
     Forbid("kernels.cross_entropy:cross_entropy", "the package's finished cross-entropy"),
     Forbid("kernels.cross_entropy:cross_entropy_forward", "the package's cross-entropy kernel with its gradient",
-           when=lambda *args, **kwargs: kwargs.get("compute_grad", True)),
+           when=_asks_for_gradient),
+    # Whoever launches it (an operator, the autograd Function, the module), the package's kernel with its gradient
+    # sweep compiled in.
+    Forbid("kernels.cross_entropy:cross_entropy_fwd_kernel.run", "the package's cross-entropy kernel with its gradient",
+           when=lambda *args, **kwargs: bool(kwargs.get("COMPUTE_GRAD"))),
     Forbid("kernels.cross_entropy:TritonCrossEntropyLoss.forward", "the package's finished cross-entropy module"),
     Forbid("kernels.reference:cross_entropy_hf", "the reference the check compares with"),
     Forbid("torch.nn.functional:cross_entropy", "PyTorch's own cross-entropy"),
     Forbid("torch.nn.functional:nll_loss", "PyTorch's own cross-entropy (its second half)"),
     *AUTOGRAD,
 )
+SOFTMAX = tuple(Forbid(target, "PyTorch's softmax, which your kernel computes in this exercise") for target in (
+    "torch:softmax", "torch:log_softmax", "torch:Tensor.softmax", "torch:Tensor.log_softmax",
+    "torch.nn.functional:softmax", "torch.nn.functional:log_softmax", "torch.special:softmax",
+    "torch.special:log_softmax",
+)) + tuple(Forbid(target, "PyTorch's exp, the softmax's half, which your kernel computes in this exercise")
+           for target in ("torch:exp", "torch:Tensor.exp", "torch:Tensor.exp_", "torch.special:exp2", "torch:exp2"))
 ATTENTION = (
     Forbid("kernels.attention:attention_reference", "the float64 reference the check compares with"),
     Forbid("kernels.attention:flash_attention", "the package's finished FlashAttention"),
@@ -97,20 +119,158 @@ LORA = (
     Forbid("kernels.lora:lora_backward", "the package's finished LoRA backward"),
     Forbid("kernels.lora:lora_linear_reference", "the reference LoRA layer"),
     Forbid("kernels.lora:lora_group", "the package's finished LoRA group"),
+    Forbid("kernels.lora:swiglu_lora_down", "the package's finished LoRA down_proj"),
+    Forbid("kernels.lora:group_backward", "the package's finished LoRA group backward"),
+    # The operator runs the backward's implementation as it was registered, not through the module's name.
+    Forbid("kernels.lora:lora_bwd_op", "the package's finished LoRA backward operator"),
+    Forbid("torch._ops:ops.kernels.lora_linear_bwd", "the package's finished LoRA backward operator"),
+    Forbid("kernels.lora:LoRALinearFunction.backward", "the package's finished LoRA backward"),
+    Forbid("kernels.lora:SwiGLULoRADownFunction.backward", "the package's finished LoRA backward"),
+    Forbid("kernels.lora:LoRAGroupFunction.backward", "the package's finished LoRA group backward"),
+    Forbid("kernels.exercises.lora:_terms", "the check's own float64 gradients"),
     *AUTOGRAD,
+    # Autograd's transforms that AUTOGRAD's entries do not reach: they call autograd's internals, not those names.
+    Forbid("torch.func:jacrev", "autograd, which computes this gradient for you"),
+    Forbid("torch.func:jacfwd", "autograd, which computes this gradient for you"),
+    Forbid("torch.func:grad_and_value", "autograd, which computes this gradient for you"),
+)
+# Chapters 02 and 03: PyTorch's and Hugging Face's RMSNorm and the package's forward kernel (the first three, which
+# the forward exercises keep out of reach too), then the package's backward kernel and autograd's transforms.
+RMS_NORM_KERNELS = (
+    Forbid("torch:rms_norm", "PyTorch's own RMSNorm"),
+    Forbid("transformers.models.llama.modeling_llama:LlamaRMSNorm.forward",
+           "Hugging Face's RMSNorm, the module the check compares with"),
+    Forbid("kernels.rmsnorm:rms_norm_fwd_kernel.run", "the package's finished RMSNorm forward kernel"),
+    Forbid("kernels.rmsnorm:rms_norm_bwd_kernel.run", "the package's finished RMSNorm backward kernel"),
+    # Autograd's transforms that AUTOGRAD's entries do not reach (they call autograd's internals, not those names).
+    Forbid("torch.func:jacrev", "autograd, which computes this gradient for you"),
+    Forbid("torch.func:jacfwd", "autograd, which computes this gradient for you"),
+    Forbid("torch.func:grad_and_value", "autograd, which computes this gradient for you"),
+)
+
+
+def _is_rms_norm_fwd(op=None, *args, **kwargs) -> bool:
+    """Whether an operator call (``op`` the OpOverload or its packet) is the package's ``kernels::rms_norm_fwd``."""
+    name = getattr(op, "_qualified_op_name", None) or getattr(op, "_name", "")
+    return name == "kernels::rms_norm_fwd"
+
+
+AMDAHL = (
+    Forbid("kernels.training.profiling:step_speedup", "the package's Amdahl's law"),
+    Forbid("kernels.training.profiling:amdahl", "the package's Amdahl estimate of a profile"),
+    Forbid("kernels.exercises.profile:amdahl_reference", "the formula the check compares with"),
+)
+BYTE_COUNTS = (
+    Forbid("kernels.exercises.bandwidth:transfer_bytes", "the package's byte count the check compares with"),
+    Forbid("kernels.bench.sweep:rmsnorm_bytes", "the sweep's RMSNorm byte count"),
+    Forbid("kernels.bench.sweep:cross_entropy_bytes", "the sweep's cross-entropy byte count"),
+)
+FLOOR = (
+    Forbid("kernels.bench.timing:floor_ms", "the package's floor, in milliseconds"),
+    Forbid("kernels.exercises.bandwidth:floor_reference_us", "the floor the check compares with"),
+)
+NORM_SURGERY = (
+    Forbid("kernels.hf.patch:patch_llama", "the package's finished patch, which does the whole surgery"),
+    Forbid("kernels:patch_llama", "the package's finished patch, which does the whole surgery"),
+)
+RMS_NORM_FAKE = (
+    Forbid("kernels.rmsnorm:rms_norm_fwd_fake", "the package's finished fake implementation"),
+    Forbid("kernels.rmsnorm:rms_norm", "the package's RMSNorm, whose operator answers from the finished fake"),
+    Forbid("torch._ops:OpOverload.__call__",
+           "the package's operator torch.ops.kernels.rms_norm_fwd, which answers from the finished fake",
+           when=_is_rms_norm_fwd),
+    Forbid("torch._ops:OpOverloadPacket.__call__",
+           "the package's operator torch.ops.kernels.rms_norm_fwd, which answers from the finished fake",
+           when=_is_rms_norm_fwd),
+)
+SLICE_GRADIENT = (
+    Forbid("kernels.exercises.linear_cross_entropy:reference_slice_gradient",
+           "the float64 slice gradient the check compares with"),
+    Forbid("kernels.linear_cross_entropy:_grad_slice_kernel", "the package's finished slice-gradient kernel"),
+    Forbid("kernels.linear_cross_entropy:gradient_pass", "the package's finished gradient pass over the slices"),
+    Forbid("kernels.linear_cross_entropy:linear_cross_entropy", "the package's finished linear cross-entropy"),
+    Forbid("torch.nn.functional:cross_entropy", "PyTorch's own cross-entropy"),
+    *AUTOGRAD,
+)
+SWIGLU_BACKWARD = (
+    Forbid("kernels.swiglu:swiglu_bwd_kernel", "the package's finished SwiGLU backward kernel"),
+    Forbid("kernels.swiglu:swiglu_backward", "the package's finished SwiGLU backward"),
+    Forbid("kernels.swiglu:swiglu_backward_", "the package's finished in-place SwiGLU backward"),
+    Forbid("kernels.swiglu:launch_backward", "the package's finished SwiGLU backward launch"),
+    Forbid("kernels.swiglu:swiglu", "the package's finished SwiGLU"),
+    Forbid("kernels.reference:swiglu_reference", "the float64 SwiGLU reference"),
+    Forbid("torch.nn.functional:silu", "PyTorch's own SiLU, whose derivative is the exercise"),
+    *AUTOGRAD,
+)
+ROPE_BACKWARD = (
+    Forbid("kernels.rope:rope_backward", "the package's finished RoPE backward"),
+    Forbid("kernels.rope:apply_rotary", "the package's finished RoPE"),
+    Forbid("kernels.reference:rotary_reference", "the float64 RoPE reference"),
+    Forbid("transformers.models.llama.modeling_llama:apply_rotary_pos_emb", "Hugging Face's RoPE"),
+    *AUTOGRAD,
+)
+LABEL_COUNT = (
+    Forbid("kernels.distributed.parallel:global_label_counts", "the package's finished global label count"),
+    Forbid("kernels.training.loop:labels_per_step", "the package's finished count per step"),
+    Forbid("kernels.training.loop:count_trained_labels", "the package's finished count of a batch's trained labels"),
+    Forbid("kernels.exercises.distributed:expected_counts", "the counts the check compares with"),
+)
+
+# Chapter 13: the checks compile the learner's C++ and CUDA source, which cannot call Python; these rows name the
+# package's finished versions all the same, so that a check that runs learner Python for them keeps them away.
+CPP_RMS_NORM = (
+    Forbid("kernels.cuda_rmsnorm:rms_norm_cpp", "the package's finished C++ RMSNorm"),
+    Forbid("kernels.cuda_rmsnorm:rms_norm_cuda", "the package's finished CUDA RMSNorm"),
+    *RMS_NORM_FORWARD,
+)
+# Chapter 14: the package's tile loop and tiled MLP; the package's offload, whose pack and unpack are the answer.
+TILED_MLP = (
+    Forbid("kernels.hf.tiled_mlp:tile_bounds", "the package's finished tile loop bounds"),
+    Forbid("kernels.hf.tiled_mlp:tiled_swiglu_mlp", "the package's finished tiled MLP"),
+    Forbid("kernels.hf.tiled_mlp:TiledSwiGLUFunction.forward", "the package's finished tiled MLP forward"),
+    Forbid("kernels.hf.tiled_mlp:TiledSwiGLUMLP.forward", "the package's finished tiled MLP module"),
+)
+OFFLOAD = (
+    Forbid("kernels.hf.offload:CheckpointOffload.__init__", "the package's finished checkpoint offload"),
+    Forbid("kernels.hf.offload:CheckpointOffload.pack", "the package's finished offload pack hook"),
+    Forbid("kernels.hf.offload:CheckpointOffload.unpack", "the package's finished offload unpack hook"),
+    Forbid("kernels.hf.offload:CheckpointOffload._offload", "the package's finished copy to the host"),
+    Forbid("kernels.hf.offload:CheckpointOffload._fetch", "the package's finished copy back"),
+    Forbid("kernels.hf.offload:enable_checkpoint_offload", "the package's finished checkpoint offload"),
 )
 
 # What each exercise keeps out of reach, by the name of its solution.
 FORBIDDEN: dict[str, tuple[Forbid, ...]] = {
-    "rms_norm_tile_kernel": RMS_NORM_FORWARD,
-    "rms_norm_dx": RMS_NORM_BACKWARD,
-    "rms_norm_bwd_tile_kernel": RMS_NORM_BACKWARD,
+    # Chapter 02's forward function and tile kernel, chapter 03's dx and backward tile kernel. The package's Triton
+    # kernels trip when launched (``.run``), whoever launches them: the operators, the Function, the module.
+    "rms_norm_forward_rows": RMS_NORM_FORWARD + RMS_NORM_KERNELS[:3],
+    "rms_norm_tile_kernel": RMS_NORM_FORWARD + RMS_NORM_KERNELS[:3],
+    "rms_norm_dx": RMS_NORM_BACKWARD + RMS_NORM_KERNELS,
+    "rms_norm_bwd_tile_kernel": RMS_NORM_BACKWARD + RMS_NORM_KERNELS,
     "online_update": (Forbid("kernels.reference:online_softmax_steps", "the package's online softmax"),
                       Forbid("kernels.reference:online_logsumexp", "the package's online softmax")),
-    "ce_gradient": CROSS_ENTROPY,
-    "inplace_gradient": CROSS_ENTROPY,
+    # Chapter 06: the gradient is the exercise's kernel, so PyTorch's softmax and exp stay out of reach too.
+    "ce_gradient": CROSS_ENTROPY + SOFTMAX,
+    "inplace_gradient": CROSS_ENTROPY + SOFTMAX,
     "lora_backward": LORA,
-    "attention_loop": ATTENTION,
+    "attention_loop": (*ATTENTION, Forbid("kernels.exercises.attention:blockwise_attention",
+                                          "the check's own loop, which it recomputes your mistakes with")),
+    "amdahl_speedup": AMDAHL,
+    "rmsnorm_minimal_bytes": BYTE_COUNTS,
+    "cross_entropy_minimal_bytes": BYTE_COUNTS,
+    "floor_us": FLOOR,
+    "patch_norms_by_hand": NORM_SURGERY,
+    "rms_norm_fake": RMS_NORM_FAKE,
+    "slice_gradient": SLICE_GRADIENT,
+    "slice_gradient_kernel": SLICE_GRADIENT,
+    "swiglu_bwd_tile_kernel": SWIGLU_BACKWARD,
+    "rope_bwd_one_kernel": ROPE_BACKWARD,
+    "global_label_count": LABEL_COUNT,
+    "global_label_count_collective": LABEL_COUNT,
+    "rms_norm_rows": CPP_RMS_NORM,
+    "rstd_warp_per_row": CPP_RMS_NORM,
+    "tiled_forward": TILED_MLP,
+    "offload_hooks": OFFLOAD,
 }
 
 

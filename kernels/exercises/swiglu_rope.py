@@ -9,6 +9,11 @@ gradient's buffer therefore changes memory the check owns, and the check can say
 the chapter's, with ``launch_rope_one``) on a few fresh inputs: Llama's strided layout, a head_dim whose half is not
 a power of two, cos and sin whose two halves differ, bfloat16.
 
+The reader's code runs with each exercise's finished answers out of reach (``reach.FORBIDDEN
+["swiglu_bwd_tile_kernel"]`` and ``["rope_bwd_one_kernel"]``: the package's backward kernels and launchers, the
+float64 references, PyTorch's SiLU, Hugging Face's RoPE and autograd): calling one, or handing one to the check, is
+refused by name. A check shows the derivation it holds the answer to only once the answer passes.
+
 When a result is wrong, a check recomputes the usual mistakes in float64 and says which one the output reproduces.
 Every diagnosis is worded once, in ``HINTS``. A check never raises because the reader's code is wrong or
 unfinished: it prints its verdict and returns a :class:`Report`.
@@ -28,11 +33,14 @@ from kernels import runtime
 from kernels.reference import relative_error, rotary_cos_sin
 from kernels.tolerances import RELATIVE_ERROR_TOL
 
+from .reach import FinishedCodeCalled, Tripwire, call_learner, out_of_reach, resolve, targets
 from .rmsnorm import Report, bad_elements, generator, last_line, verdict
 
 # Every diagnosis, in one place. Fields in braces are filled in for the input at hand.
 HINTS = {
     # What the reader's code did rather than what it computed.
+    "not_kernel": ("check_swiglu_backward_tile takes a Triton kernel (an @triton.jit function), got {got}: the "
+                   "exercise is the kernel itself, its tiles, masks, strides and stores"),
     "raised": "your function raised {error}",
     "kernel_raised": "your kernel raised {error}",
     "not_a_tensor": "your function returned {type}, expected a tensor shaped like dy",
@@ -137,6 +145,32 @@ def _is_kernel(obj) -> bool:
     return isinstance(obj, triton.runtime.jit.KernelInterface)
 
 
+def _finished(exercise: str, obj) -> str | None:
+    """The verdict when ``obj`` is itself one of ``exercise``'s finished answers (handed to the check)."""
+    for forbid in targets(exercise):
+        if resolve(forbid.target)[2] is obj:
+            return Tripwire(exercise, [(forbid.target.replace(":", "."), forbid.what)]).message
+    return None
+
+
+def _learner_call(exercise: str, fn: Callable, code, *args):
+    """``fn(*args)`` with ``exercise``'s finished answers out of reach of ``code``, the learner's own function (a
+    kernel's Python function, whose names the tripwire replaces), or of ``fn`` itself when ``code`` is None. Raises
+    ``FinishedCodeCalled`` as ``reach.call_learner`` does."""
+    if code is None:
+        return call_learner(exercise, fn, *args)
+    with out_of_reach(exercise, code) as tripwire:
+        try:
+            out = fn(*args)
+        except Exception:
+            if tripwire.called:
+                raise FinishedCodeCalled(tripwire.message) from None
+            raise
+    if tripwire.called:
+        raise FinishedCodeCalled(tripwire.message)
+    return out
+
+
 def _shorten(text: str, width: int = 160) -> str:
     text = text.strip().strip("'\"")
     return text if len(text) <= width else text[: width - 3] + "..."
@@ -148,6 +182,7 @@ def _shorten(text: str, width: int = 160) -> str:
 
 # The tile every launch of the check uses: ROWS rows × BLOCK_N columns per program, a 2-D grid of them. The widths
 # below are no multiple of BLOCK_N (the last column block hangs past n_cols), the row counts no multiple of ROWS.
+SWIGLU_EXERCISE = "swiglu_bwd_tile_kernel"
 SWIGLU_ROWS = 4
 SWIGLU_BLOCK_N = 32
 GUARD_ROWS = SWIGLU_ROWS + 1  # rows of guard before and after each tensor: a whole tile, and one
@@ -286,12 +321,19 @@ def _truncate_bf16(t: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_swiglu(kernel, case: SwigluCase, dy, g, u, d_gate, d_up) -> str | None:
-    """Launch the reader's kernel; None, or what went wrong."""
+    """Launch the reader's kernel; None, or what went wrong. Raises ``FinishedCodeCalled`` when it called a finished
+    answer."""
     try:
         with warnings.catch_warnings():  # NumPy's overflow warnings of bfloat16 arithmetic: the verdict explains them
             warnings.simplefilter("ignore", RuntimeWarning)
-            kernel[case.grid](dy, g, u, d_gate, d_up, case.rows, case.cols, dy.stride(0), g.stride(0), u.stride(0),
-                              d_gate.stride(0), ROWS=SWIGLU_ROWS, BLOCK_N=SWIGLU_BLOCK_N)
+
+            def launch():
+                kernel[case.grid](dy, g, u, d_gate, d_up, case.rows, case.cols, dy.stride(0), g.stride(0),
+                                  u.stride(0), d_gate.stride(0), ROWS=SWIGLU_ROWS, BLOCK_N=SWIGLU_BLOCK_N)
+
+            _learner_call(SWIGLU_EXERCISE, launch, getattr(kernel, "fn", kernel))
+    except FinishedCodeCalled:
+        raise  # the verdict is the tripwire's alone
     except Exception as error:  # noqa: BLE001  (any failure of the reader's kernel is reported, not raised)
         text, detail = str(error), last_line(error)
         refused = re.search(r"Expected dtype \[[^\]]*\] but got (bf16|fp16)", text)
@@ -439,6 +481,11 @@ def check_swiglu_backward_tile(kernel, seed: int | None = None, verbose: bool = 
     ``d_gate = dy·up·σ(g)·(1 + g·(1 − σ(g)))`` in DGATE and ``d_up = dy·silu(g)`` in DUP, computed in float32 and
     rounded once. Prints the verdict (unless ``verbose=False``) and returns it.
     """
+    refused = _finished(SWIGLU_EXERCISE, kernel)
+    if refused is None and not _is_kernel(kernel):
+        refused = hint("not_kernel", got=type(kernel).__name__)
+    if refused is not None:
+        return verdict(False, refused, verbose)
     gen = generator(seed)
     worst: dict[torch.dtype, float] = {}
     for case in SWIGLU_CASES:
@@ -450,7 +497,10 @@ def check_swiglu_backward_tile(kernel, seed: int | None = None, verbose: bool = 
                    for name in ("d_gate", "d_up")}
         views = {name: view for name, (_, view, _) in outputs.items()}
         refs = dict(zip(("d_gate", "d_up"), _swiglu64(*inputs.values())))
-        problem = _launch_swiglu(kernel, case, *inputs.values(), views["d_gate"], views["d_up"])
+        try:
+            problem = _launch_swiglu(kernel, case, *inputs.values(), views["d_gate"], views["d_up"])
+        except FinishedCodeCalled as called:
+            return verdict(False, str(called), verbose)
         if problem is None:
             problem = _where_written(outputs, case, refs)
         if problem is None:
@@ -467,7 +517,9 @@ def check_swiglu_backward_tile(kernel, seed: int | None = None, verbose: bool = 
     return verdict(True, f"SwiGLU backward tile kernel correct on {len(SWIGLU_CASES)} inputs (widths "
                          f"{'/'.join(str(c.cols) for c in SWIGLU_CASES)} in column blocks of {SWIGLU_BLOCK_N}, row "
                          f"counts no multiple of {SWIGLU_ROWS}, strided rows, float32 and bfloat16), and nothing "
-                         f"written outside d_gate and d_up. Largest relative errors: {errors}.", verbose)
+                         f"written outside d_gate and d_up. Largest relative errors: {errors}. The derivation, for "
+                         f"checking yours: silu'(g) = s + g·s·(1 − s) = s·(1 + g·(1 − s)) with s = σ(g), so "
+                         f"d_up = dy·g·s and d_gate = dy·up·s·(1 + g·(1 − s)).", verbose)
 
 
 # ======================================================================================================================
@@ -494,6 +546,7 @@ class RopeCase:
         return text
 
 
+ROPE_EXERCISE = "rope_bwd_one_kernel"
 ROPE_CASES = (
     RopeCase(torch.float32, 1, 2, 3, 8, llama_layout=False),
     RopeCase(torch.float32, 2, 4, 5, 16),
@@ -592,7 +645,12 @@ def _rope_inputs(case: RopeCase, gen: torch.Generator):
 
 def _rope_call(fn, dy, cos, sin, case):
     try:
-        out = launch_rope_one(fn, dy, cos, sin, dy.dtype) if _is_kernel(fn) else fn(dy, cos, sin)
+        if _is_kernel(fn):
+            out = _learner_call(ROPE_EXERCISE, launch_rope_one, getattr(fn, "fn", fn), fn, dy, cos, sin, dy.dtype)
+        else:
+            out = _learner_call(ROPE_EXERCISE, fn, None, dy, cos, sin)
+    except FinishedCodeCalled as called:
+        return None, str(called)
     except Exception as error:  # noqa: BLE001  (any failure of the reader's code is reported, not raised)
         key = "kernel_raised" if _is_kernel(fn) else "raised"
         return None, f"on a {case}, " + hint(key, error=f"{type(error).__name__}: {last_line(error)}")
@@ -635,6 +693,9 @@ def check_rope_backward(fn: Callable, seed: int | None = None, verbose: bool = T
     view), ``cos`` and ``sin`` are [batch, seq, head_dim]; dx must have dy's shape and dtype. Prints the verdict
     (unless ``verbose=False``) and returns it.
     """
+    refused = _finished(ROPE_EXERCISE, fn)
+    if refused is not None:
+        return verdict(False, refused, verbose)
     gen = generator(seed)
     worst: dict[torch.dtype, float] = {}
     for case in ROPE_CASES:
@@ -649,5 +710,6 @@ def check_rope_backward(fn: Callable, seed: int | None = None, verbose: bool = T
             return verdict(False, problem, verbose)
     errors = ", ".join(f"{str(d).removeprefix('torch.')} {e:.1e}" for d, e in worst.items())
     return verdict(True, f"RoPE backward correct on {len(ROPE_CASES)} inputs (Llama's strided layout, head_dim "
-                         f"8/16/12/32, cos and sin with unequal halves, bfloat16). Largest relative errors: {errors}.",
+                         f"8/16/12/32, cos and sin with unequal halves, bfloat16). Largest relative errors: {errors}. "
+                         f"The halves, for checking yours: dx1 = dy1·cos1 + dy2·sin2, dx2 = dy2·cos2 − dy1·sin1.",
                    verbose)

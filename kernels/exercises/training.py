@@ -5,7 +5,8 @@ looks at what changed: which norms were replaced and by what, whether each repla
 Parameter of the norm it replaces and its eps, whether the ``state_dict`` kept its keys. Last, it runs one forward
 and backward pass through both models on the same batch and compares the loss and every gradient. It prints what
 is wrong in words (the sentences are in ``MANUAL_PATCH_DIAGNOSES``) and never raises because the reader's function
-is wrong or unfinished.
+is wrong or unfinished. The reader's function runs with the finished surgery out of reach (``patch_llama`` and
+``TritonRMSNorm.from_hf``, ``reach.FORBIDDEN["patch_norms_by_hand"]``): calling either is refused by name.
 
 The chapter asks for two phases, collect every norm, then swap. While the reader's function runs, every module's
 children sit in a dict that notices being changed while something is walking it (``_WatchedChildren``), so a swap
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import torch
 
@@ -24,6 +26,8 @@ from kernels.reference import relative_error
 from kernels.rmsnorm import TritonRMSNorm
 from kernels.tolerances import RELATIVE_ERROR_TOL
 from kernels.training.models import build_model
+
+from .reach import FinishedCodeCalled, Forbid, Tripwire, call_learner, out_of_reach, resolve, targets
 
 _OK = "✓ "
 _WRONG = "✗ "
@@ -62,6 +66,46 @@ MANUAL_PATCH_DIAGNOSES = {
                      "old.weight.data or old.weight.detach() cannot be a module's parameter)",
     "eps-attribute": "a LlamaRMSNorm keeps its eps in the attribute variance_epsilon: eps=old.variance_epsilon",
 }
+
+EXERCISE = "patch_norms_by_hand"
+# A classmethod is looked up anew on every access, so it cannot be a row of reach.FORBIDDEN (whose targets are
+# compared by identity): the check wires it itself, beside the row's targets.
+FROM_HF = Forbid("kernels.rmsnorm:TritonRMSNorm.from_hf",
+                 "the package's finished replacement of one norm, which carries the weight and eps for you")
+
+
+@contextmanager
+def _finished_out_of_reach(fn):
+    """The exercise's row of ``reach.FORBIDDEN`` out of reach of ``fn``, and ``TritonRMSNorm.from_hf`` too."""
+    with out_of_reach(EXERCISE, fn) as tripwire:
+        stored = vars(TritonRMSNorm)["from_hf"]
+        TritonRMSNorm.from_hf = tripwire.wire(FROM_HF, TritonRMSNorm.from_hf)
+        try:
+            yield tripwire
+        finally:
+            TritonRMSNorm.from_hf = stored
+
+
+def _call(fn, model):
+    """``fn(model)`` with the finished surgery out of reach; raises ``FinishedCodeCalled`` when ``fn`` is one or
+    called one (even if it caught the error)."""
+    if fn is TritonRMSNorm.from_hf or getattr(fn, "__func__", None) is vars(TritonRMSNorm)["from_hf"].__func__:
+        raise FinishedCodeCalled(Tripwire(EXERCISE, [(FROM_HF.target.replace(":", "."), FROM_HF.what)]).message)
+    if any(fn is resolve(forbid.target)[2] for forbid in targets(EXERCISE)):
+        return call_learner(EXERCISE, fn, model)  # refused before the call, by name
+    with _finished_out_of_reach(fn) as tripwire:
+        try:
+            returned = fn(model)
+        except FinishedCodeCalled:
+            raise
+        except Exception:
+            if tripwire.called:
+                raise FinishedCodeCalled(tripwire.message) from None
+            raise
+        if tripwire.called:
+            raise FinishedCodeCalled(tripwire.message)
+        return returned
+
 
 # What each norm of a Llama decoder does, to say which ones were missed.
 _NORM_ROLES = {
@@ -208,7 +252,9 @@ def check_manual_patch(fn: Callable, verbose: bool = True, seed: int = 0) -> boo
     norms_before = _norms(model)
     changed_during_walk = _watch(model)
     try:
-        returned = fn(model)
+        returned = _call(fn, model)
+    except FinishedCodeCalled as called:
+        return _report(str(called), "", verbose)
     except NotImplementedError:
         return _report(MANUAL_PATCH_DIAGNOSES["stub"], "", verbose)
     except Exception as exc:  # the reader's code may fail in any way: say how

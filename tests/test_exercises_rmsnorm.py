@@ -25,8 +25,7 @@ from kernels.exercises.rmsnorm import (
     check_rms_norm_tile,
 )
 from kernels.exercises.solutions import load
-from kernels.reference import rms_norm_reference
-from kernels.rmsnorm import rms_norm, rms_norm_backward
+from kernels.rmsnorm import rms_norm_backward
 from kernels.triton_utils import cast_to
 
 
@@ -173,8 +172,8 @@ PLANTED_FORWARD = {
 
 @pytest.mark.parametrize(
     "fn",
-    [lambda x, w, eps: rms_norm(x, w, eps), rms_norm_reference, forward],
-    ids=["package-kernel", "hugging-face-reference", "plain-pytorch"],
+    [load("rms_norm_forward_rows"), forward],
+    ids=["hidden-solution", "plain-pytorch"],
 )
 def test_forward_check_passes_right_answers(fn):
     report = check_rms_norm_forward(fn, verbose=False)
@@ -255,11 +254,7 @@ PLANTED_BACKWARD = {
 }
 
 
-@pytest.mark.parametrize(
-    "fn",
-    [lambda dy, x, w, rstd: rms_norm_backward(dy, x, w, rstd, compute_dw=False)[0], dx],
-    ids=["package-kernel", "plain-pytorch"],
-)
+@pytest.mark.parametrize("fn", [load("rms_norm_dx"), dx], ids=["hidden-solution", "plain-pytorch"])
 def test_backward_check_passes_right_answers(fn):
     report = check_rms_norm_backward(fn, verbose=False)
     assert report.passed, report.message
@@ -293,6 +288,8 @@ def _rows_kernel(X, W, Y, n_cols, stride_x, stride_y, eps, BLOCK_N: tl.constexpr
     mask = cols < n_cols
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    if MISTAKE == "other-1":  # the masked-off lanes load 1.0
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=1.0).to(tl.float32)
     if MISTAKE == "stub":
         rstd = 0.0
     elif MISTAKE == "block":
@@ -300,7 +297,12 @@ def _rows_kernel(X, W, Y, n_cols, stride_x, stride_y, eps, BLOCK_N: tl.constexpr
     else:
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
     x_hat = cast_to(x * rstd, X.dtype.element_ty).to(tl.float32)
-    tl.store(Y + row * stride_y + cols, cast_to(x_hat * w, Y.dtype.element_ty), mask=mask)
+    if MISTAKE == "unrounded":  # x̂ multiplied by the weight in float32, never rounded to x's dtype
+        x_hat = x * rstd
+    y = cast_to(x_hat * w, Y.dtype.element_ty)
+    if MISTAKE == "to-bf16":  # a plain conversion: the interpreter truncates it
+        y = (x_hat * w).to(Y.dtype.element_ty)
+    tl.store(Y + row * stride_y + cols, y, mask=mask)
 
 
 def triton_forward(mistake):
@@ -320,6 +322,9 @@ def triton_forward(mistake):
     [
         ("stub", "every value of y is 0"),
         ("block", "did you divide by BLOCK_N (128) instead of n_cols (100)?"),
+        ("other-1", "the masked-off lanes of x loaded 1.0, not 0.0: the 28 lanes between n_cols (100) and BLOCK_N"),
+        ("unrounded", "output not cast like Hugging Face"),
+        ("to-bf16", "values are truncated to bfloat16 instead of rounded"),
         ("none", "✓ forward correct"),
     ],
 )
@@ -396,7 +401,7 @@ def _tile_kernel(X, W, Y, n_rows, n_cols, stride_x, stride_y, eps, ROWS: tl.cons
         y_stride = n_cols
     if MISTAKE == "stride_x-for-y":
         y_stride = stride_x
-    x = tl.load(X + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0)
+    x = tl.load(X + rows[:, None] * x_stride + cols[None, :], mask=mask, other=1.0 if MISTAKE == "other-1" else 0.0)
     if MISTAKE != "no-upcast":
         x = x.to(tl.float32)
     w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
@@ -425,8 +430,12 @@ def _tile_kernel(X, W, Y, n_rows, n_cols, stride_x, stride_y, eps, ROWS: tl.cons
     else:
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
     x_hat = cast_to(x * rstd[:, None], X.dtype.element_ty).to(tl.float32)
-    y = x_hat * w[None, :]
-    tl.store(Y + rows[:, None] * y_stride + cols[None, :], cast_to(y, Y.dtype.element_ty), mask=mask)
+    if MISTAKE == "x_hat-unrounded":
+        x_hat = x * rstd[:, None]
+    y = cast_to(x_hat * w[None, :], Y.dtype.element_ty)
+    if MISTAKE == "to-bf16":
+        y = (x_hat * w[None, :]).to(Y.dtype.element_ty)
+    tl.store(Y + rows[:, None] * y_stride + cols[None, :], y, mask=mask)
 
 
 class _Planted:
@@ -463,6 +472,9 @@ PLANTED_TILE = {
     "int32-rows": ["int32_rows"],
     "square-of-mean": ["square_of_mean"],
     "centred": ["centred"],
+    "other-1": ["masked_other"],
+    "x_hat-unrounded": ["cast_order"],
+    "to-bf16": ["truncation"],
 }
 
 
@@ -523,6 +535,8 @@ def _bwd_tile_kernel(
         x_stride = n_cols
     for block in range(pid, tl.cdiv(n_rows, ROWS), tl.num_programs(0)):
         rows = (block * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+        if MISTAKE == "int32-rows":  # rows * stride wraps past 2**31
+            rows = block * ROWS + tl.arange(0, ROWS)
         row_ok = rows < n_rows
         if MISTAKE == "rows<=n_rows":
             row_ok = rows <= n_rows
@@ -599,6 +613,7 @@ PLANTED_BACKWARD_TILE = {
     "dx-axis-0": ["dx_axis_0"],
     "dw-not-summed": ["dw_not_summed"],
     "dw-rstd-twice": ["dw_rstd_twice"],
+    "int32-rows": ["int32_rows"],
 }
 
 
@@ -661,3 +676,237 @@ def test_the_tile_check_says_when_it_cannot_map_the_range(monkeypatch):
     monkeypatch.setattr(module, "mapped_buffer", lambda *args: None)
     report = check_rms_norm_tile(load("rms_norm_tile_kernel"), verbose=False)
     assert report.passed and "int64 row offsets NOT checked" in report.message, report.message
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Chapter 03's dx kernel: the exercise line, written wrong the ways a reader writes it
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dx_kernel(X, W, DY, RSTD, DX, n_cols, stride_x, stride_dy, stride_dx, BLOCK_N: tl.constexpr,
+               MISTAKE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < n_cols
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.load(RSTD + row)
+    x_hat = x * rstd
+    g = dy * w
+    mean = tl.sum(g * x_hat, axis=0) / n_cols
+    if MISTAKE == "stub":
+        dx = tl.zeros_like(x)
+    elif MISTAKE == "divide-by-BLOCK_N":
+        dx = rstd * (g - x_hat * (tl.sum(g * x_hat, axis=0) / BLOCK_N))
+    elif MISTAKE == "sum-not-mean":
+        dx = rstd * (g - x_hat * tl.sum(g * x_hat, axis=0))
+    elif MISTAKE == "plus":
+        dx = rstd * (g + x_hat * mean)
+    elif MISTAKE == "no-rstd":
+        dx = g - x_hat * mean
+    elif MISTAKE == "rstd-on-g-only":
+        dx = rstd * g - x_hat * mean
+    elif MISTAKE == "dy-for-g":
+        dx = rstd * (dy - x_hat * (tl.sum(dy * x_hat, axis=0) / n_cols))
+    elif MISTAKE == "mean-of-g":
+        dx = rstd * (g - x_hat * (tl.sum(g, axis=0) / n_cols))
+    elif MISTAKE == "dy-in-mean":
+        dx = rstd * (g - x_hat * (tl.sum(dy * x_hat, axis=0) / n_cols))
+    elif MISTAKE == "x-twice":
+        dx = rstd * (g - x * (tl.sum(g * x, axis=0) / n_cols))
+    elif MISTAKE == "no-correction":
+        dx = rstd * g
+    else:
+        dx = rstd * (g - x_hat * mean)
+    tl.store(DX + row * stride_dx + cols, cast_to(dx, DX.dtype.element_ty), mask=mask)
+
+
+def triton_dx(mistake):
+    """The notebook's rms_norm_dx, launching the kernel above with one wrong exercise line."""
+    def rms_norm_dx(dy, x, weight, rstd):
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        _dx_kernel[(x.shape[0],)](x, weight, dy, rstd, out, x.shape[1], x.stride(0), dy.stride(0), out.stride(0),
+                                  BLOCK_N=triton.next_power_of_2(x.shape[1]), MISTAKE=mistake)
+        return out
+
+    return rms_norm_dx
+
+
+PLANTED_DX_KERNEL = {
+    "stub": "placeholder_zeros",
+    "divide-by-BLOCK_N": "dx_divide_by_block",
+    "sum-not-mean": "dx_sum_not_mean",
+    "plus": "dx_sign",
+    "no-rstd": "no_rstd",
+    "rstd-on-g-only": "x_for_x_hat",
+    "dy-for-g": "dx_no_weight",
+    "mean-of-g": "mean_of_g",
+    "dy-in-mean": "dy_in_mean",
+    "x-twice": "x_for_x_hat_twice",
+    "no-correction": "no_correction",
+}
+
+
+@pytest.mark.parametrize("mistake", list(PLANTED_DX_KERNEL))
+def test_dx_check_names_each_wrong_line_of_the_kernel(mistake):
+    report = check_rms_norm_backward(triton_dx(mistake), verbose=False)
+    assert not report.passed
+    assert says(PLANTED_DX_KERNEL[mistake], report.message), report.message
+
+
+def test_dx_check_passes_the_right_kernel():
+    assert check_rms_norm_backward(triton_dx("none"), verbose=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Finished answers are refused, however the reader reaches them; the stubs as the chapters ship them fail
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+TRIPPED = "that is a finished answer to this exercise"
+
+
+def notebook_function(source: str, name: str):
+    """A function defined the way a notebook cell defines it: imports and all, in a namespace of its own."""
+    namespace = {"__name__": "__notebook__"}
+    exec(source, namespace)  # noqa: S102  (the test's own source)
+    return namespace[name]
+
+
+FINISHED_BACKWARD = {
+    # Chapter 03 checked its package's dx this way: the finished backward, called through the exercise's check.
+    "package-backward": ("from kernels.rmsnorm import rms_norm_backward\n"
+                         "f = lambda dy, x, w, rstd: rms_norm_backward(dy, x, w, rstd, compute_dw=False)[0]",
+                         "kernels.rmsnorm.rms_norm_backward"),
+    "package-module-attribute": ("import kernels.rmsnorm\n"
+                                 "f = lambda dy, x, w, rstd: kernels.rmsnorm.rms_norm_backward(dy, x, w, rstd)[0]",
+                                 "kernels.rmsnorm.rms_norm_backward"),
+    "operator": ("import torch, kernels\n"
+                 "f = lambda dy, x, w, rstd: torch.ops.kernels.rms_norm_bwd(dy, x, w, rstd, False)[0]",
+                 "kernels.rmsnorm.rms_norm_bwd_kernel.run"),
+    "autograd-through-the-package": (
+        "import torch, kernels\n"
+        "def f(dy, x, w, rstd):\n"
+        "    x = x.detach().requires_grad_()\n"
+        "    kernels.rms_norm(x, w).backward(dy)\n"
+        "    return x.grad\n",
+        "kernels.rmsnorm.rms_norm"),
+    "autograd-through-plain-pytorch": (
+        "import torch\n"
+        "def f(dy, x, w, rstd):\n"
+        "    x = x.detach().float().requires_grad_()\n"
+        "    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()\n"
+        "    return torch.autograd.grad(y, x, dy.float())[0].to(dy.dtype)\n",
+        "torch.autograd.grad"),
+    "a-jacobian-transform": ("import torch\n"
+                             "def f(dy, x, w, rstd):\n"
+                             "    jacobian = torch.func.jacrev(lambda t: t * w)\n"
+                             "    return dy\n",
+                             "torch.func.jacrev"),
+    "the-hidden-solution": ("from kernels.exercises.solutions import load\n"
+                            "f = lambda dy, x, w, rstd: load('rms_norm_dx')(dy, x, w, rstd)",
+                            "kernels.exercises.solutions.load"),
+}
+
+
+@pytest.mark.parametrize("name", list(FINISHED_BACKWARD))
+def test_dx_check_refuses_finished_answers(name):
+    source, called = FINISHED_BACKWARD[name]
+    report = check_rms_norm_backward(notebook_function(source, "f"), verbose=False)
+    assert not report.passed
+    assert f"your code called {called}" in report.message and TRIPPED in report.message, report.message
+
+
+def test_dx_check_refuses_the_finished_backward_handed_over_itself():
+    report = check_rms_norm_backward(rms_norm_backward, verbose=False)
+    assert not report.passed and "kernels.rmsnorm.rms_norm_backward" in report.message, report.message
+
+
+FINISHED_FORWARD = {
+    "package": ("import kernels\nf = lambda x, w, eps: kernels.rms_norm(x, w, eps)", "kernels.rmsnorm.rms_norm"),
+    "package-forward": ("from kernels.rmsnorm import rms_norm_forward\n"
+                        "f = lambda x, w, eps: rms_norm_forward(x, w, eps)[0]", "kernels.rmsnorm.rms_norm_forward"),
+    "operator": ("import torch, kernels\nf = lambda x, w, eps: torch.ops.kernels.rms_norm_fwd(x, w, eps)[0]",
+                 "kernels.rmsnorm.rms_norm_fwd_kernel.run"),
+    "reference": ("from kernels.reference import rms_norm_reference\nf = rms_norm_reference",
+                  "kernels.reference.rms_norm_reference"),
+    "functional": ("import torch.nn.functional as F\n"
+                   "f = lambda x, w, eps: F.rms_norm(x.float(), (x.shape[-1],), w.float(), eps).to(x.dtype)",
+                   "torch.nn.functional.rms_norm"),
+    "torch-op": ("import torch\nf = lambda x, w, eps: torch.rms_norm(x, (x.shape[-1],), w, eps)", "torch.rms_norm"),
+    "hugging-face": ("import torch\nfrom transformers.models.llama.modeling_llama import LlamaRMSNorm\n"
+                     "def f(x, w, eps):\n"
+                     "    norm = LlamaRMSNorm(x.shape[-1], eps).to(x.dtype)\n"
+                     "    norm.weight.data = w\n"
+                     "    return norm(x)\n",
+                     "LlamaRMSNorm.forward"),
+}
+
+
+@pytest.mark.parametrize("name", list(FINISHED_FORWARD))
+def test_forward_check_refuses_finished_answers(name):
+    source, called = FINISHED_FORWARD[name]
+    report = check_rms_norm_forward(notebook_function(source, "f"), verbose=False)
+    assert not report.passed
+    assert f"your code called {called}" in report.message or called in report.message, report.message
+    assert TRIPPED in report.message, report.message
+
+
+def test_tile_checks_refuse_the_package_kernels():
+    import kernels.rmsnorm
+
+    report = check_rms_norm_tile(kernels.rmsnorm.rms_norm_fwd_kernel, verbose=False)
+    assert not report.passed and "kernels.rmsnorm.rms_norm_fwd_kernel.run" in report.message, report.message
+    report = check_rms_norm_backward_tile(kernels.rmsnorm.rms_norm_bwd_kernel, verbose=False)
+    assert not report.passed and "kernels.rmsnorm.rms_norm_bwd_kernel.run" in report.message, report.message
+
+
+def test_a_tile_kernel_wrapper_that_launches_the_package_kernel_is_refused():
+    import kernels.rmsnorm
+
+    class Wrapper:  # launched like a kernel, but hands the work to the package
+        def __getitem__(self, grid):
+            def launch(X, W, Y, n_rows, n_cols, stride_x, stride_y, eps, ROWS, BLOCK_N):
+                rstd = torch.empty(n_rows, device=X.device)
+                kernels.rmsnorm.rms_norm_fwd_kernel[grid](X, W, Y, rstd, n_rows, n_cols, stride_x, stride_y, eps,
+                                                          ROWS=ROWS, BLOCK_N=BLOCK_N)
+            return launch
+
+    report = check_rms_norm_tile(Wrapper(), verbose=False)
+    assert not report.passed and TRIPPED in report.message, report.message
+
+
+def notebook_cell(notebook: str, cell_id: str) -> str:
+    cells = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / notebook).read_text())["cells"]
+    return "".join(next(cell for cell in cells if cell.get("id") == cell_id)["source"])
+
+
+NOTEBOOK_IMPORTS = ("import torch\nimport triton\nimport triton.language as tl\n"
+                    "from kernels.triton_utils import cast_to\n")
+
+
+@pytest.mark.parametrize("notebook, cell_id, name, check, key", [
+    ("02_rmsnorm_forward.ipynb", "02-31", "rms_norm_tile_kernel", check_rms_norm_tile, "nothing_written"),
+    ("03_rmsnorm_backward.ipynb", "03-06", "rms_norm_dx", check_rms_norm_backward, "placeholder_zeros"),
+    ("03_rmsnorm_backward.ipynb", "03-ex2-stub", "rms_norm_bwd_tile_kernel", check_rms_norm_backward_tile,
+     "nothing_written"),
+])
+def test_the_stubs_as_shipped_fail_with_their_message(notebook, cell_id, name, check, key):
+    fn = notebook_function(NOTEBOOK_IMPORTS + notebook_cell(notebook, cell_id), name)
+    report = check(fn, verbose=False)
+    assert not report.passed and says(key, report.message), report.message
+
+
+def test_the_dx_formula_is_shown_only_once_the_exercise_passes():
+    cells = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / "03_rmsnorm_backward.ipynb").read_text())
+    cells = cells["cells"]
+    gate = next(i for i, cell in enumerate(cells) if cell.get("id") == "03-dx-formula")
+    assert "if report or show_formula:" in "".join(cells[gate]["source"])
+    assert 'solution("rms_norm_dx")' in "".join(cells[gate]["source"])
+    # Above the gate: the derivation says what dx depends on, never the finished expression, in words or in code.
+    answers = ("mean}(g \\odot \\hat x)", "mean(g ⊙ x̂)", "g_k - \\hat x_k", "(g * x_hat)", "g - x_hat *")
+    for cell in cells[:gate]:
+        text = "".join(cell["source"]) + str(cell.get("outputs", ""))
+        assert not any(answer in text for answer in answers), (cell.get("id"), text[:200])

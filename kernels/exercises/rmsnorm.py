@@ -8,8 +8,12 @@ result with a float64 reference. ``check_rms_norm_tile`` and ``check_rms_norm_ba
 around every input, a sentinel around every output. A kernel that reads or writes past the tensor's last row, before
 its first, or past its last column therefore touches memory the check owns, and the check can say exactly where.
 
-The tile check ends with a launch on rows that lie past element 2**31 of their buffer (``mapped_buffer``: on the
+Both tile checks end with a launch on rows that lie past element 2**31 of their buffer (``mapped_buffer``: on the
 CPU an address range with almost no memory behind it), where row offsets computed in int32 wrap around.
+
+Every check runs the reader's code with the finished answers of its exercise out of reach (``kernels.exercises.reach``:
+the package's RMSNorm and its kernels, the references, PyTorch's own RMSNorm, and autograd for the backward): a
+reader's function that calls one of them gets a verdict that says so, not a ✓.
 
 When the result is wrong, a check recomputes the usual mistakes in float64 and says which one the output
 reproduces, on which input and in which row; the wording of every diagnosis is in ``HINTS``. A check never raises
@@ -28,6 +32,7 @@ import torch
 import triton
 
 from kernels import runtime
+from kernels.exercises.reach import FinishedCodeCalled, call_learner, out_of_reach
 from kernels.reference import relative_error, rms_norm_reference
 from kernels.tolerances import ELEMENT_TOL, RELATIVE_ERROR_TOL
 
@@ -87,6 +92,8 @@ HINTS = {
     "short_block": ("only the first {short} columns were used: BLOCK_N must be a power of two at least n_cols "
                     "(triton.next_power_of_2({n}) = {block_n}), with the mask cols < n_cols switching off the extra "
                     "lanes"),
+    "masked_other": ("the masked-off lanes of x loaded 1.0, not 0.0: the {pad} lanes between n_cols ({n}) and BLOCK_N "
+                     "({block_n}) each add 1.0² to the sum of squares. Load with other=0.0, so that they add nothing"),
     "sum_not_mean": "you summed the squares but did not divide by n_cols: rstd needs the mean of x², not the sum",
     "no_rsqrt": ("you multiplied by mean(x²) + eps itself: rstd is its reciprocal square root, "
                  "tl.math.rsqrt(mean + eps)"),
@@ -285,10 +292,11 @@ BACKWARD_TILE_CASES = (
     # Many tiles per program: a bfloat16 accumulator for dW rounds after every tile and drifts far from float32.
     TileCase(torch.bfloat16, 203, 48, strides=(64, 72, 80), programs=2),
 )
-# The tile check's last launch: HIGH_ROWS rows HIGH_STRIDE elements apart, so that row 2 starts at element
+# The tile checks' last launch: HIGH_ROWS rows HIGH_STRIDE elements apart, so that row 2 starts at element
 # 2**31 + 128, past int32; the tensors start HIGH_HEADROOM elements into their buffer, so that an offset that wraps
-# around to -2**31 + 128 still lands inside it (where it is harmless and seen). x and y share the buffer: x in the
-# first HIGH_COLS columns of each row, y HIGH_COLS columns further on. 2**32 bfloat16 elements: 8 GiB of addresses.
+# around to -2**31 + 128 still lands inside it (where it is harmless and seen). The tensors share the buffer: x in the
+# first HIGH_COLS columns of each row, then y (forward: HIGH_COLS columns further on), or dy and dx (backward, one
+# after the other). 2**32 bfloat16 elements: 8 GiB of addresses.
 HIGH_STRIDE = 2**30 + 64
 HIGH_HEADROOM = 2**31
 HIGH_ROWS, HIGH_COLS = 3, 64
@@ -315,7 +323,7 @@ def check_rms_norm_forward(fn: Callable, seed: int | None = None, verbose: bool 
     for case in FORWARD_CASES:
         x, w = _matrix(case, gen, tiny=True), _weight(case, gen)
         ref = _forward64(x, w, case.eps)
-        out, problem = _call(fn, (x, w, case.eps), case, expect_like=x)
+        out, problem = _call(fn, (x, w, case.eps), case, expect_like=x, exercise="rms_norm_forward_rows")
         if problem is None:
             problem = _compare(out, ref, case, "y", _forward_suspects(x, w, case))
         if problem is None and case.dtype == torch.bfloat16:
@@ -345,7 +353,7 @@ def check_rms_norm_backward(fn: Callable, seed: int | None = None, verbose: bool
         dy = _matrix(case, gen, stride=case.dy_stride, spare_rows=1)
         rstd = torch.rsqrt(x.float().pow(2).mean(-1) + case.eps)
         ref, suspects = _backward_suspects(x, w, dy, rstd, case)
-        out, problem = _call(fn, (dy, x, w, rstd), case, expect_like=x)
+        out, problem = _call(fn, (dy, x, w, rstd), case, expect_like=x, exercise="rms_norm_dx")
         if problem is None:
             problem = _compare(out, ref, case, "dx", suspects)
         if problem is not None:
@@ -379,7 +387,7 @@ def check_rms_norm_tile(kernel, seed: int | None = None, verbose: bool = True) -
         w = _weight(case, gen)
         y_buf, y, y_before = _guarded_output(case.rows, case.cols, case.strides[1], case.dtype)
         ref = _forward64(x, w, case.eps)
-        problem = _launch(kernel, "forward", (triton.cdiv(case.rows, TILE_ROWS),), case,
+        problem = _launch(kernel, "rms_norm_tile_kernel", "forward", (triton.cdiv(case.rows, TILE_ROWS),), case,
                           x, w, y, case.rows, case.cols, x.stride(0), y.stride(0), case.eps)
         suspects = _forward_suspects(x, w, case, strides=False) + _tile_forward_suspects(x, w, case)
         if problem is None:
@@ -391,7 +399,8 @@ def check_rms_norm_tile(kernel, seed: int | None = None, verbose: bool = True) -
         if problem is None and case.dtype == torch.bfloat16:
             problem, fraction = _bf16_cast_order(y, x, w, case)
             same_bits.append(1 - fraction)
-        if problem is not None and case.dtype == torch.bfloat16 and worst:  # float32 passed, bfloat16 did not
+        if problem is not None and case.dtype == torch.bfloat16 and worst and not _named(problem):
+            # float32 passed and bfloat16 did not, in a way no other diagnosis names: the upcast is missing
             bad = bad_elements(y, ref, case.dtype)
             detail = (_first_difference(_f64(y), ref, bad, "y") if fraction is None
                       else f"{100 * fraction:.0f}% of the values differ from Hugging Face's in the last bits")
@@ -427,26 +436,60 @@ def _high_rows_tile(kernel, gen: torch.Generator) -> tuple[str | None, bool]:
     x.copy_(_matrix64(case, gen).to(torch.bfloat16))
     y.fill_(float("nan"))
     w = _weight(case, gen)
-    problem = _launch(kernel, "forward", (triton.cdiv(HIGH_ROWS, TILE_ROWS),), case,
+    problem = _launch(kernel, "rms_norm_tile_kernel", "forward", (triton.cdiv(HIGH_ROWS, TILE_ROWS),), case,
                       x, w, y, HIGH_ROWS, HIGH_COLS, HIGH_STRIDE, HIGH_STRIDE, case.eps)
     x_now, y_now = x.cpu(), y.cpu()
     del x, y, buffer  # 8 GiB of addresses: give them back
     if problem is not None:
         return problem, True
-    ref = _forward64(x_now, w, case.eps)
-    bad = bad_elements(y_now, ref, torch.bfloat16)
+    return _high_rows_problem(y_now, _forward64(x_now, w, case.eps), case, "y"), True
+
+
+def _high_rows_backward_tile(kernel, gen: torch.Generator) -> tuple[str | None, bool]:
+    """Launch the backward tile kernel, one program, on bfloat16 rows past element 2**31 of their buffer (x, dy and
+    dx side by side in each row); (what is wrong or None, whether the launch could run at all)."""
+    device = runtime.device()
+    elements = HIGH_HEADROOM + (HIGH_ROWS - 1) * HIGH_STRIDE + 3 * HIGH_COLS
+    buffer = mapped_buffer(elements, torch.bfloat16, device)
+    if buffer is None:
+        return None, False
+    case = TileCase(torch.bfloat16, HIGH_ROWS, HIGH_COLS, strides=(HIGH_STRIDE,) * 3, programs=1)
+    x, dy, dx = (buffer.as_strided((HIGH_ROWS, HIGH_COLS), (HIGH_STRIDE, 1),
+                                   storage_offset=HIGH_HEADROOM + k * HIGH_COLS) for k in range(3))
+    x.copy_(_matrix64(case, gen).to(torch.bfloat16))
+    dy.copy_(_matrix64(case, gen).to(torch.bfloat16))
+    dx.fill_(float("nan"))
+    w = _weight(case, gen)
+    rstd = torch.rsqrt(x.float().pow(2).mean(-1) + case.eps)
+    partials = torch.full((1, HIGH_COLS), float("nan"), dtype=torch.float32, device=device)
+    problem = _launch(kernel, "rms_norm_bwd_tile_kernel", "backward", (1,), case, x, w, dy, rstd, dx, partials,
+                      HIGH_ROWS, HIGH_COLS, HIGH_STRIDE, HIGH_STRIDE, HIGH_STRIDE)
+    x_now, dy_now, dx_now = x.cpu(), dy.cpu(), dx.cpu()
+    del x, dy, dx, buffer  # 8 GiB of addresses: give them back
+    if problem is not None:
+        return problem, True
+    problem = _high_rows_problem(dx_now, _backward_suspects(x_now, w, dy_now, rstd, case)[0], case, "dx")
+    if problem is None:
+        problem = _check_dw(partials, x_now, w, dy_now, rstd, case, fp32_passed=True)[0]
+    return problem, True
+
+
+def _high_rows_problem(out: torch.Tensor, ref: torch.Tensor, case: TileCase, name: str) -> str | None:
+    """None when ``out``, the rows past element 2**31, matches ``ref``; otherwise what is wrong: int32 row offsets
+    when exactly the rows that start past 2**31 − 1 are wrong."""
+    bad = bad_elements(out, ref, case.dtype)
     bad_rows = bad.any(1).tolist()
     if not any(bad_rows):
-        return None, True
+        return None
     first = bad_rows.index(True)
     where = f"on a {case} (rows {HIGH_STRIDE:,} elements apart), "
     if first > 0 and all(bad_rows[first:]) and first * HIGH_STRIDE >= 2**31:
-        rows = _span("row", first, HIGH_ROWS - 1)
-        return where + hint("int32_rows", rows=rows, name="y", were="was" if first == HIGH_ROWS - 1 else "were",
-                            first=first, start=first * HIGH_STRIDE) + ".", True
-    error = relative_error(y_now, ref)
-    return (where + _first_difference(_f64(y_now), ref, bad, "y") + "; "
-            + hint("unrecognised", name="y", error=error, tol=RELATIVE_ERROR_TOL[torch.bfloat16])), True
+        rows = _span("row", first, case.rows - 1)
+        return where + hint("int32_rows", rows=rows, name=name, were="was" if first == case.rows - 1 else "were",
+                            first=first, start=first * HIGH_STRIDE) + "."
+    error = relative_error(out, ref)
+    return (where + _first_difference(_f64(out), ref, bad, name) + "; "
+            + hint("unrecognised", name=name, error=error, tol=RELATIVE_ERROR_TOL[case.dtype]))
 
 
 def mapped_buffer(elements: int, dtype: torch.dtype, device) -> torch.Tensor | None:
@@ -495,8 +538,8 @@ def check_rms_norm_backward_tile(kernel, seed: int | None = None, verbose: bool 
         suspects += _input_stride_suspects(
             case, {"x": x, "dy": dy}, lambda t, w=w, r=rstd, c=case: _backward_suspects(t["x"], w, t["dy"], r, c)[0])
         suspects.append((hint("dx_axis_0"), _dx_tile_axis_0(x, w, dy, rstd)))
-        problem = _launch(kernel, "backward", (case.programs,), case, x, w, dy, rstd, dx, partials,
-                          case.rows, case.cols, x.stride(0), dy.stride(0), dx.stride(0))
+        problem = _launch(kernel, "rms_norm_bwd_tile_kernel", "backward", (case.programs,), case,
+                          x, w, dy, rstd, dx, partials, case.rows, case.cols, x.stride(0), dy.stride(0), dx.stride(0))
         if problem is None:
             problem = _written_outside(dx_buf, dx_before, dx, ref, case, "dx", {
                 case.cols: "n_cols, the width", case.strides[0]: "stride_x, x's row stride",
@@ -514,11 +557,16 @@ def check_rms_norm_backward_tile(kernel, seed: int | None = None, verbose: bool 
             return verdict(False, problem, verbose)
         worst["dx"][case.dtype] = max(worst["dx"].get(case.dtype, 0.0), relative_error(dx, ref))
         worst["dW"] = max(worst["dW"], dw_error)
+    problem, ran = _high_rows_backward_tile(kernel, gen)
+    if problem is not None:
+        return verdict(False, problem, verbose)
+    offsets = ("rows past element 2**31 read and written where they are (int64 row offsets)" if ran
+               else "int64 row offsets NOT checked (this machine would not map the 8 GiB of addresses it needs)")
     summary = (
         f"backward tile kernel correct on {len(BACKWARD_TILE_CASES)} inputs (widths {_widths(BACKWARD_TILE_CASES)}, "
         f"float32 and bfloat16, strided rows, last tiles that hang past the last row, programs that loop over several "
-        f"tiles), and nothing written outside the tensors. Largest relative errors: dx {_format_errors(worst['dx'])}; "
-        f"dW (from your float32 partial sums) {worst['dW']:.1e}."
+        f"tiles), and nothing written outside the tensors; {offsets}. Largest relative errors: dx "
+        f"{_format_errors(worst['dx'])}; dW (from your float32 partial sums) {worst['dW']:.1e}."
     )
     return verdict(True, summary, verbose)
 
@@ -597,11 +645,14 @@ def _changed(buffer: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
     return (buffer.view(bits) != before.view(bits)).cpu()
 
 
-def _call(fn, args, case: Case, expect_like: torch.Tensor):
-    """Run the reader's function; return ``(output, None)`` or ``(None, what is wrong with the call or its result)``."""
+def _call(fn, args, case: Case, expect_like: torch.Tensor, exercise: str):
+    """Run the reader's function with ``exercise``'s finished answers out of reach; return ``(output, None)`` or
+    ``(None, what is wrong with the call or its result)``."""
     where = f"on a {case}, "
     try:
-        out = fn(*args)
+        out = call_learner(exercise, fn, *args)
+    except FinishedCodeCalled as called:
+        return None, str(called)
     except Exception as error:  # noqa: BLE001  (any failure of the reader's code is reported, not raised)
         return None, where + hint("raised", error=f"{type(error).__name__}: {last_line(error)}")
     if not isinstance(out, torch.Tensor):
@@ -615,11 +666,17 @@ def _call(fn, args, case: Case, expect_like: torch.Tensor):
     return out.detach(), None
 
 
-def _launch(kernel, which: str, grid, case: TileCase, *args) -> str | None:
-    """Launch the reader's tile kernel; None, or what went wrong (with the usual cause of a shape clash)."""
+def _launch(kernel, exercise: str, which: str, grid, case: TileCase, *args) -> str | None:
+    """Launch the reader's tile kernel with ``exercise``'s finished answers out of reach; None, or what went wrong
+    (a finished answer called, or the usual cause of a shape clash)."""
+    tripwire = None
     try:
-        kernel[grid](*args, ROWS=TILE_ROWS, BLOCK_N=triton.next_power_of_2(case.cols))
+        # The kernel's Python function holds the names the reader's code can reach (``.fn`` of a Triton kernel).
+        with out_of_reach(exercise, getattr(kernel, "fn", kernel)) as tripwire:
+            kernel[grid](*args, ROWS=TILE_ROWS, BLOCK_N=triton.next_power_of_2(case.cols))
     except Exception as error:  # noqa: BLE001  (any failure of the reader's kernel is reported, not raised)
+        if tripwire is not None and tripwire.called:  # a finished answer, however the error came out
+            return tripwire.message
         text = str(error)
         detail = last_line(error)
         if "incompatible dimensions" in text or "Cannot broadcast" in text:
@@ -635,7 +692,7 @@ def _launch(kernel, which: str, grid, case: TileCase, *args) -> str | None:
                 return f"on a {case}, " + hint("dw_not_summed", error=_shorten(detail))
             return f"on a {case}, " + hint("dw_loop_dtype", error=_shorten(detail))
         return f"on a {case}, " + hint("kernel_raised", error=f"{type(error).__name__}: {detail}")
-    return None
+    return tripwire.message  # None unless the reader's code caught the tripwire's error and went on
 
 
 def _shorten(text: str, width: int = 160) -> str:
@@ -676,11 +733,12 @@ def _f64(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(device="cpu", dtype=torch.float64)
 
 
-def _forward64(x, w, eps, divisor=None, columns=None, rstd_power=-0.5, weight=True, eps_outside=False):
-    """RMSNorm in float64, or one of its usual misreadings (another divisor, fewer columns, sqrt for rsqrt...)."""
+def _forward64(x, w, eps, divisor=None, columns=None, rstd_power=-0.5, weight=True, eps_outside=False, padding=0):
+    """RMSNorm in float64, or one of its usual misreadings (another divisor, fewer columns, sqrt for rsqrt, ``padding``
+    lanes of 1.0 in the sum of squares...)."""
     x, w = _f64(x), _f64(w)
     used = x if columns is None else x[:, :columns]
-    mean_square = used.pow(2).sum(-1, keepdim=True) / (divisor or used.shape[-1])
+    mean_square = (used.pow(2).sum(-1, keepdim=True) + padding) / (divisor or used.shape[-1])
     if eps_outside:
         y = x / (mean_square.sqrt() + eps)
     else:
@@ -710,6 +768,8 @@ def _forward_suspects(x, w, case, strides: bool = True) -> list[tuple[str, torch
         suspects.append((hint("divide_by_rows", divisor=divisor, n=n), _forward64(x, w, case.eps, divisor=divisor)))
     if block_n != n:
         suspects.append((hint("divide_by_block", block_n=block_n, n=n), _forward64(x, w, case.eps, divisor=block_n)))
+        suspects.append((hint("masked_other", pad=block_n - n, n=n, block_n=block_n),
+                         _forward64(x, w, case.eps, padding=block_n - n)))
         # BLOCK_N too small (the power of two below n_cols): only the first columns enter the sum, and the rest of
         # the row is never written, so only those first columns can be compared.
         short = block_n // 2
@@ -966,6 +1026,23 @@ def _written_outside(buffer, before, view, ref, case: TileCase, name: str, other
     return where + "; and ".join(problems) + "."
 
 
+def _named(problem: str) -> bool:
+    """Whether ``problem`` names a mistake (rather than saying that none of the usual ones reproduces the output, or
+    only that it holds NaN)."""
+    return not any(_says(HINTS[key], problem) for key in ("unrecognised", "bf16_bits", "not_finite"))
+
+
+def _says(wording: str, message: str) -> bool:
+    """Whether ``message`` holds the diagnosis worded ``wording`` (its fixed words, in order; fields left out)."""
+    at = 0
+    for piece in (p for p in re.split(r"\{[^}]*\}", wording) if p.strip()):
+        at = message.find(piece, at)
+        if at < 0:
+            return False
+        at += len(piece)
+    return True
+
+
 def _span(noun: str, first: int, last: int) -> str:
     """'row 3' or 'rows 3–5'."""
     return f"{noun} {first}" if first == last else f"{noun}s {first}–{last}"
@@ -1003,9 +1080,13 @@ def _bf16_near_misses(x, w, case) -> list[tuple[str, torch.Tensor]]:
     """Outputs that are right to bfloat16 precision but rounded differently from Hugging Face's, as bf16 on the CPU."""
     x32, w32 = x.detach().cpu().float(), w.detach().cpu().float()
     x_hat = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + case.eps)
+    rounded = x_hat.bfloat16().float()
     return [
         (CAST_ORDER_HINT, (x_hat * w32).bfloat16()),
+        # Truncated where it should round: x̂ and the output, the output only, or x̂ only.
         (TRUNCATION_HINT, _truncate_bf16(_truncate_bf16(x_hat).float() * w32)),
+        (TRUNCATION_HINT, _truncate_bf16(rounded * w32)),
+        (TRUNCATION_HINT, (_truncate_bf16(x_hat).float() * w32).bfloat16()),
     ]
 
 

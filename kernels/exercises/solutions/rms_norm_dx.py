@@ -1,4 +1,14 @@
-"""Chapter 03's first exercise, one answer: dx of RMSNorm, one row per program."""
+"""Chapter 03's first exercise, one answer: dx of RMSNorm, one row per program.
+
+Carrying out chapter 03's sum, with g = dy ⊙ w (the gradient that reaches x̂) and x̂ = x · rstd:
+
+    dx_k = rstd · g_k − (rstd³ · x_k / N) · Σ_j g_j x_j = rstd · (g_k − x̂_k · mean(g ⊙ x̂))
+
+    dx = rstd · (g − x̂ · mean(g ⊙ x̂))
+
+The first term is the gradient as if rstd were a constant; the second removes the component along x̂, because
+scaling a row up is undone by the normalisation.
+"""
 
 import torch
 import triton

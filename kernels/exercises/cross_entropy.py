@@ -7,17 +7,27 @@ everything is right and never raises: a notebook with the exercise left undone s
 The sentence that names each mistake lives in one dict per exercise (``UPDATE_DIAGNOSES``,
 ``GRADIENT_DIAGNOSES``, ``SWEEP_DIAGNOSES``); a check prints that sentence, followed by what it saw on which input.
 The tests feed every named mistake to its check and look for its sentence.
+
+A check runs the reader's code through ``kernels.exercises.reach``, with the exercise's finished answers out of reach
+(``FORBIDDEN``: the package's online softmax; the package's cross-entropy with its gradient, PyTorch's, autograd and
+PyTorch's softmax and exp). The two chapter 06 checks also watch which Triton kernels the reader's function launches:
+the exercise is a kernel, so a gradient that no kernel of the reader's wrote does not count.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
 from kernels import runtime
+from kernels.exercises.reach import FinishedCodeCalled, call_learner
 from kernels.exercises.rmsnorm import mapped_buffer
 from kernels.reference import relative_error
 
@@ -42,6 +52,9 @@ def _close(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-5, atol: float = 1
 UPDATE_DIAGNOSES = {
     "stub": "online_update is still the stub (it raises NotImplementedError): write the two update lines",
     "raised": "online_update raised an exception",
+    "stateful": "online_update gave two different answers to the same (m, s, chunk): it keeps something between "
+                "calls (the chunks seen so far, say). The online update has only the two numbers m and s and the "
+                "new chunk, the earlier chunks are gone: compute (m_new, s_new) from those three alone",
     "one-value": "online_update must return two values, (m_new, s_new)",
     "swapped": "the two values are swapped: return (m_new, s_new), the running max first",
     "m-not-one-number": "m_new must be one number, but it has one value per element of the chunk: "
@@ -69,6 +82,13 @@ UPDATE_DIAGNOSES = {
                        "read so far, the old ones rescaled: s · exp(m − m_new) + Σ exp(chunk − m_new)",
     "mean-not-sum": "the chunk's terms are averaged (.mean()), not summed: s counts every term, Σ exp(chunk − m_new)",
     "no-exp": "the chunk's terms are not exponentiated: s is a sum of exp(x − m_new), not of x − m_new",
+    "exp-of-sum": "the chunk adds exp(Σ chunk − m_new), the exp of its sum: s adds one term per element, "
+                  "Σ exp(chunk − m_new), the sum of the exps",
+    "max-term-only": "the chunk adds only its largest term, exp(max(chunk) − m_new): every element of the chunk "
+                     "adds its own term, Σ exp(chunk − m_new)",
+    "rescale-everything": "the rescale factor multiplies the chunk's new terms too: (s + Σ exp(chunk − m_new)) · "
+                          "exp(m − m_new). The new terms are already relative to m_new; only the old sum s, "
+                          "measured against m, needs exp(m − m_new)",
     "log-sum": "s_new is the log of the running sum: the state keeps the sum itself, s = Σ exp(x − m), and the "
                "log is taken once, at the end (L = m + log s)",
     "first-chunk": "s_new is not finite on the first chunk: there the rescale factor must be "
@@ -108,6 +128,9 @@ def _update_mistakes(m, s, x):
         (s * torch.exp(m - m_new) + torch.exp(x - m_new).mean(), "mean-not-sum"),
         (s * torch.exp(m - m_new) + (x - m_new).sum(), "no-exp"),
         (torch.log(s * torch.exp(m - m_new) + chunk_sum), "log-sum"),
+        (s * torch.exp(m - m_new) + torch.exp(x.sum() - m_new), "exp-of-sum"),
+        (s * torch.exp(m - m_new) + torch.exp(x.max() - m_new), "max-term-only"),
+        ((s + chunk_sum) * torch.exp(m - m_new), "rescale-everything"),
     ]
 
 
@@ -117,7 +140,9 @@ def _diagnose_update(fn, label, m_val, s_val, values) -> str | None:
     x = torch.tensor(values, dtype=torch.float32)
     where = f"on {label} (m = {m_val}, s = {s_val}, chunk = {values})"
     try:
-        result = fn(m.clone(), s.clone(), x.clone())
+        result = call_learner("online_update", fn, m.clone(), s.clone(), x.clone())
+    except FinishedCodeCalled as called:
+        return str(called)
     except NotImplementedError:
         return UPDATE_DIAGNOSES["stub"]
     except Exception as exc:  # the reader's code may fail in any way: say how
@@ -154,17 +179,131 @@ def _diagnose_update(fn, label, m_val, s_val, values) -> str | None:
     return f"{UPDATE_DIAGNOSES['sum-wrong']} {seen}"
 
 
+# A whole pass: a row of 23 values read in chunks of 5 (the last one of 3), then in chunks of 1, from m = -inf, s = 0.
+_PASS_ROW = [0.3, -1.2, 2.5, 0.0, 1.1, 4.2, -0.7, 3.9, 0.5, -2.0, 1.4, 6.1, 2.2, -0.4, 5.8, 0.9, 3.3, -1.5, 7.0, 2.6,
+             -3.1, 1.8, 0.2]
+_PASS_CHUNKS = (5, 1)
+
+
+def _same_answer_twice(fn) -> str | None:
+    """The update is a function of (m, s, chunk) alone: the same inputs twice give the same answer."""
+    label, m_val, s_val, values = _UPDATE_CASES[0]
+    answers = []
+    for _ in range(2):
+        try:
+            result = call_learner("online_update", fn, torch.tensor(m_val), torch.tensor(s_val), torch.tensor(values))
+            answers.append([float(torch.as_tensor(v).detach().reshape(-1)[0]) for v in result])
+        except Exception:  # noqa: BLE001  (the cases below name what goes wrong; here only the answers matter)
+            return None
+    if not all(math.isclose(a, b, rel_tol=1e-6) or (math.isnan(a) and math.isnan(b))
+               for a, b in zip(*answers)):
+        return (f"{UPDATE_DIAGNOSES['stateful']} (on {label}, m = {m_val}, s = {s_val}, chunk = {values}: first "
+                f"{answers[0]}, then {answers[1]})")
+    return None
+
+
+def _diagnose_pass(fn) -> str | None:
+    """Each step of a whole pass over ``_PASS_ROW``, from the state the steps before it reached."""
+    row = torch.tensor(_PASS_ROW)
+    for chunk in _PASS_CHUNKS:
+        m, s = torch.tensor(-math.inf), torch.tensor(0.0)
+        for k, start in enumerate(range(0, row.numel(), chunk)):
+            x = row[start:start + chunk]
+            label = (f"chunk {k} of a pass over a row of {row.numel()} values in chunks of {chunk} (from m = -inf, "
+                     "s = 0)")
+            problem = _diagnose_update(fn, label, m.item(), s.item(), x.tolist())
+            if problem:
+                return problem
+            m, s = _expected_update(m, s, x)
+    return None
+
+
 def check_online_update(fn: Callable, verbose: bool = True) -> bool:
     """Check the reader's ``online_update(m, s, chunk) -> (m_new, s_new)`` (0-d float32 tensors and a 1-D chunk).
 
-    Prints the verdict (unless ``verbose=False``) and returns True when the update is right.
+    Runs it on four single steps (a chunk that raises the max, one below it, the first chunk, large logits), then
+    step by step through whole passes over a row, in chunks of 5 and of 1, with the package's online softmax out of
+    reach. Prints the verdict (unless ``verbose=False``) and returns True when the update is right.
     """
+    # An update that keeps state between calls gets every later case wrong in some way: name that first.
+    problem = _same_answer_twice(fn)
     for case in _UPDATE_CASES:
-        problem = _diagnose_update(fn, *case)
-        if problem:
-            return _report(problem, "", verbose)
-    return _report(None, "online_update is right: first chunk, growing max, steady max and large logits all check "
-                         "out", verbose)
+        problem = problem or _diagnose_update(fn, *case)
+    problem = problem or _diagnose_pass(fn)
+    if problem:
+        return _report(problem, "", verbose)
+    return _report(None, "online_update is right: first chunk, growing max, steady max, large logits and whole "
+                         "passes in chunks of 5 and of 1 all check out", verbose)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Chapter 06: which Triton kernels the reader's function launched
+# --------------------------------------------------------------------------------------------------------------------
+
+# Where Triton keeps the method a launch ``kernel[grid](...)`` calls: compiled kernels and interpreted ones.
+_LAUNCHERS = (("triton.runtime.jit", "JITFunction"), ("triton.runtime.interpreter", "InterpretedFunction"))
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: the kernel's name and module, and the tensors it was given."""
+
+    kernel: str
+    module: str
+    tensors: tuple[torch.Tensor, ...]
+
+    @property
+    def readers(self) -> bool:
+        """Whether the reader wrote this kernel: anything but the package's own (its hidden solutions count as the
+        reader's, so that they pass the check they stand for)."""
+        package = self.module == "kernels" or self.module.startswith("kernels.")
+        return not package or self.module.startswith("kernels.exercises.solutions.")
+
+    def writes_to(self, tensor: torch.Tensor) -> bool:
+        """Whether one of the tensors it was given lives in ``tensor``'s memory."""
+        storage = tensor.untyped_storage().data_ptr()
+        return any(t.untyped_storage().data_ptr() == storage for t in self.tensors)
+
+
+@contextmanager
+def launches() -> Iterator[list[Launch] | None]:
+    """Within the block, every Triton kernel launch is recorded into the list it yields (None where this Triton
+    keeps its launch method elsewhere: then nothing can be recorded, and the checks do without)."""
+    classes = []
+    for module_name, class_name in _LAUNCHERS:
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError):
+            continue
+        if callable(vars(cls).get("run")):
+            classes.append((cls, vars(cls)["run"]))
+    seen: list[Launch] = []
+
+    def recording(original):
+        @functools.wraps(original)
+        def run(self, *args, **kwargs):
+            if not kwargs.get("warmup", False):
+                fn = getattr(self, "fn", None)
+                tensors = tuple(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+                seen.append(Launch(getattr(fn, "__name__", "?"), getattr(fn, "__module__", None) or "", tensors))
+            return original(self, *args, **kwargs)
+
+        return run
+
+    try:
+        for cls, original in classes:
+            cls.run = recording(original)
+        yield seen if classes else None
+    finally:
+        for cls, original in classes:
+            cls.run = original
+
+
+def _no_kernel(launched: list[Launch] | None, what: str) -> str | None:
+    """The "no kernel" verdict when the record shows no launch of a kernel of the reader's, else None."""
+    if launched is None or any(launch.readers for launch in launched):
+        return None
+    return GRADIENT_DIAGNOSES["no-kernel"].format(what=what)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -174,6 +313,9 @@ def check_online_update(fn: Callable, verbose: bool = True) -> bool:
 GRADIENT_DIAGNOSES = {
     "stub": "the gradient function is still the stub (it raises NotImplementedError)",
     "raised": "your function raised an exception",
+    "no-kernel": "no kernel of yours ran: your function launched no Triton kernel of its own, and the exercise is "
+                 "the kernel (a gradient computed in PyTorch does not count); launch yours, kernel[(n_rows,)](...), "
+                 "and let it write {what}",
     "shape": "the gradient must have the logits' shape",
     "zeros": "every element of the gradient is zero: the gradient line is still the stub (or nothing is stored)",
     "nan": "the gradient holds NaN or infinity: compute the softmax as exp(x − lse) in float32, and give ignored "
@@ -189,6 +331,12 @@ GRADIENT_DIAGNOSES = {
     "onehot-off-by-one": "the one-hot is at the wrong column: its −1 sits one column {side} the target (the target "
                          "index is off by one); the −1 belongs at column target itself, tl.where(cols == target, "
                          "1.0, 0.0)",
+    "onehot-no-start": "the one-hot compares the chunk's own lane numbers, tl.arange(0, BLOCK_V), with the target: "
+                       "they restart at 0 in every chunk, so the −1 lands at the target's column in every chunk "
+                       "(and nowhere when target ≥ BLOCK_V); compare the row's column numbers, cols = start + "
+                       "tl.arange(0, BLOCK_V), with the target",
+    "minus-one-everywhere": "1 is subtracted from every column: the −1 of the one-hot belongs at the target's column "
+                            "only, tl.where(cols == target, 1.0, 0.0), not everywhere",
     "onehot-unscaled": "the one-hot is not scaled: only the softmax was multiplied by the scale, but the whole "
                        "difference is: (softmax − onehot) · scale",
     "scale-inverted": "the gradient is multiplied by n_valid instead of divided by it: SCALE already holds "
@@ -202,6 +350,10 @@ GRADIENT_DIAGNOSES = {
                     "one-hot): the softmax is not normalised, use exp(x − lse) with the row's logsumexp",
     "wrong": "the gradient is wrong",
 }
+
+
+# The chunk sizes a reader may have chosen: a one-hot by lane numbers puts its −1s where the chunk size says.
+_BLOCKS = (16, 32, 64, 128, 256)
 
 
 def _gradient_case(device):
@@ -252,6 +404,13 @@ def _gradient_mistakes(p, onehot, counted, n_valid, n_rows, x=None, lse=None):
     ]
     for by, side in ((1, "right of"), (-1, "left of")):
         mistakes.append(((p - _shifted_onehot(onehot, by)) / n_valid * keep, "onehot-off-by-one", side))
+    mistakes.append(((p - 1.0) / n_valid * keep, "minus-one-everywhere", ""))
+    targets = onehot.argmax(dim=-1)
+    lanes = torch.arange(n_cols)
+    for block in _BLOCKS:
+        if block < n_cols:  # a row of one chunk has its lane numbers right
+            lane_hot = ((lanes[None, :] % block) == targets[:, None]).to(p.dtype) * keep
+            mistakes.append(((p - lane_hot) / n_valid * keep, "onehot-no-start", f" (chunks of {block} here)"))
     if x is not None and lse is not None:
         mistakes.append(((x - lse[:, None] - onehot) / n_valid * keep, "log-softmax", ""))
     return mistakes
@@ -285,19 +444,29 @@ def _diagnose_values(got, x, t, p, onehot, counted, n_valid, want, rtol, atol) -
 
 
 def check_ce_gradient(fn: Callable, device=None, verbose: bool = True) -> bool:
-    """Check ``fn(logits, target, ignore_index) -> grad``: the gradient of the *mean* cross-entropy.
+    """Check ``fn(logits, target, ignore_index) -> grad``: the gradient of the *mean* cross-entropy, written by a
+    Triton kernel that ``fn`` launches.
 
-    The inputs live on ``device`` (default: where the kernels run, ``runtime.device()``). Prints the verdict (unless
-    ``verbose=False``) and returns True when the gradient is right.
+    ``fn`` runs with the exercise's finished answers out of reach (``FORBIDDEN["ce_gradient"]``: the package's
+    kernel may give it the logsumexp, ``compute_grad=False``, but not the gradient), and a gradient that no kernel of
+    the reader's wrote is refused. The inputs live on ``device`` (default: where the kernels run,
+    ``runtime.device()``). Prints the verdict (unless ``verbose=False``) and returns True when the gradient is right.
     """
     device = device or runtime.device()
     logits, target, ignore_index = _gradient_case(device)
     try:
-        got = fn(logits.clone(), target.clone(), ignore_index)
+        with warnings.catch_warnings(), launches() as launched:
+            warnings.simplefilter("ignore", RuntimeWarning)  # NumPy's overflow notices from the interpreter
+            got = call_learner("ce_gradient", fn, logits.clone(), target.clone(), ignore_index)
+    except FinishedCodeCalled as called:
+        return _report(str(called), "", verbose)
     except NotImplementedError:
         return _report(GRADIENT_DIAGNOSES["stub"], "", verbose)
     except Exception as exc:  # the reader's kernel may fail in any way: say how
         return _report(f"{GRADIENT_DIAGNOSES['raised']}: {type(exc).__name__}: {exc}", "", verbose)
+    problem = _no_kernel(launched, "the gradient")
+    if problem:
+        return _report(problem, "", verbose)
     if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(logits.shape):
         shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
         return _report(f"{GRADIENT_DIAGNOSES['shape']}: expected a gradient of shape {tuple(logits.shape)}, got "
@@ -317,6 +486,9 @@ def check_ce_gradient(fn: Callable, device=None, verbose: bool = True) -> bool:
 SWEEP_DIAGNOSES = {
     "stub": "nothing was written: the logits are unchanged, so the kernel is still the stub (or it stores nothing)",
     "raised": "your function raised an exception",
+    "copy": "the sweep writes a copy, not over the logits: your kernel was not given the logits' memory (a "
+            "logits.clone(), a new buffer), so the logits keep their values. In place, the kernel stores into "
+            "LOGITS itself, the tensor your launcher was given, and the launcher returns it",
     "upcast": "no float32 upcast: the bf16 logits reached tl.exp unconverted; load them and convert right away, "
               "x = tl.load(...).to(tl.float32), and compute in float32",
     "precision": "the bf16 result is less accurate than one rounding of the float32 gradient: some arithmetic ran "
@@ -368,21 +540,40 @@ def _sweep_inputs(dtype, device, contiguous=False):
     return view, gaps, target.to(device), lse.to(device), ignore_index
 
 
-def _call_sweep(fn, view, target, lse, ignore_index) -> str | None:
+def _call_sweep(fn, view, target, lse, ignore_index) -> tuple[str | None, object]:
+    """Run ``fn`` on ``view`` with the exercise's finished answers out of reach; returns (what is wrong or None, what
+    ``fn`` returned). Wrong here: it raised, called a finished answer, launched no kernel of the reader's, or
+    launched the reader's kernels on memory other than the logits'."""
     try:
-        with warnings.catch_warnings():  # NumPy's overflow notices from the interpreter: the verdict says more
-            warnings.simplefilter("ignore", RuntimeWarning)
-            fn(view, target, lse, ignore_index)
+        with warnings.catch_warnings(), launches() as launched:
+            warnings.simplefilter("ignore", RuntimeWarning)  # NumPy's overflow notices from the interpreter
+            returned = call_learner("inplace_gradient", fn, view, target, lse, ignore_index)
+    except FinishedCodeCalled as called:
+        return str(called), None
     except NotImplementedError:
-        return SWEEP_DIAGNOSES["stub"]
+        return SWEEP_DIAGNOSES["stub"], None
     except Exception as exc:  # the reader's kernel may fail in any way: say how
         text = str(exc)
         if "bf16" in text and "Expected dtype" in text:
-            return SWEEP_DIAGNOSES["upcast"] + f" (Triton said: {text.strip().splitlines()[-1][:200]})"
-        return f"{SWEEP_DIAGNOSES['raised']}: {type(exc).__name__}: {text.strip()[:500]}"
+            return SWEEP_DIAGNOSES["upcast"] + f" (Triton said: {text.strip().splitlines()[-1][:200]})", None
+        return f"{SWEEP_DIAGNOSES['raised']}: {type(exc).__name__}: {text.strip()[:500]}", None
     if view.device.type == "cuda":
         torch.cuda.synchronize(view.device)
-    return None
+    problem = _no_kernel(launched, "the gradient over the logits")
+    if problem:
+        return problem, returned
+    if launched is not None and not any(launch.writes_to(view) for launch in launched if launch.readers):
+        return SWEEP_DIAGNOSES["copy"], returned
+    return None, returned
+
+
+def _elsewhere(returned, view) -> torch.Tensor | None:
+    """What ``fn`` returned, when it is a tensor of the view's shape outside the view's memory."""
+    if not isinstance(returned, torch.Tensor) or tuple(returned.shape) != tuple(view.shape):
+        return None
+    if returned.untyped_storage().data_ptr() == view.untyped_storage().data_ptr():
+        return None
+    return returned
 
 
 def _sweep_mistakes(logits, target, ignore_index, n_valid):
@@ -405,7 +596,7 @@ def _diagnose_sweep(fn, dtype, device) -> str | None:
     """Run fn on a strided view of one dtype and name what is wrong, or None."""
     view, gaps, target, lse, ignore_index = _sweep_inputs(dtype, device)
     before = view.detach().cpu().clone()
-    problem = _call_sweep(fn, view, target, lse, ignore_index)
+    problem, returned = _call_sweep(fn, view, target, lse, ignore_index)
     if problem:
         return problem
     name = str(dtype).removeprefix("torch.")
@@ -414,16 +605,19 @@ def _diagnose_sweep(fn, dtype, device) -> str | None:
     got = view.detach().cpu().to(torch.float64)
     changed = view.detach().cpu() != before
     gaps_written = bool((gaps.cpu() != _SENTINEL).any())
-    if not changed.any() and not gaps_written:
-        return SWEEP_DIAGNOSES["stub"]
     p, onehot, counted, n_valid, want = _gradient_parts(before, target, ignore_index)
     rtol, atol = (1e-4, 1e-7) if dtype == torch.float32 else (2**-6, 2**-8 * float(want.abs().max()))
+    if not changed.any() and not gaps_written:
+        copy = _elsewhere(returned, view)
+        if copy is not None and _close(copy.detach().cpu().double(), want, rtol=rtol, atol=atol):
+            return SWEEP_DIAGNOSES["copy"] + f" (your launcher returned the gradient in another tensor; {on})"
+        return SWEEP_DIAGNOSES["stub"]
     if gaps_written or not changed[1:].any():
         # Either the kernel writes outside its rows, or every program writes the same place. Which one? The same
         # function on contiguous logits (rows n_cols apart) tells a missing stride from a missing mask.
         c_view, c_gaps, c_target, c_lse, _ = _sweep_inputs(dtype, device, contiguous=True)
         c_before = c_view.detach().cpu().clone()
-        c_right = (_call_sweep(fn, c_view, c_target, c_lse, ignore_index) is None
+        c_right = (_call_sweep(fn, c_view, c_target, c_lse, ignore_index)[0] is None
                    and bool((c_gaps.cpu() == _SENTINEL).all())
                    and _close(c_view.detach().cpu().double(), _gradient_parts(c_before, target, ignore_index)[4],
                               rtol=rtol, atol=atol))
@@ -490,7 +684,7 @@ def _diagnose_high_rows(fn, device) -> tuple[str | None, bool]:
     view.copy_(logits.to(device))
     target = torch.tensor([5, -100, 299], device=device)
     lse = torch.logsumexp(logits.double(), dim=-1).float().to(device)
-    problem = _call_sweep(fn, view, target, lse, -100)
+    problem = _call_sweep(fn, view, target, lse, -100)[0]
     got = view.detach().cpu().double()
     del view, buffer  # 8 GiB of addresses: give them back before anything else runs
     if device.type == "cuda":
@@ -513,12 +707,13 @@ def check_inplace_gradient(fn: Callable, device=None, verbose: bool = True, high
     """Check ``fn(logits, target, lse, ignore_index)``: it must overwrite each row of ``logits`` (2-D, rows possibly
     strided) with the gradient of the mean cross-entropy, ``(softmax − onehot) / n_valid``, zeros on ignored rows.
 
-    It runs ``fn`` on float32 and bfloat16 logits in views whose rows are further apart than their width (the gaps
-    show a store without a mask), then on a bfloat16 view whose third row starts past element 2**31, where int32
-    row offsets wrap around: in Triton's interpreter (on the CPU) that view lives in a mapped address range with
-    almost no memory behind it; on a GPU it needs 9 GiB free. ``high_rows`` forces that case (True) or skips it
-    (False); by default it runs wherever it fits. Prints the verdict (unless ``verbose=False``) and returns True
-    when right.
+    ``fn`` runs with the exercise's finished answers out of reach (``FORBIDDEN["inplace_gradient"]``), and must
+    launch a kernel of the reader's on the logits' own memory. It runs ``fn`` on float32 and bfloat16 logits in views
+    whose rows are further apart than their width (the gaps show a store without a mask), then on a bfloat16 view
+    whose third row starts past element 2**31, where int32 row offsets wrap around: in Triton's interpreter (on the
+    CPU) that view lives in a mapped address range with almost no memory behind it; on a GPU it needs 9 GiB free.
+    ``high_rows`` forces that case (True) or skips it (False); by default it runs wherever it fits. Prints the
+    verdict (unless ``verbose=False``) and returns True when right.
     """
     device = torch.device(device or runtime.device())
     for dtype in (torch.float32, torch.bfloat16):

@@ -3,10 +3,11 @@ with the sentence of ``DIAGNOSES``, never raised.
 
 Each distinct source is one small build (no PyTorch headers: about a second, then cached by its hash)."""
 
+import diagnoses
 import pytest
 
 from kernels import cuda_rmsnorm
-from kernels.exercises import solutions
+from kernels.exercises import cuda_cpp, solutions
 from kernels.exercises.cuda_cpp import DIAGNOSES, STUB, check_rms_norm_rows, diagnosis
 from kernels.exercises.solutions import load
 
@@ -37,7 +38,11 @@ MISTAKES = {
     "rstd_is_std": ("rstd[row] = r;", "rstd[row] = 1.0f / r;"),
     "wrong_rstd": ("rstd[row] = r;", "rstd[row] = r * r;"),
     "no_function": ('extern "C" void', "void"),
+    "int32_offset": ("x + row * x_row_stride", "x + static_cast<int>(row * x_row_stride)"),
 }
+# The same mistake as a learner more often writes it: a 32-bit offset variable, right on every small input.
+INT_OFFSET = ("const float* x_row = x + row * x_row_stride;",
+              "int offset = row * x_row_stride;\n    const float* x_row = x + offset;")
 
 
 def test_the_solution_passes(seed):
@@ -54,6 +59,26 @@ def test_each_mistake_is_named(key, seed):
     report = check_rms_norm_rows(RIGHT.replace(old, new), seed=seed, verbose=False)
     expected = DIAGNOSES[key].split("{")[0]  # the sentence up to its first field
     assert not report and expected in report.message, report.message
+
+
+def test_a_32_bit_offset_variable_is_named_with_the_row_it_misread(seed):
+    report = check_rms_norm_rows(RIGHT.replace(*INT_OFFSET), seed=seed, verbose=False)
+    assert not report and diagnoses.says(DIAGNOSES["int32_offset"], report.message), report.message
+    assert f"element {cuda_cpp.HIGH_WRAP}" in report.message and f"{cuda_cpp.HIGH_STRIDE:,}" in report.message
+
+
+def test_the_pass_says_whether_offsets_past_2_31_were_checked(seed, monkeypatch):
+    report = check_rms_norm_rows(RIGHT, seed=seed, verbose=False)
+    assert report and cuda_cpp.OFFSETS_CHECKED in report.message, report.message
+    monkeypatch.setattr(cuda_cpp, "mapped_buffer", lambda *args: None)  # a machine that will not map 16 GiB
+    report = check_rms_norm_rows(RIGHT, seed=seed, verbose=False)
+    assert report and cuda_cpp.OFFSETS_NOT_CHECKED in report.message, report.message
+
+
+@pytest.mark.parametrize("given", [load("rms_norm_rows"), None, b"extern"])
+def test_a_source_that_is_not_a_string_is_named_not_raised(given):
+    report = check_rms_norm_rows(given, verbose=False)
+    assert not report and diagnoses.says(DIAGNOSES["source_type"], report.message), report.message
 
 
 def test_the_stub_is_reported_as_not_written(seed):
@@ -81,7 +106,7 @@ def test_no_compiler_is_reported_not_raised(monkeypatch):
 
 
 def test_every_diagnosis_has_a_test():
-    tested = set(MISTAKES) | {"compile", "unavailable", "passed"}
+    tested = set(MISTAKES) | {"compile", "unavailable", "passed", "source_type"}
     assert tested == set(DIAGNOSES)
 
 
@@ -94,10 +119,8 @@ def test_the_verdict_is_printed(capsys):
 # The CUDA exercise: a warp per row, float4 loads, warp shuffles
 # --------------------------------------------------------------------------------------------------------------------
 
-import diagnoses  # noqa: E402
 import torch  # noqa: E402
 
-from kernels.exercises import cuda_cpp  # noqa: E402
 from kernels.exercises.cuda_cpp import (  # noqa: E402
     POISON_BITS,
     ROWS_GUARD,
@@ -124,7 +147,20 @@ READ_MISTAKES = {
                        + LOAD + "\n  }",
                        "const float* xr = x + row * cols;\n  float sum_sq = 0.0f;\n"
                        "  for (int64_t i = lane; i < cols; i += 32) sum_sq += xr[i] * xr[i];"),
+    "int32_offset": ("const float4* packs = reinterpret_cast<const float4*>(x + row * cols);",
+                     "int offset = row * cols;\n  const float4* packs = reinterpret_cast<const float4*>(x + offset);"),
 }
+
+
+@pytest.mark.parametrize("old, new", [
+    ("x + row * cols", "x + static_cast<int>(row * cols)"),
+    ("x + row * cols", "x + (unsigned)(row * cols)"),
+    ("x + row * cols", "x + static_cast<int32_t>(row) * static_cast<int32_t>(cols)"),
+])
+def test_other_32_bit_offsets_are_named(old, new):
+    assert cuda_cpp.read_warp_source(WARP_RIGHT.replace(old, new)) == cuda_cpp.warp_diagnosis(
+        "int32_offset", code=new.removeprefix("x + ")), new
+    assert cuda_cpp.read_warp_source(WARP_RIGHT) is None
 
 
 def _has_nvcc():

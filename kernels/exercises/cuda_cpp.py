@@ -5,9 +5,11 @@ the CUDA kernel spreads over the threads of a block, here run by one CPU thread.
 ``torch.utils.cpp_extension.load_inline`` (the same compiler, flags and ninja as the package's extensions, but
 without PyTorch's headers, so a build takes a second or two instead of twenty), calls it through ``ctypes`` on
 inputs chosen to expose the usual mistakes (widths that are not powers of two, a row of tiny values where eps
-matters, rows further apart in memory than they are wide), and compares ``y`` and ``rstd`` with float64. Every
-diagnosis is worded once, in ``DIAGNOSES``. It never raises because the reader's code is wrong or does not compile:
-it prints its verdict and returns a ``Report``.
+matters, rows further apart in memory than they are wide), and compares ``y`` and ``rstd`` with float64. It ends
+with rows 2**32 + 192 floats apart (``mapped_buffer``: an address range with almost no memory behind it), where a
+row offset cut to 32 bits (``int offset = row * x_row_stride``) reads row 1 from element 192. Every diagnosis is
+worded once, in ``DIAGNOSES``. It never raises because the reader's code is wrong or does not compile: it prints
+its verdict and returns a ``Report``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 from kernels.reference import relative_error, rms_norm_reference
 from kernels.tolerances import RELATIVE_ERROR_TOL
 
-from .rmsnorm import Report, verdict
+from .rmsnorm import Report, mapped_buffer, verdict
 
 FUNCTION = "rms_norm_rows"
 
@@ -76,9 +78,24 @@ DIAGNOSES = {
     "rstd_is_std": ("y is right but rstd holds sqrt(mean + eps), the root mean square itself: store its reciprocal "
                     "r = 1 / sqrt(mean + eps), which the backward multiplies by"),
     "wrong_rstd": "y is right but rstd is wrong (relative error {error:.2g}): rstd[row] must be r",
+    "int32_offset": ("row {row} of y is the RMSNorm of the floats at element {wrapped:,} of x, not at element "
+                     "{start:,} where the row starts: row * x_row_stride was cut to 32 bits (an int offset, or a "
+                     "static_cast<int>), and it passes 2³¹. Keep every offset int64_t, as the signature's types are: "
+                     "rows × stride passes 2³¹ in real models (16,744 rows at a width of 128,256)"),
+    "source_type": "the check takes the C++ source as a string (r\"\"\"...\"\"\"), got {got}",
     "passed": ("rms_norm_rows is right on {cases} inputs (widths {widths}, tiny values, a strided view); largest "
-               "relative error of y {worst:.1e}."),
+               "relative error of y {worst:.1e}; {offsets}."),
 }
+
+# The last input: rows HIGH_STRIDE floats apart, so row 1 starts past element 2**32. An offset cut to 32 bits keeps
+# HIGH_STRIDE mod 2**32 = HIGH_WRAP, still inside the buffer (a negative one would read before it and crash).
+HIGH_COLS = 64
+HIGH_WRAP = 3 * HIGH_COLS
+HIGH_STRIDE = 2**32 + HIGH_WRAP
+HIGH_CASE_TEXT = f"input of 2 × {HIGH_COLS} whose rows are {HIGH_STRIDE:,} floats apart in memory"
+OFFSETS_CHECKED = f"row offsets past 2³¹ read where they are (rows {HIGH_STRIDE:,} floats apart: int64 offsets)"
+OFFSETS_NOT_CHECKED = ("int64 row offsets NOT checked (this machine would not map the 16 GiB of addresses a row "
+                       "past element 2³² needs)")
 
 
 def diagnosis(key: str, **fields) -> str:
@@ -262,6 +279,8 @@ def check_rms_norm_rows(source: str, seed: int | None = None, verbose: bool = Tr
     Prints the verdict (unless ``verbose=False``) and returns it as a ``Report``; never raises because the source
     is wrong or does not compile.
     """
+    if not isinstance(source, str):
+        return verdict(False, diagnosis("source_type", got=type(source).__name__), verbose)
     fn, problem = compile_rows_function(source)
     if problem is not None:
         return verdict(False, problem, verbose)
@@ -275,8 +294,43 @@ def check_rms_norm_rows(source: str, seed: int | None = None, verbose: bool = Tr
         if problem is not None:
             return verdict(False, problem, verbose)
         worst = max(worst, relative_error(y, rms_norm_reference(x.double(), w.double(), case.eps)))
+    problem, ran = _high_offsets(fn, gen)
+    if problem is not None:
+        return verdict(False, problem, verbose)
     widths = "/".join(str(c.cols) for c in CASES)
-    return verdict(True, diagnosis("passed", cases=len(CASES), widths=widths, worst=worst), verbose)
+    offsets = OFFSETS_CHECKED if ran else OFFSETS_NOT_CHECKED
+    return verdict(True, diagnosis("passed", cases=len(CASES), widths=widths, worst=worst, offsets=offsets), verbose)
+
+
+def _high_offsets(fn, gen: torch.Generator) -> tuple[str | None, bool]:
+    """Run ``fn`` on two rows ``HIGH_STRIDE`` floats apart; (what is wrong or None, whether it could run at all).
+    Only called once every case has passed, so y is written where it belongs: packed, a few hundred floats."""
+    buffer = mapped_buffer(HIGH_STRIDE + HIGH_COLS, torch.float32, "cpu")
+    if buffer is None:
+        return None, False
+    x = buffer.as_strided((2, HIGH_COLS), (HIGH_STRIDE, 1))
+    values = torch.randn(3, HIGH_COLS, generator=gen, dtype=torch.float64).float()
+    x.copy_(values[:2])
+    buffer[HIGH_WRAP: HIGH_WRAP + HIGH_COLS] = values[2]  # what row 1 reads at an offset cut to 32 bits
+    w = (0.5 + torch.rand(HIGH_COLS, generator=gen, dtype=torch.float64)).float()
+    y = _poisoned(2 * HIGH_COLS).view(2, HIGH_COLS)
+    rstd = _poisoned(2)
+    eps = 1e-6
+    fn(x.data_ptr(), HIGH_STRIDE, w.data_ptr(), y.data_ptr(), rstd.data_ptr(), 2, HIGH_COLS, eps)
+    del x, buffer  # 16 GiB of addresses: give them back
+    ref = rms_norm_reference(values.double(), w.double(), eps)
+    if relative_error(y[1], ref[2]) <= TOL and relative_error(y[0], ref[0]) <= TOL:
+        return f"on an {HIGH_CASE_TEXT}, " + diagnosis("int32_offset", row=1, wrapped=HIGH_WRAP,
+                                                         start=HIGH_STRIDE), True
+    where = f"on an {HIGH_CASE_TEXT}, "
+    error = relative_error(y, ref[:2])
+    if untouched(y).any() or not error <= TOL:
+        bad_row = int(((y.double() - ref[:2]).abs().nan_to_num(float("inf")).amax(-1)).argmax())
+        return where + diagnosis("wrong_y", error=error, tol=TOL, row=bad_row), True
+    error = relative_error(rstd, (values[:2].double().pow(2).mean(-1) + eps).rsqrt())
+    if untouched(rstd).any() or not error <= TOL:
+        return where + diagnosis("wrong_rstd", error=error), True
+    return None, True
 
 
 # ====================================================================================================================
@@ -319,6 +373,9 @@ WARP_DIAGNOSES = {
                "in registers, in five steps"),
     "no_vector_load": ("no 16-byte load: read the row as float4 packs (reinterpret_cast<const float4*>(row)[i]), "
                        "one instruction per four floats"),
+    "int32_offset": ("`{code}` keeps a row offset in 32 bits: row * cols passes 2³¹ once rows × cols does (16,744 "
+                     "rows at a width of 128,256), and the offset wraps. Keep it int64_t (row is int64_t; so is "
+                     "cols)"),
     "unavailable_gpu": "cannot build CUDA here: {reason}",
     "crashed": ("the kernel failed on the GPU ({error}): an out-of-bounds or misaligned access. Does every lane "
                 "stay within its row's cols / 4 packs, and every warp whose row is ≥ rows do nothing?"),
@@ -406,6 +463,10 @@ ROWS_GUARD = 64  # poisoned values past rstd's end, where a warp beyond the last
 
 _SHUFFLE = re.compile(r"__shfl_(xor|down|up)?_?sync\s*\(\s*([^,]+),")
 _OLD_SHUFFLE = re.compile(r"__shfl(_xor|_down|_up)?\s*\(")
+# A 32-bit variable initialised with a product that involves cols, or a product cast to 32 bits.
+_INT32_OFFSET = re.compile(r"\b(?:unsigned\s+int|unsigned|int|int32_t|uint32_t)\s+\w+\s*=\s*[^;]*\*[^;]*;"
+                           r"|(?:\bstatic_cast<\s*(?:int|unsigned|int32_t|uint32_t)\s*>|\(\s*(?:int|unsigned|int32_t|"
+                           r"uint32_t)\s*\))\s*\([^;]*?\*[^;]*?\)")
 _FULL_MASKS = {"0xffffffff", "0xffffffffu", "0xFFFFFFFF", "0xFFFFFFFFu", "0xffffffffU", "0xFFFFFFFFU", "~0u", "~0U",
                "~0", "-1", "0xffffffffull"}
 
@@ -421,6 +482,9 @@ def read_warp_source(source: str) -> str | None:
     body = code[code.find("{") + 1: code.rfind("}")] if "{" in code else ""
     if not body.strip():
         return warp_diagnosis("stub")
+    for found in _INT32_OFFSET.finditer(code):
+        if re.search(r"\bcols\b", found.group(0)):
+            return warp_diagnosis("int32_offset", code=" ".join(found.group(0).split()))
     old = _OLD_SHUFFLE.search(code)
     if old:
         return warp_diagnosis("old_shuffle", call=old.group(0).rstrip("( "))

@@ -9,8 +9,10 @@ The check hands the reader's function an ``mlp_tile`` that records which rows of
 their values, so copies and views alike are traced), runs it on a few fresh inputs (a ragged last tile, fewer rows
 than one tile, bfloat16, an exact multiple), and when something is wrong says which mistake it was: the last partial
 tile dropped, tiles overlapping, rows skipped between tiles, the hidden axis tiled instead of the tokens, a tile
-larger than ``tile_rows``, results written to the wrong rows, or the output's shape or dtype. It never raises
-because the reader's function is wrong: it prints its verdict and returns a ``Report``.
+larger than ``tile_rows``, results written to the wrong rows, or the output's shape or dtype. While the reader's
+code runs, the package's tile loop and tiled MLP are out of reach (``reach.FORBIDDEN["tiled_forward"]``; the hooks
+of the second exercise likewise keep the package's offload away). It never raises because the reader's function is
+wrong: it prints its verdict and returns a ``Report``.
 
 ``solution("tiled_forward")`` prints a solution, only when called.
 """
@@ -30,6 +32,7 @@ from kernels import runtime
 from kernels.reference import relative_error
 from kernels.tolerances import ELEMENT_TOL, RELATIVE_ERROR_TOL
 
+from .reach import FinishedCodeCalled, call_learner
 from .rmsnorm import Report
 
 
@@ -178,7 +181,9 @@ def _output_problem(out, x: torch.Tensor, traced: TracedMLP, case: TileCase) -> 
 
 def _call(fn, x, traced, case):
     try:
-        return fn(x, traced, case.tile_rows), None
+        return call_learner("tiled_forward", fn, x, traced, case.tile_rows), None
+    except FinishedCodeCalled:
+        raise
     except Exception as error:  # noqa: BLE001  (any failure of the reader's code is reported, not raised)
         lines = [line for line in str(error).strip().splitlines() if line.strip()]
         return None, f"your function raised {type(error).__name__}: {lines[-1] if lines else repr(error)}"
@@ -202,7 +207,10 @@ def check_tiled_forward(fn: Callable, seed: int | None = None, verbose: bool = T
     for case in CASES:
         x = torch.randn(case.batch, case.seq, case.hidden, generator=gen).to(case.dtype).to(runtime.device())
         traced = TracedMLP(x, gen)
-        out, raised = _call(fn, x, traced, case)
+        try:
+            out, raised = _call(fn, x, traced, case)
+        except FinishedCodeCalled as called:
+            return _verdict(False, str(called), verbose)
         problem = (_axis_problem(traced, case) or raised or _coverage_problem(traced, case)
                    or _output_problem(out, x, traced, case))
         if problem is not None:
@@ -226,8 +234,10 @@ def check_tiled_forward(fn: Callable, seed: int | None = None, verbose: bool = T
 # those notes is what a GPU would execute, so the check can say which wait, mark or flag is missing. Then it runs the
 # pair as hooks around every decoder layer of a checkpointed tiny Llama and compares the gradients, bit for bit.
 # On a GPU the same pair runs on real streams and the check provokes each race instead: the tensor is written on a
-# busy compute stream before the pack, the side stream is held up before the unpack, and the results must still be
-# exact, the pack must return before its copy is done, and the host copy must be pinned.
+# busy compute stream before the pack and its memory handed out again right after it; the unpack runs while a busy
+# compute stream has yet to read a tensor whose memory was just freed; the side stream is held up before another
+# unpack. The results must still be exact, the host copy must be pinned, and the pack must return before its copy
+# is done. Without a GPU none of this can be provoked, and the verdict says so.
 
 OFFLOAD_HINTS = {
     "stub": "offload_pack or offload_unpack is still the stub (it raises NotImplementedError)",
@@ -254,6 +264,11 @@ OFFLOAD_HINTS = {
                              "ahead, and only on the side stream can it overlap the layer above's backward. Issue it "
                              "inside `with torch.cuda.stream(side):`"),
     "blocking_copy_back": "unpack's copy back is blocking (non_blocking=False): pass non_blocking=True",
+    "no_wait_before_copy_back": ("unpack's copy back on the side stream does not wait for the compute stream: the "
+                                 "tensor it copies into was allocated on the compute stream, whose memory may have "
+                                 "belonged to a tensor that kernels queued there still read, and the copy would "
+                                 "overwrite it under them. Call side.wait_stream(torch.cuda.current_stream()) after "
+                                 "allocating and before the copy"),
     "no_wait_after_copy_back": ("the compute stream does not wait for the copy back: the backward may read the tensor "
                                 "before it has arrived. Record an event on the side stream after the copy "
                                 "(side.record_event()) and make the compute stream wait for it "
@@ -458,7 +473,9 @@ def _guarded(hook: str, fn: Callable, *args, recorder: _Recorder | None = None):
     ``_Problem`` that names it."""
     try:
         with _recording(recorder) if recorder is not None else contextlib.nullcontext():
-            return fn(*args)
+            return call_learner("offload_hooks", fn, *args)
+    except FinishedCodeCalled as called:
+        raise _Problem(str(called)) from None
     except NotImplementedError as error:
         if "Could not run" not in str(error):  # the stub's own raise, not an operator PyTorch lacks for a backend
             raise _Problem(offload_hint("stub")) from error
@@ -497,9 +514,10 @@ def _check_pack_order(notes, source: int) -> None:
 
 
 def _check_unpack_order(notes, result: torch.Tensor) -> None:
-    """The unpack's notes: a non-blocking copy into the returned tensor on the side stream, an event recorded on
-    the side stream after it that the compute stream waits for, and the allocator told when the returned tensor
-    was allocated on the side stream."""
+    """The unpack's notes: a non-blocking copy into the returned tensor on the side stream, after the side stream
+    waited for the compute stream (unless the tensor was allocated on the side stream), an event recorded on the
+    side stream after it that the compute stream waits for, and the allocator told when the returned tensor was
+    allocated on the side stream."""
     _synchronized(notes, "unpack")
     target = _storage(result)
     copies = [(i, n) for i, n in enumerate(notes) if n[0] == "copy" and n[3] == target]
@@ -510,6 +528,10 @@ def _check_unpack_order(notes, result: torch.Tensor) -> None:
         raise _Problem(offload_hint("copy_back_on_compute"))
     if copy[4]:
         raise _Problem(offload_hint("blocking_copy_back"))
+    on_side = any(n[0] == "allocated_on_side" and n[1] == target for n in notes)
+    # Memory the side stream allocated was last used on the side stream: only the compute stream's needs a wait.
+    if not on_side and not any(n[:3] == ("wait_stream", "side", "compute") for n in notes[:at]):
+        raise _Problem(offload_hint("no_wait_before_copy_back"))
     recorded_after = {n[2] for n in notes[at + 1:] if n[0] == "record_event" and n[1] == "side"}
     recorded_before = {n[2] for n in notes[:at] if n[0] == "record_event" and n[1] == "side"}
     waits = [n for n in notes[at + 1:] if n[0] == "wait_event" and n[1] == "compute"]
@@ -517,7 +539,6 @@ def _check_unpack_order(notes, result: torch.Tensor) -> None:
     if not waited_stream and not any(w[2] in recorded_after for w in waits):
         key = "wait_before_copy_back" if any(w[2] in recorded_before for w in waits) else "no_wait_after_copy_back"
         raise _Problem(offload_hint(key))
-    on_side = any(n[0] == "allocated_on_side" and n[1] == target for n in notes)
     marked = any(n[0] == "record_stream" and n[1] == target and n[2] == "compute" for n in notes)
     if on_side and not marked:
         raise _Problem(offload_hint("no_record_stream_back"))
@@ -553,7 +574,8 @@ def _check_order_on_stand_ins(pack: Callable, unpack: Callable, gen: torch.Gener
 
 def _check_races_on_gpu(pack: Callable, unpack: Callable, gen: torch.Generator) -> None:
     """The same pair on real streams, each race provoked: the tensor written on a busy compute stream just before
-    the pack, the side stream held up before the unpack."""
+    the pack and its memory handed out again at once; the copy back's new memory still to be read by kernels queued
+    on a busy compute stream; the side stream held up before the unpack."""
     device = torch.device("cuda")
     side = torch.cuda.Stream(device)
     src = torch.randn(4, 1024, 1024, generator=gen).to(device)
@@ -566,17 +588,27 @@ def _check_races_on_gpu(pack: Callable, unpack: Callable, gen: torch.Generator) 
     packed = _guarded("pack", pack, x, side)
     waited_ms = (time.perf_counter() - start) * 1e3
     host = [t for t in _tensors_in(packed) if t.device.type == "cpu"]
-    if any(t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for t in _tensors_in(packed)) or not host:
+    if any(_storage(t) == _storage(x) for t in _tensors_in(packed)) or not host:
         raise _Problem(offload_hint("kept_tensor"))
-    if waited_ms > 0.5 * busy_ms:
-        raise _Problem(offload_hint("pack_waited", waited_ms=waited_ms, busy_ms=busy_ms))
+    # The layer is done with x: a block handed out again now is written on the compute stream at once, while the
+    # side stream may still be copying it out (unless pack marked it with record_stream).
+    x_block = _storage(x)
+    del x
+    reused = torch.empty_like(src)
+    reused.fill_(float("nan"))
     if not all(t.is_pinned() for t in host):
         raise _Problem(offload_hint("not_pinned"))
+    if waited_ms > 0.5 * busy_ms:
+        raise _Problem(offload_hint("pack_waited", waited_ms=waited_ms, busy_ms=busy_ms))
     torch.cuda.synchronize()
     if not any(t.numel() == src.numel() and torch.equal(t.reshape(src.shape), src.cpu()) for t in host):
-        raise _Problem(offload_hint("race_out"))
-    x.fill_(float("nan"))  # freed memory keeps its values: a block handed out again must not still hold the answer
-    del x
+        raise _Problem(offload_hint("no_record_stream_out" if _storage(reused) == x_block else "race_out"))
+    del reused
+    _race_before_copy_back(unpack, packed, side, src, gen)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    # Freed memory keeps its values: the one free block of this size, which the unpack gets, must not hold the answer.
+    torch.full_like(src, float("nan"))
     with torch.cuda.stream(side):
         torch.cuda._sleep(_CYCLES)  # the side stream is held up: its copy back lands late
     got = _guarded("unpack", unpack, packed, side)
@@ -585,6 +617,28 @@ def _check_races_on_gpu(pack: Callable, unpack: Callable, gen: torch.Generator) 
     if isinstance(seen, torch.Tensor) and seen.shape == src.shape and not torch.equal(seen, src):
         if isinstance(got, torch.Tensor) and torch.equal(got, src):
             raise _Problem(offload_hint("race_back"))
+    _same(got, src)
+
+
+def _race_before_copy_back(unpack: Callable, packed, side, src: torch.Tensor, gen: torch.Generator) -> None:
+    """Unpack while kernels queued on a busy compute stream still read a tensor that was just freed: the unpack's
+    new tensor gets its memory (the caching allocator hands a block out again at once on the stream that freed it),
+    and a copy back that does not wait for the compute stream overwrites it before those kernels read it."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # no other free block of this size: the unpack gets the one freed below
+    values = torch.randn(src.shape, generator=gen)
+    old = values.to(src.device)
+    read = torch.empty_like(old)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(_CYCLES)  # the compute stream is busy; then it reads `old`
+    read.copy_(old)
+    old_block = _storage(old)
+    del old
+    got = _guarded("unpack", unpack, packed, side)
+    torch.cuda.synchronize()
+    if (isinstance(got, torch.Tensor) and got.is_cuda and _storage(got) == old_block
+            and not torch.equal(read.cpu(), values)):
+        raise _Problem(offload_hint("no_wait_before_copy_back"))
     _same(got, src)
 
 
@@ -688,14 +742,18 @@ def check_offload_hooks(pack: Callable, unpack: Callable, seed: int | None = Non
     except _Problem as problem:
         return _verdict(False, str(problem), verbose)
     if gpu:
-        return _verdict(True, "on real CUDA streams: the pack returned while its copy was still queued, into pinned "
-                              "memory, after the kernels that wrote the tensor; the compute stream waited for the "
-                              f"copy back; and around the checkpointed tiny Llama ({packs} tensors packed) every "
-                              "gradient equals the one without hooks, within float32 rounding.", verbose)
-    return _verdict(True, "the copies, waits and marks come in the right order (recorded: no GPU here), and around "
-                          f"the checkpointed tiny Llama ({packs} tensors packed) every gradient is equal, bit for bit. "
-                          "Not checked without a GPU: that the copies really overlap and that the host buffer is "
-                          "pinned; run the check on a GPU for those.", verbose)
+        return _verdict(True, "on real CUDA streams, with each race provoked: the pack returned while its copy was "
+                              "still queued, into pinned memory, after the kernels that wrote the tensor and before "
+                              "its memory was reused; the copy back waited for the compute stream's kernels, and the "
+                              f"compute stream for the copy back; and around the checkpointed tiny Llama ({packs} "
+                              "tensors packed) every gradient equals the one without hooks, within float32 rounding.",
+                        verbose)
+    return _verdict(True, "the order of your calls is right: copies, waits and marks, as recorded by stand-ins for "
+                          f"the streams; and around the checkpointed tiny Llama ({packs} tensors packed) every "
+                          "gradient is equal, bit for bit. NOT checked, since there is no GPU here: that the streams "
+                          "really wait for each other (no race was provoked), that the pack returns before its copy "
+                          "is done, and that the host buffer is pinned (pin_memory=False passes here). Run the check "
+                          "on a GPU for those.", verbose)
 
 
 __all__ = ["TileCase", "CASES", "TracedMLP", "check_tiled_forward", "OFFLOAD_HINTS", "check_offload_hooks"]

@@ -157,3 +157,33 @@ def test_the_sweep_table_has_every_row_and_is_narrower_than_the_text_table():
     width = max(len(line) for line in str(table).splitlines()[:-3])
     assert width < max(len(line) for line in format_table(results).splitlines()[:-2])
     assert width <= 120
+
+
+def test_a_progress_bar_is_saved_as_its_final_line_by_a_headless_run():
+    """What nbmake or nbconvert executes and saves: the bar's last state as text, no widget left at 0%."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("ipywidgets")
+    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                                           "language": "python"}})
+    nb.cells = [nbformat.v4.new_code_cell(
+        "from kernels.bench.progress import progress_bar\n"
+        "for _ in progress_bar(range(4), desc='steps'):\n    pass\n"
+        "bar = progress_bar(total=3, desc='by hand')\nbar.update(2)\nbar.close()\n"
+        "for _ in progress_bar(range(2), desc='gone', leave=False):\n    pass")]
+    nbclient.NotebookClient(nb, timeout=120, kernel_name="python3").execute()
+    outputs = nb.cells[0].outputs
+    assert all(set(o["data"]) == {"text/plain"} for o in outputs)
+    texts = [o["data"]["text/plain"] for o in outputs]
+    assert texts[0].startswith("steps: 100%|") and "4/4" in texts[0]
+    assert texts[1].startswith("by hand:  67%|") and "2/3" in texts[1]
+    assert texts[2] == ""
+
+
+def test_a_progress_bar_in_a_terminal_is_tqdm():
+    from tqdm.std import tqdm
+
+    from kernels.bench.progress import progress_bar
+
+    bar = progress_bar(range(2), disable=True)
+    assert isinstance(bar, tqdm) and list(bar) == [0, 1]

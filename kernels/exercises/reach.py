@@ -82,8 +82,8 @@ RMS_NORM_BACKWARD = (
 def _asks_for_gradient(*args, **kwargs) -> bool:
     """Whether a call of ``kernels.cross_entropy.cross_entropy_forward`` asks for the gradient (``compute_grad``,
     by name or by position): with ``compute_grad=False`` it gives only the loss and the logsumexp."""
-    module = importlib.import_module("kernels.cross_entropy")  # the module: kernels.cross_entropy is its function
-    bound = inspect.signature(module.cross_entropy_forward).bind_partial(*args, **kwargs)
+    forward = resolve("kernels.cross_entropy:cross_entropy_forward")[2]
+    bound = inspect.signature(forward).bind_partial(*args, **kwargs)
     bound.apply_defaults()
     return bool(bound.arguments["compute_grad"])
 

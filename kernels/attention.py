@@ -42,8 +42,10 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -182,8 +184,11 @@ def _fwd_blocks(q, k_base, v_base, rows, start, end, n, sk_s, sv_s, cols_d, SEG,
         v = _tile(v_base, cols, n, sv_s, cols_d, UPCAST)
         s = _scores(q, k, rows[:, None], cols[None, :], n, SEG, qk_scale, CAUSAL, PACKED, PRECISION, MASKED)
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)  # rescale what was summed under the old maximum
-        p = tl.exp2(s - m_new[:, None])
+        m_ref = m_new
+        if MASKED:  # a row that has seen no key yet has m = -inf, and exp2(-inf - (-inf)) is NaN: measure from 0
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)  # rescale what was summed under the old maximum
+        p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
@@ -213,7 +218,8 @@ def _fwd_kernel(
     k_base = K + b * sk_b + hk * sk_h
     v_base = V + b * sv_b + hk * sv_h
 
-    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a fully masked block leaves exp2(m_old − m_new) = 1
+    # -inf, not a finite stand-in: any finite start would zero a row whose scaled scores all lie below it.
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     lo, hi = _key_range(m0, n, SEG, SEG_END, BLOCK_M, BLOCK_N, CAUSAL, PACKED)
@@ -229,7 +235,9 @@ def _fwd_kernel(
     m_i, l_i, acc = _fwd_blocks(q, k_base, v_base, rows, z, hi, n, sk_s, sv_s, cols_d, SEG, qk_scale, m_i, l_i,
                                 acc, BLOCK_N, True, CAUSAL, PACKED, UPCAST, PRECISION)
 
-    l_safe = tl.where(l_i > 0, l_i, 1.0)  # rows past n only; every real row sees at least its own key
+    # Rows past n only: every real row sees at least its own key, and l = 0 there means its scores overflowed
+    # float32 to -inf, which leaves NaN (0 / 0) as SDPA's softmax does, not a row of zeros.
+    l_safe = tl.where(rows < n, l_i, 1.0)
     out = acc / l_safe[:, None]
     ok = rows < n
     o_at = OUT + b * so_b + h * so_h + rows[:, None].to(tl.int64) * so_s + cols_d[None, :]
@@ -482,9 +490,18 @@ def _attention_config(seq: int, head_dim: int, props: runtime.DeviceProps, eleme
         dkdv = BlockConfig(64, 64, 4, 2)
         dq = BlockConfig(64, 64, 4, 2)
     config = Config(forward, dkdv, dq, 64, interior)
-    # The query kernels' mask-free walk ends at the query block's first row: a whole number of key blocks.
-    assert forward.block_m % forward.block_n == 0 and dq.block_m % dq.block_n == 0, config
+    check_config(config)
     return config
+
+
+def check_config(config: Config) -> None:
+    """Raise a ``ValueError`` for tiles the kernels compute wrong: the forward's and the dQ kernel's ``block_m``
+    must be a multiple of their ``block_n`` (their mask-free walk ends at the query block's first row, which must
+    be a whole number of key blocks). The dK/dV kernel takes any shape."""
+    for name, block in (("forward", config.forward), ("dq", config.dq)):
+        if block.block_m % block.block_n:
+            raise ValueError(f"config.{name} has block_m={block.block_m} and block_n={block.block_n}: the {name} "
+                             "kernel needs block_m a multiple of block_n")
 
 
 def shrinking(block: BlockConfig, divisible: bool):
@@ -555,7 +572,9 @@ def segment_bounds_from_positions(position_ids: torch.Tensor) -> tuple[torch.Ten
     batch, seq = position_ids.shape
     idx = torch.arange(seq, device=position_ids.device).expand(batch, seq)
     new = torch.ones(batch, seq, dtype=torch.bool, device=position_ids.device)
-    new[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    prev, cur = position_ids[:, :-1], position_ids[:, 1:]
+    # prev + 1 wraps at the dtype's maximum (uint8 255 -> 0, int64's max -> its min): that is no continuation.
+    new[:, 1:] = (cur != prev + 1) | (prev == torch.iinfo(position_ids.dtype).max)
     start = running_max(torch.where(new, idx, 0))
     # The end of i's document is the next document's start after i (or seq): a running minimum from the right.
     later_starts = torch.cat([torch.where(new, idx, seq)[:, 1:], idx.new_full((batch, 1), seq)], dim=1)
@@ -608,11 +627,14 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
 def attention_forward(q, k, v, causal: bool, scale: float, seg_start=None, seg_end=None,
                       config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward: ``(out, lse)``, out [batch, heads, seq, head_dim] (memory in [batch, seq, heads, head_dim]
-    order, so Hugging Face's transpose back is free), lse float32 [batch, heads, seq] in natural log."""
+    order, so Hugging Face's transpose back is free), lse float32 [batch, heads, seq] in natural log. An explicit
+    ``config`` is checked first (``check_config``)."""
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     batch, heads, seq, head_dim = q.shape
     out = torch.empty(batch, seq, heads, head_dim, dtype=q.dtype, device=q.device).transpose(1, 2)
     lse = torch.empty(batch, heads, seq, dtype=torch.float32, device=q.device)
+    if config is not None:
+        check_config(config)
     if out.numel() == 0:
         return out, lse
     cfg = config or attention_config(seq, head_dim, runtime.device_props(q.device), q.element_size(),
@@ -630,11 +652,14 @@ def attention_forward(q, k, v, causal: bool, scale: float, seg_start=None, seg_e
 
 def attention_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float, seg_start=None, seg_end=None,
                        config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the backward: ``(dq, dk, dv)`` in the layouts of q, k and v (dense ones are kept)."""
+    """Launch the backward: ``(dq, dk, dv)`` in the layouts of q, k and v (dense ones are kept). An explicit
+    ``config`` is checked first (``check_config``)."""
     q, k, v, grad_out = _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(grad_out)
     batch, heads, seq, head_dim = q.shape
     kv_heads = k.shape[1]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if config is not None:
+        check_config(config)
     if q.numel() == 0:
         return dq, dk.zero_(), dv.zero_()
     cfg = config or attention_config(seq, head_dim, runtime.device_props(q.device), q.element_size(),
@@ -718,7 +743,27 @@ class FlashAttentionFunction(torch.autograd.Function):
         q, k, v, out, lse, seg_start, seg_end = ctx.saved_tensors
         dq, dk, dv = ops.call(flash_attention_bwd, grad_out, q, k, v, out, lse, ctx.causal, ctx.scale,
                               seg_start, seg_end)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (grad_out, q, k, v)):
+            # create_graph=True: the backward kernel has no derivative of its own. Gradients that silently carry
+            # none would make a gradient penalty's gradient wrong; these raise when differentiated, as SDPA's
+            # fused kernels do.
+            dq, dk, dv = _NoDoubleBackward.apply(dq, dk, dv, grad_out, q, k, v)
         return dq, dk, dv, None, None, None, None
+
+
+class _NoDoubleBackward(torch.autograd.Function):
+    """``(dq, dk, dv)`` as given, in the graph of what they were computed from (grad_out, q, k, v): differentiating
+    them with respect to any of those raises, rather than finding no path and reading as zero."""
+
+    @staticmethod
+    def forward(ctx, dq, dk, dv, *sources):
+        return dq.view_as(dq), dk.view_as(dk), dv.view_as(dv)
+
+    @staticmethod
+    def backward(ctx, *grad_grads):
+        raise RuntimeError("flash_attention has no double backward (the derivative of its backward is not "
+                           "implemented, as for SDPA's fused kernels): differentiate a gradient of attention with "
+                           "F.scaled_dot_product_attention's math backend, or without create_graph=True")
 
 
 def _check_tensor(name: str, t) -> None:
@@ -750,11 +795,21 @@ def check_inputs(q, k, v, causal, scale, cu_seqlens) -> None:
                          "(grouped-query attention)")
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                              or not math.isfinite(scale)):
-        raise TypeError(f"scale must be a finite float or None (1/sqrt(head_dim)), got {scale!r}")
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__module__}.{type(causal).__name__}")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            raise TypeError(f"scale must be a real number or None (1/sqrt(head_dim)), got {type(scale).__name__}")
+        try:
+            value = float(scale)
+        except OverflowError:  # an int past float's range
+            value = math.inf
+        # The kernels multiply the scores by scale · log2 e in float32: past float32's range that is inf.
+        if not abs(value) * LOG2E <= _FLOAT32_MAX:
+            big_int = isinstance(scale, numbers.Integral) and value == math.inf
+            shown = "an int past float's range" if big_int else f"{value:.4g}"
+            raise ValueError(f"scale must be finite, with |scale| · log2(e) within float32's range (|scale| ≤ "
+                             f"{_FLOAT32_MAX / LOG2E:.4g}), got {shown}")
     devices = {t.device for t in (q, k, v)}
     if len(devices) > 1:
         raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device} and {v.device}")
@@ -782,6 +837,10 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, seq: int) -> None:
         raise ValueError(f"cu_seqlens must rise from 0 to seq={seq} (document offsets), got {shown}")
 
 
+_NO_ARITHMETIC = (torch.uint16, torch.uint32, torch.uint64)  # integer dtypes whose + PyTorch leaves unimplemented
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
 def _check_position_ids(position_ids, q, cu_seqlens) -> None:
     if cu_seqlens is not None:
         raise ValueError("give cu_seqlens or position_ids, not both")
@@ -790,6 +849,9 @@ def _check_position_ids(position_ids, q, cu_seqlens) -> None:
         got = position_ids.dtype if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
         raise TypeError(f"position_ids must be an integer tensor [batch, seq], got {got}")
     batch, seq = q.shape[0], q.shape[2]
+    if position_ids.dtype in _NO_ARITHMETIC:
+        raise TypeError(f"position_ids of dtype {position_ids.dtype}: PyTorch has no addition for it; cast it to "
+                        "torch.int64")
     if position_ids.dim() != 2 or position_ids.shape[1] != seq or position_ids.shape[0] not in (1, batch):
         raise ValueError(f"position_ids must be [batch={batch} (or 1), seq={seq}], got {tuple(position_ids.shape)}")
     if position_ids.device != q.device:
@@ -816,6 +878,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     positions in each row, a new one wherever the positions restart (``segment_bounds_from_positions``).
     """
     check_inputs(q, k, v, causal, scale, cu_seqlens)
+    causal = bool(causal)  # a numpy bool: the operator's schema takes Python's
     seq, head_dim = q.shape[2], q.shape[3]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     seg_start = seg_end = None

@@ -296,8 +296,10 @@ def test_errors(device):
         flash_attention(*_good(device, head_dim=48))
     with pytest.raises(ValueError, match="one sequence length"):
         flash_attention(q, k[:, :, :5], v[:, :, :5])
-    with pytest.raises(TypeError, match="scale must be"):
+    with pytest.raises(ValueError, match="scale must be finite"):
         flash_attention(q, k, v, scale=math.nan)
+    with pytest.raises(TypeError, match="scale must be a real number"):
+        flash_attention(q, k, v, scale="0.5")
     with pytest.raises(TypeError, match="causal must be a bool"):
         flash_attention(q, k, v, causal=None)
     cu = torch.tensor([0, 3, 8], dtype=torch.int32, device=device)

@@ -158,3 +158,31 @@ def test_refuses_other_attention():
     model.config._attn_implementation = "eager"
     with pytest.raises(ValueError, match="attention=True replaces SDPA attention"):
         patch_llama(model, attention=True)
+
+
+@pytest.mark.parametrize(
+    ("offsets", "message"),
+    [
+        ([2, 5, 12], "rise from 0"),  # not from 0: was accepted
+        ([0, 5, 9], "rise from 0"),  # ending before the sequence: was an IndexError inside segment_bounds
+        ([0, 4, 12], "disagree"),  # other documents than the position ids': the offsets won silently
+    ],
+)
+def test_collator_offsets_are_checked_like_flash_attentions(offsets, message, gen):
+    device = runtime.device()
+    q, k, v = (torch.randn(1, 2, 12, 16, generator=gen).to(device) for _ in range(3))
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]], device=device)
+    module = torch.nn.Module()
+    cu = torch.tensor(offsets, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=message):
+        hf_attention.flash_attention_forward(module, q, k, v, None, is_causal=True, cu_seq_lens_q=cu,
+                                             position_ids=positions)
+    # Without position ids, the same offsets are refused as flash_attention refuses them (the last pair is right).
+    if message != "disagree":
+        with pytest.raises(ValueError, match=message):
+            hf_attention.flash_attention_forward(module, q, k, v, None, is_causal=True, cu_seq_lens_q=cu)
+    good = torch.tensor([0, 5, 12], dtype=torch.int32, device=device)
+    out, _ = hf_attention.flash_attention_forward(module, q, k, v, None, is_causal=True, cu_seq_lens_q=good,
+                                                  position_ids=positions)
+    alone, _ = hf_attention.flash_attention_forward(module, q, k, v, None, is_causal=True, cu_seq_lens_q=good)
+    assert torch.equal(out, alone)

@@ -9,13 +9,19 @@ and points the model's config at it; the returned function points it back.
 across an example's boundary. Two ways of saying where the boundaries are reach the attention function:
 
 * ``cu_seq_lens_q`` (int32 [n_docs + 1]), which ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` adds
-  to the batch and the model passes through to attention: the document offsets, taken as they are (batch 1);
+  to the batch and the model passes through to attention: the document offsets (batch 1). The collator writes
+  position ids that restart with each document too, and rotary embeddings already read those: the kernel takes its
+  boundaries from the position ids, and offsets that do not rise from 0 to the sequence's length, or that disagree
+  with the position ids, raise a ValueError. The check reads both to the host once per offsets tensor (every layer
+  of one forward receives the same one), never while ``torch.compile`` traces. Without position ids the offsets,
+  checked the same way, give the boundaries;
 * ``position_ids`` restarting at 0 in each example (``DataCollatorWithFlattening``'s default, or a caller's own
   packing): each row's documents are its runs of consecutive positions (``segment_bounds_from_positions``), so a
   batch of several packed rows works too. The model always passes position ids; a row of 0, 1, 2, ... is one
   document, the plain causal case.
 
-No host synchronisation on either path: the boundaries become each token's document bounds with tensor operations.
+Apart from that check, no host synchronisation: the boundaries become each token's document bounds with tensor
+operations.
 
 **The mask.** Transformers builds a [seq, seq] mask for packed rows (it detects the restarting positions). Our
 kernel needs none, so the registered mask function returns None whenever the caller gave no padding mask and the
@@ -34,13 +40,21 @@ from __future__ import annotations
 
 import inspect
 import json
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from .. import runtime
-from ..attention import DTYPES, HEAD_DIMS, flash_attention
+from ..attention import (
+    DTYPES,
+    HEAD_DIMS,
+    check_cu_seqlens,
+    flash_attention,
+    segment_bounds,
+    segment_bounds_from_positions,
+)
 
 IMPLEMENTATION = "kernels_flash_attention"
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "assets" / "results" / "attention"
@@ -86,14 +100,51 @@ def flash_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                                       is_causal=is_causal, **kwargs)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     cu_seqlens, position_ids = kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids")
-    if cu_seqlens is not None and query.shape[0] == 1:
+    if cu_seqlens is not None:
+        check_offsets(cu_seqlens, position_ids, query)
+    if cu_seqlens is not None and position_ids is None:
         out = flash_attention(query, key, value, causal, scaling, cu_seqlens=cu_seqlens.to(torch.int32),
-                              check_cu_seqlens_values=False)  # the collator wrote them: no host sync per layer
+                              check_cu_seqlens_values=False)  # check_offsets read them
     elif position_ids is not None:
         out = flash_attention(query, key, value, causal, scaling, position_ids=position_ids)
     else:
         out = flash_attention(query, key, value, causal, scaling)
     return out.transpose(1, 2), None  # [batch, seq, heads, head_dim], contiguous already
+
+
+_CHECKED: list = [None, -1]  # the offsets tensor checked last (a weak reference) and its version counter then
+
+
+def check_offsets(cu_seqlens, position_ids, query: torch.Tensor) -> None:
+    """Raise a ``ValueError`` unless ``cu_seq_lens_q`` are document offsets of ``query``'s single row: an integer
+    1-D tensor rising from 0 to the sequence's length, and, where ``position_ids`` are given, the same documents as
+    their runs of consecutive positions. Reads both to the host once per offsets tensor (the same tensor reaches
+    every layer); nothing while ``torch.compile`` traces."""
+    if torch.compiler.is_compiling():
+        return
+    last, version = _CHECKED
+    if last is not None and last() is cu_seqlens and version == cu_seqlens._version:
+        return
+    if (not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2
+            or cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool):
+        got = (f"{cu_seqlens.dtype} tensor of shape {tuple(cu_seqlens.shape)}" if isinstance(cu_seqlens, torch.Tensor)
+               else type(cu_seqlens).__name__)
+        raise ValueError(f"cu_seq_lens_q must be a 1-D integer tensor of document offsets [0, ..., seq], got {got}")
+    if query.shape[0] != 1:
+        raise ValueError(f"cu_seq_lens_q packs documents along one row: the batch must be 1, got {query.shape[0]}")
+    seq = query.shape[2]
+    try:
+        check_cu_seqlens(cu_seqlens, seq)
+    except ValueError as err:
+        raise ValueError(f"cu_seq_lens_q: {err}") from None
+    if position_ids is not None:
+        from_offsets = segment_bounds(cu_seqlens.to(torch.int32), seq)[0]
+        from_positions = segment_bounds_from_positions(position_ids.expand(1, seq))[0]
+        if not torch.equal(from_offsets.cpu(), from_positions.cpu()):
+            raise ValueError(f"cu_seq_lens_q {cu_seqlens.tolist()[:12]} and position_ids disagree on where the "
+                             "documents start (position ids restart at each document's first token): pass "
+                             "offsets that match the positions, or only the position ids")
+    _CHECKED[:] = [weakref.ref(cu_seqlens), cu_seqlens._version]
 
 
 def check_attention(model: torch.nn.Module) -> None:

@@ -120,6 +120,45 @@ def test_lora_on_attention_trains_like_unpatched(device, gen):
                                       **WITH_LINEAR)
 
 
+@pytest.mark.parametrize("order", ["patch-then-wrap", "wrap-then-patch"])
+def test_modules_to_save_head_is_the_one_the_loss_uses(order, device, gen):
+    # PEFT's modules_to_save=["lm_head"] trains a copy of the head. Patched first, the copy inherited the patched
+    # forward bound to the original head: the loss used the frozen original and the copy got no gradient. Wrapped
+    # first, the patch refused the wrapper. Both orders now train the copy, as PEFT does unpatched.
+    peft = pytest.importorskip("peft")
+    seed = seed_from(gen)
+    config = dict(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"])
+    reference = peft.get_peft_model(tiny_model("llama", seed), peft.LoraConfig(**config))
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if "lora_B" in name or "modules_to_save" in name:  # a copy unlike the original, adapters not at zero
+                p.add_(torch.randn(p.shape, generator=gen).to(p.device) * 0.05)
+    state = reference.state_dict()
+    batch = random_batch(gen, device=device)
+    ref_loss, ref_grads = _adapter_grads(reference, batch)
+    assert any("modules_to_save" in name for name in ref_grads)
+
+    model = tiny_model("llama", seed)
+    if order == "patch-then-wrap":
+        patch = patch_llama(model, lora=True, linear_cross_entropy=True)
+        wrapped = peft.get_peft_model(model, peft.LoraConfig(**config))
+    else:
+        wrapped = peft.get_peft_model(model, peft.LoraConfig(**config))
+        patch = patch_llama(wrapped, lora=True, linear_cross_entropy=True)
+    wrapped.load_state_dict(state)
+    with RowsOfWidth(TINY["vocab_size"]) as rows:
+        loss, grads = _adapter_grads(wrapped, batch)
+    assert rows.most_rows < batch["input_ids"].numel()  # no logits: the loss without them ran
+    assert relative_error(loss, ref_loss) < 1e-5
+    assert_grads_close(grads, ref_grads, 1e-5)
+    wrapped.eval()
+    with torch.no_grad():  # the copy's logits where logits are wanted, not the original head's
+        expected = reference.eval()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        got = wrapped(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    patch.undo()
+
+
 def _adapter_grads(model, batch):
     model.zero_grad(set_to_none=True)
     out = model(**batch)

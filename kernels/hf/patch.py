@@ -32,7 +32,8 @@ cross-entropy), ``patch_llama(model, kernels=("rms_norm", "cross_entropy"))`` ex
   exists. The output's ``logits`` is None. In eval mode, under ``no_grad`` or without labels the head computes logits
   as usual (and the loss uses the fused cross-entropy, or Hugging Face's with ``cross_entropy=False``). Tied
   embeddings work (the shared weight receives both gradients); an LM head that is not a plain ``nn.Linear`` without
-  bias (LoRA on the head) is refused.
+  bias (LoRA on the head) is refused. PEFT's ``modules_to_save=["lm_head"]`` trains a copy of the head, in either
+  order of wrapping and patching: the loss takes the weight of whichever head the wrapper ran.
 * **The MLP activation** (``swiglu``). Every ``LlamaMLP``, ``MistralMLP``, ``Qwen2MLP``, ``Qwen3MLP`` whose activation
   is SiLU is replaced by a ``TritonSwiGLUMLP`` that holds the very same ``gate_proj``, ``up_proj`` and ``down_proj``
   submodules (so parameter names, the optimizer and PEFT adapter layers inside the projections are unchanged) and
@@ -312,11 +313,14 @@ class _PatchedLoss:
         self.consumed: torch.Tensor | None = None  # the tensor in the output's logits that holds no logits
         self.defer = False  # set by the patched forward: the head hands its input through instead of logits
         self.deferred: torch.Tensor | None = None  # what the head handed through
+        # Which head handed it through: the patched head, or a copy of it (PEFT's modules_to_save trains a copy of
+        # the head; its forward, copied with it, is bound to the copy). The loss takes that head's weight.
+        self.deferred_by: torch.nn.Module | None = None
 
     def __call__(self, logits, labels, vocab_size, **kwargs):
         if self.deferred is not None and logits is self.deferred:
             self.consumed = logits
-            return causal_lm_linear_loss(logits, self.head.weight, labels, **kwargs)
+            return causal_lm_linear_loss(logits, self.deferred_by.weight, labels, **kwargs)
         if self.defer:
             raise RuntimeError(
                 "the LM head's input did not reach the loss unchanged (something wraps lm_head since the patch, "
@@ -344,34 +348,47 @@ class _PatchedLoss:
         return f"causal_lm_loss({'; '.join(parts)})"
 
 
-def _deferring_head_forward(head: torch.nn.Module, loss: _PatchedLoss):
-    """An instance-level forward for the LM head: while ``loss.defer`` is set, hand the hidden states through."""
-    inner = head.forward
+def _deferring_head_forward(head: torch.nn.Linear, loss: _PatchedLoss):
+    """An instance-level forward for the LM head: while ``loss.defer`` is set, hand the hidden states through.
 
-    def forward(hidden_states):
+    A bound method, not a closure over the head: a deep copy of the head (PEFT's ``modules_to_save`` trains one)
+    gets it bound to the copy, which then defers with its own weight instead of computing the original's logits."""
+
+    inner = head.forward  # the class's forward, or an instance-level one already there (a device hook's)
+
+    def logits(self, hidden_states):
+        return inner(hidden_states) if self is head else torch.nn.Linear.forward(self, hidden_states)
+
+    def forward(self, hidden_states):
         if loss.defer:
-            loss.deferred = hidden_states
+            loss.deferred, loss.deferred_by = hidden_states, self
             return hidden_states
-        return inner(hidden_states)
+        return logits(self, hidden_states)
 
-    forward.__wrapped__ = inner
-    return forward
+    forward.logits = logits
+    return types.MethodType(forward, head)
 
 
-def _check_head(model: torch.nn.Module) -> torch.nn.Module:
+def _check_head(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    """The LM heads whose forward defers the logits: the model's head, or, where PEFT's ``modules_to_save`` wraps
+    it (``ModulesToSaveWrapper``), the original head and each adapter's trainable copy, whichever the wrapper runs."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if type(head) is not torch.nn.Linear or head.bias is not None:
-        raise TypeError(
-            f"linear_cross_entropy=True needs an LM head that is a plain nn.Linear without bias, got "
-            f"{type(head).__name__ if head is not None else 'none'} (an adapter on the head, e.g. LoRA, computes "
-            "something else): use linear_cross_entropy=False"
-        )
-    return head
+    heads = [head]
+    if type(head).__name__ == "ModulesToSaveWrapper" and hasattr(head, "original_module"):
+        heads = [head.original_module, *head.modules_to_save.values()]
+    for h in heads:
+        if type(h) is not torch.nn.Linear or h.bias is not None:
+            raise TypeError(
+                f"linear_cross_entropy=True needs an LM head that is a plain nn.Linear without bias (or PEFT's "
+                f"modules_to_save copies of one), got {type(h).__name__ if h is not None else 'none'} (an adapter "
+                "on the head, e.g. LoRA, computes something else): use linear_cross_entropy=False"
+            )
+    return heads
 
 
 def _with_logits(output, hidden: torch.Tensor, head: torch.nn.Module):
-    """The model's output with the hidden states the head handed through replaced by their logits."""
-    logits = head.forward.__wrapped__(hidden)
+    """The model's output with the hidden states ``head`` handed through replaced by their logits."""
+    logits = head.forward.__func__.logits(head, hidden)
     if dataclasses.is_dataclass(output) and getattr(output, "logits", None) is hidden:
         return dataclasses.replace(output, logits=logits)
     if isinstance(output, tuple):
@@ -478,7 +495,7 @@ class LlamaPatch:
     _had_own_forward: bool = False
     _previous_forward: object = None
     head: torch.nn.Module | None = None  # the LM head whose forward defers the logits (linear_cross_entropy)
-    _head_previous_forward: object = None
+    _head_previous_forwards: list = field(default_factory=list)  # (head, its own forward or None) of each patched
     _restore_attention: object = None  # points the attention back at plain SDPA (additive_mask, skip_causal_mask)
     offload: object = None  # the CheckpointOffload handle (offload_checkpoints)
     lora: object = None  # the LoraFusion handle (lora): PEFT's LoRA layers fused (kernels.hf.lora)
@@ -544,11 +561,11 @@ class LlamaPatch:
                 model.forward = self._previous_forward
             elif "forward" in model.__dict__:
                 del model.forward
-        if self.head is not None:
-            if self._head_previous_forward is not None:
-                self.head.forward = self._head_previous_forward
+        for head, previous in self._head_previous_forwards:
+            if previous is not None:
+                head.forward = previous
             else:
-                del self.head.forward
+                del head.forward
         model.__dict__.pop("_kernels_patch", None)
         self.active = False
 
@@ -614,7 +631,7 @@ def _wrap_forward(model: torch.nn.Module, loss: _PatchedLoss | None, skip_causal
         previous_plain = CAUSAL_CALL.plain
         CAUSAL_CALL.plain = skip_causal_mask and is_plain_causal_call(args, kwargs)
         if loss is not None:
-            loss.consumed = loss.deferred = None
+            loss.consumed = loss.deferred = loss.deferred_by = None
             # Defer the logits only where they exist for the loss alone: training, autograd on, labels given.
             loss.defer = (loss.head is not None and model.training and torch.is_grad_enabled()
                           and kwargs.get("labels") is not None)
@@ -623,12 +640,12 @@ def _wrap_forward(model: torch.nn.Module, loss: _PatchedLoss | None, skip_causal
             if loss is None:
                 return output
             if loss.deferred is not None and loss.consumed is None:  # the loss was not computed after all
-                output = _with_logits(output, loss.deferred, loss.head)
+                output = _with_logits(output, loss.deferred, loss.deferred_by)
             return output if loss.consumed is None else _without_consumed_logits(output, loss.consumed)
         finally:
             CAUSAL_CALL.plain = previous_plain
             if loss is not None:
-                loss.consumed = loss.deferred = None  # never keep the tensors alive past the call
+                loss.consumed = loss.deferred = loss.deferred_by = None  # keep no tensor alive past the call
                 loss.defer = False
 
     forward.__doc__ = (
@@ -837,7 +854,8 @@ def patch_llama(
         found.pop("additive_mask", None), found.pop("skip_causal_mask", None)
     cross_entropy, linear_cross_entropy = "cross_entropy" in found, "linear_cross_entropy" in found
     additive_mask, skip_causal_mask = "additive_mask" in found, "skip_causal_mask" in found
-    head = found.get("linear_cross_entropy")
+    heads = found.get("linear_cross_entropy") or []
+    head = heads[0] if heads else None
     if "tiled_mlp" in found:
         found.pop("swiglu", None)  # the tiled MLP runs the same SwiGLU kernel, one tile of rows at a time
     patch = LlamaPatch(model)
@@ -866,10 +884,10 @@ def patch_llama(
         patch._previous_forward = model.__dict__.get("forward")
         model.forward = _wrap_forward(model, patch.loss, skip_causal_mask)
         patch.forward_wrapped = True
-    if head is not None:
-        patch._head_previous_forward = head.__dict__.get("forward")
-        head.forward = _deferring_head_forward(head, patch.loss)
-        patch.head = head
+    for h in heads:
+        patch._head_previous_forwards.append((h, h.__dict__.get("forward")))
+        h.forward = _deferring_head_forward(h, patch.loss)
+    patch.head = head
     if additive_mask or skip_causal_mask:
         patch._restore_attention = use_mask_function(model, additive=additive_mask)
         patch.mask = "; ".join(what for what, on in (("padding mask: one additive bias per forward", additive_mask),

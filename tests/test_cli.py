@@ -301,6 +301,15 @@ def test_out_naming_a_file_is_refused_before_any_work(module, tmp_path, capsys):
     assert "is a file, not a folder" in _refused(module, [*argv, "--out", str(a_file / "below")], capsys)
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs /proc, where nothing can be created")
+@pytest.mark.parametrize("module", [*WRITERS, LONG])
+def test_out_where_nothing_can_be_created_is_refused_before_any_work(module, capsys):
+    # /proc passes access()'s permission check for root: the runs used to find out when writing, after all the work.
+    argv = WRITERS.get(module, ([], ""))[0]
+    out = "/proc/kernels-results/run.json" if module == LONG else "/proc/kernels-results"
+    assert "nothing can be created in /proc" in _refused(module, [*argv, "--out", out], capsys)
+
+
 @pytest.mark.skipif(runtime.MODE == "gpu", reason="on a GPU --record is allowed")
 @pytest.mark.parametrize("module", [*WRITERS, LONG])
 def test_record_is_refused_in_the_interpreter(module, capsys):

@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -225,6 +226,12 @@ def _creatable(folder: Path, flag: str, target: Path) -> list[str]:
         return [f"{flag}: cannot create {target}: {ancestor} is a file, not a folder"]
     if not os.access(ancestor, os.W_OK | os.X_OK):
         return [f"{flag}: cannot write {target}: {ancestor} is not writable"]
+    # access() answers from the permission bits, which root passes everywhere: /proc and a read-only mount say
+    # writable, and the run would find out only when it writes its results. Creating a folder there says.
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=ancestor))
+    except OSError as err:
+        return [f"{flag}: cannot write {target}: nothing can be created in {ancestor} ({err.strerror})"]
     return []
 
 

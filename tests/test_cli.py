@@ -201,6 +201,10 @@ MISTAKES = [
     (FINETUNE, ["--fit-lo", "8192", "--fit-hi", "4096"], "--fit-lo 8192 is above --fit-hi 4096"),
     (FINETUNE, ["--slope", "8,4"], "argument --slope"),
     (FINETUNE, ["--name", "a/b"], "argument --name"),
+    (FINETUNE, ["--seq-len", "3"], "--seq-len 3 is shorter than any exchange"),  # was a traceback after the setup
+    (FINETUNE, ["--lora-alpha", "8"], "--lora-alpha sets the LoRA adapters' alpha: add --lora RANK"),
+    (FINETUNE, ["--fit-lo", "1024"], "--fit-lo only tunes the fit search: add --fit"),
+    (FINETUNE, ["--memory-fraction", "0.5", "--fit-probes", "3"], "--fit-probes, --memory-fraction only tune"),
     (FINETUNE, ["--preset", "tiny", "--compile"], "--compile compares compiled models"),
     (FSDP, ["--prefetch", "-1"], "argument --prefetch"),
     (FSDP, ["--steps", "0"], "argument --steps"),
@@ -258,8 +262,9 @@ def test_several_mistakes_get_one_line_each(capsys, tmp_path):
     a_file.write_text("{}")
     err = _refused(FINETUNE, ["--fit-lo", "9", "--fit-hi", "2", "--compile", "--out", str(a_file)], capsys)
     errors = [line for line in err.splitlines() if ": error: " in line]
-    assert len(errors) == 3, err
-    assert "--fit-lo 9 is above --fit-hi 2" in errors[0] and "--compile" in errors[1] and "is a file" in errors[2]
+    assert len(errors) == 4, err
+    assert "--fit-lo 9 is above --fit-hi 2" in errors[0] and "--fit-lo, --fit-hi only tune" in errors[1]
+    assert "--compile" in errors[2] and "is a file" in errors[3]
 
 
 # The results file of each command's tiny run, under the results root; the arguments that make that run.
@@ -299,6 +304,21 @@ def test_out_naming_a_file_is_refused_before_any_work(module, tmp_path, capsys):
     a_file.write_text("{}")
     assert "is a file" in _refused(module, [*argv, "--out", str(a_file)], capsys)
     assert "is a file, not a folder" in _refused(module, [*argv, "--out", str(a_file / "below")], capsys)
+
+
+@pytest.mark.skipif(runtime.MODE == "gpu", reason="checks the refusal without a GPU")
+@pytest.mark.parametrize("module, argv, flag", [
+    (PEAK, [], "this command"), (LONG, ["--preset", "tiny", "--probe", "64,128"], "this command"),
+    (FINETUNE, ["--preset", "tiny", "--fit"], "--fit"),
+    (FINETUNE, ["--preset", "tiny", "--slope", "64,128"], "--slope"),
+    (FINETUNE, ["--preset", "tiny", "--probe", "64,128"], "--probe"),
+])
+def test_what_needs_a_gpu_is_refused_up_front_alike(module, argv, flag, capsys, tmp_path):
+    # peak_memory said so and exited 0, long_context exited 1, finetune --fit and --slope ran the CPU training first.
+    out = tmp_path / "run.json" if module == LONG else tmp_path
+    err = _refused(module, [*argv, "--out", str(out)], capsys)
+    assert f"error: {flag} needs a CUDA GPU" in err
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs /proc, where nothing can be created")
@@ -366,7 +386,6 @@ TINY_RUNS = [
     (LORA, ["--preset", "tiny", "--seq", "13", "--setups", "floor_hf,patched_peft", "--no-micro"],
      ["lora/tiny_b1.json"]),
     (CUDA, ["--quick"], []),  # interpreter timings: saved only where --out asks
-    (PEAK, [], []),  # GPU-only: says so and writes nothing
 ]
 
 
@@ -395,8 +414,6 @@ def test_every_default_run_writes_into_the_runs_folder_and_touches_no_tracked_fi
         assert _main(module)(argv) == 0, module
         for relative in written:
             assert (runs_in_repo / relative).stat().st_size > 0, (module, relative)
-    with pytest.raises(SystemExit, match="needs a CUDA GPU"):  # long_context: GPU-only, a message and exit 1
-        _main(LONG)(["--preset", "tiny", "--probe", "64,128"])
     assert _git_status() == before, "a command line changed the working tree outside the git-ignored runs folder"
     assert json.loads((runs_in_repo / f"adamw/{SLUG}.json").read_text())["preset"] == "tiny"
     assert _leftovers(runs_in_repo / "adamw") == []

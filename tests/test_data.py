@@ -171,3 +171,13 @@ def test_render_row_marks_trained_text(tok):
     batch = make_sft_batches(tok, 1, 96, 1)[0]
     text = render_row(tok, batch)
     assert "«" in text and "### Instruction:" in text and "padding tokens" in text
+
+
+def test_min_seq_len_is_the_shortest_row_that_holds_an_exchange():
+    # The command lines refuse a shorter --seq-len before any work on this constant's word: it must be exact.
+    from kernels.training.data import MIN_SEQ_LEN
+    from kernels.training.loop import make_run_batches
+
+    assert make_run_batches("tiny", 1, MIN_SEQ_LEN, 1, 1)[0]["input_ids"].shape[-1] <= MIN_SEQ_LEN
+    with pytest.raises(ValueError, match=f"too short for any prompt of this dataset; use at least {MIN_SEQ_LEN}"):
+        make_run_batches("tiny", 1, MIN_SEQ_LEN - 1, 1, 1)

@@ -34,12 +34,15 @@ def test_compare_on_the_command_line(tmp_path):
 
 
 def test_single_run_and_fit_message(tmp_path, capsys):
+    if runtime.MODE != "gpu":  # --fit needs the GPU's memory: refused before any work, not after the run
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--preset", "tiny", "--fit", "--out", str(tmp_path)])
+        assert exit_info.value.code == 2 and "--fit needs a CUDA GPU" in capsys.readouterr().err
+        assert not (tmp_path / "finetune").exists()
     assert main(["--preset", "tiny", "--steps", "2", "--seq-len", "64", "--batch-size", "1", "--grad-accum", "1",
-                 "--out", str(tmp_path), "--no-progress"] + (["--fit"] if runtime.MODE != "gpu" else [])) == 0
+                 "--out", str(tmp_path), "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "patched:" in out and "tokens/s" in out
-    if runtime.MODE != "gpu":
-        assert "GPU-only" in out
     data = json.loads((tmp_path / "finetune" / "tiny_patched.json").read_text())
     assert len(data["patched"]["steps"]) == 2 and "baseline" not in data
 

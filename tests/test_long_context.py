@@ -184,8 +184,9 @@ def test_the_gpu_parts_refuse_on_the_cpu():
         lc.probe("tiny", (64, 128))
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
         lc.step_times("tiny", 64)
-    with pytest.raises(SystemExit, match="needs a CUDA GPU"):  # the command line: a message, no traceback
+    with pytest.raises(SystemExit) as exit_info:  # the command line: refused with the argument mistakes, exit 2
         lc.main(["--preset", "tiny", "--probe", "64,128"])
+    assert exit_info.value.code == 2
 
 
 def test_the_command_line_parses_lengths_and_variants():
@@ -351,6 +352,7 @@ def test_the_finetune_command_line_takes_the_memory_switches_and_probe(capsys):
     options = patch_options(args)
     assert options["tiled_mlp"] and options["offload_checkpoints"] and not options["swiglu"]
     assert args.probe == (4096, 8192)
-    if runtime.MODE != "gpu":
-        assert main(["--kernels", "rms_norm,tiled_mlp", "--probe", "4096,8192", "--gradient-checkpointing"]) == 0
-        assert "memory_table" in capsys.readouterr().out
+    if runtime.MODE != "gpu":  # refused before any work, with where the counted bytes are
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--kernels", "rms_norm,tiled_mlp", "--probe", "4096,8192", "--gradient-checkpointing"])
+        assert exit_info.value.code == 2 and "memory_table" in capsys.readouterr().err

@@ -243,6 +243,16 @@ def record_problems(args: argparse.Namespace) -> list[str]:
     return []
 
 
+def gpu_problems(what: str, why: str) -> list[str]:
+    """``[one line]`` saying that ``what`` needs a CUDA GPU (``why``), in Triton's interpreter or where no CUDA device
+    answers; [] on a GPU. Commands refuse such runs with the other argument mistakes: exit 2 before any work."""
+    import torch
+
+    if runtime.MODE == "gpu" and torch.cuda.is_available():
+        return []
+    return [f"{what} needs a CUDA GPU ({why}); this machine runs Triton's interpreter"]
+
+
 def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace, targets: Iterable[Path],
                   problems: Iterable[str] = (), *, out_is_file: bool = False) -> None:
     """Check the results root (unless ``--out`` names the file itself) and every file this run will write

@@ -47,6 +47,9 @@ SPECIAL_TOKENS = {"bos_token": "<|begin|>", "eos_token": "<|end|>", "pad_token":
 DEFAULT_VOCAB_SIZE = 2048
 DATASET_SEED = 0  # the dataset is fixed; the seed given to make_sft_batches shuffles it
 DEFAULT_EXAMPLES = 2000
+# The shortest row that holds any exchange of this dataset with the workbook's tokenizer: its shortest prompt, the BOS
+# and one response token (tests/test_data.py checks it). Command lines refuse shorter --seq-len before any work.
+MIN_SEQ_LEN = 21
 
 # Token roles in a packed row (make_sft_batches(..., with_roles=True) returns them).
 PAD, PROMPT, RESPONSE = 0, 1, 2
@@ -333,7 +336,8 @@ def _pack_rows(encoded, order: Iterator[int], seq_len: int, bos: int | None) -> 
         else:
             skipped_in_a_row += 1
             if skipped_in_a_row > len(encoded):
-                raise ValueError(f"seq_len={seq_len} is too short for any prompt of this dataset; use at least 64")
+                raise ValueError(f"seq_len={seq_len} is too short for any prompt of this dataset; use at least "
+                                 f"{MIN_SEQ_LEN}")
 
 
 def _check_positive_int(name: str, value) -> None:

@@ -29,6 +29,7 @@ from kernels.hf.patch import DEFAULT_KERNELS, SWITCHES
 from kernels.hf.presets import PRESETS
 from kernels.memory import logits_bytes_per_token
 
+from .data import MIN_SEQ_LEN
 from .fit import fit_both, memory_slope
 from .loop import (
     ADAMW_IMPLEMENTATIONS,
@@ -74,14 +75,15 @@ def build_parser(writes: str = "finetune/<name>.json and .png") -> argparse.Argu
     p.add_argument("--compare", action="store_true", help="run Hugging Face's model first, then the patched one")
     p.add_argument("--fit", action="store_true",
                    help="also search the longest sequence at which a training step fits, baseline and patched (GPU)")
-    p.add_argument("--fit-lo", type=cli.positive_int, default=4096,
-                   help="first length the fit search tries (default 4096)")
-    p.add_argument("--fit-hi", type=cli.positive_int, default=65536,
-                   help="longest length the fit search tries (default 65536)")
-    p.add_argument("--fit-probes", type=cli.positive_int, default=8,
-                   help="most steps the fit search runs per variant (default 8)")
+    p.add_argument("--fit-lo", type=cli.positive_int, default=None,
+                   help=f"first length the fit search tries (with --fit; default {FIT_DEFAULTS['fit_lo']})")
+    p.add_argument("--fit-hi", type=cli.positive_int, default=None,
+                   help=f"longest length the fit search tries (with --fit; default {FIT_DEFAULTS['fit_hi']})")
+    p.add_argument("--fit-probes", type=cli.positive_int, default=None,
+                   help=f"most steps the fit search runs per variant (with --fit; default "
+                        f"{FIT_DEFAULTS['fit_probes']})")
     p.add_argument("--memory-fraction", type=cli.fraction, default=None,
-                   help="cap the fit search's GPU memory at this fraction of the GPU's (a quicker search)")
+                   help="cap the fit search's GPU memory at this fraction of the GPU's (with --fit; a quicker search)")
     p.add_argument("--probe", type=cli.increasing_pair, default=None, metavar="A,B",
                    help="one real training step at each of two long lengths (e.g. 131072,262144) with the kernels "
                         "named by --kernels, then the longest length that fits this GPU and the host memory, "
@@ -117,7 +119,7 @@ def build_parser(writes: str = "finetune/<name>.json and .png") -> argparse.Argu
                    help="LoRA of this rank on q, k, v, o, gate, up, down (PEFT, dropout 0): with --compare, Hugging "
                         "Face + PEFT against patched + PEFT; results in lora/<name>.json")
     p.add_argument("--lora-alpha", type=cli.positive_float, default=None, metavar="A",
-                   help="LoRA's alpha (default 2 × RANK)")
+                   help="LoRA's alpha (with --lora; default 2 × RANK)")
     p.add_argument("--fsdp", action="store_true", help=argparse.SUPPRESS)  # moved: main() says where to
     return p
 
@@ -153,7 +155,8 @@ def _fit(args, preset: str) -> dict:
               f"{llama_config(preset).vocab_size:,}: Hugging Face {per_token['baseline']:,} B, "
               f"patched {per_token['patched']:,} B.")
         return {}
-    results = fit_both(preset, args.batch_size, args.fit_lo, args.fit_hi, args.fit_probes, args.seed,
+    results = fit_both(preset, args.batch_size, fit_setting(args, "fit_lo"), fit_setting(args, "fit_hi"),
+                       fit_setting(args, "fit_probes"), args.seed,
                        patch_options=patch_options(args), gradient_checkpointing=args.gradient_checkpointing,
                        memory_fraction=args.memory_fraction, padding_mask=args.padding_mask)
     for variant, result in results.items():
@@ -262,11 +265,33 @@ def lora_results_paths(args, preset: str) -> tuple:
     return results_file("lora", name, root), results_file("lora", name, root, suffix=".png")
 
 
+# The fit search's flags when not given (None until then, so that a flag given without --fit is seen).
+FIT_DEFAULTS = dict(fit_lo=4096, fit_hi=65536, fit_probes=8)
+
+
+def fit_setting(args, name: str):
+    """``args.<name>`` of the fit search, or its default (``FIT_DEFAULTS``) where the flag was not given."""
+    value = getattr(args, name)
+    return FIT_DEFAULTS[name] if value is None else value
+
+
 def flag_problems(args) -> list[str]:
     """What is wrong with a combination of flags, one line each (each flag alone was checked as it was parsed)."""
     problems = []
-    if args.fit_lo > args.fit_hi:
-        problems.append(f"--fit-lo {args.fit_lo} is above --fit-hi {args.fit_hi}: the search needs lo ≤ hi")
+    if args.seq_len < MIN_SEQ_LEN:
+        problems.append(f"--seq-len {args.seq_len} is shorter than any exchange of the workbook's dataset: use at "
+                        f"least {MIN_SEQ_LEN}")
+    lo, hi = fit_setting(args, "fit_lo"), fit_setting(args, "fit_hi")
+    if lo > hi:
+        problems.append(f"--fit-lo {lo} is above --fit-hi {hi}: the search needs lo ≤ hi")
+    given = [flag for flag, value in (("--fit-lo", args.fit_lo), ("--fit-hi", args.fit_hi),
+                                      ("--fit-probes", args.fit_probes), ("--memory-fraction", args.memory_fraction))
+             if value is not None]
+    if given and not args.fit:
+        tune, them = ("tunes", "it") if len(given) == 1 else ("tune", "them")
+        problems.append(f"{', '.join(given)} only {tune} the fit search: add --fit, or leave {them} out")
+    if args.lora_alpha is not None and args.lora is None:
+        problems.append("--lora-alpha sets the LoRA adapters' alpha: add --lora RANK, or leave it out")
     return problems
 
 
@@ -280,6 +305,12 @@ def check_args(parser: argparse.ArgumentParser, args, preset: str) -> None:
         problems.append("--compile compares compiled models: use it with --compare")
     if args.lora is not None and (not args.compare or args.fit or args.slope or args.compile or args.probe):
         problems.append("--lora RANK runs with --compare, without --fit, --slope, --probe or --compile")
+    for flag, on, why in (("--fit", args.fit, "it searches the longest sequence that fits the GPU's memory"),
+                          ("--slope", args.slope, "it reads the GPU allocator's peaks"),
+                          ("--probe", args.probe, "it runs real training steps; kernels.training.long_context."
+                                                 "memory_table counts the bytes from the shapes anywhere")):
+        if on:
+            problems += cli.gpu_problems(flag, why)
     root = cli.output_root(args)
     if args.lora is not None:
         targets = list(lora_results_paths(args, preset))

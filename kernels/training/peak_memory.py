@@ -216,10 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     path = results_file("peak_memory", f"{args.preset}_{device_slug()}", cli.output_root(args))
-    cli.check_outputs(p, args, [path])
-    if runtime.MODE != "gpu" or not torch.cuda.is_available():
-        print("kernels.training.peak_memory is GPU-only: the CPU keeps no allocator history.")
-        return 0
+    gpu = cli.gpu_problems("this command", "it reads the GPU allocator's peaks, which the CPU does not keep")
+    cli.check_outputs(p, args, [path], gpu)
     results = run(args.preset, args.variants, args.lengths)
     print(table(results))
     print(f"wrote {cli.write_json(path, results)}")

@@ -231,6 +231,7 @@ MISTAKES = [
     (LORA, ["--name", "a/b"], "argument --name"),
     (BLOCKS, ["--seq", "0"], "argument --seq"),
     (BLOCKS, ["--kernels", "delta"], "argument --kernels: unknown 'delta'"),
+    (BLOCKS, ["--documents", "100", "--seq", "50"], "--documents 100 is longer than a row of 50 tokens"),
     (PACKED, ["--examples", "0"], "argument --examples"),
     (PACKED, ["--max-len", "16"], "--max-len must be at least 32"),
     (PACKED, ["--max-len", "64", "--tokens", "48"], "--tokens 48 is below --max-len 64"),

@@ -208,10 +208,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     name = device_slug() + (f"_documents{args.documents}" if args.documents else "")
     path = results_file(GROUP, name, cli.output_root(args))
-    cli.check_outputs(parser, args, [path])
     shape = dict(GPU_SHAPE if runtime.MODE == "gpu" else CPU_SHAPE)
     shape.update({k: v for k, v in (("seq", args.seq), ("batch", args.batch), ("documents", args.documents))
                   if v is not None})
+    problems = []
+    if args.documents is not None and args.documents > shape["seq"]:
+        problems.append(f"--documents {args.documents} is longer than a row of {shape['seq']} tokens (--seq): packed "
+                        "rows hold documents no longer than the row")
+    cli.check_outputs(parser, args, [path], problems)
     print(runtime.describe())
     result = run(shape, args.kernels)
     print(format_table(result))

@@ -257,6 +257,10 @@ def test_what_stays_peft_and_why(device, gen):
     reference = copy.deepcopy(dropout)
     patch = patch_llama(dropout, kernels=("lora",))
     assert "lora_dropout=0.1" in patch.left_off["lora"] and "q_proj" in patch.left_off["lora"]
+    # Every layer of a q/k/v group left to PEFT: no group runs as one node ("0 of 14 fused, 4 groups ... as one node
+    # each" said both).
+    all_dropout = patch_llama(lora_with_values(copy.deepcopy(base), _config(dropout=0.1)), kernels=("lora",))
+    assert all_dropout.lora.summary().startswith("0 of ") and "one node" not in all_dropout.lora.summary()
     dora = lora_with_values(copy.deepcopy(base), _config(targets=["v_proj"], use_dora=True))
     assert "variant" in patch_llama(dora, kernels=("lora",)).left_off["lora"]
     two = lora_with_values(copy.deepcopy(base), _config(targets=["q_proj"]))

@@ -233,8 +233,12 @@ class LoraFusion:
     def summary(self) -> str:
         """"N LoRA layers fused" and, for each layer that stays PEFT's, why."""
         text = f"{len(self.layers) - len(self.left_off)} of {len(self.layers)} LoRA layers fused"
-        if self.leaders and SHARED_INPUT:
-            text += f", {len(self.leaders)} groups of them on a shared input run as one node each"
+        # A group runs as one node only where every member is fused: a member left to PEFT runs PEFT's forward.
+        unfused = {id(m) for m in self.layers if why_not_fused(m) is not None}
+        groups = [first for first in self.leaders
+                  if not any(id(m) in unfused for m in (first, *first.__dict__.get("_lora_siblings", ())))]
+        if groups and SHARED_INPUT:
+            text += f", {len(groups)} groups of them on a shared input run as one node each"
         return text + "".join(f"; {where}: {why}" for where, why in self.left_off.items())
 
     def undo(self) -> None:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,8 @@ def test_compare_on_the_command_line(tmp_path):
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "baseline (HF)" in done.stdout and "max |loss difference|" in done.stdout
+    # Interpreter wall-clock: no speed-up printed as if it were one (it printed "0.131×"), and the table says why.
+    assert re.search(r"\d\.\d+×", done.stdout) is None and "meaningless as GPU speed" in done.stdout
     data = json.loads((tmp_path / "finetune" / "tiny.json").read_text())
     assert data["settings"] == {**data["settings"], "preset": "tiny", "steps": 2, "seq_len": 96, "grad_accum": 2}
     assert len(data["baseline"]["steps"]) == len(data["patched"]["steps"]) == 2

@@ -57,12 +57,13 @@ def test_packed_segments_restart_every_document():
 @CPU_ONLY
 def test_a_wrong_or_broken_tile_is_recorded_and_never_timed(monkeypatch):
     # 16 query rows with 32-key tiles: the forward's mask-free walk would end inside a key block and count keys
-    # after the diagonal (attention_config never gives it); a zero-row tile cannot launch at all.
+    # after the diagonal (attention_config never gives it; the launch refuses it by name); a zero-row tile cannot
+    # launch at all.
     monkeypatch.setitem(sweep.CPU_CANDIDATES, "forward", [(16, 16, 4, 1), (16, 32, 4, 1), (0, 16, 4, 1)])
     result = sweep.run(kernels=("forward",))
     good, wrong, broken = result["rows"]
     assert "ms" in good and result["best"]["forward"] is good
-    assert "ms" not in wrong and "disagrees with the configured tiles" in wrong["failed"]
+    assert "ms" not in wrong and "the forward kernel needs block_m a multiple of block_n" in wrong["failed"]
     assert "ms" not in broken and broken["failed"]
     assert "failed" in sweep.format_table(result)
     assert BlockConfig(**good["block"]) == sweep.candidates("forward")[0]

@@ -34,7 +34,7 @@ import torch
 from kernels.training.data import IGNORE_INDEX
 from kernels.training.loop import count_trained_labels, labels_per_step
 
-from .reach import FinishedCodeCalled, Tripwire, call_learner, out_of_reach, resolve, targets
+from .reach import FinishedCodeCalled, call_learner, finished_answer, out_of_reach
 from .rmsnorm import Report, last_line, verdict
 
 # Every verdict, worded once. The mistakes of a wrong answer are joined with "; and ".
@@ -435,14 +435,6 @@ def diagnosis_collective(key: str, **fields) -> str:
 COLLECTIVE_EXERCISE = "global_label_count_collective"
 
 
-def _finished(fn) -> str | None:
-    """The verdict when ``fn`` is itself one of the collective exercise's finished answers."""
-    for forbid in targets(COLLECTIVE_EXERCISE):
-        if resolve(forbid.target)[2] is fn:
-            return Tripwire(COLLECTIVE_EXERCISE, [(forbid.target.replace(":", "."), forbid.what)]).message
-    return None
-
-
 def _collective_case(fn, case: Case, ranks) -> str | None:
     collective = _Collective(case.ranks)
     # One tripwire for every rank's thread: the ranks run the reader's function at the same time.
@@ -476,7 +468,7 @@ def check_global_label_count_collective(fn: Callable, seed: int | None = None, v
     """Check ``fn(steps, all_reduce) -> list``, run once per rank on that rank's step groups with a summing
     ``all_reduce`` shared by the ranks (see the notes above ``COLLECTIVE_DIAGNOSES``). Prints the verdict (unless
     ``verbose=False``) and returns it; never raises because ``fn`` is wrong or unfinished."""
-    refused = _finished(fn)
+    refused = finished_answer(COLLECTIVE_EXERCISE, fn)
     if refused is not None:
         return verdict(False, refused, verbose)
     gen = torch.Generator()

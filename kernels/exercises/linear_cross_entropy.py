@@ -26,7 +26,7 @@ import triton
 
 from kernels import runtime
 
-from .reach import FinishedCodeCalled, Tripwire, call_learner, out_of_reach, resolve, targets
+from .reach import FinishedCodeCalled, call_learner, finished_answer
 
 _OK = "✓ "
 _WRONG = "✗ "
@@ -176,37 +176,11 @@ def _has_no_column(case: Case) -> bool:
     return bool(((local < 0) | (local >= case.logits.shape[1])).any())
 
 
-def _finished(exercise: str, obj) -> str | None:
-    """The verdict when ``obj`` is itself one of ``exercise``'s finished answers (a kernel handed to the check)."""
-    for forbid in targets(exercise):
-        if resolve(forbid.target)[2] is obj:
-            return Tripwire(exercise, [(forbid.target.replace(":", "."), forbid.what)]).message
-    return None
-
-
-def _learner_call(exercise: str, fn: Callable, code, *args):
-    """``fn(*args)`` with ``exercise``'s finished answers out of reach of ``code``, the learner's own function (a
-    kernel's Python function, whose names the tripwire replaces), or of ``fn`` itself when ``code`` is None. Raises
-    ``FinishedCodeCalled`` as ``reach.call_learner`` does."""
-    if code is None:
-        return call_learner(exercise, fn, *args)
-    with out_of_reach(exercise, code) as tripwire:
-        try:
-            out = fn(*args)
-        except Exception:
-            if tripwire.called:
-                raise FinishedCodeCalled(tripwire.message) from None
-            raise
-    if tripwire.called:
-        raise FinishedCodeCalled(tripwire.message)
-    return out
-
-
 def _diagnose(fn: Callable, case: Case, exercise: str = "slice_gradient", code=None) -> str | None:
     where = f" (seen on {case})"
     try:
-        got = _learner_call(exercise, fn, code, case.logits.clone(), case.lse.clone(), case.target.clone(),
-                            case.col_start, case.scale, case.ignore_index)
+        got = call_learner(exercise, fn, case.logits.clone(), case.lse.clone(), case.target.clone(),
+                           case.col_start, case.scale, case.ignore_index, watch=code)
     except FinishedCodeCalled as called:
         return str(called)
     except NotImplementedError:
@@ -327,8 +301,8 @@ def _placement(kernel, device) -> str | None:
     buffer = torch.full((tokens + 2, stride_grad), SENTINEL, dtype=torch.float32, device=device)
     grad = buffer[:tokens, :width]
     try:
-        _learner_call(EXERCISE_KERNEL, launch_slice_gradient, getattr(kernel, "fn", kernel), kernel, logits, lse,
-                      target, col_start, 0.5, -100, grad)
+        call_learner(EXERCISE_KERNEL, launch_slice_gradient, kernel, logits, lse, target, col_start, 0.5, -100,
+                     grad, watch=getattr(kernel, "fn", kernel))
     except FinishedCodeCalled as called:
         return str(called)
     except Exception as exc:  # noqa: BLE001  (the reader's kernel may fail in any way: say how)
@@ -361,7 +335,7 @@ def check_slice_gradient_kernel(kernel, verbose: bool = True) -> bool:
     """Check the reader's ``slice_gradient_kernel`` (see the notes above ``KERNEL_DIAGNOSES``): where it writes,
     the stride it reads, then the arithmetic on every slice of ``check_slice_gradient``. Prints the verdict (unless
     ``verbose=False``) and returns whether it passed; never raises because the kernel is wrong."""
-    message = _finished(EXERCISE_KERNEL, kernel)
+    message = finished_answer(EXERCISE_KERNEL, kernel)
     if message is None and not isinstance(kernel, triton.runtime.jit.KernelInterface):
         message = kernel_diagnosis("not_kernel", got=type(kernel).__name__)
     if message is None:

@@ -384,17 +384,28 @@ def _filled(cell) -> bool:
     return True
 
 
-def call_learner(exercise: str, fn: Callable, *args, **kwargs):
+def finished_answer(exercise: str, obj: Any) -> str | None:
+    """The verdict when ``obj`` (under any partial or bound method) is itself one of ``exercise``'s finished answers,
+    handed to the check as if it were the learner's; else None."""
+    base = _base(obj)
+    for forbid in targets(exercise):
+        if resolve(forbid.target)[2] is base:
+            return Tripwire(exercise, [(forbid.target.replace(":", "."), forbid.what)]).message
+    return None
+
+
+def call_learner(exercise: str, fn: Callable, *args, watch: Any = None, **kwargs):
     """``fn(*args, **kwargs)`` with ``exercise``'s finished answers out of reach. Raises ``FinishedCodeCalled``
-    (its message is the verdict) when ``fn`` is a finished answer or called one, even if ``fn`` caught the error;
-    any other error of ``fn`` propagates as it is."""
-    finished = {id(resolve(forbid.target)[2]): forbid for forbid in targets(exercise)}
-    base = _base(fn)
-    if id(base) in finished:
-        forbid = finished[id(base)]
-        tripwire = Tripwire(exercise, [(forbid.target.replace(":", "."), forbid.what)])
-        raise FinishedCodeCalled(tripwire.message)
-    with out_of_reach(exercise, fn) as tripwire:
+    (its message is the verdict) when ``fn`` is a finished answer or called one, even if it caught the error; any
+    other error of ``fn`` propagates as it is.
+
+    ``watch`` is the learner's own code when ``fn`` is the check's launcher of it (a Triton kernel's Python function,
+    ``kernel.fn``): the tripwire then replaces the names in ``watch``'s namespace; by default, in ``fn``'s."""
+    code = fn if watch is None else watch
+    message = finished_answer(exercise, code)
+    if message:
+        raise FinishedCodeCalled(message)
+    with out_of_reach(exercise, code) as tripwire:
         try:
             result = fn(*args, **kwargs)
         except FinishedCodeCalled:

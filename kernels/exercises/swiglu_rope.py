@@ -33,7 +33,7 @@ from kernels import runtime
 from kernels.reference import relative_error, rotary_cos_sin
 from kernels.tolerances import RELATIVE_ERROR_TOL
 
-from .reach import FinishedCodeCalled, Tripwire, call_learner, out_of_reach, resolve, targets
+from .reach import FinishedCodeCalled, call_learner, finished_answer
 from .rmsnorm import Report, bad_elements, generator, last_line, verdict
 
 # Every diagnosis, in one place. Fields in braces are filled in for the input at hand.
@@ -143,32 +143,6 @@ def _f64(t: torch.Tensor) -> torch.Tensor:
 def _is_kernel(obj) -> bool:
     """A Triton kernel (compiled or interpreted), as opposed to a plain function."""
     return isinstance(obj, triton.runtime.jit.KernelInterface)
-
-
-def _finished(exercise: str, obj) -> str | None:
-    """The verdict when ``obj`` is itself one of ``exercise``'s finished answers (handed to the check)."""
-    for forbid in targets(exercise):
-        if resolve(forbid.target)[2] is obj:
-            return Tripwire(exercise, [(forbid.target.replace(":", "."), forbid.what)]).message
-    return None
-
-
-def _learner_call(exercise: str, fn: Callable, code, *args):
-    """``fn(*args)`` with ``exercise``'s finished answers out of reach of ``code``, the learner's own function (a
-    kernel's Python function, whose names the tripwire replaces), or of ``fn`` itself when ``code`` is None. Raises
-    ``FinishedCodeCalled`` as ``reach.call_learner`` does."""
-    if code is None:
-        return call_learner(exercise, fn, *args)
-    with out_of_reach(exercise, code) as tripwire:
-        try:
-            out = fn(*args)
-        except Exception:
-            if tripwire.called:
-                raise FinishedCodeCalled(tripwire.message) from None
-            raise
-    if tripwire.called:
-        raise FinishedCodeCalled(tripwire.message)
-    return out
 
 
 def _shorten(text: str, width: int = 160) -> str:
@@ -331,7 +305,7 @@ def _launch_swiglu(kernel, case: SwigluCase, dy, g, u, d_gate, d_up) -> str | No
                 kernel[case.grid](dy, g, u, d_gate, d_up, case.rows, case.cols, dy.stride(0), g.stride(0),
                                   u.stride(0), d_gate.stride(0), ROWS=SWIGLU_ROWS, BLOCK_N=SWIGLU_BLOCK_N)
 
-            _learner_call(SWIGLU_EXERCISE, launch, getattr(kernel, "fn", kernel))
+            call_learner(SWIGLU_EXERCISE, launch, watch=getattr(kernel, "fn", kernel))
     except FinishedCodeCalled:
         raise  # the verdict is the tripwire's alone
     except Exception as error:  # noqa: BLE001  (any failure of the reader's kernel is reported, not raised)
@@ -481,7 +455,7 @@ def check_swiglu_backward_tile(kernel, seed: int | None = None, verbose: bool = 
     ``d_gate = dy·up·σ(g)·(1 + g·(1 − σ(g)))`` in DGATE and ``d_up = dy·silu(g)`` in DUP, computed in float32 and
     rounded once. Prints the verdict (unless ``verbose=False``) and returns it.
     """
-    refused = _finished(SWIGLU_EXERCISE, kernel)
+    refused = finished_answer(SWIGLU_EXERCISE, kernel)
     if refused is None and not _is_kernel(kernel):
         refused = hint("not_kernel", got=type(kernel).__name__)
     if refused is not None:
@@ -646,9 +620,10 @@ def _rope_inputs(case: RopeCase, gen: torch.Generator):
 def _rope_call(fn, dy, cos, sin, case):
     try:
         if _is_kernel(fn):
-            out = _learner_call(ROPE_EXERCISE, launch_rope_one, getattr(fn, "fn", fn), fn, dy, cos, sin, dy.dtype)
+            out = call_learner(ROPE_EXERCISE, launch_rope_one, fn, dy, cos, sin, dy.dtype,
+                               watch=getattr(fn, "fn", fn))
         else:
-            out = _learner_call(ROPE_EXERCISE, fn, None, dy, cos, sin)
+            out = call_learner(ROPE_EXERCISE, fn, dy, cos, sin)
     except FinishedCodeCalled as called:
         return None, str(called)
     except Exception as error:  # noqa: BLE001  (any failure of the reader's code is reported, not raised)
@@ -693,7 +668,7 @@ def check_rope_backward(fn: Callable, seed: int | None = None, verbose: bool = T
     view), ``cos`` and ``sin`` are [batch, seq, head_dim]; dx must have dy's shape and dtype. Prints the verdict
     (unless ``verbose=False``) and returns it.
     """
-    refused = _finished(ROPE_EXERCISE, fn)
+    refused = finished_answer(ROPE_EXERCISE, fn)
     if refused is not None:
         return verdict(False, refused, verbose)
     gen = generator(seed)

@@ -1,41 +1,45 @@
 """FlashAttention-2 in Triton: chapter 05's online softmax over key blocks, forward and backward.
 
-Attention is softmax(q kᵀ · scale) v, one softmax per query row over its keys. Like the cross-entropy's softmax over
-the vocabulary (chapter 05), that row never needs to exist as a whole: a program holds a block of query rows and
-walks the keys one block at a time, keeping per row the running maximum m, the running sum l of exp(s − m), and the
-accumulator acc of exp(s − m)·v. When a new key block raises the maximum, l and acc are rescaled by exp(m_old − m_new)
-before the block's terms are added. At the end out = acc / l, and the forward saves one float32 per row, the
+Attention is softmax(q kᵀ · scale) v, one softmax per query row over its keys. Like the
+cross-entropy's softmax over the vocabulary (chapter 05), that row never needs to exist as a whole:
+a program holds a block of query rows and walks the keys one block at a time, keeping per row the
+running maximum m, the running sum l of exp(s − m), and the accumulator acc of exp(s − m)·v. When a
+new key block raises the maximum, l and acc are rescaled by exp(m_old − m_new) before the block's
+terms are added. At the end out = acc / l, and the forward saves one float32 per row, the
 log-sum-exp lse = m + log l, for the backward.
 
-The backward recomputes each block of probabilities from the saved lse, p = exp(s − lse), instead of keeping the
-[seq, seq] matrix. With dP = dO vᵀ and the preprocess delta = rowsum(dO ∘ O) (= rowsum(p ∘ dP)), the softmax's
-gradient is dS = p ∘ (dP − delta), and
+The backward recomputes each block of probabilities from the saved lse, p = exp(s − lse), instead of
+keeping the [seq, seq] matrix. With dP = dO vᵀ and the preprocess delta = rowsum(dO ∘ O) (= rowsum(p
+∘ dP)), the softmax's gradient is dS = p ∘ (dP − delta), and
 
     dV = pᵀ dO,      dK = scale · dSᵀ q,      dQ = scale · dS k.
 
-Two kernels compute them without atomics: one program per key block accumulates dK and dV over every query block
-(and, for grouped-query attention, over every query head of its KV head); one program per query block accumulates dQ
-over every key block, as the forward does.
+Two kernels compute them without atomics: one program per key block accumulates dK and dV over every
+query block (and, for grouped-query attention, over every query head of its KV head); one program
+per query block accumulates dQ over every key block, as the forward does.
 
-Layout: SDPA's [batch, heads, seq, head_dim], read through strides (Llama's q, k and v are transposed views of
-[batch, seq, heads, head_dim] projections and are not copied). Grouped-query attention (GQA): q has a multiple of k's
-heads, and query head h reads KV head h // (heads / kv_heads); K and V are never repeated in memory.
+Layout: SDPA's [batch, heads, seq, head_dim], read through strides (Llama's q, k and v are
+transposed views of [batch, seq, heads, head_dim] projections and are not copied). Grouped-query
+attention (GQA): q has a multiple of k's heads, and query head h reads KV head h // (heads /
+kv_heads); K and V are never repeated in memory.
 
 Packed documents: with ``cu_seqlens`` (int32, [n_docs + 1], batch 1) the sequence holds documents
-[cu_seqlens[i], cu_seqlens[i + 1]) and a query attends only to keys of its own document; with ``position_ids``
-([batch, seq]) each row's documents are the runs of consecutive positions. Each token carries its document's first and
-one-past-last position (``segment_bounds``, ``segment_bounds_from_positions``; int32 [batch, seq]); a query block
-walks only the key blocks between the start of its first row's document and the end of its last row's document, and
-a key is masked where its document start differs from the query's. Padding-free SFT batches pack independent
+[cu_seqlens[i], cu_seqlens[i + 1]) and a query attends only to keys of its own document; with
+``position_ids`` ([batch, seq]) each row's documents are the runs of consecutive positions. Each
+token carries its document's first and one-past-last position (``segment_bounds``,
+``segment_bounds_from_positions``; int32 [batch, seq]); a query block walks only the key blocks
+between the start of its first row's document and the end of its last row's document, and a key is
+masked where its document start differs from the query's. Padding-free SFT batches pack independent
 examples this way.
 
-Arithmetic is float32. On a GPU the matmuls take bf16/fp16 tiles into tensor cores with float32 accumulation (the
-product of two bf16 values is exact in float32, so this is the float32 matmul of the rounded inputs); probabilities
-are rounded to the input dtype for the p·v and pᵀ·dO products, as FlashAttention does. float32 inputs use IEEE float32
-matmuls, not TF32. In Triton's interpreter every tile is upcast to float32 first (its bf16 dot is wrong).
+Arithmetic is float32. On a GPU the matmuls take bf16/fp16 tiles into tensor cores with float32
+accumulation (the product of two bf16 values is exact in float32, so this is the float32 matmul of
+the rounded inputs); probabilities are rounded to the input dtype for the p·v and pᵀ·dO products, as
+FlashAttention does. float32 inputs use IEEE float32 matmuls, not TF32. In Triton's interpreter
+every tile is upcast to float32 first (its bf16 dot is wrong).
 
-Order: kernels → launch configuration → host launches → operators → autograd → ``flash_attention`` and the float64
-reference ``attention_reference``.
+Order: kernels → launch configuration → host launches → operators → autograd → ``flash_attention``
+and the float64 reference ``attention_reference``.
 """
 
 from __future__ import annotations
@@ -53,25 +57,25 @@ from triton.runtime.errors import OutOfResources
 
 from . import ops, runtime
 
-# Which version of the kernels this is (assets/notes/attention.md lists each, and what was measured of it): the
-# benchmark records it, so a recorded timing says which code it timed. 2: the dK/dV walk masks only its diagonal.
-# 3: packed rows walk the blocks wholly inside one document without the mask (PACKED_INTERIOR). 4: packed rows'
-# forward takes 64 × 64 tiles. 5: the dK/dV kernel computes keys × queries tiles, and on packed rows walks all the
-# query heads of its KV head in one loop.
+# Which version of the kernels this is: the benchmark records it, so a recorded timing says which
+# code it timed. assets/notes/attention.md lists each version, what changed and what was measured of
+# it.
 VERSION = 5
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x · log2 e): the kernels work in base 2, exp2 is the hardware's
 HEAD_DIMS = (16, 32, 64, 128)  # tl.dot needs 16 ≤ head_dim; 16 and 32 keep the interpreter's sizes small
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Kernels
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @triton.jit
 def _tile(ptr, rows, n_rows, stride_row, cols, UPCAST: tl.constexpr):
-    # A [rows, head_dim] tile of a [seq, head_dim] slice; rows past n_rows read as 0. Upcast in the interpreter only.
-    x = tl.load(ptr + rows[:, None].to(tl.int64) * stride_row + cols[None, :], mask=(rows < n_rows)[:, None], other=0.0)
+    # A [rows, head_dim] tile of a [seq, head_dim] slice; rows past n_rows read as 0. Upcast in the
+    # interpreter only.
+    x = tl.load(ptr + rows[:, None].to(tl.int64) * stride_row + cols[None, :],
+                mask=(rows < n_rows)[:, None], other=0.0)
     if UPCAST:
         x = x.to(tl.float32)
     return x
@@ -79,9 +83,10 @@ def _tile(ptr, rows, n_rows, stride_row, cols, UPCAST: tl.constexpr):
 
 @triton.jit
 def _allowed(rows, cols, n, SEG, CAUSAL: tl.constexpr, PACKED: tl.constexpr):
-    # Which (query row, key column) pairs take part: both in range, key not after the query (causal), both in the same
-    # document (packed: equal document starts). rows and cols are broadcastable 2-D indices ([M, 1] and [1, N] for a
-    # queries × keys tile, [1, M] and [N, 1] for keys × queries), so one function serves both orientations.
+    # Which (query row, key column) pairs take part: both in range, key not after the query
+    # (causal), both in the same document (packed: equal document starts). rows and cols are
+    # broadcastable 2-D indices ([M, 1] and [1, N] for a queries × keys tile, [1, M] and [N, 1] for
+    # keys × queries), so one function serves both orientations.
     ok = (rows < n) & (cols < n)
     if CAUSAL:
         ok = ok & (cols <= rows)
@@ -95,8 +100,9 @@ def _allowed(rows, cols, n, SEG, CAUSAL: tl.constexpr, PACKED: tl.constexpr):
 @triton.jit
 def _key_range(m0, n, SEG, SEG_END, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                CAUSAL: tl.constexpr, PACKED: tl.constexpr):
-    # The key blocks a query block [m0, m0 + BLOCK_M) can see: from its first row's document start (rounded down to
-    # a block) to its last row's document end, and no further than its last row when causal.
+    # The key blocks a query block [m0, m0 + BLOCK_M) can see: from its first row's document start
+    # (rounded down to a block) to its last row's document end, and no further than its last row
+    # when causal.
     lo = 0
     hi = n
     last = tl.minimum(m0 + BLOCK_M, n) - 1
@@ -111,8 +117,9 @@ def _key_range(m0, n, SEG, SEG_END, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
 @triton.jit
 def _query_range(n0, n, SEG, SEG_END, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  CAUSAL: tl.constexpr, PACKED: tl.constexpr):
-    # The query blocks that can see a key block [n0, n0 + BLOCK_N): from the first key's document start (or the
-    # first key itself, causal), rounded down to a block, to the last key's document end.
+    # The query blocks that can see a key block [n0, n0 + BLOCK_N): from the first key's document
+    # start (or the first key itself, causal), rounded down to a block, to the last key's document
+    # end.
     lo = 0
     hi = n
     last = tl.minimum(n0 + BLOCK_N, n) - 1
@@ -127,9 +134,10 @@ def _query_range(n0, n, SEG, SEG_END, BLOCK_M: tl.constexpr, BLOCK_N: tl.constex
 
 @triton.jit
 def _unmasked_end(m0, n, lo, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PACKED: tl.constexpr):
-    # Where a query block's key walk needs its mask: every key block before the returned position is wholly
-    # visible to every row (in range, and before the block's first row when causal), so it skips the mask's
-    # compares and selects. Packed documents can end anywhere: everything is masked there.
+    # Where a query block's key walk needs its mask: every key block before the returned position is
+    # wholly visible to every row (in range, and before the block's first row when causal), so it
+    # skips the mask's compares and selects. Packed documents can end anywhere: everything is masked
+    # there.
     if PACKED:
         return lo
     elif CAUSAL:
@@ -139,10 +147,12 @@ def _unmasked_end(m0, n, lo, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PACKED
 
 
 @triton.jit
-def _interior_keys(m0, n, lo, SEG, SEG_END, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
-    # Packed, a query block whose rows all lie in one document: the key blocks [a, b) that every row sees whole,
-    # from the document's start rounded up to a block to the block's first row (causal) or to the document's end
-    # rounded down. They need no mask. Rows in several documents: the empty range at lo (everything masked).
+def _interior_keys(m0, n, lo, SEG, SEG_END, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   CAUSAL: tl.constexpr):
+    # Packed, a query block whose rows all lie in one document: the key blocks [a, b) that every row
+    # sees whole, from the document's start rounded up to a block to the block's first row (causal)
+    # or to the document's end rounded down. They need no mask. Rows in several documents: the empty
+    # range at lo (everything masked).
     last = tl.minimum(m0 + BLOCK_M, n) - 1
     start = tl.load(SEG + m0)
     one_doc = start == tl.load(SEG + last)
@@ -158,9 +168,10 @@ def _interior_keys(m0, n, lo, SEG, SEG_END, BLOCK_M: tl.constexpr, BLOCK_N: tl.c
 @triton.jit
 def _interior_queries(n0, n, lo, SEG, SEG_END, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       CAUSAL: tl.constexpr):
-    # The dK/dV walk's counterpart: for a key block whose keys all lie in one document, the query blocks [a, b)
-    # whose every row sees every key: past the key block's last key (causal) or from the document's start, rounded
-    # up to a query block, to the document's end rounded down. Keys in several documents: the empty range at lo.
+    # The dK/dV walk's counterpart: for a key block whose keys all lie in one document, the query
+    # blocks [a, b) whose every row sees every key: past the key block's last key (causal) or from
+    # the document's start, rounded up to a query block, to the document's end rounded down. Keys in
+    # several documents: the empty range at lo.
     last = tl.minimum(n0 + BLOCK_N, n) - 1
     start = tl.load(SEG + n0)
     one_doc = start == tl.load(SEG + last)
@@ -177,7 +188,8 @@ def _interior_queries(n0, n, lo, SEG, SEG_END, BLOCK_M: tl.constexpr, BLOCK_N: t
 def _fwd_blocks(q, k_base, v_base, rows, start, end, n, sk_s, sv_s, cols_d, SEG, qk_scale, m_i, l_i, acc,
                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, PACKED: tl.constexpr,
                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    # The online softmax over key blocks start, start + BLOCK_N, ... < end: the forward's inner loop.
+    # The online softmax over key blocks start, start + BLOCK_N, ... < end: the forward's inner
+    # loop.
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         k = _tile(k_base, cols, n, sk_s, cols_d, UPCAST)
@@ -185,7 +197,9 @@ def _fwd_blocks(q, k_base, v_base, rows, start, end, n, sk_s, sv_s, cols_d, SEG,
         s = _scores(q, k, rows[:, None], cols[None, :], n, SEG, qk_scale, CAUSAL, PACKED, PRECISION, MASKED)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_ref = m_new
-        if MASKED:  # a row that has seen no key yet has m = -inf, and exp2(-inf - (-inf)) is NaN: measure from 0
+        # a row that has seen no key yet has m = -inf, and exp2(-inf - (-inf)) is NaN: measure from
+        # 0
+        if MASKED:
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_ref)  # rescale what was summed under the old maximum
         p = tl.exp2(s - m_ref[:, None])
@@ -218,25 +232,30 @@ def _fwd_kernel(
     k_base = K + b * sk_b + hk * sk_h
     v_base = V + b * sv_b + hk * sv_h
 
-    # -inf, not a finite stand-in: any finite start would zero a row whose scaled scores all lie below it.
+    # -inf, not a finite stand-in: any finite start would zero a row whose scaled scores all lie
+    # below it.
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     lo, hi = _key_range(m0, n, SEG, SEG_END, BLOCK_M, BLOCK_N, CAUSAL, PACKED)
     if PACKED and INTERIOR:  # masked [lo, a), whole [a, z), masked [z, hi)
         a, z = _interior_keys(m0, n, lo, SEG, SEG_END, BLOCK_M, BLOCK_N, CAUSAL)
-        m_i, l_i, acc = _fwd_blocks(q, k_base, v_base, rows, lo, a, n, sk_s, sv_s, cols_d, SEG, qk_scale, m_i, l_i,
+        m_i, l_i, acc = _fwd_blocks(q, k_base, v_base, rows, lo, a, n, sk_s, sv_s, cols_d, SEG,
+                                    qk_scale, m_i, l_i,
                                     acc, BLOCK_N, True, CAUSAL, PACKED, UPCAST, PRECISION)
     else:  # whole [lo, z), masked [z, hi)
         a = lo
         z = _unmasked_end(m0, n, lo, BLOCK_N, CAUSAL, PACKED)
-    m_i, l_i, acc = _fwd_blocks(q, k_base, v_base, rows, a, z, n, sk_s, sv_s, cols_d, SEG, qk_scale, m_i, l_i,
+    m_i, l_i, acc = _fwd_blocks(q, k_base, v_base, rows, a, z, n, sk_s, sv_s, cols_d, SEG, qk_scale,
+                                m_i, l_i,
                                 acc, BLOCK_N, False, CAUSAL, PACKED, UPCAST, PRECISION)
-    m_i, l_i, acc = _fwd_blocks(q, k_base, v_base, rows, z, hi, n, sk_s, sv_s, cols_d, SEG, qk_scale, m_i, l_i,
+    m_i, l_i, acc = _fwd_blocks(q, k_base, v_base, rows, z, hi, n, sk_s, sv_s, cols_d, SEG,
+                                qk_scale, m_i, l_i,
                                 acc, BLOCK_N, True, CAUSAL, PACKED, UPCAST, PRECISION)
 
-    # Rows past n only: every real row sees at least its own key, and l = 0 there means its scores overflowed
-    # float32 to -inf, which leaves NaN (0 / 0) as SDPA's softmax does, not a row of zeros.
+    # Rows past n only: every real row sees at least its own key, and l = 0 there means its scores
+    # overflowed float32 to -inf, which leaves NaN (0 / 0) as SDPA's softmax does, not a row of
+    # zeros.
     l_safe = tl.where(rows < n, l_i, 1.0)
     out = acc / l_safe[:, None]
     ok = rows < n
@@ -263,8 +282,9 @@ def _delta_kernel(OUT, DO, DELTA, so_b, so_h, so_s, sd_b, sd_h, sd_s, n, n_heads
 @triton.jit
 def _scores(a, b, rows, cols, n, SEG, qk_scale, CAUSAL: tl.constexpr, PACKED: tl.constexpr,
             PRECISION: tl.constexpr, MASKED: tl.constexpr):
-    # The scaled scores a · bᵀ (base 2), -inf where _allowed says no: queries × keys for a = q, b = k, or keys ×
-    # queries for a = k, b = q. rows (query indices) and cols (key indices) come broadcastable to that orientation.
+    # The scaled scores a · bᵀ (base 2), -inf where _allowed says no: queries × keys for a = q, b =
+    # k, or keys × queries for a = k, b = q. rows (query indices) and cols (key indices) come
+    # broadcastable to that orientation.
     s = tl.dot(a, tl.trans(b), input_precision=PRECISION) * qk_scale
     if MASKED:
         s = tl.where(_allowed(rows, cols, n, SEG, CAUSAL, PACKED), s, float("-inf"))
@@ -272,7 +292,8 @@ def _scores(a, b, rows, cols, n, SEG, qk_scale, CAUSAL: tl.constexpr, PACKED: tl
 
 
 @triton.jit
-def _dq_blocks(q, do, k_base, v_base, rows, start, end, n, sk_s, sv_s, cols_d, lse2, delta, SEG, qk_scale, dq,
+def _dq_blocks(q, do, k_base, v_base, rows, start, end, n, sk_s, sv_s, cols_d, lse2, delta, SEG,
+               qk_scale, dq,
                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, PACKED: tl.constexpr,
                UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     # dQ += dS · K over key blocks start, start + BLOCK_N, ... < end: the dQ kernel's inner loop.
@@ -291,10 +312,11 @@ def _dq_blocks(q, do, k_base, v_base, rows, start, end, n, sk_s, sv_s, cols_d, l
 @triton.jit
 def _masked_query_end(n0, lo, hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                       PACKED: tl.constexpr):
-    # Where a key block's query walk stops needing its mask: from the returned position on, every query block sees
-    # every key of [n0, n0 + BLOCK_N) (causal: its first row is at or past the block's last key). Rows and keys past
-    # n need no mask here: their q, dO and k read as 0, so they add 0 to dK and dV, and dK, dV of keys past n are not
-    # stored. Packed documents can end anywhere: everything is masked there.
+    # Where a key block's query walk stops needing its mask: from the returned position on, every
+    # query block sees every key of [n0, n0 + BLOCK_N) (causal: its first row is at or past the
+    # block's last key). Rows and keys past n need no mask here: their q, dO and k read as 0, so
+    # they add 0 to dK and dV, and dK, dV of keys past n are not stored. Packed documents can end
+    # anywhere: everything is masked there.
     if PACKED:
         return hi
     elif CAUSAL:
@@ -304,16 +326,17 @@ def _masked_query_end(n0, lo, hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, 
 
 
 @triton.jit
-def _dkdv_blocks(q_base, do_base, sq_h, sd_h, k, v, cols, start, end, n, sq_s, sd_s, cols_d, LSE, DELTA, bh, SEG,
+def _dkdv_blocks(q_base, do_base, sq_h, sd_h, k, v, cols, start, end, n, sq_s, sd_s, cols_d, LSE,
+                 DELTA, bh, SEG,
                  qk_scale, dk, dv, HEADS: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
                  CAUSAL: tl.constexpr, PACKED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    # dV += Pᵀ · dO and dK += dSᵀ · Q over query blocks start, start + BLOCK_M, ... < end of HEADS consecutive query
-    # heads (from q_base, do_base and bh on): the dK/dV kernel's inner loop, one loop over (head, query block). The
-    # tiles are keys × queries (sᵀ = k · qᵀ), so that pᵀ and dSᵀ enter dV's and dK's products as they stand, with no
-    # transpose of a tile held in registers.
+    # dV += Pᵀ · dO and dK += dSᵀ · Q over query blocks start, start + BLOCK_M, ... < end of HEADS
+    # consecutive query heads (from q_base, do_base and bh on): the dK/dV kernel's inner loop, one
+    # loop over (head, query block). The tiles are keys × queries (sᵀ = k · qᵀ), so that pᵀ and dSᵀ
+    # enter dV's and dK's products as they stand, with no transpose of a tile held in registers.
     steps = tl.cdiv(end - start, BLOCK_M)
     for it in range(0, HEADS * steps):
-        if HEADS == 1:  # dense rows' loop, as measured: no division per step
+        if HEADS == 1:  # dense rows' loop: no division per step (assets/notes/attention.md, version 5)
             g = 0
             m0 = start + it * BLOCK_M
         else:
@@ -343,8 +366,9 @@ def _bwd_dkdv_kernel(
     CAUSAL: tl.constexpr, PACKED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     INTERIOR: tl.constexpr = False, HEADS: tl.constexpr = 1,
 ):
-    # One program: BLOCK_N keys of one (batch, KV head); dK and dV summed over every query head of the group and every
-    # query block that sees them. The blocks on the diagonal (causal) or in packed documents are masked; the rest not.
+    # One program: BLOCK_N keys of one (batch, KV head); dK and dV summed over every query head of
+    # the group and every query block that sees them. The blocks on the diagonal (causal) or in
+    # packed documents are masked; the rest not.
     n0 = tl.program_id(0) * BLOCK_N
     bhk = tl.program_id(1).to(tl.int64)
     b = bhk // n_kv_heads
@@ -363,19 +387,23 @@ def _bwd_dkdv_kernel(
     else:  # masked [lo, a), whole [a, hi)
         a = _masked_query_end(n0, lo, hi, BLOCK_M, BLOCK_N, CAUSAL, PACKED)
         z = hi
-    # HEADS = GROUP: each range once, over every head of the group (one pipelined loop each); HEADS = 1: each head's
-    # ranges in turn.
+    # HEADS = GROUP: each range once, over every head of the group (one pipelined loop each); HEADS
+    # = 1: each head's ranges in turn.
     for g in range(GROUP // HEADS):
         h = hk * GROUP + g
         bh = b * (n_kv_heads * GROUP) + h
         q_base = Q + b * sq_b + h * sq_h
         do_base = DO + b * sd_b + h * sd_h
-        dk, dv = _dkdv_blocks(q_base, do_base, sq_h, sd_h, k, v, cols, lo, a, n, sq_s, sd_s, cols_d, LSE, DELTA, bh,
+        dk, dv = _dkdv_blocks(q_base, do_base, sq_h, sd_h, k, v, cols, lo, a, n, sq_s, sd_s, cols_d,
+                              LSE, DELTA, bh,
                               SEG, qk_scale, dk, dv, HEADS, BLOCK_M, True, CAUSAL, PACKED, UPCAST, PRECISION)
-        dk, dv = _dkdv_blocks(q_base, do_base, sq_h, sd_h, k, v, cols, a, z, n, sq_s, sd_s, cols_d, LSE, DELTA, bh,
-                              SEG, qk_scale, dk, dv, HEADS, BLOCK_M, False, CAUSAL, PACKED, UPCAST, PRECISION)
+        dk, dv = _dkdv_blocks(q_base, do_base, sq_h, sd_h, k, v, cols, a, z, n, sq_s, sd_s, cols_d,
+                              LSE, DELTA, bh,
+                              SEG, qk_scale, dk, dv, HEADS, BLOCK_M, False, CAUSAL, PACKED, UPCAST,
+                              PRECISION)
         if PACKED and INTERIOR:
-            dk, dv = _dkdv_blocks(q_base, do_base, sq_h, sd_h, k, v, cols, z, hi, n, sq_s, sd_s, cols_d, LSE, DELTA,
+            dk, dv = _dkdv_blocks(q_base, do_base, sq_h, sd_h, k, v, cols, z, hi, n, sq_s, sd_s,
+                                  cols_d, LSE, DELTA,
                                   bh, SEG, qk_scale, dk, dv, HEADS, BLOCK_M, True, CAUSAL, PACKED, UPCAST,
                                   PRECISION)
     ok = (cols < n)[:, None]
@@ -394,7 +422,8 @@ def _bwd_dq_kernel(
     CAUSAL: tl.constexpr, PACKED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     INTERIOR: tl.constexpr = False,
 ):
-    # One program: BLOCK_M query rows of one (batch, head), dQ summed over the key blocks they see (the forward's walk).
+    # One program: BLOCK_M query rows of one (batch, head), dQ summed over the key blocks they see
+    # (the forward's walk).
     m0 = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
     b = bh // n_heads
@@ -414,22 +443,25 @@ def _bwd_dq_kernel(
     lo, hi = _key_range(m0, n, SEG, SEG_END, BLOCK_M, BLOCK_N, CAUSAL, PACKED)
     if PACKED and INTERIOR:  # masked [lo, a), whole [a, full), masked [full, hi)
         a, full = _interior_keys(m0, n, lo, SEG, SEG_END, BLOCK_M, BLOCK_N, CAUSAL)
-        dq = _dq_blocks(q, do, k_base, v_base, rows, lo, a, n, sk_s, sv_s, cols_d, lse2, delta, SEG, qk_scale, dq,
+        dq = _dq_blocks(q, do, k_base, v_base, rows, lo, a, n, sk_s, sv_s, cols_d, lse2, delta, SEG,
+                        qk_scale, dq,
                         BLOCK_N, True, CAUSAL, PACKED, UPCAST, PRECISION)
     else:  # whole [lo, full), masked [full, hi)
         a = lo
         full = _unmasked_end(m0, n, lo, BLOCK_N, CAUSAL, PACKED)
-    dq = _dq_blocks(q, do, k_base, v_base, rows, a, full, n, sk_s, sv_s, cols_d, lse2, delta, SEG, qk_scale, dq,
+    dq = _dq_blocks(q, do, k_base, v_base, rows, a, full, n, sk_s, sv_s, cols_d, lse2, delta, SEG,
+                    qk_scale, dq,
                     BLOCK_N, False, CAUSAL, PACKED, UPCAST, PRECISION)
-    dq = _dq_blocks(q, do, k_base, v_base, rows, full, hi, n, sk_s, sv_s, cols_d, lse2, delta, SEG, qk_scale, dq,
+    dq = _dq_blocks(q, do, k_base, v_base, rows, full, hi, n, sk_s, sv_s, cols_d, lse2, delta, SEG,
+                    qk_scale, dq,
                     BLOCK_N, True, CAUSAL, PACKED, UPCAST, PRECISION)
     tl.store(DQ + b * sdq_b + h * sdq_h + rows[:, None].to(tl.int64) * sdq_s + cols_d[None, :],
              (dq * scale).to(DQ.dtype.element_ty), mask=(rows < n)[:, None])
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Launch configuration
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -446,24 +478,26 @@ class Config:
     dkdv: BlockConfig  # the backward's key-block kernel
     dq: BlockConfig  # the backward's query-block kernel
     delta_rows: int  # rows per program of the rowsum(dO ∘ O) preprocess
-    interior: bool = False  # packed: walk the blocks wholly inside one document without the mask (PACKED_INTERIOR)
+    # packed: walk the blocks wholly inside one document without the mask (PACKED_INTERIOR)
+    interior: bool = False
 
 
 _INTERPRETER_BLOCK = 128  # the interpreter pays per program, not per element: big tiles keep launches few
 
-# Packed documents: whether the kernels run the key (or query) blocks that lie wholly inside one document without
-# the mask, as they do the blocks before the diagonal of a dense row. The tests run both ways; on an H200 with
-# 1,024-token documents it took 2.11 / 2.12 / 4.19 ms against 2.17 / 2.18 / 4.32 for the masked walk at 2K / 8K /
-# 32K tokens a row (assets/notes/attention.md).
+# Packed documents: whether the kernels run the key (or query) blocks that lie wholly inside one
+# document without the mask, as they do the blocks before the diagonal of a dense row. The tests run
+# both ways; the timings of both walks are in assets/notes/attention.md ("The interior walk").
 PACKED_INTERIOR = True
 
 
 def attention_config(seq: int, head_dim: int, props: runtime.DeviceProps | None = None,
                      element_size: int = 2, packed: bool = False) -> Config:
-    """Block sizes of the forward and both backward kernels for a sequence of ``seq`` tokens and ``head_dim``, for
-    inputs of ``element_size`` bytes (2: bf16 or fp16; 4: float32), of dense rows or of ``packed`` documents. A GPU
-    whose shared memory cannot hold these tiles gets smaller ones at launch (``shrinking``)."""
-    return _attention_config(seq, head_dim, props or runtime.device_props(), element_size, PACKED_INTERIOR, packed)
+    """Block sizes of the forward and both backward kernels for a sequence of ``seq`` tokens and
+    ``head_dim``, for inputs of ``element_size`` bytes (2: bf16 or fp16; 4: float32), of dense rows
+    or of ``packed`` documents. A GPU whose shared memory cannot hold these tiles gets smaller ones
+    at launch (``shrinking``)."""
+    return _attention_config(seq, head_dim, props or runtime.device_props(), element_size,
+                             PACKED_INTERIOR, packed)
 
 
 @functools.lru_cache(maxsize=256)
@@ -473,20 +507,22 @@ def _attention_config(seq: int, head_dim: int, props: runtime.DeviceProps, eleme
         block = min(_INTERPRETER_BLOCK, max(16, triton.next_power_of_2(max(seq, 1))))
         one = BlockConfig(block, block, 4, 1)
         return Config(one, one, one, block, interior)
-    # Hopper tiles, measured rather than autotuned: `python -m kernels.bench.attention_blocks` on an H200 (d = 128,
-    # 8,192 tokens; assets/results/attention_blocks/, assets/notes/attention.md). The forward takes 128 query rows
-    # by 128 keys with 8 warps and 3 stages of K/V prefetch. Both backward kernels hold float32 accumulators besides
-    # their recomputed [BLOCK_M, BLOCK_N] tiles, and run fastest at 64 × 64 with 4 warps and 2 stages: 1.42× (dK/dV)
-    # and 1.48× (dQ) the 8-warp tiles first chosen from FlashAttention-2's shapes. d = 64 was not swept.
-    # float32 tiles take twice the bytes: half the rows and keys, for checking rather than training (not timed).
-    # Packed rows of short documents walk a few key blocks per query block, and the forward runs fastest there at
-    # 64 × 64 with 4 warps and 2 stages: 0.453 against 0.567 ms for the dense rows' tiles with 1,024-token documents
-    # (the same sweep with --documents 1024, checked against them first); the backward's tiles stay the fastest there.
+    # Hopper tiles, chosen by timing rather than autotuned: `python -m
+    # kernels.bench.attention_blocks` (d = 128, 8,192 tokens; the sweep and its figures:
+    # assets/notes/attention.md, "Tiles measured"). The forward takes 128 query rows by 128 keys
+    # with 8 warps and 3 stages of K/V prefetch. Both backward kernels hold float32 accumulators
+    # besides their recomputed [BLOCK_M, BLOCK_N] tiles, and run fastest at 64 × 64 with 4 warps and
+    # 2 stages. d = 64 was not swept. float32 tiles take twice the bytes: half the rows and keys,
+    # for checking rather than training (not timed). Packed rows of short documents walk a few key
+    # blocks per query block, and the forward runs fastest there at 64 × 64 with 4 warps and 2
+    # stages (the same sweep with --documents 1024, "Tiles for packed rows"); the backward's tiles
+    # stay the fastest there.
     wide = head_dim > 64
     if element_size > 2:
         forward = dkdv = dq = BlockConfig(64, 64, 4, 2)
     else:
-        forward = BlockConfig(64, 64, 4, 2) if packed and wide else BlockConfig(128, 128, 8 if wide else 4, 3)
+        forward = BlockConfig(64, 64, 4, 2) if packed and wide else BlockConfig(128, 128,
+                                                                                8 if wide else 4, 3)
         dkdv = BlockConfig(64, 64, 4, 2)
         dq = BlockConfig(64, 64, 4, 2)
     config = Config(forward, dkdv, dq, 64, interior)
@@ -495,9 +531,10 @@ def _attention_config(seq: int, head_dim: int, props: runtime.DeviceProps, eleme
 
 
 def check_config(config: Config) -> None:
-    """Raise a ``ValueError`` for tiles the kernels compute wrong: the forward's and the dQ kernel's ``block_m``
-    must be a multiple of their ``block_n`` (their mask-free walk ends at the query block's first row, which must
-    be a whole number of key blocks). The dK/dV kernel takes any shape."""
+    """Raise a ``ValueError`` for tiles the kernels compute wrong: the forward's and the dQ kernel's
+    ``block_m`` must be a multiple of their ``block_n`` (their mask-free walk ends at the query
+    block's first row, which must be a whole number of key blocks). The dK/dV kernel takes any
+    shape."""
     for name, block in (("forward", config.forward), ("dq", config.dq)):
         if block.block_m % block.block_n:
             raise ValueError(f"config.{name} has block_m={block.block_m} and block_n={block.block_n}: the {name} "
@@ -505,10 +542,11 @@ def check_config(config: Config) -> None:
 
 
 def shrinking(block: BlockConfig, divisible: bool):
-    """``block``, then ever smaller tiles: two pipeline stages instead of more, then half the keys, then half the
-    rows (down to 16 each), then one stage. A GPU with less shared memory per block than a tile needs (a consumer
-    card has under half of Hopper's) refuses the launch; the launch then takes the next one. ``divisible`` keeps
-    ``block_m`` a multiple of ``block_n``, as the query kernels' mask-free walk needs."""
+    """``block``, then ever smaller tiles: two pipeline stages instead of more, then half the keys,
+    then half the rows (down to 16 each), then one stage. A GPU with less shared memory per block
+    than a tile needs (a consumer card has under half of Hopper's) refuses the launch; the launch
+    then takes the next one. ``divisible`` keeps ``block_m`` a multiple of ``block_n``, as the query
+    kernels' mask-free walk needs."""
     m, n, warps, stages = block.block_m, block.block_n, block.num_warps, block.num_stages
     yield block
     while True:
@@ -527,13 +565,15 @@ def shrinking(block: BlockConfig, divisible: bool):
         yield BlockConfig(m, n, warps if m * n > 64 * 64 else min(warps, 4), stages)
 
 
-_FITTED: dict[tuple, BlockConfig] = {}  # (kernel, device, tile asked for, head_dim, dtype, flags) -> tile launched
+# (kernel, device, tile asked for, head_dim, dtype, flags) -> tile launched
+_FITTED: dict[tuple, BlockConfig] = {}
 
 
 def _launch(kernel, grid, block: BlockConfig, fit: bool, divisible: bool, key: tuple, *args, **meta) -> None:
-    """``kernel[grid(tile)](*args)`` with ``block``'s tile, or where ``fit`` is set and this GPU's shared memory
-    cannot hold it, with the first of ``shrinking(block)`` that it can (remembered per ``key``). An explicit
-    configuration is launched as given: a tile sweep must see its own tile fail, not a smaller one run."""
+    """``kernel[grid(tile)](*args)`` with ``block``'s tile, or where ``fit`` is set and this GPU's
+    shared memory cannot hold it, with the first of ``shrinking(block)`` that it can (remembered per
+    ``key``). An explicit configuration is launched as given: a tile sweep must see its own tile
+    fail, not a smaller one run."""
     key = (kernel.fn.__name__, block, *key)
     tiles = shrinking(_FITTED.get(key, block), divisible) if fit else iter([block])
     error = None
@@ -551,32 +591,36 @@ def _launch(kernel, grid, block: BlockConfig, fit: bool, divisible: bool, key: t
     raise RuntimeError(f"{kernel.fn.__name__}: no tile down to 16 × 16 fits this GPU's shared memory ({error})")
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Host side: launches
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def segment_bounds(cu_seqlens: torch.Tensor, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's document start and end (int32, [1, seq] each) for documents ``cu_seqlens`` (no host sync)."""
-    # The boundaries searched are cu_seqlens itself, not a slice of it: Inductor (torch 2.11) cannot lower a
-    # searchsorted over a slice of a tensor computed in the graph.
+    """Each token's document start and end (int32, [1, seq] each) for documents ``cu_seqlens`` (no
+    host sync)."""
+    # The boundaries searched are cu_seqlens itself, not a slice of it: Inductor (torch 2.11) cannot
+    # lower a searchsorted over a slice of a tensor computed in the graph.
     pos = torch.arange(seq, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
     doc = (torch.searchsorted(cu_seqlens, pos, right=True) - 1).clamp_(min=0)
     return cu_seqlens[doc][None], cu_seqlens[doc + 1][None]
 
 
 def segment_bounds_from_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's document start and end (int32, [batch, seq] each) where documents are the runs of consecutive
-    position ids (0, 1, 2, 0, 1, ... : a new document wherever a position is not the previous one plus 1, as
-    ``DataCollatorWithFlattening`` writes them). Tensor operations only: no host sync, traceable."""
+    """Each token's document start and end (int32, [batch, seq] each) where documents are the runs
+    of consecutive position ids (0, 1, 2, 0, 1, ... : a new document wherever a position is not the
+    previous one plus 1, as ``DataCollatorWithFlattening`` writes them). Tensor operations only: no
+    host sync, traceable."""
     batch, seq = position_ids.shape
     idx = torch.arange(seq, device=position_ids.device).expand(batch, seq)
     new = torch.ones(batch, seq, dtype=torch.bool, device=position_ids.device)
     prev, cur = position_ids[:, :-1], position_ids[:, 1:]
-    # prev + 1 wraps at the dtype's maximum (uint8 255 -> 0, int64's max -> its min): that is no continuation.
+    # prev + 1 wraps at the dtype's maximum (uint8 255 -> 0, int64's max -> its min): that is no
+    # continuation.
     new[:, 1:] = (cur != prev + 1) | (prev == torch.iinfo(position_ids.dtype).max)
     start = running_max(torch.where(new, idx, 0))
-    # The end of i's document is the next document's start after i (or seq): a running minimum from the right.
+    # The end of i's document is the next document's start after i (or seq): a running minimum from
+    # the right.
     later_starts = torch.cat([torch.where(new, idx, seq)[:, 1:], idx.new_full((batch, 1), seq)], dim=1)
     end = -running_max(-later_starts.flip(1)).flip(1)
     return start.to(torch.int32).contiguous(), end.to(torch.int32).contiguous()
@@ -586,9 +630,17 @@ _SCAN_CHUNK = 256
 
 
 def running_max(x: torch.Tensor) -> torch.Tensor:
-    """``x.cummax(dim=1).values`` of a [batch, seq] tensor, in two levels: within chunks of 256, then each chunk's
-    maximum carried into the chunks after it. PyTorch scans a whole row in one thread block: at 32,768 tokens that
-    took 93 µs on an H200, as long as a tenth of the packed forward. The chunks scan side by side instead."""
+    """``x.cummax(dim=1).values`` of a [batch, seq] tensor, in two levels: within chunks of 256,
+    then each chunk's maximum carried into the chunks after it. PyTorch scans a whole row in one
+    thread block, which at long rows took as long as a tenth of the packed forward
+    (assets/notes/attention.md, "The packed rows' segments"). The chunks scan side by side instead.
+
+    Args:
+        x: a [batch, seq] tensor.
+
+    Returns:
+        The running maximum along dim 1, of ``x``'s shape and dtype.
+    """
     if x.dim() != 2:
         raise ValueError(f"running_max takes a [batch, seq] tensor, got shape {tuple(x.shape)}")
     batch, seq = x.shape
@@ -603,13 +655,14 @@ def running_max(x: torch.Tensor) -> torch.Tensor:
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
-    # Columns must be adjacent (the kernels add a column index to a row's address); any other stride is read as is.
+    # Columns must be adjacent (the kernels add a column index to a row's address); any other stride
+    # is read as is.
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _precision(dtype: torch.dtype) -> str:
-    # float32 tiles (float32 inputs, and every tile in the interpreter, which upcasts): IEEE float32 matmuls, since
-    # TF32 would leave ~1e-3 errors. bf16/fp16 tiles on a GPU ignore the choice.
+    # float32 tiles (float32 inputs, and every tile in the interpreter, which upcasts): IEEE float32
+    # matmuls, since TF32 would leave ~1e-3 errors. bf16/fp16 tiles on a GPU ignore the choice.
     return "ieee" if dtype == torch.float32 or runtime.INTERPRET else "tf32"
 
 
@@ -626,9 +679,9 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
 
 def attention_forward(q, k, v, causal: bool, scale: float, seg_start=None, seg_end=None,
                       config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the forward: ``(out, lse)``, out [batch, heads, seq, head_dim] (memory in [batch, seq, heads, head_dim]
-    order, so Hugging Face's transpose back is free), lse float32 [batch, heads, seq] in natural log. An explicit
-    ``config`` is checked first (``check_config``)."""
+    """Launch the forward: ``(out, lse)``, out [batch, heads, seq, head_dim] (memory in [batch, seq,
+    heads, head_dim] order, so Hugging Face's transpose back is free), lse float32 [batch, heads,
+    seq] in natural log. An explicit ``config`` is checked first (``check_config``)."""
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     batch, heads, seq, head_dim = q.shape
     out = torch.empty(batch, seq, heads, head_dim, dtype=q.dtype, device=q.device).transpose(1, 2)
@@ -667,17 +720,21 @@ def attention_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float, 
     seg, seg_e, packed = _seg_args(seg_start, seg_end, q)
     delta = torch.empty(batch, heads, seq, dtype=torch.float32, device=q.device)
     _delta_kernel[(triton.cdiv(seq, cfg.delta_rows), batch * heads)](
-        out, grad_out, delta, *_strides(out), *_strides(grad_out), seq, heads, D=head_dim, BLOCK_M=cfg.delta_rows,
+        out, grad_out, delta, *_strides(out), *_strides(grad_out), seq, heads, D=head_dim,
+        BLOCK_M=cfg.delta_rows,
     )
     interior = packed and cfg.interior
-    common = dict(GROUP=heads // kv_heads, D=head_dim, CAUSAL=causal, PACKED=packed, UPCAST=runtime.INTERPRET,
+    common = dict(GROUP=heads // kv_heads, D=head_dim, CAUSAL=causal, PACKED=packed,
+                  UPCAST=runtime.INTERPRET,
                   PRECISION=_precision(q.dtype), INTERIOR=interior)
     key, fit = (q.device, head_dim, q.dtype, causal, packed, interior), config is None
-    # Packed rows walk a few query blocks per key block and head: one loop over every head of the group fills the
-    # pipeline once instead of once per head (1.32 against 1.58 ms for the backward with 1,024-token documents on an
-    # H200); dense rows' long walks run faster one head at a time (7.83 against 8.63 ms at 8,192 tokens).
+    # Packed rows walk a few query blocks per key block and head: one loop over every head of the
+    # group fills the pipeline once instead of once per head; dense rows' long walks run faster one
+    # head at a time, where the longer loop's index arithmetic costs more than the fills it saves
+    # (assets/notes/attention.md, version 5).
     group_heads = heads // kv_heads if packed else 1
-    _launch(_bwd_dkdv_kernel, lambda c: (triton.cdiv(seq, c.block_n), batch * kv_heads), cfg.dkdv, fit, False, key,
+    _launch(_bwd_dkdv_kernel, lambda c: (triton.cdiv(seq, c.block_n), batch * kv_heads), cfg.dkdv,
+            fit, False, key,
             q, k, v, grad_out, lse, delta, dk, dv, seg, seg_e,
             *_strides(q), *_strides(k), *_strides(v), *_strides(grad_out), *_strides(dk), *_strides(dv),
             seq, scale * LOG2E, scale, kv_heads, HEADS=group_heads, **common)
@@ -688,9 +745,9 @@ def attention_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float, 
     return dq, dk, dv
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Operators
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def _fwd_impl(q, k, v, causal, scale, seg_start, seg_end):
@@ -723,9 +780,9 @@ flash_attention_bwd = ops.define(
 )
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Autograd and the functional form
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 class FlashAttentionFunction(torch.autograd.Function):
@@ -744,16 +801,17 @@ class FlashAttentionFunction(torch.autograd.Function):
         dq, dk, dv = ops.call(flash_attention_bwd, grad_out, q, k, v, out, lse, ctx.causal, ctx.scale,
                               seg_start, seg_end)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (grad_out, q, k, v)):
-            # create_graph=True: the backward kernel has no derivative of its own. Gradients that silently carry
-            # none would make a gradient penalty's gradient wrong; these raise when differentiated, as SDPA's
-            # fused kernels do.
+            # create_graph=True: the backward kernel has no derivative of its own. Gradients that
+            # silently carry none would make a gradient penalty's gradient wrong; these raise when
+            # differentiated, as SDPA's fused kernels do.
             dq, dk, dv = _NoDoubleBackward.apply(dq, dk, dv, grad_out, q, k, v)
         return dq, dk, dv, None, None, None, None
 
 
 class _NoDoubleBackward(torch.autograd.Function):
-    """``(dq, dk, dv)`` as given, in the graph of what they were computed from (grad_out, q, k, v): differentiating
-    them with respect to any of those raises, rather than finding no path and reading as zero."""
+    """``(dq, dk, dv)`` as given, in the graph of what they were computed from (grad_out, q, k, v):
+    differentiating them with respect to any of those raises, rather than finding no path and
+    reading as zero."""
 
     @staticmethod
     def forward(ctx, dq, dk, dv, *sources):
@@ -778,7 +836,8 @@ def _check_tensor(name: str, t) -> None:
 
 
 def check_inputs(q, k, v, causal, scale, cu_seqlens) -> None:
-    """Raise a ``TypeError``/``ValueError`` naming the argument for anything ``flash_attention`` does not take."""
+    """Raise a ``TypeError``/``ValueError`` naming the argument for anything ``flash_attention``
+    does not take."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
     if not (q.dtype == k.dtype == v.dtype):
@@ -804,7 +863,8 @@ def check_inputs(q, k, v, causal, scale, cu_seqlens) -> None:
             value = float(scale)
         except OverflowError:  # an int past float's range
             value = math.inf
-        # The kernels multiply the scores by scale · log2 e in float32: past float32's range that is inf.
+        # The kernels multiply the scores by scale · log2 e in float32: past float32's range that is
+        # inf.
         if not abs(value) * LOG2E <= _FLOAT32_MAX:
             big_int = isinstance(scale, numbers.Integral) and value == math.inf
             shown = "an int past float's range" if big_int else f"{value:.4g}"
@@ -830,22 +890,26 @@ def check_inputs(q, k, v, causal, scale, cu_seqlens) -> None:
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, seq: int) -> None:
-    """The values of ``cu_seqlens``: 0 first, ``seq`` last, never decreasing. Reads them to the host (a sync)."""
+    """The values of ``cu_seqlens``: 0 first, ``seq`` last, never decreasing. Reads them to the host
+    (a sync)."""
     values = cu_seqlens.tolist()
     if values[0] != 0 or values[-1] != seq or any(b < a for a, b in zip(values, values[1:])):
         shown = values if len(values) <= 12 else values[:6] + ["..."] + values[-6:]
         raise ValueError(f"cu_seqlens must rise from 0 to seq={seq} (document offsets), got {shown}")
 
 
-_NO_ARITHMETIC = (torch.uint16, torch.uint32, torch.uint64)  # integer dtypes whose + PyTorch leaves unimplemented
+# integer dtypes whose + PyTorch leaves unimplemented
+_NO_ARITHMETIC = (torch.uint16, torch.uint32, torch.uint64)
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def _check_position_ids(position_ids, q, cu_seqlens) -> None:
     if cu_seqlens is not None:
         raise ValueError("give cu_seqlens or position_ids, not both")
-    if (not isinstance(position_ids, torch.Tensor) or position_ids.is_floating_point() or position_ids.is_complex()
-            or position_ids.dtype == torch.bool):  # bool: True/False would read as positions 1/0, other documents
+    if (not isinstance(position_ids,
+                       torch.Tensor) or position_ids.is_floating_point() or position_ids.is_complex()
+            # bool: True/False would read as positions 1/0, other documents
+            or position_ids.dtype == torch.bool):
         got = position_ids.dtype if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
         raise TypeError(f"position_ids must be an integer tensor [batch, seq], got {got}")
     batch, seq = q.shape[0], q.shape[2]
@@ -860,22 +924,39 @@ def _check_position_ids(position_ids, q, cu_seqlens) -> None:
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                     scale: float | None = None, cu_seqlens: torch.Tensor | None = None, *,
-                    position_ids: torch.Tensor | None = None, check_cu_seqlens_values: bool = True) -> torch.Tensor:
-    """softmax(q kᵀ · scale [+ causal mask]) v, like ``F.scaled_dot_product_attention(q, k, v, is_causal=causal,
-    scale=scale, enable_gqa=True)``, differentiable in q, k and v.
+                    position_ids: torch.Tensor | None = None,
+                    check_cu_seqlens_values: bool = True) -> torch.Tensor:
+    """FlashAttention-2: softmax(q kᵀ · scale [+ causal mask]) v, differentiable in q, k and v.
 
-    q is [batch, heads, seq, head_dim], k and v [batch, kv_heads, seq, head_dim] with heads a multiple of kv_heads
-    (grouped-query attention, K and V not repeated); head_dim one of 16, 32, 64, 128; float32, bfloat16 or float16.
-    Any strides with unit stride along head_dim are read in place (others are copied). ``scale`` defaults to
-    1/sqrt(head_dim).
+    Computes what ``F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+    enable_gqa=True)`` computes.
 
-    ``cu_seqlens`` (int32 [n_docs + 1], batch 1): documents packed along the sequence; no query attends across a
-    document boundary. Its values are checked on the host (one synchronisation) unless
-    ``check_cu_seqlens_values=False``, for callers that built it themselves (the Hugging Face patch does), and
-    never while ``torch.compile`` traces.
+    q is [batch, heads, seq, head_dim], k and v [batch, kv_heads, seq, head_dim] with heads a
+    multiple of kv_heads (grouped-query attention, K and V not repeated); head_dim one of 16, 32,
+    64, 128; float32, bfloat16 or float16. Any strides with unit stride along head_dim are read in
+    place (others are copied). ``scale`` defaults to 1/sqrt(head_dim).
 
-    ``position_ids`` (integer, [batch, seq]; instead of ``cu_seqlens``): documents are the runs of consecutive
-    positions in each row, a new one wherever the positions restart (``segment_bounds_from_positions``).
+    ``cu_seqlens`` (int32 [n_docs + 1], batch 1): documents packed along the sequence; no query
+    attends across a document boundary. Its values are checked on the host (one synchronisation)
+    unless ``check_cu_seqlens_values=False``, for callers that built it themselves (the Hugging Face
+    patch does), and never while ``torch.compile`` traces.
+
+    ``position_ids`` (integer, [batch, seq]; instead of ``cu_seqlens``): documents are the runs of
+    consecutive positions in each row, a new one wherever the positions restart
+    (``segment_bounds_from_positions``). Chapter 16 derives it.
+
+    Args:
+        q: [batch, heads, seq, head_dim].
+        k: [batch, kv_heads, seq, head_dim], heads a multiple of kv_heads.
+        v: of ``k``'s shape.
+        causal: mask keys after each query.
+        scale: the factor of q kᵀ, by default 1/sqrt(head_dim).
+        cu_seqlens: int32 [n_docs + 1] document boundaries of a batch of 1, or None.
+        position_ids: [batch, seq] positions whose restarts start documents, or None.
+        check_cu_seqlens_values: check ``cu_seqlens`` on the host (one synchronisation).
+
+    Returns:
+        The attention output, of ``q``'s shape and dtype.
     """
     check_inputs(q, k, v, causal, scale, cu_seqlens)
     causal = bool(causal)  # a numpy bool: the operator's schema takes Python's
@@ -893,7 +974,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 
 
 def document_mask(cu_seqlens: torch.Tensor, seq: int, causal: bool = True) -> torch.Tensor:
-    """The boolean [seq, seq] mask ``flash_attention`` applies (True: the query row may attend to the key column)."""
+    """The boolean [seq, seq] mask ``flash_attention`` applies (True: the query row may attend to
+    the key column)."""
     if cu_seqlens is None:
         allowed = torch.ones(seq, seq, dtype=torch.bool)
     else:

@@ -1,24 +1,29 @@
-"""Attention forward + backward: ours against SDPA (flash, cuDNN), compiled flex_attention, and packed documents.
+"""Attention forward + backward: ours against SDPA (flash, cuDNN), compiled flex_attention, and
+packed documents.
 
-``python -m kernels.bench.attention`` measures, at Llama-3.1-8B's attention (32 query heads, 8 KV heads, head dim
-128, bf16, causal) with 16,384 tokens per batch (batch = 16,384 / seq) at seq 2,048, 8,192 and 32,768
+``python -m kernels.bench.attention`` measures, at Llama-3.1-8B's attention (32 query heads, 8 KV
+heads, head dim 128, bf16, causal) with 16,384 tokens per batch (batch = 16,384 / seq) at seq 2,048,
+8,192 and 32,768
 (``--seqs`` adds 131,072):
 
-* dense causal attention: ours (``kernels.flash_attention``), SDPA's flash kernel (FlashAttention-2), SDPA's cuDNN
-  kernel, and ``flex_attention`` compiled with a causal ``BlockMask``;
-* packed documents of 1,024 tokens: ours with restarting position ids against ``flex_attention`` with a document
-  ``BlockMask``.
+* dense causal attention: ours (``kernels.flash_attention``), SDPA's flash kernel
+  (FlashAttention-2), SDPA's cuDNN kernel, and ``flex_attention`` compiled with a causal
+  ``BlockMask``;
+* packed documents of 1,024 tokens: ours with restarting position ids against ``flex_attention``
+  with a document ``BlockMask``.
 
-Times are ``triton.testing.do_bench`` medians of forward + backward (the gradients of q, k and v). TFLOP/s counts a
-causal forward as 2·2·B·H·S²·D / 2 and the backward as 2.5× that (so forward + backward is 3.5×); for documents
-the same count over each document's own causal square. The share of the bf16 matmul ceiling is of the rate measured
-in the same run (an 8,192³ matmul, as chapter 00 measures it). Each peer's output and gradients are checked against
-ours before timing (bf16 relative error). A peer that has no kernel for the case is recorded as missing, with why.
+Times are ``triton.testing.do_bench`` medians of forward + backward (the gradients of q, k and v).
+TFLOP/s counts a causal forward as 2·2·B·H·S²·D / 2 and the backward as 2.5× that (so forward +
+backward is 3.5×); for documents the same count over each document's own causal square. The share of
+the bf16 matmul ceiling is of the rate measured in the same run (an 8,192³ matmul, as chapter 00
+measures it). Each peer's output and gradients are checked against ours before timing (bf16 relative
+error). A peer that has no kernel for the case is recorded as missing, with why.
 
-Results go to ``runs/attention/<gpu>.json`` (``--out`` picks another results root; an existing file is replaced
-only with ``--force``); ``--record`` writes ``assets/results/attention/<gpu>.json`` instead,
-the file ``kernels.hf.attention.attention_choice`` reads to decide ``patch_llama``'s default attention. In the
-interpreter the command runs tiny shapes and SDPA's math kernel only (timings there mean nothing).
+Results go to ``runs/attention/<gpu>.json`` (``--out`` picks another results root; an existing file
+is replaced only with ``--force``); ``--record`` writes ``assets/results/attention/<gpu>.json``
+instead, the file ``kernels.hf.attention.attention_choice`` reads to decide ``patch_llama``'s
+default attention. In the interpreter the command runs tiny shapes and SDPA's math kernel only
+(timings there mean nothing).
 """
 
 from __future__ import annotations
@@ -48,12 +53,14 @@ BACKWARD_FACTOR = 2.5
 
 
 def causal_flops(batch: int, heads: int, seq: int, head_dim: int) -> float:
-    """Forward + backward FLOPs of causal attention as counted here: 2·2·B·H·S²·D/2 forward, 2.5× that backward."""
+    """Forward + backward FLOPs of causal attention as counted here: 2·2·B·H·S²·D/2 forward, 2.5×
+    that backward."""
     return 2 * 2 * batch * heads * seq * seq * head_dim / 2 * (1 + BACKWARD_FACTOR)
 
 
 def inputs(batch, heads, kv_heads, seq, head_dim, dtype, seed=0):
-    """q, k, v (requiring gradients) and an output gradient, drawn from ``seed`` on this device in ``dtype``."""
+    """q, k, v (requiring gradients) and an output gradient, drawn from ``seed`` on this device in
+    ``dtype``."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     dev = runtime.device()
 
@@ -65,8 +72,9 @@ def inputs(batch, heads, kv_heads, seq, head_dim, dtype, seed=0):
 
 
 def _sdpa(backend):
-    """SDPA forced to one backend, K and V shared by the query heads (``enable_gqa``). A backend without a GQA kernel
-    gets K and V repeated inside the timed call (the copy is part of what using it costs)."""
+    """SDPA forced to one backend, K and V shared by the query heads (``enable_gqa``). A backend
+    without a GQA kernel gets K and V repeated inside the timed call (the copy is part of what using
+    it costs)."""
     from torch.nn.attention import sdpa_kernel
 
     def gqa(q, k, v):
@@ -76,7 +84,8 @@ def _sdpa(backend):
     def repeated(q, k, v):
         group = q.shape[1] // k.shape[1]
         with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+            return F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1),
+                                                  v.repeat_interleave(group, 1),
                                                   is_causal=True)
 
     def run(q, k, v):
@@ -142,7 +151,8 @@ def _packed_interior(on: bool):
 
 
 def document_positions(batch: int, seq: int, doc: int, device=None) -> torch.Tensor:
-    """Position ids [batch, seq] of rows packed with documents of ``doc`` tokens: 0, 1, ..., doc − 1, 0, 1, ..."""
+    """Position ids [batch, seq] of rows packed with documents of ``doc`` tokens: 0, 1, ..., doc −
+    1, 0, 1, ..."""
     return (torch.arange(seq, device=device or runtime.device()) % doc)[None].expand(batch, seq)
 
 
@@ -157,8 +167,8 @@ def document_peers(doc: int) -> dict[str, Callable]:
                     return flash_attention(q, k, v, causal=True, position_ids=positions)
             return call
         return make
-    # ours_packed with the package's setting (attention.PACKED_INTERIOR); ours_masked with every block of a packed
-    # row masked, the walk of version 2
+    # ours_packed with the package's setting (attention.PACKED_INTERIOR); ours_masked with every
+    # block of a packed row masked, the walk of version 2
     peers = {"ours_packed": ours(attention.PACKED_INTERIOR), "ours_masked": ours(False)}
     if runtime.MODE == "gpu":
         peers["flex_documents"] = _flex(_documents(doc))
@@ -172,7 +182,8 @@ def _fwd_bwd(fn, q, k, v, grad):
 
 
 def _check(fn, reference, q, k, v, grad) -> float:
-    """The worst relative error of fn's output and gradients against ``reference`` (ours): both on one input."""
+    """The worst relative error of fn's output and gradients against ``reference`` (ours): both on
+    one input."""
     results = []
     for f in (fn, reference):
         for t in (q, k, v):
@@ -233,7 +244,8 @@ def run(seqs=None, tokens: int | None = None) -> dict:
     matmul = _matmul_tflops()
     result = {"device": runtime.device_name(), "device_slug": device_slug(), "mode": runtime.MODE,
               "versions": runtime.versions(), "kernel_version": attention.VERSION, "matmul_tflops": matmul,
-              "settings": dict(heads=heads, kv_heads=kv_heads, head_dim=d, tokens_per_batch=tokens, seqs=list(seqs),
+              "settings": dict(heads=heads, kv_heads=kv_heads, head_dim=d, tokens_per_batch=tokens,
+                               seqs=list(seqs),
                                document_tokens=doc, dtype="bfloat16" if runtime.MODE == "gpu" else "float32",
                                causal=True, backward_factor=BACKWARD_FACTOR),
               "rows": [], "documents": []}
@@ -242,7 +254,8 @@ def run(seqs=None, tokens: int | None = None) -> dict:
         result["rows"].append(measure(dense_peers(), batch, heads, kv_heads, seq, d,
                                       causal_flops(batch, heads, seq, d), matmul))
         docs_flops = causal_flops(batch * max(1, seq // doc), heads, min(doc, seq), d)
-        result["documents"].append(measure(document_peers(doc), batch, heads, kv_heads, seq, d, docs_flops, matmul))
+        result["documents"].append(measure(document_peers(doc), batch, heads, kv_heads, seq, d,
+                                           docs_flops, matmul))
         if runtime.MODE == "gpu":
             torch.cuda.empty_cache()  # the next length's inputs have other shapes
     return result
@@ -287,7 +300,8 @@ def format_table(result: dict) -> str:
 
 
 def version_note(result: dict) -> str:
-    """Which version of our kernels the run timed, and whether it is the package's (runs before the field: 1)."""
+    """Which version of our kernels the run timed, and whether it is the package's (runs before the
+    field: 1)."""
     timed = result.get("kernel_version", 1)
     if timed == attention.VERSION:
         return f"  ours: kernel version {timed}, the package's"
@@ -305,12 +319,14 @@ def load(path: Path | None = None) -> dict | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m kernels.bench.attention", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kernels.bench.attention",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--seqs", type=cli.positive_int, nargs="+", default=None,
                         help="sequence lengths (default 2048 8192 32768 on a GPU; 131072 is optional)")
     parser.add_argument("--tokens", type=cli.positive_int, default=None,
                         help="tokens per batch (default 16384 on a GPU); batch = tokens / seq, at least 1")
-    cli.add_output_arguments(parser, "attention/<gpu>.json (with --record, the file patch_llama's default reads)")
+    cli.add_output_arguments(parser,
+                             "attention/<gpu>.json (with --record, the file patch_llama's default reads)")
     return parser
 
 

@@ -1,27 +1,31 @@
 """The attention kernels' tile shapes, measured: ``python -m kernels.bench.attention_blocks``.
 
-Each kernel of ``kernels.attention`` takes its tiles from ``attention_config``: query rows and keys per tile, warps,
-and pipeline stages. That choice was made from FlashAttention-2's shapes, not from a measurement. This command
-measures it, one kernel at a time, at one shape (default: Llama-3.1-8B's attention, 32 query and 8 KV heads, d =
-128, bf16, causal, 8,192 tokens, batch 2), with the other kernels at their configured tiles:
+Each kernel of ``kernels.attention`` takes its tiles from ``attention_config``: query rows and keys
+per tile, warps, and pipeline stages. That choice was made from FlashAttention-2's shapes, not from
+a measurement. This command measures it, one kernel at a time, at one shape (default: Llama-3.1-8B's
+attention, 32 query and 8 KV heads, d = 128, bf16, causal, 8,192 tokens, batch 2), with the other
+kernels at their configured tiles:
 
 * the forward, for each forward candidate;
 * the backward (the delta preprocess, dK/dV, dQ), for each dK/dV candidate;
 * the backward again, for each dQ candidate, beside the fastest dK/dV.
 
-Before a candidate is timed its outputs are checked against the configured kernels' (relative error within the
-tolerance of two implementations in the dtype): a tile shape that computes something else is recorded as failing,
-never timed. One that does not compile on this GPU (more shared memory than a block may have) is recorded with the
-reason. The first candidate of each list is the configured one.
+Before a candidate is timed its outputs are checked against the configured kernels' (relative error
+within the tolerance of two implementations in the dtype): a tile shape that computes something else
+is recorded as failing, never timed. One that does not compile on this GPU (more shared memory than
+a block may have) is recorded with the reason. The first candidate of each list is the configured
+one.
 
-``--documents N`` times packed rows instead: each row holds documents of N tokens (position ids restarting every N),
-as ``kernels.bench.attention``'s packed comparison does, with the package's walk of packed rows.
+``--documents N`` times packed rows instead: each row holds documents of N tokens (position ids
+restarting every N), as ``kernels.bench.attention``'s packed comparison does, with the package's
+walk of packed rows.
 
-The table gives each candidate's time against the configured one's. Choosing stays a person's decision, written into
-``attention_config`` with the run beside it (``assets/notes/attention.md``), as for the other kernels' launch
-settings. Results: ``runs/attention_blocks/<gpu>.json``; ``--record`` writes
-``assets/results/attention_blocks/<gpu>.json``. In the interpreter the shapes and tiles are tiny and the timings mean
-nothing; the run checks that every candidate computes attention.
+The table gives each candidate's time against the configured one's. Choosing stays a person's
+decision, written into ``attention_config`` with the run beside it (``assets/notes/attention.md``),
+as for the other kernels' launch settings. Results: ``runs/attention_blocks/<gpu>.json``;
+``--record`` writes ``assets/results/attention_blocks/<gpu>.json``. In the interpreter the shapes
+and tiles are tiny and the timings mean nothing; the run checks that every candidate computes
+attention.
 """
 
 from __future__ import annotations
@@ -52,16 +56,20 @@ GROUP = "attention_blocks"
 GPU_SHAPE = dict(batch=2, heads=32, kv_heads=8, seq=8192, head_dim=128)
 CPU_SHAPE = dict(batch=1, heads=2, kv_heads=1, seq=48, head_dim=16)
 
-# (block_m, block_n, num_warps, num_stages). The forward and dQ walks need block_m a multiple of block_n (their
-# mask-free part ends at the query block's first row). Candidates from FlashAttention-2's and Triton's tutorial
-# shapes around the configured ones, and small two-stage tiles for the short walks of packed documents; each list
-# starts with what attention_config gives at d = 128.
+# (block_m, block_n, num_warps, num_stages). The forward and dQ walks need block_m a multiple of
+# block_n (their mask-free part ends at the query block's first row). Candidates from
+# FlashAttention-2's and Triton's tutorial shapes around the configured ones, and small two-stage
+# tiles for the short walks of packed documents; each list starts with what attention_config gives
+# at d = 128.
 GPU_CANDIDATES = {
     "forward": [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4),
-                (128, 64, 4, 3), (128, 32, 4, 3), (128, 32, 8, 4), (64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 4),
+                (128, 64, 4, 3), (128, 32, 4, 3), (128, 32, 8, 4), (64, 64, 4, 3), (64, 64, 4, 4),
+                (64, 32, 4, 4),
                 (64, 64, 4, 2), (64, 32, 4, 2)],
-    "dkdv": [(64, 64, 4, 2), (64, 64, 8, 2), (64, 64, 4, 3), (64, 128, 8, 2), (32, 128, 4, 3), (32, 128, 8, 3),
-             (32, 64, 4, 3), (32, 64, 4, 4), (16, 128, 4, 3), (64, 32, 4, 3), (32, 32, 4, 2), (64, 32, 4, 2)],
+    "dkdv": [(64, 64, 4, 2), (64, 64, 8, 2), (64, 64, 4, 3), (64, 128, 8, 2), (32, 128, 4, 3),
+             (32, 128, 8, 3),
+             (32, 64, 4, 3), (32, 64, 4, 4), (16, 128, 4, 3), (64, 32, 4, 3), (32, 32, 4, 2),
+             (64, 32, 4, 2)],
     "dq": [(64, 64, 4, 2), (64, 64, 8, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 32, 4, 3), (128, 32, 8, 3),
            (64, 32, 4, 3), (64, 32, 4, 4), (128, 128, 8, 2), (64, 32, 4, 2), (32, 32, 4, 2)],
 }
@@ -74,7 +82,8 @@ KERNELS = ("forward", "dkdv", "dq")
 
 
 def candidates(kernel: str, props: runtime.DeviceProps | None = None) -> list[BlockConfig]:
-    """The tiles tried for ``kernel`` ("forward", "dkdv" or "dq"): the configured one first, then the others."""
+    """The tiles tried for ``kernel`` ("forward", "dkdv" or "dq"): the configured one first, then
+    the others."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     table = CPU_CANDIDATES if (props or runtime.device_props()).interpreter else GPU_CANDIDATES
@@ -82,8 +91,9 @@ def candidates(kernel: str, props: runtime.DeviceProps | None = None) -> list[Bl
 
 
 def base_config(shape: dict) -> Config:
-    """The configuration every row starts from: ``attention_config``'s on a GPU; in the interpreter the first
-    candidates (``attention_config`` there gives one tile of up to 128 rows, which would walk no second block)."""
+    """The configuration every row starts from: ``attention_config``'s on a GPU; in the interpreter
+    the first candidates (``attention_config`` there gives one tile of up to 128 rows, which would
+    walk no second block)."""
     if runtime.MODE == "gpu":
         return attention_config(shape["seq"], shape["head_dim"], packed=bool(shape.get("documents")))
     first = {k: candidates(k)[0] for k in KERNELS}
@@ -94,15 +104,17 @@ def _with(config: Config, kernel: str, block: BlockConfig) -> Config:
     return dataclasses.replace(config, **{kernel: block})
 
 
-def measure_kernel(kernel: str, shape: dict, config: Config, blocks: list[BlockConfig], scale: float) -> list[dict]:
-    """One row per candidate tile of ``kernel``: checked against ``config``'s outputs, then timed (the forward alone,
-    or the whole backward)."""
+def measure_kernel(kernel: str, shape: dict, config: Config, blocks: list[BlockConfig],
+                   scale: float) -> list[dict]:
+    """One row per candidate tile of ``kernel``: checked against ``config``'s outputs, then timed
+    (the forward alone, or the whole backward)."""
     dtype = torch.bfloat16 if runtime.MODE == "gpu" else torch.float32
     drawn = inputs(*(shape[k] for k in ("batch", "heads", "kv_heads", "seq", "head_dim")), dtype)
     q, k, v, grad = (t.detach() for t in drawn)  # the kernels are launched directly: no autograd here
     segments = packed_segments(shape, q.device)
     out, lse = attention_forward(q, k, v, True, scale, *segments, config=config)
-    expected = (out, lse) if kernel == "forward" else attention_backward(grad, q, k, v, out, lse, True, scale,
+    expected = (out, lse) if kernel == "forward" else attention_backward(grad, q, k, v, out, lse,
+                                                                         True, scale,
                                                                      *segments, config=config)
     tol = 2 * RELATIVE_ERROR_TOL[q.dtype]
     rows = []
@@ -129,7 +141,8 @@ def measure_kernel(kernel: str, shape: dict, config: Config, blocks: list[BlockC
 
 
 def packed_segments(shape: dict, device) -> tuple:
-    """(seg_start, seg_end) of packed rows with documents of ``shape["documents"]`` tokens, or () for dense rows."""
+    """(seg_start, seg_end) of packed rows with documents of ``shape["documents"]`` tokens, or ()
+    for dense rows."""
     doc = shape.get("documents")
     if not doc:
         return ()
@@ -153,7 +166,8 @@ def run(shape: dict | None = None, kernels=KERNELS) -> dict:
               "packed_interior": attention.PACKED_INTERIOR},
               "configured": dataclasses.asdict(config), "rows": [], "best": {}}
     for kernel in kernels:
-        configured = getattr(config, kernel)  # first, whatever the list starts with (packed rows have their own)
+        # first, whatever the list starts with (packed rows have their own)
+        configured = getattr(config, kernel)
         blocks = [configured] + [b for b in candidates(kernel) if b != configured]
         rows = measure_kernel(kernel, shape, config, blocks, scale)
         result["rows"] += rows
@@ -193,7 +207,8 @@ def format_table(result: dict) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m kernels.bench.attention_blocks",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seq", type=cli.positive_int, default=None, help="tokens per sequence (GPU default 8192)")
+    parser.add_argument("--seq", type=cli.positive_int, default=None,
+                        help="tokens per sequence (GPU default 8192)")
     parser.add_argument("--batch", type=cli.positive_int, default=None, help="sequences (GPU default 2)")
     parser.add_argument("--kernels", type=cli.names(KERNELS), default=KERNELS,
                         help=f"comma-separated subset of {','.join(KERNELS)}")

@@ -1,39 +1,44 @@
-"""Llama's attention through the workbook's FlashAttention (``patch_llama(model, attention=True)``), packed batches
-included.
+"""Llama's attention through the workbook's FlashAttention (``patch_llama(model, attention=True)``),
+packed batches included.
 
-The change is scoped to one model, the way ``kernels.hf.attention_mask`` scopes its masks: it registers an attention
-implementation, ``"kernels_flash_attention"``, with transformers (the attention function below and a mask function)
-and points the model's config at it; the returned function points it back.
+The change is scoped to one model, the way ``kernels.hf.attention_mask`` scopes its masks: it
+registers an attention implementation, ``"kernels_flash_attention"``, with transformers (the
+attention function below and a mask function) and points the model's config at it; the returned
+function points it back.
 
-**Packed batches.** Independent examples packed into one row train as if each were alone when no query attends
-across an example's boundary. Two ways of saying where the boundaries are reach the attention function:
+**Packed batches.** Independent examples packed into one row train as if each were alone when no
+query attends across an example's boundary. Two ways of saying where the boundaries are reach the
+attention function:
 
-* ``cu_seq_lens_q`` (int32 [n_docs + 1]), which ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` adds
-  to the batch and the model passes through to attention: the document offsets (batch 1). The collator writes
-  position ids that restart with each document too, and rotary embeddings already read those: the kernel takes its
-  boundaries from the position ids, and offsets that do not rise from 0 to the sequence's length, or that disagree
-  with the position ids, raise a ValueError. The check reads both to the host once per offsets tensor (every layer
-  of one forward receives the same one), never while ``torch.compile`` traces. Without position ids the offsets,
-  checked the same way, give the boundaries;
-* ``position_ids`` restarting at 0 in each example (``DataCollatorWithFlattening``'s default, or a caller's own
-  packing): each row's documents are its runs of consecutive positions (``segment_bounds_from_positions``), so a
-  batch of several packed rows works too. The model always passes position ids; a row of 0, 1, 2, ... is one
-  document, the plain causal case.
+* ``cu_seq_lens_q`` (int32 [n_docs + 1]), which
+  ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` adds to the batch and the model
+  passes through to attention: the document offsets (batch 1). The collator writes position ids that
+  restart with each document too, and rotary embeddings already read those: the kernel takes its
+  boundaries from the position ids, and offsets that do not rise from 0 to the sequence's length, or
+  that disagree with the position ids, raise a ValueError. The check reads both to the host once per
+  offsets tensor (every layer of one forward receives the same one), never while ``torch.compile``
+  traces. Without position ids the offsets, checked the same way, give the boundaries;
+* ``position_ids`` restarting at 0 in each example (``DataCollatorWithFlattening``'s default, or a
+  caller's own packing): each row's documents are its runs of consecutive positions
+  (``segment_bounds_from_positions``), so a batch of several packed rows works too. The model always
+  passes position ids; a row of 0, 1, 2, ... is one document, the plain causal case.
 
-Apart from that check, no host synchronisation: the boundaries become each token's document bounds with tensor
-operations.
+Apart from that check, no host synchronisation: the boundaries become each token's document bounds
+with tensor operations.
 
-**The mask.** Transformers builds a [seq, seq] mask for packed rows (it detects the restarting positions). Our
-kernel needs none, so the registered mask function returns None whenever the caller gave no padding mask and the
-mask asked for is the full causal one (as many keys as queries, no offset, no sliding window); otherwise it is
-transformers' ``sdpa_mask``, and a call that receives a mask (padding, a cache during generation), dropout, or a
-dtype or head size the kernel does not take runs transformers' SDPA attention instead, unchanged. A padded batch is
-therefore still correct, just not ours.
+**The mask.** Transformers builds a [seq, seq] mask for packed rows (it detects the restarting
+positions). Our kernel needs none, so the registered mask function returns None whenever the caller
+gave no padding mask and the mask asked for is the full causal one (as many keys as queries, no
+offset, no sliding window); otherwise it is transformers' ``sdpa_mask``, and a call that receives a
+mask (padding, a cache during generation), dropout, or a dtype or head size the kernel does not take
+runs transformers' SDPA attention instead, unchanged. A padded batch is therefore still correct,
+just not ours.
 
-**Whether it is on by default** comes from measurements, not from this file: ``attention_choice`` reads the recorded
-attention benchmark for this GPU (``python -m kernels.bench.attention --record``, files in
-``assets/results/attention/``) and turns ours on only where it was measured at least as fast as SDPA's flash and
-cuDNN kernels at every length. The patch's ``summary()`` says which attention runs and why.
+**Whether it is on by default** comes from measurements, not from this file: ``attention_choice``
+reads the recorded attention benchmark for this GPU (``python -m kernels.bench.attention --record``,
+files in ``assets/results/attention/``) and turns ours on only where it was measured at least as
+fast as SDPA's flash and cuDNN kernels at every length. The patch's ``summary()`` says which
+attention runs and why.
 """
 
 from __future__ import annotations
@@ -58,7 +63,8 @@ from ..attention import (
 
 IMPLEMENTATION = "kernels_flash_attention"
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "assets" / "results" / "attention"
-PEERS = ("sdpa_flash", "sdpa_cudnn")  # the attention SDPA would run instead: ours must be no slower than either
+# the attention SDPA would run instead: ours must be no slower than either
+PEERS = ("sdpa_flash", "sdpa_cudnn")
 
 
 def _sdpa_mask_arguments(args: tuple, kwargs: dict) -> dict:
@@ -68,9 +74,9 @@ def _sdpa_mask_arguments(args: tuple, kwargs: dict) -> dict:
 
 
 def packed_causal_mask(*args, **kwargs) -> torch.Tensor | None:
-    """transformers' SDPA mask function (same arguments), returning None where the kernel needs no mask: no padding
-    mask given, as many keys as queries from the same start, no sliding window. Packed rows' boundaries come to the
-    kernel through the position ids instead."""
+    """transformers' SDPA mask function (same arguments), returning None where the kernel needs no
+    mask: no padding mask given, as many keys as queries from the same start, no sliding window.
+    Packed rows' boundaries come to the kernel through the position ids instead."""
     from transformers.masking_utils import sdpa_mask
 
     a = _sdpa_mask_arguments(args, kwargs)
@@ -82,21 +88,25 @@ def packed_causal_mask(*args, **kwargs) -> torch.Tensor | None:
 
 
 def kernel_applies(query: torch.Tensor, key: torch.Tensor, attention_mask, dropout: float) -> bool:
-    """Whether this call can run our kernel: no mask to apply, no dropout, self-attention over one length, and a
-    dtype and head size the kernel takes. Otherwise the call runs SDPA."""
+    """Whether this call can run our kernel: no mask to apply, no dropout, self-attention over one
+    length, and a dtype and head size the kernel takes. Otherwise the call runs SDPA."""
     return (attention_mask is None and not dropout and query.shape[2] == key.shape[2] and query.shape[2] > 0
             and query.dtype in DTYPES and query.shape[-1] in HEAD_DIMS)
 
 
-def flash_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+def flash_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                            value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                            scaling: float | None = None,
                             is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """An attention function of transformers' registry: query [batch, heads, seq, head_dim], key and value with the
-    KV heads (not repeated); returns ([batch, seq, heads, head_dim], None) as ``sdpa_attention_forward`` does."""
+    """An attention function of transformers' registry: query [batch, heads, seq, head_dim], key and
+    value with the KV heads (not repeated); returns ([batch, seq, heads, head_dim], None) as
+    ``sdpa_attention_forward`` does."""
     if not kernel_applies(query, key, attention_mask, dropout):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     cu_seqlens, position_ids = kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids")
@@ -112,14 +122,16 @@ def flash_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     return out.transpose(1, 2), None  # [batch, seq, heads, head_dim], contiguous already
 
 
-_CHECKED: list = [None, -1]  # the offsets tensor checked last (a weak reference) and its version counter then
+# the offsets tensor checked last (a weak reference) and its version counter then
+_CHECKED: list = [None, -1]
 
 
 def check_offsets(cu_seqlens, position_ids, query: torch.Tensor) -> None:
-    """Raise a ``ValueError`` unless ``cu_seq_lens_q`` are document offsets of ``query``'s single row: an integer
-    1-D tensor rising from 0 to the sequence's length, and, where ``position_ids`` are given, the same documents as
-    their runs of consecutive positions. Reads both to the host once per offsets tensor (the same tensor reaches
-    every layer); nothing while ``torch.compile`` traces."""
+    """Raise a ``ValueError`` unless ``cu_seq_lens_q`` are document offsets of ``query``'s single
+    row: an integer 1-D tensor rising from 0 to the sequence's length, and, where ``position_ids``
+    are given, the same documents as their runs of consecutive positions. Reads both to the host
+    once per offsets tensor (the same tensor reaches every layer); nothing while ``torch.compile``
+    traces."""
     if torch.compiler.is_compiling():
         return
     last, version = _CHECKED
@@ -148,8 +160,9 @@ def check_offsets(cu_seqlens, position_ids, query: torch.Tensor) -> None:
 
 
 def check_attention(model: torch.nn.Module) -> None:
-    """Raise (ValueError) unless ``patch_llama(model, attention=True)`` applies: SDPA attention in the config (the
-    implementation it replaces), a head size the kernel takes, transformers' attention and mask registries."""
+    """Raise (ValueError) unless ``patch_llama(model, attention=True)`` applies: SDPA attention in
+    the config (the implementation it replaces), a head size the kernel takes, transformers'
+    attention and mask registries."""
     config = getattr(model, "config", None)
     current = getattr(config, "_attn_implementation", None)
     if current != "sdpa":
@@ -167,7 +180,8 @@ def check_attention(model: torch.nn.Module) -> None:
 
 
 def use_flash_attention(model: torch.nn.Module) -> Callable[[], None]:
-    """Point ``model``'s attention at ``"kernels_flash_attention"``; returns the function that points it back."""
+    """Point ``model``'s attention at ``"kernels_flash_attention"``; returns the function that
+    points it back."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -200,15 +214,17 @@ def _recorded(device_name: str, results_dir: Path) -> dict | None:
 
 
 def attention_choice(device_name: str | None = None, results_dir: Path = RESULTS_DIR) -> tuple[bool, str]:
-    """``(use_ours, why)``: whether ``patch_llama``'s default turns our attention on for ``device_name`` (this GPU),
-    from the recorded attention benchmark: on only where ours (dense, causal) was at least as fast as SDPA's flash
-    and cuDNN kernels at every length measured. In the interpreter, and on a GPU with no recorded run, it stays off."""
+    """``(use_ours, why)``: whether ``patch_llama``'s default turns our attention on for
+    ``device_name`` (this GPU), from the recorded attention benchmark: on only where ours (dense,
+    causal) was at least as fast as SDPA's flash and cuDNN kernels at every length measured. In the
+    interpreter, and on a GPU with no recorded run, it stays off."""
     if device_name is None:
         if runtime.MODE != "gpu":
             return False, "sdpa: Triton's interpreter (timings there mean nothing)"
         try:
             device_name = runtime.device_name()
-        except (AssertionError, RuntimeError):  # gpu mode where no CUDA device answers (a simulated GPU in tests)
+        # gpu mode where no CUDA device answers (a simulated GPU in tests)
+        except (AssertionError, RuntimeError):
             return False, "sdpa: no CUDA device to look up a recorded run for"
     data = _recorded(device_name, results_dir)
     if data is None:

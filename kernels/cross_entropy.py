@@ -1,25 +1,28 @@
-"""Fused cross-entropy in Triton: one kernel gives the loss, the logsumexp and the gradient, without ever holding
-the softmax in memory.
+"""Fused cross-entropy in Triton: one kernel gives the loss, the logsumexp and the gradient, without
+ever holding the softmax in memory.
 
 For one row of logits x (length V, e.g. V = 128,256 for Llama 3) and its target class t:
 
     loss = logsumexp(x) − x[t]              grad = (softmax(x) − onehot(t)) · scale
 
-The forward kernel streams the row in chunks of ``BLOCK_V`` logits and keeps only two float32 numbers per row, the
-running max m and the running sum s of exp(x − m) (the online softmax, Milakov & Gimelshein 2018):
+The forward kernel streams the row in chunks of ``BLOCK_V`` logits and keeps only two float32
+numbers per row, the running max m and the running sum s of exp(x − m) (the online softmax, Milakov
+& Gimelshein 2018):
 
     m' = max(m, max(chunk))        s' = s · exp(m − m') + Σ exp(chunk − m')        logsumexp = m + log(s)
 
-Once the logsumexp is known, a second sweep over the same row computes the gradient chunk by chunk and writes it,
-*during the forward pass*. The backward pass then only has to multiply by the incoming gradient, and it skips even
-that, on the device, when the incoming gradient is 1.0 (a loss that is not scaled further).
+Once the logsumexp is known, a second sweep over the same row computes the gradient chunk by chunk
+and writes it, *during the forward pass*. The backward pass then only has to multiply by the
+incoming gradient, and it skips even that, on the device, when the incoming gradient is 1.0 (a loss
+that is not scaled further).
 
-Memory. With ``inplace_backward=True`` the gradient overwrites the logits: no [rows, V] buffer is allocated at all.
-Otherwise a gradient buffer in the logits' dtype is allocated. When the logits do not require a gradient (evaluation)
-the gradient sweep is compiled out and the kernel reads the logits exactly once.
+Memory. With ``inplace_backward=True`` the gradient overwrites the logits: no [rows, V] buffer is
+allocated at all. Otherwise a gradient buffer in the logits' dtype is allocated. When the logits do
+not require a gradient (evaluation) the gradient sweep is compiled out and the kernel reads the
+logits exactly once.
 
-All arithmetic is float32 whatever the storage dtype; the loss is returned in float32, as Hugging Face's (which
-upcasts the logits to float32 before ``F.cross_entropy``).
+All arithmetic is float32 whatever the storage dtype; the loss is returned in float32, as Hugging
+Face's (which upcasts the logits to float32 before ``F.cross_entropy``).
 """
 
 from __future__ import annotations
@@ -37,21 +40,22 @@ from . import ops, runtime
 from .triton_utils import cast_to
 
 REDUCTIONS = ("mean", "sum", "none")
-# Class indices: every signed integer dtype and uint8. The kernels widen each index to int64 as they load it, so every
-# one of these gives the loss of ``F.cross_entropy(logits, target.long())`` (PyTorch itself takes int64 and uint8
-# only). The unsigned 16-64-bit dtypes, which most PyTorch operations do not support, are refused.
+# Class indices: every signed integer dtype and uint8. The kernels widen each index to int64 as they
+# load it, so every one of these gives the loss of ``F.cross_entropy(logits, target.long())``
+# (PyTorch itself takes int64 and uint8 only). The unsigned 16-64-bit dtypes, which most PyTorch
+# operations do not support, are refused.
 TARGET_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Kernels
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @triton.jit
 def _row_offsets(rows, inner_rows, stride_outer, stride_inner):
-    # The rows may come from a two-level view such as logits[:, :-1, :] (shape [B, S-1, V], strides [S·V, V, 1]),
-    # which no single row stride describes. Row r is element (r // inner_rows, r % inner_rows) of the leading dims.
-    # ``rows`` is int64, so offsets never wrap past 2**31.
+    # The rows may come from a two-level view such as logits[:, :-1, :] (shape [B, S-1, V], strides
+    # [S·V, V, 1]), which no single row stride describes. Row r is element (r // inner_rows, r %
+    # inner_rows) of the leading dims. ``rows`` is int64, so offsets never wrap past 2**31.
     return (rows // inner_rows) * stride_outer + (rows % inner_rows) * stride_inner
 
 
@@ -62,21 +66,24 @@ def cross_entropy_fwd_kernel(
     ignore_index,
     ROWS: tl.constexpr, BLOCK_V: tl.constexpr, COMPUTE_GRAD: tl.constexpr,
 ):
-    """The forward pass: each row's loss and logsumexp and, with COMPUTE_GRAD, its gradient (``launch_forward``)."""
-    # Row r of the logits is element (r // inner_rows, r % inner_rows) of two strided levels; the gradient buffer
-    # uses the same decomposition with its own strides.
+    """The forward pass: each row's loss and logsumexp and, with COMPUTE_GRAD, its gradient
+    (``launch_forward``)."""
+    # Row r of the logits is element (r // inner_rows, r % inner_rows) of two strided levels; the
+    # gradient buffer uses the same decomposition with its own strides.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
-    # Lanes past the last row re-read the last row instead of loading nothing: every lane then sees real logits and
-    # the running max never stays at -inf (exp(-inf − (-inf)) would be NaN). Their results are never stored.
+    # Lanes past the last row re-read the last row instead of loading nothing: every lane then sees
+    # real logits and the running max never stays at -inf (exp(-inf − (-inf)) would be NaN). Their
+    # results are never stored.
     rows_in = tl.minimum(rows, n_rows - 1)
     row_start = _row_offsets(rows_in, inner_rows, stride_outer, stride_inner)
 
     target = tl.load(TARGET + rows_in).to(tl.int64)
     counted = target != ignore_index
     in_range = (target >= 0) & (target < n_cols)
-    # A counted target outside [0, V) is an error that nothing may have caught (check_targets=False). Never read
-    # outside the row; make that row's loss and gradient NaN instead, so the error shows.
+    # A counted target outside [0, V) is an error that nothing may have caught
+    # (check_targets=False). Never read outside the row; make that row's loss and gradient NaN
+    # instead, so the error shows.
     bad = counted & ((target < 0) | (target >= n_cols))
     target_logit = tl.load(LOGITS + row_start + target, mask=counted & in_range, other=0.0).to(tl.float32)
 
@@ -85,28 +92,32 @@ def cross_entropy_fwd_kernel(
     s = tl.zeros((ROWS,), tl.float32)
     for start in range(0, n_cols, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        # evict_last: ask the L2 to keep this row for the second sweep (a 1-2% gain measured on an H200).
+        # evict_last: ask the L2 to keep this row for the second sweep
+        # (assets/notes/cross_entropy.md).
         x = tl.load(
             LOGITS + row_start[:, None] + cols[None, :], mask=(cols < n_cols)[None, :], other=float("-inf"),
             eviction_policy="evict_last",
         ).to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, axis=1))
-        # exp(m − m_new) is 0 on the first chunk (m = -inf) and ≤ 1 after; padding lanes (-inf) add exp(-inf) = 0.
+        # exp(m − m_new) is 0 on the first chunk (m = -inf) and ≤ 1 after; padding lanes (-inf) add
+        # exp(-inf) = 0.
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1)
         m = m_new
     log_s = tl.log(s)
 
-    # loss = logsumexp − x[t] = (m − x[t]) + log(s): subtracting the large numbers first keeps float32 exact
-    # for logits of size 1e4, where m + log(s) alone would round to a multiple of 2**-10.
+    # loss = logsumexp − x[t] = (m − x[t]) + log(s): subtracting the large numbers first keeps
+    # float32 exact for logits of size 1e4, where m + log(s) alone would round to a multiple of
+    # 2**-10.
     loss = tl.where(counted, (m - target_logit) + log_s, 0.0)
     loss = tl.where(bad, float("nan"), loss)
     tl.store(LOSS + rows, loss, mask=row_ok)
     tl.store(LSE + rows, m + log_s, mask=row_ok)
 
     if COMPUTE_GRAD:
-        # Sweep 2: grad = (softmax − onehot) · scale, with scale = 1 / n_valid (mean), 1 / normalizer or 1 (sum, none),
-        # read from device memory so the host never has to know n_valid. Ignored rows get scale 0: a zero gradient
-        # row, written like any other (the buffer may be the logits themselves, which must not survive).
+        # Sweep 2: grad = (softmax − onehot) · scale, with scale = 1 / n_valid (mean), 1 /
+        # normalizer or 1 (sum, none), read from device memory so the host never has to know
+        # n_valid. Ignored rows get scale 0: a zero gradient row, written like any other (the buffer
+        # may be the logits themselves, which must not survive).
         scale = tl.load(SCALE).to(tl.float32)
         row_scale = tl.where(counted, scale, 0.0)
         row_scale = tl.where(bad, float("nan"), row_scale)
@@ -127,11 +138,12 @@ def cross_entropy_fwd_kernel(
 
 @triton.jit
 def reduce_loss_kernel(LOSS, SCALE, OUT, n_rows, BLOCK_R: tl.constexpr):
-    """The reduced loss: the per-row losses summed and divided by SCALE[1], in one program (``launch_forward``, and
-    ``kernels.linear_cross_entropy``'s passes)."""
-    # One program sums the per-row losses in a fixed order (the same loss on every run) and divides by SCALE[1]:
-    # n_valid for "mean" (0 when every target is ignored: 0 / 0 = NaN, as F.cross_entropy), the normalizer, or 1.
-    # (Finishing inside the main kernel instead, with a ticket per program, put 16K atomics on one address.)
+    """The reduced loss: the per-row losses summed and divided by SCALE[1], in one program
+    (``launch_forward``, and ``kernels.linear_cross_entropy``'s passes)."""
+    # One program sums the per-row losses in a fixed order (the same loss on every run) and divides
+    # by SCALE[1]: n_valid for "mean" (0 when every target is ignored: 0 / 0 = NaN, as
+    # F.cross_entropy), the normalizer, or 1. (Finishing inside the main kernel instead, with a
+    # ticket per program, put 16K atomics on one address.)
     acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for start in range(0, n_rows, BLOCK_R):
         idx = start + tl.arange(0, BLOCK_R)
@@ -143,16 +155,17 @@ def reduce_loss_kernel(LOSS, SCALE, OUT, n_rows, BLOCK_R: tl.constexpr):
 def cross_entropy_setup_kernel(TARGET, NORMALIZER, SCALE, n_rows, ignore_index, normalizer_value,
                                MODE: tl.constexpr, BLOCK: tl.constexpr):
     """SCALE = [gradient factor, divisor] of a reduction, in one program (``gradient_scale`` launches it)."""
-    # One program writes SCALE = [gradient factor, divisor] on the device, so the host never needs n_valid.
-    # MODE 0: mean (divisor = number of targets that are not ignored); 1: divisor read from NORMALIZER (a tensor);
-    # 2: divisor = normalizer_value (a number); 3: no divisor.
+    # One program writes SCALE = [gradient factor, divisor] on the device, so the host never needs
+    # n_valid. MODE 0: mean (divisor = number of targets that are not ignored); 1: divisor read from
+    # NORMALIZER (a tensor); 2: divisor = normalizer_value (a number); 3: no divisor.
     if MODE == 0:
         count = tl.zeros((BLOCK,), dtype=tl.int32)
         for start in range(0, n_rows, BLOCK):
             idx = start + tl.arange(0, BLOCK)
             in_rows = idx < n_rows
-            # Widen to int64 before comparing: a uint8 or int8 index compared with ignore_index in its own dtype
-            # would wrap (-100 is 156 as uint8), and so would a padding value standing in for ignore_index.
+            # Widen to int64 before comparing: a uint8 or int8 index compared with ignore_index in
+            # its own dtype would wrap (-100 is 156 as uint8), and so would a padding value standing
+            # in for ignore_index.
             t = tl.load(TARGET + idx, mask=in_rows, other=0).to(tl.int64)
             count += tl.where(in_rows & (t != ignore_index), 1, 0)
         divisor = tl.sum(count, axis=0).to(tl.float32)
@@ -162,7 +175,8 @@ def cross_entropy_setup_kernel(TARGET, NORMALIZER, SCALE, n_rows, ignore_index, 
         divisor = normalizer_value + 0.0  # a float32 argument on the GPU, a Python float in the interpreter
     else:
         divisor = 1.0
-    # 1 / 0 = inf for an all-ignored mean is harmless: every row is ignored, and ignored rows get factor 0.
+    # 1 / 0 = inf for an all-ignored mean is harmless: every row is ignored, and ignored rows get
+    # factor 0.
     tl.store(SCALE, 1.0 / divisor)
     tl.store(SCALE + 1, divisor)
 
@@ -172,10 +186,12 @@ def scale_grad_kernel(
     GRAD, GRAD_OUT, n_rows, n_cols, inner_rows, stride_outer, stride_inner, stride_go,
     ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """The backward pass: the gradient the forward wrote, times grad_output, in place (``scale_gradient_``)."""
-    # grad *= grad_output, in place. grad_output is a scalar (stride_go = 0: every row reads the same element) or one
-    # value per row (reduction="none"). Programs whose factors are all exactly 1.0 return without touching the
-    # gradient: the common case (loss.backward() on an unscaled loss) costs one 4-byte load per program.
+    """The backward pass: the gradient the forward wrote, times grad_output, in place
+    (``scale_gradient_``)."""
+    # grad *= grad_output, in place. grad_output is a scalar (stride_go = 0: every row reads the
+    # same element) or one value per row (reduction="none"). Programs whose factors are all exactly
+    # 1.0 return without touching the gradient: the common case (loss.backward() on an unscaled
+    # loss) costs one 4-byte load per program.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
     go = tl.load(GRAD_OUT + rows * stride_go, mask=row_ok, other=1.0).to(tl.float32)
@@ -190,11 +206,11 @@ def scale_grad_kernel(
             tl.store(ptrs, cast_to(g * go[:, None], GRAD.dtype.element_ty), mask=ok)
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Launch configuration: one function per kernel
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
-# The interpreter pays ~1-3 ms of Python per program but runs each tile as NumPy: few programs with big tiles.
+# The interpreter pays Python per program but runs each tile as NumPy: few programs with big tiles.
 _INTERPRETER_MAX_TILE = 1 << 18
 _INTERPRETER_BLOCK_V = 4096  # small enough that a row of a few thousand logits still spans several chunks
 
@@ -209,8 +225,8 @@ class CrossEntropyConfig:
 
 
 def forward_config(n_rows: int, n_cols: int, props: runtime.DeviceProps | None = None) -> CrossEntropyConfig:
-    """Launch configuration of the forward kernel for ``n_rows`` rows of ``n_cols`` logits on ``props`` (default:
-    this machine's device)."""
+    """Launch configuration of the forward kernel for ``n_rows`` rows of ``n_cols`` logits on
+    ``props`` (default: this machine's device)."""
     return _forward_config(n_rows, n_cols, props or runtime.device_props())
 
 
@@ -220,16 +236,17 @@ def _forward_config(n_rows: int, n_cols: int, props: runtime.DeviceProps) -> Cro
         block_v = min(triton.next_power_of_2(n_cols), _INTERPRETER_BLOCK_V)
         rows = min(triton.next_power_of_2(max(n_rows, 1)), max(1, _INTERPRETER_MAX_TILE // block_v))
         return CrossEntropyConfig(block_v=block_v, rows=rows, num_warps=4)
-    # GPU: one row per program, chunks of 16 float32 values per thread over 8 warps, i.e. regs_per_sm / 16 logits
-    # (4,096 on every NVIDIA GPU since Volta), so that many programs stay resident per SM. Measured on an H200 at
-    # 16,384 × 128,256 bf16 (assets/notes/cross_entropy.md): this reaches 4.1 TB/s counted as 6 bytes per logit
-    # (two reads, one write), 97% of the copy bandwidth; chunks of 8K-32K with 8-32 warps were 1-5% slower.
+    # GPU: one row per program, chunks of 16 float32 values per thread over 8 warps, i.e.
+    # regs_per_sm / 16 logits (4,096 on every NVIDIA GPU since Volta), so that many programs stay
+    # resident per SM. A step moves 6 bytes per logit (two reads, one write); the sweep of chunks
+    # and warps is in assets/notes/cross_entropy.md.
     block_v = min(triton.next_power_of_2(n_cols), max(1024, props.regs_per_sm // 16))
     num_warps = 8 if block_v >= 4096 else 4
     return CrossEntropyConfig(block_v=block_v, rows=1, num_warps=num_warps)
 
 
-def backward_config(n_rows: int, n_cols: int, props: runtime.DeviceProps | None = None) -> CrossEntropyConfig:
+def backward_config(n_rows: int, n_cols: int,
+                    props: runtime.DeviceProps | None = None) -> CrossEntropyConfig:
     """Launch configuration of the backward scaling kernel on ``props`` (default: this machine's device)."""
     return _backward_config(n_rows, n_cols, props or runtime.device_props())
 
@@ -238,19 +255,21 @@ def backward_config(n_rows: int, n_cols: int, props: runtime.DeviceProps | None 
 def _backward_config(n_rows: int, n_cols: int, props: runtime.DeviceProps) -> CrossEntropyConfig:
     if props.interpreter:
         return _forward_config(n_rows, n_cols, props)
-    # One row per program, as in the forward: when grad_output is 1.0 each program is a single load, then exits.
+    # One row per program, as in the forward: when grad_output is 1.0 each program is a single load,
+    # then exits.
     block_v = min(triton.next_power_of_2(n_cols), max(1024, props.regs_per_sm // 8))
     return CrossEntropyConfig(block_v=block_v, rows=1, num_warps=8 if block_v >= 4096 else 4)
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Host side: checks, row layout, launches
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def check_scores(name: str, scores) -> None:
-    """The tensor of scores a loss reads (logits, or a linear layer's input): a float32/bf16/fp16 tensor, on the
-    device the kernels run on (or on the meta device, where only shapes are computed)."""
+    """The tensor of scores a loss reads (logits, or a linear layer's input): a float32/bf16/fp16
+    tensor, on the device the kernels run on (or on the meta device, where only shapes are
+    computed)."""
     if not isinstance(scores, torch.Tensor):
         raise TypeError(f"{name} must be a tensor, got {type(scores).__name__}")
     if not scores.is_floating_point():
@@ -262,8 +281,9 @@ def check_scores(name: str, scores) -> None:
 
 
 def check_loss_args(target, rows_of: str, lead: tuple, device, ignore_index, reduction, normalizer) -> None:
-    """Checks shared by the losses: ``target`` holds one integer class per row of ``rows_of`` (leading shape ``lead``,
-    on ``device``), and the reduction, ``ignore_index`` and ``normalizer`` are ones the kernels know."""
+    """Checks shared by the losses: ``target`` holds one integer class per row of ``rows_of``
+    (leading shape ``lead``, on ``device``), and the reduction, ``ignore_index`` and ``normalizer``
+    are ones the kernels know."""
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"target must be a tensor, got {type(target).__name__}")
     if target.dtype not in TARGET_DTYPES:
@@ -291,19 +311,22 @@ def check_loss_args(target, rows_of: str, lead: tuple, device, ignore_index, red
         if reduction != "sum":
             raise ValueError(f'normalizer divides a summed loss: use it with reduction="sum", not {reduction!r}')
         is_number = isinstance(normalizer, Real) and not isinstance(normalizer, bool)
-        is_scalar_tensor = (isinstance(normalizer, torch.Tensor) and normalizer.numel() == 1 and normalizer.dim() <= 1
+        is_scalar_tensor = (isinstance(normalizer,
+                                       torch.Tensor) and normalizer.numel() == 1 and normalizer.dim() <= 1
                             and not normalizer.is_complex() and normalizer.dtype != torch.bool)
         if not (is_number or is_scalar_tensor):
             raise TypeError(f"normalizer must be a number or a one-element tensor of real values, got {normalizer!r}")
         if isinstance(normalizer, torch.Tensor) and normalizer.requires_grad:
-            # The kernels treat it as a count (Hugging Face's num_items_in_batch): no gradient would reach it.
+            # The kernels treat it as a count (Hugging Face's num_items_in_batch): no gradient would
+            # reach it.
             raise ValueError("normalizer must not require a gradient: it is a count the loss is divided by; pass "
                              "normalizer.detach(), or divide the summed loss yourself")
 
 
-# nn.CrossEntropyLoss's options that the kernels do not implement, each with the one value that means "off". A module
-# of this package refuses any other value at every call, however it was set (the attribute may be assigned after
-# construction): ignoring it would give a different loss without a word.
+# nn.CrossEntropyLoss's options that the kernels do not implement, each with the one value that
+# means "off". A module of this package refuses any other value at every call, however it was set
+# (the attribute may be assigned after construction): ignoring it would give a different loss
+# without a word.
 OFF_OPTIONS = {"weight": None, "label_smoothing": 0.0, "size_average": None, "reduce": None}
 
 
@@ -322,7 +345,8 @@ def check_options_off(module: torch.nn.Module, names=tuple(OFF_OPTIONS)) -> None
 
 
 def check_flags(**flags) -> None:
-    """Each keyword must be a bool: a string such as "False" is truthy, and would turn a switch on silently."""
+    """Each keyword must be a bool: a string such as "False" is truthy, and would turn a switch on
+    silently."""
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {value!r}")
@@ -334,27 +358,32 @@ def _check_inputs(logits, target, ignore_index, reduction, normalizer) -> None:
     check_scores("logits", logits)
     if logits.dim() == 0 or logits.shape[-1] == 0:
         raise ValueError(f"logits must have a last dimension of at least one class, got shape {tuple(logits.shape)}")
-    check_loss_args(target, f"logits {tuple(logits.shape)}", tuple(logits.shape[:-1]), logits.device, ignore_index,
+    check_loss_args(target, f"logits {tuple(logits.shape)}", tuple(logits.shape[:-1]),
+                    logits.device, ignore_index,
                     reduction, normalizer)
 
 
 def has_data(t: torch.Tensor) -> bool:
-    """Whether ``t`` holds values that can be read: not a meta tensor, not a FakeTensor (shapes only). Decided from
-    metadata alone, outside ``torch.compile`` (which traces with fake tensors and keeps what a real call does)."""
+    """Whether ``t`` holds values that can be read: not a meta tensor, not a FakeTensor (shapes
+    only). Decided from metadata alone, outside ``torch.compile`` (which traces with fake tensors
+    and keeps what a real call does)."""
     if torch.compiler.is_compiling():
         return True
     return t.device.type != "meta" and not torch._subclasses.fake_tensor.is_fake(t)
 
 
 def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int) -> None:
-    """Raise a ValueError naming the first target outside [0, ``n_classes``) that is not ``ignore_index``: what
-    ``check_targets=True`` asks of the losses of this module and of ``kernels.linear_cross_entropy``. Targets
-    without values (meta, FakeTensor) have nothing to check."""
-    # One device-to-host transfer: the price of a clear error for a bad label. Callers under CUDA graphs or
-    # torch.compile pass check_targets=False; the kernel then makes such rows NaN instead of reading out of bounds.
+    """Raise a ValueError naming the first target outside [0, ``n_classes``) that is not
+    ``ignore_index``: what ``check_targets=True`` asks of the losses of this module and of
+    ``kernels.linear_cross_entropy``. Targets without values (meta, FakeTensor) have nothing to
+    check."""
+    # One device-to-host transfer: the price of a clear error for a bad label. Callers under CUDA
+    # graphs or torch.compile pass check_targets=False; the kernel then makes such rows NaN instead
+    # of reading out of bounds.
     if not has_data(target):
         return
-    # Compared as int64, as the kernels do: uint8 and int8 would wrap ignore_index (-100 == 156 as uint8).
+    # Compared as int64, as the kernels do: uint8 and int8 would wrap ignore_index (-100 == 156 as
+    # uint8).
     target = target.long()
     bad = (target != ignore_index) & ((target < 0) | (target >= n_classes))
     if bad.any().item():
@@ -367,10 +396,11 @@ def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int) 
 
 @dataclass(frozen=True)
 class RowLayout:
-    """Where row r of ``tensor`` lives: (r // inner_rows) · stride_outer + (r % inner_rows) · stride_inner, the
-    row arguments the kernels take (``row_layout``)."""
+    """Where row r of ``tensor`` lives: (r // inner_rows) · stride_outer + (r % inner_rows) ·
+    stride_inner, the row arguments the kernels take (``row_layout``)."""
 
-    tensor: torch.Tensor  # what the kernel reads (and writes): the caller's tensor, or a contiguous copy of it
+    # what the kernel reads (and writes): the caller's tensor, or a contiguous copy of it
+    tensor: torch.Tensor
     n_rows: int
     n_cols: int
     inner_rows: int
@@ -406,15 +436,17 @@ def _overlapping(n_cols: int, dims: list[tuple[int, int]]) -> bool:
 
 @functools.lru_cache(maxsize=1024)
 def _row_decomposition(shape: tuple[int, ...], strides: tuple[int, ...], for_writing: bool):
-    """(n_rows, n_cols, inner_rows, stride_outer, stride_inner), or None when the kernels cannot address the rows.
+    """(n_rows, n_cols, inner_rows, stride_outer, stride_inner), or None when the kernels cannot
+    address the rows.
 
-    Addressable: a contiguous last dimension and leading dimensions that collapse to at most two strided levels
-    (any contiguous tensor, and sliced views such as ``logits[:, :-1, :]``). Rows that overlap in memory (a stride
-    of 0, from ``expand``; windows from ``unfold``) can be read but not written: two rows' gradients would land in
-    the same place.
+    Addressable: a contiguous last dimension and leading dimensions that collapse to at most two
+    strided levels (any contiguous tensor, and sliced views such as ``logits[:, :-1, :]``). Rows
+    that overlap in memory (a stride of 0, from ``expand``; windows from ``unfold``) can be read but
+    not written: two rows' gradients would land in the same place.
     """
     dims = _merged_leading_dims(shape, strides)
-    # A last dimension of size 1 has a stride that nothing reads (and .contiguous() keeps it): column 0 only.
+    # A last dimension of size 1 has a stride that nothing reads (and .contiguous() keeps it):
+    # column 0 only.
     if (strides[-1] != 1 and shape[-1] != 1) or len(dims) > 2 or (for_writing and _overlapping(shape[-1], dims)):
         return None
     n_cols = shape[-1]
@@ -428,7 +460,8 @@ def _row_decomposition(shape: tuple[int, ...], strides: tuple[int, ...], for_wri
 
 
 def _in_place_addressable(t: torch.Tensor) -> bool:
-    """Whether the kernel can write a gradient over ``t``'s rows (uncached: sizes may be symbolic under compile)."""
+    """Whether the kernel can write a gradient over ``t``'s rows (uncached: sizes may be symbolic
+    under compile)."""
     return _row_decomposition.__wrapped__(tuple(t.shape), tuple(t.stride()), True) is not None
 
 
@@ -445,30 +478,34 @@ def row_layout(t: torch.Tensor, for_writing: bool) -> RowLayout:
 
 
 def gradient_scale(target_rows, ignore_index, reduction, normalizer, device) -> torch.Tensor:
-    """[gradient factor, divisor] as a float32 tensor on ``device``, computed by one small kernel: no host sync.
+    """[gradient factor, divisor] as a float32 tensor on ``device``, computed by one small kernel:
+    no host sync.
 
-    mean → divisor n_valid, the number of targets that are not ignored; sum → the normalizer, if any; else 1.
-    The forward kernel scales the gradient by the factor and ``reduce_loss_kernel`` divides by the divisor, here
-    and in ``kernels.linear_cross_entropy``.
+    mean → divisor n_valid, the number of targets that are not ignored; sum → the normalizer, if
+    any; else 1. The forward kernel scales the gradient by the factor and ``reduce_loss_kernel``
+    divides by the divisor, here and in ``kernels.linear_cross_entropy``.
     """
     scale = torch.empty(2, dtype=torch.float32, device=device)
     norm_ptr, norm_value, mode = scale, 1.0, 3
     if reduction == "mean":
         mode = 0
     elif reduction == "sum" and isinstance(normalizer, torch.Tensor):
-        # A tensor is read where it lives (a CPU tensor with GPU logits costs a small copy: keep it on the GPU).
+        # A tensor is read where it lives (a CPU tensor with GPU logits costs a small copy: keep it
+        # on the GPU).
         norm_ptr, mode = normalizer.detach().reshape(1).to(device=device, dtype=torch.float32), 1
     elif reduction == "sum" and normalizer is not None:
         norm_value, mode = float(normalizer), 2
     block = min(triton.next_power_of_2(max(target_rows.numel(), 1)), 4096)
-    cross_entropy_setup_kernel[(1,)](target_rows, norm_ptr, scale, target_rows.numel(), ignore_index, norm_value,
+    cross_entropy_setup_kernel[(1,)](target_rows, norm_ptr, scale, target_rows.numel(),
+                                     ignore_index, norm_value,
                                      MODE=mode, BLOCK=block)
     return scale
 
 
 def launch_forward(layout, target_rows, loss_rows, lse, grad_layout, scale, out, ignore_index, cfg):
-    """The forward kernel over ``layout``'s rows into the caller's buffers (the gradient into ``grad_layout``'s
-    tensor, none when it is None), then, when ``out`` is given, the reduction of the loss into it."""
+    """The forward kernel over ``layout``'s rows into the caller's buffers (the gradient into
+    ``grad_layout``'s tensor, none when it is None), then, when ``out`` is given, the reduction of
+    the loss into it."""
     compute_grad = grad_layout is not None
     if not compute_grad:  # the pointers are never dereferenced: COMPUTE_GRAD compiles the gradient sweep out
         grad_layout = layout
@@ -495,10 +532,11 @@ def cross_entropy_forward(
 ):
     """Run the forward kernel on already-checked inputs. Returns ``(loss, lse, grad)``.
 
-    ``loss`` is reduced as asked (float32); ``lse`` is the float32 logsumexp of every row, shape ``[rows]``;
-    ``grad`` is d(loss)/d(logits) in the shape and dtype of ``logits``, or ``None`` when ``compute_grad`` is false.
-    With ``inplace`` the gradient is written over the logits' memory and ``grad`` is ``logits`` itself (or, when
-    the logits had to be copied, see ``row_layout``, that copy).
+    ``loss`` is reduced as asked (float32); ``lse`` is the float32 logsumexp of every row, shape
+    ``[rows]``; ``grad`` is d(loss)/d(logits) in the shape and dtype of ``logits``, or ``None`` when
+    ``compute_grad`` is false. With ``inplace`` the gradient is written over the logits' memory and
+    ``grad`` is ``logits`` itself (or, when the logits had to be copied, see ``row_layout``, that
+    copy).
     """
     layout = row_layout(logits, for_writing=compute_grad and inplace)
     device = logits.device
@@ -511,7 +549,9 @@ def cross_entropy_forward(
     if compute_grad:
         if inplace:
             grad_layout = layout
-        else:  # a contiguous buffer, addressed with the logits' row decomposition (the kernel has one inner_rows)
+        # a contiguous buffer, addressed with the logits' row decomposition (the kernel has one
+        # inner_rows)
+        else:
             grad = torch.empty(logits.shape, dtype=logits.dtype, device=device)
             grad_layout = RowLayout(grad, layout.n_rows, layout.n_cols, layout.inner_rows,
                                     layout.inner_rows * layout.n_cols, layout.n_cols)
@@ -530,8 +570,9 @@ def cross_entropy_forward(
 def scale_gradient_(grad: torch.Tensor, grad_output: torch.Tensor, config: CrossEntropyConfig | None = None):
     """Multiply ``grad`` ([..., V], written by the forward kernel) in place by ``grad_output`` and return it.
 
-    ``grad_output`` is a scalar (reductions "mean" and "sum") or one value per row ("none"). Rows whose factor is
-    exactly 1.0 are skipped on the device: no host sync, and no pass over the gradient in the common case.
+    ``grad_output`` is a scalar (reductions "mean" and "sum") or one value per row ("none"). Rows
+    whose factor is exactly 1.0 are skipped on the device: no host sync, and no pass over the
+    gradient in the common case.
     """
     if grad.numel() == 0:  # no rows (or no columns): nothing to scale
         return grad
@@ -543,7 +584,8 @@ def scale_gradient_(grad: torch.Tensor, grad_output: torch.Tensor, config: Cross
     go = grad_output.detach().reshape(-1)
     if go.numel() not in (1, layout.n_rows):
         raise ValueError(f"grad_output must be a scalar or have one value per row ({layout.n_rows}), got {go.numel()}")
-    stride_go = 0 if go.numel() == 1 else go.stride(0)  # an expanded gradient (loss.sum() of "none") has stride 0
+    # an expanded gradient (loss.sum() of "none") has stride 0
+    stride_go = 0 if go.numel() == 1 else go.stride(0)
     cfg = config or _backward_config(layout.n_rows, layout.n_cols, runtime.device_props(grad.device))
     scale_grad_kernel[(triton.cdiv(layout.n_rows, cfg.rows),)](
         grad, go, layout.n_rows, layout.n_cols, layout.inner_rows, layout.stride_outer, layout.stride_inner,
@@ -552,13 +594,14 @@ def scale_gradient_(grad: torch.Tensor, grad_output: torch.Tensor, config: Cross
     return grad
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# PyTorch operators: torch.ops.kernels.cross_entropy_fwd, cross_entropy_fwd_inplace, cross_entropy_scale_grad_
-# --------------------------------------------------------------------------------------------------------------------
-# A normalizer reaches the operators as a tensor (``normalizer``) or a number (``normalizer_value``): a schema types
-# each argument. The in-place forward declares that it writes ``logits`` (``Tensor(a!)``); an operator may not
-# return a view of its input, so it returns the loss and the logsumexp, and the caller knows the gradient is in
-# ``logits``.
+# --------------------------------------------------------------------------------------------------
+# PyTorch operators: torch.ops.kernels.cross_entropy_fwd, cross_entropy_fwd_inplace,
+# cross_entropy_scale_grad_
+# --------------------------------------------------------------------------------------------------
+# A normalizer reaches the operators as a tensor (``normalizer``) or a number
+# (``normalizer_value``): a schema types each argument. The in-place forward declares that it writes
+# ``logits`` (``Tensor(a!)``); an operator may not return a view of its input, so it returns the
+# loss and the logsumexp, and the caller knows the gradient is in ``logits``.
 
 
 def normalizer_arg(normalizer, normalizer_value):
@@ -579,7 +622,8 @@ def _forward_inplace_op_impl(logits, target, ignore_index, reduction, normalizer
     )
     if grad is not logits:  # CrossEntropyFunction only asks for rows the kernel can write in place
         raise ValueError("cross_entropy_fwd_inplace needs logits whose rows the kernel can address in place")
-    # A Triton store is invisible to autograd: bump the version counter by hand, as PyTorch's own in-place ops do.
+    # A Triton store is invisible to autograd: bump the version counter by hand, as PyTorch's own
+    # in-place ops do.
     torch.autograd.graph.increment_version(logits)
     return loss, lse
 
@@ -592,7 +636,8 @@ def _loss_and_lse_fake(logits, reduction):
 
 
 def _forward_op_fake(logits, target, ignore_index, reduction, normalizer, normalizer_value, compute_grad):
-    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device) if compute_grad else logits.new_empty(0)
+    grad = torch.empty(logits.shape, dtype=logits.dtype,
+                       device=logits.device) if compute_grad else logits.new_empty(0)
     return (*_loss_and_lse_fake(logits, reduction), grad)
 
 
@@ -616,36 +661,44 @@ cross_entropy_fwd_inplace_op = ops.define(
     _forward_inplace_op_impl, _forward_inplace_op_fake,
 )
 cross_entropy_scale_grad_op = ops.define(
-    "cross_entropy_scale_grad_(Tensor(a!) grad, Tensor grad_output) -> ()", _scale_grad_op_impl, lambda g, go: None,
+    "cross_entropy_scale_grad_(Tensor(a!) grad, Tensor grad_output) -> ()", _scale_grad_op_impl,
+    lambda g, go: None,
 )
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # autograd, function, module
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 class CrossEntropyFunction(torch.autograd.Function):
-    """autograd glue. The forward computes the gradient already; backward multiplies it by grad_output. A plain
-    eager call runs the operators' implementations directly (``ops.call``).
+    """autograd glue. The forward computes the gradient already; backward multiplies it by
+    grad_output. A plain eager call runs the operators' implementations directly (``ops.call``).
 
-    Nothing but the gradient is saved (the logsumexp is not needed again). The gradient is scaled in place, so
-    backward may run only once per forward (``retain_graph=True`` and a second backward raise).
+    Nothing but the gradient is saved (the logsumexp is not needed again). The gradient is scaled in
+    place, so backward may run only once per forward (``retain_graph=True`` and a second backward
+    raise).
     """
 
     @staticmethod
-    def forward(ctx, logits, target, ignore_index, reduction, normalizer, normalizer_value, inplace_backward):
-        # Rows the kernel cannot write in place (a strided last dimension, overlapping expanded rows) are copied
-        # by the out-of-place operator, whose gradient goes into a new buffer: the caller's logits stay untouched.
+    def forward(ctx, logits, target, ignore_index, reduction, normalizer, normalizer_value,
+                inplace_backward):
+        # Rows the kernel cannot write in place (a strided last dimension, overlapping expanded
+        # rows) are copied by the out-of-place operator, whose gradient goes into a new buffer: the
+        # caller's logits stay untouched.
         if inplace_backward and _in_place_addressable(logits):
-            # The operator writes the gradient over the logits and, declaring that write, bumps their version
-            # counter: any autograd node that saved the logits for its own backward then fails loudly ("modified by
-            # an inplace operation") instead of using the gradient as logits.
-            loss, _ = ops.call(cross_entropy_fwd_inplace_op, logits, target, ignore_index, reduction, normalizer,
+            # The operator writes the gradient over the logits and, declaring that write, bumps
+            # their version counter: any autograd node that saved the logits for its own backward
+            # then fails loudly ("modified by an inplace operation") instead of using the gradient
+            # as logits.
+            loss, _ = ops.call(cross_entropy_fwd_inplace_op, logits, target, ignore_index,
+                               reduction, normalizer,
                                normalizer_value)
-            grad = logits.detach()  # the same memory, without autograd history: what backward hands on as the gradient
+            # the same memory, without autograd history: what backward hands on as the gradient
+            grad = logits.detach()
         else:
-            loss, _, grad = ops.call(cross_entropy_fwd_op, logits, target, ignore_index, reduction, normalizer,
+            loss, _, grad = ops.call(cross_entropy_fwd_op, logits, target, ignore_index, reduction,
+                                     normalizer,
                                      normalizer_value, True)
         ctx.save_for_backward(grad)
         ctx.backward_done = False
@@ -669,8 +722,9 @@ def split_normalizer(normalizer, device: torch.device):
     """(tensor, number): the operators take a tensor normalizer and a numeric one as separate arguments
     (``normalizer_arg`` joins them again).
 
-    Under ``torch.compile`` a number becomes a tensor: the compiler treats a Python float as a constant, so a count
-    that changes every step (Hugging Face's ``num_items_in_batch``) would recompile the model at every step.
+    Under ``torch.compile`` a number becomes a tensor: the compiler treats a Python float as a
+    constant, so a count that changes every step (Hugging Face's ``num_items_in_batch``) would
+    recompile the model at every step.
     """
     if normalizer is None:
         return None, None
@@ -691,38 +745,54 @@ def cross_entropy(
     inplace_backward: bool = False,
     check_targets: bool = True,
 ) -> torch.Tensor:
-    """Cross-entropy of ``logits`` ([..., V]) against class indices ``target`` ([...]), as ``F.cross_entropy``.
+    """Cross-entropy of ``logits`` ([..., V]) against class indices ``target``, as ``F.cross_entropy``.
 
-    Returns a float32 loss (like Hugging Face, which upcasts the logits): a scalar for ``reduction="mean"`` or
-    ``"sum"``, shape ``logits.shape[:-1]`` for ``"none"``. Targets equal to ``ignore_index`` contribute 0 to the loss
-    and a zero gradient row; ``"mean"`` divides by the number of targets that are not ignored, so a batch in which
-    every target is ignored gives NaN (0 / 0), exactly like ``F.cross_entropy``, and an all-zero gradient.
+    Returns a float32 loss (like Hugging Face, which upcasts the logits): a scalar for
+    ``reduction="mean"`` or ``"sum"``, shape ``logits.shape[:-1]`` for ``"none"``. Targets equal to
+    ``ignore_index`` contribute 0 to the loss and a zero gradient row; ``"mean"`` divides by the
+    number of targets that are not ignored, so a batch in which every target is ignored gives NaN (0
+    / 0), exactly like ``F.cross_entropy``, and an all-zero gradient.
 
-    ``normalizer`` (``reduction="sum"`` only; a number or a one-element tensor, which may live on the GPU): the loss
-    is ``sum / normalizer`` and the gradient is scaled inside the kernel. This is Hugging Face's
-    ``num_items_in_batch`` under gradient accumulation, and it keeps the backward pass at grad_output == 1.
+    ``normalizer`` (``reduction="sum"`` only; a number or a one-element tensor, which may live on
+    the GPU): the loss is ``sum / normalizer`` and the gradient is scaled inside the kernel. This is
+    Hugging Face's ``num_items_in_batch`` under gradient accumulation, and it keeps the backward
+    pass at grad_output == 1.
 
-    ``inplace_backward=True`` — READ THIS: the caller promises not to use ``logits`` after this call. The gradient
-    is computed during the forward pass and written over the logits' memory, so no [rows, V] buffer is allocated.
-    **After the call, the logits tensor holds the gradient, not the logits.** A training loop that only needs the
-    logits for the loss (the usual case) saves rows × V × itemsize bytes of peak memory. When the logits need a copy
-    first (last-dimension stride ≠ 1, see below) the gradient goes into a new buffer and the logits are left as
-    they were.
+    ``inplace_backward=True`` — READ THIS: the caller promises not to use ``logits`` after this
+    call. The gradient is computed during the forward pass and written over the logits' memory, so
+    no [rows, V] buffer is allocated. **After the call, the logits tensor holds the gradient, not
+    the logits.** A training loop that only needs the logits for the loss (the usual case) saves
+    rows × V × itemsize bytes of peak memory. When the logits need a copy first (last-dimension
+    stride ≠ 1, see below) the gradient goes into a new buffer and the logits are left as they were.
 
-    Layout: any leading dimensions; rows may be strided (e.g. ``logits[:, :-1, :]`` of a causal LM is read and,
-    in place, written without a copy). A last dimension with stride ≠ 1 is copied first. (Shifting the *labels*,
-    as Hugging Face does, is still better than slicing the logits: autograd's backward of a slice allocates a full
-    zero gradient for the unsliced tensor.)
+    Layout: any leading dimensions; rows may be strided (e.g. ``logits[:, :-1, :]`` of a causal LM
+    is read and, in place, written without a copy). A last dimension with stride ≠ 1 is copied
+    first. (Shifting the *labels*, as Hugging Face does, is still better than slicing the logits:
+    autograd's backward of a slice allocates a full zero gradient for the unsliced tensor.)
 
-    ``check_targets`` (default True): raise a ValueError for a target outside [0, V) that is not ``ignore_index``.
-    That check costs one device-to-host synchronisation per call (a ``.item()``: some microseconds, and it stalls
-    the CPU until the GPU has caught up); code under CUDA graphs or ``torch.compile`` must pass
-    ``check_targets=False``. Without the check the kernel still never reads out of bounds: such a row's loss (and
-    gradient) is NaN, so the error shows in the loss instead of being silently wrong.
+    ``check_targets`` (default True): raise a ValueError for a target outside [0, V) that is not
+    ``ignore_index``. That check costs one device-to-host synchronisation per call (a ``.item()``:
+    some microseconds, and it stalls the CPU until the GPU has caught up); code under CUDA graphs or
+    ``torch.compile`` must pass ``check_targets=False``. Without the check the kernel still never
+    reads out of bounds: such a row's loss (and gradient) is NaN, so the error shows in the loss
+    instead of being silently wrong.
 
-    When the logits do not require a gradient, or autograd is off, the gradient is not computed at all and the
-    kernel reads the logits once. The kernels are PyTorch operators (``torch.ops.kernels.cross_entropy_*``), so
-    ``torch.compile`` and CUDA graphs see each launch as one node.
+    When the logits do not require a gradient, or autograd is off, the gradient is not computed at
+    all and the kernel reads the logits once. The kernels are PyTorch operators
+    (``torch.ops.kernels.cross_entropy_*``), so ``torch.compile`` and CUDA graphs see each launch as
+    one node. Chapter 05 derives the online softmax it uses, chapter 06 the kernel.
+
+    Args:
+        logits: [..., V] scores, any leading dimensions; rows may be strided.
+        target: class indices, ``logits.shape[:-1]``.
+        ignore_index: the target value that contributes nothing.
+        reduction: "mean", "sum" or "none".
+        normalizer: with "sum" only, divides the sum (a number or a one-element tensor).
+        inplace_backward: write the gradient over ``logits`` (see above: the logits are lost).
+        check_targets: raise for a target outside [0, V) (one host synchronisation).
+
+    Returns:
+        The float32 loss: a scalar, or ``logits.shape[:-1]`` for "none".
     """
     _check_inputs(logits, target, ignore_index, reduction, normalizer)
     check_flags(inplace_backward=inplace_backward, check_targets=check_targets)
@@ -733,18 +803,25 @@ def cross_entropy(
         return CrossEntropyFunction.apply(
             logits, target, ignore_index, reduction, norm_tensor, norm_value, inplace_backward
         )
-    return ops.call(cross_entropy_fwd_op, logits, target, ignore_index, reduction, norm_tensor, norm_value, False)[0]
+    return ops.call(cross_entropy_fwd_op, logits, target, ignore_index, reduction, norm_tensor,
+                    norm_value, False)[0]
 
 
 class TritonCrossEntropyLoss(torch.nn.Module):
     """``nn.CrossEntropyLoss`` for [..., V] logits and [...] class indices, computed by the fused kernel.
 
-    See ``cross_entropy`` for the semantics, and for what ``inplace_backward=True`` does to the logits you pass.
-    ``nn.CrossEntropyLoss``'s ``weight``, ``label_smoothing``, ``size_average`` and ``reduce`` are not implemented:
-    set to anything but their defaults (attributes of the same names), every call raises a ValueError.
+    See ``cross_entropy`` for the semantics, and for what ``inplace_backward=True`` does to the
+    logits you pass. ``nn.CrossEntropyLoss``'s ``weight``, ``label_smoothing``, ``size_average`` and
+    ``reduce`` are not implemented: set to anything but their defaults (attributes of the same
+    names), every call raises a ValueError.
+
+    Args:
+        ignore_index, reduction, inplace_backward, check_targets: as for ``cross_entropy``;
+            ``forward(logits, target, normalizer=None)`` passes them on.
     """
 
-    # The off values of the options the kernels do not implement (``check_options_off`` reads them at every call).
+    # The off values of the options the kernels do not implement (``check_options_off`` reads them
+    # at every call).
     weight, label_smoothing, size_average, reduce = None, 0.0, None, None
 
     def __init__(self, ignore_index: int = -100, reduction: str = "mean", inplace_backward: bool = False,

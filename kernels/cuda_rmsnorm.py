@@ -1,27 +1,30 @@
-"""The RMSNorm of kernels/rmsnorm.py again, in C++: find the sources, build them just in time, register, expose.
+"""The RMSNorm of kernels/rmsnorm.py again, in C++: find the sources, build them just in time,
+register, expose.
 
 Two C++ extensions live in ``kernels/csrc``:
 
-* ``rmsnorm_cuda.cu``: the fused forward and backward in CUDA C++, registered with ``TORCH_LIBRARY`` as
-  ``torch.ops.kernels_cuda.rms_norm_fwd`` / ``rms_norm_bwd`` (the same schemas as the Triton operators
-  ``torch.ops.kernels.rms_norm_fwd`` / ``_bwd``). ``rms_norm_cuda(x, weight, eps)`` is the differentiable
-  function over them. Needs a CUDA GPU and the CUDA compiler (nvcc).
-* ``rmsnorm_cpu.cpp``: a small forward on the CPU, ``torch.ops.kernels_cpp.rms_norm_fwd``, built the same way
-  (compiler, ``TORCH_LIBRARY``, fake implementation from Python), so the mechanics can be run and tested on a
-  machine without a GPU. ``rms_norm_cpp(x, weight, eps)`` calls it.
+* ``rmsnorm_cuda.cu``: the fused forward and backward in CUDA C++, registered with ``TORCH_LIBRARY``
+  as ``torch.ops.kernels_cuda.rms_norm_fwd`` / ``rms_norm_bwd`` (the same schemas as the Triton
+  operators ``torch.ops.kernels.rms_norm_fwd`` / ``_bwd``). ``rms_norm_cuda(x, weight, eps)`` is the
+  differentiable function over them. Needs a CUDA GPU and the CUDA compiler (nvcc).
+* ``rmsnorm_cpu.cpp``: a small forward on the CPU, ``torch.ops.kernels_cpp.rms_norm_fwd``, built the
+  same way (compiler, ``TORCH_LIBRARY``, fake implementation from Python), so the mechanics can be
+  run and tested on a machine without a GPU. ``rms_norm_cpp(x, weight, eps)`` calls it.
 
-Both are compiled by ``torch.utils.cpp_extension.load`` (with ninja) the first time they are asked for, into
-PyTorch's extensions directory (``~/.cache/torch_extensions`` unless ``TORCH_EXTENSIONS_DIR`` says otherwise).
-PyTorch keys that build by name and by a hash of the sources and flags, so a second process reuses it (a second
-or so to check and load) until a source changes. A build that compiles says so in one line before it starts
-(``kernels.host_path.load_announced``): the C++ extension takes about ``CPU_BUILD_SECONDS`` seconds of one CPU
-core, the CUDA one about ``CUDA_BUILD_SECONDS_PER_ARCH`` per GPU architecture. The CUDA extension is compiled for this
-machine's GPU only (``cuda_build_arch_list``; ``TORCH_CUDA_ARCH_LIST`` overrides), not for every architecture
-PyTorch supports. ``python -m kernels.prebuild`` builds both ahead of time.
+Both are compiled by ``torch.utils.cpp_extension.load`` (with ninja) the first time they are asked
+for, into PyTorch's extensions directory (``~/.cache/torch_extensions`` unless
+``TORCH_EXTENSIONS_DIR`` says otherwise). PyTorch keys that build by name and by a hash of the
+sources and flags, so a second process reuses it (a second or so to check and load) until a source
+changes. A build that compiles says so in one line before it starts
+(``kernels.host_path.load_announced``): the C++ extension takes about ``CPU_BUILD_SECONDS`` seconds
+of one CPU core, the CUDA one about ``CUDA_BUILD_SECONDS_PER_ARCH`` per GPU architecture. The CUDA
+extension is compiled for this machine's GPU only (``cuda_build_arch_list``;
+``TORCH_CUDA_ARCH_LIST`` overrides), not for every architecture PyTorch supports. ``python -m
+kernels.prebuild`` builds both ahead of time.
 
 The libraries register their operators when loaded; no Python binding (pybind11) is involved. Fake
-implementations, which ``torch.compile`` needs, are the Triton operators' own (same schema, same outputs),
-registered here from Python.
+implementations, which ``torch.compile`` needs, are the Triton operators' own (same schema, same
+outputs), registered here from Python.
 """
 
 from __future__ import annotations
@@ -45,14 +48,15 @@ CUDA_EXTENSION = "kernels_cuda_rmsnorm"
 CPU_NAMESPACE = "kernels_cpp"  # the operators' namespace, as TORCH_LIBRARY declares it in the source
 CUDA_NAMESPACE = "kernels_cuda"
 
-# -O2 for the C++ compiler; nvcc gets -O3 for the device code (its default host flags are PyTorch's).
+# -O2 for the C++ compiler; nvcc gets -O3 for the device code (its default host flags are
+# PyTorch's).
 CPU_FLAGS = ["-O2"]
 CUDA_FLAGS = ["-O3", "-lineinfo"]
 
-# About how long a cold build takes, for the line that announces it (one compiler process each: more cores do not
-# make it faster). Measured on a 2-core x86 machine: the C++ one in 12 s (10 s of CPU time for the compile); the
-# CUDA source, compiled by nvcc 13.0 for sm_90 with PyTorch's headers, in 31 s of CPU time (its host pass, shared
-# by all architectures, and one device pass per architecture).
+# About how long a cold build takes, for the line that announces it (one compiler process each: more
+# cores do not make it faster). The CUDA source takes a host pass, shared by all architectures, and
+# one device pass per architecture. The build times these round up are in
+# assets/notes/cuda_rmsnorm.md ("Build times").
 CPU_BUILD_SECONDS = 15
 CUDA_BUILD_SECONDS_PER_ARCH = 30
 
@@ -66,7 +70,8 @@ class BuildInfo:
     library: str
     seconds: float
     compiled: bool
-    arch_list: str | None = None  # the CUDA architectures compiled for (TORCH_CUDA_ARCH_LIST's spelling); None: C++
+    # the CUDA architectures compiled for (TORCH_CUDA_ARCH_LIST's spelling); None: C++
+    arch_list: str | None = None
 
     def describe(self) -> str:
         how = "compiled" if self.compiled else "taken from PyTorch's build cache"
@@ -77,12 +82,14 @@ class BuildInfo:
         return asdict(self)
 
 
-_BUILDS: dict[str, BuildInfo] = {}  # one build per extension and process: loaded libraries cannot be unloaded
+# one build per extension and process: loaded libraries cannot be unloaded
+_BUILDS: dict[str, BuildInfo] = {}
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# What a build needs: a C++ compiler and ninja (kernels.host_path checks both) and, for CUDA, nvcc and a GPU
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# What a build needs: a C++ compiler and ninja (kernels.host_path checks both) and, for CUDA, nvcc
+# and a GPU
+# --------------------------------------------------------------------------------------------------
 
 
 def cuda_build_unavailable() -> str | None:
@@ -98,9 +105,9 @@ def cuda_build_unavailable() -> str | None:
     return cpu_build_unavailable()  # nvcc hands the host code to the C++ compiler, and ninja drives both
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Building and registering
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def _library_mtime(name: str, build_directory: str | None) -> float | None:
@@ -112,32 +119,36 @@ def _library_mtime(name: str, build_directory: str | None) -> float | None:
 
 
 def cuda_build_arch_list() -> tuple[str, str]:
-    """The architectures the CUDA extension compiles for, and why: ``TORCH_CUDA_ARCH_LIST`` when set, else the
-    compute capability of each GPU of this machine (``kernels.host_path.cuda_arch_list``)."""
+    """The architectures the CUDA extension compiles for, and why: ``TORCH_CUDA_ARCH_LIST`` when
+    set, else the compute capability of each GPU of this machine
+    (``kernels.host_path.cuda_arch_list``)."""
     capabilities = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
     return cuda_arch_list(os.environ.get("TORCH_CUDA_ARCH_LIST"), capabilities)
 
 
-def _build(name: str, sources: list[Path], verbose: bool, build_directory: str | None, what: str, seconds: str,
+def _build(name: str, sources: list[Path], verbose: bool, build_directory: str | None, what: str,
+           seconds: str,
            arch_list: str | None = None, **flags) -> BuildInfo:
     before = _library_mtime(name, build_directory)
     start = time.perf_counter()
-    # is_python_module=False: load the shared library into the process (torch.ops.load_library), which runs its
-    # TORCH_LIBRARY registrations; no Python module, so no pybind11 to compile.
-    library = load_announced(name, sources, what, seconds, build_directory=build_directory, arch_list=arch_list,
+    # is_python_module=False: load the shared library into the process (torch.ops.load_library),
+    # which runs its TORCH_LIBRARY registrations; no Python module, so no pybind11 to compile.
+    library = load_announced(name, sources, what, seconds, build_directory=build_directory,
+                             arch_list=arch_list,
                              is_python_module=False, verbose=verbose, **flags)
     elapsed = time.perf_counter() - start
     after = _library_mtime(name, build_directory)
-    return BuildInfo(name, str(library), elapsed, compiled=before is None or after != before, arch_list=arch_list)
+    return BuildInfo(name, str(library), elapsed, compiled=before is None or after != before,
+                     arch_list=arch_list)
 
 
 def build_cpu(verbose: bool = False, build_directory: str | None = None) -> BuildInfo:
     """Build (or take from the cache) and load the C++ CPU extension; register its fake implementation.
 
-    Registers ``torch.ops.kernels_cpp.rms_norm_fwd``. Once per process: later calls return the first call's
-    ``BuildInfo`` (a library's operators can be registered only once). ``build_directory`` replaces PyTorch's
-    extensions cache (an empty folder forces a fresh compile, to time it). Raises ``RuntimeError`` saying what is
-    missing when no C++ compiler or no ninja is found.
+    Registers ``torch.ops.kernels_cpp.rms_norm_fwd``. Once per process: later calls return the first
+    call's ``BuildInfo`` (a library's operators can be registered only once). ``build_directory``
+    replaces PyTorch's extensions cache (an empty folder forces a fresh compile, to time it). Raises
+    ``RuntimeError`` saying what is missing when no C++ compiler or no ninja is found.
     """
     if CPU_EXTENSION not in _BUILDS:
         reason = cpu_build_unavailable()
@@ -153,10 +164,10 @@ def build_cpu(verbose: bool = False, build_directory: str | None = None) -> Buil
 def build_cuda(verbose: bool = False, build_directory: str | None = None) -> BuildInfo:
     """Build (or take from the cache) and load the CUDA extension; register its fake implementations.
 
-    Registers ``torch.ops.kernels_cuda.rms_norm_fwd`` and ``rms_norm_bwd``, compiled for this machine's GPUs
-    only (``cuda_build_arch_list``: ``TORCH_CUDA_ARCH_LIST`` overrides). Once per process; ``build_directory`` as in
-    ``build_cpu``. Raises ``RuntimeError`` saying what is missing when there is no GPU, no nvcc, no C++ compiler or
-    no ninja.
+    Registers ``torch.ops.kernels_cuda.rms_norm_fwd`` and ``rms_norm_bwd``, compiled for this
+    machine's GPUs only (``cuda_build_arch_list``: ``TORCH_CUDA_ARCH_LIST`` overrides). Once per
+    process; ``build_directory`` as in ``build_cpu``. Raises ``RuntimeError`` saying what is missing
+    when there is no GPU, no nvcc, no C++ compiler or no ninja.
     """
     if CUDA_EXTENSION not in _BUILDS:
         reason = cuda_build_unavailable()
@@ -167,7 +178,8 @@ def build_cuda(verbose: bool = False, build_directory: str | None = None) -> Bui
         what = f"the CUDA C++ RMSNorm for {arch_names(arch_list)} ({source})"
         seconds = (f"about {CUDA_BUILD_SECONDS_PER_ARCH * n_archs} s of one CPU core "
                    f"({CUDA_BUILD_SECONDS_PER_ARCH} s per architecture)")
-        info = _build(CUDA_EXTENSION, [CUDA_SOURCE], verbose, build_directory, what, seconds, arch_list=arch_list,
+        info = _build(CUDA_EXTENSION, [CUDA_SOURCE], verbose, build_directory, what, seconds,
+                      arch_list=arch_list,
                       extra_cflags=CPU_FLAGS, extra_cuda_cflags=CUDA_FLAGS)
         torch.library.register_fake(f"{CUDA_NAMESPACE}::rms_norm_fwd", rms_norm_fwd_fake)
         torch.library.register_fake(f"{CUDA_NAMESPACE}::rms_norm_bwd", rms_norm_bwd_fake)
@@ -180,14 +192,15 @@ def builds() -> dict[str, BuildInfo]:
     return dict(_BUILDS)
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The functions
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 class CUDARMSNormFunction(torch.autograd.Function):
-    """autograd over the CUDA operators, exactly as ``kernels.rmsnorm.RMSNormFunction`` over the Triton ones: the
-    forward saves x (no copy), the weight and one float32 rstd per row; dW only when the weight needs it."""
+    """autograd over the CUDA operators, exactly as ``kernels.rmsnorm.RMSNormFunction`` over the
+    Triton ones: the forward saves x (no copy), the weight and one float32 rstd per row; dW only
+    when the weight needs it."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
@@ -205,8 +218,8 @@ class CUDARMSNormFunction(torch.autograd.Function):
 
 def rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """RMSNorm over the last dimension of ``x`` by the CUDA C++ kernels (built on first use): what
-    ``kernels.rms_norm`` computes, for CUDA tensors of float32, bfloat16 or float16 (a float32 weight may go with
-    a 16-bit ``x``). Differentiable in ``x`` and ``weight``."""
+    ``kernels.rms_norm`` computes, for CUDA tensors of float32, bfloat16 or float16 (a float32
+    weight may go with a 16-bit ``x``). Differentiable in ``x`` and ``weight``."""
     check_tensors(x, weight)
     if x.device.type != "cuda":
         raise ValueError(f"rms_norm_cuda needs CUDA tensors, got x on {x.device}")
@@ -217,9 +230,9 @@ def rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> t
 
 
 def rms_norm_cpp(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """RMSNorm forward over the last dimension of ``x`` by the C++ CPU extension (built on first use). CPU tensors
-    of float32, bfloat16 or float16, on any machine; forward only (no autograd: the extension exists to show the
-    mechanics)."""
+    """RMSNorm forward over the last dimension of ``x`` by the C++ CPU extension (built on first
+    use). CPU tensors of float32, bfloat16 or float16, on any machine; forward only (no autograd:
+    the extension exists to show the mechanics)."""
     check_tensors(x, weight)
     if x.device.type != "cpu":
         raise ValueError(f"rms_norm_cpp runs on the CPU, got x on {x.device}")

@@ -1,36 +1,42 @@
-"""The loss without the logits: cross-entropy of ``hidden @ weight.T`` that never holds a [tokens, vocab] tensor.
+"""The loss without the logits: cross-entropy of ``hidden @ weight.T`` that never holds a [tokens,
+vocab] tensor.
 
-A causal LM's last layer multiplies each token's hidden state h (width H) by the output embedding W ([V, H]) to get
-V logits, and the loss only wants, per token, logsumexp(h · Wᵀ) − h · W[t]. At Llama 3's V = 128,256 those logits
-are the largest activation of a fine-tuning step (8,192 tokens: 2.1 GB in bf16, before any float32 copy or gradient).
+A causal LM's last layer multiplies each token's hidden state h (width H) by the output embedding W
+([V, H]) to get V logits, and the loss only wants, per token, logsumexp(h · Wᵀ) − h · W[t]. At Llama
+3's V = 128,256 those logits are the largest activation of a fine-tuning step (8,192 tokens: 2.1 GB
+in bf16, before any float32 copy or gradient).
 
 Two ways to get the loss and both gradients without them, both here:
 
-**"recompute"** (vocabulary slices; the default whenever ``weight`` needs a gradient). The forward pass walks W in
-slices of ``slice_width`` rows: one matmul gives the logits of every token for that slice ([tokens, slice]), and a
-Triton kernel folds them into each token's running max and rescaled sum, the online softmax of chapter 05 with a
-whole matmul per step instead of a chunk of a row. It keeps one float32 logsumexp per token. The backward pass
-walks the slices again: the matmul recomputes the slice's logits, a Triton kernel overwrites them with the
-gradient (softmax − onehot) · scale, and two matmuls turn that into this slice's rows of dW (float32 accumulation
-over every token inside one matmul, rounded once) and its share of dh (accumulated in a float32 [tokens, H]
-buffer). Recomputing everything costs 4 matmuls of 2·tokens·V·H FLOP where the unfused loss does 3, for one slice
-of logits and the float32 dh of memory. So the plan spends a fixed budget instead (``RECOMPUTE_BUDGET_BYTES``,
-896 MiB on a GPU): beside the float32 dh it keeps as many slices from the forward pass as fit, and the backward
-recomputes only the others. It also keeps the first slices in the memory of d_weight, which the step holds anyway
-and the backward pass writes one slice of rows at a time (``RecomputeLayout``). At 2,048 and 4,096 tokens of Llama
-3's head nothing is recomputed (3 matmuls); at 8,192, two slices of eight (3.26 matmuls).
+**"recompute"** (vocabulary slices; the default whenever ``weight`` needs a gradient). The forward
+pass walks W in slices of ``slice_width`` rows: one matmul gives the logits of every token for that
+slice ([tokens, slice]), and a Triton kernel folds them into each token's running max and rescaled
+sum, the online softmax of chapter 05 with a whole matmul per step instead of a chunk of a row. It
+keeps one float32 logsumexp per token. The backward pass walks the slices again: the matmul
+recomputes the slice's logits, a Triton kernel overwrites them with the gradient (softmax − onehot)
+· scale, and two matmuls turn that into this slice's rows of dW (float32 accumulation over every
+token inside one matmul, rounded once) and its share of dh (accumulated in a float32 [tokens, H]
+buffer). Recomputing everything costs 4 matmuls of 2·tokens·V·H FLOP where the unfused loss does 3,
+for one slice of logits and the float32 dh of memory. So the plan spends a fixed budget instead
+(``RECOMPUTE_BUDGET_BYTES``, 896 MiB on a GPU): beside the float32 dh it keeps as many slices from
+the forward pass as fit, and the backward recomputes only the others. It also keeps the first slices
+in the memory of d_weight, which the step holds anyway and the backward pass writes one slice of
+rows at a time (``RecomputeLayout``). At 2,048 and 4,096 tokens of Llama 3's head nothing is
+recomputed (3 matmuls); at 8,192, two slices of eight (3.26 matmuls).
 
-**"chunked"** (token chunks, the gradient during the forward; the default when ``weight`` is frozen, e.g. LoRA).
-For each chunk of tokens, one matmul makes its full rows of logits, the package's cross-entropy kernel writes their
-gradient over them, and one matmul gives that chunk's dh. When dW is needed it is accumulated over the chunks in a
-float32 [V, H] buffer (2.1 GB at the 8B shape): that buffer, not the logits, is then the memory cost, so with a
-trainable weight "recompute" is the better plan unless tokens ≫ 2·H. With a frozen weight "chunked" needs 2
-matmuls to "recompute"'s 3 and no buffer beyond a chunk of logits.
+**"chunked"** (token chunks, the gradient during the forward; the default when ``weight`` is frozen,
+e.g. LoRA). For each chunk of tokens, one matmul makes its full rows of logits, the package's
+cross-entropy kernel writes their gradient over them, and one matmul gives that chunk's dh. When dW
+is needed it is accumulated over the chunks in a float32 [V, H] buffer (2.1 GB at the 8B shape):
+that buffer, not the logits, is then the memory cost, so with a trainable weight "recompute" is the
+better plan unless tokens ≫ 2·H. With a frozen weight "chunked" needs 2 matmuls to "recompute"'s 3
+and no buffer beyond a chunk of logits.
 
-Both follow ``kernels.cross_entropy``'s semantics exactly (reductions, ``ignore_index``, NaN for a mean over no
-targets, ``normalizer`` for gradient accumulation, NaN rows for out-of-range targets when unchecked), return a
-float32 loss, and never synchronise with the host unless ``check_targets`` asks for it. The launches are
-PyTorch operators (``torch.ops.kernels.linear_cross_entropy_*``), so ``torch.compile`` sees each as one node.
+Both follow ``kernels.cross_entropy``'s semantics exactly (reductions, ``ignore_index``, NaN for a
+mean over no targets, ``normalizer`` for gradient accumulation, NaN rows for out-of-range targets
+when unchecked), return a float32 loss, and never synchronise with the host unless ``check_targets``
+asks for it. The launches are PyTorch operators (``torch.ops.kernels.linear_cross_entropy_*``), so
+``torch.compile`` sees each as one node.
 """
 
 from __future__ import annotations
@@ -61,9 +67,10 @@ from .triton_utils import cast_to
 
 STRATEGIES = ("auto", "recompute", "chunked")
 
-# --------------------------------------------------------------------------------------------------------------------
-# Kernels: one slice of logits at a time ([rows, n_cols] contiguous, columns col_start ... col_start + n_cols of V)
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# Kernels: one slice of logits at a time ([rows, n_cols] contiguous, columns col_start ... col_start
+# + n_cols of V)
+# --------------------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -72,12 +79,14 @@ def _lse_slice_kernel(
     n_rows, n_cols, col_start, vocab, ignore_index,
     ROWS: tl.constexpr, BLOCK_V: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
 ):
-    # Fold one slice of every row's logits into the row's running max m and rescaled sum s (float32, [rows]);
-    # after the last slice, write loss = logsumexp − x[target] and the logsumexp. Slices are separate launches
-    # that run in order on one stream, so each row's m and s are read and written by one program at a time.
+    # Fold one slice of every row's logits into the row's running max m and rescaled sum s (float32,
+    # [rows]); after the last slice, write loss = logsumexp − x[target] and the logsumexp. Slices
+    # are separate launches that run in order on one stream, so each row's m and s are read and
+    # written by one program at a time.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
-    rows_in = tl.minimum(rows, n_rows - 1)  # lanes past the end re-read the last row; nothing of theirs is stored
+    # lanes past the end re-read the last row; nothing of theirs is stored
+    rows_in = tl.minimum(rows, n_rows - 1)
     if FIRST:
         m = tl.full((ROWS,), float("-inf"), tl.float32)
         s = tl.zeros((ROWS,), tl.float32)
@@ -102,7 +111,8 @@ def _lse_slice_kernel(
     if LAST:
         counted = target != ignore_index
         bad = counted & ((target < 0) | (target >= vocab))  # never read: its loss (and gradient) is NaN
-        # A target in this last slice is in registers; one in an earlier slice was stored by an earlier launch.
+        # A target in this last slice is in registers; one in an earlier slice was stored by an
+        # earlier launch.
         x_t = tl.where(here, x_t, tl.load(TARGET_LOGIT + rows_in, mask=counted & ~bad & ~here, other=0.0))
         log_s = tl.log(s)
         # (m − x_t) + log(s): the large numbers cancel first, as in the cross-entropy kernel.
@@ -120,8 +130,9 @@ def _grad_slice_kernel(
     n_rows, n_cols, col_start, vocab, ignore_index, stride_go,
     ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    # Overwrite one slice of logits with d(loss)/d(logits) = (softmax − onehot) · grad_output · SCALE[0]: the
-    # logsumexp of each row is already known, so every element is computed from its own logit alone.
+    # Overwrite one slice of logits with d(loss)/d(logits) = (softmax − onehot) · grad_output ·
+    # SCALE[0]: the logsumexp of each row is already known, so every element is computed from its
+    # own logit alone.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
     rows_in = tl.minimum(rows, n_rows - 1)
@@ -143,17 +154,20 @@ def _grad_slice_kernel(
         tl.store(ptrs, cast_to((p - onehot) * row_scale[:, None], LOGITS.dtype.element_ty), mask=ok)
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Launch configuration: how wide a slice (or how long a chunk) is, and how the slice kernels are launched
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# Launch configuration: how wide a slice (or how long a chunk) is, and how the slice kernels are
+# launched
+# --------------------------------------------------------------------------------------------------
 
-# The largest [tokens, slice] (or [chunk, V]) buffer of logits, in bytes, on a GPU: 256 MiB keeps the matmuls
-# large (8,192 tokens: slices of 16,384 rows of W) and the extra memory a small share of the logits' (2 GB there).
+# The largest [tokens, slice] (or [chunk, V]) buffer of logits, in bytes, on a GPU: 256 MiB keeps
+# the matmuls large (8,192 tokens: slices of 16,384 rows of W) and the extra memory a small share of
+# the logits' (2 GB there).
 GPU_SLICE_BYTES = LOGITS_BUFFER_BYTES
-# What "recompute" may keep beyond its inputs and gradients (memory.RECOMPUTE_BUDGET_BYTES on a GPU).
+# What "recompute" may keep beyond its inputs and gradients (memory.RECOMPUTE_BUDGET_BYTES on a
+# GPU).
 GPU_RECOMPUTE_BYTES = RECOMPUTE_BUDGET_BYTES
-# In the interpreter shapes are tiny: a few slices per row still show the online merge at work, and the budget keeps
-# some of them and recomputes the others.
+# In the interpreter shapes are tiny: a few slices per row still show the online merge at work, and
+# the budget keeps some of them and recomputes the others.
 INTERPRETER_SLICE_BYTES = 64 << 10
 INTERPRETER_RECOMPUTE_BYTES = 96 << 10
 _INTERPRETER_MAX_TILE = 1 << 16
@@ -178,22 +192,23 @@ def _width_within(n_rows: int, vocab: int, itemsize: int, slice_bytes: int) -> i
 
 
 def slice_width(n_rows: int, vocab: int, itemsize: int, props: runtime.DeviceProps | None = None) -> int:
-    """Columns of W per slice ("recompute") so that a [n_rows, width] slice of logits stays within the budget:
-    a multiple of 256 (whole tensor-core tiles), at least 256, at most ``vocab``."""
+    """Columns of W per slice ("recompute") so that a [n_rows, width] slice of logits stays within
+    the budget: a multiple of 256 (whole tensor-core tiles), at least 256, at most ``vocab``."""
     props = props or runtime.device_props()
     return _width_within(n_rows, vocab, itemsize, _slice_bytes(props))
 
 
 @dataclass(frozen=True)
 class RecomputeLayout:
-    """How "recompute" walks the vocabulary: slices of ``width`` rows of W, of which the last ``keep`` are kept
-    from the forward pass for the backward, side by side in one buffer. The buffer holds at least one slice: the
-    slices that are not kept pass through its front, in the forward pass before the kept ones are made and in the
-    backward pass after they are used.
+    """How "recompute" walks the vocabulary: slices of ``width`` rows of W, of which the last
+    ``keep`` are kept from the forward pass for the backward, side by side in one buffer. The buffer
+    holds at least one slice: the slices that are not kept pass through its front, in the forward
+    pass before the kept ones are made and in the backward pass after they are used.
 
-    The first ``in_grad`` slices are kept too, in the memory of d_weight ([vocab, hidden]), which the forward pass
-    then allocates. The backward pass uses them first, in order, and writes d_weight's rows slice by slice, so each
-    of these slices' logits must lie past the rows written before it is used (``grad_offsets``)."""
+    The first ``in_grad`` slices are kept too, in the memory of d_weight ([vocab, hidden]), which
+    the forward pass then allocates. The backward pass uses them first, in order, and writes
+    d_weight's rows slice by slice, so each of these slices' logits must lie past the rows written
+    before it is used (``grad_offsets``)."""
 
     n_rows: int
     vocab: int
@@ -223,9 +238,10 @@ class RecomputeLayout:
 
 
 def _grad_offsets(n_rows: int, hidden: int, slices) -> list[int]:
-    # The backward pass starts with these slices, from the first, writing each one's rows of d_weight once its
-    # logits are used. So slice i's logits may sit anywhere past its own rows, stop_i × hidden, and past the slice
-    # before it: every row written before slice i is used is then below them.
+    # The backward pass starts with these slices, from the first, writing each one's rows of
+    # d_weight once its logits are used. So slice i's logits may sit anywhere past its own rows,
+    # stop_i × hidden, and past the slice before it: every row written before slice i is used is
+    # then below them.
     offsets, end = [], 0
     for start, stop in slices:
         offsets.append(max(stop * hidden, end))
@@ -234,7 +250,8 @@ def _grad_offsets(n_rows: int, hidden: int, slices) -> list[int]:
 
 
 def _kept_start(slices, keep: int, vocab: int) -> int:
-    # Also called outside the cached property: under torch.compile Dynamo cannot enter a cached_property's lock.
+    # Also called outside the cached property: under torch.compile Dynamo cannot enter a
+    # cached_property's lock.
     return slices[len(slices) - keep][0] if keep else vocab
 
 
@@ -253,9 +270,9 @@ def _slices_in_grad(n_rows: int, hidden: int, slices, kept_start: int) -> int:
 def recompute_layout(n_rows: int, hidden: int, vocab: int, itemsize: int, slice_bytes: int,
                      budget_bytes: int, grad_buffer: bool = False) -> RecomputeLayout:
     """Slices of at most ``slice_bytes`` of logits each, and as many of the last ones kept as fit in
-    ``budget_bytes`` beside the float32 d_hidden and logsumexp (possibly all, possibly none). With ``grad_buffer``
-    (d_weight is wanted, in the logits' dtype) the first slices are kept in d_weight's memory as well, as many as
-    fit there."""
+    ``budget_bytes`` beside the float32 d_hidden and logsumexp (possibly all, possibly none). With
+    ``grad_buffer`` (d_weight is wanted, in the logits' dtype) the first slices are kept in
+    d_weight's memory as well, as many as fit there."""
     width = _width_within(n_rows, vocab, itemsize, slice_bytes)
     slices = _slices(vocab, width) if n_rows else []
     room = budget_bytes - n_rows * (hidden + 1) * 4
@@ -269,15 +286,17 @@ def recompute_layout(n_rows: int, hidden: int, vocab: int, itemsize: int, slice_
     return RecomputeLayout(n_rows, vocab, width, keep, hidden, in_grad)
 
 
-def plan_recompute(n_rows: int, hidden: int, vocab: int, itemsize: int, props: runtime.DeviceProps | None = None,
+def plan_recompute(n_rows: int, hidden: int, vocab: int, itemsize: int,
+                   props: runtime.DeviceProps | None = None,
                    keep_logits: bool = True, grad_buffer: bool = False) -> RecomputeLayout:
-    """The layout "recompute" runs with on ``props``: the GPU's budgets or the interpreter's small ones, and slices
-    kept in d_weight's memory when ``grad_buffer`` (the weight needs its gradient); nothing kept when
-    ``keep_logits`` is False."""
+    """The layout "recompute" runs with on ``props``: the GPU's budgets or the interpreter's small
+    ones, and slices kept in d_weight's memory when ``grad_buffer`` (the weight needs its gradient);
+    nothing kept when ``keep_logits`` is False."""
     props = props or runtime.device_props()
     budget = INTERPRETER_RECOMPUTE_BYTES if props.interpreter else GPU_RECOMPUTE_BYTES
     if not keep_logits:
-        return RecomputeLayout(n_rows, vocab, _width_within(n_rows, vocab, itemsize, _slice_bytes(props)), 0, hidden)
+        return RecomputeLayout(n_rows, vocab,
+                               _width_within(n_rows, vocab, itemsize, _slice_bytes(props)), 0, hidden)
     return recompute_layout(n_rows, hidden, vocab, itemsize, _slice_bytes(props), budget, grad_buffer)
 
 
@@ -290,14 +309,15 @@ def chunk_rows(n_rows: int, vocab: int, itemsize: int, props: runtime.DeviceProp
 def linear_loss_extra_bytes(tokens: int, hidden: int, vocab: int, itemsize: int = 2,
                             buffer_bytes: int = LOGITS_BUFFER_BYTES,
                             budget_bytes: int = RECOMPUTE_BUDGET_BYTES) -> dict[str, int]:
-    """Computed peak bytes each way of computing an LM head's loss adds beyond its inputs (hidden, weight) and the
-    two gradients every way writes (d_hidden, d_weight), for a trainable weight:
+    """Computed peak bytes each way of computing an LM head's loss adds beyond its inputs (hidden,
+    weight) and the two gradients every way writes (d_hidden, d_weight), for a trainable weight:
 
     * ``hf``: the logits and Hugging Face's loss buffers (``kernels.memory.hf_loss_peak``);
-    * ``logits_in_place``: the logits, which receive their own gradient (``kernels.cross_entropy`` in place);
+    * ``logits_in_place``: the logits, which receive their own gradient (``kernels.cross_entropy``
+      in place);
     * ``chunked``: a chunk of logits and the float32 [V, H] accumulator of d_weight;
-    * ``recompute_all``: a slice of logits, the float32 [tokens, H] accumulator of d_hidden and one float32
-      logsumexp per token;
+    * ``recompute_all``: a slice of logits, the float32 [tokens, H] accumulator of d_hidden and one
+      float32 logsumexp per token;
     * ``recompute``: the same with the slices kept for the backward pass within ``budget_bytes``
       (``recompute_layout``), what the package runs.
     """
@@ -322,14 +342,15 @@ def slice_config(n_rows: int, width: int, props: runtime.DeviceProps) -> SliceCo
         block_v = min(triton.next_power_of_2(width), 4096)
         rows = min(triton.next_power_of_2(max(n_rows, 1)), max(1, _INTERPRETER_MAX_TILE // block_v))
         return SliceConfig(rows=rows, block_v=block_v, num_warps=4)
-    # One row per program streaming its slice in chunks of regs_per_sm / 16 values, as the cross-entropy kernel.
+    # One row per program streaming its slice in chunks of regs_per_sm / 16 values, as the
+    # cross-entropy kernel.
     block_v = min(triton.next_power_of_2(width), max(1024, props.regs_per_sm // 16))
     return SliceConfig(rows=1, block_v=block_v, num_warps=8 if block_v >= 4096 else 4)
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Host side: checks, the two passes of "recompute", the chunked forward
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def _check_inputs(hidden, weight, target, ignore_index, reduction, normalizer, strategy) -> None:
@@ -349,16 +370,18 @@ def _check_inputs(hidden, weight, target, ignore_index, reduction, normalizer, s
         raise TypeError(f"hidden and weight must have the same dtype, got {hidden.dtype} and {weight.dtype}")
     if weight.device != hidden.device:
         raise ValueError(f"hidden and weight must be on the same device, got {hidden.device} and {weight.device}")
-    check_loss_args(target, f"hidden {tuple(hidden.shape)}", tuple(hidden.shape[:-1]), hidden.device, ignore_index,
+    check_loss_args(target, f"hidden {tuple(hidden.shape)}", tuple(hidden.shape[:-1]),
+                    hidden.device, ignore_index,
                     reduction, normalizer)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
 
 
 def _dense_like(t: torch.Tensor) -> torch.Tensor:
-    """An empty contiguous tensor of ``t``'s shape, dtype and device. Gradients and the buffers that become them
-    are contiguous whatever the layout of the input (a transposed or strided LM head weight): the passes address
-    d_weight as one flat buffer, and autograd accepts a gradient of any strides."""
+    """An empty contiguous tensor of ``t``'s shape, dtype and device. Gradients and the buffers that
+    become them are contiguous whatever the layout of the input (a transposed or strided LM head
+    weight): the passes address d_weight as one flat buffer, and autograd accepts a gradient of any
+    strides."""
     return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
 
@@ -368,18 +391,21 @@ def _slices(vocab: int, width: int):
 
 
 def _logits_into(buffer: torch.Tensor, hidden: torch.Tensor, weight_rows: torch.Tensor) -> torch.Tensor:
-    """hidden @ weight_rows.T written into the front of ``buffer`` (flat), returned as a contiguous [rows, width]."""
+    """hidden @ weight_rows.T written into the front of ``buffer`` (flat), returned as a contiguous
+    [rows, width]."""
     out = buffer[: hidden.shape[0] * weight_rows.shape[0]].view(hidden.shape[0], weight_rows.shape[0])
     return torch.mm(hidden, weight_rows.t(), out=out)
 
 
-# Whether ``addmm(..., out_dtype=torch.float32)`` multiplies bf16/fp16 matrices into a float32 accumulator on this
-# device (recent PyTorch releases, CUDA only). Decided by the first call that tries; no host synchronisation.
+# Whether ``addmm(..., out_dtype=torch.float32)`` multiplies bf16/fp16 matrices into a float32
+# accumulator on this device (recent PyTorch releases, CUDA only). Decided by the first call that
+# tries; no host synchronisation.
 _FP32_OUT_MATMUL: dict[str, bool] = {}
 
 
 def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc (float32) += a @ b for a and b in the model's dtype, without rounding a @ b to that dtype where possible."""
+    """acc (float32) += a @ b for a and b in the model's dtype, without rounding a @ b to that dtype
+    where possible."""
     if acc.dtype == a.dtype:
         acc.addmm_(a, b)
         return
@@ -396,19 +422,21 @@ def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 def _slice_launch(kernel, n_rows: int, width: int, device, *args, **constexprs):
     cfg = slice_config(n_rows, width, runtime.device_props(device))
-    kernel[(triton.cdiv(n_rows, cfg.rows),)](*args, ROWS=cfg.rows, BLOCK_V=cfg.block_v, num_warps=cfg.num_warps,
+    kernel[(triton.cdiv(n_rows, cfg.rows),)](*args, ROWS=cfg.rows, BLOCK_V=cfg.block_v,
+                                             num_warps=cfg.num_warps,
                                             **constexprs)
 
 
 def _kept_slice(buffer: torch.Tensor, layout: RecomputeLayout, start: int, stop: int) -> torch.Tensor:
-    """Where the kept slice of columns start ... stop lives in the buffer: slices side by side, each [rows, width]."""
+    """Where the kept slice of columns start ... stop lives in the buffer: slices side by side, each
+    [rows, width]."""
     offset = layout.n_rows * (start - layout.kept_start)
     return buffer[offset:offset + layout.n_rows * (stop - start)]
 
 
 def _layout(n_rows: int, vocab: int, width: int, keep: int, hidden: int, in_grad: int) -> RecomputeLayout:
-    """The layout of one call, refusing an ``in_grad`` whose slices would not fit in d_weight's memory (or would
-    be written over by the backward pass before it has used them)."""
+    """The layout of one call, refusing an ``in_grad`` whose slices would not fit in d_weight's
+    memory (or would be written over by the backward pass before it has used them)."""
     layout = RecomputeLayout(n_rows, vocab, width, keep, hidden, in_grad)
     fits = _slices_in_grad(n_rows, hidden, layout.slices, layout.kept_start) if in_grad else 0
     if not 0 <= in_grad <= fits:
@@ -417,17 +445,19 @@ def _layout(n_rows: int, vocab: int, width: int, keep: int, hidden: int, in_grad
 
 
 def _in_grad_slice(grad_buffer: torch.Tensor, layout: RecomputeLayout, i: int) -> torch.Tensor:
-    """Where slice i (one of the first ``in_grad``) keeps its logits: a stretch of the flat d_weight buffer."""
+    """Where slice i (one of the first ``in_grad``) keeps its logits: a stretch of the flat d_weight
+    buffer."""
     start, stop = layout.slices[i]
     offset = layout.grad_offsets[i]
     return grad_buffer.view(-1)[offset:offset + layout.n_rows * (stop - start)]
 
 
 def logsumexp_pass(hidden, weight, target, ignore_index: int, width: int, keep: int = 0, in_grad: int = 0):
-    """The forward pass of "recompute": per-row loss (0 for ignored rows, NaN for bad targets) and logsumexp, both
-    float32 [rows], from one matmul per slice of ``width`` rows of W; the buffer holding the last ``keep`` slices'
-    logits for the backward pass (empty when ``keep`` is 0); and d_weight's memory, allocated here, holding the
-    first ``in_grad`` slices' logits (empty when ``in_grad`` is 0). ``hidden`` is [rows, H], ``target`` [rows]."""
+    """The forward pass of "recompute": per-row loss (0 for ignored rows, NaN for bad targets) and
+    logsumexp, both float32 [rows], from one matmul per slice of ``width`` rows of W; the buffer
+    holding the last ``keep`` slices' logits for the backward pass (empty when ``keep`` is 0); and
+    d_weight's memory, allocated here, holding the first ``in_grad`` slices' logits (empty when
+    ``in_grad`` is 0). ``hidden`` is [rows, H], ``target`` [rows]."""
     n_rows, vocab = hidden.shape[0], weight.shape[0]
     device = hidden.device
     loss = torch.empty(n_rows, dtype=torch.float32, device=device)
@@ -442,14 +472,16 @@ def logsumexp_pass(hidden, weight, target, ignore_index: int, width: int, keep: 
     grad_buffer = _dense_like(weight) if in_grad else weight.new_empty(0)
     slices = layout.slices
     for i, (start, stop) in enumerate(slices):
-        # The slices that are not kept come first, through the buffer's front; each kept one then gets its own place.
+        # The slices that are not kept come first, through the buffer's front; each kept one then
+        # gets its own place.
         if i < in_grad:
             place = _in_grad_slice(grad_buffer, layout, i)
         else:
             place = _kept_slice(buffer, layout, start, stop) if start >= layout.kept_start else buffer
         logits = _logits_into(place, hidden, weight[start:stop])
         _slice_launch(_lse_slice_kernel, n_rows, stop - start, device,
-                      logits, target, m, s, target_logit, loss, lse, n_rows, stop - start, start, vocab, ignore_index,
+                      logits, target, m, s, target_logit, loss, lse, n_rows, stop - start, start,
+                      vocab, ignore_index,
                       FIRST=i == 0, LAST=i == len(slices) - 1)
     return loss, lse, buffer if keep else hidden.new_empty(0), grad_buffer
 
@@ -459,11 +491,12 @@ def gradient_pass(hidden, weight, target, lse, scale, grad_output, ignore_index:
                   in_grad: int = 0):
     """The backward pass of "recompute": ``(d_hidden, d_weight)`` (an empty tensor for the one not needed).
 
-    Per slice: the logits (kept by the forward pass in ``kept`` for its last ``keep`` slices and in ``grad_buffer``
-    for its first ``in_grad``, recomputed for the others), overwritten with their gradient; then d_weight[slice] =
-    G_sliceᵀ @ hidden (one matmul over every token: float32 accumulation, one rounding) and d_hidden += G_slice @
-    W[slice] (float32). The slices kept in ``grad_buffer`` go first, in order, then those in ``kept``, then the
-    recomputed ones (through ``kept``'s front). Both buffers are used up: ``grad_buffer`` becomes d_weight.
+    Per slice: the logits (kept by the forward pass in ``kept`` for its last ``keep`` slices and in
+    ``grad_buffer`` for its first ``in_grad``, recomputed for the others), overwritten with their
+    gradient; then d_weight[slice] = G_sliceᵀ @ hidden (one matmul over every token: float32
+    accumulation, one rounding) and d_hidden += G_slice @ W[slice] (float32). The slices kept in
+    ``grad_buffer`` go first, in order, then those in ``kept``, then the recomputed ones (through
+    ``kept``'s front). Both buffers are used up: ``grad_buffer`` becomes d_weight.
     """
     n_rows, vocab = hidden.shape[0], weight.shape[0]
     device = hidden.device
@@ -500,12 +533,14 @@ def gradient_pass(hidden, weight, target, lse, scale, grad_output, ignore_index:
         else:
             grad = _logits_into(buffer, hidden, w)
         _slice_launch(_grad_slice_kernel, n_rows, stop - start, device,
-                      grad, target, lse, scale, go, n_rows, stop - start, start, vocab, ignore_index, stride_go)
+                      grad, target, lse, scale, go, n_rows, stop - start, start, vocab,
+                      ignore_index, stride_go)
         if need_weight:
             torch.mm(grad.t(), hidden, out=d_weight[start:stop])
         if need_hidden:
             _accumulate_mm(d_hidden_acc, grad, w)
-    # A Triton store is invisible to autograd: bump the version counters by hand, as in-place ops do.
+    # A Triton store is invisible to autograd: bump the version counters by hand, as in-place ops
+    # do.
     torch.autograd.graph.increment_version(tuple(t for t, n in ((kept, keep), (grad_buffer, in_grad)) if n))
     d_hidden = d_hidden_acc.to(hidden.dtype) if need_hidden else hidden.new_empty(0)
     return d_hidden, d_weight
@@ -524,11 +559,13 @@ def _reduce(loss_rows: torch.Tensor, scale: torch.Tensor, reduction: str) -> tor
 
 def chunked_forward(hidden, weight, target, ignore_index: int, reduction: str, normalizer, need_hidden: bool,
                     need_weight: bool, chunk: int):
-    """The "chunked" plan, all in the forward pass: ``(loss, d_hidden, d_weight)`` with the gradients for a loss
-    scaled by 1 (the caller multiplies by grad_output). ``reduction`` is "mean" or "sum"."""
+    """The "chunked" plan, all in the forward pass: ``(loss, d_hidden, d_weight)`` with the
+    gradients for a loss scaled by 1 (the caller multiplies by grad_output). ``reduction`` is "mean"
+    or "sum"."""
     n_rows = hidden.shape[0]
     device = hidden.device
-    # The divisor of the whole batch, on the device: each chunk's sum is divided by it, so chunks add up to the loss.
+    # The divisor of the whole batch, on the device: each chunk's sum is divided by it, so chunks
+    # add up to the loss.
     scale = gradient_scale(target, ignore_index, reduction, normalizer, device)
     divisor = scale[1:]
     loss = torch.zeros((), dtype=torch.float32, device=device)
@@ -538,7 +575,8 @@ def chunked_forward(hidden, weight, target, ignore_index: int, reduction: str, n
     for start in range(0, n_rows, chunk):
         h = hidden[start:start + chunk]
         logits = _logits_into(buffer, h, weight)
-        part, _, grad = cross_entropy_forward(logits, target[start:start + chunk], ignore_index, "sum", divisor,
+        part, _, grad = cross_entropy_forward(logits, target[start:start + chunk], ignore_index,
+                                              "sum", divisor,
                                               compute_grad=need_hidden or need_weight, inplace=True)
         loss += part
         if need_hidden:
@@ -551,21 +589,24 @@ def chunked_forward(hidden, weight, target, ignore_index: int, reduction: str, n
     return loss, d_hidden, d_weight
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # PyTorch operators: torch.ops.kernels.linear_cross_entropy_fwd, _bwd, _chunked
-# --------------------------------------------------------------------------------------------------------------------
-# Every operator takes 2-D hidden [rows, H] and 1-D target [rows]; the function below flattens. A normalizer comes
-# as a tensor or a number, as in kernels.cross_entropy.
+# --------------------------------------------------------------------------------------------------
+# Every operator takes 2-D hidden [rows, H] and 1-D target [rows]; the function below flattens. A
+# normalizer comes as a tensor or a number, as in kernels.cross_entropy.
 
 
-def _fwd_impl(hidden, weight, target, ignore_index, reduction, normalizer, normalizer_value, width, keep, in_grad):
-    loss_rows, lse, kept, grad_buffer = logsumexp_pass(hidden, weight, target, ignore_index, width, keep, in_grad)
+def _fwd_impl(hidden, weight, target, ignore_index, reduction, normalizer, normalizer_value, width,
+              keep, in_grad):
+    loss_rows, lse, kept, grad_buffer = logsumexp_pass(hidden, weight, target, ignore_index, width,
+                                                       keep, in_grad)
     scale = gradient_scale(target, ignore_index, reduction, normalizer_arg(normalizer, normalizer_value),
                             hidden.device)
     return _reduce(loss_rows, scale, reduction), lse, scale, kept, grad_buffer
 
 
-def _fwd_fake(hidden, weight, target, ignore_index, reduction, normalizer, normalizer_value, width, keep, in_grad):
+def _fwd_fake(hidden, weight, target, ignore_index, reduction, normalizer, normalizer_value, width,
+              keep, in_grad):
     n_rows = hidden.shape[0]
     loss = hidden.new_empty((n_rows,) if reduction == "none" else (), dtype=torch.float32)
     kept = RecomputeLayout(n_rows, weight.shape[0], width, keep).buffer_numel if keep and n_rows else 0
@@ -573,12 +614,13 @@ def _fwd_fake(hidden, weight, target, ignore_index, reduction, normalizer, norma
             hidden.new_empty(kept), _dense_like(weight) if in_grad and n_rows else weight.new_empty(0))
 
 
-def _bwd_impl(grad_output, hidden, weight, target, lse, scale, kept, grad_buffer, ignore_index, width, keep, in_grad,
+def _bwd_impl(grad_output, hidden, weight, target, lse, scale, kept, grad_buffer, ignore_index,
+              width, keep, in_grad,
               need_hidden, need_weight):
     d_hidden, d_weight = gradient_pass(hidden, weight, target, lse, scale, grad_output, ignore_index, width,
                                        need_hidden, need_weight, kept, keep, grad_buffer, in_grad)
-    # With slices kept in it, d_weight is grad_buffer itself, which the operator writes (its schema says so) and
-    # must not also return: the caller takes grad_buffer as the gradient.
+    # With slices kept in it, d_weight is grad_buffer itself, which the operator writes (its schema
+    # says so) and must not also return: the caller takes grad_buffer as the gradient.
     return d_hidden, weight.new_empty(0) if in_grad else d_weight
 
 
@@ -595,7 +637,8 @@ def _chunked_impl(hidden, weight, target, ignore_index, reduction, normalizer, n
 
 def _chunked_fake(hidden, weight, target, ignore_index, reduction, normalizer, normalizer_value, need_hidden,
                   need_weight, chunk):
-    return (hidden.new_empty((), dtype=torch.float32), *_grads_fake(hidden, weight, need_hidden, need_weight))
+    return (hidden.new_empty((), dtype=torch.float32),
+            *_grads_fake(hidden, weight, need_hidden, need_weight))
 
 
 linear_cross_entropy_fwd_op = ops.define(
@@ -611,9 +654,9 @@ def _bwd_fake(go, hidden, weight, target, lse, scale, kept, grad_buffer, ii, wid
     return d_hidden, weight.new_empty(0) if in_grad else d_weight
 
 
-# The backward writes the gradient of the kept logits over them, and d_weight into grad_buffer: the schema says so
-# (Tensor(a!) kept, Tensor(b!) grad_buffer), and the implementation bumps their version counters, so a second
-# backward through the same graph fails loudly.
+# The backward writes the gradient of the kept logits over them, and d_weight into grad_buffer: the
+# schema says so (Tensor(a!) kept, Tensor(b!) grad_buffer), and the implementation bumps their
+# version counters, so a second backward through the same graph fails loudly.
 linear_cross_entropy_bwd_op = ops.define(
     "linear_cross_entropy_bwd(Tensor grad_output, Tensor hidden, Tensor weight, Tensor target, Tensor lse, "
     "Tensor scale, Tensor(a!) kept, Tensor(b!) grad_buffer, int ignore_index, int width, int keep, int in_grad, "
@@ -628,23 +671,25 @@ linear_cross_entropy_chunked_op = ops.define(
 )
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # autograd, function, module
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 class RecomputeFunction(torch.autograd.Function):
-    """"recompute": the forward keeps one float32 logsumexp per row and the logits of the last ``keep`` slices (and
-    of the first ``in_grad``, in d_weight's memory); the backward recomputes the other slices and writes every
-    slice's gradient over its logits. Works for every reduction (a per-row grad_output for "none" scales each row's
-    gradient). With slices kept, the graph can be run backward once only: a second run (``retain_graph=True``)
-    raises PyTorch's in-place error."""
+    """"recompute": the forward keeps one float32 logsumexp per row and the logits of the last
+    ``keep`` slices (and of the first ``in_grad``, in d_weight's memory); the backward recomputes
+    the other slices and writes every slice's gradient over its logits. Works for every reduction (a
+    per-row grad_output for "none" scales each row's gradient). With slices kept, the graph can be
+    run backward once only: a second run (``retain_graph=True``) raises PyTorch's in-place error."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, ignore_index, reduction, normalizer, normalizer_value, width, keep,
+    def forward(ctx, hidden, weight, target, ignore_index, reduction, normalizer, normalizer_value,
+                width, keep,
                 in_grad):
         loss, lse, scale, kept, grad_buffer = linear_cross_entropy_fwd_op(
-            hidden, weight, target, ignore_index, reduction, normalizer, normalizer_value, width, keep, in_grad)
+            hidden, weight, target, ignore_index, reduction, normalizer, normalizer_value, width,
+            keep, in_grad)
         ctx.save_for_backward(hidden, weight, target, lse, scale, kept, grad_buffer)
         ctx.ignore_index, ctx.width, ctx.keep, ctx.in_grad = ignore_index, width, keep, in_grad
         return loss
@@ -654,7 +699,8 @@ class RecomputeFunction(torch.autograd.Function):
     def backward(ctx, grad_output):
         hidden, weight, target, lse, scale, kept, grad_buffer = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        d_hidden, d_weight = linear_cross_entropy_bwd_op(grad_output, hidden, weight, target, lse, scale, kept,
+        d_hidden, d_weight = linear_cross_entropy_bwd_op(grad_output, hidden, weight, target, lse,
+                                                         scale, kept,
                                                          grad_buffer, ctx.ignore_index, ctx.width, ctx.keep,
                                                          ctx.in_grad, need_hidden, need_weight)
         if ctx.in_grad:
@@ -664,14 +710,15 @@ class RecomputeFunction(torch.autograd.Function):
 
 
 class ChunkedFunction(torch.autograd.Function):
-    """"chunked": the forward computes the loss and both gradients; the backward multiplies them by grad_output
-    (a scalar: reductions "mean" and "sum")."""
+    """"chunked": the forward computes the loss and both gradients; the backward multiplies them by
+    grad_output (a scalar: reductions "mean" and "sum")."""
 
     @staticmethod
     def forward(ctx, hidden, weight, target, ignore_index, reduction, normalizer, normalizer_value, chunk):
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         loss, d_hidden, d_weight = linear_cross_entropy_chunked_op(
-            hidden, weight, target, ignore_index, reduction, normalizer, normalizer_value, need_hidden, need_weight,
+            hidden, weight, target, ignore_index, reduction, normalizer, normalizer_value,
+            need_hidden, need_weight,
             chunk,
         )
         ctx.save_for_backward(d_hidden, d_weight)
@@ -683,13 +730,15 @@ class ChunkedFunction(torch.autograd.Function):
     def backward(ctx, grad_output):
         d_hidden, d_weight = ctx.saved_tensors
         need_hidden, need_weight = ctx.need
-        return (d_hidden * grad_output if need_hidden else None, d_weight * grad_output if need_weight else None,
+        return (d_hidden * grad_output if need_hidden else None,
+                d_weight * grad_output if need_weight else None,
                 None, None, None, None, None, None)
 
 
 def choose_strategy(weight_needs_grad: bool, reduction: str) -> str:
-    """What ``strategy="auto"`` picks: "chunked" for a frozen weight (2 matmuls to "recompute"'s 3, no float32 dW
-    buffer), "recompute" otherwise, and always for ``reduction="none"`` (per-row factors reach dW only there)."""
+    """What ``strategy="auto"`` picks: "chunked" for a frozen weight (2 matmuls to "recompute"'s 3,
+    no float32 dW buffer), "recompute" otherwise, and always for ``reduction="none"`` (per-row
+    factors reach dW only there)."""
     return "chunked" if not weight_needs_grad and reduction != "none" else "recompute"
 
 
@@ -707,26 +756,43 @@ def linear_cross_entropy(
 ) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T`` against ``target``, without a [tokens, vocab] tensor in memory.
 
-    ``hidden`` is [..., H] (any leading dimensions; strided views such as ``h[:, :-1]`` are copied to rows first,
-    which costs [tokens, H], not [tokens, V]); ``weight`` is [V, H] as ``nn.Linear`` stores it (an LM head's
-    weight, tied to the embeddings or not), in ``hidden``'s dtype; ``target`` holds one class index per token
-    (shape ``hidden.shape[:-1]`` or flat). Semantics are those of ``kernels.cross_entropy``: ``reduction`` "mean"
-    (over targets that are not ``ignore_index``; NaN when there are none), "sum" or "none"; ``normalizer``
-    (``reduction="sum"`` only) divides the sum, as Hugging Face's ``num_items_in_batch`` under gradient
-    accumulation; a float32 loss; gradients for ``hidden`` and ``weight`` as they require them.
+    ``hidden`` is [..., H] (any leading dimensions; strided views such as ``h[:, :-1]`` are copied
+    to rows first, which costs [tokens, H], not [tokens, V]); ``weight`` is [V, H] as ``nn.Linear``
+    stores it (an LM head's weight, tied to the embeddings or not), in ``hidden``'s dtype;
+    ``target`` holds one class index per token (shape ``hidden.shape[:-1]`` or flat). Semantics are
+    those of ``kernels.cross_entropy``: ``reduction`` "mean" (over targets that are not
+    ``ignore_index``; NaN when there are none), "sum" or "none"; ``normalizer`` (``reduction="sum"``
+    only) divides the sum, as Hugging Face's ``num_items_in_batch`` under gradient accumulation; a
+    float32 loss; gradients for ``hidden`` and ``weight`` as they require them.
 
-    ``strategy``: "recompute", "chunked" or "auto" (the default: ``choose_strategy``); the module docstring says
-    what each costs. ``check_targets`` as in ``kernels.cross_entropy`` (one host synchronisation; pass False under
-    CUDA graphs or ``torch.compile``: an out-of-range target then gives a NaN loss). ``keep_logits``: whether
-    "recompute" keeps slices of logits for the backward pass within its memory budget (``plan_recompute``); it
-    keeps none under ``torch.compile``, where a backward that writes over a saved tensor is not traced.
+    ``strategy``: "recompute", "chunked" or "auto" (the default: ``choose_strategy``); the module
+    docstring says what each costs. ``check_targets`` as in ``kernels.cross_entropy`` (one host
+    synchronisation; pass False under CUDA graphs or ``torch.compile``: an out-of-range target then
+    gives a NaN loss). ``keep_logits``: whether "recompute" keeps slices of logits for the backward
+    pass within its memory budget (``plan_recompute``); it keeps none under ``torch.compile``, where
+    a backward that writes over a saved tensor is not traced. Chapter 10 derives it.
+
+    Args:
+        hidden: [..., H] hidden states (strided views are copied to rows first).
+        weight: [V, H], the LM head's weight, in ``hidden``'s dtype.
+        target: one class index per token, ``hidden.shape[:-1]`` or flat.
+        ignore_index: the target value that contributes nothing.
+        reduction: "mean", "sum" or "none".
+        normalizer: with "sum" only, divides the sum.
+        strategy: "recompute", "chunked" or "auto".
+        check_targets: raise for a target outside [0, V) (one host synchronisation).
+        keep_logits: let "recompute" keep slices of logits for the backward, within its budget.
+
+    Returns:
+        The float32 loss: a scalar, or one value per token for "none".
     """
     _check_inputs(hidden, weight, target, ignore_index, reduction, normalizer, strategy)
     check_flags(check_targets=check_targets, keep_logits=keep_logits)
     vocab = weight.shape[0]
     if check_targets:
         check_target_range(target, vocab, ignore_index)
-    rows = hidden.reshape(math.prod(hidden.shape[:-1]), hidden.shape[-1])  # -1 is ambiguous at a hidden size of 0
+    # -1 is ambiguous at a hidden size of 0
+    rows = hidden.reshape(math.prod(hidden.shape[:-1]), hidden.shape[-1])
     target_rows = target.reshape(-1)
     if target_rows.stride(0) != 1:
         target_rows = target_rows.contiguous()
@@ -737,13 +803,15 @@ def linear_cross_entropy(
     props = runtime.device_props(hidden.device)
     if strategy == "chunked" and reduction != "none" and needs_grad:
         chunk = chunk_rows(rows.shape[0], vocab, hidden.element_size(), props)
-        loss = ChunkedFunction.apply(rows, weight, target_rows, ignore_index, reduction, norm_tensor, norm_value, chunk)
+        loss = ChunkedFunction.apply(rows, weight, target_rows, ignore_index, reduction,
+                                     norm_tensor, norm_value, chunk)
         return loss
     keep = needs_grad and keep_logits and not torch.compiler.is_compiling()
     layout = plan_recompute(rows.shape[0], rows.shape[1], vocab, hidden.element_size(), props, keep,
                             grad_buffer=needs_grad and weight.requires_grad)
     if needs_grad:
-        loss = RecomputeFunction.apply(rows, weight, target_rows, ignore_index, reduction, norm_tensor, norm_value,
+        loss = RecomputeFunction.apply(rows, weight, target_rows, ignore_index, reduction,
+                                       norm_tensor, norm_value,
                                        layout.width, layout.keep, layout.in_grad)
     else:
         loss = linear_cross_entropy_fwd_op(rows, weight, target_rows, ignore_index, reduction, norm_tensor,
@@ -752,24 +820,34 @@ def linear_cross_entropy(
 
 
 class TritonLinearCrossEntropyLoss(torch.nn.Module):
-    """The loss of an LM head without its logits: ``forward(hidden, weight, target)``; see ``linear_cross_entropy``.
-    ``label_smoothing``, ``size_average`` and ``reduce`` (``nn.CrossEntropyLoss``'s) are not implemented: set to
-    anything but their defaults, every call raises a ValueError."""
+    """The loss of an LM head without its logits: ``forward(hidden, weight, target)``; see
+    ``linear_cross_entropy``. ``label_smoothing``, ``size_average`` and ``reduce``
+    (``nn.CrossEntropyLoss``'s) are not implemented: set to anything but their defaults, every call
+    raises a ValueError.
 
-    label_smoothing, size_average, reduce = 0.0, None, None  # off (``check_options_off`` reads them at every call)
+    Args:
+        ignore_index, reduction, strategy, check_targets, keep_logits: as for
+            ``linear_cross_entropy``; ``forward(hidden, weight, target, normalizer=None)`` passes
+            them on.
+    """
+
+    # off (``check_options_off`` reads them at every call)
+    label_smoothing, size_average, reduce = 0.0, None, None
 
     def __init__(self, ignore_index: int = -100, reduction: str = "mean", strategy: str = "auto",
                  check_targets: bool = True, keep_logits: bool = True):
         super().__init__()
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-        self.ignore_index, self.reduction, self.strategy, self.check_targets = (ignore_index, reduction, strategy,
+        self.ignore_index, self.reduction, self.strategy, self.check_targets = (ignore_index,
+                                                                                reduction, strategy,
                                                                                 check_targets)
         self.keep_logits = keep_logits
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, normalizer=None):
         check_options_off(self, ("label_smoothing", "size_average", "reduce"))
-        return linear_cross_entropy(hidden, weight, target, self.ignore_index, self.reduction, normalizer=normalizer,
+        return linear_cross_entropy(hidden, weight, target, self.ignore_index, self.reduction,
+                                    normalizer=normalizer,
                                     strategy=self.strategy, check_targets=self.check_targets,
                                     keep_logits=self.keep_logits)
 

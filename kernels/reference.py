@@ -1,8 +1,8 @@
 """Plain-PyTorch references that the Triton kernels are tested against.
 
-They follow Hugging Face's code operation for operation, casts included, so that "matches the reference" means
-"matches what a Hugging Face model computes today". Run them on float64 inputs to get the ground truth that the
-tests measure relative errors against.
+They follow Hugging Face's code operation for operation, casts included, so that "matches the
+reference" means "matches what a Hugging Face model computes today". Run them on float64 inputs to
+get the ground truth that the tests measure relative errors against.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import torch.nn.functional as F
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """RMSNorm exactly as ``transformers``' ``LlamaRMSNorm.forward`` computes it.
 
-    Normalise in float32, cast back to the input's dtype, *then* multiply by the weight (so a bfloat16 model rounds
-    the normalised value to bfloat16 before the weight product, and a float32 weight promotes the output to float32).
+    Normalise in float32, cast back to the input's dtype, *then* multiply by the weight (so a
+    bfloat16 model rounds the normalised value to bfloat16 before the weight product, and a float32
+    weight promotes the output to float32).
     """
     input_dtype = x.dtype
     hidden = x.to(torch.float32) if x.dtype != torch.float64 else x
@@ -28,13 +29,16 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6)
 
 
 def relative_error(
-    actual: torch.Tensor, expected: torch.Tensor, *, on_device: bool = False, dtype: torch.dtype = torch.float64
+    actual: torch.Tensor, expected: torch.Tensor, *, on_device: bool = False,
+    dtype: torch.dtype = torch.float64
 ) -> float:
-    """‖actual − expected‖ / ‖expected‖ computed in ``dtype`` (float64); NaN or infinity in ``actual`` gives ``inf``.
+    """‖actual − expected‖ / ‖expected‖ computed in ``dtype`` (float64); NaN or infinity in
+    ``actual`` gives ``inf``.
 
-    By default both tensors are copied to the CPU first. ``on_device=True`` computes where ``actual`` lives and only
-    the two norms cross to the host: for large GPU tensors (a benchmark's logits, 1 GB in float64; a model's
-    gradients) that saves seconds to minutes on a slow host. ``dtype=torch.float32`` halves the temporaries there.
+    By default both tensors are copied to the CPU first. ``on_device=True`` computes where
+    ``actual`` lives and only the two norms cross to the host: for large GPU tensors (a benchmark's
+    logits, 1 GB in float64; a model's gradients) that saves seconds to minutes on a slow host.
+    ``dtype=torch.float32`` halves the temporaries there.
     """
     device = actual.device if on_device else torch.device("cpu")
     actual = actual.detach().to(dtype).to(device)
@@ -48,9 +52,9 @@ def relative_error(
     return diff / denom if denom > 0 else diff
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Cross-entropy and the online softmax (chapters 05 and 06)
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def cross_entropy_hf(
@@ -58,9 +62,9 @@ def cross_entropy_hf(
 ) -> torch.Tensor:
     """The loss a Hugging Face causal LM computes: logits upcast to float32, then ``F.cross_entropy``.
 
-    ``logits`` is ``[..., V]`` and ``target`` holds one class index per row (shape ``logits.shape[:-1]``, or flat).
-    float64 logits stay float64 (that is the ground truth the tests use). With ``reduction="none"`` the loss has the
-    shape ``logits.shape[:-1]``.
+    ``logits`` is ``[..., V]`` and ``target`` holds one class index per row (shape
+    ``logits.shape[:-1]``, or flat). float64 logits stay float64 (that is the ground truth the tests
+    use). With ``reduction="none"`` the loss has the shape ``logits.shape[:-1]``.
     """
     upcast = logits.to(torch.float32) if logits.dtype != torch.float64 else logits
     rows = upcast.reshape(-1, upcast.shape[-1])
@@ -80,7 +84,8 @@ class OnlineSoftmaxStep:
     max_after: float  # m after: max(max_before, chunk_max)
     rescale: float  # exp(max_before - max_after): what the old running sum is multiplied by
     running_sum: float  # s after the chunk: Σ exp(x - max_after) over everything seen so far
-    logsumexp: float  # max_after + log(running_sum): the logsumexp of the row so far (of the whole row at the end)
+    # max_after + log(running_sum): the logsumexp of the row so far (of the whole row at the end)
+    logsumexp: float
 
 
 def _compute_dtype(row: torch.Tensor) -> torch.dtype:
@@ -119,25 +124,27 @@ def online_softmax_steps(row: torch.Tensor, chunk: int) -> list[OnlineSoftmaxSte
 
 
 def online_logsumexp(row: torch.Tensor, chunk: int) -> torch.Tensor:
-    """logsumexp of a 1-D ``row`` computed chunk by chunk (one pass, running max and rescaled sum), as a 0-d tensor."""
+    """logsumexp of a 1-D ``row`` computed chunk by chunk (one pass, running max and rescaled sum),
+    as a 0-d tensor."""
     return torch.tensor(online_softmax_steps(row, chunk)[-1].logsumexp, dtype=_compute_dtype(row))
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Linear cross-entropy (chapter 10)
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def linear_cross_entropy_reference(
     hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
     dtype: torch.dtype = torch.float64, chunk: int = 4096,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(loss, d_hidden, d_weight)`` of the mean cross-entropy of ``hidden @ weight.T``, in ``dtype``, on the inputs'
-    device, a chunk of tokens at a time so that the reference itself fits beside a benchmark's tensors.
+    """``(loss, d_hidden, d_weight)`` of the mean cross-entropy of ``hidden @ weight.T``, in
+    ``dtype``, on the inputs' device, a chunk of tokens at a time so that the reference itself fits
+    beside a benchmark's tensors.
 
-    ``hidden`` [tokens, H] and ``weight`` [V, H] are upcast (already rounded values: the reference is exact for the
-    inputs the kernel saw); ``target`` [tokens]. Each chunk's sum is divided by the number of counted targets of
-    the whole batch, so the chunks add up to the mean.
+    ``hidden`` [tokens, H] and ``weight`` [V, H] are upcast (already rounded values: the reference
+    is exact for the inputs the kernel saw); ``target`` [tokens]. Each chunk's sum is divided by the
+    number of counted targets of the whole batch, so the chunks add up to the mean.
     """
     w = weight.detach().to(dtype).requires_grad_()
     n_valid = int((target != ignore_index).sum())
@@ -145,7 +152,8 @@ def linear_cross_entropy_reference(
     d_hidden = torch.empty(hidden.shape, dtype=dtype, device=hidden.device)
     for start in range(0, hidden.shape[0], chunk):
         h = hidden[start:start + chunk].detach().to(dtype).requires_grad_()
-        part = F.cross_entropy(h @ w.T, target[start:start + chunk], ignore_index=ignore_index, reduction="sum")
+        part = F.cross_entropy(h @ w.T, target[start:start + chunk], ignore_index=ignore_index,
+                               reduction="sum")
         part = part / n_valid
         part.backward()
         loss += part.detach()
@@ -153,13 +161,14 @@ def linear_cross_entropy_reference(
     return loss, d_hidden, w.grad
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # ---- SwiGLU and RoPE ----
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """Llama's MLP activation as Hugging Face computes it: ``act_fn(gate_proj(x)) * up_proj(x)`` with SiLU."""
+    """Llama's MLP activation as Hugging Face computes it: ``act_fn(gate_proj(x)) * up_proj(x)``
+    with SiLU."""
     return F.silu(gate) * up
 
 
@@ -182,9 +191,10 @@ def rotary_cos_sin(
     batch: int, seq: int, head_dim: int, theta: float = 500_000.0, dtype: torch.dtype = torch.float32,
     device=None, positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape [batch, seq, head_dim] as Llama's rotary embedding makes them (default rope type):
-    angles position · θ^(−2i/head_dim) computed in float32, each frequency used twice (``cat((f, f))``), cast to
-    ``dtype`` (in a model: the activations' dtype). ``positions`` ([batch, seq]) defaults to 0 … seq − 1."""
+    """cos and sin of shape [batch, seq, head_dim] as Llama's rotary embedding makes them (default
+    rope type): angles position · θ^(−2i/head_dim) computed in float32, each frequency used twice
+    (``cat((f, f))``), cast to ``dtype`` (in a model: the activations' dtype). ``positions``
+    ([batch, seq]) defaults to 0 … seq − 1."""
     if head_dim % 2:
         raise ValueError(f"head_dim must be even, got {head_dim}")
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
@@ -195,17 +205,18 @@ def rotary_cos_sin(
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # ---- AdamW ----
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def adamw_reference(
     param: torch.Tensor, grads: list[torch.Tensor], lr: float, betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8, weight_decay: float = 1e-2,
 ) -> torch.Tensor:
-    """``param`` after one AdamW step per gradient in ``grads``, in float64 with exact moments: decoupled weight
-    decay, then the moments, then the bias-corrected update (``torch.optim.AdamW``'s algorithm, amsgrad off)."""
+    """``param`` after one AdamW step per gradient in ``grads``, in float64 with exact moments:
+    decoupled weight decay, then the moments, then the bias-corrected update
+    (``torch.optim.AdamW``'s algorithm, amsgrad off)."""
     beta1, beta2 = betas
     p = param.double().clone()
     m, v = torch.zeros_like(p), torch.zeros_like(p)

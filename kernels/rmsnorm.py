@@ -3,12 +3,14 @@
     y = w ⊙ round_to_input_dtype(x · rstd),    rstd = 1 / sqrt(mean(x²) + eps)
 
 Forward reads x once, writes y once and keeps one float32 ``rstd`` per row for the backward pass.
-Backward reads x, dy and rstd, writes dx, and reduces dW = Σ_rows dy ⊙ x̂ without a [rows, hidden] buffer: each
-program of a persistent grid walks many rows and keeps its share of dW in float32 registers, then writes it as one
-row of a [programs, hidden] float32 buffer; a second, small kernel sums those partials in a fixed order.
+Backward reads x, dy and rstd, writes dx, and reduces dW = Σ_rows dy ⊙ x̂ without a [rows, hidden]
+buffer: each program of a persistent grid walks many rows and keeps its share of dW in float32
+registers, then writes it as one row of a [programs, hidden] float32 buffer; a second, small kernel
+sums those partials in a fixed order.
 
-Both passes are PyTorch operators (``torch.ops.kernels.rms_norm_fwd`` and ``rms_norm_bwd``, kernels/ops.py), tied
-together for autograd by ``RMSNormFunction``; ``torch.compile`` and CUDA graphs see each as one node.
+Both passes are PyTorch operators (``torch.ops.kernels.rms_norm_fwd`` and ``rms_norm_bwd``,
+kernels/ops.py), tied together for autograd by ``RMSNormFunction``; ``torch.compile`` and CUDA
+graphs see each as one node.
 
 All arithmetic is float32 whatever the storage dtype; values are cast only when stored.
 """
@@ -30,9 +32,9 @@ from .triton_utils import cast_to
 
 # The storage dtypes of x and weight the kernels read (they compute in float32 whatever these are).
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Kernels
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -41,7 +43,8 @@ def rms_norm_fwd_kernel(
     n_rows, n_cols, stride_x, stride_y, eps,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """The forward pass: y and one float32 rstd per row, ROWS rows per program (``rms_norm_forward`` launches it)."""
+    """The forward pass: y and one float32 rstd per row, ROWS rows per program (``rms_norm_forward``
+    launches it)."""
     # Each program normalises ROWS consecutive rows, held as one [ROWS, BLOCK_N] tile.
     # int64 row indices: row * stride overflows int32 once rows × hidden passes 2**31.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -55,7 +58,8 @@ def rms_norm_fwd_kernel(
 
     # Masked lanes loaded 0, so they add nothing to the sum; divide by the true width, not BLOCK_N.
     rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
-    # Hugging Face casts the normalised value to the input dtype before multiplying by the weight: do the same.
+    # Hugging Face casts the normalised value to the input dtype before multiplying by the weight:
+    # do the same.
     x_hat = cast_to(x * rstd[:, None], X.dtype.element_ty).to(tl.float32)
     y = x_hat * w[None, :]
 
@@ -71,8 +75,9 @@ def rms_norm_bwd_kernel(
 ):
     """The backward pass: dx, and with COMPUTE_DW one row of float32 dW partials per program
     (``rms_norm_backward`` launches it)."""
-    # A persistent grid: program p handles row blocks p, p + P, p + 2P, ... and accumulates its part of dW in
-    # registers, so dW costs one [P, hidden] float32 write at the end instead of a [rows, hidden] buffer.
+    # A persistent grid: program p handles row blocks p, p + P, p + 2P, ... and accumulates its part
+    # of dW in registers, so dW costs one [P, hidden] float32 write at the end instead of a [rows,
+    # hidden] buffer.
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
@@ -99,7 +104,8 @@ def rms_norm_bwd_kernel(
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], cast_to(dx, DX.dtype.element_ty), mask=ok)
 
         if COMPUTE_DW:
-            # The forward pass multiplied the weight by x_hat rounded to the input dtype: use the same value here.
+            # The forward pass multiplied the weight by x_hat rounded to the input dtype: use the
+            # same value here.
             x_hat_stored = cast_to(x_hat, X.dtype.element_ty).to(tl.float32)
             dw_acc += tl.sum(dy * x_hat_stored, axis=0)
 
@@ -109,9 +115,11 @@ def rms_norm_bwd_kernel(
 
 @triton.jit
 def rms_norm_dw_kernel(PARTIAL, DW, n_partials, n_cols, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-    """dW from the backward kernel's partials (``rms_norm_backward`` launches it after ``rms_norm_bwd_kernel``)."""
-    # dW = the column sums of the [P, hidden] float32 partials. Each program owns BLOCK_C columns and adds the P
-    # partials in the same order on every run, so dW is deterministic (no float atomics).
+    """dW from the backward kernel's partials (``rms_norm_backward`` launches it after
+    ``rms_norm_bwd_kernel``)."""
+    # dW = the column sums of the [P, hidden] float32 partials. Each program owns BLOCK_C columns
+    # and adds the P partials in the same order on every run, so dW is deterministic (no float
+    # atomics).
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < n_cols
     acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
@@ -122,11 +130,12 @@ def rms_norm_dw_kernel(PARTIAL, DW, n_partials, n_cols, BLOCK_P: tl.constexpr, B
     tl.store(DW + cols, cast_to(acc, DW.dtype.element_ty), mask=col_ok)
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Launch configuration: one function per kernel, from the shape and the device's properties
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
-# The interpreter pays ~1-3 ms of Python per program but runs each tile with NumPy, so it wants few, large programs.
+# The interpreter pays Python per program but runs each tile with NumPy, so it wants few, large
+# programs.
 _INTERPRETER_MAX_TILE = 1 << 18
 
 
@@ -151,17 +160,19 @@ class BackwardConfig:
 
 
 def tile_width(n_cols: int) -> int:
-    """The width of the kernels' tiles for rows of ``n_cols``: ``n_cols`` rounded up to a power of two, as the sides
-    of a Triton tile must be."""
+    """The width of the kernels' tiles for rows of ``n_cols``: ``n_cols`` rounded up to a power of
+    two, as the sides of a Triton tile must be."""
     return triton.next_power_of_2(n_cols)
 
 
 def tile_elements(props: runtime.DeviceProps) -> int:
-    """How many values one program's tile may hold on ``props``: a program takes as many rows as fit in it."""
-    # A program of 8 warps keeps its tile in float32 registers. With two programs resident per SM and two live
-    # tiles (x and dy in the backward), regs_per_sm / 8 values per tile leaves half of each program's registers
-    # for addresses and temporaries: 8,192 on every NVIDIA GPU since Volta (65,536 registers per SM). Measured on an
-    # H200 (assets/notes/rmsnorm.md): tiles of 4K-16K elements with 4-16 warps land within 3% of each other.
+    """How many values one program's tile may hold on ``props``: a program takes as many rows as fit
+    in it."""
+    # A program of 8 warps keeps its tile in float32 registers. With two programs resident per SM
+    # and two live tiles (x and dy in the backward), regs_per_sm / 8 values per tile leaves half of
+    # each program's registers for addresses and temporaries: 8,192 on every NVIDIA GPU since Volta
+    # (65,536 registers per SM). The sweep of tile sizes and warps around it is in
+    # assets/notes/rmsnorm.md.
     return max(1024, props.regs_per_sm // 8)
 
 
@@ -195,13 +206,15 @@ def dw_tiles(n_cols: int, programs: int, props: runtime.DeviceProps) -> tuple[tu
 def backward_config(
     n_rows: int, n_cols: int, itemsize: int = 2, props: runtime.DeviceProps | None = None
 ) -> BackwardConfig:
-    """Launch configuration of the backward kernels on ``props`` (default: this machine's device). ``itemsize``:
-    bytes per element of x and dy, which sets how many pipeline stages fit in shared memory."""
+    """Launch configuration of the backward kernels on ``props`` (default: this machine's device).
+    ``itemsize``: bytes per element of x and dy, which sets how many pipeline stages fit in shared
+    memory."""
     return cached_backward_config(n_rows, n_cols, itemsize, props or runtime.device_props())
 
 
 @functools.lru_cache(maxsize=512)
-def cached_backward_config(n_rows: int, n_cols: int, itemsize: int, props: runtime.DeviceProps) -> BackwardConfig:
+def cached_backward_config(n_rows: int, n_cols: int, itemsize: int,
+                           props: runtime.DeviceProps) -> BackwardConfig:
     """``backward_config`` for given ``props``, cached: what the launches ask for on every call."""
     block_n = tile_width(n_cols)
     if props.interpreter:
@@ -209,11 +222,12 @@ def cached_backward_config(n_rows: int, n_cols: int, itemsize: int, props: runti
         programs = max(1, min(props.sm_count, triton.cdiv(n_rows, rows)))
         dw_grid, dw_block_p, dw_block_c = dw_tiles(n_cols, programs, props)
         return BackwardConfig((programs,), rows, block_n, 4, 1, dw_grid, dw_block_p, dw_block_c)
-    # One program per SM (persistent), tiles of x and dy as large as the registers allow, and for narrow tiles a
-    # software pipeline so the next tiles' loads are in flight while this one is computed: as many stages (up to
-    # 3) as the shared memory of one program holds, each stage one tile of x and one of dy. Measured on an H200
-    # (assets/notes/rmsnorm.md): 3 stages at 16,384 × 4,096 bf16 reach 88% of the copy bandwidth; 16K-element
-    # tiles without pipelining were 15% slower.
+    # One program per SM (persistent), tiles of x and dy as large as the registers allow, and for
+    # narrow tiles a software pipeline so the next tiles' loads are in flight while this one is
+    # computed: as many stages (up to
+    # 3) as the shared memory of one program holds, each stage one tile of x and one of dy. The
+    #    timings with and
+    # without pipelining are in assets/notes/rmsnorm.md.
     rows = max(1, min(16, tile_elements(props) // block_n))
     stage_bytes = 2 * rows * block_n * itemsize
     stages = max(1, min(3, props.shared_mem_per_block // stage_bytes)) if rows <= 2 else 1
@@ -222,20 +236,21 @@ def cached_backward_config(n_rows: int, n_cols: int, itemsize: int, props: runti
     return BackwardConfig((programs,), rows, block_n, 8, stages, dw_grid, dw_block_p, dw_block_c)
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Host side: checks and launches
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def check_tensors(x: torch.Tensor, weight: torch.Tensor) -> None:
-    """Types, dtypes, shapes and one device for x and weight, whatever that device is: the checks every RMSNorm
-    entry point makes, the C++ ones of ``kernels.cuda_rmsnorm`` too."""
+    """Types, dtypes, shapes and one device for x and weight, whatever that device is: the checks
+    every RMSNorm entry point makes, the C++ ones of ``kernels.cuda_rmsnorm`` too."""
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise TypeError(f"x and weight must be tensors, got {type(x).__name__} and {type(weight).__name__}")
     for name, t in (("x", x), ("weight", weight)):
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
-        ops.check_kernel_dtype(name, t, f"cast with .float(), or use kernels.reference.rms_norm_reference for {t.dtype}")
+        ops.check_kernel_dtype(name, t,
+                               f"cast with .float(), or use kernels.reference.rms_norm_reference for {t.dtype}")
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the hidden size), got a scalar")
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
@@ -250,14 +265,16 @@ def check_tensors(x: torch.Tensor, weight: torch.Tensor) -> None:
 def _check_inputs(x: torch.Tensor, weight: torch.Tensor) -> None:
     """``check_tensors``, and CUDA tensors in gpu mode (the Triton kernels run where the mode says)."""
     check_tensors(x, weight)
-    if not runtime.INTERPRET and x.device.type not in ("cuda", "meta"):  # meta: shapes only, by the fake operators
+    # meta: shapes only, by the fake operators
+    if not runtime.INTERPRET and x.device.type not in ("cuda", "meta"):
         raise ValueError(f"in gpu mode the inputs must be CUDA tensors, got a tensor on {x.device}")
 
 
 def as_rows(t: torch.Tensor) -> torch.Tensor:
-    """View ``t`` as [rows, hidden] with unit stride along hidden; copies only when no such view exists. Rows as the
-    row kernels read them, with any row stride (``kernels.swiglu`` reads its strided inputs so too). The row count
-    is explicit: with a hidden size of 0, ``-1`` would not say how many empty rows there are."""
+    """View ``t`` as [rows, hidden] with unit stride along hidden; copies only when no such view
+    exists. Rows as the row kernels read them, with any row stride (``kernels.swiglu`` reads its
+    strided inputs so too). The row count is explicit: with a hidden size of 0, ``-1`` would not say
+    how many empty rows there are."""
     if t.stride(-1) != 1:
         t = t.contiguous()
     shape = (math.prod(t.shape[:-1]), t.shape[-1])
@@ -269,21 +286,24 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=64)
 def out_dtype(x_dtype: torch.dtype, w_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of ``weight * x_hat.to(x.dtype)`` in PyTorch, that of RMSNorm's output: a float32 weight makes a
-    bfloat16 model's output float32."""
+    """The dtype of ``weight * x_hat.to(x.dtype)`` in PyTorch, that of RMSNorm's output: a float32
+    weight makes a bfloat16 model's output float32."""
     return torch.promote_types(x_dtype, w_dtype)
 
 
-def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, config: ForwardConfig | None = None):
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                     config: ForwardConfig | None = None):
     """Launch the forward kernel. Returns ``(y, rstd)``: the output (x's shape) and a float32 rstd per row.
 
-    The kernels read the weight with unit stride: a strided or expanded weight (``w[::2]``, a Parameter cut from a
-    larger buffer) is copied first, ``hidden`` values. Rows of x may have any row stride (``as_rows``)."""
+    The kernels read the weight with unit stride: a strided or expanded weight (``w[::2]``, a
+    Parameter cut from a larger buffer) is copied first, ``hidden`` values. Rows of x may have any
+    row stride (``as_rows``)."""
     weight = weight.contiguous()
     x_rows = as_rows(x)
     n_rows, n_cols = x_rows.shape
     y = torch.empty(x.shape, dtype=out_dtype(x.dtype, weight.dtype), device=x.device)  # row r at r * n_cols
-    # No columns: y is empty, and so is rstd (rows of nothing have none), as in the fake and the C++ operators.
+    # No columns: y is empty, and so is rstd (rows of nothing have none), as in the fake and the C++
+    # operators.
     rstd = torch.empty(n_rows if n_cols else 0, dtype=torch.float32, device=x.device)
     if n_rows and n_cols:
         cfg = config or cached_forward_config(n_rows, n_cols, runtime.device_props(x.device))
@@ -298,8 +318,9 @@ def rms_norm_backward(
     dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, compute_dw: bool = True,
     config: BackwardConfig | None = None,
 ):
-    """Launch the backward kernels. Returns ``(dx, dw)``: dx in x's shape, dw in weight's shape and dtype,
-    contiguous (empty, shape [0], when ``compute_dw`` is false: a frozen weight skips the dW reduction entirely)."""
+    """Launch the backward kernels. Returns ``(dx, dw)``: dx in x's shape, dw in weight's shape and
+    dtype, contiguous (empty, shape [0], when ``compute_dw`` is false: a frozen weight skips the dW
+    reduction entirely)."""
     weight = weight.contiguous()  # as in the forward: the kernels read it with unit stride
     x_rows = as_rows(x)
     dy_rows = as_rows(dy)
@@ -313,7 +334,8 @@ def rms_norm_backward(
     rms_norm_bwd_kernel[cfg.grid](
         x_rows, weight, dy_rows, rstd, dx, partial,
         n_rows, n_cols, x_rows.stride(0), dy_rows.stride(0), n_cols,
-        ROWS=cfg.rows, BLOCK_N=cfg.block_n, COMPUTE_DW=compute_dw, STAGES=cfg.stages, num_warps=cfg.num_warps,
+        ROWS=cfg.rows, BLOCK_N=cfg.block_n, COMPUTE_DW=compute_dw, STAGES=cfg.stages,
+        num_warps=cfg.num_warps,
     )
     if compute_dw:
         rms_norm_dw_kernel[cfg.dw_grid](
@@ -322,29 +344,32 @@ def rms_norm_backward(
     return dx, dw
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # PyTorch operators: torch.ops.kernels.rms_norm_fwd and rms_norm_bwd (see kernels/ops.py)
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def rms_norm_fwd_fake(x, weight, eps):
-    """The fake implementation of ``rms_norm_fwd``: ``(y, rstd)`` as empty tensors of the right shapes and dtypes.
-    ``kernels.cuda_rmsnorm`` registers it for its C++ operators of the same schema."""
+    """The fake implementation of ``rms_norm_fwd``: ``(y, rstd)`` as empty tensors of the right
+    shapes and dtypes. ``kernels.cuda_rmsnorm`` registers it for its C++ operators of the same
+    schema."""
     n_rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     y = torch.empty(x.shape, dtype=out_dtype(x.dtype, weight.dtype), device=x.device)
     return y, torch.empty(n_rows, dtype=torch.float32, device=x.device)
 
 
 def rms_norm_bwd_fake(dy, x, weight, rstd, compute_dw):
-    """The fake implementation of ``rms_norm_bwd``: ``(dx, dw)`` as empty tensors (dw empty, shape [0], without
-    ``compute_dw``). ``kernels.cuda_rmsnorm`` registers it for its C++ operator of the same schema."""
+    """The fake implementation of ``rms_norm_bwd``: ``(dx, dw)`` as empty tensors (dw empty, shape
+    [0], without ``compute_dw``). ``kernels.cuda_rmsnorm`` registers it for its C++ operator of the
+    same schema."""
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     return dx, (torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if compute_dw
                 else weight.new_empty(0))
 
 
 rms_norm_fwd_op = ops.define(
-    "rms_norm_fwd(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)", rms_norm_forward, rms_norm_fwd_fake
+    "rms_norm_fwd(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)", rms_norm_forward,
+    rms_norm_fwd_fake
 )
 rms_norm_bwd_op = ops.define(
     "rms_norm_bwd(Tensor dy, Tensor x, Tensor weight, Tensor rstd, bool compute_dw) -> (Tensor, Tensor)",
@@ -352,28 +377,30 @@ rms_norm_bwd_op = ops.define(
 )
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The C++ host path (kernels.host_path): what it launches, and the Python path it falls back to
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
-# The host path launches these kernels by handle and, on a miss, runs this Python path. It imports no kernel
-# family: each hands over what the host path needs when it is imported.
+# The host path launches these kernels by handle and, on a miss, runs this Python path. It imports
+# no kernel family: each hands over what the host path needs when it is imported.
 host_path.register_family(host_path.RMSNormFamily(
     forward=rms_norm_forward, backward_op=rms_norm_bwd_op, forward_config=cached_forward_config,
-    backward_config=cached_backward_config, forward_kernel=rms_norm_fwd_kernel, backward_kernel=rms_norm_bwd_kernel,
+    backward_config=cached_backward_config, forward_kernel=rms_norm_fwd_kernel,
+    backward_kernel=rms_norm_bwd_kernel,
     dw_kernel=rms_norm_dw_kernel,
 ))
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # autograd, function, module
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 class RMSNormFunction(torch.autograd.Function):
-    """autograd glue around the two operators: the forward saves x (no copy), the weight and one float32 rstd per
-    row; the backward computes dW only when the weight needs a gradient. A plain eager call runs the operators'
-    implementations directly (``ops.call``): the dispatcher's trip costs host time and is needed only by tracers."""
+    """autograd glue around the two operators: the forward saves x (no copy), the weight and one
+    float32 rstd per row; the backward computes dW only when the weight needs a gradient. A plain
+    eager call runs the operators' implementations directly (``ops.call``): the dispatcher's trip
+    costs host time and is needed only by tracers."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
@@ -390,13 +417,23 @@ class RMSNormFunction(torch.autograd.Function):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """Fused RMSNorm over the last dimension of ``x``, computing what Hugging Face's ``LlamaRMSNorm`` computes.
+    """Fused RMSNorm over the last dimension of ``x``, as Hugging Face's ``LlamaRMSNorm``.
 
-    ``x`` may have any number of leading dimensions and be a strided view; ``weight`` has shape ``(x.shape[-1],)``.
-    The output's dtype is that of ``weight * x`` in PyTorch (bfloat16 for a bfloat16 model). Works under
-    ``torch.compile`` and CUDA graphs: the kernels are the operators ``torch.ops.kernels.rms_norm_fwd``/``_bwd``.
-    Eager calls on a GPU with contiguous ``x`` and ``weight`` go through a C++ autograd node that launches the same
-    kernels (``kernels.host_path``): same bits, a fraction of the host time.
+    ``x`` may have any number of leading dimensions and be a strided view; ``weight`` has shape
+    ``(x.shape[-1],)``. The output's dtype is that of ``weight * x`` in PyTorch (bfloat16 for a
+    bfloat16 model). Works under ``torch.compile`` and CUDA graphs: the kernels are the operators
+    ``torch.ops.kernels.rms_norm_fwd``/``_bwd``. Eager calls on a GPU with contiguous ``x`` and
+    ``weight`` go through a C++ autograd node that launches the same kernels
+    (``kernels.host_path``): same bits, a fraction of the host time. Chapters 02 and 03 derive the
+    forward and the backward.
+
+    Args:
+        x: the input, [..., hidden], any leading dimensions, possibly a strided view.
+        weight: the scale, ``(x.shape[-1],)``.
+        eps: added to the mean of squares before the square root.
+
+    Returns:
+        ``weight * x / sqrt(mean(x²) + eps)``, of ``x``'s shape and ``weight * x``'s dtype.
     """
     _check_inputs(x, weight)
     with_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
@@ -404,16 +441,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
         return host_path.rms_norm(x, weight, float(eps), with_grad)
     if with_grad:
         return RMSNormFunction.apply(x, weight, float(eps))
-    return ops.call(rms_norm_fwd_op, x, weight, float(eps))[0]  # no autograd: skip the Function and its bookkeeping
+    # no autograd: skip the Function and its bookkeeping
+    return ops.call(rms_norm_fwd_op, x, weight, float(eps))[0]
 
 
 def check_llama_formula(module: torch.nn.Module, eps: float) -> None:
     """Raise a TypeError unless ``module`` computes ``LlamaRMSNorm``'s weight · (x / sqrt(mean(x²) + eps)).
 
-    Checked by running a float32 CPU copy of it with a random weight on two random rows: one shifted off zero (a
-    LayerNorm subtracts the mean), one of magnitude sqrt(eps) (where an eps other than ``eps`` shows). The module
-    itself is not touched, and its weight is not copied (a fresh one stands in), so a weight on the meta device or
-    sharded by FSDP2 is no obstacle."""
+    Checked by running a float32 CPU copy of it with a random weight on two random rows: one shifted
+    off zero (a LayerNorm subtracts the mean), one of magnitude sqrt(eps) (where an eps other than
+    ``eps`` shows). The module itself is not touched, and its weight is not copied (a fresh one
+    stands in), so a weight on the meta device or sharded by FSDP2 is no obstacle."""
     name = type(module).__name__
     if isinstance(module, (torch.nn.LayerNorm, torch.nn.GroupNorm)):
         raise TypeError(f"{name} subtracts the mean: it is not an RMSNorm, and TritonRMSNorm cannot replace it")
@@ -425,8 +463,9 @@ def check_llama_formula(module: torch.nn.Module, eps: float) -> None:
     x[0] += 0.5
     x[1] *= max(eps, 1e-12) ** 0.5
     try:
-        # The copy gets a plain float32 CPU weight of its own (deepcopy's memo swaps it in), whatever the module's
-        # weight is: on the meta device, on a GPU, or a DTensor shard under FSDP2.
+        # The copy gets a plain float32 CPU weight of its own (deepcopy's memo swaps it in),
+        # whatever the module's weight is: on the meta device, on a GPU, or a DTensor shard under
+        # FSDP2.
         fresh = torch.nn.Parameter(torch.empty(hidden, dtype=torch.float32), requires_grad=False)
         probe = copy.deepcopy(module, {id(module.weight): fresh})
         probe = probe.to_empty(device="cpu") if any(t.is_meta for t in probe.buffers()) else probe.to("cpu")
@@ -438,7 +477,8 @@ def check_llama_formula(module: torch.nn.Module, eps: float) -> None:
         raise TypeError(f"could not run a copy of {name} to check that it computes LlamaRMSNorm's formula: "
                         f"{type(err).__name__}: {err}") from err
     expected = rms_norm_reference(x.double(), probe.weight.detach().double(), eps)
-    if not isinstance(got, torch.Tensor) or got.shape != expected.shape or relative_error(got, expected) > 1e-4:
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape or relative_error(got,
+                                                                                          expected) > 1e-4:
         raise TypeError(
             f"{name} does not compute LlamaRMSNorm's weight · x / sqrt(mean(x²) + eps) with eps={eps} (e.g. "
             "Gemma's norms multiply by 1 + weight): TritonRMSNorm cannot replace it"
@@ -446,7 +486,14 @@ def check_llama_formula(module: torch.nn.Module, eps: float) -> None:
 
 
 class TritonRMSNorm(torch.nn.Module):
-    """Drop-in replacement for ``LlamaRMSNorm`` (and the identical norms of Mistral, Qwen2 and Qwen3)."""
+    """Drop-in replacement for ``LlamaRMSNorm`` (and the identical norms of Mistral, Qwen2 and Qwen3).
+
+    Args:
+        hidden_size: the normalised (last) dimension.
+        eps: added to the mean of squares (stored as ``variance_epsilon``, as Hugging Face names it).
+        device: where the weight is created.
+        dtype: the weight's dtype.
+    """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, device=None, dtype=None):
         super().__init__()
@@ -455,11 +502,13 @@ class TritonRMSNorm(torch.nn.Module):
 
     @classmethod
     def from_hf(cls, module: torch.nn.Module) -> "TritonRMSNorm":
-        """A TritonRMSNorm that shares ``module``'s weight Parameter (no copy: optimisers and tying still see it).
+        """A TritonRMSNorm that shares ``module``'s weight Parameter (no copy: optimisers and tying
+        still see it).
 
-        ``module`` must compute what ``LlamaRMSNorm`` computes, weight · (x / rms(x)), with its ``variance_epsilon``
-        (or ``eps``): a TypeError names any other kind (a LayerNorm, a norm with a bias, Gemma's (1 + weight)),
-        never a silent conversion to the wrong formula. ``check_llama_formula`` runs a copy of it to make sure."""
+        ``module`` must compute what ``LlamaRMSNorm`` computes, weight · (x / rms(x)), with its
+        ``variance_epsilon`` (or ``eps``): a TypeError names any other kind (a LayerNorm, a norm
+        with a bias, Gemma's (1 + weight)), never a silent conversion to the wrong formula.
+        ``check_llama_formula`` runs a copy of it to make sure."""
         weight = getattr(module, "weight", None)
         if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1:
             raise TypeError(f"{type(module).__name__} has no 1-D weight Parameter to share")

@@ -1,9 +1,10 @@
 """How close to float64 is close enough: the bounds that tests, exercises and the benchmark's checks all use.
 
 A kernel's output and every gradient are compared with a float64 reference by the relative error
-‖out − ref‖ / ‖ref‖ (``kernels.reference.relative_error``). The bound depends on the storage dtype: float32 leaves a
-few rounding steps, a bfloat16 value carries 8 significant bits (a relative step of 2⁻⁸ ≈ 4e-3), float16 11.
-NaN never passes. A looser bound that would let an all-zero gradient through is a defect, not a fix.
+‖out − ref‖ / ‖ref‖ (``kernels.reference.relative_error``). The bound depends on the storage dtype:
+float32 leaves a few rounding steps, a bfloat16 value carries 8 significant bits (a relative step of
+2⁻⁸ ≈ 4e-3), float16 11. NaN never passes. A looser bound that would let an all-zero gradient
+through is a defect, not a fix.
 """
 
 from __future__ import annotations

@@ -1,30 +1,33 @@
 """AdamW in Triton: the optimizer step as one elementwise kernel per parameter tensor, and ``TritonAdamW``.
 
-The optimizer step of a full fine-tuning is pure memory traffic. For every parameter, AdamW reads the parameter,
-its gradient and its two moments, and writes the parameter and the moments back:
+The optimizer step of a full fine-tuning is pure memory traffic. For every parameter, AdamW reads
+the parameter, its gradient and its two moments, and writes the parameter and the moments back:
 
     p ← p − lr·wd·p                                   (decoupled weight decay)
     m ← β1·m + (1 − β1)·g                              (first moment)
     v ← β2·v + (1 − β2)·g²                             (second moment)
     p ← p − (lr / (1 − β1ᵗ)) · m / (√v / √(1 − β2ᵗ) + ε)
 
-Seven tensors of the parameters' size move per step, 14 bytes per parameter in bf16: 112 GB at the Llama-3.1-8B
-shape, 26.5 ms at an H200's copy bandwidth. ``torch.optim.AdamW``'s default (``foreach``) runs that as about ten
-passes over the parameters; ``fused=True`` runs one kernel. Here too one kernel reads each value once, does the
-arithmetic in float32 registers (the order above, which is PyTorch's fused kernel's; the scalars that depend only
-on the hyperparameters, such as 1 − β2, are computed on the host in float64), and stores the results in the
-tensors' own dtypes. ``assets/notes/adamw.md`` has the measurements.
+Seven tensors of the parameters' size move per step, 14 bytes per parameter in bf16: 112 GB at the
+Llama-3.1-8B shape (its time at the copy bandwidth: assets/notes/adamw.md). ``torch.optim.AdamW``'s
+default (``foreach``) runs that as about ten passes over the parameters; ``fused=True`` runs one
+kernel. Here too one kernel reads each value once, does the arithmetic in float32 registers (the
+order above, which is PyTorch's fused kernel's; the scalars that depend only on the hyperparameters,
+such as 1 − β2, are computed on the host in float64), and stores the results in the tensors' own
+dtypes. ``assets/notes/adamw.md`` has the measurements.
 
-``TritonAdamW`` is a ``torch.optim.Optimizer`` with ``torch.optim.AdamW``'s arguments and state (``step``,
-``exp_avg``, ``exp_avg_sq``, the moments in the parameter's dtype), so a state dict saved by one loads into the
-other, and learning-rate schedulers, ``zero_grad`` and step hooks work as with any optimizer. Sharded parameters
-(FSDP2's ``DTensor``s) are stepped shard by shard: the update is elementwise, so each rank's kernel on its local
-shard is the whole update. ``maximize`` is implemented (the gradient's sign flipped as it is loaded). What it does
-not have is refused by name, however it is set (the constructor, a group edited later, ``add_param_group``,
-``load_state_dict``): ``amsgrad``, ``capturable``, ``differentiable``, ``decoupled_weight_decay=False`` (Adam's L2
-penalty), sparse gradients, complex, float64 or non-contiguous parameters, and partial (not yet reduced) gradients.
-``foreach`` and ``fused`` choose among ``torch.optim.AdamW``'s implementations of one and the same update; any value
-is kept in the group (a state dict goes both ways) and the update is this kernel's.
+``TritonAdamW`` is a ``torch.optim.Optimizer`` with ``torch.optim.AdamW``'s arguments and state
+(``step``, ``exp_avg``, ``exp_avg_sq``, the moments in the parameter's dtype), so a state dict saved
+by one loads into the other, and learning-rate schedulers, ``zero_grad`` and step hooks work as with
+any optimizer. Sharded parameters (FSDP2's ``DTensor``s) are stepped shard by shard: the update is
+elementwise, so each rank's kernel on its local shard is the whole update. ``maximize`` is
+implemented (the gradient's sign flipped as it is loaded). What it does not have is refused by name,
+however it is set (the constructor, a group edited later, ``add_param_group``, ``load_state_dict``):
+``amsgrad``, ``capturable``, ``differentiable``, ``decoupled_weight_decay=False`` (Adam's L2
+penalty), sparse gradients, complex, float64 or non-contiguous parameters, and partial (not yet
+reduced) gradients. ``foreach`` and ``fused`` choose among ``torch.optim.AdamW``'s implementations
+of one and the same update; any value is kept in the group (a state dict goes both ways) and the
+update is this kernel's.
 """
 
 from __future__ import annotations
@@ -38,9 +41,9 @@ import triton.language as tl
 from . import ops, runtime
 from .triton_utils import cast_to
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Kernel
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -49,30 +52,33 @@ def _adamw_kernel(
     lr_weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, bias_correction2_sqrt,
     BLOCK: tl.constexpr, MAXIMIZE: tl.constexpr,
 ):
-    # Each tensor as a flat array: BLOCK values per program. int64 offsets: an LM head has 525M values at the 8B shape.
+    # Each tensor as a flat array: BLOCK values per program. int64 offsets: an LM head has 525M
+    # values at the 8B shape.
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
     p = tl.load(P + offs, mask=ok, other=0.0).to(tl.float32)
     g = tl.load(G + offs, mask=ok, other=0.0).to(tl.float32)
     if MAXIMIZE:
-        # Ascend: every use of the gradient below sees −g, as torch.optim.AdamW(maximize=True) negates it first.
+        # Ascend: every use of the gradient below sees −g, as torch.optim.AdamW(maximize=True)
+        # negates it first.
         g = -g
     m = tl.load(M + offs, mask=ok, other=0.0).to(tl.float32)
     v = tl.load(V + offs, mask=ok, other=0.0).to(tl.float32)
-    # 1 − β comes from the host, computed in float64: 1 − β2 taken here from β2 = 0.999 rounded to float32 would be
-    # 0.00099998713, 1.3e-5 off, and every second moment and update with it.
+    # 1 − β comes from the host, computed in float64: 1 − β2 taken here from β2 = 0.999 rounded to
+    # float32 would be 0.00099998713, 1.3e-5 off, and every second moment and update with it.
     p = p - lr_weight_decay * p
     m = beta1 * m + one_minus_beta1 * g
     v = beta2 * v + one_minus_beta2 * g * g
-    # The update uses the float32 moments just computed, not their stored (rounded) values: one rounding per tensor.
+    # The update uses the float32 moments just computed, not their stored (rounded) values: one
+    # rounding per tensor.
     p = p - step_size * m / (tl.sqrt(v) / bias_correction2_sqrt + eps)
     tl.store(P + offs, cast_to(p, P.dtype.element_ty), mask=ok)
     tl.store(M + offs, cast_to(m, M.dtype.element_ty), mask=ok)
     tl.store(V + offs, cast_to(v, V.dtype.element_ty), mask=ok)
 
 
-# Measured on an H200 (assets/notes/adamw.md): 1,024 values per program with 4 warps, and 2,048 with 8, both within
-# 4% of the copy bandwidth over the 291 tensors of the 8B shape; 8,192 with 16 warps was 20% slower.
+# 1,024 values per program with 4 warps: the sweep over the 291 tensors of the 8B shape that chose
+# it is in assets/notes/adamw.md.
 _BLOCK, _WARPS = 1024, 4
 # The interpreter pays Python per program and runs each with NumPy: few, large programs.
 _INTERPRETER_BLOCK = 1 << 16
@@ -85,12 +91,13 @@ def block_for(n: int) -> tuple[int, int]:
     return _BLOCK, _WARPS
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Host side: one tensor's step, as an operator
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
-def _check_tensors(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+def _check_tensors(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                   exp_avg_sq: torch.Tensor) -> None:
     for name, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
         ops.check_kernel_dtype(name, t, "cast the parameters to float32, or use torch.optim.AdamW")
         if t.shape != param.shape:
@@ -108,8 +115,9 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
                maximize: bool = False) -> None:
     """One AdamW step of one tensor, in place: ``param``, ``exp_avg`` and ``exp_avg_sq`` are overwritten.
 
-    ``step`` is the step's number counting from 1, for the bias corrections 1 − β1ᵗ and 1 − β2ᵗ. All four tensors
-    are contiguous, of one shape and on one device; each keeps its dtype. ``maximize``: step along +grad.
+    ``step`` is the step's number counting from 1, for the bias corrections 1 − β1ᵗ and 1 − β2ᵗ. All
+    four tensors are contiguous, of one shape and on one device; each keeps its dtype. ``maximize``:
+    step along +grad.
     """
     _check_tensors(param, grad, exp_avg, exp_avg_sq)
     n = param.numel()
@@ -133,13 +141,14 @@ adamw_step_op = ops.define(
 )
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The optimizer
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def _check_hyperparameters(lr, betas, eps, weight_decay) -> None:
-    # `not x >= 0` rather than `x < 0`: NaN compares false both ways, and torch.optim.AdamW refuses it the same way.
+    # `not x >= 0` rather than `x < 0`: NaN compares false both ways, and torch.optim.AdamW refuses
+    # it the same way.
     if isinstance(lr, torch.Tensor) or not isinstance(lr, (int, float)) or not lr >= 0:
         raise ValueError(f"lr must be a non-negative number (not a tensor), got {lr!r}")
     if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
@@ -150,13 +159,15 @@ def _check_hyperparameters(lr, betas, eps, weight_decay) -> None:
         raise ValueError(f"weight_decay must be a non-negative number, got {weight_decay!r}")
 
 
-# torch.optim.AdamW's flags beyond the hyperparameters, with their defaults (torch 2.11 to 2.13). Every group of a
-# TritonAdamW carries them all, so that its state dict loads into torch.optim.AdamW and back.
-FLAG_DEFAULTS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
+# torch.optim.AdamW's flags beyond the hyperparameters, with their defaults (torch 2.11 to 2.13).
+# Every group of a TritonAdamW carries them all, so that its state dict loads into torch.optim.AdamW
+# and back.
+FLAG_DEFAULTS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False,
+                     differentiable=False, fused=None,
                      decoupled_weight_decay=True)
-# The values this optimizer computes exactly. maximize is implemented; foreach and fused choose among torch's
-# implementations of the same update, so any value gives the update this kernel computes. Any other value of a flag is
-# refused by name, wherever it came from.
+# The values this optimizer computes exactly. maximize is implemented; foreach and fused choose
+# among torch's implementations of the same update, so any value gives the update this kernel
+# computes. Any other value of a flag is refused by name, wherever it came from.
 _ACCEPTED = dict(amsgrad=(False,), maximize=(False, True), capturable=(False,), differentiable=(False,),
                  decoupled_weight_decay=(True,))
 _WHY = dict(
@@ -170,9 +181,9 @@ _WHY = dict(
 
 
 def check_flags(group: dict, where: str = "TritonAdamW") -> None:
-    """Raise a TypeError naming the first flag of ``group`` (a parameter group, or the constructor's arguments) whose
-    value TritonAdamW does not compute. Host-side dict reads only: ``step()`` runs it on every group, every step,
-    since a group can be edited at any time."""
+    """Raise a TypeError naming the first flag of ``group`` (a parameter group, or the constructor's
+    arguments) whose value TritonAdamW does not compute. Host-side dict reads only: ``step()`` runs
+    it on every group, every step, since a group can be edited at any time."""
     for name, accepted in _ACCEPTED.items():
         value = group.get(name, FLAG_DEFAULTS[name])
         if bool(value) not in accepted:  # read as torch.optim.AdamW reads them: by truth value
@@ -192,13 +203,14 @@ def _refuse_unknown(options: dict) -> None:
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
-    # By name: torch.distributed may be missing from a PyTorch build, and then there are no DTensors either.
+    # By name: torch.distributed may be missing from a PyTorch build, and then there are no DTensors
+    # either.
     return type(t).__name__ == "DTensor"
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """What the kernel steps: a DTensor's local shard (a view of its memory, so the update lands in the DTensor),
-    else the tensor itself."""
+    """What the kernel steps: a DTensor's local shard (a view of its memory, so the update lands in
+    the DTensor), else the tensor itself."""
     return t.to_local() if _is_dtensor(t) else t
 
 
@@ -230,16 +242,28 @@ def _check_parameter_dtype(p: torch.Tensor) -> None:
 
 
 class TritonAdamW(torch.optim.Optimizer):
-    """``torch.optim.AdamW`` (decoupled weight decay, no amsgrad) with its step as one Triton kernel per parameter.
+    """``torch.optim.AdamW`` with its step as one Triton kernel per parameter tensor.
 
-    Same arguments, defaults, parameter groups and state as ``torch.optim.AdamW``; the moments are kept in each
-    parameter's dtype, as PyTorch keeps them. Arithmetic is float32. ``maximize=True`` ascends, as PyTorch's does.
-    ``amsgrad``, ``capturable``, ``differentiable`` and ``decoupled_weight_decay=False`` raise a TypeError whether
-    given here, set in a group later, or loaded with a state dict (checked again at every ``step()``); ``foreach`` and
-    ``fused`` are accepted and kept, and change nothing.
+    Same arguments, defaults, parameter groups and state as ``torch.optim.AdamW``; the moments are
+    kept in each parameter's dtype, as PyTorch keeps them. Arithmetic is float32. ``maximize=True``
+    ascends, as PyTorch's does. ``amsgrad``, ``capturable``, ``differentiable`` and
+    ``decoupled_weight_decay=False`` raise a TypeError whether given here, set in a group later, or
+    loaded with a state dict (checked again at every ``step()``); ``foreach`` and ``fused`` are
+    accepted and kept, and change nothing. Chapter 11 introduces it.
+
+    Args:
+        params: parameters or parameter groups, as for any ``torch.optim.Optimizer``.
+        lr: learning rate.
+        betas: the decay rates of the first and second moments.
+        eps: added to the second moment's square root.
+        weight_decay: decoupled weight decay (multiplied by ``lr``).
+        amsgrad, capturable, differentiable: must stay False (refused by name otherwise).
+        maximize: ascend instead of descend.
+        foreach, fused: accepted for ``torch.optim.AdamW``'s signature; they change nothing.
     """
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
                  foreach: bool | None = None, capturable: bool = False, differentiable: bool = False,
                  fused: bool | None = None, **unknown):
@@ -248,16 +272,19 @@ class TritonAdamW(torch.optim.Optimizer):
                      differentiable=differentiable, fused=fused, decoupled_weight_decay=True)
         check_flags(flags)
         _check_hyperparameters(lr, betas, eps, weight_decay)
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **flags))
+        super().__init__(params,
+                         dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **flags))
 
     def add_param_group(self, param_group: dict) -> None:
-        """``torch.optim.Optimizer.add_param_group``, then the group's flags, hyperparameters and dtypes checked."""
+        """``torch.optim.Optimizer.add_param_group``, then the group's flags, hyperparameters and
+        dtypes checked."""
         super().add_param_group(param_group)
         _check_group(self.param_groups[-1])
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a state dict of TritonAdamW or ``torch.optim.AdamW``; refuse one whose groups set a flag this
-        optimizer does not compute (e.g. from ``torch.optim.AdamW(amsgrad=True)``), leaving this optimizer as it was."""
+        """Load a state dict of TritonAdamW or ``torch.optim.AdamW``; refuse one whose groups set a
+        flag this optimizer does not compute (e.g. from ``torch.optim.AdamW(amsgrad=True)``),
+        leaving this optimizer as it was."""
         for group in state_dict.get("param_groups", ()):
             check_flags(group, "TritonAdamW.load_state_dict")
         super().load_state_dict(state_dict)
@@ -272,8 +299,9 @@ class TritonAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # Everything checked before any tensor moves, so a refused group or parameter leaves the model as it was.
-        # Groups can be edited at any time (group["maximize"] = True, a scheduler's lr): read on every step.
+        # Everything checked before any tensor moves, so a refused group or parameter leaves the
+        # model as it was. Groups can be edited at any time (group["maximize"] = True, a scheduler's
+        # lr): read on every step.
         for group in self.param_groups:
             check_flags(group, "TritonAdamW.step")
             _check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
@@ -288,18 +316,21 @@ class TritonAdamW(torch.optim.Optimizer):
                     continue
                 state = self.state[p]
                 if not state:
-                    # As torch.optim.AdamW keeps it (not capturable, not fused): the step count as a CPU float32
-                    # tensor, so reading it never waits for the GPU; the moments in the parameter's dtype.
+                    # As torch.optim.AdamW keeps it (not capturable, not fused): the step count as a
+                    # CPU float32 tensor, so reading it never waits for the GPU; the moments in the
+                    # parameter's dtype.
                     state["step"] = torch.tensor(0.0)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 elif not isinstance(state["step"], torch.Tensor) or state["step"].device.type != "cpu":
-                    # A state dict saved by torch's fused AdamW keeps the count on the GPU: read there, every step
-                    # would wait for the GPU. (An old one may hold a plain number.)
+                    # A state dict saved by torch's fused AdamW keeps the count on the GPU: read
+                    # there, every step would wait for the GPU. (An old one may hold a plain
+                    # number.)
                     state["step"] = torch.as_tensor(state["step"]).to("cpu", torch.float32)
                 state["step"] += 1
                 grad = _local(p.grad)
-                # A gradient set by hand may be a strided view: the kernel reads flat arrays, so read a dense copy.
+                # A gradient set by hand may be a strided view: the kernel reads flat arrays, so
+                # read a dense copy.
                 grad = grad if grad.is_contiguous() else grad.contiguous()
                 ops.call(adamw_step_op, _local(p), grad, _local(state["exp_avg"]),
                          _local(state["exp_avg_sq"]), float(group["lr"]), float(beta1), float(beta2),

@@ -1,24 +1,28 @@
 """Two small Triton GEMMs for the LoRA layer: a matmul with a fused epilogue, and a split-K skinny matmul.
 
-**The epilogue GEMM** computes ``c = a @ b + scale · (u @ v) + bias`` for ``a`` [M, K], ``b`` [K, N], a low-rank pair
-``u`` [M, R], ``v`` [R, N] (R small: the LoRA rank) and an optional ``bias`` [N]. Each program owns one [BLOCK_M,
-BLOCK_N] tile of ``c``: it runs the usual loop over K, accumulating in float32 registers, and *before* the tile is
-stored it adds the low-rank term, one more ``tl.dot`` over R, and the bias. The tile is written once. cuBLAS can only
-do the same with its β-epilogue, ``addmm(c0, a, b)`` = ``c0 + a @ b``, where ``c0`` must already exist in memory: one
-extra write and one extra read of an [M, N] tensor. Where Triton's GEMM loses is the main loop itself: cuBLAS's
-hand-tuned kernels (and, on Hopper, its warp-specialised TMA pipelines) run the K loop faster than a portable
-Triton loop does, so whether the saved round trip pays depends on the shape (``kernels.bench.lora`` measures it).
+**The epilogue GEMM** computes ``c = a @ b + scale · (u @ v) + bias`` for ``a`` [M, K], ``b`` [K,
+N], a low-rank pair ``u`` [M, R], ``v`` [R, N] (R small: the LoRA rank) and an optional ``bias``
+[N]. Each program owns one [BLOCK_M, BLOCK_N] tile of ``c``: it runs the usual loop over K,
+accumulating in float32 registers, and *before* the tile is stored it adds the low-rank term, one
+more ``tl.dot`` over R, and the bias. The tile is written once. cuBLAS can only do the same with its
+β-epilogue, ``addmm(c0, a, b)`` = ``c0 + a @ b``, where ``c0`` must already exist in memory: one
+extra write and one extra read of an [M, N] tensor. Where Triton's GEMM loses is the main loop
+itself: cuBLAS's hand-tuned kernels (and, on Hopper, its warp-specialised TMA pipelines) run the K
+loop faster than a portable Triton loop does, so whether the saved round trip pays depends on the
+shape (``kernels.bench.lora`` measures it).
 
-**The split-K GEMM** computes ``out = scale · aᵀ @ b`` for ``a`` [T, M] and ``b`` [T, N], where T (the tokens) is
-long and M, N are short (LoRA's ``dA = dxaᵀ @ x`` has M = the rank). Such a product has few output tiles (r × 4,096
-is one row of tiles), so a grid of one program per tile leaves most SMs idle while each program walks all T
-tokens. Split-K cuts T into ``splits`` chunks, one program per (tile, chunk), each writing a float32 partial sum;
-the partials are then summed. It reads ``a`` and ``b`` in their own dtype (bfloat16 x is never copied to float32)
-and accumulates in float32, so a float32 adapter's gradient keeps float32 precision.
+**The split-K GEMM** computes ``out = scale · aᵀ @ b`` for ``a`` [T, M] and ``b`` [T, N], where T
+(the tokens) is long and M, N are short (LoRA's ``dA = dxaᵀ @ x`` has M = the rank). Such a product
+has few output tiles (r × 4,096 is one row of tiles), so a grid of one program per tile leaves most
+SMs idle while each program walks all T tokens. Split-K cuts T into ``splits`` chunks, one program
+per (tile, chunk), each writing a float32 partial sum; the partials are then summed. It reads ``a``
+and ``b`` in their own dtype (bfloat16 x is never copied to float32) and accumulates in float32, so
+a float32 adapter's gradient keeps float32 precision.
 
-Both are PyTorch operators (``torch.ops.kernels.gemm_epilogue``, ``torch.ops.kernels.splitk_mm``). In Triton's
-interpreter the tiles are upcast to float32 before ``tl.dot`` (a bfloat16 ``tl.dot`` computes garbage there); on a
-GPU the dot runs in the inputs' dtype with a float32 accumulator, and in IEEE float32 for float32 inputs (no TF32).
+Both are PyTorch operators (``torch.ops.kernels.gemm_epilogue``, ``torch.ops.kernels.splitk_mm``).
+In Triton's interpreter the tiles are upcast to float32 before ``tl.dot`` (a bfloat16 ``tl.dot``
+computes garbage there); on a GPU the dot runs in the inputs' dtype with a float32 accumulator, and
+in IEEE float32 for float32 inputs (no TF32).
 """
 
 from __future__ import annotations
@@ -35,15 +39,16 @@ from .triton_utils import cast_to
 KERNEL_DTYPES = ops.KERNEL_DTYPES
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Triton kernels
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @triton.jit
 def gemm_epilogue_kernel(
     A, B, U, V, BIAS, C, M, N, K, R, scale,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_um, stride_ur, stride_vr, stride_vn, stride_cm, stride_cn,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_um, stride_ur, stride_vr, stride_vn,
+    stride_cm, stride_cn,
     HAS_LOWRANK: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_M: tl.constexpr,
@@ -91,7 +96,8 @@ def splitk_kernel(
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    # P[split, m, n] = Σ over this split's tokens t of A[t, m] · B[t, n]: aᵀ read as an [BLOCK_M, BLOCK_T] tile.
+    # P[split, m, n] = Σ over this split's tokens t of A[t, m] · B[t, n]: aᵀ read as an [BLOCK_M,
+    # BLOCK_T] tile.
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -100,9 +106,11 @@ def splitk_kernel(
     for t0 in range(0, chunk, BLOCK_T):
         t = start + t0 + tl.arange(0, BLOCK_T)
         inside = (t < T) & (t < start + chunk)
-        a = tl.load(A + t[None, :] * stride_at + rm[:, None] * stride_am, mask=inside[None, :] & (rm[:, None] < M),
+        a = tl.load(A + t[None, :] * stride_at + rm[:, None] * stride_am,
+                    mask=inside[None, :] & (rm[:, None] < M),
                     other=0.0)
-        b = tl.load(B + t[:, None] * stride_bt + rn[None, :] * stride_bn, mask=inside[:, None] & (rn[None, :] < N),
+        b = tl.load(B + t[:, None] * stride_bt + rn[None, :] * stride_bn,
+                    mask=inside[:, None] & (rn[None, :] < N),
                     other=0.0)
         if UPCAST:
             a, b = a.to(tl.float32), b.to(tl.float32)
@@ -111,9 +119,9 @@ def splitk_kernel(
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Launch configurations
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -138,9 +146,10 @@ class SplitKConfig:
 
 
 def gemm_config(m: int, n: int, k: int, props: runtime.DeviceProps | None = None) -> GemmConfig:
-    """Tiles of the epilogue GEMM. In the interpreter, large tiles (few programs, NumPy does a tile at once). On a
-    GPU, 128 × 128 × 64 with 8 warps when the shared memory holds the pipeline's stages (Hopper and Blackwell), a
-    smaller tile otherwise: the common choice for bf16 GEMMs of Llama's sizes."""
+    """Tiles of the epilogue GEMM. In the interpreter, large tiles (few programs, NumPy does a tile
+    at once). On a GPU, 128 × 128 × 64 with 8 warps when the shared memory holds the pipeline's
+    stages (Hopper and Blackwell), a smaller tile otherwise: the common choice for bf16 GEMMs of
+    Llama's sizes."""
     props = props or runtime.device_props()
     if props.interpreter:
         return GemmConfig(64, 64, 64, 8, 4, 1)
@@ -151,13 +160,15 @@ def gemm_config(m: int, n: int, k: int, props: runtime.DeviceProps | None = None
 
 
 def splitk_config(t: int, m: int, n: int, props: runtime.DeviceProps | None = None) -> SplitKConfig:
-    """Split-K for ``aᵀ @ b`` over ``t`` tokens: as many splits as it takes for about two programs per SM, each chunk
-    at least a few tiles of tokens long (else the partial sums cost more than the parallelism brings)."""
+    """Split-K for ``aᵀ @ b`` over ``t`` tokens: as many splits as it takes for about two programs
+    per SM, each chunk at least a few tiles of tokens long (else the partial sums cost more than the
+    parallelism brings)."""
     props = props or runtime.device_props()
     if props.interpreter:
         block_m, block_n, block_t, warps, stages = 32, 64, 64, 4, 1
     else:
-        # A short side gets a short tile (LoRA's dB is [out, r]: r = 16 columns would waste most of a 128-wide one).
+        # A short side gets a short tile (LoRA's dB is [out, r]: r = 16 columns would waste most of
+        # a 128-wide one).
         block_n = min(128, max(16, triton.next_power_of_2(n)))
         block_m = 32 if m <= 32 else (128 if block_n <= 32 else 64)
         block_t, warps, stages = 64, 4, 3
@@ -173,16 +184,17 @@ def splitk_config(t: int, m: int, n: int, props: runtime.DeviceProps | None = No
 
 
 def _upcast_and_precision(dtype: torch.dtype) -> tuple[bool, str]:
-    # The interpreter computes bf16 dots wrong: upcast there. On a GPU float32 inputs get IEEE float32 (TF32 would
-    # cost float32 callers their precision), bf16/fp16 run on the tensor cores with a float32 accumulator.
+    # The interpreter computes bf16 dots wrong: upcast there. On a GPU float32 inputs get IEEE
+    # float32 (TF32 would cost float32 callers their precision), bf16/fp16 run on the tensor cores
+    # with a float32 accumulator.
     if runtime.INTERPRET:
         return True, "ieee"
     return False, "ieee" if dtype == torch.float32 else "tf32"
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Host launches
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def _check_dtype(name: str, t: torch.Tensor) -> None:
@@ -199,14 +211,16 @@ def _check_2d(name: str, t: torch.Tensor) -> None:
     _check_dtype(name, t)
 
 
-def gemm_epilogue(a: torch.Tensor, b: torch.Tensor, u: torch.Tensor | None = None, v: torch.Tensor | None = None,
+def gemm_epilogue(a: torch.Tensor, b: torch.Tensor, u: torch.Tensor | None = None,
+                  v: torch.Tensor | None = None,
                   scale: float = 1.0, bias: torch.Tensor | None = None, config: GemmConfig | None = None
                   ) -> torch.Tensor:
     """``a @ b + scale · (u @ v) + bias`` with the low-rank term and the bias added in the GEMM's epilogue.
 
-    ``a`` [M, K], ``b`` [K, N] (any strides: a transposed weight ``w.t()`` is read in place), ``u`` [M, R] and
-    ``v`` [R, N] both given or both None, ``bias`` [N] or None. The output is a new contiguous [M, N] tensor in
-    ``a``'s dtype; ``b``, ``u``, ``v`` must have ``a``'s dtype too (cast a small adapter first)."""
+    ``a`` [M, K], ``b`` [K, N] (any strides: a transposed weight ``w.t()`` is read in place), ``u``
+    [M, R] and ``v`` [R, N] both given or both None, ``bias`` [N] or None. The output is a new
+    contiguous [M, N] tensor in ``a``'s dtype; ``b``, ``u``, ``v`` must have ``a``'s dtype too (cast
+    a small adapter first)."""
     for name, t in (("a", a), ("b", b)):
         _check_2d(name, t)
     if (u is None) != (v is None):
@@ -238,7 +252,8 @@ def gemm_epilogue(a: torch.Tensor, b: torch.Tensor, u: torch.Tensor | None = Non
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     gemm_epilogue_kernel[grid](
         a, b, uu, vv, bias if bias is not None else c, c, m, n, k, r, float(scale),
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), uu.stride(0), uu.stride(1), vv.stride(0), vv.stride(1),
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), uu.stride(0), uu.stride(1),
+        vv.stride(0), vv.stride(1),
         c.stride(0), c.stride(1),
         HAS_LOWRANK=u is not None, HAS_BIAS=bias is not None, UPCAST=upcast, PRECISION=precision,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=block_r, GROUP_M=cfg.group_m,
@@ -249,9 +264,9 @@ def gemm_epilogue(a: torch.Tensor, b: torch.Tensor, u: torch.Tensor | None = Non
 
 def splitk_mm(a: torch.Tensor, b: torch.Tensor, scale: float = 1.0, out_dtype: torch.dtype = torch.float32,
               config: SplitKConfig | None = None) -> torch.Tensor:
-    """``scale · aᵀ @ b`` for ``a`` [T, M] and ``b`` [T, N] (T long, M and N short), reduced over T in float32 by
-    split-K, returned as a new [M, N] tensor of ``out_dtype``. ``a`` and ``b`` may differ in dtype (each is read in
-    its own and upcast in registers) but not in device."""
+    """``scale · aᵀ @ b`` for ``a`` [T, M] and ``b`` [T, N] (T long, M and N short), reduced over T
+    in float32 by split-K, returned as a new [M, N] tensor of ``out_dtype``. ``a`` and ``b`` may
+    differ in dtype (each is read in its own and upcast in registers) but not in device."""
     _check_2d("a", a)
     _check_2d("b", b)
     if out_dtype not in KERNEL_DTYPES:
@@ -266,7 +281,8 @@ def splitk_mm(a: torch.Tensor, b: torch.Tensor, scale: float = 1.0, out_dtype: t
     if t == 0 or m == 0 or n == 0:
         return torch.zeros((m, n), dtype=out_dtype, device=a.device)
     cfg = config or splitk_config(t, m, n, runtime.device_props(a.device))
-    if a.dtype != b.dtype:  # one dtype per dot: the short operand follows the long one's (cheap: it is small)
+    # one dtype per dot: the short operand follows the long one's (cheap: it is small)
+    if a.dtype != b.dtype:
         a, b = (a.to(b.dtype), b) if a.numel() < b.numel() else (a, b.to(a.dtype))
     upcast, precision = _upcast_and_precision(a.dtype)
     partial = torch.empty((cfg.splits, m, n), dtype=torch.float32, device=a.device)
@@ -283,9 +299,9 @@ def splitk_mm(a: torch.Tensor, b: torch.Tensor, scale: float = 1.0, out_dtype: t
     return total.to(out_dtype)
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Operators
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def _gemm_impl(a, b, u, v, scale, bias):

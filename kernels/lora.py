@@ -1,42 +1,49 @@
 """The LoRA linear layer fused: ``y = x · Wᵀ + b + s · (x · Aᵀ) · Bᵀ`` as one autograd node.
 
-A LoRA adapter (``A`` [r, in], ``B`` [out, r], rank r, scale s = α/r, or α/√r for rsLoRA) beside a frozen linear
-layer costs little arithmetic, about 2·r/in of the layer's FLOPs, but PEFT computes it as four more modules and ops
-after the base layer: ``lora_A``, ``lora_B``, the scaling and the add, each reading and writing its own tensor, and
-(with the adapters in float32 over a bfloat16 model, PEFT's default) a float32 copy of ``x`` that autograd keeps
-for ``lora_A``'s backward. Here the whole layer is one ``autograd.Function``:
+A LoRA adapter (``A`` [r, in], ``B`` [out, r], rank r, scale s = α/r, or α/√r for rsLoRA) beside a
+frozen linear layer costs little arithmetic, about 2·r/in of the layer's FLOPs, but PEFT computes it
+as four more modules and ops after the base layer: ``lora_A``, ``lora_B``, the scaling and the add,
+each reading and writing its own tensor, and (with the adapters in float32 over a bfloat16 model,
+PEFT's default) a float32 copy of ``x`` that autograd keeps for ``lora_A``'s backward. Here the
+whole layer is one ``autograd.Function``:
 
-* **forward**: ``xa = x · Aᵀ`` ([tokens, r], tiny), then the base GEMM with the low-rank product ``s · xa · Bᵀ``
-  added in its *epilogue* (before the output is stored): either cuBLAS's β-epilogue (``y = x·Wᵀ + b``, then
-  ``y.addmm_(xa, Bᵀ, alpha=s)``: one extra read and write of y) or a Triton GEMM whose tile adds the low-rank term in
-  registers (``kernels.gemm.gemm_epilogue``: y written once). ``epilogue="cublas"`` or ``"triton"``; or
-  ``"cublas_lowrank_first"``: the low-rank product written first, then the base GEMM accumulating onto it (β = 1),
-  so that cuBLAS reads it in the big GEMM's own epilogue rather than in a pass of its own; or ``"merged"``: the
-  adapter merged into a temporary weight, ``W + s·B·A``, and one GEMM with it (2·out·in values read and written
-  instead of the epilogue's 2·tokens·out); or ``"auto"``: merged wherever that moves fewer bytes (in_features below
-  the tokens forward, out_features below them for dx), else ``"cublas"``.
-* **saved for the backward**: ``x`` (the base layer's input, which a frozen linear layer saves anyway), ``W``, ``A``,
-  ``B`` and ``xa``: no float32 copy of anything, nothing of the output's size.
-* **backward**: ``dxa = s · dy · B``; ``dx = dy · W + dxa · A`` (the same epilogue trick); ``dB = s · dyᵀ · xa`` and
-  ``dA = dxaᵀ · x``, two skinny GEMMs whose reduction runs over all tokens: cuBLAS (``skinny="cublas"``) or a
-  split-K Triton kernel (``skinny="splitk"``, ``kernels.gemm.splitk_mm``), each accumulating in float32 and returned
-  in the adapter's own dtype. ``W`` and the bias get gradients only if they require them (a frozen base: never).
+* **forward**: ``xa = x · Aᵀ`` ([tokens, r], tiny), then the base GEMM with the low-rank product ``s
+  · xa · Bᵀ`` added in its *epilogue* (before the output is stored): either cuBLAS's β-epilogue (``y
+  = x·Wᵀ + b``, then ``y.addmm_(xa, Bᵀ, alpha=s)``: one extra read and write of y) or a Triton GEMM
+  whose tile adds the low-rank term in registers (``kernels.gemm.gemm_epilogue``: y written once).
+  ``epilogue="cublas"`` or ``"triton"``; or ``"cublas_lowrank_first"``: the low-rank product written
+  first, then the base GEMM accumulating onto it (β = 1), so that cuBLAS reads it in the big GEMM's
+  own epilogue rather than in a pass of its own; or ``"merged"``: the adapter merged into a
+  temporary weight, ``W + s·B·A``, and one GEMM with it (2·out·in values read and written instead of
+  the epilogue's 2·tokens·out); or ``"auto"``: merged wherever that moves fewer bytes (in_features
+  below the tokens forward, out_features below them for dx), else ``"cublas"``.
+* **saved for the backward**: ``x`` (the base layer's input, which a frozen linear layer saves
+  anyway), ``W``, ``A``, ``B`` and ``xa``: no float32 copy of anything, nothing of the output's
+  size.
+* **backward**: ``dxa = s · dy · B``; ``dx = dy · W + dxa · A`` (the same epilogue trick); ``dB = s
+  · dyᵀ · xa`` and ``dA = dxaᵀ · x``, two skinny GEMMs whose reduction runs over all tokens: cuBLAS
+  (``skinny="cublas"``) or a split-K Triton kernel (``skinny="splitk"``,
+  ``kernels.gemm.splitk_mm``), each accumulating in float32 and returned in the adapter's own dtype.
+  ``W`` and the bias get gradients only if they require them (a frozen base: never).
 
-The GEMMs run in ``x``'s dtype: a float32 adapter over a bfloat16 layer is cast to bfloat16 for them (r·(in + out)
-values, nothing of the tokens' size), and its gradients are accumulated in float32 and returned in float32.
-**Layers that share one input** (``lora_group``, ``LoRAGroupFunction``): q, k and v of an attention block, or gate
-and up of a Llama MLP, fused one by one still read ``x`` once per layer for ``x · A_iᵀ`` and again for dA_i, and
-autograd adds their input gradients with elementwise passes over a [tokens, in] tensor. As one node: ``xa = x ·
-[A_1; A_2; A_3]ᵀ`` in one GEMM; each output with its low-rank product joined to its base GEMM as above (the two
-cuBLAS epilogues; each output its own tensor, which a later backward may write over, as SwiGLU's does over gate and
-up); saved: x once, the weights, the adapters and the [tokens, Σr] xa; backward: ``dxa_i = s_i · dy_i · B_i`` and
-``dB_i`` per layer, every ``dA_i`` in one GEMM ``dxaᵀ · x``, and ``dx = dxa · [A_1; A_2; A_3] + Σ dy_i · W_i``
-accumulated by β = 1 GEMMs. By bytes at the Llama-3.1-8B shape (8,192 tokens, bf16) that is about 960 MiB a decoder
-layer less than the layers fused one by one: x read four times fewer for q/k/v and twice for gate/up, and
-autograd's three additions of input gradients (each reads two [tokens, 4,096] tensors and writes one) gone.
+The GEMMs run in ``x``'s dtype: a float32 adapter over a bfloat16 layer is cast to bfloat16 for them
+(r·(in + out) values, nothing of the tokens' size), and its gradients are accumulated in float32 and
+returned in float32. **Layers that share one input** (``lora_group``, ``LoRAGroupFunction``): q, k
+and v of an attention block, or gate and up of a Llama MLP, fused one by one still read ``x`` once
+per layer for ``x · A_iᵀ`` and again for dA_i, and autograd adds their input gradients with
+elementwise passes over a [tokens, in] tensor. As one node: ``xa = x · [A_1; A_2; A_3]ᵀ`` in one
+GEMM; each output with its low-rank product joined to its base GEMM as above (the two cuBLAS
+epilogues; each output its own tensor, which a later backward may write over, as SwiGLU's does over
+gate and up); saved: x once, the weights, the adapters and the [tokens, Σr] xa; backward: ``dxa_i =
+s_i · dy_i · B_i`` and ``dB_i`` per layer, every ``dA_i`` in one GEMM ``dxaᵀ · x``, and ``dx = dxa ·
+[A_1; A_2; A_3] + Σ dy_i · W_i`` accumulated by β = 1 GEMMs. By bytes at the Llama-3.1-8B shape
+(8,192 tokens, bf16) that is about 960 MiB a decoder layer less than the layers fused one by one: x
+read four times fewer for q/k/v and twice for gate/up, and autograd's three additions of input
+gradients (each reads two [tokens, 4,096] tensors and writes one) gone.
 
-It works under gradient checkpointing (the forward is recomputed like any other node) and ``torch.compile``
-(the two halves are the operators ``torch.ops.kernels.lora_linear_fwd`` / ``_bwd``).
+It works under gradient checkpointing (the forward is recomputed like any other node) and
+``torch.compile`` (the two halves are the operators ``torch.ops.kernels.lora_linear_fwd`` /
+``_bwd``).
 """
 
 from __future__ import annotations
@@ -61,9 +68,9 @@ def lora_scale(alpha: float, rank: int, use_rslora: bool = False) -> float:
     return alpha / math.sqrt(rank) if use_rslora else alpha / rank
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Checks
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def check_lora_inputs(x, weight, bias, lora_a, lora_b, scale, epilogue, skinny) -> None:
@@ -106,25 +113,27 @@ def check_lora_inputs(x, weight, bias, lora_a, lora_b, scale, epilogue, skinny) 
         raise ValueError(f"skinny must be one of {SKINNY}, got {skinny!r}")
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The two halves on 2-D tensors
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def _merges(epilogue: str, tokens: int, reduced: int) -> bool:
-    # Merging writes and reads a temporary [out, in] weight; the epilogue writes and reads a [tokens, out] output
-    # (forward) or [tokens, in] gradient (dx). Per GEMM: merged costs less where the dimension it reduces over is
-    # smaller than the tokens.
+    # Merging writes and reads a temporary [out, in] weight; the epilogue writes and reads a
+    # [tokens, out] output (forward) or [tokens, in] gradient (dx). Per GEMM: merged costs less
+    # where the dimension it reduces over is smaller than the tokens.
     return epilogue == "merged" or (epilogue == "auto" and reduced < tokens)
 
 
 def _merged(weight, a, b, scale: float) -> torch.Tensor:
-    """``W + s·B·A`` in W's dtype: a temporary weight with the adapter in it (what PEFT's merge computes, not kept)."""
+    """``W + s·B·A`` in W's dtype: a temporary weight with the adapter in it (what PEFT's merge
+    computes, not kept)."""
     return torch.addmm(weight, b, a, alpha=scale)
 
 
 def lora_forward(x2, weight, bias, lora_a, lora_b, scale: float, epilogue: str = "cublas"):
-    """(y, xa) for 2-D ``x2`` [tokens, in]: ``y = x2·Wᵀ + b + s·xa·Bᵀ`` and ``xa = x2·Aᵀ`` (kept for the backward)."""
+    """(y, xa) for 2-D ``x2`` [tokens, in]: ``y = x2·Wᵀ + b + s·xa·Bᵀ`` and ``xa = x2·Aᵀ`` (kept for
+    the backward)."""
     a = lora_a.to(x2.dtype)
     b = lora_b.to(x2.dtype)
     xa = x2 @ a.t()
@@ -138,15 +147,16 @@ def lora_forward(x2, weight, bias, lora_a, lora_b, scale: float, epilogue: str =
 
 
 def _cublas_output(x2, weight, bias, xa, b, scale: float, epilogue: str) -> torch.Tensor:
-    """``x2·Wᵀ + bias + s·xa·Bᵀ`` with the low-rank product joined by cuBLAS's β = 1 epilogue (``b`` in x2's dtype;
-    ``xa`` may be a column slice of a wider tensor)."""
+    """``x2·Wᵀ + bias + s·xa·Bᵀ`` with the low-rank product joined by cuBLAS's β = 1 epilogue (``b``
+    in x2's dtype; ``xa`` may be a column slice of a wider tensor)."""
     if epilogue == "cublas_lowrank_first":
-        # s·xa·Bᵀ (+ b) first, a GEMM over K = r; then the base GEMM adds onto it in its own epilogue (β = 1), where
-        # the compute-bound main loops of other tiles may hide the read.
+        # s·xa·Bᵀ (+ b) first, a GEMM over K = r; then the base GEMM adds onto it in its own
+        # epilogue (β = 1), where the compute-bound main loops of other tiles may hide the read.
         y = (xa * scale) @ b.t() if bias is None else torch.addmm(bias, xa * scale, b.t())
         y.addmm_(x2, weight.t())
     else:
-        # cuBLAS: the base GEMM (with its bias), then the low-rank GEMM accumulated into it (β = 1): y read once more.
+        # cuBLAS: the base GEMM (with its bias), then the low-rank GEMM accumulated into it (β = 1):
+        # y read once more.
         y = F.linear(x2, weight, bias)
         y.addmm_(xa, b.t(), alpha=scale)
     return y
@@ -166,11 +176,14 @@ def _cublas_input_grad(dys, weights, dxa, a, epilogue: str) -> torch.Tensor:
     return dx.addmm_(dxa, a)
 
 
-_MM_OUT_DTYPE = [True]  # whether this PyTorch's torch.mm takes out_dtype (found on the first call that tries)
+# whether this PyTorch's torch.mm takes out_dtype (found on the first call that tries)
+_MM_OUT_DTYPE = [True]
 
 
-def skinny_mm(a: torch.Tensor, b: torch.Tensor, scale: float, out_dtype: torch.dtype, skinny: str = "cublas"):
-    """``scale · aᵀ · b`` reduced over the tokens (the rows of both), accumulated in float32, in ``out_dtype``."""
+def skinny_mm(a: torch.Tensor, b: torch.Tensor, scale: float, out_dtype: torch.dtype,
+              skinny: str = "cublas"):
+    """``scale · aᵀ · b`` reduced over the tokens (the rows of both), accumulated in float32, in
+    ``out_dtype``."""
     if skinny == "splitk":
         return splitk_mm(a, b, scale, out_dtype)
     if a.dtype == out_dtype and b.dtype == out_dtype:
@@ -206,9 +219,9 @@ def lora_backward(dy2, x2, weight, lora_a, lora_b, xa, scale: float, need_dx: bo
     return dx, d_a, d_b
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Operators
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def _fwd_fake(x2, weight, bias, lora_a, lora_b, scale, epilogue):
@@ -228,14 +241,14 @@ lora_bwd_op = ops.define(
     "bool need_dx, str epilogue, str skinny) -> (Tensor, Tensor, Tensor)", lora_backward, _bwd_fake)
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # autograd and the functional form
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 class LoRALinearFunction(torch.autograd.Function):
-    """The fused LoRA layer as one autograd node: saves x, W, A, B and the [tokens, r] xa, nothing else. Returns y
-    as [tokens, out] (``lora_linear`` gives it x's leading dimensions)."""
+    """The fused LoRA layer as one autograd node: saves x, W, A, B and the [tokens, r] xa, nothing
+    else. Returns y as [tokens, out] (``lora_linear`` gives it x's leading dimensions)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, lora_a, lora_b, scale, epilogue, skinny):
@@ -244,8 +257,9 @@ class LoRALinearFunction(torch.autograd.Function):
         ctx.save_for_backward(x2, weight, lora_a, lora_b, xa)
         ctx.scale, ctx.epilogue, ctx.skinny = scale, epilogue, skinny
         ctx.x_shape, ctx.has_bias = x.shape, bias is not None
-        # y stays 2-D here; callers reshape it. A reshape inside would be a view of a tensor made without autograd,
-        # and a later backward may not write over such an output (swiglu.may_overwrite): gate and up of the MLP.
+        # y stays 2-D here; callers reshape it. A reshape inside would be a view of a tensor made
+        # without autograd, and a later backward may not write over such an output
+        # (swiglu.may_overwrite): gate and up of the MLP.
         return y
 
     @staticmethod
@@ -264,20 +278,24 @@ class LoRALinearFunction(torch.autograd.Function):
 
 
 class SwiGLULoRADownFunction(torch.autograd.Function):
-    """``lora_linear(swiglu(gate, up), ...)``, Llama's LoRA ``down_proj`` over its SwiGLU, keeping gate and up only.
+    """``lora_linear(swiglu(gate, up), ...)``, Llama's LoRA ``down_proj`` over its SwiGLU, keeping
+    gate and up only.
 
-    The fused LoRA layer keeps its input x for dA. For ``down_proj`` that input is h = silu(gate) · up, a [tokens,
-    intermediate] tensor (235 MB per layer at 8,192 tokens of Llama-3.1-8B) that nothing else keeps: the SwiGLU
-    backward needs gate and up, not h. So the forward frees h at once, and the backward recomputes it from gate and
-    up (one elementwise kernel, the same bits) for dA and, for a trained base, dW. d(gate) and d(up) are written over
-    gate and up, as ``swiglu(..., inplace_backward=True)`` does, where that is allowed
-    (``swiglu.inplace_backward_allowed``: intermediate results of autograd, dense, in memory of their own); a
-    caller's leaf, a view of one, or a strided view gets new gradient tensors instead."""
+    The fused LoRA layer keeps its input x for dA. For ``down_proj`` that input is h = silu(gate) ·
+    up, a [tokens, intermediate] tensor (235 MB per layer at 8,192 tokens of Llama-3.1-8B) that
+    nothing else keeps: the SwiGLU backward needs gate and up, not h. So the forward frees h at
+    once, and the backward recomputes it from gate and up (one elementwise kernel, the same bits)
+    for dA and, for a trained base, dW. d(gate) and d(up) are written over gate and up, as
+    ``swiglu(..., inplace_backward=True)`` does, where that is allowed
+    (``swiglu.inplace_backward_allowed``: intermediate results of autograd, dense, in memory of
+    their own); a caller's leaf, a view of one, or a strided view gets new gradient tensors
+    instead."""
 
     @staticmethod
     def forward(ctx, gate, up, weight, bias, lora_a, lora_b, scale, epilogue, skinny):
         h = swiglu_forward(gate, up)
-        y, xa = ops.call(lora_fwd_op, h.reshape(-1, h.shape[-1]), weight, bias, lora_a, lora_b, scale, epilogue)
+        y, xa = ops.call(lora_fwd_op, h.reshape(-1, h.shape[-1]), weight, bias, lora_a, lora_b,
+                         scale, epilogue)
         del h
         ctx.save_for_backward(gate, up, weight, lora_a, lora_b, xa)
         ctx.scale, ctx.epilogue, ctx.skinny, ctx.has_bias = scale, epilogue, skinny, bias is not None
@@ -290,7 +308,8 @@ class SwiGLULoRADownFunction(torch.autograd.Function):
         gate, up, weight, lora_a, lora_b, xa = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
         h2 = swiglu_forward(gate, up).reshape(-1, gate.shape[-1])
-        dh, d_a, d_b = ops.call(lora_bwd_op, dy2, h2, weight, lora_a, lora_b, xa, ctx.scale, True, ctx.epilogue,
+        dh, d_a, d_b = ops.call(lora_bwd_op, dy2, h2, weight, lora_a, lora_b, xa, ctx.scale, True,
+                                ctx.epilogue,
                                 ctx.skinny)
         dw = dy2.t() @ h2 if ctx.needs_input_grad[2] else None
         del h2
@@ -307,16 +326,18 @@ class SwiGLULoRADownFunction(torch.autograd.Function):
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
                 lora_b: torch.Tensor, scale: float, *, epilogue: str = "cublas", skinny: str = "cublas"
                 ) -> torch.Tensor:
-    """``F.linear(x, weight, bias) + scale * F.linear(F.linear(x, lora_a), lora_b)`` as one fused autograd node.
+    """``F.linear(x, weight, bias) + scale * F.linear(F.linear(x, lora_a), lora_b)`` as one fused
+    autograd node.
 
-    ``x`` [..., in] (any leading dimensions), ``weight`` [out, in] and ``bias`` [out] (or None) in ``x``'s dtype,
-    ``lora_a`` [r, in] and ``lora_b`` [out, r] in float32, bfloat16 or float16 (PEFT keeps them in float32 over a
-    bfloat16 model). Returns [..., out] in ``x``'s dtype. ``epilogue`` picks how the low-rank product joins the base
-    GEMM (``"cublas"``: addmm's β-epilogue; ``"cublas_lowrank_first"``: the low-rank product first, read by the base
-    GEMM's β-epilogue; ``"triton"``: inside a Triton GEMM's tile; ``"merged"``: into a temporary weight W + s·B·A;
-    ``"auto"``: merged where that moves fewer bytes), ``skinny`` how dA and dB
-    are reduced over the tokens (``"cublas"`` or ``"splitk"``). Gradients: x, A and B always when they require
-    them; W and the bias only if they do (a frozen base layer costs no dW GEMM).
+    ``x`` [..., in] (any leading dimensions), ``weight`` [out, in] and ``bias`` [out] (or None) in
+    ``x``'s dtype, ``lora_a`` [r, in] and ``lora_b`` [out, r] in float32, bfloat16 or float16 (PEFT
+    keeps them in float32 over a bfloat16 model). Returns [..., out] in ``x``'s dtype. ``epilogue``
+    picks how the low-rank product joins the base GEMM (``"cublas"``: addmm's β-epilogue;
+    ``"cublas_lowrank_first"``: the low-rank product first, read by the base GEMM's β-epilogue;
+    ``"triton"``: inside a Triton GEMM's tile; ``"merged"``: into a temporary weight W + s·B·A;
+    ``"auto"``: merged where that moves fewer bytes), ``skinny`` how dA and dB are reduced over the
+    tokens (``"cublas"`` or ``"splitk"``). Gradients: x, A and B always when they require them; W
+    and the bias only if they do (a frozen base layer costs no dW GEMM).
     """
     check_lora_inputs(x, weight, bias, lora_a, lora_b, scale, epilogue, skinny)
     y = LoRALinearFunction.apply(x, weight, bias, lora_a, lora_b, float(scale), epilogue, skinny)
@@ -326,9 +347,9 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 def swiglu_lora_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float, *, epilogue: str = "cublas",
                      skinny: str = "cublas") -> torch.Tensor:
-    """``lora_linear(silu(gate) * up, weight, bias, lora_a, lora_b, scale)`` as one node that keeps gate and up, not
-    their product (``SwiGLULoRADownFunction``): gate and up [..., intermediate] of one shape and dtype, the layer as
-    ``lora_linear`` takes it. Returns [..., out]."""
+    """``lora_linear(silu(gate) * up, weight, bias, lora_a, lora_b, scale)`` as one node that keeps
+    gate and up, not their product (``SwiGLULoRADownFunction``): gate and up [..., intermediate] of
+    one shape and dtype, the layer as ``lora_linear`` takes it. Returns [..., out]."""
     for name, t in (("gate", gate), ("up", up)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
@@ -336,17 +357,19 @@ def swiglu_lora_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
         raise ValueError(f"gate and up must have one shape, dtype and device, got {tuple(gate.shape)} {gate.dtype} "
                          f"on {gate.device} and {tuple(up.shape)} {up.dtype} on {up.device}")
     check_lora_inputs(gate, weight, bias, lora_a, lora_b, scale, epilogue, skinny)
-    return SwiGLULoRADownFunction.apply(gate, up, weight, bias, lora_a, lora_b, float(scale), epilogue, skinny)
+    return SwiGLULoRADownFunction.apply(gate, up, weight, bias, lora_a, lora_b, float(scale),
+                                        epilogue, skinny)
 
 
 def lora_linear_reference(x, weight, bias, lora_a, lora_b, scale):
-    """PEFT's computation in plain PyTorch: the base layer, then the adapter's two linears, scaled and added."""
+    """PEFT's computation in plain PyTorch: the base layer, then the adapter's two linears, scaled
+    and added."""
     return F.linear(x, weight, bias) + F.linear(F.linear(x, lora_a), lora_b) * scale
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Layers that share one input: q, k and v; gate and up
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 GROUP_EPILOGUES = ("cublas", "cublas_lowrank_first")
 
@@ -361,12 +384,14 @@ def _bounds(lora_as) -> list[tuple[int, int]]:
 
 
 def _stacked(lora_as, dtype: torch.dtype) -> torch.Tensor:
-    """[A_1; A_2; ...] in the GEMMs' dtype: r_1 + r_2 + ... rows of in_features (nothing of the tokens' size)."""
+    """[A_1; A_2; ...] in the GEMMs' dtype: r_1 + r_2 + ... rows of in_features (nothing of the
+    tokens' size)."""
     return torch.cat([a.to(dtype) for a in lora_as])
 
 
 def group_forward(x2, weights, biases, lora_as, lora_bs, scales, epilogue):
-    """(outputs, xa) for 2-D ``x2`` [tokens, in]: one ``y_i`` [tokens, out_i] per layer and ``xa`` [tokens, Σr]."""
+    """(outputs, xa) for 2-D ``x2`` [tokens, in]: one ``y_i`` [tokens, out_i] per layer and ``xa``
+    [tokens, Σr]."""
     xa = x2 @ _stacked(lora_as, x2.dtype).t()
     outputs = []
     for (lo, hi), w, bias, b, s in zip(_bounds(lora_as), weights, biases, lora_bs, scales):
@@ -375,7 +400,8 @@ def group_forward(x2, weights, biases, lora_as, lora_bs, scales, epilogue):
 
 
 def group_backward(dys, x2, weights, lora_as, lora_bs, xa, scales, need_dx, epilogue, skinny):
-    """(dx, [dA_i], [dB_i]) for the 2-D output gradients ``dys``; ``dx`` is None when ``need_dx`` is False."""
+    """(dx, [dA_i], [dB_i]) for the 2-D output gradients ``dys``; ``dx`` is None when ``need_dx`` is
+    False."""
     bounds = _bounds(lora_as)
     dxas, d_bs = [], []
     for (lo, hi), dy, b, s in zip(bounds, dys, lora_bs, scales):
@@ -407,14 +433,15 @@ def check_group(x, weights, biases, lora_as, lora_bs, scales, epilogue, skinny) 
 
 
 def adapters_share_dtype(lora_as, lora_bs) -> bool:
-    """Whether every A and B of a group has one dtype, as the stacked [A_1; A_2; ...] and its gradient need."""
+    """Whether every A and B of a group has one dtype, as the stacked [A_1; A_2; ...] and its
+    gradient need."""
     return len({t.dtype for t in (*lora_as, *lora_bs)}) == 1
 
 
 class LoRAGroupFunction(torch.autograd.Function):
-    """Several LoRA layers on one input as one autograd node (the module docstring). ``apply(x, epilogue, skinny,
-    scales, w_1, b_1, A_1, B_1, w_2, ...)``: four tensors per layer (a bias may be None); returns one 2-D output
-    [tokens, out_i] per layer."""
+    """Several LoRA layers on one input as one autograd node (the module docstring). ``apply(x,
+    epilogue, skinny, scales, w_1, b_1, A_1, B_1, w_2, ...)``: four tensors per layer (a bias may be
+    None); returns one 2-D output [tokens, out_i] per layer."""
 
     @staticmethod
     def forward(ctx, x, epilogue, skinny, scales, *params):
@@ -447,9 +474,10 @@ class LoRAGroupFunction(torch.autograd.Function):
 
 def lora_group(x: torch.Tensor, weights, biases, lora_as, lora_bs, scales, *, epilogue: str = "cublas",
                skinny: str = "cublas") -> list[torch.Tensor]:
-    """``[lora_linear(x, w_i, b_i, A_i, B_i, s_i) for each layer]`` as one fused node: x [..., in], one weight
-    [out_i, in] and bias (or None) in x's dtype per layer, adapters A_i [r_i, in] and B_i [out_i, r_i] of one dtype,
-    scales s_i. Returns one [..., out_i] tensor per layer; gradients as ``kernels.lora.lora_linear`` gives them."""
+    """``[lora_linear(x, w_i, b_i, A_i, B_i, s_i) for each layer]`` as one fused node: x [..., in],
+    one weight [out_i, in] and bias (or None) in x's dtype per layer, adapters A_i [r_i, in] and B_i
+    [out_i, r_i] of one dtype, scales s_i. Returns one [..., out_i] tensor per layer; gradients as
+    ``kernels.lora.lora_linear`` gives them."""
     scales = tuple(float(s) for s in scales)
     check_group(x, weights, biases, lora_as, lora_bs, scales, epilogue, skinny)
     params = [t for layer in zip(weights, biases, lora_as, lora_bs) for t in layer]

@@ -1,22 +1,25 @@
-"""SwiGLU in Triton: the gated activation of Llama's MLP, forward and backward, as operators, function and module.
+"""SwiGLU in Triton: the gated activation of Llama's MLP, forward and backward, as operators,
+function and module.
 
     y = silu(gate) ⊙ up = gate · σ(gate) ⊙ up
 
-Llama's MLP computes ``down_proj(silu(gate_proj(x)) * up_proj(x))``. Between the two matmuls, eager PyTorch runs
-two elementwise kernels (silu, then the product) and keeps ``silu(gate)`` alive for the backward pass. Here the
-forward reads gate and up once and writes y once; the backward reads dy, gate and up once and writes d(gate) and
-d(up) once, recomputing σ(gate) in registers instead of storing anything:
+Llama's MLP computes ``down_proj(silu(gate_proj(x)) * up_proj(x))``. Between the two matmuls, eager
+PyTorch runs two elementwise kernels (silu, then the product) and keeps ``silu(gate)`` alive for the
+backward pass. Here the forward reads gate and up once and writes y once; the backward reads dy,
+gate and up once and writes d(gate) and d(up) once, recomputing σ(gate) in registers instead of
+storing anything:
 
     d(up)   = dy ⊙ silu(gate)
     d(gate) = dy ⊙ up ⊙ σ(gate) · (1 + gate · (1 − σ(gate)))
 
-Recomputing costs a few arithmetic operations per element, which a memory-bound kernel gets for free; storing
-silu(gate) would cost a write in the forward and a read in the backward (assets/notes/swiglu_rope.md counts them).
+Recomputing costs a few arithmetic operations per element, which a memory-bound kernel gets for
+free; storing silu(gate) would cost a write in the forward and a read in the backward
+(assets/notes/swiglu_rope.md counts them).
 
-All arithmetic is float32 whatever the storage dtype; y is rounded once, when stored (Hugging Face rounds silu(gate)
-to the input dtype before the product, so bfloat16 outputs can differ from it by one rounding, and are closer to
-float64). ``gate`` and ``up`` may be strided views, e.g. the two halves of one fused gate-and-up projection: rows
-are read through their stride, without a copy.
+All arithmetic is float32 whatever the storage dtype; y is rounded once, when stored (Hugging Face
+rounds silu(gate) to the input dtype before the product, so bfloat16 outputs can differ from it by
+one rounding, and are closer to float64). ``gate`` and ``up`` may be strided views, e.g. the two
+halves of one fused gate-and-up projection: rows are read through their stride, without a copy.
 """
 
 from __future__ import annotations
@@ -31,20 +34,22 @@ from torch.nn.modules import module as nn_module
 
 from . import host_path, ops, runtime
 
-# Rows as the kernels read them: a view with any row stride (the halves gu[..., :I] of a fused projection are one,
-# with row stride 2·I), copied only when no such view exists. The same rule as RMSNorm's.
+# Rows as the kernels read them: a view with any row stride (the halves gu[..., :I] of a fused
+# projection are one, with row stride 2·I), copied only when no such view exists. The same rule as
+# RMSNorm's.
 from .rmsnorm import as_rows
 from .triton_utils import cast_to
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Kernels
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @triton.jit
 def _tile(pid_row, pid_col, n_rows, n_cols, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-    # The [ROWS, BLOCK_N] tile of one program: its row indices in int64 (row * stride overflows int32 once
-    # tokens × intermediate passes 2**31: 150K tokens at 14,336), its columns, and the mask of the ragged edges.
+    # The [ROWS, BLOCK_N] tile of one program: its row indices in int64 (row * stride overflows
+    # int32 once tokens × intermediate passes 2**31: 150K tokens at 14,336), its columns, and the
+    # mask of the ragged edges.
     rows = pid_row.to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = pid_col * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
@@ -57,7 +62,8 @@ def swiglu_fwd_kernel(
     n_rows, n_cols, stride_gate, stride_up, stride_y,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """The forward pass: ``silu(gate) * up`` into Y, one [ROWS, BLOCK_N] tile per program (``swiglu_forward``)."""
+    """The forward pass: ``silu(gate) * up`` into Y, one [ROWS, BLOCK_N] tile per program
+    (``swiglu_forward``)."""
     rows, cols, ok = _tile(tl.program_id(0), tl.program_id(1), n_rows, n_cols, ROWS, BLOCK_N)
     g = tl.load(GATE + rows[:, None] * stride_gate + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     u = tl.load(UP + rows[:, None] * stride_up + cols[None, :], mask=ok, other=0.0).to(tl.float32)
@@ -71,26 +77,29 @@ def swiglu_bwd_kernel(
     n_rows, n_cols, stride_dy, stride_gate, stride_up, stride_dgate, stride_dup,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """The backward pass: d(gate) and d(up) from dy, gate and up, one tile per program (``launch_backward``)."""
+    """The backward pass: d(gate) and d(up) from dy, gate and up, one tile per program
+    (``launch_backward``)."""
     rows, cols, ok = _tile(tl.program_id(0), tl.program_id(1), n_rows, n_cols, ROWS, BLOCK_N)
     dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     g = tl.load(GATE + rows[:, None] * stride_gate + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     u = tl.load(UP + rows[:, None] * stride_up + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    # Recompute σ(gate) here rather than reading a stored silu(gate): arithmetic is free, bytes are not.
+    # Recompute σ(gate) here rather than reading a stored silu(gate): arithmetic is free, bytes are
+    # not.
     s = tl.sigmoid(g)
     silu = g * s
     d_up = dy * silu
     # silu'(g) = σ(g) + g·σ(g)·(1 − σ(g)) = σ(g)·(1 + g·(1 − σ(g)))
     d_gate = dy * u * s * (1.0 + g * (1.0 - s))
-    tl.store(DGATE + rows[:, None] * stride_dgate + cols[None, :], cast_to(d_gate, DGATE.dtype.element_ty), mask=ok)
+    tl.store(DGATE + rows[:, None] * stride_dgate + cols[None, :],
+             cast_to(d_gate, DGATE.dtype.element_ty), mask=ok)
     tl.store(DUP + rows[:, None] * stride_dup + cols[None, :], cast_to(d_up, DUP.dtype.element_ty), mask=ok)
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Launch configuration: one function per kernel, from the shape and the device's properties
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
-# The interpreter pays ~1-3 ms of Python per program but runs each tile with NumPy: few, large programs.
+# The interpreter pays Python per program but runs each tile with NumPy: few, large programs.
 _INTERPRETER_MAX_TILE = 1 << 18
 
 
@@ -104,17 +113,17 @@ class Config:
 
 def _elementwise_config(n_rows: int, n_cols: int, props: runtime.DeviceProps, max_block: int,
                         max_warps: int, elements_per_warp: int) -> Config:
-    """Tiles of an elementwise kernel: one row per program, the row in one tile of up to ``max_block`` columns."""
+    """Tiles of an elementwise kernel: one row per program, the row in one tile of up to
+    ``max_block`` columns."""
     if props.interpreter:
         block_n = min(triton.next_power_of_2(max(n_cols, 1)), _INTERPRETER_MAX_TILE)
         rows = min(triton.next_power_of_2(max(n_rows, 1)), max(1, _INTERPRETER_MAX_TILE // block_n))
         return Config((triton.cdiv(n_rows, rows), triton.cdiv(n_cols, block_n)), rows, block_n, 4)
-    # Measured on an H200 (assets/notes/swiglu_rope.md, the launch sweep of 48 tiles at 14,336 columns and 1,024,
-    # 4,096 and 16,384 rows): the tiles within 2% of the best at every row count were one row tall. The forward's
-    # best spans the whole row (16,384 columns, 32 warps: 16 elements per thread); the backward, which keeps three
-    # inputs and σ(gate) live, prefers 2,048 columns with 16 warps (4 elements per thread). The first prediction,
-    # 1,024-column tiles of 4 to 8 rows, was 4-5% slower in the forward. Dense tensors are read as rows of
-    # _RECUT_COLS (below) instead: one 1,024-column tile per program, 4 warps forward and 8 backward.
+    # Chosen by a launch sweep (assets/notes/swiglu_rope.md): the best tiles at every row count were
+    # one row tall. The forward's spans the whole row (16,384 columns, 32 warps: 16 elements per
+    # thread); the backward, which keeps three inputs and σ(gate) live, takes 2,048 columns with 16
+    # warps (4 elements per thread). Dense tensors are read as rows of _RECUT_COLS (below) instead:
+    # one 1,024-column tile per program, 4 warps forward and 8 backward.
     block_n = min(triton.next_power_of_2(max(n_cols, 1)), max_block)
     num_warps = max(4, min(max_warps, block_n // elements_per_warp))
     return Config((n_rows, triton.cdiv(n_cols, block_n)), 1, block_n, num_warps)
@@ -140,13 +149,14 @@ def _backward_config(n_rows: int, n_cols: int, props: runtime.DeviceProps) -> Co
     return _elementwise_config(n_rows, n_cols, props, max_block=2048, max_warps=16, elements_per_warp=128)
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Host side: checks and launches
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
-# The dtypes the kernels store; their arithmetic is float32 whatever these are. float64 is refused, as by every kernel
-# of the package: a float32 answer in a float64 tensor would look more precise than it is.
+# The dtypes the kernels store; their arithmetic is float32 whatever these are. float64 is refused,
+# as by every kernel of the package: a float32 answer in a float64 tensor would look more precise
+# than it is.
 
 
 def _check_inputs(gate: torch.Tensor, up: torch.Tensor) -> None:
@@ -168,11 +178,11 @@ def _check_inputs(gate: torch.Tensor, up: torch.Tensor) -> None:
         raise ValueError(f"in gpu mode gate and up must be CUDA tensors, got tensors on {gate.device}")
 
 
-# Elementwise work does not care where rows end. When gate, up (and dy) are each one dense block, both kernels read
-# them as rows of _RECUT_COLS elements instead of the model's rows (14,336 at the 8B shape). Measured on H200s
-# (assets/notes/swiglu_rope.md): the backward 2-4% faster at 1,024-16,384 tokens than with tiles of 14,336-wide
-# rows, the forward 0.3-3% faster at 512-16,384 tokens than with one 16,384-column tile per row (2,048 masked-off
-# lanes). An explicit ``config`` describes the tensors' own rows, so it turns the recut off.
+# Elementwise work does not care where rows end. When gate, up (and dy) are each one dense block,
+# both kernels read them as rows of _RECUT_COLS elements instead of the model's rows (14,336 at the
+# 8B shape): a power of two leaves no masked-off lanes, where one 16,384-column tile per row masks
+# 2,048 (timings: assets/notes/swiglu_rope.md). An explicit ``config`` describes the tensors' own
+# rows, so it turns the recut off.
 _RECUT_COLS = 1024
 
 
@@ -187,8 +197,9 @@ def _dense_rows(numel: int, n_cols: int, config: Config | None) -> tuple[int, in
 def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, config: Config | None = None) -> torch.Tensor:
     """Launch the forward kernel: ``silu(gate) * up``, a new contiguous tensor of gate's shape and dtype."""
     if gate.is_contiguous() and up.is_contiguous():
-        # The common case, passed as it is: a kernel argument is a pointer, so contiguous tensors of any rank are
-        # already rows of any width that divides their size (here _RECUT_COLS), and no view is made on the host.
+        # The common case, passed as it is: a kernel argument is a pointer, so contiguous tensors of
+        # any rank are already rows of any width that divides their size (here _RECUT_COLS), and no
+        # view is made on the host.
         y = torch.empty_like(gate)
         g, u = gate, up
         n_rows, n_cols = _dense_rows(gate.numel(), gate.shape[-1], config)
@@ -230,8 +241,9 @@ def swiglu_backward(
 
 def launch_backward(d, g, u, d_gate, d_up, n_rows: int, n_cols: int, strides: tuple[int, ...],
                     config: Config | None = None) -> None:
-    """The backward kernel on ``n_rows`` rows of ``n_cols``, each tensor's rows ``strides`` apart (dy, gate, up,
-    d(gate), d(up)): d(gate) into ``d_gate``, d(up) into ``d_up`` (which may be ``g`` and ``u`` themselves)."""
+    """The backward kernel on ``n_rows`` rows of ``n_cols``, each tensor's rows ``strides`` apart
+    (dy, gate, up, d(gate), d(up)): d(gate) into ``d_gate``, d(up) into ``d_up`` (which may be ``g``
+    and ``u`` themselves)."""
     cfg = config or _backward_config(n_rows, n_cols, runtime.device_props(g.device))
     swiglu_bwd_kernel[cfg.grid](
         d, g, u, d_gate, d_up, n_rows, n_cols, *strides,
@@ -240,8 +252,9 @@ def launch_backward(d, g, u, d_gate, d_up, n_rows: int, n_cols: int, strides: tu
 
 
 def _in_place_addressable(gate: torch.Tensor, up: torch.Tensor) -> bool:
-    """Whether the backward may write d(gate) over gate and d(up) over up: each dense (its rows are views, never
-    copies) and in memory of its own (the two halves of one fused projection share a buffer, so they do not qualify)."""
+    """Whether the backward may write d(gate) over gate and d(up) over up: each dense (its rows are
+    views, never copies) and in memory of its own (the two halves of one fused projection share a
+    buffer, so they do not qualify)."""
     return (gate.is_contiguous() and up.is_contiguous()
             and gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr())
 
@@ -252,32 +265,34 @@ def _shares_memory(t: torch.Tensor, *others: torch.Tensor) -> bool:
 
 
 def may_overwrite(t: torch.Tensor) -> bool:
-    """Whether a backward may write over ``t``: an intermediate result of autograd, never a leaf (a parameter, a
-    caller's input) nor a view of one. A view's ``grad_fn`` is a view node even when its memory is a leaf's, so the
-    tensor the view was cut from (``_base``) must be an intermediate result too."""
+    """Whether a backward may write over ``t``: an intermediate result of autograd, never a leaf (a
+    parameter, a caller's input) nor a view of one. A view's ``grad_fn`` is a view node even when
+    its memory is a leaf's, so the tensor the view was cut from (``_base``) must be an intermediate
+    result too."""
     base = t._base if t._base is not None else t
     return t.grad_fn is not None and not t.is_leaf and base.grad_fn is not None and not base.is_leaf
 
 
 def inplace_backward_allowed(gate: torch.Tensor, up: torch.Tensor) -> bool:
-    """Whether ``swiglu(gate, up, inplace_backward=True)`` really writes its gradients over gate and up: in eager
-    autograd on plain tensors, with gate and up intermediate results (``may_overwrite``), dense, and in memory of
-    their own."""
-    return (not torch.compiler.is_compiling() and _has_memory(gate, up) and may_overwrite(gate) and may_overwrite(up)
+    """Whether ``swiglu(gate, up, inplace_backward=True)`` really writes its gradients over gate and
+    up: in eager autograd on plain tensors, with gate and up intermediate results
+    (``may_overwrite``), dense, and in memory of their own."""
+    return (not torch.compiler.is_compiling() and _has_memory(gate,
+                                                              up) and may_overwrite(gate) and may_overwrite(up)
             and _in_place_addressable(gate, up))
 
 
 def _has_memory(*tensors: torch.Tensor) -> bool:
-    # Plain tensors with memory of their own, whose storage addresses can be compared: not fake tensors (a subclass,
-    # while tracing) nor meta tensors, which take the out-of-place backward.
+    # Plain tensors with memory of their own, whose storage addresses can be compared: not fake
+    # tensors (a subclass, while tracing) nor meta tensors, which take the out-of-place backward.
     return all(type(t) in (torch.Tensor, torch.nn.Parameter) and not t.is_meta for t in tensors)
 
 
 def swiglu_backward_(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> None:
     """Launch the backward kernel writing d(gate) over ``gate`` and d(up) over ``up``.
 
-    Every element is loaded before it is stored, by the same program, so the kernel may overwrite its inputs.
-    ``gate`` and ``up`` must pass ``_in_place_addressable``.
+    Every element is loaded before it is stored, by the same program, so the kernel may overwrite
+    its inputs. ``gate`` and ``up`` must pass ``_in_place_addressable``.
     """
     if not _in_place_addressable(gate, up):
         raise ValueError("swiglu_bwd_ writes over gate and up: each must be contiguous and in memory of its own")
@@ -290,13 +305,14 @@ def swiglu_backward_(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> 
         strides = (d.stride(0),) + (n_cols,) * 4
     if n_rows and n_cols:
         launch_backward(d, gate, up, gate, up, n_rows, n_cols, strides)
-    # A Triton store is invisible to autograd: bump the version counters by hand, as PyTorch's in-place ops do.
+    # A Triton store is invisible to autograd: bump the version counters by hand, as PyTorch's
+    # in-place ops do.
     torch.autograd.graph.increment_version((gate, up))
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # PyTorch operators: torch.ops.kernels.swiglu_fwd, swiglu_bwd and swiglu_bwd_ (see kernels/ops.py)
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def _forward_fake(gate, up):
@@ -313,52 +329,56 @@ swiglu_bwd_op = ops.define(
     "swiglu_bwd(Tensor dy, Tensor gate, Tensor up) -> (Tensor, Tensor)", swiglu_backward, _backward_fake
 )
 swiglu_bwd_inplace_op = ops.define(
-    "swiglu_bwd_(Tensor dy, Tensor(a!) gate, Tensor(b!) up) -> ()", swiglu_backward_, lambda dy, gate, up: None
+    "swiglu_bwd_(Tensor dy, Tensor(a!) gate, Tensor(b!) up) -> ()", swiglu_backward_, lambda dy,
+    gate, up: None
 )
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The C++ host path (kernels.host_path): what it launches, and the Python path it falls back to
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
-# The host path launches these kernels by handle and, on a miss, runs this Python path. It imports no kernel
-# family: each hands over what the host path needs when it is imported.
+# The host path launches these kernels by handle and, on a miss, runs this Python path. It imports
+# no kernel family: each hands over what the host path needs when it is imported.
 host_path.register_family(host_path.SwiGLUFamily(
     cols=_RECUT_COLS, forward=swiglu_forward, backward_op=swiglu_bwd_op, forward_config=_forward_config,
     backward_config=_backward_config, forward_kernel=swiglu_fwd_kernel, backward_kernel=swiglu_bwd_kernel,
 ))
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # autograd, function, module
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def _forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return ops.call(swiglu_fwd_op, gate, up)
 
 
-def _backward_in_place(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """d(gate) and d(up), written over the saved gate and up. The operator declares its writes and bumps their version
-    counters, so any other autograd node that saved them fails loudly ("modified by an inplace operation") instead
-    of reading gradients."""
+def _backward_in_place(dy: torch.Tensor, gate: torch.Tensor,
+                       up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """d(gate) and d(up), written over the saved gate and up. The operator declares its writes and
+    bumps their version counters, so any other autograd node that saved them fails loudly ("modified
+    by an inplace operation") instead of reading gradients."""
     ops.call(swiglu_bwd_inplace_op, dy, gate, up)
     return gate.detach(), up.detach()
 
 
 class SwiGLUFunction(torch.autograd.Function):
-    """autograd glue around the operators (their implementations directly in a plain eager call, ``ops.call``):
-    the forward saves gate and up (the tensors autograd keeps for the matmuls anyway, so no extra memory); nothing
-    else is stored.
+    """autograd glue around the operators (their implementations directly in a plain eager call,
+    ``ops.call``): the forward saves gate and up (the tensors autograd keeps for the matmuls anyway,
+    so no extra memory); nothing else is stored.
 
-    With ``inplace_backward`` the backward writes d(gate) and d(up) over the saved gate and up, so no new
-    [..., intermediate] tensors exist at that moment of the backward (``swiglu``'s docstring says when that is safe).
+    With ``inplace_backward`` the backward writes d(gate) and d(up) over the saved gate and up, so
+    no new [..., intermediate] tensors exist at that moment of the backward (``swiglu``'s docstring
+    says when that is safe).
     """
 
     @staticmethod
     def forward(ctx, gate, up, inplace_backward):
         ctx.save_for_backward(gate, up)
-        # The caller decided (``swiglu``: intermediate results only); the layout is checked here once more.
+        # The caller decided (``swiglu``: intermediate results only); the layout is checked here
+        # once more.
         ctx.inplace = inplace_backward and _in_place_addressable(gate, up)
         return _forward(gate, up)
 
@@ -366,8 +386,8 @@ class SwiGLUFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
-        # A gradient that is itself a view of gate or up (a hand-written backward upstream) would be read after it
-        # is overwritten: out of place then.
+        # A gradient that is itself a view of gate or up (a hand-written backward upstream) would be
+        # read after it is overwritten: out of place then.
         inplace = ctx.inplace and not _shares_memory(dy, gate, up)
         d_gate, d_up = _backward_in_place(dy, gate, up) if inplace else ops.call(swiglu_bwd_op, dy, gate, up)
         return (d_gate if ctx.needs_input_grad[0] else None), (d_up if ctx.needs_input_grad[1] else None), None
@@ -376,29 +396,41 @@ class SwiGLUFunction(torch.autograd.Function):
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = False) -> torch.Tensor:
     """``silu(gate) * up`` in one Triton kernel (and its backward in one more).
 
-    ``gate`` and ``up`` have the same shape (any leading dimensions), dtype and device; either may be a strided view
-    whose last dimension is contiguous (e.g. ``gu[..., :I]`` and ``gu[..., I:]``). The output has their dtype and
-    shape. Works under ``torch.compile`` and CUDA graphs: the kernels are ``torch.ops.kernels.swiglu_fwd``/``_bwd``.
-    Eagerly on a GPU, dense gate and up go through a C++ autograd node that launches the same kernels
-    (``kernels.host_path``).
+    ``gate`` and ``up`` have the same shape (any leading dimensions), dtype and device; either may
+    be a strided view whose last dimension is contiguous (e.g. ``gu[..., :I]`` and ``gu[..., I:]``).
+    The output has their dtype and shape. Works under ``torch.compile`` and CUDA graphs: the kernels
+    are ``torch.ops.kernels.swiglu_fwd``/``_bwd``. Eagerly on a GPU, dense gate and up go through a
+    C++ autograd node that launches the same kernels (``kernels.host_path``).
 
-    ``inplace_backward=True`` lets the backward write d(gate) and d(up) over gate and up when each is the output of
-    another operation (never a leaf such as a parameter or a caller's input, nor a view of one: ``h.view(4, 6)`` of a
-    leaf ``h`` is its memory), contiguous, and in memory of its own; otherwise, and under ``torch.compile``, it
-    falls back to the out-of-place backward, with the same gradients: the flag is a memory hint, never an error.
-    Writing in place saves two tensors of gate's size at the backward's peak, and is safe only when nothing else
-    reads gate and up after this backward: true of a Llama MLP's projection outputs. Anything that saved them for
-    its own backward gets PyTorch's "modified by an inplace operation" error, not wrong gradients; a caller who
-    keeps gate or up to read after the backward must not pass the flag.
+    ``inplace_backward=True`` lets the backward write d(gate) and d(up) over gate and up when each
+    is the output of another operation (never a leaf such as a parameter or a caller's input, nor a
+    view of one: ``h.view(4, 6)`` of a leaf ``h`` is its memory), contiguous, and in memory of its
+    own; otherwise, and under ``torch.compile``, it falls back to the out-of-place backward, with
+    the same gradients: the flag is a memory hint, never an error. Writing in place saves two
+    tensors of gate's size at the backward's peak, and is safe only when nothing else reads gate and
+    up after this backward: true of a Llama MLP's projection outputs. Anything that saved them for
+    its own backward gets PyTorch's "modified by an inplace operation" error, not wrong gradients; a
+    caller who keeps gate or up to read after the backward must not pass the flag. Chapter 11
+    derives it.
+
+    Args:
+        gate: the gate projection's output, [..., I].
+        up: the up projection's output, of ``gate``'s shape, dtype and device.
+        inplace_backward: let the backward write its gradients over gate and up (a memory hint).
+
+    Returns:
+        ``silu(gate) * up``, of ``gate``'s shape and dtype.
     """
     _check_inputs(gate, up)
     with_grad = torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)
     if host_path.takes(gate, up, inplace_backward):
-        # Dense tensors on a GPU, eagerly: the same kernels, with the autograd node and the launches in C++.
+        # Dense tensors on a GPU, eagerly: the same kernels, with the autograd node and the launches
+        # in C++.
         return host_path.swiglu(gate, up, with_grad)
     if with_grad:
-        # Leaves (parameters, a caller's inputs) and views of them are never overwritten: only outputs of other
-        # operations. Under torch.compile the compiler plans the backward's memory itself: the out-of-place operator.
+        # Leaves (parameters, a caller's inputs) and views of them are never overwritten: only
+        # outputs of other operations. Under torch.compile the compiler plans the backward's memory
+        # itself: the out-of-place operator.
         inplace_backward = inplace_backward and inplace_backward_allowed(gate, up)
         return SwiGLUFunction.apply(gate, up, inplace_backward)
     return _forward(gate, up)
@@ -407,11 +439,12 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = Fal
 class SwiGLUDownFunction(torch.autograd.Function):
     """``linear(swiglu(gate, up), weight, bias)`` keeping only gate and up for the backward.
 
-    A linear layer saves its input for its weight's gradient; here that input, y = silu(gate) · up, is a tensor of
-    gate's size that the SwiGLU backward does not need. So the forward frees y at once, and the backward recomputes
-    it from gate and up (one elementwise kernel, the same bits) just for d(weight), freeing it again before d(y)
-    exists. The backward writes d(gate) and d(up) over gate and up, as ``swiglu(..., inplace_backward=True)`` does.
-    The forward keeps two [..., I] tensors instead of three, and the backward never holds more than three.
+    A linear layer saves its input for its weight's gradient; here that input, y = silu(gate) · up,
+    is a tensor of gate's size that the SwiGLU backward does not need. So the forward frees y at
+    once, and the backward recomputes it from gate and up (one elementwise kernel, the same bits)
+    just for d(weight), freeing it again before d(y) exists. The backward writes d(gate) and d(up)
+    over gate and up, as ``swiglu(..., inplace_backward=True)`` does. The forward keeps two [..., I]
+    tensors instead of three, and the backward never holds more than three.
     """
 
     @staticmethod
@@ -433,8 +466,8 @@ class SwiGLUDownFunction(torch.autograd.Function):
         if ctx.needs_input_grad[3]:
             d_bias = d_rows.sum(0)
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            # Under autocast the weight may be float32 while d_out is bf16: multiply in d_out's dtype, as the
-            # forward's autocast did.
+            # Under autocast the weight may be float32 while d_out is bf16: multiply in d_out's
+            # dtype, as the forward's autocast did.
             d_gate, d_up = _backward_in_place(d_out.matmul(weight.to(d_out.dtype)), gate, up)
         return d_gate, d_up, d_weight, d_bias
 
@@ -446,20 +479,26 @@ def _global_module_hooks() -> bool:
 class TritonSwiGLUMLP(torch.nn.Module):
     """Llama's MLP, ``down_proj(silu(gate_proj(x)) * up_proj(x))``, with the activation and product fused.
 
-    ``from_hf(mlp)`` keeps the very same ``gate_proj``, ``up_proj`` and ``down_proj`` submodules, so parameter names,
-    an optimizer created before, and PEFT adapter layers inside those projections are all unchanged.
+    ``from_hf(mlp)`` keeps the very same ``gate_proj``, ``up_proj`` and ``down_proj`` submodules, so
+    parameter names, an optimizer created before, and PEFT adapter layers inside those projections
+    are all unchanged.
 
-    Memory: the SwiGLU backward writes its gradients over gate and up, and when ``down_proj`` is a plain
-    ``nn.Linear`` the product silu(gate) · up is not kept for its weight's gradient but recomputed in the backward
-    (``SwiGLUDownFunction``): two [tokens, intermediate] tensors kept per layer, where ``down_proj(swiglu(...))``
-    keeps three and Hugging Face's MLP four, and at most three alive in its backward. A ``down_proj`` with a
-    ``forward_after_swiglu(gate, up)`` method (a fused PEFT LoRA layer, ``kernels.hf.lora``) is handed gate and up
-    likewise, and recomputes the product for its adapter's gradient. Under ``torch.compile`` it is
-    ``down_proj(swiglu(gate, up))``.
+    Memory: the SwiGLU backward writes its gradients over gate and up, and when ``down_proj`` is a
+    plain ``nn.Linear`` the product silu(gate) · up is not kept for its weight's gradient but
+    recomputed in the backward (``SwiGLUDownFunction``): two [tokens, intermediate] tensors kept per
+    layer, where ``down_proj(swiglu(...))`` keeps three and Hugging Face's MLP four, and at most
+    three alive in its backward. A ``down_proj`` with a ``forward_after_swiglu(gate, up)`` method (a
+    fused PEFT LoRA layer, ``kernels.hf.lora``) is handed gate and up likewise, and recomputes the
+    product for its adapter's gradient. Under ``torch.compile`` it is ``down_proj(swiglu(gate,
+    up))``.
+
+    Args:
+        gate_proj, up_proj, down_proj: the three projections, kept as given (``from_hf`` takes them
+            from a Hugging Face MLP).
     """
 
-    # Set to False (on the class or one module) to keep the product for down_proj as PyTorch would: no recompute in
-    # the backward, one more [tokens, intermediate] tensor per layer.
+    # Set to False (on the class or one module) to keep the product for down_proj as PyTorch would:
+    # no recompute in the backward, one more [tokens, intermediate] tensor per layer.
     fuse_down_proj: bool = True
 
     def __init__(self, gate_proj: torch.nn.Module, up_proj: torch.nn.Module, down_proj: torch.nn.Module):
@@ -470,14 +509,16 @@ class TritonSwiGLUMLP(torch.nn.Module):
 
     @classmethod
     def from_hf(cls, mlp: torch.nn.Module) -> TritonSwiGLUMLP:
-        """A TritonSwiGLUMLP over ``mlp``'s own projections (no copy). ``mlp`` must use the SiLU activation."""
+        """A TritonSwiGLUMLP over ``mlp``'s own projections (no copy). ``mlp`` must use the SiLU
+        activation."""
         missing = [name for name in ("gate_proj", "up_proj", "down_proj") if not hasattr(mlp, name)]
         if missing:
             raise TypeError(f"{type(mlp).__name__} has no {', '.join(missing)}: not a Llama-style gated MLP")
         act = getattr(getattr(mlp, "config", None), "hidden_act", None)
         if act is None:
             act_fn = getattr(mlp, "act_fn", None)
-            # transformers' ACT2FN["silu"] is its own SiLUActivation, ACT2FN["swish"] torch's nn.SiLU.
+            # transformers' ACT2FN["silu"] is its own SiLUActivation, ACT2FN["swish"] torch's
+            # nn.SiLU.
             act = "silu" if type(act_fn).__name__ in ("SiLU", "SiLUActivation") else repr(act_fn)
         if act not in ("silu", "swish"):
             raise ValueError(
@@ -487,9 +528,10 @@ class TritonSwiGLUMLP(torch.nn.Module):
         return cls(mlp.gate_proj, mlp.up_proj, mlp.down_proj)
 
     def _down_fuses(self, gate: torch.Tensor, up: torch.Tensor) -> bool:
-        """Whether ``SwiGLUDownFunction`` may stand in for ``down_proj(swiglu(gate, up))``: in eager autograd, with
-        gate and up the backward may overwrite, and ``down_proj`` a plain ``nn.Linear`` whose forward nothing hooks
-        (a PEFT LoRA layer, a quantised layer or a sharding hook keeps its own forward)."""
+        """Whether ``SwiGLUDownFunction`` may stand in for ``down_proj(swiglu(gate, up))``: in eager
+        autograd, with gate and up the backward may overwrite, and ``down_proj`` a plain
+        ``nn.Linear`` whose forward nothing hooks (a PEFT LoRA layer, a quantised layer or a
+        sharding hook keeps its own forward)."""
         down = self.down_proj
         return (self.fuse_down_proj and torch.is_grad_enabled() and type(down) is torch.nn.Linear
                 and not (down._forward_hooks or down._forward_pre_hooks) and not _global_module_hooks()
@@ -497,9 +539,10 @@ class TritonSwiGLUMLP(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
-        # gate and up are this forward's own temporaries: their backward may overwrite them (swiglu's docstring),
-        # and with a plain down_proj the product is not kept for its weight's gradient but recomputed. Not when a
-        # projection hands x itself (or a view of it) through, e.g. an nn.Identity: x belongs to the caller.
+        # gate and up are this forward's own temporaries: their backward may overwrite them
+        # (swiglu's docstring), and with a plain down_proj the product is not kept for its weight's
+        # gradient but recomputed. Not when a projection hands x itself (or a view of it) through,
+        # e.g. an nn.Identity: x belongs to the caller.
         if (not torch.compiler.is_compiling() and isinstance(x, torch.Tensor) and _has_memory(x, gate, up)
                 and _shares_memory(x, gate, up)):
             return self.down_proj(swiglu(gate, up))
@@ -509,9 +552,10 @@ class TritonSwiGLUMLP(torch.nn.Module):
         return out if out is not None else self.down_proj(swiglu(gate, up, inplace_backward=True))
 
     def _down_after_swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
-        """``down_proj.forward_after_swiglu(gate, up)``: a down_proj that computes ``down_proj(swiglu(gate, up))``
-        itself without keeping the product (``kernels.hf.lora`` gives one to PEFT's fused LoRA layers), under the
-        conditions of ``_down_fuses`` but the layer's type. None where down_proj has none or it declines the call."""
+        """``down_proj.forward_after_swiglu(gate, up)``: a down_proj that computes
+        ``down_proj(swiglu(gate, up))`` itself without keeping the product (``kernels.hf.lora``
+        gives one to PEFT's fused LoRA layers), under the conditions of ``_down_fuses`` but the
+        layer's type. None where down_proj has none or it declines the call."""
         down = self.down_proj
         after = getattr(down, "forward_after_swiglu", None)
         if (after is None or not (self.fuse_down_proj and torch.is_grad_enabled()) or down._forward_hooks

@@ -1,41 +1,46 @@
-"""The host path in C++ of SwiGLU, RoPE and RMSNorm: the autograd nodes and the kernel launches out of Python, on a
-GPU.
+"""The host path in C++ of SwiGLU, RoPE and RMSNorm: the autograd nodes and the kernel launches out
+of Python, on a GPU.
 
-``kernels.bench.overhead.floor`` shows why: an ``autograd.Function`` that launches one *empty* Triton kernel per pass
-costs more host time per forward + backward than Hugging Face's whole SwiGLU in C++ operators, so where the host
-decides (small tensors, or kernels as short as RoPE's), no Python-level operator can keep up.
-``kernels/csrc/host_path.cpp`` holds three C++ ``torch::autograd::Function``s that launch the very kernels of
-``kernels/swiglu.py``, ``kernels/rope.py`` and ``kernels/rmsnorm.py``, compiled by Triton as always, through the CUDA
+``kernels.bench.overhead.floor`` shows why: an ``autograd.Function`` that launches one *empty*
+Triton kernel per pass costs more host time per forward + backward than Hugging Face's whole SwiGLU
+in C++ operators, so where the host decides (small tensors, or kernels as short as RoPE's), no
+Python-level operator can keep up. ``kernels/csrc/host_path.cpp`` holds three C++
+``torch::autograd::Function``s that launch the very kernels of ``kernels/swiglu.py``,
+``kernels/rope.py`` and ``kernels/rmsnorm.py``, compiled by Triton as always, through the CUDA
 driver (``cuLaunchKernel``) with the handles Triton returns.
 
-How a variant gets there. The first call with a given set of argument properties (those Triton specialises on:
-16-byte alignment of each pointer, an integer equal to 1 or divisible by 16; and what the launch configuration
-depends on) misses in the C++ table and calls back into Python, which runs the Python path, asks Triton for the
-kernel it compiled for exactly those arguments (``JITFunction.warmup``), checks the kernel's parameter list against
-what the C++ launch passes (``cuFuncGetParamInfo``: a mismatch, say from another Triton version, leaves that
-variant to the Python path) and registers it. Every later call with the same properties runs in C++ only.
+How a variant gets there. The first call with a given set of argument properties (those Triton
+specialises on: 16-byte alignment of each pointer, an integer equal to 1 or divisible by 16; and
+what the launch configuration depends on) misses in the C++ table and calls back into Python, which
+runs the Python path, asks Triton for the kernel it compiled for exactly those arguments
+(``JITFunction.warmup``), checks the kernel's parameter list against what the C++ launch passes
+(``cuFuncGetParamInfo``: a mismatch, say from another Triton version, leaves that variant to the
+Python path) and registers it. Every later call with the same properties runs in C++ only.
 
-``swiglu`` takes this path for dense ``gate`` and ``up`` whose size divides into rows of 1,024 (every Llama MLP)
-without ``inplace_backward``; ``apply_rotary`` for the layouts of its dense kernel (Llama's q and k) when cos and
-sin need no gradient; ``rms_norm`` for contiguous ``x`` and ``weight`` (and, in the backward, a contiguous incoming
-gradient). All only eagerly, on a GPU; everything else (strided views, ``torch.compile``, tensor
-subclasses, dispatch modes, the interpreter) takes the Python path, with the same kernels and the same bits. The
-extension is compiled on first use (``torch.utils.cpp_extension``; one line says so before it starts: about
-``HOST_PATH_BUILD_SECONDS`` seconds of one CPU core, minutes on a busy machine), then cached by PyTorch in its
-extensions directory (``TORCH_EXTENSIONS_DIR``); ``python -m kernels.prebuild`` builds it ahead of time.
-``KERNELS_HOST_PATH=0`` turns the path off, and a machine without a C++ compiler or ninja runs the Python path
-(``cpu_build_unavailable`` says which is missing; ``kernels.cuda_rmsnorm`` asks it too before its builds).
+``swiglu`` takes this path for dense ``gate`` and ``up`` whose size divides into rows of 1,024
+(every Llama MLP) without ``inplace_backward``; ``apply_rotary`` for the layouts of its dense kernel
+(Llama's q and k) when cos and sin need no gradient; ``rms_norm`` for contiguous ``x`` and
+``weight`` (and, in the backward, a contiguous incoming gradient). All only eagerly, on a GPU;
+everything else (strided views, ``torch.compile``, tensor subclasses, dispatch modes, the
+interpreter) takes the Python path, with the same kernels and the same bits. The extension is
+compiled on first use (``torch.utils.cpp_extension``; one line says so before it starts: about
+``HOST_PATH_BUILD_SECONDS`` seconds of one CPU core, minutes on a busy machine), then cached by
+PyTorch in its extensions directory (``TORCH_EXTENSIONS_DIR``); ``python -m kernels.prebuild``
+builds it ahead of time. ``KERNELS_HOST_PATH=0`` turns the path off, and a machine without a C++
+compiler or ninja runs the Python path (``cpu_build_unavailable`` says which is missing;
+``kernels.cuda_rmsnorm`` asks it too before its builds).
 
-The just-in-time builds of the package (this one and ``kernels.cuda_rmsnorm``'s two) share the helpers of the build
-section below: ``load_announced`` prints one line before a build that will compile (what, why, for which
-architecture, about how long) and nothing when PyTorch's cache already holds it; ``cuda_arch_list`` picks the GPU
-architectures a CUDA build compiles for.
+The just-in-time builds of the package (this one and ``kernels.cuda_rmsnorm``'s two) share the
+helpers of the build section below: ``load_announced`` prints one line before a build that will
+compile (what, why, for which architecture, about how long) and nothing when PyTorch's cache already
+holds it; ``cuda_arch_list`` picks the GPU architectures a CUDA build compiles for.
 
-What it launches comes from the kernel families themselves. This module sits below them (their functions ask
-``takes``, ``takes_rope`` and ``takes_rms_norm`` here, then call ``swiglu``, ``rope`` or ``rms_norm``) and imports
-none of them: ``kernels/swiglu.py``, ``kernels/rope.py`` and ``kernels/rmsnorm.py`` each hand over, when imported,
-their kernels, launch configurations and Python path with ``register_family`` (a ``SwiGLUFamily``, ``RopeFamily`` or
-``RMSNormFamily``), which the build and every miss read.
+What it launches comes from the kernel families themselves. This module sits below them (their
+functions ask ``takes``, ``takes_rope`` and ``takes_rms_norm`` here, then call ``swiglu``, ``rope``
+or ``rms_norm``) and imports none of them: ``kernels/swiglu.py``, ``kernels/rope.py`` and
+``kernels/rmsnorm.py`` each hand over, when imported, their kernels, launch configurations and
+Python path with ``register_family`` (a ``SwiGLUFamily``, ``RopeFamily`` or ``RMSNormFamily``),
+which the build and every miss read.
 """
 
 from __future__ import annotations
@@ -59,31 +64,34 @@ import torch
 
 from . import ops, runtime
 
-# The C++ and CUDA sources of the package, shipped as package data (pyproject.toml): this module's and those of
-# kernels.cuda_rmsnorm, which takes the folder and the build checks below from here.
+# The C++ and CUDA sources of the package, shipped as package data (pyproject.toml): this module's
+# and those of kernels.cuda_rmsnorm, which takes the folder and the build checks below from here.
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCE = CSRC / "host_path.cpp"
 EXTENSION = "kernels_host_path"
 _MAX_INT = 2**31 - 1  # the C++ launch passes integers as 32-bit, as Triton types them below this
 
 _lock = threading.Lock()
-# cols: the row width dense SwiGLU tensors are read as (SwiGLUFamily.cols), handed to C++ at the build.
+# cols: the row width dense SwiGLU tensors are read as (SwiGLUFamily.cols), handed to C++ at the
+# build.
 _state: dict = {"ext": None, "reason": None, "seconds": None, "cols": None}
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # What the kernel families hand over
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class SwiGLUFamily:
-    """What the host path takes from ``kernels.swiglu``: its Python path, launch configurations and kernels."""
+    """What the host path takes from ``kernels.swiglu``: its Python path, launch configurations and
+    kernels."""
 
     module: ClassVar[str] = "kernels.swiglu"
     cols: int  # the row width dense gate and up are read as (swiglu's recut rows), one tile per program
     forward: Callable  # swiglu_forward(gate, up): the Python path's forward launch
-    backward_op: torch._ops.OpOverload  # swiglu_bwd(dy, gate, up), called through ops.call on a missed backward
+    # swiglu_bwd(dy, gate, up), called through ops.call on a missed backward
+    backward_op: torch._ops.OpOverload
     forward_config: Callable  # (n_rows, n_cols, props) -> Config, as the Python path's launches ask for it
     backward_config: Callable  # the same for the backward kernel
     forward_kernel: object  # the @triton.jit kernels the C++ side launches by handle
@@ -92,7 +100,8 @@ class SwiGLUFamily:
 
 @dataclass(frozen=True)
 class RopeFamily:
-    """What the host path takes from ``kernels.rope``: its Python path, launch configuration and dense kernel."""
+    """What the host path takes from ``kernels.rope``: its Python path, launch configuration and
+    dense kernel."""
 
     module: ClassVar[str] = "kernels.rope"
     forward: Callable  # rope_forward(q, k, cos, sin): the Python path's forward launch
@@ -104,7 +113,8 @@ class RopeFamily:
 
 @dataclass(frozen=True)
 class RMSNormFamily:
-    """What the host path takes from ``kernels.rmsnorm``: its Python path, launch configurations and kernels."""
+    """What the host path takes from ``kernels.rmsnorm``: its Python path, launch configurations and
+    kernels."""
 
     module: ClassVar[str] = "kernels.rmsnorm"
     forward: Callable  # rms_norm_forward(x, weight, eps) -> (y, rstd): the Python path's forward launch
@@ -121,8 +131,9 @@ _families_given: dict[type, SwiGLUFamily | RopeFamily | RMSNormFamily] = {}
 
 
 def register_family(family: SwiGLUFamily | RopeFamily | RMSNormFamily) -> None:
-    """Hand the host path what it launches and falls back to for one kernel family. Each family's module calls this
-    once, when it is imported; a later call for the same family replaces the earlier one."""
+    """Hand the host path what it launches and falls back to for one kernel family. Each family's
+    module calls this once, when it is imported; a later call for the same family replaces the
+    earlier one."""
     if not isinstance(family, _FAMILIES):
         raise TypeError(f"family must be a SwiGLUFamily, RopeFamily or RMSNormFamily, got {type(family).__name__}")
     _families_given[type(family)] = family
@@ -135,15 +146,16 @@ def _family(kind: type):
     return found
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# What a C++ build needs: a compiler and ninja (kernels.cuda_rmsnorm asks the same before its builds)
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# What a C++ build needs: a compiler and ninja (kernels.cuda_rmsnorm asks the same before its
+# builds)
+# --------------------------------------------------------------------------------------------------
 
 
 def _make_ninja_findable() -> bool:
-    """True when ``ninja`` can be run. PyTorch looks for it on PATH; the ``ninja`` package from pip installs it in
-    the environment's ``bin`` folder, which is not on PATH when Python is started without activating the
-    environment (a Jupyter kernel, for instance): add that folder if so."""
+    """True when ``ninja`` can be run. PyTorch looks for it on PATH; the ``ninja`` package from pip
+    installs it in the environment's ``bin`` folder, which is not on PATH when Python is started
+    without activating the environment (a Jupyter kernel, for instance): add that folder if so."""
     from torch.utils.cpp_extension import is_ninja_available
 
     if is_ninja_available():
@@ -168,25 +180,28 @@ def cpu_build_unavailable() -> str | None:
     return None
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Just-in-time builds that say what they do: one line before a build compiles, nothing when the cache is warm
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# Just-in-time builds that say what they do: one line before a build compiles, nothing when the
+# cache is warm
+# --------------------------------------------------------------------------------------------------
 
-# About how long a cold build of this extension takes, for the line that announces it: one compiler process, so a
-# machine with more cores is faster only by faster cores. Measured on a 2-core x86 machine: 45 s of CPU time for
-# the compile (43 s user, 2.5 s system), 2 to 7 minutes of wall time while other work kept both cores busy.
+# About how long a cold build of this extension takes, for the line that announces it: one compiler
+# process, so a machine with more cores is faster only by faster cores. The build time this rounds
+# up is in assets/notes/overhead.md ("Build times").
 HOST_PATH_BUILD_SECONDS = 60
 _STAMP = "kernels-build.key"  # in the build folder: the key of the sources and flags last built there
 
 
 def cuda_arch_list(env_value: str | None, capabilities: Iterable[tuple[int, int]]) -> tuple[str, str]:
-    """The architectures a CUDA build compiles for, as ``TORCH_CUDA_ARCH_LIST`` spells them, and where they came from.
+    """The architectures a CUDA build compiles for, as ``TORCH_CUDA_ARCH_LIST`` spells them, and
+    where they came from.
 
-    ``env_value`` (the ``TORCH_CUDA_ARCH_LIST`` environment variable) wins when it is set to anything but empty or
-    ``native``; otherwise the build is for the GPUs of this machine, from their compute capabilities (``(9, 0)`` ->
-    ``"9.0"``), each once, in order. One architecture compiles in a fraction of the time of the six or more that a
-    container's ``TORCH_CUDA_ARCH_LIST`` may name, and runs on exactly this GPU. Raises ``ValueError`` when neither
-    is given (no GPU and no variable: nothing to build for).
+    ``env_value`` (the ``TORCH_CUDA_ARCH_LIST`` environment variable) wins when it is set to
+    anything but empty or ``native``; otherwise the build is for the GPUs of this machine, from
+    their compute capabilities (``(9, 0)`` -> ``"9.0"``), each once, in order. One architecture
+    compiles in a fraction of the time of the six or more that a container's
+    ``TORCH_CUDA_ARCH_LIST`` may name, and runs on exactly this GPU. Raises ``ValueError`` when
+    neither is given (no GPU and no variable: nothing to build for).
     """
     wanted = (env_value or "").strip()
     if wanted and wanted != "native":
@@ -199,13 +214,14 @@ def cuda_arch_list(env_value: str | None, capabilities: Iterable[tuple[int, int]
 
 
 def split_arch_list(arch_list: str) -> list[str]:
-    """The entries of a ``TORCH_CUDA_ARCH_LIST`` (separated by semicolons, spaces or commas, as PyTorch accepts)."""
+    """The entries of a ``TORCH_CUDA_ARCH_LIST`` (separated by semicolons, spaces or commas, as
+    PyTorch accepts)."""
     return [arch for arch in arch_list.replace(",", ";").replace(" ", ";").split(";") if arch]
 
 
 def arch_names(arch_list: str) -> str:
-    """``"9.0;10.3+PTX"`` -> ``"sm_90, sm_103 (+PTX)"``: the architectures of a ``TORCH_CUDA_ARCH_LIST``, as nvcc
-    names them."""
+    """``"9.0;10.3+PTX"`` -> ``"sm_90, sm_103 (+PTX)"``: the architectures of a
+    ``TORCH_CUDA_ARCH_LIST``, as nvcc names them."""
     names = []
     for arch in split_arch_list(arch_list):
         base, ptx, _ = arch.partition("+PTX")
@@ -215,7 +231,8 @@ def arch_names(arch_list: str) -> str:
 
 @contextmanager
 def arch_list_set(arch_list: str | None):
-    """``TORCH_CUDA_ARCH_LIST`` set to ``arch_list`` for the duration (PyTorch's build reads it), then restored."""
+    """``TORCH_CUDA_ARCH_LIST`` set to ``arch_list`` for the duration (PyTorch's build reads it),
+    then restored."""
     before = os.environ.get("TORCH_CUDA_ARCH_LIST")
     if arch_list is not None:
         os.environ["TORCH_CUDA_ARCH_LIST"] = arch_list
@@ -229,8 +246,9 @@ def arch_list_set(arch_list: str | None):
 
 
 def build_directory_for(name: str, build_directory: str | None = None) -> Path:
-    """The folder PyTorch builds extension ``name`` in: ``build_directory``, or its extensions directory's
-    (``TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions/<python and CUDA version>``) folder of that name."""
+    """The folder PyTorch builds extension ``name`` in: ``build_directory``, or its extensions
+    directory's (``TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions/<python and CUDA
+    version>``) folder of that name."""
     if build_directory is not None:
         return Path(build_directory)
     from torch.utils.cpp_extension import _get_build_directory
@@ -239,8 +257,9 @@ def build_directory_for(name: str, build_directory: str | None = None) -> Path:
 
 
 def build_key(sources: Iterable[Path], options: dict) -> str:
-    """What a build's result depends on, as one hash: the sources' bytes, the build options (flags, architectures)
-    and PyTorch's version. The same key means PyTorch's cache holds the build; another means it compiles again."""
+    """What a build's result depends on, as one hash: the sources' bytes, the build options (flags,
+    architectures) and PyTorch's version. The same key means PyTorch's cache holds the build;
+    another means it compiles again."""
     digest = hashlib.sha256(torch.__version__.encode())
     for source in sources:
         digest.update(Path(source).read_bytes())
@@ -249,9 +268,10 @@ def build_key(sources: Iterable[Path], options: dict) -> str:
 
 
 def build_state(name: str, folder: Path, key: str, sources: Iterable[Path] = ()) -> str | None:
-    """Why a build of ``name`` in ``folder`` would compile ("not built yet", "its sources or flags changed"), or None
-    when the folder holds a library built from exactly this key (the cache is warm). A library without a key (built
-    before keys were kept) counts as warm when it is newer than every source."""
+    """Why a build of ``name`` in ``folder`` would compile ("not built yet", "its sources or flags
+    changed"), or None when the folder holds a library built from exactly this key (the cache is
+    warm). A library without a key (built before keys were kept) counts as warm when it is newer
+    than every source."""
     stamp = folder / _STAMP
     libraries = list(folder.glob(f"{name}*.so"))
     if not libraries:
@@ -277,31 +297,35 @@ def home_relative(path: Path) -> str:
         return str(path)
 
 
-def load_announced(name: str, sources: list[Path], what: str, seconds: str, build_directory: str | None = None,
+def load_announced(name: str, sources: list[Path], what: str, seconds: str,
+                   build_directory: str | None = None,
                    arch_list: str | None = None, **options):
-    """``torch.utils.cpp_extension.load`` of ``sources`` as extension ``name``, announced by one line when it will
-    compile: ``kernels: compiling <what> (<sources>): <why>; <seconds>, then cached in <folder>``. Nothing is
-    printed when the cache is warm. ``arch_list`` is the ``TORCH_CUDA_ARCH_LIST`` of a CUDA build (None for C++
-    only); ``options`` go to ``load``. Returns what ``load`` returns."""
+    """``torch.utils.cpp_extension.load`` of ``sources`` as extension ``name``, announced by one
+    line when it will compile: ``kernels: compiling <what> (<sources>): <why>; <seconds>, then
+    cached in <folder>``. Nothing is printed when the cache is warm. ``arch_list`` is the
+    ``TORCH_CUDA_ARCH_LIST`` of a CUDA build (None for C++ only); ``options`` go to ``load``.
+    Returns what ``load`` returns."""
     from torch.utils.cpp_extension import load
 
     folder = build_directory_for(name, build_directory)
     # verbose changes what ninja prints, not what it builds
-    key = build_key(sources, {**{k: v for k, v in options.items() if k != "verbose"}, "arch_list": arch_list})
+    key = build_key(sources,
+                    {**{k: v for k, v in options.items() if k != "verbose"}, "arch_list": arch_list})
     why = build_state(name, folder, key, sources)
     if why is not None:
         files = ", ".join(f"kernels/csrc/{Path(s).name}" for s in sources)
         announce_build(f"kernels: compiling {what} ({files}): {why}; {seconds}, then cached in {home_relative(folder)}")
     with arch_list_set(arch_list):
-        result = load(name=name, sources=[str(s) for s in sources], build_directory=build_directory, **options)
+        result = load(name=name, sources=[str(s) for s in sources], build_directory=build_directory,
+                      **options)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / _STAMP).write_text(key + "\n")  # what the folder now holds
     return result
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The path: can it run here, is it built, does a call take it
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def unavailable() -> str | None:
@@ -316,8 +340,9 @@ def unavailable() -> str | None:
 
 
 def extension():
-    """The built extension, compiled and loaded on the first call; None (with the reason in ``status()``) when the
-    path cannot be used here. A failed build warns once and leaves every call on the Python path."""
+    """The built extension, compiled and loaded on the first call; None (with the reason in
+    ``status()``) when the path cannot be used here. A failed build warns once and leaves every call
+    on the Python path."""
     if _state["ext"] is not None or _state["reason"] is not None:
         return _state["ext"]
     with _lock:
@@ -344,32 +369,38 @@ def status() -> dict:
 
 def takes(gate: torch.Tensor, up: torch.Tensor, inplace_backward: bool) -> bool:
     """Whether ``swiglu(gate, up)`` runs through the C++ node (inputs already checked by ``swiglu``)."""
-    # ops.direct first: under torch.compile it is False, and nothing after it adds guards on sizes to the graph.
+    # ops.direct first: under torch.compile it is False, and nothing after it adds guards on sizes
+    # to the graph.
     return (ops.direct(gate, up) and not inplace_backward and gate.is_cuda and gate.is_contiguous()
             and up.is_contiguous() and extension() is not None and gate.numel() % _state["cols"] == 0
             and gate.numel() // _state["cols"] <= _MAX_INT)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, with_grad: bool) -> torch.Tensor:
-    """``silu(gate) * up`` through the C++ node (``with_grad``: recorded for autograd) or its forward alone."""
+    """``silu(gate) * up`` through the C++ node (``with_grad``: recorded for autograd) or its
+    forward alone."""
     return _state["ext"].swiglu(gate, up, with_grad)
 
 
 def takes_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    """Whether ``apply_rotary(q, k, cos, sin)`` runs through the C++ node (inputs already checked). Layouts the
-    dense kernel does not read are found in C++ and handed back to the Python path there."""
-    return (ops.direct(q, k, cos, sin) and q.is_cuda and q.size(3) > 0 and not (cos.requires_grad or sin.requires_grad)
+    """Whether ``apply_rotary(q, k, cos, sin)`` runs through the C++ node (inputs already checked).
+    Layouts the dense kernel does not read are found in C++ and handed back to the Python path
+    there."""
+    return (ops.direct(q, k, cos,
+                       sin) and q.is_cuda and q.size(3) > 0 and not (cos.requires_grad or sin.requires_grad)
             and q.size(0) * q.size(2) <= _MAX_INT and extension() is not None)
 
 
 def rope(q, k, cos, sin, with_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q_embed, k_embed)`` through the C++ node (``with_grad``: recorded for autograd) or its forward alone."""
+    """``(q_embed, k_embed)`` through the C++ node (``with_grad``: recorded for autograd) or its
+    forward alone."""
     return _state["ext"].rope(q, k, cos, sin, with_grad)
 
 
 def takes_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``rms_norm(x, weight)`` runs through the C++ node (inputs already checked by ``rms_norm``)."""
-    return (ops.direct(x, weight) and x.is_cuda and x.is_contiguous() and weight.is_contiguous() and x.numel() > 0
+    return (ops.direct(x,
+                       weight) and x.is_cuda and x.is_contiguous() and weight.is_contiguous() and x.numel() > 0
             and x.numel() // x.size(-1) <= _MAX_INT and extension() is not None)
 
 
@@ -378,9 +409,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, with_grad: bool)
     return _state["ext"].rms_norm(x, weight, eps, with_grad)
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The driver, the build, and the variants
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @functools.cache
@@ -397,7 +428,8 @@ def _driver_function(name: str):
 
 
 def _build():
-    for kind in _FAMILIES:  # every family's misses come back to Python through the launcher: all three, or no build
+    # every family's misses come back to Python through the launcher: all three, or no build
+    for kind in _FAMILIES:
         _family(kind)
     start = time.perf_counter()
     # C++ only (CUDA's headers, no device code): nothing is compiled per GPU architecture.
@@ -417,34 +449,39 @@ def param_sizes(function: int) -> list[int]:
     """The byte size of each parameter of a loaded kernel (``cuFuncGetParamInfo``), in order."""
     get = _driver_function("cuFuncGetParamInfo")
     offset, size, sizes = ctypes.c_size_t(), ctypes.c_size_t(), []
-    while get(ctypes.c_void_p(function), ctypes.c_size_t(len(sizes)), ctypes.byref(offset), ctypes.byref(size)) == 0:
+    while get(ctypes.c_void_p(function), ctypes.c_size_t(len(sizes)), ctypes.byref(offset),
+              ctypes.byref(size)) == 0:
         sizes.append(size.value)
     return sizes
 
 
 def expected_sizes(n_pointers: int, ints: list[int], n_floats: int = 0) -> list[int]:
-    """The parameters the C++ launch passes before any scratch pointers: the tensors' pointers, then each integer as
-    a 32-bit value, except those equal to 1, which Triton makes constants of the variant, then each float as 32
-    bits (a kernel's floats must come after its integers: sizes alone cannot tell the two apart)."""
+    """The parameters the C++ launch passes before any scratch pointers: the tensors' pointers, then
+    each integer as a 32-bit value, except those equal to 1, which Triton makes constants of the
+    variant, then each float as 32 bits (a kernel's floats must come after its integers: sizes alone
+    cannot tell the two apart)."""
     return [8] * n_pointers + [4 for v in ints if v != 1] + [4] * n_floats
 
 
 def scratch_count(sizes: list[int], expected: list[int], metadata) -> int | None:
-    """How many trailing scratch pointers a kernel with parameter ``sizes`` takes after ``expected``, when the C++
-    launch can pass them as null (Triton allotted no scratch memory, one CTA, no cluster); None when it cannot."""
+    """How many trailing scratch pointers a kernel with parameter ``sizes`` takes after
+    ``expected``, when the C++ launch can pass them as null (Triton allotted no scratch memory, one
+    CTA, no cluster); None when it cannot."""
     extra = sizes[len(expected):]
     if sizes[:len(expected)] != expected or len(extra) > 2 or any(s != 8 for s in extra):
         return None
     if getattr(metadata, "global_scratch_size", 0) or getattr(metadata, "profile_scratch_size", 0):
         return None
-    if getattr(metadata, "num_ctas", 1) != 1 or tuple(getattr(metadata, "cluster_dims", (1, 1, 1)) or (1, 1, 1)) \
+    if getattr(metadata, "num_ctas",
+               1) != 1 or tuple(getattr(metadata, "cluster_dims", (1, 1, 1)) or (1, 1, 1)) \
             not in ((1, 1, 1), (1,), ()):
         return None
     return len(extra)
 
 
 def _compiled(kernel, args, constants: dict, grid, device) -> tuple[int, int, int, object]:
-    """(handle, threads, shared bytes, metadata) of the variant Triton compiled for ``args`` and ``constants``."""
+    """(handle, threads, shared bytes, metadata) of the variant Triton compiled for ``args`` and
+    ``constants``."""
     with torch.cuda.device(device):
         compiled = kernel.warmup(*args, grid=grid, **constants)
         if getattr(compiled, "function", None) is None:
@@ -454,7 +491,8 @@ def _compiled(kernel, args, constants: dict, grid, device) -> tuple[int, int, in
 
 
 def _checked(kernel, tensors, ints, constants, grid, device, floats=()) -> tuple | None:
-    """The registration of Triton's variant for these arguments, if its parameter list fits the C++ launch."""
+    """The registration of Triton's variant for these arguments, if its parameter list fits the C++
+    launch."""
     handle, threads, shared, md = _compiled(kernel, (*tensors, *ints, *floats), constants, grid, device)
     n_scratch = scratch_count(param_sizes(handle), expected_sizes(len(tensors), ints, len(floats)), md)
     return None if n_scratch is None else (handle, threads, shared, n_scratch)
@@ -464,7 +502,8 @@ def _register_swiglu(backward: bool, tensors: tuple[torch.Tensor, ...]) -> None:
     sw = _family(SwiGLUFamily)
     gate, cols = tensors[1] if backward else tensors[0], _state["cols"]
     n_rows = gate.numel() // cols
-    cfg = (sw.backward_config if backward else sw.forward_config)(n_rows, cols, runtime.device_props(gate.device))
+    cfg = (sw.backward_config if backward else sw.forward_config)(n_rows, cols,
+                                                                  runtime.device_props(gate.device))
     if cfg.grid != (n_rows, 1) or cfg.rows != 1 or cfg.block_n != cols:
         return  # not the one-row-per-program layout the C++ launch assumes
     kernel = sw.backward_kernel if backward else sw.forward_kernel
@@ -484,8 +523,10 @@ def _register_rope(backward: bool, tensors: tuple[torch.Tensor, ...]) -> None:
     cfg = rope.config(n_rows, head_dim, n_x, y.shape[1], runtime.device_props(x.device))
     if flags is None or cfg.grid != (n_rows,) or cfg.rows != 1:
         return  # not the dense kernel, one position per program, that the C++ launch assumes
-    constants = {"N_Q": n_x, "N_K": y.shape[1], "HALF": head_dim // 2, "ROWS": cfg.rows, "BLOCK_H": cfg.block_h,
-                 "Q_HEADS": cfg.q_heads, "K_HEADS": cfg.k_heads, "BACKWARD": backward, "X_SEQ_MAJOR": flags[0],
+    constants = {"N_Q": n_x, "N_K": y.shape[1], "HALF": head_dim // 2, "ROWS": cfg.rows,
+                 "BLOCK_H": cfg.block_h,
+                 "Q_HEADS": cfg.q_heads, "K_HEADS": cfg.k_heads, "BACKWARD": backward,
+                 "X_SEQ_MAJOR": flags[0],
                  "O_SEQ_MAJOR": flags[1], "TRIG_BATCHED": flags[2], "num_warps": cfg.num_warps}
     found = _checked(rope.dense_kernel, tensors, [n_rows, seq], constants, cfg.grid, x.device)
     if found is not None:
@@ -505,7 +546,8 @@ def _register_rms_norm_forward(x, weight, y, rstd, eps: float) -> None:
 
 
 def _register_rms_norm_backward(dy, x, weight, rstd, dx, dw, compute_dw: bool) -> None:
-    # The backward kernel and, with dW, the sum of its partials: both or neither, as the C++ side needs both.
+    # The backward kernel and, with dW, the sum of its partials: both or neither, as the C++ side
+    # needs both.
     rms = _family(RMSNormFamily)
     n_cols = x.size(-1)
     n_rows = x.numel() // n_cols
@@ -532,7 +574,8 @@ def _register_rms_norm_backward(dy, x, weight, rstd, dx, dw, compute_dw: bool) -
         ext.register_rms_norm(2, [partial, dw], False, *dw_found, 1, cfg.dw_grid[0])
 
 
-# What the C++ side calls on a miss: the Python path's launch (which compiles), then its variant registered.
+# What the C++ side calls on a miss: the Python path's launch (which compiles), then its variant
+# registered.
 
 
 def _swiglu_forward_fallback(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -550,14 +593,16 @@ def _swiglu_backward_fallback(dy: torch.Tensor, gate: torch.Tensor, up: torch.Te
 
 def _rope_forward_fallback(q, k, cos, sin):
     q_out, k_out = _family(RopeFamily).forward(q, k, cos, sin)
-    # A layout the dense kernel does not read (a copy made by the Python path included) registers nothing.
+    # A layout the dense kernel does not read (a copy made by the Python path included) registers
+    # nothing.
     _register_rope(False, (q, k, cos, sin, q_out, k_out))
     return q_out, k_out
 
 
 def _rope_backward_fallback(dq_embed, dk_embed, cos, sin, like: torch.Tensor, seq_major: bool):
     dq, dk = ops.call(_family(RopeFamily).backward_op, dq_embed, dk_embed, cos, sin, like.dtype, seq_major)
-    # The C++ side takes only gradients of one dtype; layouts are checked where the variant is registered.
+    # The C++ side takes only gradients of one dtype; layouts are checked where the variant is
+    # registered.
     if ops.direct(dq_embed, dk_embed, cos, sin) and dq_embed.dtype == dk_embed.dtype:
         _register_rope(True, (dq_embed, dk_embed, cos, sin, dq, dk))
     return dq, dk

@@ -1,13 +1,15 @@
 """Is ``import kernels`` this workbook's package? A check written with the standard library alone.
 
-Hugging Face's Kernel Hub is also a PyPI distribution named ``kernels``. Installed next to this workbook, it wins
-``import kernels`` (the editable install's finder comes after the normal path finder), also from ``notebooks/``, and
-pip warns about none of it. Every chapter would then fail with an error that says nothing of the cause.
+Hugging Face's Kernel Hub is also a PyPI distribution named ``kernels``. Installed next to this
+workbook, it wins ``import kernels`` (the editable install's finder comes after the normal path
+finder), also from ``notebooks/``, and pip warns about none of it. Every chapter would then fail
+with an error that says nothing of the cause.
 
-A check inside the package cannot catch that, since the other package's code runs instead of ours. So this file
-imports nothing of the package and can be loaded by its path: ``tests/conftest.py`` and chapter 00's first cell do
-so, and ``kernels/__init__.py`` runs it too, for the case where ours wins but the other distribution is installed
-beside it (transformers then reads that one's version for its own ``kernels`` support).
+A check inside the package cannot catch that, since the other package's code runs instead of ours.
+So this file imports nothing of the package and can be loaded by its path: ``tests/conftest.py`` and
+chapter 00's first cell do so, and ``kernels/__init__.py`` runs it too, for the case where ours wins
+but the other distribution is installed beside it (transformers then reads that one's version for
+its own ``kernels`` support).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ def _canonical(name: str) -> str:
 
 
 def other_distributions() -> list[tuple[str, str]]:
-    """(name, version) of each installed distribution besides this workbook's that ships a top-level ``kernels``."""
+    """(name, version) of each installed distribution besides this workbook's that ships a top-level
+    ``kernels``."""
     owners = importlib.metadata.packages_distributions().get("kernels", [])
     found = []
     for name in sorted(set(owners)):

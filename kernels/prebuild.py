@@ -2,13 +2,15 @@
 
     python -m kernels.prebuild
 
-Three C++ extensions compile on first use (each announces itself in one line, and PyTorch caches it in
-``TORCH_EXTENSIONS_DIR``): the C++ RMSNorm for the CPU and the CUDA C++ RMSNorm of ``kernels.cuda_rmsnorm``
-(chapter 13), and the C++ host path of SwiGLU, RoPE and RMSNorm (``kernels.host_path``, which every eager call on a
-GPU takes). This builds each one this machine can build, says which it skips and why (on a machine without a GPU:
-the CUDA one and the host path), and prints where the caches live. Inside the workbook's container the caches sit in
-the mounted checkout (``.cache/``), so a build done once serves every later container. Triton's kernels are not
-built here: they compile per shape at their first call (a second or so each) into ``TRITON_CACHE_DIR``.
+Three C++ extensions compile on first use (each announces itself in one line, and PyTorch caches it
+in ``TORCH_EXTENSIONS_DIR``): the C++ RMSNorm for the CPU and the CUDA C++ RMSNorm of
+``kernels.cuda_rmsnorm`` (chapter 13), and the C++ host path of SwiGLU, RoPE and RMSNorm
+(``kernels.host_path``, which every eager call on a GPU takes). This builds each one this machine
+can build, says which it skips and why (on a machine without a GPU: the CUDA one and the host path),
+and prints where the caches live. Inside the workbook's container the caches sit in the mounted
+checkout (``.cache/``), so a build done once serves every later container. Triton's kernels are not
+built here: they compile per shape at their first call (a second or so each) into
+``TRITON_CACHE_DIR``.
 
 Exit status 0 when everything buildable here was built, 1 when a build failed.
 """
@@ -55,12 +57,13 @@ def caches() -> list[str]:
     """Where the compiled extensions and Triton's kernels are cached, one line each."""
     extensions = host_path.build_directory_for(cuda_rmsnorm.CPU_EXTENSION).parent
     triton = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
-    return [f"C++ extensions: {extensions} (TORCH_EXTENSIONS_DIR)", f"Triton kernels: {triton} (TRITON_CACHE_DIR)"]
+    return [f"C++ extensions: {extensions} (TORCH_EXTENSIONS_DIR)",
+            f"Triton kernels: {triton} (TRITON_CACHE_DIR)"]
 
 
 def prebuild(steps=STEPS, out=None) -> int:
-    """Build each step that can be built here; print one line per step (to ``out``, else standard output). Returns
-    the number of failed builds."""
+    """Build each step that can be built here; print one line per step (to ``out``, else standard
+    output). Returns the number of failed builds."""
     out = out or sys.stdout
     failed = 0
     for step in steps:

@@ -2,12 +2,14 @@
 
 This is the one module that decides:
 
-* **mode** -- ``"gpu"`` when a CUDA device is present, otherwise ``"interpreter"``: Triton's interpreter runs the
-  very same kernels on the CPU with NumPy, slowly but faithfully enough to test and to teach.
-  Triton reads ``TRITON_INTERPRET`` when a kernel is *decorated* with ``@triton.jit``, so this module must be
-  imported before any kernel is defined (``import kernels`` takes care of that). A value the user set wins.
-* **profile** -- ``"tiny"`` (small shapes and a toy Llama that the interpreter gets through in seconds) or
-  ``"full"`` (realistic Llama shapes). The default follows the mode; ``KERNELS_PROFILE=tiny|full`` overrides it.
+* **mode** -- ``"gpu"`` when a CUDA device is present, otherwise ``"interpreter"``: Triton's
+  interpreter runs the very same kernels on the CPU with NumPy, slowly but faithfully enough to test
+  and to teach. Triton reads ``TRITON_INTERPRET`` when a kernel is *decorated* with ``@triton.jit``,
+  so this module must be imported before any kernel is defined (``import kernels`` takes care of
+  that). A value the user set wins.
+* **profile** -- ``"tiny"`` (small shapes and a toy Llama that the interpreter gets through in
+  seconds) or ``"full"`` (realistic Llama shapes). The default follows the mode;
+  ``KERNELS_PROFILE=tiny|full`` overrides it.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ PROFILES = ("tiny", "full")
 
 
 def _decide_interpreter() -> bool:
-    # Respect an explicit choice either way; otherwise interpret exactly when there is no CUDA device.
+    # Respect an explicit choice either way; otherwise interpret exactly when there is no CUDA
+    # device.
     if "TRITON_INTERPRET" not in os.environ:
         os.environ["TRITON_INTERPRET"] = "0" if torch.cuda.is_available() else "1"
     return os.environ["TRITON_INTERPRET"] == "1"
@@ -30,9 +33,9 @@ def _decide_interpreter() -> bool:
 
 INTERPRET: bool = _decide_interpreter()
 MODE: str = "interpreter" if INTERPRET else "gpu"
-# torch.compile's backend for the workbook's compiled runs and tests: Inductor on a GPU; in the interpreter
-# "aot_eager", which traces the same graphs (AOTAutograd, fake tensors, our kernels as single operators) and runs them
-# eagerly, so that Triton's interpreter runs the kernels.
+# torch.compile's backend for the workbook's compiled runs and tests: Inductor on a GPU; in the
+# interpreter "aot_eager", which traces the same graphs (AOTAutograd, fake tensors, our kernels as
+# single operators) and runs them eagerly, so that Triton's interpreter runs the kernels.
 COMPILE_BACKEND: str = "aot_eager" if INTERPRET else "inductor"
 
 
@@ -52,14 +55,15 @@ def device() -> torch.device:
 
 
 def synchronize(device: torch.device) -> None:
-    """Wait for the work queued on ``device`` (a CUDA device); nothing to wait for on the CPU. A timer reads the
-    clock after this, or it measures the launches, not the work."""
+    """Wait for the work queued on ``device`` (a CUDA device); nothing to wait for on the CPU. A
+    timer reads the clock after this, or it measures the launches, not the work."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def pick(tiny, full):
-    """Return ``tiny`` or ``full`` according to the size profile: the one switch every size in the workbook uses."""
+    """Return ``tiny`` or ``full`` according to the size profile: the one switch every size in the
+    workbook uses."""
     return tiny if PROFILE == "tiny" else full
 
 
@@ -67,10 +71,10 @@ def pick(tiny, full):
 class DeviceProps:
     """The properties of a device that launch configurations are derived from.
 
-    Every kernel's configuration function takes one of these instead of reading the GPU itself, so that nothing tuned
-    on one GPU model is hard-coded: the same rules give a different, fitting answer on another chip (a Blackwell
-    GB300 has more SMs than an H200; a consumer GPU has less shared memory per block), and tests can check the
-    choice for chips that are not in the machine.
+    Every kernel's configuration function takes one of these instead of reading the GPU itself, so
+    that nothing tuned on one GPU model is hard-coded: the same rules give a different, fitting
+    answer on another chip (a Blackwell GB300 has more SMs than an H200; a consumer GPU has less
+    shared memory per block), and tests can check the choice for chips that are not in the machine.
     """
 
     name: str
@@ -80,8 +84,8 @@ class DeviceProps:
     regs_per_sm: int  # 32-bit registers per SM: bounds how many values a program can keep in flight
 
 
-# In the interpreter the numbers only shape grids: four "SMs" keep persistent grids small, and programs are cheap to
-# make large (NumPy runs a whole tile at once).
+# In the interpreter the numbers only shape grids: four "SMs" keep persistent grids small, and
+# programs are cheap to make large (NumPy runs a whole tile at once).
 INTERPRETER = DeviceProps("Triton interpreter", True, 4, 1 << 30, 1 << 30)
 
 _PROPS: dict[int, DeviceProps] = {}
@@ -93,14 +97,16 @@ def _read_props(index: int) -> DeviceProps:
         name=p.name,
         interpreter=False,
         sm_count=p.multi_processor_count,
-        # Older PyTorch releases lack some fields: fall back to what every NVIDIA GPU since Volta has.
+        # Older PyTorch releases lack some fields: fall back to what every NVIDIA GPU since Volta
+        # has.
         shared_mem_per_block=getattr(p, "shared_memory_per_block_optin", 96 * 1024),
         regs_per_sm=getattr(p, "regs_per_multiprocessor", 65536),
     )
 
 
 def device_props(device: torch.device | None = None) -> DeviceProps:
-    """The ``DeviceProps`` of ``device`` (default: the current GPU), read once per device; ``INTERPRETER`` there."""
+    """The ``DeviceProps`` of ``device`` (default: the current GPU), read once per device;
+    ``INTERPRETER`` there."""
     if INTERPRET:
         return INTERPRETER
     index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
@@ -111,7 +117,8 @@ def device_props(device: torch.device | None = None) -> DeviceProps:
 
 
 def num_sms() -> int:
-    """Streaming multiprocessors of the current GPU (a nominal 4 in the interpreter, where it only sizes grids)."""
+    """Streaming multiprocessors of the current GPU (a nominal 4 in the interpreter, where it only
+    sizes grids)."""
     return device_props().sm_count
 
 
@@ -135,7 +142,11 @@ def versions() -> dict[str, str]:
 
 
 def describe() -> str:
-    """One line: where this runs, with which versions, at which size profile."""
+    """One line: where this runs, with which versions, at which size profile.
+
+    Returns:
+        e.g. ``"mode=gpu | NVIDIA H200 (sm_90, 132 SMs) | torch ... | profile=..."``.
+    """
     where = device_name()
     if MODE == "gpu":
         major, minor = torch.cuda.get_device_capability()

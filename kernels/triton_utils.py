@@ -1,9 +1,10 @@
 """Small pieces of Triton shared by the kernel families.
 
-``cast_to`` is how every kernel stores a float32 value into a lower-precision tensor. On a GPU it is a plain
-``.to(dtype)``, which rounds to nearest-even. Triton's CPU interpreter truncates instead when it converts float32 to
-bfloat16, which doubles the rounding error and makes outputs disagree with PyTorch in the last bit; there we round
-to nearest-even by hand on the bit pattern, so the interpreter and the GPU store the same bits.
+``cast_to`` is how every kernel stores a float32 value into a lower-precision tensor. On a GPU it is
+a plain ``.to(dtype)``, which rounds to nearest-even. Triton's CPU interpreter truncates instead
+when it converts float32 to bfloat16, which doubles the rounding error and makes outputs disagree
+with PyTorch in the last bit; there we round to nearest-even by hand on the bit pattern, so the
+interpreter and the GPU store the same bits.
 """
 
 import triton
@@ -17,8 +18,9 @@ if INTERPRET:
     def cast_to(x, dtype: tl.constexpr):
         if dtype == tl.bfloat16:
             bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
-            # Add half an ulp of bfloat16 (minus one when the kept part is even: ties go to even), then drop the low
-            # 16 bits. Infinities stay infinite, NaNs stay NaN, values past the largest bfloat16 round to infinity.
+            # Add half an ulp of bfloat16 (minus one when the kept part is even: ties go to even),
+            # then drop the low 16 bits. Infinities stay infinite, NaNs stay NaN, values past the
+            # largest bfloat16 round to infinity.
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
             return bits.to(tl.float32, bitcast=True).to(dtype)
         else:

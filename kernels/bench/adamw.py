@@ -1,12 +1,14 @@
-"""The optimizer step at a Llama's parameter shapes: torch.optim.AdamW (foreach, fused) against ``TritonAdamW``.
+"""The optimizer step at a Llama's parameter shapes: torch.optim.AdamW (foreach, fused) against
+``TritonAdamW``.
 
-``python -m kernels.bench.adamw --preset llama-3.1-8b`` allocates the preset's parameters in bf16 with random
-gradients (no model: only the tensors the optimizer touches), checks ours against torch's fused step on a few of the
-tensors, then times one optimizer step of each implementation (median of ``--reps``, after a first step that
-creates the states) and prints it beside the floor: 14 bytes per parameter (read the parameter, its gradient and
-both moments, write the parameter and both moments, all bf16) at the copy bandwidth measured in the same run.
-Writes ``adamw/<gpu>.json`` (the preset inside) into the runs folder, or with ``--record`` into ``assets/results/``,
-where chapter 11 reads it. In the interpreter it runs the tiny preset; its times mean nothing.
+``python -m kernels.bench.adamw --preset llama-3.1-8b`` allocates the preset's parameters in bf16
+with random gradients (no model: only the tensors the optimizer touches), checks ours against
+torch's fused step on a few of the tensors, then times one optimizer step of each implementation
+(median of ``--reps``, after a first step that creates the states) and prints it beside the floor:
+14 bytes per parameter (read the parameter, its gradient and both moments, write the parameter and
+both moments, all bf16) at the copy bandwidth measured in the same run. Writes ``adamw/<gpu>.json``
+(the preset inside) into the runs folder, or with ``--record`` into ``assets/results/``, where
+chapter 11 reads it. In the interpreter it runs the tiny preset; its times mean nothing.
 """
 
 from __future__ import annotations
@@ -55,10 +57,11 @@ def _make_parameters(shapes, device, seed: int = 0) -> list[torch.nn.Parameter]:
 
 
 def check(params: list[torch.nn.Parameter], count: int = 3) -> float:
-    """Largest difference of one step of ours against torch's fused step on the first ``count`` tensors, in units
-    of the bf16 spacing at the larger of each value before and after the step (0: the same bits; at most 1
-    expected). Before, not only after: where the update nearly cancels the value, float32 arithmetic is exact
-    only to the operands' scale, and the result's own spacing is far finer."""
+    """Largest difference of one step of ours against torch's fused step on the first ``count``
+    tensors, in units of the bf16 spacing at the larger of each value before and after the step (0:
+    the same bits; at most 1 expected). Before, not only after: where the update nearly cancels the
+    value, float32 arithmetic is exact only to the operands' scale, and the result's own spacing is
+    far finer."""
     worst = 0.0
     for p in params[:count]:
         a = torch.nn.Parameter(p.detach().clone())
@@ -66,7 +69,8 @@ def check(params: list[torch.nn.Parameter], count: int = 3) -> float:
         a.grad, b.grad = p.grad.clone(), p.grad.clone()
         TritonAdamW([a], lr=1e-3).step()
         torch.optim.AdamW([b], lr=1e-3, fused=True).step()
-        spacing = torch.maximum(b.detach().float().abs(), p.detach().float().abs()).clamp_min(2**-126) * 2**-7
+        spacing = torch.maximum(b.detach().float().abs(),
+                                p.detach().float().abs()).clamp_min(2**-126) * 2**-7
         worst = max(worst, float(((a.detach().float() - b.detach().float()).abs() / spacing).max()))
     return worst
 
@@ -112,7 +116,8 @@ def run(preset: str, reps: int) -> dict:
         del optimizer  # its moments: two more copies of the parameters
         if runtime.MODE == "gpu":
             torch.cuda.empty_cache()
-    return {"preset": preset, "device": runtime.device_name(), "device_slug": device_slug(), "mode": runtime.MODE,
+    return {"preset": preset, "device": runtime.device_name(), "device_slug": device_slug(),
+            "mode": runtime.MODE,
             "versions": runtime.versions(), "tensors": len(shapes), "parameters": n, "reps": reps,
             "copy_gbps": bandwidth, "floor_ms": floor, "check_max_spacings": check(params), "rows": rows}
 
@@ -131,7 +136,8 @@ def format_table(result: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m kernels.bench.adamw", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kernels.bench.adamw",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=tuple(PRESETS), default=None,
                         help="model shapes (default: llama-3.1-8b on a GPU, tiny on a CPU)")
     parser.add_argument("--reps", type=cli.positive_int, default=None,

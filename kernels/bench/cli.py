@@ -1,21 +1,24 @@
-"""What every command line of the package shares: argument types that check, where results go, and safe writes.
+"""What every command line of the package shares: argument types that check, where results go, and
+safe writes.
 
 The policy, the same for every ``python -m kernels....`` command that writes results:
 
-* **Arguments are checked before any work.** Numbers are checked as argparse parses them (``positive_int``,
-  ``fraction``, ``positive_ints``, ...); what depends on several flags, and the output paths, is checked right after
-  parsing (``check_outputs``, ``fail``). A mistake exits with status 2 and one line per mistake naming the flag, no
-  traceback; a traceback means a bug.
-* **A run writes into the runs folder** (``runs_dir()``: ``runs/`` at the repository root, git-ignored; the
-  environment variable ``KERNELS_RUNS_DIR`` moves it), in the layout of the committed results
-  (``<root>/<group>/<name>.json``). ``--out`` names another results root. ``--record`` writes the committed reference
-  results, exactly where the chapters read them (``kernels.bench.results.RESULTS``); the committed files come from
-  GPU runs, so ``--record`` is refused without a GPU.
-* **An existing results file is replaced only with ``--force``.** Never a tracked file by accident, nor the last
-  run's file.
-* **A failed run leaves the earlier file as it was.** Results are written to a temporary file beside the target and
-  renamed over it only once complete (``replacing``, ``write_json``, ``write_json_and_figure``), so an exception, a
-  full disk or an interrupt midway never leaves half a file where a good one was, nor a new JSON beside an old plot.
+* **Arguments are checked before any work.** Numbers are checked as argparse parses them
+  (``positive_int``, ``fraction``, ``positive_ints``, ...); what depends on several flags, and the
+  output paths, is checked right after parsing (``check_outputs``, ``fail``). A mistake exits with
+  status 2 and one line per mistake naming the flag, no traceback; a traceback means a bug.
+* **A run writes into the runs folder** (``runs_dir()``: ``runs/`` at the repository root,
+  git-ignored; the environment variable ``KERNELS_RUNS_DIR`` moves it), in the layout of the
+  committed results (``<root>/<group>/<name>.json``). ``--out`` names another results root.
+  ``--record`` writes the committed reference results, exactly where the chapters read them
+  (``kernels.bench.results.RESULTS``); the committed files come from GPU runs, so ``--record`` is
+  refused without a GPU.
+* **An existing results file is replaced only with ``--force``.** Never a tracked file by accident,
+  nor the last run's file.
+* **A failed run leaves the earlier file as it was.** Results are written to a temporary file beside
+  the target and renamed over it only once complete (``replacing``, ``write_json``,
+  ``write_json_and_figure``), so an exception, a full disk or an interrupt midway never leaves half
+  a file where a good one was, nor a new JSON beside an old plot.
 """
 
 from __future__ import annotations
@@ -37,9 +40,10 @@ REPO = RESULTS.parents[1]
 RUNS_ENV = "KERNELS_RUNS_DIR"
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Argument types: each raises argparse.ArgumentTypeError, which argparse reports as "argument --flag: <message>"
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# Argument types: each raises argparse.ArgumentTypeError, which argparse reports as "argument
+# --flag: <message>"
+# --------------------------------------------------------------------------------------------------
 
 
 def _integer(text: str) -> int:
@@ -100,7 +104,8 @@ def fraction(text: str) -> float:
 
 
 def positive_ints(text: str) -> tuple[int, ...]:
-    """A non-empty comma-separated list of positive integers, e.g. ``1024,4096`` (``_`` allowed: ``131_072``)."""
+    """A non-empty comma-separated list of positive integers, e.g. ``1024,4096`` (``_`` allowed:
+    ``131_072``)."""
     parts = [p.strip() for p in str(text).split(",")]
     if not any(parts):
         raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
@@ -152,9 +157,9 @@ def names(choices: Iterable[str], *, allow_empty: bool = False) -> Callable[[str
     return parse
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Where results go
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def runs_dir() -> Path:
@@ -163,11 +168,13 @@ def runs_dir() -> Path:
     return Path(os.environ.get(RUNS_ENV) or REPO / "runs")
 
 
-def add_output_arguments(parser: argparse.ArgumentParser, what: str, *, out_flags: tuple[str, ...] = ("--out",),
+def add_output_arguments(parser: argparse.ArgumentParser, what: str, *,
+                         out_flags: tuple[str, ...] = ("--out",),
                          out_is_file: bool = False,
                          force_help: str = "replace a results file that already exists") -> None:
-    """``--out``, ``--record`` and ``--force``. ``what`` says what a run writes (``"rmsnorm/<gpu>.json and .png"``),
-    relative to the results root; where ``out_is_file``, ``--out`` names the file itself."""
+    """``--out``, ``--record`` and ``--force``. ``what`` says what a run writes
+    (``"rmsnorm/<gpu>.json and .png"``), relative to the results root; where ``out_is_file``,
+    ``--out`` names the file itself."""
     group = parser.add_argument_group("where the results go")
     where = group.add_mutually_exclusive_group()
     if out_is_file:
@@ -190,14 +197,16 @@ def _short(path: Path) -> str:
 
 
 def output_root(args: argparse.Namespace) -> Path:
-    """The results root of this run: ``--out``, else the committed results with ``--record``, else the runs folder."""
+    """The results root of this run: ``--out``, else the committed results with ``--record``, else
+    the runs folder."""
     if getattr(args, "out", None) is not None:
         return Path(args.out)
     return RESULTS if getattr(args, "record", False) else runs_dir()
 
 
 def root_problems(root: Path, flag: str = "--out") -> list[str]:
-    """Why ``root`` cannot be a results root (a folder that exists or can be created), one line each; [] if it can."""
+    """Why ``root`` cannot be a results root (a folder that exists or can be created), one line
+    each; [] if it can."""
     root = Path(root)
     if root.exists() and not root.is_dir():
         return [f"{flag} {root} is a file: {flag} names a folder, the results root (the run writes <group>/<name>.json "
@@ -206,8 +215,8 @@ def root_problems(root: Path, flag: str = "--out") -> list[str]:
 
 
 def file_problems(path: Path, force: bool, flag: str = "--out") -> list[str]:
-    """Why results cannot be written to ``path``, one line each; [] if they can. An existing file is refused unless
-    ``force``."""
+    """Why results cannot be written to ``path``, one line each; [] if they can. An existing file is
+    refused unless ``force``."""
     path = Path(path)
     if path.is_dir():
         return [f"{flag}: {path} is a folder, not a results file"]
@@ -226,8 +235,9 @@ def _creatable(folder: Path, flag: str, target: Path) -> list[str]:
         return [f"{flag}: cannot create {target}: {ancestor} is a file, not a folder"]
     if not os.access(ancestor, os.W_OK | os.X_OK):
         return [f"{flag}: cannot write {target}: {ancestor} is not writable"]
-    # access() answers from the permission bits, which root passes everywhere: /proc and a read-only mount say
-    # writable, and the run would find out only when it writes its results. Creating a folder there says.
+    # access() answers from the permission bits, which root passes everywhere: /proc and a read-only
+    # mount say writable, and the run would find out only when it writes its results. Creating a
+    # folder there says.
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=ancestor))
     except OSError as err:
@@ -244,8 +254,9 @@ def record_problems(args: argparse.Namespace) -> list[str]:
 
 
 def gpu_problems(what: str, why: str) -> list[str]:
-    """``[one line]`` saying that ``what`` needs a CUDA GPU (``why``), in Triton's interpreter or where no CUDA device
-    answers; [] on a GPU. Commands refuse such runs with the other argument mistakes: exit 2 before any work."""
+    """``[one line]`` saying that ``what`` needs a CUDA GPU (``why``), in Triton's interpreter or
+    where no CUDA device answers; [] on a GPU. Commands refuse such runs with the other argument
+    mistakes: exit 2 before any work."""
     import torch
 
     if runtime.MODE == "gpu" and torch.cuda.is_available():
@@ -255,9 +266,9 @@ def gpu_problems(what: str, why: str) -> list[str]:
 
 def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace, targets: Iterable[Path],
                   problems: Iterable[str] = (), *, out_is_file: bool = False) -> None:
-    """Check the results root (unless ``--out`` names the file itself) and every file this run will write
-    (``targets``), with the ``problems`` the command found itself; on any, ``fail``. Call it right after parsing,
-    before any work."""
+    """Check the results root (unless ``--out`` names the file itself) and every file this run will
+    write (``targets``), with the ``problems`` the command found itself; on any, ``fail``. Call it
+    right after parsing, before any work."""
     found = [*problems, *record_problems(args)]
     where = [] if out_is_file else root_problems(output_root(args))
     if not where:  # the files' own checks would only repeat a bad root
@@ -267,7 +278,8 @@ def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace, tar
 
 
 def fail(parser: argparse.ArgumentParser, problems: Iterable[str]) -> None:
-    """Exit with status 2, argparse's usage line and one ``prog: error: ...`` line per problem; nothing if none."""
+    """Exit with status 2, argparse's usage line and one ``prog: error: ...`` line per problem;
+    nothing if none."""
     problems = list(problems)
     if not problems:
         return
@@ -277,21 +289,22 @@ def fail(parser: argparse.ArgumentParser, problems: Iterable[str]) -> None:
     raise SystemExit(2)
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Writing: complete or not at all
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def _temporary(path: Path) -> Path:
-    # Beside the target (the same file system, so the rename is atomic), hidden, with the target's suffix last
-    # (matplotlib picks the format from it).
+    # Beside the target (the same file system, so the rename is atomic), hidden, with the target's
+    # suffix last (matplotlib picks the format from it).
     return path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
 
 
 @contextmanager
 def replacing(*paths: Path) -> Iterator[tuple[Path, ...]]:
-    """Temporary files for ``paths``, renamed over them only when the block ends without an exception, all together
-    (a results JSON never lands beside the plot of another run); on an exception they are removed and every old file
+    """Temporary files for ``paths``, renamed over them only when the block ends without an
+    exception, all together (a results JSON never lands beside the plot of another run); on an
+    exception they are removed and every old file
     stays as it was::
 
         with replacing(json_path, png_path) as (json_tmp, png_tmp):
@@ -316,8 +329,8 @@ def _json_text(data) -> str:
 
 
 def write_text(path: Path, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file renamed over it: the old file stays until the new one is
-    complete. Returns the path."""
+    """Write ``text`` to ``path`` through a temporary file renamed over it: the old file stays until
+    the new one is complete. Returns the path."""
     with replacing(path) as (tmp,):
         tmp.write_text(text)
     return Path(path)
@@ -345,7 +358,9 @@ def write_json_and_figure(json_path: Path, data, fig, png_path: Path, **savefig_
 
 __all__ = [
     "positive_int", "non_negative_int", "positive_float", "non_negative_float", "fraction", "positive_ints",
-    "increasing_pair", "names", "runs_dir", "RUNS_ENV", "add_output_arguments", "output_root", "root_problems",
-    "file_problems", "record_problems", "check_outputs", "fail", "replacing", "write_text", "write_json", "save_figure",
+    "increasing_pair", "names", "runs_dir", "RUNS_ENV", "add_output_arguments", "output_root",
+    "root_problems",
+    "file_problems", "record_problems", "check_outputs", "fail", "replacing", "write_text",
+    "write_json", "save_figure",
     "write_json_and_figure",
 ]

@@ -1,20 +1,23 @@
 """RMSNorm in CUDA C++ beside its Triton twin: lines of code, build time, and a side-by-side benchmark.
 
-``python -m kernels.bench.cuda_compare`` checks against float64 and then times, at chapter 04's shapes, forward and
-forward+backward of three implementations in one run:
+``python -m kernels.bench.cuda_compare`` checks against float64 and then times, at chapter 04's
+shapes, forward and forward+backward of three implementations in one run:
 
-* ``cuda``: the CUDA C++ kernels of ``kernels/csrc/rmsnorm_cuda.cu`` (``kernels.cuda_rmsnorm.rms_norm_cuda``);
-* ``triton``: the package's Triton kernels (``kernels.rms_norm``), which the CUDA version is judged against;
+* ``cuda``: the CUDA C++ kernels of ``kernels/csrc/rmsnorm_cuda.cu``
+  (``kernels.cuda_rmsnorm.rms_norm_cuda``);
+* ``triton``: the package's Triton kernels (``kernels.rms_norm``), which the CUDA version is judged
+  against;
 * ``native``: PyTorch's own fused ``F.rms_norm``.
 
-It reuses the benchmark sweep (``kernels.bench.sweep``: cases, float64 checks, eager and CUDA-graph device times, the
-measured copy bandwidth), so every number means what it means in chapter 04. The results, with the CUDA build's
-time and each kernel's lines of code, go to ``cuda_rmsnorm/<device>.json`` and a PNG beside it, in the runs folder
-(with ``--record``: in ``assets/results/``, where chapter 13 reads them).
-On a machine without a GPU it runs the tiny sizes (Triton in the interpreter, ``F.rms_norm`` on the CPU), skips
-the CUDA version with the reason, and saves nothing unless ``--out`` asks: those timings say nothing about a GPU.
-``--build-only`` builds the two C++ extensions this machine can build (``kernels.cuda_rmsnorm``) and says how long
-each took, without the benchmark.
+It reuses the benchmark sweep (``kernels.bench.sweep``: cases, float64 checks, eager and CUDA-graph
+device times, the measured copy bandwidth), so every number means what it means in chapter 04. The
+results, with the CUDA build's time and each kernel's lines of code, go to
+``cuda_rmsnorm/<device>.json`` and a PNG beside it, in the runs folder (with ``--record``: in
+``assets/results/``, where chapter 13 reads them). On a machine without a GPU it runs the tiny sizes
+(Triton in the interpreter, ``F.rms_norm`` on the CPU), skips the CUDA version with the reason, and
+saves nothing unless ``--out`` asks: those timings say nothing about a GPU. ``--build-only`` builds
+the two C++ extensions this machine can build (``kernels.cuda_rmsnorm``) and says how long each
+took, without the benchmark.
 """
 
 from __future__ import annotations
@@ -40,9 +43,9 @@ TARGET_VS_TRITON = 1.05  # CUDA forward time at most 5% above Triton's
 TARGET_FRAC_COPY = 0.85  # and at least 85% of the measured copy bandwidth
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Lines of code, counted rather than typed in
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def count_cpp_lines(text: str) -> int:
@@ -55,9 +58,11 @@ def count_python_lines(text: str) -> int:
     """Lines of Python that hold code: blank lines, comments and docstrings do not count."""
     lines: set[int] = set()
     previous = tokenize.NEWLINE
-    skip = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
+    skip = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
+            tokenize.ENDMARKER}
     for tok in tokenize.generate_tokens(io.StringIO(text).readline):
-        docstring = tok.type == tokenize.STRING and previous in (tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)
+        docstring = tok.type == tokenize.STRING and previous in (tokenize.NEWLINE, tokenize.INDENT,
+                                                                 tokenize.DEDENT)
         if tok.type not in skip and not docstring:
             lines.update(range(tok.start[0], tok.end[0] + 1))
         if tok.type not in (tokenize.COMMENT, tokenize.NL):
@@ -66,7 +71,8 @@ def count_python_lines(text: str) -> int:
 
 
 def _cuda_parts() -> tuple[str, str]:
-    """The CUDA source split at its launch-configuration banner: (device code, host code and registration)."""
+    """The CUDA source split at its launch-configuration banner: (device code, host code and
+    registration)."""
     text = cuda_rmsnorm.CUDA_SOURCE.read_text()
     marker = "// Launch configuration"
     head, _, tail = text.partition(marker)
@@ -89,7 +95,8 @@ def triton_host_source() -> str:
              rmsnorm.cached_backward_config, rmsnorm.as_rows, rmsnorm.out_dtype, rmsnorm.rms_norm_forward,
              rmsnorm.rms_norm_backward, rmsnorm.rms_norm_fwd_fake, rmsnorm.rms_norm_bwd_fake)
     source = "\n\n".join(inspect.getsource(getattr(p, "__wrapped__", p)) for p in parts)
-    registration = inspect.getsource(rmsnorm).split("rms_norm_fwd_op = ops.define(", 1)[1].split("\n\n\n", 1)[0]
+    registration = inspect.getsource(rmsnorm).split("rms_norm_fwd_op = ops.define(",
+                                                    1)[1].split("\n\n\n", 1)[0]
     return source + "\n\nrms_norm_fwd_op = ops.define(" + registration
 
 
@@ -99,12 +106,15 @@ def cuda_kernel_source() -> str:
 
 
 def cpp_snippet(name: str, path: Path | None = None) -> str:
-    """The definition of the C++ function, kernel or struct ``name`` in ``path`` (the CUDA source by default), with
-    its ``template`` line and the comment block right above it: what a chapter shows beside the Triton twin."""
+    """The definition of the C++ function, kernel or struct ``name`` in ``path`` (the CUDA source by
+    default), with its ``template`` line and the comment block right above it: what a chapter shows
+    beside the Triton twin."""
     lines = (path or cuda_rmsnorm.CUDA_SOURCE).read_text().splitlines()
-    # A definition's first line, not a comment that names it: "void f(", "__global__ void f(", "struct f {".
+    # A definition's first line, not a comment that names it: "void f(", "__global__ void f(",
+    # "struct f {".
     pattern = re.compile(rf"^(?!//)(?:__global__ |__device__ |struct |\S.*\s)\**{re.escape(name)}\b[ (<]")
-    start = next((i for i, line in enumerate(lines) if pattern.match(line) or line.startswith(f"struct {name}")),
+    start = next((i for i,
+                  line in enumerate(lines) if pattern.match(line) or line.startswith(f"struct {name}")),
                  None)
     if start is None:
         raise ValueError(f"no definition of {name!r} in {path or cuda_rmsnorm.CUDA_SOURCE}")
@@ -121,8 +131,9 @@ def cpp_snippet(name: str, path: Path | None = None) -> str:
 
 
 def lines_of_code() -> dict[str, dict[str, int]]:
-    """Lines of code of each version, counted from the sources: ``kernels`` (what runs on the GPU) and ``host``
-    (launch configuration, launches, operator registration), blank lines, comments and docstrings left out."""
+    """Lines of code of each version, counted from the sources: ``kernels`` (what runs on the GPU)
+    and ``host`` (launch configuration, launches, operator registration), blank lines, comments and
+    docstrings left out."""
     device, host = _cuda_parts()
     return {
         "cuda": {"kernels": count_cpp_lines(device), "host": count_cpp_lines(host)},
@@ -132,9 +143,9 @@ def lines_of_code() -> dict[str, dict[str, int]]:
     }
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The implementations compared
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def _weight_param(case) -> torch.nn.Parameter:
@@ -167,7 +178,8 @@ IMPLS = (
 
 
 def sizes(quick: bool = False) -> dict:
-    """Chapter 04's RMSNorm sizes (``kernels.bench.sweep``): the full sweep on a GPU, tiny ones in the interpreter."""
+    """Chapter 04's RMSNorm sizes (``kernels.bench.sweep``): the full sweep on a GPU, tiny ones in
+    the interpreter."""
     from . import sweep
 
     if runtime.MODE == "gpu":
@@ -175,15 +187,16 @@ def sizes(quick: bool = False) -> dict:
     return dict((sweep.CPU_QUICK_SIZES if quick else sweep.CPU_SIZES)["rmsnorm"])
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Running, reading and saving
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def run_comparison(quick: bool = False, size: dict | None = None, warmup: int = 25, rep: int = 50,
                    ceilings: dict | None = None, progress: bool = True) -> dict:
-    """Check and time the three implementations; returns a results dict (``kernels.bench.sweep``'s, plus the CUDA
-    build, the lines of code and the targets). ``size`` overrides ``sizes(quick)`` (same keys)."""
+    """Check and time the three implementations; returns a results dict (``kernels.bench.sweep``'s,
+    plus the CUDA build, the lines of code and the targets). ``size`` overrides ``sizes(quick)``
+    (same keys)."""
     from .sweep import run_benchmark
 
     size = dict(size or sizes(quick))
@@ -209,8 +222,9 @@ def _row(results: dict, impl: str, tokens: int, width: int, pass_: str) -> dict 
 
 
 def targets(results: dict, shape: tuple[int, int] = TARGET_SHAPE) -> list[dict]:
-    """The CUDA forward's targets at ``shape`` (device times): within 5% of Triton's time or faster, and at least
-    85% of the measured copy bandwidth. ``met`` is None where the run has no such numbers (no GPU, shape absent)."""
+    """The CUDA forward's targets at ``shape`` (device times): within 5% of Triton's time or faster,
+    and at least 85% of the measured copy bandwidth. ``met`` is None where the run has no such
+    numbers (no GPU, shape absent)."""
     cuda, triton = (_row(results, k, *shape, "fwd") for k in ("cuda", "triton"))
     ratio = (cuda["device_ms"] / triton["device_ms"]) if (cuda and triton and cuda["device_ms"]
                                                            and triton["device_ms"]) else None
@@ -225,11 +239,13 @@ def targets(results: dict, shape: tuple[int, int] = TARGET_SHAPE) -> list[dict]:
 
 
 def save_comparison(results: dict, directory: Path = RESULTS) -> tuple[Path, Path]:
-    """Write the results as ``cuda_rmsnorm/<device>.json`` under the results root ``directory`` (a folder of their
-    own, never over chapter 04's ``rmsnorm/<device>.json``) and their plot as PNG beside it; returns both paths."""
+    """Write the results as ``cuda_rmsnorm/<device>.json`` under the results root ``directory`` (a
+    folder of their own, never over chapter 04's ``rmsnorm/<device>.json``) and their plot as PNG
+    beside it; returns both paths."""
     path = results_file("cuda_rmsnorm", results["device_slug"], directory)
     fig = plot_comparison(results)
-    png = cli.write_json_and_figure(path, results, fig, path.with_suffix(".png"), dpi=110, bbox_inches="tight")[1]
+    png = cli.write_json_and_figure(path, results, fig, path.with_suffix(".png"), dpi=110,
+                                    bbox_inches="tight")[1]
     import matplotlib.pyplot as plt
 
     plt.close(fig)
@@ -237,7 +253,8 @@ def save_comparison(results: dict, directory: Path = RESULTS) -> tuple[Path, Pat
 
 
 def load_comparison(directory: Path = RESULTS) -> dict | None:
-    """The newest GPU comparison in ``directory/cuda_rmsnorm/``, or None (there is none until one has run on a GPU)."""
+    """The newest GPU comparison in ``directory/cuda_rmsnorm/``, or None (there is none until one
+    has run on a GPU)."""
     found = [results for results in runs("cuda_rmsnorm", directory).values() if results.get("mode") == "gpu"]
     return max(found, key=lambda r: r.get("date", "")) if found else None
 
@@ -264,12 +281,13 @@ def report(results: dict) -> str:
     build_line = (f"CUDA build: {'compiled' if build['compiled'] else 'from the build cache'} in "
                   f"{build['seconds']:.1f} s" if build else f"CUDA version not run: {results.get('cuda_unavailable')}")
     return "\n".join([format_table(results), "", build_line, "targets:", describe_targets(results),
-                      "lines of code (no blanks, comments or docstrings):", describe_lines(results["lines_of_code"])])
+                      "lines of code (no blanks, comments or docstrings):",
+                      describe_lines(results["lines_of_code"])])
 
 
 def plot_comparison(results: dict):
-    """A 2 × 2 figure: time per call and bandwidth against the measured copy line, forward and forward+backward,
-    over the token sweep at the fixed hidden size."""
+    """A 2 × 2 figure: time per call and bandwidth against the measured copy line, forward and
+    forward+backward, over the token sweep at the fixed hidden size."""
     import matplotlib.pyplot as plt
 
     from .plots import plot_bandwidth, plot_times
@@ -284,7 +302,8 @@ def plot_comparison(results: dict):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m kernels.bench.cuda_compare", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m kernels.bench.cuda_compare",
+                                     description=__doc__.split("\n\n")[0],
                                      epilog="Without a GPU nothing is saved unless --out names a folder: interpreter "
                                             "timings say nothing about a GPU.")
     parser.add_argument("--quick", action="store_true", help="three token counts and two hidden sizes only")
@@ -297,7 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _out_dir(args) -> Path | None:
-    """Where this run saves: the chosen results root, except on a CPU without ``--out`` (interpreter timings)."""
+    """Where this run saves: the chosen results root, except on a CPU without ``--out`` (interpreter
+    timings)."""
     if args.build_only or (runtime.MODE != "gpu" and args.out is None and not args.record):
         return None
     return cli.output_root(args)

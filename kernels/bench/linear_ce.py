@@ -1,26 +1,32 @@
 """The linear cross-entropy benchmark: the loss of an LM head, forward + backward, every peer side by side
 (``python -m kernels.bench.linear_ce``).
 
-Unlike RMSNorm and the cross-entropy of given logits, this loss is bound by its matrix multiplies, not by memory:
-the floor of a step is 3 matmuls of 2·tokens·vocab·hidden FLOP (the logits, d_hidden, d_weight) at the measured
-bf16 matmul rate, and the other axis is memory: the peak a step adds beyond its inputs and the two gradients.
+Unlike RMSNorm and the cross-entropy of given logits, this loss is bound by its matrix multiplies,
+not by memory: the floor of a step is 3 matmuls of 2·tokens·vocab·hidden FLOP (the logits, d_hidden,
+d_weight) at the measured bf16 matmul rate, and the other axis is memory: the peak a step adds
+beyond its inputs and the two gradients.
 
 Peers, each building ``fn(hidden, weight, target) -> loss`` on the same inputs:
 
-* ``torch-fp32``: ``hidden @ weight.T`` then ``F.cross_entropy(logits.float())``, what Hugging Face computes;
+* ``torch-fp32``: ``hidden @ weight.T`` then ``F.cross_entropy(logits.float())``, what Hugging Face
+  computes;
 * ``torch-bf16``: the same without the float32 upcast;
 * ``compile``: ``torch.compile`` of ``torch-fp32`` (GPU only);
-* ``liger``: Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` (token chunks, gradient during the forward);
-* ``cce``, ``cce-exact``: Apple's Cut Cross-Entropy ``linear_cross_entropy`` (fused matmul and log-sum-exp,
-  recompute), with its default gradient filter and without it;
-* ``trl``: TRL's fused LM head (``trl.kernels.ChunkedLogProbFunction``, what ``SFTTrainer`` trains with: tiles of
-  4,096 tokens × 32,768 vocabulary columns, recompute in the backward), on the positions that count, as TRL calls it;
-* ``ours`` (``strategy="auto"``: "recompute" for a trainable weight, keeping the logits its memory budget allows),
-  ``ours-recompute-all`` (the same keeping none: every slice recomputed) and ``ours-chunked``.
+* ``liger``: Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` (token chunks, gradient during the
+  forward);
+* ``cce``, ``cce-exact``: Apple's Cut Cross-Entropy ``linear_cross_entropy`` (fused matmul and
+  log-sum-exp, recompute), with its default gradient filter and without it;
+* ``trl``: TRL's fused LM head (``trl.kernels.ChunkedLogProbFunction``, what ``SFTTrainer`` trains
+  with: tiles of 4,096 tokens × 32,768 vocabulary columns, recompute in the backward), on the
+  positions that count, as TRL calls it;
+* ``ours`` (``strategy="auto"``: "recompute" for a trainable weight, keeping the logits its memory
+  budget allows), ``ours-recompute-all`` (the same keeping none: every slice recomputed) and
+  ``ours-chunked``.
 
-Every implementation is checked against a float32 reference (``reference.linear_cross_entropy_reference``) before
-it is timed; one that fails is recorded and not timed. Times are ``eager_ms`` (the Python call) and ``device_ms``
-(a CUDA graph's replay, where the implementation allows capture), as in ``kernels.bench.sweep``.
+Every implementation is checked against a float32 reference
+(``reference.linear_cross_entropy_reference``) before it is timed; one that fails is recorded and
+not timed. Times are ``eager_ms`` (the Python call) and ``device_ms`` (a CUDA graph's replay, where
+the implementation allows capture), as in ``kernels.bench.sweep``.
 """
 
 from __future__ import annotations
@@ -50,9 +56,10 @@ CPU_SIZES = dict(tokens=(8, 24), hidden=32, vocab=500)
 
 @dataclass(frozen=True)
 class LinearImpl:
-    """One implementation: ``build()`` returns ``fn(hidden, weight, target) -> loss``; ``unavailable()`` says why it
-    cannot run here, or None. ``capturable=False``: the call synchronises with the host, so no CUDA graph is tried
-    (a capture that fails part-way can leave PyTorch's CUDA random generator unusable for the rest of the process)."""
+    """One implementation: ``build()`` returns ``fn(hidden, weight, target) -> loss``;
+    ``unavailable()`` says why it cannot run here, or None. ``capturable=False``: the call
+    synchronises with the host, so no CUDA graph is tried (a capture that fails part-way can leave
+    PyTorch's CUDA random generator unusable for the rest of the process)."""
 
     key: str
     label: str
@@ -107,10 +114,12 @@ def _trl():
     from trl.kernels import ChunkedLogProbFunction
 
     def fn(hidden, weight, target):
-        # As TRL's SFTTrainer calls it: only the positions that count are projected (a boolean index, so a host
-        # synchronisation), per-token log-probabilities summed and divided by their number.
+        # As TRL's SFTTrainer calls it: only the positions that count are projected (a boolean
+        # index, so a host synchronisation), per-token log-probabilities summed and divided by their
+        # number.
         counted = target != -100
-        log_probs = ChunkedLogProbFunction.apply(hidden[counted], weight, None, target[counted], 1.0, 32768, None,
+        log_probs = ChunkedLogProbFunction.apply(hidden[counted], weight, None, target[counted],
+                                                 1.0, 32768, None,
                                                  1.0, ())[0]
         return -log_probs.sum() / counted.sum()
 
@@ -118,22 +127,27 @@ def _trl():
 
 
 def _ours(strategy: str, keep_logits: bool = True) -> Callable[[], Callable]:
-    return lambda: (lambda hidden, weight, target: linear_cross_entropy(hidden, weight, target, strategy=strategy,
-                                                                       check_targets=False, keep_logits=keep_logits))
+    return lambda: (lambda hidden, weight,
+                    target: linear_cross_entropy(hidden, weight, target, strategy=strategy,
+                                                                       check_targets=False,
+                                                                       keep_logits=keep_logits))
 
 
 IMPLS = (
     LinearImpl("ours", "ours (auto: recompute)", _ours("auto")),
-    LinearImpl("ours-recompute-all", "ours, recompute, no logits kept", _ours("recompute", keep_logits=False)),
+    LinearImpl("ours-recompute-all", "ours, recompute, no logits kept",
+               _ours("recompute", keep_logits=False)),
     LinearImpl("ours-chunked", "ours, chunked", _ours("chunked")),
     LinearImpl("torch-fp32", "matmul + F.cross_entropy(fp32) (HF)", lambda: _torch_loss(True)),
     LinearImpl("torch-bf16", "matmul + F.cross_entropy(bf16)", lambda: _torch_loss(False)),
     LinearImpl("compile", "torch.compile(matmul + fp32 CE)", lambda: torch.compile(_torch_loss(True)),
                _gpu_only("torch.compile (inductor)")),
-    LinearImpl("liger", "Liger fused linear CE", _liger, _package("liger_kernel", "liger-kernel"), capturable=False),
+    LinearImpl("liger", "Liger fused linear CE", _liger, _package("liger_kernel", "liger-kernel"),
+               capturable=False),
     LinearImpl("cce", "Cut Cross-Entropy (default: filtered gradient)", _cce(),
                _package("cut_cross_entropy", "cut-cross-entropy")),
-    # Cut Cross-Entropy skips gradient blocks it deems negligible by default; without that filter it is exact.
+    # Cut Cross-Entropy skips gradient blocks it deems negligible by default; without that filter it
+    # is exact.
     LinearImpl("cce-exact", "Cut Cross-Entropy, no gradient filter", _cce(filter_eps=None),
                _package("cut_cross_entropy", "cut-cross-entropy")),
     LinearImpl("trl", "TRL fused LM head (SFTTrainer)", _trl, _package("trl.kernels", "trl", gpu_only=False),
@@ -141,9 +155,10 @@ IMPLS = (
 )
 
 
-def make_inputs(tokens: int, hidden: int, vocab: int, dtype=torch.bfloat16, seed: int = 0, ignored: float = 0.1):
-    """Hidden states, an LM head weight (scaled as a trained one: logits of a few units) and targets, a share of
-    them ignored, on this machine's device."""
+def make_inputs(tokens: int, hidden: int, vocab: int, dtype=torch.bfloat16, seed: int = 0,
+                ignored: float = 0.1):
+    """Hidden states, an LM head weight (scaled as a trained one: logits of a few units) and
+    targets, a share of them ignored, on this machine's device."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     device = runtime.device()
     h = torch.randn(tokens, hidden, generator=g).to(device, dtype).requires_grad_()
@@ -154,7 +169,8 @@ def make_inputs(tokens: int, hidden: int, vocab: int, dtype=torch.bfloat16, seed
 
 
 def matmul_flop(tokens: int, hidden: int, vocab: int) -> int:
-    """The FLOP of the unfused loss's three matmuls (logits, d_hidden, d_weight): the floor every plan is judged by."""
+    """The FLOP of the unfused loss's three matmuls (logits, d_hidden, d_weight): the floor every
+    plan is judged by."""
     return 3 * 2 * tokens * hidden * vocab
 
 
@@ -198,7 +214,8 @@ def measure(impl: LinearImpl, tokens: int, hidden: int, vocab: int, ceilings: di
         row["device_ms"], row["device_note"] = None, "synchronises with the host: no CUDA graph (eager time only)"
     peak = peak_extra_mib(step, grad_to_none=[h, w])
     gradients_mib = (h.numel() + w.numel()) * h.element_size() / 2**20
-    row["extra_mib"] = None if peak is None else peak - gradients_mib  # beyond the two gradients every plan writes
+    # beyond the two gradients every plan writes
+    row["extra_mib"] = None if peak is None else peak - gradients_mib
     if ceilings and row.get("device_ms"):
         tflops = matmul_flop(tokens, hidden, vocab) / (row["device_ms"] * 1e-3) / 1e12
         row["tflops_of_3_matmuls"] = tflops
@@ -207,7 +224,8 @@ def measure(impl: LinearImpl, tokens: int, hidden: int, vocab: int, ceilings: di
 
 
 def run(tokens=None, hidden=None, vocab=None, keys=None, progress: bool = True) -> dict:
-    """Every implementation (or those in ``keys``) at every token count; the results as a dict (see ``save``)."""
+    """Every implementation (or those in ``keys``) at every token count; the results as a dict (see
+    ``save``)."""
     sizes = GPU_SIZES if runtime.MODE == "gpu" else CPU_SIZES
     tokens, hidden, vocab = tokens or sizes["tokens"], hidden or sizes["hidden"], vocab or sizes["vocab"]
     impls = [i for i in IMPLS if keys is None or i.key in keys]
@@ -220,7 +238,8 @@ def run(tokens=None, hidden=None, vocab=None, keys=None, progress: bool = True) 
             rows.append(measure(impl, n, hidden, vocab, ceilings))
             if runtime.MODE == "gpu":
                 torch.cuda.empty_cache()
-    return {"kernel": KERNEL, "device": runtime.device_name(), "device_slug": device_slug(), "mode": runtime.MODE,
+    return {"kernel": KERNEL, "device": runtime.device_name(), "device_slug": device_slug(),
+            "mode": runtime.MODE,
             "versions": runtime.versions(), "ceilings": ceilings, "hidden": hidden, "vocab": vocab,
             "tokens": list(tokens), "rows": rows, "note": runtime.timings_note()}
 
@@ -288,8 +307,10 @@ def save(results: dict, out: Path = RESULTS) -> tuple[Path, Path]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m kernels.bench.linear_ce", description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=cli.positive_ints, default=None, help="token counts, e.g. 2048,8192")
-    p.add_argument("--hidden", type=cli.positive_int, default=None, help="hidden width (default 4096 on a GPU)")
-    p.add_argument("--vocab", type=cli.positive_int, default=None, help="vocabulary (default 128,256 on a GPU)")
+    p.add_argument("--hidden", type=cli.positive_int, default=None,
+                   help="hidden width (default 4096 on a GPU)")
+    p.add_argument("--vocab", type=cli.positive_int, default=None,
+                   help="vocabulary (default 128,256 on a GPU)")
     p.add_argument("--impls", type=cli.names(i.key for i in IMPLS), default=None,
                    help=f"comma-separated, from {', '.join(i.key for i in IMPLS)}")
     cli.add_output_arguments(p, f"{KERNEL}/<device>.json and .png")
@@ -301,7 +322,8 @@ def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     root = cli.output_root(args)
-    cli.check_outputs(p, args, [results_file(KERNEL, device_slug(), root, suffix) for suffix in (".json", ".png")])
+    cli.check_outputs(p, args,
+                      [results_file(KERNEL, device_slug(), root, suffix) for suffix in (".json", ".png")])
     print(runtime.describe())
     results = run(args.tokens, args.hidden, args.vocab, args.impls, progress=not args.no_progress)
     print(table(results))

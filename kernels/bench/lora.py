@@ -1,34 +1,40 @@
 """The LoRA step, side by side in one run: the floor, Hugging Face + PEFT, patched + PEFT, Liger + PEFT.
 
-``python -m kernels.bench.lora`` builds one Llama (random weights, bf16 base, eager SDPA) and times, one after the
-other on the same model and the same batches:
+``python -m kernels.bench.lora`` builds one Llama (random weights, bf16 base, eager SDPA) and times,
+one after the other on the same model and the same batches:
 
-* **floor, Hugging Face**: the frozen model without adapters; the backward still runs through every layer (input
-  gradients only, as a LoRA step's does), no optimizer;
-* **floor, patched**: the same with ``patch_llama``'s default kernels: the floor the fused LoRA step is held to;
-* **Hugging Face + PEFT**: LoRA (r=16, α=32, dropout 0) on q, k, v, o, gate, up, down; torch's fused AdamW on the
-  adapters;
+* **floor, Hugging Face**: the frozen model without adapters; the backward still runs through every
+  layer (input gradients only, as a LoRA step's does), no optimizer;
+* **floor, patched**: the same with ``patch_llama``'s default kernels: the floor the fused LoRA step
+  is held to;
+* **Hugging Face + PEFT**: LoRA (r=16, α=32, dropout 0) on q, k, v, o, gate, up, down; torch's fused
+  AdamW on the adapters;
 * **patched + PEFT, lora off**: ``patch_llama``'s other defaults, PEFT's own LoRA layers;
-* **patched + PEFT**: the defaults with the ``lora`` switch: q/k/v and gate/up one node per group on their shared
-  input (``kernels.lora.lora_group``), o_proj and down_proj one fused node each, the low-rank product written first and
-  the base GEMM adding onto it in its β-epilogue (``epilogue="cublas_lowrank_first"``; the same for dx);
-* **patched + PEFT, one node per layer**: the same with every LoRA layer its own node (``SHARED_INPUT = False``);
-* **patched + PEFT, low-rank product after**: one node per layer, the base GEMM first and the low-rank product
-  added onto its output (``epilogue="cublas"``);
-* **patched + PEFT, adapter merged where cheaper** (``epilogue="auto"``): W + s·B·A as a temporary weight for
-  each GEMM whose reduced dimension is below the tokens, the β-epilogue elsewhere;
-* **patched + PEFT, Triton epilogue and split-K**: the same with the Triton GEMM epilogue and the split-K dA/dB;
-* **Liger + PEFT**: Liger's RoPE, SwiGLU, RMSNorm and fused linear cross-entropy, if ``liger_kernel`` imports.
+* **patched + PEFT**: the defaults with the ``lora`` switch: q/k/v and gate/up one node per group on
+  their shared input (``kernels.lora.lora_group``), o_proj and down_proj one fused node each, the
+  low-rank product written first and the base GEMM adding onto it in its β-epilogue
+  (``epilogue="cublas_lowrank_first"``; the same for dx);
+* **patched + PEFT, one node per layer**: the same with every LoRA layer its own node
+  (``SHARED_INPUT = False``);
+* **patched + PEFT, low-rank product after**: one node per layer, the base GEMM first and the
+  low-rank product added onto its output (``epilogue="cublas"``);
+* **patched + PEFT, adapter merged where cheaper** (``epilogue="auto"``): W + s·B·A as a temporary
+  weight for each GEMM whose reduced dimension is below the tokens, the β-epilogue elsewhere;
+* **patched + PEFT, Triton epilogue and split-K**: the same with the Triton GEMM epilogue and the
+  split-K dA/dB;
+* **Liger + PEFT**: Liger's RoPE, SwiGLU, RMSNorm and fused linear cross-entropy, if
+  ``liger_kernel`` imports.
 
-Each setup: tokens/s over timed steps after warm-up steps, the step's peak memory (``max_memory_allocated``),
-and the loss of its first step (the same batch for all: the patched setups must give PEFT's loss). Then the
-per-layer micro-benchmarks at the preset's shapes (``micro``): the forward of one adapted layer PEFT's way, with
-cuBLAS's β-epilogue and with the Triton epilogue, against the bare base GEMM; cuBLAS against the Triton GEMM with no
-epilogue; and cuBLAS against split-K for dA and dB.
+Each setup: tokens/s over timed steps after warm-up steps, the step's peak memory
+(``max_memory_allocated``), and the loss of its first step (the same batch for all: the patched
+setups must give PEFT's loss). Then the per-layer micro-benchmarks at the preset's shapes
+(``micro``): the forward of one adapted layer PEFT's way, with cuBLAS's β-epilogue and with the
+Triton epilogue, against the bare base GEMM; cuBLAS against the Triton GEMM with no epilogue; and
+cuBLAS against split-K for dA and dB.
 
-Results go to ``runs/lora/<name>.json`` (``--out`` picks another results root; an existing file is replaced only
-with ``--force``); ``--record`` writes
-``assets/results/lora/<name>.json``, the files chapter 15 reads.
+Results go to ``runs/lora/<name>.json`` (``--out`` picks another results root; an existing file is
+replaced only with ``--force``); ``--record`` writes ``assets/results/lora/<name>.json``, the files
+chapter 15 reads.
 """
 
 from __future__ import annotations
@@ -57,7 +63,8 @@ from .timing import time_ms
 GROUP = "lora"
 GIB = 2**30
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-SETUPS = ("floor_hf", "floor_patched", "hf_peft", "patched_peft_lora_off", "patched_peft", "patched_peft_one_by_one",
+SETUPS = ("floor_hf", "floor_patched", "hf_peft", "patched_peft_lora_off", "patched_peft",
+          "patched_peft_one_by_one",
           "patched_peft_lowrank_after", "patched_peft_auto", "patched_peft_triton", "liger_peft")
 LABELS = {
     "floor_hf": "floor: frozen model, no adapters (Hugging Face)",
@@ -73,13 +80,14 @@ LABELS = {
 }
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The model, the batches, one step
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def build_llama(preset: str, dtype: torch.dtype, device: torch.device, seed: int = 0) -> torch.nn.Module:
-    """A ``LlamaForCausalLM`` of ``preset`` built on ``device`` in ``dtype`` (random weights, SDPA, no cache)."""
+    """A ``LlamaForCausalLM`` of ``preset`` built on ``device`` in ``dtype`` (random weights, SDPA,
+    no cache)."""
     from transformers import LlamaForCausalLM
 
     config = llama_config(preset)
@@ -143,9 +151,9 @@ def time_steps(model, batches: list[dict], warmup: int, steps: int, optimizer=No
             "first_loss": first_loss}
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The setups
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def _liger_patch(model):
@@ -167,7 +175,8 @@ def _lora_backends(epilogue: str, skinny: str, shared_input: bool = False):
 
 def run_setups(preset: str, batch: int, seq: int, rank: int, alpha: float, warmup: int, steps: int,
                checkpointing: bool, setups=SETUPS, seed: int = 0, log=print) -> dict:
-    """Every setup of ``setups`` on one model, in a fixed order (Liger last: it patches modules for the process)."""
+    """Every setup of ``setups`` on one model, in a fixed order (Liger last: it patches modules for
+    the process)."""
     import peft
 
     device = runtime.device()
@@ -223,7 +232,8 @@ def run_setups(preset: str, batch: int, seq: int, rank: int, alpha: float, warmu
         try:
             _liger_patch(wrapped.get_base_model())
         except ImportError as err:
-            rows["liger_peft"] = {"label": LABELS["liger_peft"], "error": f"liger_kernel not importable: {err}"}
+            rows["liger_peft"] = {"label": LABELS["liger_peft"],
+                                  "error": f"liger_kernel not importable: {err}"}
         else:
             measure("liger_peft", wrapped, adapters=True)
     trainable = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
@@ -233,9 +243,9 @@ def run_setups(preset: str, batch: int, seq: int, rank: int, alpha: float, warmu
     return {"rows": rows, "trainable_parameters": trainable, "lora_layers": rows_lora}
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Per-layer micro-benchmarks
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def layer_shapes(preset: str) -> dict[str, tuple[int, int]]:
@@ -245,18 +255,21 @@ def layer_shapes(preset: str) -> dict[str, tuple[int, int]]:
     kv = c.num_key_value_heads * head_dim
     return {"q_proj": (c.hidden_size, c.num_attention_heads * head_dim), "k_proj": (c.hidden_size, kv),
             "v_proj": (c.hidden_size, kv), "o_proj": (c.num_attention_heads * head_dim, c.hidden_size),
-            "gate_proj": (c.hidden_size, c.intermediate_size), "up_proj": (c.hidden_size, c.intermediate_size),
+            "gate_proj": (c.hidden_size, c.intermediate_size),
+            "up_proj": (c.hidden_size, c.intermediate_size),
             "down_proj": (c.intermediate_size, c.hidden_size)}
 
 
 def _peft_forward(x, w, a32, b32, scale):
-    # What PEFT computes: the base layer, x cast to the adapters' float32, their two linears, the scaling, the add.
+    # What PEFT computes: the base layer, x cast to the adapters' float32, their two linears, the
+    # scaling, the add.
     result = F.linear(x, w)
     xf = x.to(a32.dtype)
     return (result + F.linear(F.linear(xf, a32), b32) * scale).to(x.dtype)
 
 
-def _micro_row(name: str, n_in: int, n_out: int, tokens: int, rank: int, scale: float, gen, device, dtype) -> dict:
+def _micro_row(name: str, n_in: int, n_out: int, tokens: int, rank: int, scale: float, gen, device,
+               dtype) -> dict:
     x = torch.randn(tokens, n_in, generator=gen).to(device, dtype)
     w = (torch.randn(n_out, n_in, generator=gen) / n_in**0.5).to(device, dtype)
     a = (torch.randn(rank, n_in, generator=gen) / n_in**0.5).to(device)
@@ -271,7 +284,8 @@ def _micro_row(name: str, n_in: int, n_out: int, tokens: int, rank: int, scale: 
         "base_gemm_triton_ms": time_ms(lambda: gemm_epilogue(x, wt)),
         "fwd_peft_ms": time_ms(lambda: _peft_forward(x, w, a, b, scale)),
         "fwd_cublas_epilogue_ms": time_ms(lambda: lora_forward(x, w, None, a, b, scale, "cublas")),
-        "fwd_cublas_lowrank_first_ms": time_ms(lambda: lora_forward(x, w, None, a, b, scale, "cublas_lowrank_first")),
+        "fwd_cublas_lowrank_first_ms": time_ms(lambda: lora_forward(x, w, None, a, b, scale,
+                                                                    "cublas_lowrank_first")),
         "fwd_merged_ms": time_ms(lambda: lora_forward(x, w, None, a, b, scale, "merged")),
         "fwd_triton_epilogue_ms": time_ms(lambda: lora_forward(x, w, None, a, b, scale, "triton")),
         "dA_cublas_ms": time_ms(lambda: skinny_mm(dxa, x, 1.0, torch.float32, "cublas")),
@@ -281,21 +295,24 @@ def _micro_row(name: str, n_in: int, n_out: int, tokens: int, rank: int, scale: 
     }
 
 
-def micro(preset: str, tokens: int, rank: int, alpha: float, names=("q_proj", "k_proj", "gate_proj", "down_proj"),
+def micro(preset: str, tokens: int, rank: int, alpha: float,
+          names=("q_proj", "k_proj", "gate_proj", "down_proj"),
           seed: int = 0) -> list[dict]:
-    """Per adapted layer (ms, median): forward PEFT's way, with the cuBLAS β-epilogue (the low-rank product added
-    after the base GEMM, and written before it), merged into a temporary weight, with the Triton epilogue, and the
-    bare base GEMM; the GEMM alone in cuBLAS and in Triton; dA and dB by cuBLAS and by split-K."""
+    """Per adapted layer (ms, median): forward PEFT's way, with the cuBLAS β-epilogue (the low-rank
+    product added after the base GEMM, and written before it), merged into a temporary weight, with
+    the Triton epilogue, and the bare base GEMM; the GEMM alone in cuBLAS and in Triton; dA and dB
+    by cuBLAS and by split-K."""
     device = runtime.device()
     dtype = torch.bfloat16 if runtime.MODE == "gpu" else torch.float32
     gen = torch.Generator().manual_seed(seed)
     shapes = layer_shapes(preset)
-    return [_micro_row(name, *shapes[name], tokens, rank, alpha / rank, gen, device, dtype) for name in names]
+    return [_micro_row(name, *shapes[name], tokens, rank, alpha / rank, gen, device,
+                       dtype) for name in names]
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Targets, text, the command line
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def verdicts(rows: dict) -> dict:
@@ -312,9 +329,11 @@ def verdicts(rows: dict) -> dict:
         out["vs_hf_peft"] = {"ratio": ours / hf, "target": 1.40, "met": ours / hf >= 1.40}
     if ours and liger:
         out["vs_liger_peft"] = {"ratio": ours / liger, "target": 1.0, "met": ours > liger}
-    peak, floor_peak = rows.get("patched_peft", {}).get("peak_gib"), rows.get("floor_patched", {}).get("peak_gib")
+    peak, floor_peak = rows.get("patched_peft", {}).get("peak_gib"), rows.get("floor_patched",
+                                                                              {}).get("peak_gib")
     if peak is not None and floor_peak is not None:
-        out["peak_over_floor_gib"] = {"value": peak - floor_peak, "target": 8.0, "met": peak - floor_peak <= 8.0}
+        out["peak_over_floor_gib"] = {"value": peak - floor_peak, "target": 8.0,
+                                      "met": peak - floor_peak <= 8.0}
     return out
 
 
@@ -358,7 +377,8 @@ def format_table(result: dict) -> str:
 
 
 def load_recorded(name: str = "llama-3.1-8b_b4", directory: Path = RESULTS) -> dict | None:
-    """A committed run (``assets/results/lora/<name>.json``, written with ``--record``), or None if there is none."""
+    """A committed run (``assets/results/lora/<name>.json``, written with ``--record``), or None if
+    there is none."""
     path = results_file(GROUP, name, directory)
     return json.loads(path.read_text()) if path.exists() else None
 
@@ -367,14 +387,18 @@ def default_name(preset: str, batch: int, checkpointing: bool) -> str:
     return f"{preset}_b{batch}{'_ckpt' if checkpointing else ''}"
 
 
-def run(preset: str, batch: int, seq: int, rank: int, alpha: float, warmup: int, steps: int, checkpointing: bool,
+def run(preset: str, batch: int, seq: int, rank: int, alpha: float, warmup: int, steps: int,
+        checkpointing: bool,
         setups=SETUPS, with_micro: bool = True, log=print) -> dict:
     log(runtime.describe())
-    settings = dict(preset=preset, batch=batch, seq=seq, rank=rank, alpha=alpha, dropout=0.0, targets=list(TARGETS),
-                    warmup=warmup, steps=steps, checkpointing=checkpointing, optimizer="torch AdamW (fused on GPU)",
+    settings = dict(preset=preset, batch=batch, seq=seq, rank=rank, alpha=alpha, dropout=0.0,
+                    targets=list(TARGETS),
+                    warmup=warmup, steps=steps, checkpointing=checkpointing,
+                    optimizer="torch AdamW (fused on GPU)",
                     base_dtype="bfloat16" if runtime.MODE == "gpu" else "float32", attention="sdpa")
     step = run_setups(preset, batch, seq, rank, alpha, warmup, steps, checkpointing, setups, log=log)
-    result = {"group": GROUP, "device": runtime.device_name(), "device_slug": device_slug(), "mode": runtime.MODE,
+    result = {"group": GROUP, "device": runtime.device_name(), "device_slug": device_slug(),
+              "mode": runtime.MODE,
               "settings": settings, **step,
               # The interpreter's wall-clock says nothing of GPU speed: no target is judged on it.
               "targets": verdicts(step["rows"]) if runtime.MODE == "gpu" else {}}
@@ -385,21 +409,26 @@ def run(preset: str, batch: int, seq: int, rank: int, alpha: float, warmup: int,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m kernels.bench.lora", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kernels.bench.lora",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default=None, choices=tuple(PRESETS),
                         help="llama-3.1-8b (GPU default), llama-3.2-1b, tiny (CPU default)")
-    parser.add_argument("--batch", type=cli.positive_int, default=None, help="rows per step (default 4; CPU 1)")
-    parser.add_argument("--seq", type=cli.positive_int, default=None, help="tokens per row (default 2048; CPU 37)")
+    parser.add_argument("--batch", type=cli.positive_int, default=None,
+                        help="rows per step (default 4; CPU 1)")
+    parser.add_argument("--seq", type=cli.positive_int, default=None,
+                        help="tokens per row (default 2048; CPU 37)")
     parser.add_argument("--rank", type=cli.positive_int, default=16)
     parser.add_argument("--alpha", type=cli.positive_float, default=32.0)
     parser.add_argument("--warmup", type=cli.non_negative_int, default=None,
                         help="untimed steps first (default 2; CPU 0)")
-    parser.add_argument("--steps", type=cli.positive_int, default=None, help="timed steps per setup (default 5; CPU 1)")
+    parser.add_argument("--steps", type=cli.positive_int, default=None,
+                        help="timed steps per setup (default 5; CPU 1)")
     parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing on every layer")
     parser.add_argument("--setups", type=cli.names(SETUPS), default=SETUPS,
                         help=f"comma-separated subset of {','.join(SETUPS)}")
     parser.add_argument("--no-micro", action="store_true", help="skip the per-layer micro-benchmarks")
-    parser.add_argument("--name", type=cli.file_name, default=None, help="file name (default <preset>_b<batch>[_ckpt])")
+    parser.add_argument("--name", type=cli.file_name, default=None,
+                        help="file name (default <preset>_b<batch>[_ckpt])")
     cli.add_output_arguments(parser, f"{GROUP}/<name>.json")
     return parser
 

@@ -1,14 +1,16 @@
 """Host overhead: the microseconds a Python caller spends per call besides the GPU's work (chapter 09).
 
-Every kernel call costs twice. *Device time* is the GPU running the kernels. *Host time* is the CPU getting them
-there: Python, PyTorch's operator dispatcher, autograd, allocations, and Triton's launcher, which inspects every
-argument of every launch. On large tensors the device time dominates and the host runs ahead; on small ones, or
-whenever the host cannot run ahead of the GPU, the caller waits for the host.
+Every kernel call costs twice. *Device time* is the GPU running the kernels. *Host time* is the CPU
+getting them there: Python, PyTorch's operator dispatcher, autograd, allocations, and Triton's
+launcher, which inspects every argument of every launch. On large tensors the device time dominates
+and the host runs ahead; on small ones, or whenever the host cannot run ahead of the GPU, the caller
+waits for the host.
 
-``host_us`` measures host time as the per-call wall time of a long loop on tiny tensors, where the device work is a
-few microseconds and the loop is bound by the host. ``measure_peers`` does that for ours and every peer;
-``breakdown`` splits ours, as its Python path runs, into layers by calling each layer directly (on a GPU, the public
-functions of RMSNorm, SwiGLU and RoPE take their C++ node instead, ``kernels.host_path``; ``measure_peers`` times
+``host_us`` measures host time as the per-call wall time of a long loop on tiny tensors, where the
+device work is a few microseconds and the loop is bound by the host. ``measure_peers`` does that for
+ours and every peer; ``breakdown`` splits ours, as its Python path runs, into layers by calling each
+layer directly (on a GPU, the public functions of RMSNorm, SwiGLU and RoPE take their C++ node
+instead, ``kernels.host_path``; ``measure_peers`` times
 those):
 
     total           the Python autograd.Function, through autograd (``RMSNormFunction.apply(x, w, eps)`` and its
@@ -16,14 +18,14 @@ those):
     impl            the Python launch functions behind the operators, no autograd.Function and no input checks
     launches        the Triton launches alone, with arguments and buffers prepared beforehand
 
-so that autograd and checks = total − impl, our Python around the launches = impl − launches. An eager call skips
-the dispatcher (``kernels.ops.call``); what the trip through it would cost, which a traced or intercepted call
-still pays, is measured beside them: the operators called directly (``ops``) minus ``impl``.
-``floor`` times what no Python-level operator with Triton launches can go below, on SwiGLU's tiny case: an
-``autograd.Function`` that allocates its outputs and launches one empty Triton kernel per pass, against PyTorch's
-C++ operators doing the whole of Hugging Face's SwiGLU. ``python -m kernels.bench.overhead`` writes
-``overhead/<device>.json`` and a PNG into the runs folder (with ``--record``: into ``assets/results/``, where
-chapter 09 reads it).
+so that autograd and checks = total − impl, our Python around the launches = impl − launches. An
+eager call skips the dispatcher (``kernels.ops.call``); what the trip through it would cost, which a
+traced or intercepted call still pays, is measured beside them: the operators called directly
+(``ops``) minus ``impl``. ``floor`` times what no Python-level operator with Triton launches can go
+below, on SwiGLU's tiny case: an ``autograd.Function`` that allocates its outputs and launches one
+empty Triton kernel per pass, against PyTorch's C++ operators doing the whole of Hugging Face's
+SwiGLU. ``python -m kernels.bench.overhead`` writes ``overhead/<device>.json`` and a PNG into the
+runs folder (with ``--record``: into ``assets/results/``, where chapter 09 reads it).
 """
 
 from __future__ import annotations
@@ -56,11 +58,13 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def host_us(fn: Callable[[], object], calls: int | None = None, warmup: int | None = None, grads=()) -> float:
+def host_us(fn: Callable[[], object], calls: int | None = None, warmup: int | None = None,
+            grads=()) -> float:
     """Per-call wall time of ``calls`` back-to-back calls of ``fn``, in µs, synchronised before and after.
 
-    ``grads``: tensors whose ``.grad`` is reset before each call (a backward then writes instead of accumulating).
-    In the interpreter the number is the interpreter's Python, not a GPU's host overhead: a few calls only.
+    ``grads``: tensors whose ``.grad`` is reset before each call (a backward then writes instead of
+    accumulating). In the interpreter the number is the interpreter's Python, not a GPU's host
+    overhead: a few calls only.
     """
     calls = calls or runtime.pick(5, 2000)
     warmup = runtime.pick(1, 100) if warmup is None else warmup
@@ -84,13 +88,14 @@ def _case(kernel: str):
 
 def interleaved_host_us(fns: dict[str, tuple[Callable[[], object], list]], calls: int | None = None,
                         rounds: int | None = None) -> dict[str, float]:
-    """``host_us`` of every ``name: (fn, grads)``, taken in ``rounds`` rounds of ``calls / rounds`` calls each, every
-    function once per round in turn; the median per function.
+    """``host_us`` of every ``name: (fn, grads)``, taken in ``rounds`` rounds of ``calls / rounds``
+    calls each, every function once per round in turn; the median per function.
 
-    A host's speed drifts over seconds (another process, clock changes), so timing one function after another
-    would charge the drift to whichever ran during it, and differences between them (the layers of ``breakdown``)
-    could even come out negative. Interleaved, a slow stretch slows every function of that round alike. The order
-    rotates from round to round, so that no function always runs first, or always right after the same neighbour.
+    A host's speed drifts over seconds (another process, clock changes), so timing one function
+    after another would charge the drift to whichever ran during it, and differences between them
+    (the layers of ``breakdown``) could even come out negative. Interleaved, a slow stretch slows
+    every function of that round alike. The order rotates from round to round, so that no function
+    always runs first, or always right after the same neighbour.
     """
     calls = calls or runtime.pick(5, 2000)
     rounds = rounds or runtime.pick(1, 10)
@@ -105,8 +110,8 @@ def interleaved_host_us(fns: dict[str, tuple[Callable[[], object], list]], calls
 
 
 def measure_peers(kernel: str, pass_: str, calls: int | None = None) -> list[dict]:
-    """Host µs per call of every implementation of ``kernel`` (checked against float64 first), on a tiny case,
-    timed in interleaved rounds (``interleaved_host_us``)."""
+    """Host µs per call of every implementation of ``kernel`` (checked against float64 first), on a
+    tiny case, timed in interleaved rounds (``interleaved_host_us``)."""
     case = _case(kernel)
     rows, timed = [], {}
     for impl in implementations(kernel):
@@ -126,7 +131,8 @@ def measure_peers(kernel: str, pass_: str, calls: int | None = None) -> list[dic
                 continue
             case.reset_inputs()
             call, grads = case.step(fn, params, pass_)
-            host_us(call, 1, warmup=0, grads=grads)  # a trial call: one that fails is recorded here, for this peer
+            # a trial call: one that fails is recorded here, for this peer
+            host_us(call, 1, warmup=0, grads=grads)
             timed[impl.key] = (call, grads)
         except Exception as exc:  # noqa: BLE001  (a peer that fails here is a result, not the end of the run)
             row["note"] = f"{type(exc).__name__}: {first_line(exc)}"
@@ -140,9 +146,9 @@ def measure_peers(kernel: str, pass_: str, calls: int | None = None) -> list[dic
     return rows
 
 
-# ---------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Ours, layer by layer
-# ---------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def _rmsnorm_layers(case) -> dict[str, Callable[[], object]]:
@@ -152,7 +158,8 @@ def _rmsnorm_layers(case) -> dict[str, Callable[[], object]]:
     y, rstd = rms.rms_norm_forward(xd, w.detach(), eps)
     rows, cols = xd.shape
     props = runtime.device_props(xd.device)
-    fwd, bwd = rms.forward_config(rows, cols, props), rms.backward_config(rows, cols, xd.element_size(), props)
+    fwd, bwd = rms.forward_config(rows, cols, props), rms.backward_config(rows, cols,
+                                                                          xd.element_size(), props)
     dx, dw = torch.empty_like(xd), torch.empty_like(w)
     partial = torch.empty((bwd.grid[0], cols), dtype=torch.float32, device=xd.device)
 
@@ -173,7 +180,8 @@ def _rmsnorm_layers(case) -> dict[str, Callable[[], object]]:
         rms.rms_norm_fwd_kernel[fwd.grid](xd, w, y, rstd, rows, cols, cols, cols, eps,
                                           ROWS=fwd.rows, BLOCK_N=fwd.block_n, num_warps=fwd.num_warps)
         rms.rms_norm_bwd_kernel[bwd.grid](xd, w, dy, rstd, dx, partial, rows, cols, cols, cols, cols,
-                                          ROWS=bwd.rows, BLOCK_N=bwd.block_n, COMPUTE_DW=True, STAGES=bwd.stages,
+                                          ROWS=bwd.rows, BLOCK_N=bwd.block_n, COMPUTE_DW=True,
+                                          STAGES=bwd.stages,
                                           num_warps=bwd.num_warps)
         rms.rms_norm_dw_kernel[bwd.dw_grid](partial, dw, bwd.grid[0], cols, BLOCK_P=bwd.dw_block_p,
                                             BLOCK_C=bwd.dw_block_c, num_warps=4)
@@ -224,7 +232,8 @@ def _cross_entropy_layers(case) -> dict[str, Callable[[], object]]:
         cross_entropy_setup_kernel[(1,)](target, scale, scale, layout.n_rows, -100, 1.0, MODE=0, BLOCK=block)
         launch_forward(layout, target, loss_rows, lse, layout, scale, out, -100, cfg)
         scale_grad_kernel[(triton.cdiv(layout.n_rows, bwd.rows),)](
-            work, one, layout.n_rows, layout.n_cols, layout.inner_rows, layout.stride_outer, layout.stride_inner, 0,
+            work, one, layout.n_rows, layout.n_cols, layout.inner_rows, layout.stride_outer,
+            layout.stride_inner, 0,
             ROWS=bwd.rows, BLOCK_V=bwd.block_v, num_warps=bwd.num_warps)
 
     return {"total": total, "ops": ops, "impl": impl, "launches": launches, "n_launches": 4}
@@ -251,7 +260,8 @@ def _swiglu_layers(case) -> dict[str, Callable[[], object]]:
     y, d_gate, d_up = torch.empty_like(g), torch.empty_like(g), torch.empty_like(u)
 
     def total():
-        # The Python path, whose layers these are; on a GPU ``swiglu`` itself runs the C++ node (``floor``).
+        # The Python path, whose layers these are; on a GPU ``swiglu`` itself runs the C++ node
+        # (``floor``).
         gate.grad = up.grad = None
         SwiGLUFunction.apply(gate, up, False).backward(dy)
 
@@ -264,7 +274,8 @@ def _swiglu_layers(case) -> dict[str, Callable[[], object]]:
         swiglu_backward(dy, g, u)
 
     def launches():
-        swiglu_fwd_kernel[fwd.grid](g, u, y, rows, cols, cols, cols, cols, ROWS=fwd.rows, BLOCK_N=fwd.block_n,
+        swiglu_fwd_kernel[fwd.grid](g, u, y, rows, cols, cols, cols, cols, ROWS=fwd.rows,
+                                    BLOCK_N=fwd.block_n,
                                     num_warps=fwd.num_warps)
         launch_backward(dy, g, u, d_gate, d_up, rows, cols, (cols,) * 5, bwd)
 
@@ -279,7 +290,8 @@ def _rope_layers(case) -> dict[str, Callable[[], object]]:
     dq_in, dk_in = torch.empty_like(qd), torch.empty_like(kd)
 
     def total():
-        # The Python path, whose layers these are; on a GPU ``apply_rotary`` itself runs the C++ node.
+        # The Python path, whose layers these are; on a GPU ``apply_rotary`` itself runs the C++
+        # node.
         q.grad = k.grad = None
         torch.autograd.backward(list(rope.RotaryFunction.apply(q, k, cos, sin)), [dq, dk])
 
@@ -303,11 +315,12 @@ _LAYERS_OF = {"rmsnorm": _rmsnorm_layers, "cross_entropy": _cross_entropy_layers
 
 
 def breakdown(kernel: str, calls: int | None = None) -> dict:
-    """Our forward + backward of ``kernel`` on a tiny case, split into ``LAYERS`` (µs per call), and the operator
-    dispatch that an eager call skips (``dispatch_skipped_us``)."""
+    """Our forward + backward of ``kernel`` on a tiny case, split into ``LAYERS`` (µs per call), and
+    the operator dispatch that an eager call skips (``dispatch_skipped_us``)."""
     case = _case(kernel)
     layers = _LAYERS_OF[kernel](case)
-    t = interleaved_host_us({name: (layers[name], []) for name in ("total", "ops", "impl", "launches")}, calls)
+    t = interleaved_host_us({name: (layers[name], []) for name in ("total", "ops", "impl",
+                                                                   "launches")}, calls)
     parts = {
         "autograd and checks": t["total"] - t["impl"],
         "our Python around the launches": t["impl"] - t["launches"],
@@ -318,9 +331,9 @@ def breakdown(kernel: str, calls: int | None = None) -> dict:
             "n_launches": layers["n_launches"], "per_launch_us": t["launches"] / layers["n_launches"]}
 
 
-# ---------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The floor of a Python-level operator
-# ---------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -329,8 +342,9 @@ def _nothing_kernel(X):
 
 
 class _EmptyFunction(torch.autograd.Function):
-    """SwiGLU's host path with the work taken out: outputs allocated and inputs saved as ours does, and
-    ``launches`` empty Triton launches per pass (0 or 1). Its outputs hold whatever memory they were given."""
+    """SwiGLU's host path with the work taken out: outputs allocated and inputs saved as ours does,
+    and ``launches`` empty Triton launches per pass (0 or 1). Its outputs hold whatever memory they
+    were given."""
 
     @staticmethod
     def forward(ctx, gate, up, launches):
@@ -355,11 +369,12 @@ FLOOR = ("Hugging Face's SwiGLU, C++ operators", "autograd.Function, no kernel",
 
 
 def floor(calls: int | None = None) -> dict[str, float]:
-    """Host µs per forward + backward on SwiGLU's tiny case, timed in interleaved rounds: Hugging Face's
-    ``F.silu(gate) * up`` (three C++ autograd nodes, five kernels), ``_EmptyFunction`` without and with its two empty
-    launches, ours through its Python ``autograd.Function``, and ours as called (on a GPU, the C++ node of
-    ``kernels.host_path`` where it is built). The third is the least any Python ``autograd.Function`` with a Triton
-    kernel per pass can cost on this host, whatever its kernels do."""
+    """Host µs per forward + backward on SwiGLU's tiny case, timed in interleaved rounds: Hugging
+    Face's ``F.silu(gate) * up`` (three C++ autograd nodes, five kernels), ``_EmptyFunction``
+    without and with its two empty launches, ours through its Python ``autograd.Function``, and ours
+    as called (on a GPU, the C++ node of ``kernels.host_path`` where it is built). The third is the
+    least any Python ``autograd.Function`` with a Triton kernel per pass can cost on this host,
+    whatever its kernels do."""
     case = _case("swiglu")
     gate, up, dy = case.gate, case.up, case.dy
     from kernels.swiglu import SwiGLUFunction, swiglu
@@ -374,15 +389,17 @@ def floor(calls: int | None = None) -> dict[str, float]:
     return interleaved_host_us({name: (fn, [gate, up]) for name, fn in fns.items()}, calls)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # A whole run: results, table, plot
-# ---------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def run(calls: int | None = None) -> dict:
-    """Every kernel and pass: peers' host µs, our breakdown and the floor, with the device and versions it ran on."""
+    """Every kernel and pass: peers' host µs, our breakdown and the floor, with the device and
+    versions it ran on."""
     results = {"device": runtime.device_name(), "device_slug": device_slug(), "mode": runtime.MODE,
-               "versions": runtime.versions(), "calls": calls or runtime.pick(5, 2000), "peers": [], "breakdown": {}}
+               "versions": runtime.versions(), "calls": calls or runtime.pick(5, 2000), "peers": [],
+               "breakdown": {}}
     for kernel, passes in PASSES.items():
         for pass_ in passes:
             results["peers"] += measure_peers(kernel, pass_, calls)
@@ -407,8 +424,9 @@ def format_table(results: dict) -> str:
 
 
 def plot(results: dict, ax=None):
-    """Stacked bars: where the microseconds of our Python path go, next to the fastest peer's total, per kernel; on
-    SwiGLU's bar, dashed, the floor of a Python-level operator, and what ours costs as called (``floor``)."""
+    """Stacked bars: where the microseconds of our Python path go, next to the fastest peer's total,
+    per kernel; on SwiGLU's bar, dashed, the floor of a Python-level operator, and what ours costs
+    as called (``floor``)."""
     import matplotlib.pyplot as plt
 
     if ax is None:
@@ -442,8 +460,8 @@ def plot(results: dict, ax=None):
 
 
 def save(results: dict, directory=RESULTS) -> tuple:
-    """Write ``overhead/<device>.json`` and ``.png`` under the results root ``directory`` (each complete or not at
-    all); returns both paths."""
+    """Write ``overhead/<device>.json`` and ``.png`` under the results root ``directory`` (each
+    complete or not at all); returns both paths."""
     import matplotlib.pyplot as plt
 
     path = results_file("overhead", results["device_slug"], directory)
@@ -455,7 +473,8 @@ def save(results: dict, directory=RESULTS) -> tuple:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m kernels.bench.overhead", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kernels.bench.overhead",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=cli.positive_int, default=None,
                         help="calls per measurement (default 2000 on a GPU)")
     cli.add_output_arguments(parser, "overhead/<device>.json and .png")

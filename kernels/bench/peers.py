@@ -1,13 +1,14 @@
 """The implementations a kernel is compared against, and ours: the registry the benchmark sweep runs.
 
-For RMSNorm: Hugging Face's ``LlamaRMSNorm`` in eager mode, ``torch.compile`` of it, PyTorch's native fused
-``F.rms_norm``, Liger-Kernel's ``LigerRMSNorm`` and ours. For cross-entropy: ``F.cross_entropy`` on an fp32 upcast
-of the logits (what Hugging Face does) and without the upcast, ``torch.compile`` of the former, Liger-Kernel's
-in-place loss, ours with the gradient written in place and ours with a gradient buffer. For SwiGLU: Hugging Face's
-``act_fn(gate) * up`` in eager mode, ``torch.compile`` of it, Liger-Kernel's ``LigerSiLUMulFunction`` and ours. For
-RoPE: Hugging Face's ``apply_rotary_pos_emb`` in eager mode, ``torch.compile`` of it, Liger-Kernel's
-``liger_rotary_pos_emb`` and ours. Each is an ``Impl`` that builds a callable for one case (``kernels.bench.sweep``);
-one that cannot run here says why instead.
+For RMSNorm: Hugging Face's ``LlamaRMSNorm`` in eager mode, ``torch.compile`` of it, PyTorch's
+native fused ``F.rms_norm``, Liger-Kernel's ``LigerRMSNorm`` and ours. For cross-entropy:
+``F.cross_entropy`` on an fp32 upcast of the logits (what Hugging Face does) and without the upcast,
+``torch.compile`` of the former, Liger-Kernel's in-place loss, ours with the gradient written in
+place and ours with a gradient buffer. For SwiGLU: Hugging Face's ``act_fn(gate) * up`` in eager
+mode, ``torch.compile`` of it, Liger-Kernel's ``LigerSiLUMulFunction`` and ours. For RoPE: Hugging
+Face's ``apply_rotary_pos_emb`` in eager mode, ``torch.compile`` of it, Liger-Kernel's
+``liger_rotary_pos_emb`` and ours. Each is an ``Impl`` that builds a callable for one case
+(``kernels.bench.sweep``); one that cannot run here says why instead.
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ from .results import check_kernel, first_line
 class Impl:
     """One implementation in a sweep.
 
-    ``build(case)`` returns ``(fn, params)``: for RMSNorm ``fn(x) -> y``, for cross-entropy ``fn(logits, target) ->
-    loss``; ``params`` are the implementation's own weight Parameters (their gradients are reset between calls).
-    ``role`` is ``"ours"`` (the one speed-ups are computed for), ``"peer"`` or ``"variant"`` (another setting of
-    ours, shown but neither the reference nor a peer). ``unavailable()`` gives the reason it cannot run here, or None.
+    ``build(case)`` returns ``(fn, params)``: for RMSNorm ``fn(x) -> y``, for cross-entropy
+    ``fn(logits, target) -> loss``; ``params`` are the implementation's own weight Parameters (their
+    gradients are reset between calls). ``role`` is ``"ours"`` (the one speed-ups are computed for),
+    ``"peer"`` or ``"variant"`` (another setting of ours, shown but neither the reference nor a
+    peer). ``unavailable()`` gives the reason it cannot run here, or None.
     """
 
     key: str
@@ -69,8 +71,9 @@ def _build_compiled(function):
     return build
 
 
-# Liger-Kernel logs a warning, on its first call of each op, for every optional backend of other hardware it cannot
-# import (CuTe DSL, Ascend): nothing a reader of a benchmark can act on, so only its errors are shown.
+# Liger-Kernel logs a warning, on its first call of each op, for every optional backend of other
+# hardware it cannot import (CuTe DSL, Ascend): nothing a reader of a benchmark can act on, so only
+# its errors are shown.
 LIGER_BACKEND_LOGGER = "liger_kernel.backends.registry"
 
 
@@ -144,9 +147,11 @@ def _build_liger_rmsnorm(case):
 RMSNORM_IMPLS = (
     Impl("ours", "ours (Triton, fused)", "ours", _build_ours_rmsnorm),
     Impl("hf", "HF LlamaRMSNorm eager", "peer", _build_hf_rmsnorm, _transformers_missing),
-    Impl("compile", "torch.compile(HF)", "peer", _build_compiled_rmsnorm, _hf_compile_missing, compiled=True),
+    Impl("compile", "torch.compile(HF)", "peer", _build_compiled_rmsnorm, _hf_compile_missing,
+         compiled=True),
     Impl("native", "F.rms_norm (native fused)", "peer", _build_native_rmsnorm),
-    Impl("liger", "Liger RMSNorm", "peer", _build_liger_rmsnorm, _liger_missing("liger_kernel.transformers.rms_norm")),
+    Impl("liger", "Liger RMSNorm", "peer", _build_liger_rmsnorm,
+         _liger_missing("liger_kernel.transformers.rms_norm")),
 )
 
 
@@ -163,8 +168,8 @@ def _build_ours_ce(inplace: bool):
     def build(case):
         from kernels.cross_entropy import cross_entropy
 
-        # check_targets=False: the range check is a host synchronisation (it breaks CUDA-graph capture); the
-        # correctness check before timing already ran on these targets.
+        # check_targets=False: the range check is a host synchronisation (it breaks CUDA-graph
+        # capture); the correctness check before timing already ran on these targets.
         def fn(logits, target):
             return cross_entropy(logits, target, inplace_backward=inplace, check_targets=False)
 
@@ -194,7 +199,8 @@ CROSS_ENTROPY_IMPLS = (
 
 
 def _swiglu_hf(gate, up):
-    # LlamaMLP's act_fn(gate_proj(x)) * up_proj(x): two elementwise kernels and a saved silu(gate) in eager mode.
+    # LlamaMLP's act_fn(gate_proj(x)) * up_proj(x): two elementwise kernels and a saved silu(gate)
+    # in eager mode.
     from transformers.activations import ACT2FN
 
     return ACT2FN["silu"](gate) * up
@@ -209,14 +215,16 @@ def _build_ours_swiglu(case):
 def _build_liger_swiglu(case):
     from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 
-    # Liger's backward writes the gradients over its saved gate and up (the case refills them before each check).
+    # Liger's backward writes the gradients over its saved gate and up (the case refills them before
+    # each check).
     return LigerSiLUMulFunction.apply, []
 
 
 SWIGLU_IMPLS = (
     Impl("ours", "ours (Triton, fused)", "ours", _build_ours_swiglu),
     Impl("hf", "HF act_fn(gate) * up eager", "peer", _build_plain(_swiglu_hf), _transformers_missing),
-    Impl("compile", "torch.compile(HF)", "peer", _build_compiled(_swiglu_hf), _hf_compile_missing, compiled=True),
+    Impl("compile", "torch.compile(HF)", "peer", _build_compiled(_swiglu_hf), _hf_compile_missing,
+         compiled=True),
     Impl("liger", "Liger SiLUMul", "peer", _build_liger_swiglu, _liger_missing("liger_kernel.ops.swiglu")),
 )
 
@@ -248,8 +256,10 @@ def _build_liger_rope(case):
 ROPE_IMPLS = (
     Impl("ours", "ours (Triton, q and k in one launch)", "ours", _build_ours_rope),
     Impl("hf", "HF apply_rotary_pos_emb eager", "peer", _build_plain(_rope_hf), _transformers_missing),
-    Impl("compile", "torch.compile(HF)", "peer", _build_compiled(_rope_hf), _hf_compile_missing, compiled=True),
-    Impl("liger", "Liger rotary_pos_emb", "peer", _build_liger_rope, _liger_missing("liger_kernel.transformers.rope")),
+    Impl("compile", "torch.compile(HF)", "peer", _build_compiled(_rope_hf), _hf_compile_missing,
+         compiled=True),
+    Impl("liger", "Liger rotary_pos_emb", "peer", _build_liger_rope,
+         _liger_missing("liger_kernel.transformers.rope")),
 )
 
 IMPLEMENTATIONS = {"rmsnorm": RMSNORM_IMPLS, "cross_entropy": CROSS_ENTROPY_IMPLS, "swiglu": SWIGLU_IMPLS,

@@ -1,8 +1,10 @@
-"""Plots of benchmark results (the dicts ``kernels.bench.sweep.run_benchmark`` returns and ``load_results`` reads).
+"""Plots of benchmark results (the dicts ``kernels.bench.sweep.run_benchmark`` returns and
+``load_results`` reads).
 
-Every function takes a results dict, draws on ``ax`` (a new figure when None) and returns the axes, so a notebook
-can arrange them and the command line can save them. Device times (CUDA-graph replays) are what bandwidth and
-speed-ups are computed from; an interpreter run has none, and the plots say so instead of drawing nonsense.
+Every function takes a results dict, draws on ``ax`` (a new figure when None) and returns the axes,
+so a notebook can arrange them and the command line can save them. Device times (CUDA-graph replays)
+are what bandwidth and speed-ups are computed from; an interpreter run has none, and the plots say
+so instead of drawing nonsense.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ def _width_name(results: dict) -> str:
 def sweep_rows(results: dict, pass_: str = "fwd+bwd", sweep: str = "tokens") -> dict[str, list[dict]]:
     """Rows of one sweep and pass, by implementation key, sorted by the swept size.
 
-    ``sweep="tokens"``: the token sweep at the fixed width; ``"width"``: the hidden-size (or vocabulary) sweep at
-    its fixed token count.
+    ``sweep="tokens"``: the token sweep at the fixed width; ``"width"``: the hidden-size (or
+    vocabulary) sweep at its fixed token count.
     """
     if sweep not in SWEEPS:
         raise ValueError(f"sweep must be one of {SWEEPS}, got {sweep!r}")
@@ -90,7 +92,8 @@ def _nothing_to_show(ax, text: str):
     return ax
 
 
-def _finish_line_plot(ax, results: dict, sweep: str, xs, ylabel: str, what: str, log_y: bool = True, legend: int = 8):
+def _finish_line_plot(ax, results: dict, sweep: str, xs, ylabel: str, what: str, log_y: bool = True,
+                      legend: int = 8):
     """Axes, labels, title, grid and legend shared by the line plots."""
     _log2_x(ax, xs)
     if log_y:
@@ -105,11 +108,14 @@ def _finish_line_plot(ax, results: dict, sweep: str, xs, ylabel: str, what: str,
     return ax
 
 
-def plot_bandwidth(results: dict, pass_: str = "fwd+bwd", sweep: str = "tokens", ax=None, floor_bytes: bool = False):
-    """Achieved GB/s (minimal bytes / device time) per implementation, with the measured copy bandwidth as a line.
+def plot_bandwidth(results: dict, pass_: str = "fwd+bwd", sweep: str = "tokens", ax=None,
+                   floor_bytes: bool = False):
+    """Achieved GB/s (minimal bytes / device time) per implementation, with the measured copy
+    bandwidth as a line.
 
-    ``floor_bytes=True`` counts the cross-entropy at its single-read floor (4 bytes per bf16 logit) instead of the
-    two-read design (6): the line then reads as a fraction of the speed of light of any cross-entropy.
+    ``floor_bytes=True`` counts the cross-entropy at its single-read floor (4 bytes per bf16 logit)
+    instead of the two-read design (6): the line then reads as a fraction of the speed of light of
+    any cross-entropy.
     """
     ax = _new_axes(ax)
     key = "gbps_floor" if floor_bytes else "gbps"
@@ -120,20 +126,22 @@ def plot_bandwidth(results: dict, pass_: str = "fwd+bwd", sweep: str = "tokens",
             ax.plot(*zip(*pts), "o-", color=COLORS.get(impl), label=labels.get(impl, impl))
             xs += [p[0] for p in pts]
     if not xs:
-        return _nothing_to_show(ax, "no device times in these results (an interpreter run): no bandwidth to plot")
+        return _nothing_to_show(ax,
+                                "no device times in these results (an interpreter run): no bandwidth to plot")
     copy = (results.get("ceilings") or {}).get("copy_gbps")
     if copy:
         ax.axhline(copy, color="black", ls="--", lw=1, label=f"measured copy {copy:,.0f} GB/s")
     same = _same_bytes_copy_points(results, pass_, sweep, key)
     if same:
         ax.plot(*zip(*same), ":", color="black", lw=1, label="a copy of the same bytes")
-    return _finish_line_plot(ax, results, sweep, xs, "GB/s (minimal bytes / device time)", f"bandwidth, {pass_}",
+    return _finish_line_plot(ax, results, sweep, xs, "GB/s (minimal bytes / device time)",
+                             f"bandwidth, {pass_}",
                              log_y=False)
 
 
 def _same_bytes_copy_points(results: dict, pass_: str, sweep: str, key: str) -> list[tuple[float, float]]:
-    # The yardstick at each size: ours' minimal bytes over the device time of PyTorch's copy of them (the row's
-    # copy_same_bytes_ms; absent from results written before the sweep timed it).
+    # The yardstick at each size: ours' minimal bytes over the device time of PyTorch's copy of them
+    # (the row's copy_same_bytes_ms; absent from results written before the sweep timed it).
     n_bytes = "bytes_floor" if key == "gbps_floor" else "bytes"
     ours = next((rows for impl, rows in sweep_rows(results, pass_, sweep).items()
                  if results["implementations"].get(impl, {}).get("role") == "ours"), [])
@@ -160,14 +168,17 @@ def plot_times(results: dict, pass_: str = "fwd+bwd", sweep: str = "tokens", bas
     if not xs:
         return _nothing_to_show(ax, "no times to plot")
     gpu = results["mode"] == "gpu"
-    what = {"device": "device time (CUDA graph)", "eager": "eager time (host included)", "both": "device and eager"}
+    what = {"device": "device time (CUDA graph)", "eager": "eager time (host included)",
+            "both": "device and eager"}
     return _finish_line_plot(ax, results, sweep, xs, "ms per call" if gpu else "ms, interpreter wall-clock",
                              f"{pass_}, {what.get(basis, basis) if gpu else 'wall-clock'}",
                              legend=7 if len(bases) > 1 else 8)
 
 
-def plot_speedups(results: dict, pass_: str = "fwd+bwd", sweep: str = "tokens", basis: str = "device", ax=None):
-    """Bars: ours' speed-up over each peer (peer time / ours) at each size; above the line at 1, ours is faster."""
+def plot_speedups(results: dict, pass_: str = "fwd+bwd", sweep: str = "tokens",
+                  basis: str = "device", ax=None):
+    """Bars: ours' speed-up over each peer (peer time / ours) at each size; above the line at 1,
+    ours is faster."""
     ax = _new_axes(ax)
     labels = _labels(results)
     sizes = sorted({_x(r, sweep) for rows in sweep_rows(results, pass_, sweep).values() for r in rows})
@@ -182,7 +193,8 @@ def plot_speedups(results: dict, pass_: str = "fwd+bwd", sweep: str = "tokens", 
         return _nothing_to_show(ax, f"no {basis} times of ours and a peer to compare in these results")
     width = 0.8 / len(peers)
     for i, peer in enumerate(peers):
-        xs = [j + (i - (len(peers) - 1) / 2) * width for j, s in enumerate(sizes) if peer in by_size.get(s, {})]
+        xs = [j + (i - (len(peers) - 1) / 2) * width for j,
+              s in enumerate(sizes) if peer in by_size.get(s, {})]
         ys = [by_size[s][peer] for s in sizes if peer in by_size.get(s, {})]
         ax.bar(xs, ys, width, color=COLORS.get(peer), label=f"vs {labels.get(peer, peer)}")
     ax.axhline(1.0, color="black", lw=1)
@@ -203,13 +215,16 @@ def plot_peak_memory(results: dict, pass_: str = "fwd+bwd", sweep: str = "tokens
     ax = _new_axes(ax)
     labels, xs = _labels(results), []
     for impl, rows in sweep_rows(results, pass_, sweep).items():
-        pts = [(_x(r, sweep), max(r["peak_extra_mib"], 0.01)) for r in rows if r["peak_extra_mib"] is not None]
+        pts = [(_x(r, sweep),
+                max(r["peak_extra_mib"], 0.01)) for r in rows if r["peak_extra_mib"] is not None]
         if pts:
             ax.plot(*zip(*pts), "o-", color=COLORS.get(impl), label=labels.get(impl, impl))
             xs += [p[0] for p in pts]
     if not xs:
-        return _nothing_to_show(ax, "no memory measurements in these results (the CPU keeps no allocator statistics)")
-    return _finish_line_plot(ax, results, sweep, xs, "extra peak memory, MiB (log)", f"extra peak memory, {pass_}")
+        return _nothing_to_show(ax,
+                                "no memory measurements in these results (the CPU keeps no allocator statistics)")
+    return _finish_line_plot(ax, results, sweep, xs, "extra peak memory, MiB (log)",
+                             f"extra peak memory, {pass_}")
 
 
 def summary_figure(results: dict):
@@ -236,7 +251,8 @@ def summary_figure(results: dict):
 
 
 def save_summary_png(results: dict, path) -> Path:
-    """Save ``summary_figure(results)`` as a PNG and return the path (a bare Figure: no display or pyplot needed)."""
+    """Save ``summary_figure(results)`` as a PNG and return the path (a bare Figure: no display or
+    pyplot needed)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     summary_figure(results).savefig(path, dpi=110)

@@ -20,10 +20,12 @@ except ImportError:  # no IPython: tqdm.auto is the terminal's tqdm, never the w
 
 
 def progress_bar(iterable: Iterable | None = None, **kwargs) -> _text_tqdm:
-    """A tqdm progress bar over ``iterable`` (or updated by hand with ``total=``) that ends as one line of text.
+    """A tqdm progress bar over ``iterable`` (or updated by hand with ``total=``) that ends as one
+    line of text.
 
     Args:
-        iterable: what to iterate over, as ``tqdm(iterable)``; leave it out and call ``update`` with ``total=``.
+        iterable: what to iterate over, as ``tqdm(iterable)``; leave it out and call ``update`` with
+            ``total=``.
         **kwargs: tqdm's arguments (``desc``, ``total``, ``disable``, ``leave``, ...).
 
     Returns:

@@ -1,11 +1,13 @@
 """Benchmark results: where they live, how they are saved and loaded, and what they say.
 
-A results dict is what ``kernels.bench.sweep.run_benchmark`` returns: settings, the measured ceilings and one row per
-implementation × shape × pass. This module holds the paths (``ASSETS``, ``RESULTS``, the ceilings file), the layout
-of the results folder (``results_file``: ``<group>/<name>.json``, one folder per chapter or family), the finding of a
-run by its settings (``find_run``, ``runs``), the JSON files, the device slug in their names, and the reading of a
-results dict: speed-ups, targets, crossovers, tokens that fit, the summary and the table. It measures nothing, so
-the plots and the chapters can read results without importing the benchmark itself.
+A results dict is what ``kernels.bench.sweep.run_benchmark`` returns: settings, the measured
+ceilings and one row per implementation × shape × pass. This module holds the paths (``ASSETS``,
+``RESULTS``, the ceilings file), the layout of the results folder (``results_file``:
+``<group>/<name>.json``, one folder per chapter or family), the finding of a run by its settings
+(``find_run``, ``runs``), the JSON files, the device slug in their names, and the reading of a
+results dict: speed-ups, targets, crossovers, tokens that fit, the summary and the table. It
+measures nothing, so the plots and the chapters can read results without importing the benchmark
+itself.
 """
 
 from __future__ import annotations
@@ -40,13 +42,14 @@ def first_line(exc: BaseException, width: int = 200) -> str:
     return (text[0] if text else "")[:width]
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Files: the ceilings, the results
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def save_ceilings(ceilings: dict, path: Path = CEILINGS_FILE) -> Path:
-    """Write the ceilings measured by ``kernels.bench.timing.measure_ceilings`` as JSON and return the path."""
+    """Write the ceilings measured by ``kernels.bench.timing.measure_ceilings`` as JSON and return
+    the path."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(ceilings, indent=2) + "\n")
     return path
@@ -65,11 +68,13 @@ def device_slug() -> str:
 
 
 def results_file(group: str, name: str, directory: Path = RESULTS, suffix: str = ".json") -> Path:
-    """``<directory>/<group>/<name><suffix>``: where every writer puts a run (``directory`` is the results root).
+    """``<directory>/<group>/<name><suffix>``: where every writer puts a run (``directory`` is the
+    results root).
 
-    One folder per chapter or family (``rmsnorm``, ``finetune``, ``fsdp``, …) and a short name (a device slug, a
-    preset, or a name given on the command line). What a run was set up with is inside the JSON, not in the name,
-    so a new run with other flags under the same name replaces the file instead of adding a sibling.
+    One folder per chapter or family (``rmsnorm``, ``finetune``, ``fsdp``, …) and a short name (a
+    device slug, a preset, or a name given on the command line). What a run was set up with is
+    inside the JSON, not in the name, so a new run with other flags under the same name replaces the
+    file instead of adding a sibling.
     """
     return _group_dir(group, directory) / f"{_file_name('name', name)}{suffix}"
 
@@ -93,7 +98,8 @@ def save_results(results: dict, directory: Path = RESULTS) -> Path:
 
 
 def load_results(kernel: str, directory: Path = RESULTS, include_interpreter: bool = False) -> dict | None:
-    """The newest results JSON of ``kernel`` in ``directory/<kernel>/`` (GPU runs only unless asked), or None."""
+    """The newest results JSON of ``kernel`` in ``directory/<kernel>/`` (GPU runs only unless
+    asked), or None."""
     check_kernel(kernel)
     found = []
     for path in sorted((Path(directory) / kernel).glob("*.json")):
@@ -107,21 +113,24 @@ def load_results(kernel: str, directory: Path = RESULTS, include_interpreter: bo
     return max(found, key=lambda r: r.get("date", "")) if found else None
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Finding a run by its settings
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
-# Settings the fine-tuning command line began to record after some committed runs were written, with the value
-# those runs used (they had no such flag yet). ``patched_adamw`` follows ``adamw``.
-FINETUNE_DEFAULTS = {"compile": None, "gradient_checkpointing": False, "padding_mask": True, "adamw": "foreach"}
+# Settings the fine-tuning command line began to record after some committed runs were written, with
+# the value those runs used (they had no such flag yet). ``patched_adamw`` follows ``adamw``.
+FINETUNE_DEFAULTS = {"compile": None, "gradient_checkpointing": False, "padding_mask": True,
+                     "adamw": "foreach"}
 
 
 def run_settings(run: dict, group: str | None = None) -> dict:
-    """What ``run`` was set up with: its ``settings`` dict over its top-level values that are neither lists nor dicts.
+    """What ``run`` was set up with: its ``settings`` dict over its top-level values that are
+    neither lists nor dicts.
 
-    Benchmarks keep their device, mode, kernel or preset at the top level (and some, such as the AdamW, overhead,
-    linear cross-entropy and peak-memory runs, have no ``settings`` at all), so those count as settings too. In the
-    ``finetune`` group a setting of ``FINETUNE_DEFAULTS`` that a run does not record takes the value it had then.
+    Benchmarks keep their device, mode, kernel or preset at the top level (and some, such as the
+    AdamW, overhead, linear cross-entropy and peak-memory runs, have no ``settings`` at all), so
+    those count as settings too. In the ``finetune`` group a setting of ``FINETUNE_DEFAULTS`` that a
+    run does not record takes the value it had then.
     """
     settings = {k: v for k, v in run.items() if not isinstance(v, (list, dict))}
     if isinstance(run.get("settings"), dict):
@@ -133,17 +142,21 @@ def run_settings(run: dict, group: str | None = None) -> dict:
 
 
 def runs(group: str, directory: Path = RESULTS) -> dict[str, dict]:
-    """Every run of ``group``: ``{file name: the parsed JSON}`` of ``directory/<group>/*.json``, sorted by name."""
-    return {path.name: json.loads(path.read_text()) for path in sorted(_group_dir(group, directory).glob("*.json"))}
+    """Every run of ``group``: ``{file name: the parsed JSON}`` of ``directory/<group>/*.json``,
+    sorted by name."""
+    return {path.name: json.loads(path.read_text()) for path in sorted(_group_dir(group,
+                                                                                  directory).glob("*.json"))}
 
 
 def find_run(group: str, directory: Path = RESULTS, **settings) -> dict:
-    """The one run of ``directory/<group>/`` whose settings (``run_settings``) hold every given key with an equal value.
+    """The one run of ``directory/<group>/`` whose settings (``run_settings``) hold every given key
+    with an equal value.
 
-    Values are compared with ``==``, so a nested dict such as ``patch_options`` must equal the stored one exactly
-    (``patch_options={}``, patch_llama's default selection, matches only runs that used it). Raises ``LookupError``,
-    listing the settings of the runs that are there, when none matches, and ``ValueError``, naming the files, when
-    more than one does (give another setting to tell them apart).
+    Values are compared with ``==``, so a nested dict such as ``patch_options`` must equal the
+    stored one exactly (``patch_options={}``, patch_llama's default selection, matches only runs
+    that used it). Raises ``LookupError``, listing the settings of the runs that are there, when
+    none matches, and ``ValueError``, naming the files, when more than one does (give another
+    setting to tell them apart).
     """
     found = runs(group, directory)
     missing = object()
@@ -156,12 +169,13 @@ def find_run(group: str, directory: Path = RESULTS, **settings) -> dict:
     if len(matches) > 1:
         raise ValueError(f"{len(matches)} runs in {folder} match {settings}: {', '.join(matches)}")
     if not matches:
-        listing = "\n".join(f"  {name}: {run_settings(run, group)}" for name, run in found.items()) or "  (none)"
+        listing = "\n".join(f"  {name}: {run_settings(run, group)}" for name,
+                            run in found.items()) or "  (none)"
         raise LookupError(f"no run in {folder} has the settings {settings}; the runs there:\n{listing}")
     return found[matches[0]]
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Reading results: speed-ups, targets, the table
 
 
@@ -182,20 +196,23 @@ def _groups(results: dict) -> dict[tuple[int, int, str], list[dict]]:
 
 
 def speedups(results: dict, basis: str = "device") -> list[dict]:
-    """For every shape and pass: ours' time, every peer's, speed-up = peer time / ours (above 1: ours is faster).
+    """For every shape and pass: ours' time, every peer's, speed-up = peer time / ours (above 1:
+    ours is faster).
 
-    Each entry: tokens, width, pass, basis, ours_ms, peers {key: ms}, speedup {key: ×}, fastest_peer (key or None),
-    fastest_peer_ms, vs_fastest (fastest peer's time / ours). Times that are missing (skipped, failed, not
-    capturable) are left out; an entry without ours has no speed-ups.
+    Each entry: tokens, width, pass, basis, ours_ms, peers {key: ms}, speedup {key: ×}, fastest_peer
+    (key or None), fastest_peer_ms, vs_fastest (fastest peer's time / ours). Times that are missing
+    (skipped, failed, not capturable) are left out; an entry without ours has no speed-ups.
     """
     out = []
     for (tokens, width, pass_), rows in _groups(results).items():
         ours = next((r for r in rows if r["role"] == "ours"), None)
         ours_ms = _time(ours, basis) if ours else None
-        peers = {r["impl"]: _time(r, basis) for r in rows if r["role"] == "peer" and _time(r, basis) is not None}
+        peers = {r["impl"]: _time(r, basis) for r in rows if r["role"] == "peer" and _time(r,
+                                                                                           basis) is not None}
         fastest = min(peers, key=peers.get) if peers else None
         entry = {
-            "tokens": tokens, "width": width, "pass": pass_, "basis": basis, "ours_ms": ours_ms, "peers": peers,
+            "tokens": tokens, "width": width, "pass": pass_, "basis": basis, "ours_ms": ours_ms,
+            "peers": peers,
             "speedup": {k: v / ours_ms for k, v in peers.items()} if ours_ms else {},
             "fastest_peer": fastest, "fastest_peer_ms": peers.get(fastest),
             "vs_fastest": peers[fastest] / ours_ms if (fastest and ours_ms) else None,
@@ -205,11 +222,13 @@ def speedups(results: dict, basis: str = "device") -> list[dict]:
 
 
 def targets(results: dict, min_speedup: float = 1.0, bases=BASES) -> list[dict]:
-    """Is ours at least ``min_speedup`` × as fast as the fastest peer? One entry per shape, pass and time basis.
+    """Is ours at least ``min_speedup`` × as fast as the fastest peer? One entry per shape, pass and
+    time basis.
 
-    Each entry: shape, pass, basis, ours_ms, fastest_peer (its label), fastest_peer_ms, speedup, met (True/False,
-    or None when there is nothing to compare), and for the device basis ours' fraction of the copy bandwidth and of
-    a copy of the same bytes (``frac_same_bytes_copy``: the copy's time over ours, 1 as fast as that copy).
+    Each entry: shape, pass, basis, ours_ms, fastest_peer (its label), fastest_peer_ms, speedup, met
+    (True/False, or None when there is nothing to compare), and for the device basis ours' fraction
+    of the copy bandwidth and of a copy of the same bytes (``frac_same_bytes_copy``: the copy's time
+    over ours, 1 as fast as that copy).
     """
     labels = {k: v["label"] for k, v in results.get("implementations", {}).items()}
     ours_rows = {(r["tokens"], r["width"], r["pass"]): r for r in results["rows"] if r["role"] == "ours"}
@@ -232,7 +251,8 @@ def targets(results: dict, min_speedup: float = 1.0, bases=BASES) -> list[dict]:
 def crossovers(results: dict, basis: str = "device", pass_: str = "fwd+bwd") -> dict[str, int | None]:
     """Per peer: the smallest token count of the token sweep from which ours is faster at every larger size.
 
-    None means ours is not faster at the largest size measured. Only the token sweep (the fixed width) is read.
+    None means ours is not faster at the largest size measured. Only the token sweep (the fixed
+    width) is read.
     """
     width = results["settings"]["width"]
     entries = sorted((e for e in speedups(results, basis) if e["pass"] == pass_ and e["width"] == width),
@@ -251,11 +271,12 @@ def crossovers(results: dict, basis: str = "device", pass_: str = "fwd+bwd") -> 
 
 
 def tokens_that_fit(results: dict, budget_bytes: float, pass_: str = "fwd+bwd") -> dict[str, dict]:
-    """How many tokens' worth of this kernel fit in ``budget_bytes``, per implementation, from measured peaks.
+    """How many tokens' worth of this kernel fit in ``budget_bytes``, per implementation, from
+    measured peaks.
 
-    A token costs its input row (a row of logits, [V] in the logits' dtype: it exists whatever the loss) plus the
-    extra peak memory per token measured at the largest token count. Implementations without a measured peak
-    (interpreter runs, failed rows) are left out.
+    A token costs its input row (a row of logits, [V] in the logits' dtype: it exists whatever the
+    loss) plus the extra peak memory per token measured at the largest token count. Implementations
+    without a measured peak (interpreter runs, failed rows) are left out.
     """
     best: dict[str, dict] = {}
     for row in results["rows"]:
@@ -268,13 +289,15 @@ def tokens_that_fit(results: dict, budget_bytes: float, pass_: str = "fwd+bwd") 
         input_per_token = row["width"] * DTYPES[row["dtype"]].itemsize
         extra_per_token = max(row["peak_extra_mib"], 0.0) * MIB / row["tokens"]
         per_token = input_per_token + extra_per_token
-        out[impl] = {"label": row["label"], "bytes_per_token": per_token, "extra_bytes_per_token": extra_per_token,
+        out[impl] = {"label": row["label"], "bytes_per_token": per_token,
+                     "extra_bytes_per_token": extra_per_token,
                      "measured_at_tokens": row["tokens"], "tokens": int(budget_bytes // per_token)}
     return out
 
 
 def summarize(results: dict, min_speedup: float = 1.0) -> str:
-    """A few lines: where ours beats the fastest peer, by how much, and how close it gets to the copy ceiling."""
+    """A few lines: where ours beats the fastest peer, by how much, and how close it gets to the
+    copy ceiling."""
     lines = [f"{results['kernel']} on {results['device']} ({results['mode']}), {results['date']}"]
     if results["mode"] != "gpu":
         lines.append("  interpreter run: wall-clock times of the CPU say nothing about GPU speed; no comparison drawn")

@@ -8,14 +8,15 @@ Every implementation × shape × pass gets two times:
   device_ms  the replay of a CUDA graph captured once from the same call: pure GPU time, what a step sees when the
              host runs ahead of the GPU. Bandwidth and the fraction of the copy ceiling use it.
 
-Before anything is timed, its output (and its gradients, for forward+backward) is checked against float64. A row
-that fails is recorded as such and never timed. With ``rounds`` > 1 (the command line's default on a GPU) every
-implementation is timed once per round, in turn, and each row keeps the median over the rounds (``measure_shape``).
+Before anything is timed, its output (and its gradients, for forward+backward) is checked against
+float64. A row that fails is recorded as such and never timed. With ``rounds`` > 1 (the command
+line's default on a GPU) every implementation is timed once per round, in turn, and each row keeps
+the median over the rounds (``measure_shape``).
 
-Here: the sizes of the sweeps, the minimal bytes each kernel must move, the cases (inputs of one shape, their
-float64 reference, the check and the timed step), running the sweep, and the command line. The implementations are
-in ``kernels.bench.peers``, the timing in ``kernels.bench.timing``, reading and saving results in
-``kernels.bench.results``.
+Here: the sizes of the sweeps, the minimal bytes each kernel must move, the cases (inputs of one
+shape, their float64 reference, the check and the timed step), running the sweep, and the command
+line. The implementations are in ``kernels.bench.peers``, the timing in ``kernels.bench.timing``,
+reading and saving results in ``kernels.bench.results``.
 """
 
 from __future__ import annotations
@@ -60,18 +61,20 @@ from .timing import (
 )
 
 PASSES = ("fwd", "fwd+bwd")
-# Which passes each kernel is measured in. The cross-entropy of a training step is always forward+backward (the
-# fused kernel even computes the gradient in its forward), so that is the one pass it is compared in.
+# Which passes each kernel is measured in. The cross-entropy of a training step is always
+# forward+backward (the fused kernel even computes the gradient in its forward), so that is the one
+# pass it is compared in.
 KERNEL_PASSES = {"rmsnorm": ("fwd", "fwd+bwd"), "cross_entropy": ("fwd+bwd",), "swiglu": ("fwd", "fwd+bwd"),
                  "rope": ("fwd", "fwd+bwd")}
 # What a case's width is, by kernel: the name in results and in the sizes tables.
 WIDTH_NAMES = {"rmsnorm": "hidden", "cross_entropy": "vocab", "swiglu": "intermediate", "rope": "head_dim"}
-# Llama-3.1-8B's attention: 32 query heads and 8 key-value heads of head_dim 128 (GQA). The tiny profile keeps the
-# ratio with fewer heads.
+# Llama-3.1-8B's attention: 32 query heads and 8 key-value heads of head_dim 128 (GQA). The tiny
+# profile keeps the ratio with fewer heads.
 ROPE_HEADS = runtime.pick((4, 2), (32, 8))
 
 
-# Sweeps. GPU: sizes that fill the chip, as in the chapters; interpreter: tiny, so the CPU gets through in seconds.
+# Sweeps. GPU: sizes that fill the chip, as in the chapters; interpreter: tiny, so the CPU gets
+# through in seconds.
 GPU_SIZES = {
     "rmsnorm": dict(tokens=(256, 512, 1024, 2048, 4096, 8192, 16384, 32768), hidden=4096,
                     hidden_sweep=(1024, 2048, 4096, 8192), hidden_sweep_tokens=16384),
@@ -80,7 +83,8 @@ GPU_SIZES = {
     "rope": dict(tokens=(512, 1024, 2048, 4096, 8192, 16384), head_dim=128),
 }
 GPU_QUICK_SIZES = {
-    "rmsnorm": dict(tokens=(1024, 4096, 16384), hidden=4096, hidden_sweep=(1024, 8192), hidden_sweep_tokens=16384),
+    "rmsnorm": dict(tokens=(1024, 4096, 16384), hidden=4096, hidden_sweep=(1024, 8192),
+                    hidden_sweep_tokens=16384),
     "cross_entropy": dict(tokens=(1024, 4096, 16384), vocab=128_256),
     "swiglu": dict(tokens=(1024, 4096, 16384), intermediate=14_336),
     "rope": dict(tokens=(1024, 4096, 16384), head_dim=128),
@@ -99,16 +103,17 @@ CPU_QUICK_SIZES = {
 }
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Minimal bytes: the floor every time is judged against
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def rmsnorm_bytes(tokens: int, hidden: int, itemsize: int = 2, pass_: str = "fwd+bwd") -> int:
     """Least bytes an RMSNorm over [tokens, hidden] must move.
 
-    Forward reads x and writes y: 2·M·N·s. Backward reads x and dy and writes dx: 3·M·N·s more, 5·M·N·s in all.
-    The weight, dW and one float32 rstd per row are a rounding error at Llama sizes and are left out.
+    Forward reads x and writes y: 2·M·N·s. Backward reads x and dy and writes dx: 3·M·N·s more,
+    5·M·N·s in all. The weight, dW and one float32 rstd per row are a rounding error at Llama sizes
+    and are left out.
     """
     _check_pass(pass_)
     return (2 if pass_ == "fwd" else 5) * tokens * hidden * itemsize
@@ -124,8 +129,9 @@ CE_DESIGNS = {
 def cross_entropy_bytes(tokens: int, vocab: int, itemsize: int = 2, design: str = "two_read") -> int:
     """Bytes a forward+backward cross-entropy over [tokens, vocab] logits moves.
 
-    ``"two_read"`` is the design of this package's kernel: 3 logit-sized transfers, 6 bytes per logit in bf16.
-    ``"single_read"`` is the floor: 4 bytes per logit in bf16. Targets and per-row scalars are left out.
+    ``"two_read"`` is the design of this package's kernel: 3 logit-sized transfers, 6 bytes per
+    logit in bf16. ``"single_read"`` is the floor: 4 bytes per logit in bf16. Targets and per-row
+    scalars are left out.
     """
     if design not in CE_DESIGNS:
         raise ValueError(f"design must be one of {tuple(CE_DESIGNS)}, got {design!r}")
@@ -135,9 +141,9 @@ def cross_entropy_bytes(tokens: int, vocab: int, itemsize: int = 2, design: str 
 def swiglu_bytes(tokens: int, intermediate: int, itemsize: int = 2, pass_: str = "fwd+bwd") -> int:
     """Least bytes a SwiGLU over [tokens, intermediate] must move.
 
-    Forward reads gate and up and writes y: 3·M·I·s. Backward reads dy, gate and up and writes d(gate) and d(up):
-    5·M·I·s more, 8·M·I·s in all. Storing silu(gate) for the backward instead of recomputing it would add a write
-    and a read: 10·M·I·s.
+    Forward reads gate and up and writes y: 3·M·I·s. Backward reads dy, gate and up and writes
+    d(gate) and d(up): 5·M·I·s more, 8·M·I·s in all. Storing silu(gate) for the backward instead of
+    recomputing it would add a write and a read: 10·M·I·s.
     """
     _check_pass(pass_)
     return (3 if pass_ == "fwd" else 8) * tokens * intermediate * itemsize
@@ -147,8 +153,9 @@ def rope_bytes(tokens: int, head_dim: int, q_heads: int = 32, kv_heads: int = 8,
                pass_: str = "fwd+bwd", trig_itemsize: int | None = None) -> int:
     """Least bytes RoPE on q [tokens, q_heads, D] and k [tokens, kv_heads, D] must move.
 
-    Forward reads q and k and writes both rotated: 2·(Hq + Hkv)·T·D·s, plus cos and sin read once per position
-    (2·T·D·s_trig), not once per head. Backward is the same traffic again with dy in and dx out.
+    Forward reads q and k and writes both rotated: 2·(Hq + Hkv)·T·D·s, plus cos and sin read once
+    per position (2·T·D·s_trig), not once per head. Backward is the same traffic again with dy in
+    and dx out.
     """
     _check_pass(pass_)
     trig = itemsize if trig_itemsize is None else trig_itemsize
@@ -163,9 +170,9 @@ def _check_pass(pass_: str) -> None:
 
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Cases: the inputs of one shape, their float64 reference, the check and the timed step
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -178,7 +185,8 @@ class Check:
     message: str = ""
 
     def to_json(self) -> dict:
-        return {"ok": self.ok, "errors": {k: _finite_or_none(v) for k, v in self.errors.items()}, "tol": self.tol,
+        return {"ok": self.ok, "errors": {k: _finite_or_none(v) for k, v in self.errors.items()},
+                "tol": self.tol,
                 "message": self.message}
 
 
@@ -196,11 +204,13 @@ def _generator(device: torch.device, seed: int) -> torch.Generator:
 
 
 class RMSNormCase:
-    """Inputs of one RMSNorm shape: x (requires grad), a weight around 1 (never all ones), dy; float64 references."""
+    """Inputs of one RMSNorm shape: x (requires grad), a weight around 1 (never all ones), dy;
+    float64 references."""
 
     kernel = "rmsnorm"
 
-    def __init__(self, tokens: int, hidden: int, dtype=torch.bfloat16, device=None, seed: int = 0, eps: float = 1e-6):
+    def __init__(self, tokens: int, hidden: int, dtype=torch.bfloat16, device=None, seed: int = 0,
+                 eps: float = 1e-6):
         self.tokens, self.hidden, self.dtype, self.eps, self.seed = tokens, hidden, dtype, eps, seed
         self.device = torch.device(device) if device is not None else runtime.device()
         self.x = torch.empty(tokens, hidden, dtype=dtype, device=self.device, requires_grad=True)
@@ -249,7 +259,8 @@ class RMSNormCase:
         return _judge(errors, RELATIVE_ERROR_TOL[self.dtype])
 
     def step(self, fn, params, pass_: str):
-        """``(call, grad_to_none)``: one timed call, and the tensors whose .grad must be reset between calls."""
+        """``(call, grad_to_none)``: one timed call, and the tensors whose .grad must be reset
+        between calls."""
         x, dy = self.x, self.dy
         if pass_ == "fwd":
             return (lambda: fn(x)), [x, *params]
@@ -267,8 +278,9 @@ def _grad_error(t: torch.Tensor, expected: torch.Tensor) -> float:
 class CrossEntropyCase:
     """Inputs of one cross-entropy shape: bf16 logits (requires grad), targets with some ignored (-100) rows.
 
-    The float64 reference is the mean loss over all rows (in chunks, so it never needs a float64 copy of all the
-    logits) and the gradient of a sample of rows, which always includes an ignored one.
+    The float64 reference is the mean loss over all rows (in chunks, so it never needs a float64
+    copy of all the logits) and the gradient of a sample of rows, which always includes an ignored
+    one.
     """
 
     kernel = "cross_entropy"
@@ -282,7 +294,8 @@ class CrossEntropyCase:
         self.logits = torch.empty(tokens, vocab, dtype=dtype, device=self.device, requires_grad=True)
         g = _generator(self.device, seed + 1)
         target = torch.randint(0, vocab, (tokens,), generator=g, device=self.device)
-        ignored = torch.arange(tokens, device=self.device) % 16 == 3  # one row in 16 masked, like prompt tokens
+        # one row in 16 masked, like prompt tokens
+        ignored = torch.arange(tokens, device=self.device) % 16 == 3
         self.target = torch.where(ignored, torch.full_like(target, self.IGNORE_INDEX), target)
         self.reset_inputs()
         self._ref = None
@@ -292,7 +305,8 @@ class CrossEntropyCase:
         return self.vocab
 
     def reset_inputs(self) -> None:
-        """Refill the logits with the same values (the in-place implementations overwrite them with the gradient)."""
+        """Refill the logits with the same values (the in-place implementations overwrite them with
+        the gradient)."""
         g = _generator(self.device, self.seed)
         with torch.no_grad():
             self.logits.normal_(generator=g).mul_(self.SCALE)
@@ -363,8 +377,8 @@ class CrossEntropyCase:
 
 
 class SwiGLUCase:
-    """Inputs of one SwiGLU shape: gate (spread over the sigmoid's range) and up, both requiring grad, and dy;
-    float64 references of y, d(gate) and d(up)."""
+    """Inputs of one SwiGLU shape: gate (spread over the sigmoid's range) and up, both requiring
+    grad, and dy; float64 references of y, d(gate) and d(up)."""
 
     kernel = "swiglu"
     GATE_SCALE = 2.0
@@ -430,9 +444,10 @@ class SwiGLUCase:
 
 
 class RoPECase:
-    """Inputs of one RoPE shape, batch 1 × ``tokens`` positions: q [1, Hq, T, D] and k [1, Hkv, T, D] as Llama's
-    attention makes them (transposed views of [1, T, heads, D], requiring grad), cos and sin in the activation dtype
-    at random positions, and the two upstream gradients; float64 references of both outputs and both gradients."""
+    """Inputs of one RoPE shape, batch 1 × ``tokens`` positions: q [1, Hq, T, D] and k [1, Hkv, T,
+    D] as Llama's attention makes them (transposed views of [1, T, heads, D], requiring grad), cos
+    and sin in the activation dtype at random positions, and the two upstream gradients; float64
+    references of both outputs and both gradients."""
 
     kernel = "rope"
 
@@ -477,7 +492,8 @@ class RoPECase:
             k64 = self.k.detach().double().requires_grad_()
             q_out, k_out = rotary_reference(q64, k64, self.cos.double(), self.sin.double())
             torch.autograd.backward([q_out, k_out], [self.dq.double(), self.dk.double()])
-            self._ref = {"q_embed": q_out.detach(), "k_embed": k_out.detach(), "dq": q64.grad, "dk": k64.grad}
+            self._ref = {"q_embed": q_out.detach(), "k_embed": k_out.detach(), "dq": q64.grad,
+                         "dk": k64.grad}
         return self._ref
 
     def check(self, fn, params, pass_: str) -> Check:
@@ -508,9 +524,9 @@ class RoPECase:
 CASES = {"rmsnorm": RMSNormCase, "cross_entropy": CrossEntropyCase, "swiglu": SwiGLUCase, "rope": RoPECase}
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The sweep: check, then time, every implementation at every shape
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def _base_row(case, impl: Impl, pass_: str) -> dict:
@@ -520,7 +536,8 @@ def _base_row(case, impl: Impl, pass_: str) -> dict:
         "tokens": case.tokens, "width": case.width, "shape": f"{case.tokens}×{case.width}", "pass": pass_,
         "dtype": str(case.dtype).removeprefix("torch."),
         "status": "ok", "note": "",
-        "eager_ms": None, "device_ms": None, "device_note": None, "eager_ms_rounds": [], "device_ms_rounds": [],
+        "eager_ms": None, "device_ms": None, "device_note": None, "eager_ms_rounds": [],
+        "device_ms_rounds": [],
         "bytes": n_bytes, "bytes_floor": n_floor,
         "gbps": None, "frac_copy": None, "gbps_floor": None, "frac_copy_floor": None,
         "copy_same_bytes_ms": None, "frac_same_bytes_copy": None,
@@ -538,13 +555,15 @@ def _free_device_memory() -> None:
 
 
 def _checked_row(case, impl: Impl, fn, params, pass_: str) -> dict:
-    """The row of one implementation and pass, its output checked against float64 (status "ok" if it passed)."""
+    """The row of one implementation and pass, its output checked against float64 (status "ok" if it
+    passed)."""
     row = _base_row(case, impl, pass_)
     try:
         case.reset_inputs()
         check = case.check(fn, params, pass_)
     except Exception as exc:  # noqa: BLE001  (a peer that raises is a result, not the end of the sweep)
-        row.update(status="error", note=f"the correctness check raised {type(exc).__name__}: {first_line(exc)}")
+        row.update(status="error",
+                   note=f"the correctness check raised {type(exc).__name__}: {first_line(exc)}")
         _free_device_memory()
         return row
     row["check"] = check.to_json()
@@ -554,8 +573,8 @@ def _checked_row(case, impl: Impl, fn, params, pass_: str) -> dict:
 
 
 def _time_into(row: dict, case, fn, params, pass_: str, warmup: int, rep: int) -> None:
-    """Time one call of a checked row once more: its eager and device times go to the row's per-round lists, and
-    its peak memory is measured the first time."""
+    """Time one call of a checked row once more: its eager and device times go to the row's
+    per-round lists, and its peak memory is measured the first time."""
     try:
         case.reset_inputs()  # the check or an earlier round may have overwritten inputs (in-place gradients)
         call, grads = case.step(fn, params, pass_)
@@ -574,15 +593,18 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def measure_shape(case, chosen, passes, warmup: int = 25, rep: int = 50, rounds: int = 1, bar=None) -> list[dict]:
-    """Rows for every implementation at one shape: skipped (with the reason), or checked and then timed, per pass.
+def measure_shape(case, chosen, passes, warmup: int = 25, rep: int = 50, rounds: int = 1,
+                  bar=None) -> list[dict]:
+    """Rows for every implementation at one shape: skipped (with the reason), or checked and then
+    timed, per pass.
 
-    The timing goes round by round, every implementation once per round, and each row keeps the median over the
-    rounds. A host whose speed drifts (another process, clock changes) then slows every implementation of a round
-    alike instead of whichever was being timed, which matters for eager times at small shapes, where the host sets
-    them. The order rotates from round to round, so that no implementation always runs first or after the same
-    neighbour. The per-round times are kept in the row (``eager_ms_rounds``, ``device_ms_rounds``). Each round also
-    times a copy of each pass's bytes (``same_bytes_copy_ms``); every row of the pass gets the median
+    The timing goes round by round, every implementation once per round, and each row keeps the
+    median over the rounds. A host whose speed drifts (another process, clock changes) then slows
+    every implementation of a round alike instead of whichever was being timed, which matters for
+    eager times at small shapes, where the host sets them. The order rotates from round to round, so
+    that no implementation always runs first or after the same neighbour. The per-round times are
+    kept in the row (``eager_ms_rounds``, ``device_ms_rounds``). Each round also times a copy of
+    each pass's bytes (``same_bytes_copy_ms``); every row of the pass gets the median
     (``copy_same_bytes_ms``), the yardstick at this size.
     """
     rows, timed = [], {}  # timed: per implementation, its checked rows and what times them
@@ -623,8 +645,9 @@ def measure_shape(case, chosen, passes, warmup: int = 25, rep: int = 50, rounds:
 
 
 def add_rates(rows: list[dict], ceilings: dict | None) -> None:
-    """Fill GB/s (from device time; minimal bytes), the fraction of the measured copy bandwidth, and the fraction of
-    a copy of the row's own bytes (the copy's time over the row's: 1 is as fast as PyTorch's copy of them), in place."""
+    """Fill GB/s (from device time; minimal bytes), the fraction of the measured copy bandwidth, and
+    the fraction of a copy of the row's own bytes (the copy's time over the row's: 1 is as fast as
+    PyTorch's copy of them), in place."""
     copy = ceilings.get("copy_gbps") if ceilings else None
     for row in rows:
         if row["device_ms"] is None:
@@ -638,13 +661,16 @@ def add_rates(rows: list[dict], ceilings: dict | None) -> None:
             row["frac_copy_floor"] = row["gbps_floor"] / copy
 
 
-def sweep_shapes(tokens, width: int, width_sweep=(), width_sweep_tokens: int | None = None) -> list[tuple[int, int]]:
-    """The (tokens, width) shapes of a token sweep at ``width`` plus a width sweep at ``width_sweep_tokens``."""
+def sweep_shapes(tokens, width: int, width_sweep=(),
+                 width_sweep_tokens: int | None = None) -> list[tuple[int, int]]:
+    """The (tokens, width) shapes of a token sweep at ``width`` plus a width sweep at
+    ``width_sweep_tokens``."""
     shapes = [(int(t), int(width)) for t in tokens]
     if width_sweep:
         if width_sweep_tokens is None:
             raise ValueError("a width sweep needs width_sweep_tokens (the token count it is run at)")
-        shapes += [(int(width_sweep_tokens), int(w)) for w in width_sweep if (width_sweep_tokens, w) not in shapes]
+        shapes += [(int(width_sweep_tokens), int(w)) for w in width_sweep if (width_sweep_tokens,
+                                                                              w) not in shapes]
     for t, w in shapes:
         if t < 1 or w < 1:
             raise ValueError(f"sizes must be positive, got tokens={t}, width={w}")
@@ -668,13 +694,14 @@ def run_benchmark(
     progress: bool = True,
     rounds: int = 1,
 ) -> dict:
-    """Check and time ``kernel``'s implementations over a token sweep (and, for RMSNorm, a hidden-size sweep).
+    """Check and time ``kernel``'s implementations over a token sweep (and, for RMSNorm, a
+    hidden-size sweep).
 
     ``width`` is the hidden size (RMSNorm) or the vocabulary (cross-entropy). ``impls``: keys of
-    ``peers.IMPLEMENTATIONS[kernel]`` or ``Impl`` objects (default: all). ``warmup``/``rep`` are do_bench's, in ms;
-    ``rounds`` how many times every implementation is timed, in turn, at each shape (``measure_shape``).
-    On a GPU the copy and matmul ceilings are measured first unless ``ceilings`` is given.
-    Returns the results dict that ``save_results`` writes as JSON.
+    ``peers.IMPLEMENTATIONS[kernel]`` or ``Impl`` objects (default: all). ``warmup``/``rep`` are
+    do_bench's, in ms; ``rounds`` how many times every implementation is timed, in turn, at each
+    shape (``measure_shape``). On a GPU the copy and matmul ceilings are measured first unless
+    ``ceilings`` is given. Returns the results dict that ``save_results`` writes as JSON.
     """
     check_kernel(kernel)
     if dtype not in RELATIVE_ERROR_TOL:
@@ -697,7 +724,8 @@ def run_benchmark(
     try:
         for n_tokens, n_width in shapes:
             if runtime.MODE == "gpu" and any(i.compiled for i in chosen):
-                torch._dynamo.reset()  # compile afresh per shape: dynamic=False, and no recompile limit to hit
+                # compile afresh per shape: dynamic=False, and no recompile limit to hit
+                torch._dynamo.reset()
             case = CASES[kernel](n_tokens, n_width, dtype=dtype, seed=seed)
             bar.set_postfix_str(f"{n_tokens}×{n_width}")
             rows += measure_shape(case, chosen, passes, warmup, rep, rounds, bar)
@@ -774,10 +802,12 @@ def _git_commit() -> str | None:
 
 
 def results_table(results: dict) -> Table:
-    """``format_table``'s figures as a ``Table`` that reads at a laptop's width (``display`` it in a notebook).
+    """``format_table``'s figures as a ``Table`` that reads at a laptop's width (``display`` it in a
+    notebook).
 
-    One section per shape and pass, one row per implementation under it; ``ours×`` is that row's time over ours' at
-    the same shape and pass (above 1: ours is faster). ``print`` gives the same table as text.
+    One section per shape and pass, one row per implementation under it; ``ours×`` is that row's
+    time over ours' at the same shape and pass (above 1: ours is faster). ``print`` gives the same
+    table as text.
     """
     ours = {basis: {(e["tokens"], e["width"], e["pass"]): e["ours_ms"] for e in speedups(results, basis)}
             for basis in ("device", "eager")}
@@ -791,7 +821,8 @@ def results_table(results: dict) -> Table:
             "ok" if row["device_note"] is None or not gpu else "no graph")
         same = row.get("frac_same_bytes_copy")
         sections.setdefault((row["shape"], row["pass"]), []).append([
-            row["label"], _fmt(row["eager_ms"], ".3f"), _fmt(row["device_ms"], ".3f"), _fmt(row["gbps"], ",.0f"),
+            row["label"], _fmt(row["eager_ms"], ".3f"), _fmt(row["device_ms"], ".3f"),
+            _fmt(row["gbps"], ",.0f"),
             _fmt(row["frac_copy"] and 100 * row["frac_copy"], ".1f"), _fmt(same and 100 * same, ".1f"),
             _fmt(x_dev, ".3g"), _fmt(x_eag, ".3g"), _fmt(row["peak_extra_mib"], ",.1f"), status])
     rows: list = []
@@ -863,18 +894,23 @@ def build_parser() -> argparse.ArgumentParser:
             "sizes are tiny and times are the interpreter's wall-clock (meaningless as GPU times)."
         ),
     )
-    parser.add_argument("--kernel", choices=(*KERNELS, "all"), default="all", help="which kernel to benchmark")
+    parser.add_argument("--kernel", choices=(*KERNELS, "all"), default="all",
+                        help="which kernel to benchmark")
     parser.add_argument("--tokens", type=cli.positive_ints,
                         help="token counts of the token sweep, e.g. 1024,4096,16384")
-    parser.add_argument("--hidden", type=cli.positive_int, help="RMSNorm: hidden size of the token sweep (GPU default "
+    parser.add_argument("--hidden", type=cli.positive_int,
+                        help="RMSNorm: hidden size of the token sweep (GPU default "
                                                                 "4096)")
     parser.add_argument("--hidden-sweep", type=_sizes_or_none,
                         help="RMSNorm: hidden sizes swept at --hidden-sweep-tokens, e.g. 1024,8192 ('none' to skip)")
     parser.add_argument("--hidden-sweep-tokens", type=cli.positive_int,
                         help="RMSNorm: tokens of the hidden sweep (default 16384)")
-    parser.add_argument("--vocab", type=cli.positive_int, help="cross-entropy: vocabulary size (GPU default 128256)")
-    parser.add_argument("--intermediate", type=cli.positive_int, help="SwiGLU: intermediate size (GPU default 14336)")
-    parser.add_argument("--head-dim", type=_even, help="RoPE: head_dim, even (GPU default 128; 32 q heads, 8 kv heads)")
+    parser.add_argument("--vocab", type=cli.positive_int,
+                        help="cross-entropy: vocabulary size (GPU default 128256)")
+    parser.add_argument("--intermediate", type=cli.positive_int,
+                        help="SwiGLU: intermediate size (GPU default 14336)")
+    parser.add_argument("--head-dim", type=_even,
+                        help="RoPE: head_dim, even (GPU default 128; 32 q heads, 8 kv heads)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16")
     parser.add_argument("--impls", type=cli.names(_all_impl_keys()),
                         help="comma-separated implementation keys (default: all)")
@@ -906,7 +942,8 @@ def _sizes_from_args(kernel: str, args) -> dict:
             sizes["hidden_sweep"] = args.hidden_sweep
         if args.hidden_sweep_tokens:
             sizes["hidden_sweep_tokens"] = args.hidden_sweep_tokens
-    for key, value in (("vocab", args.vocab), ("intermediate", args.intermediate), ("head_dim", args.head_dim)):
+    for key, value in (("vocab", args.vocab), ("intermediate", args.intermediate),
+                       ("head_dim", args.head_dim)):
         if value and key == WIDTH_NAMES[kernel]:
             sizes[key] = value
     return sizes
@@ -925,7 +962,8 @@ def _kernels_to_run(args) -> tuple[str, ...]:
 
 
 def check_args(parser: argparse.ArgumentParser, args) -> tuple[str, ...]:
-    """Every check that needs more than one flag, and the output files, before any work; returns the kernels to run."""
+    """Every check that needs more than one flag, and the output files, before any work; returns the
+    kernels to run."""
     problems = []
     kernels_to_run = _kernels_to_run(args)
     if not kernels_to_run:
@@ -980,14 +1018,16 @@ def main(argv=None) -> int:
         else:
             from .plots import summary_figure
 
-            for written in cli.write_json_and_figure(path, results, summary_figure(results), path.with_suffix(".png"),
+            for written in cli.write_json_and_figure(path, results, summary_figure(results),
+                                                     path.with_suffix(".png"),
                                                      dpi=110):
                 print(f"wrote {written}")
     return 0
 
 
 if __name__ == "__main__":
-    # Run through the package's module, not this __main__ copy, so there is one set of classes and constants.
+    # Run through the package's module, not this __main__ copy, so there is one set of classes and
+    # constants.
     from kernels.bench.sweep import main as _main
 
     raise SystemExit(_main())

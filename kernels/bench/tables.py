@@ -1,9 +1,10 @@
 """Result tables that read at a laptop's width: HTML where a notebook shows them, aligned text in a terminal.
 
-``html_table(columns, rows)`` returns a ``Table``. In a notebook, ``display(table)`` (or a table as a cell's last
-value) renders it as an HTML table, which the browser lays out in the width it has; ``print(table)`` and the
-command lines write the same table as aligned text. A row may be a ``Section``: a heading that spans the columns,
-so that a column repeated on every row (a shape, a pass) can be said once above its rows instead.
+``html_table(columns, rows)`` returns a ``Table``. In a notebook, ``display(table)`` (or a table as
+a cell's last value) renders it as an HTML table, which the browser lays out in the width it has;
+``print(table)`` and the command lines write the same table as aligned text. A row may be a
+``Section``: a heading that spans the columns, so that a column repeated on every row (a shape, a
+pass) can be said once above its rows instead.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-# A cell that reads as a number, possibly with a unit or a sign after it ("1.083×", "6,517", "-7.6%", "+0.00 GiB",
-# "9.56e-03"): such columns are right-aligned so that their digits line up.
+# A cell that reads as a number, possibly with a unit or a sign after it ("1.083×", "6,517",
+# "-7.6%", "+0.00 GiB", "9.56e-03"): such columns are right-aligned so that their digits line up.
 _NUMBER = re.compile(r"^[-+−]?[\d.,]+(e[-+]?\d+)?")
 EMPTY = "—"
 
@@ -30,7 +31,8 @@ class Section:
 class Table:
     """A table of strings with its column alignment, a caption above it and notes below it.
 
-    Build one with ``html_table``. ``_repr_html_`` is what a notebook shows; ``str()`` is the text form.
+    Build one with ``html_table``. ``_repr_html_`` is what a notebook shows; ``str()`` is the text
+    form.
     """
 
     columns: tuple[str, ...]
@@ -83,7 +85,8 @@ class Table:
     def __str__(self) -> str:
         return self.text()
 
-    # IPython puts repr() in the text/plain fallback of a displayed table: the text form, not the dataclass.
+    # IPython puts repr() in the text/plain fallback of a displayed table: the text form, not the
+    # dataclass.
     __repr__ = __str__
 
 
@@ -99,10 +102,11 @@ def html_table(
 
     Args:
         columns: the column headings.
-        rows: one sequence of cells per row, as many as ``columns``, or a ``Section`` heading. A cell is shown as
-            ``str(cell)``; ``None`` is shown as an em dash. Format numbers before passing them (``f"{x:,.1f}"``).
-        align: one letter per column, ``"l"`` or ``"r"``. By default a column whose cells all read as numbers
-            (units after them allowed) is right-aligned and any other left-aligned.
+        rows: one sequence of cells per row, as many as ``columns``, or a ``Section`` heading. A
+            cell is shown as ``str(cell)``; ``None`` is shown as an em dash. Format numbers before
+            passing them (``f"{x:,.1f}"``).
+        align: one letter per column, ``"l"`` or ``"r"``. By default a column whose cells all read
+            as numbers (units after them allowed) is right-aligned and any other left-aligned.
         caption: a line above the table.
         notes: lines below it, e.g. what a column means.
 
@@ -120,7 +124,8 @@ def html_table(
             raise ValueError(f"row {i} has {len(values)} cells, expected {len(columns)} (one per column): {values}")
         body.append(values)
     if align is None:
-        align = "".join(_auto_align([r[i] for r in body if not isinstance(r, Section)]) for i in range(len(columns)))
+        align = "".join(_auto_align([r[i] for r in body if not isinstance(r,
+                                                                          Section)]) for i in range(len(columns)))
     elif len(align) != len(columns) or set(align) - {"l", "r"}:
         raise ValueError(f"align must be one letter 'l' or 'r' per column ({len(columns)}), got {align!r}")
     return Table(columns, tuple(body), align, caption, tuple(str(n) for n in notes))

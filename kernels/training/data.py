@@ -1,8 +1,9 @@
 """A real supervised fine-tuning (SFT) batch stream, made offline and deterministically.
 
-The data: a few thousand instruction/response pairs generated from a seed, each with a computed, correct answer:
-arithmetic word problems, string manipulations (reverse, count, sort, capitalise) and short Python tasks (what does
-this print, write this function). Answers run from one token to a few dozen, so sequences have different lengths.
+The data: a few thousand instruction/response pairs generated from a seed, each with a computed,
+correct answer: arithmetic word problems, string manipulations (reverse, count, sort, capitalise)
+and short Python tasks (what does this print, write this function). Answers run from one token to a
+few dozen, so sequences have different lengths.
 
 The template, as instruction tuning uses it::
 
@@ -12,19 +13,21 @@ The template, as instruction tuning uses it::
     ### Response:
     {response}<|end|>
 
-Labels are the input ids on the response and its end token, and ``-100`` on the prompt, the begin token and the
-padding, so the loss trains only on what the model should answer (Hugging Face shifts labels by one inside its
-loss). ``attention_mask`` is 0 on padding.
+Labels are the input ids on the response and its end token, and ``-100`` on the prompt, the begin
+token and the padding, so the loss trains only on what the model should answer (Hugging Face shifts
+labels by one inside its loss). ``attention_mask`` is 0 on padding.
 
-Long rows (seq 2048 on a GPU) hold a *conversation*: exchange after exchange is appended while the next one fits,
-then the rest of the row is padded. Every response in the row is trained on and every prompt is masked, which is how
-multi-turn chat data is fine-tuned; attending to the earlier exchanges of the row is then correct, not a leak
-between unrelated examples. It also keeps a real fraction of the labels at ``-100`` (prompts, padding) and a real
-fraction trained, at any sequence length, without wasting most of a 2,048-token row on padding.
+Long rows (seq 2048 on a GPU) hold a *conversation*: exchange after exchange is appended while the
+next one fits, then the rest of the row is padded. Every response in the row is trained on and every
+prompt is masked, which is how multi-turn chat data is fine-tuned; attending to the earlier
+exchanges of the row is then correct, not a leak between unrelated examples. It also keeps a real
+fraction of the labels at ``-100`` (prompts, padding) and a real fraction trained, at any sequence
+length, without wasting most of a 2,048-token row on padding.
 
-Tokenizer: a real one when given (a local directory or an id already in the Hugging Face cache, never downloaded),
-otherwise a byte-level BPE tokenizer trained here on the generated text with the ``tokenizers`` library (under a
-second, deterministic, 2,048 ids at most, the vocabulary of the ``"tiny"`` model preset).
+Tokenizer: a real one when given (a local directory or an id already in the Hugging Face cache,
+never downloaded), otherwise a byte-level BPE tokenizer trained here on the generated text with the
+``tokenizers`` library (under a second, deterministic, 2,048 ids at most, the vocabulary of the
+``"tiny"`` model preset).
 """
 
 from __future__ import annotations
@@ -47,8 +50,9 @@ SPECIAL_TOKENS = {"bos_token": "<|begin|>", "eos_token": "<|end|>", "pad_token":
 DEFAULT_VOCAB_SIZE = 2048
 DATASET_SEED = 0  # the dataset is fixed; the seed given to make_sft_batches shuffles it
 DEFAULT_EXAMPLES = 2000
-# The shortest row that holds any exchange of this dataset with the workbook's tokenizer: its shortest prompt, the BOS
-# and one response token (tests/test_data.py checks it). Command lines refuse shorter --seq-len before any work.
+# The shortest row that holds any exchange of this dataset with the workbook's tokenizer: its
+# shortest prompt, the BOS and one response token (tests/test_data.py checks it). Command lines
+# refuse shorter --seq-len before any work.
 MIN_SEQ_LEN = 21
 
 # Token roles in a packed row (make_sft_batches(..., with_roles=True) returns them).
@@ -62,21 +66,25 @@ class Example:
     response: str
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The generated dataset: every answer is computed, so it is correct
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 NAMES = [
     "Ada", "Ben", "Chen", "Dara", "Eli", "Farah", "Goran", "Hana", "Ivo", "Jun", "Kemi", "Luca", "Mira",
     "Noor", "Omar", "Priya", "Quinn", "Rosa", "Sven", "Tariq", "Uma", "Viktor", "Wen", "Yara", "Zoe",
 ]
 OBJECTS = [
-    "apples", "pencils", "marbles", "stickers", "books", "coins", "cards", "shells", "stamps", "cookies", "bolts",
+    "apples", "pencils", "marbles", "stickers", "books", "coins", "cards", "shells", "stamps",
+    "cookies", "bolts",
 ]
 WORDS = [
-    "kernel", "tensor", "gradient", "softmax", "profiler", "warp", "register", "memory", "bandwidth", "matrix",
-    "vector", "pointer", "thread", "block", "cache", "latency", "compiler", "buffer", "token", "layer", "attention",
-    "python", "triton", "reduce", "scatter", "gather", "launch", "stream", "device", "shape", "norm", "logits",
+    "kernel", "tensor", "gradient", "softmax", "profiler", "warp", "register", "memory",
+    "bandwidth", "matrix",
+    "vector", "pointer", "thread", "block", "cache", "latency", "compiler", "buffer", "token",
+    "layer", "attention",
+    "python", "triton", "reduce", "scatter", "gather", "launch", "stream", "device", "shape",
+    "norm", "logits",
 ]
 
 
@@ -215,9 +223,9 @@ def format_prompt(prompt: str) -> str:
     return PROMPT_TEMPLATE.format(prompt=prompt)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Tokenizers
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def train_default_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE) -> PreTrainedTokenizerFast:  # noqa: F821
@@ -251,8 +259,9 @@ def _default_tokenizer():
 def get_tokenizer(name_or_path=None) -> PreTrainedTokenizerBase:
     """A tokenizer: the workbook's own (trained once per process, then cached) or a local Hugging Face one.
 
-    ``name_or_path`` may be a directory holding a saved tokenizer or a hub id already in the Hugging Face cache
-    (e.g. the Llama 3 tokenizer, whose 128,256 ids match the full-size presets); nothing is downloaded.
+    ``name_or_path`` may be a directory holding a saved tokenizer or a hub id already in the Hugging
+    Face cache (e.g. the Llama 3 tokenizer, whose 128,256 ids match the full-size presets); nothing
+    is downloaded.
     """
     if name_or_path is None:
         return _default_tokenizer()
@@ -272,9 +281,9 @@ def get_tokenizer(name_or_path=None) -> PreTrainedTokenizerBase:
     return tok
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Packing rows and batches
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def _encoded_examples(tokenizer, n_examples: int):
@@ -308,7 +317,8 @@ def _example_order(n_examples: int, seed: int) -> Iterator[int]:
         epoch += 1
 
 
-def _pack_rows(encoded, order: Iterator[int], seq_len: int, bos: int | None) -> Iterator[tuple[list[int], list[int]]]:
+def _pack_rows(encoded, order: Iterator[int], seq_len: int,
+               bos: int | None) -> Iterator[tuple[list[int], list[int]]]:
     """Rows of (ids, roles) of length <= seq_len: exchanges appended while the next one fits."""
     start = [bos] if bos is not None else []
     ids, roles = list(start), [PROMPT] * len(start)
@@ -327,8 +337,8 @@ def _pack_rows(encoded, order: Iterator[int], seq_len: int, bos: int | None) -> 
                 ids += prompt + response
                 roles += [PROMPT] * len(prompt) + [RESPONSE] * len(response)
                 continue
-        # One exchange longer than a whole row: keep its prompt and as much of the response as fits, as SFT
-        # truncation does; an exchange whose prompt alone fills the row is skipped.
+        # One exchange longer than a whole row: keep its prompt and as much of the response as fits,
+        # as SFT truncation does; an exchange whose prompt alone fills the row is skipped.
         room = seq_len - len(ids) - len(prompt)
         if room >= 1:
             yield ids + list(prompt) + list(response[:room]), roles + [PROMPT] * len(prompt) + [RESPONSE] * room
@@ -356,14 +366,16 @@ def make_sft_batches(
     n_examples: int = DEFAULT_EXAMPLES,
     with_roles: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
-    """``n_batches`` SFT batches: dicts of ``input_ids``, ``attention_mask`` and ``labels``, each [batch_size, seq_len].
+    """``n_batches`` SFT batches: dicts of ``input_ids``, ``attention_mask`` and ``labels``, each
+    [batch_size, seq_len].
 
-    ``seed`` shuffles the dataset (a new permutation every epoch), so the same seed gives the same batches and
-    successive batches hold different examples. ``vocab_size``, when given (the model's), is checked against every
-    token id. ``with_roles=True`` adds ``roles`` (0 padding, 1 prompt, 2 response) for inspection; leave it off for
-    batches that go into ``model(**batch)``.
+    ``seed`` shuffles the dataset (a new permutation every epoch), so the same seed gives the same
+    batches and successive batches hold different examples. ``vocab_size``, when given (the
+    model's), is checked against every token id. ``with_roles=True`` adds ``roles`` (0 padding, 1
+    prompt, 2 response) for inspection; leave it off for batches that go into ``model(**batch)``.
     """
-    sizes = (("batch_size", batch_size), ("seq_len", seq_len), ("n_batches", n_batches), ("n_examples", n_examples))
+    sizes = (("batch_size", batch_size), ("seq_len", seq_len), ("n_batches", n_batches),
+             ("n_examples", n_examples))
     for name, value in sizes:
         _check_positive_int(name, value)
     if tokenizer is None or not hasattr(tokenizer, "eos_token_id"):
@@ -397,20 +409,22 @@ def make_sft_batches(
     batches = []
     for b in range(n_batches):
         rows_b = slice(b * batch_size, (b + 1) * batch_size)
-        batch = {"input_ids": ids[rows_b], "attention_mask": attention_mask[rows_b], "labels": labels[rows_b]}
+        batch = {"input_ids": ids[rows_b], "attention_mask": attention_mask[rows_b],
+                 "labels": labels[rows_b]}
         if with_roles:
             batch["roles"] = roles[rows_b]
         batches.append(batch)
     return batches
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Looking at a batch
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def label_stats(batch: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Fractions of the batch's positions that are padding, masked prompt tokens, and trained (label != -100)."""
+    """Fractions of the batch's positions that are padding, masked prompt tokens, and trained (label
+    != -100)."""
     mask = batch["attention_mask"].bool()
     trained = batch["labels"] != IGNORE_INDEX
     total = mask.numel()
@@ -423,7 +437,8 @@ def label_stats(batch: dict[str, torch.Tensor]) -> dict[str, float]:
 
 
 def render_row(tokenizer, batch: dict[str, torch.Tensor], row: int = 0, max_chars: int | None = 1500) -> str:
-    """One row as text: masked tokens as they are, trained tokens inside «…», padding summarised at the end."""
+    """One row as text: masked tokens as they are, trained tokens inside «…», padding summarised at
+    the end."""
     ids = batch["input_ids"][row].tolist()
     trained = (batch["labels"][row] != IGNORE_INDEX).tolist()
     real = batch["attention_mask"][row].bool().tolist()
@@ -466,22 +481,24 @@ def plot_label_mask(batch: dict[str, torch.Tensor], ax=None, max_rows: int = 16)
     return ax
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Packed SFT batches: independent examples in one row, no padding between them
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 #
-# The stream above fills a row with one conversation. Fine-tuning sets are usually independent examples of very
-# different lengths; padded to the longest in a batch they waste most of the compute on padding, and concatenated
-# without care they attend to each other. Packed, each batch is one row of ``tokens_per_batch`` tokens holding
-# whole examples back to back, with ``position_ids`` restarting at 0 in each example and the document offsets
-# ``cu_seq_lens_q``/``cu_seq_lens_k`` (the keys ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``
-# writes): attention that honours them (``patch_llama(model, attention=True)``, or transformers' own packed mask
-# under SDPA) keeps every example alone.
+# The stream above fills a row with one conversation. Fine-tuning sets are usually independent
+# examples of very different lengths; padded to the longest in a batch they waste most of the
+# compute on padding, and concatenated without care they attend to each other. Packed, each batch is
+# one row of ``tokens_per_batch`` tokens holding whole examples back to back, with ``position_ids``
+# restarting at 0 in each example and the document offsets ``cu_seq_lens_q``/``cu_seq_lens_k`` (the
+# keys ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` writes): attention that honours
+# them (``patch_llama(model, attention=True)``, or transformers' own packed mask under SDPA) keeps
+# every example alone.
 #
-# Length distribution (stated, not measured from a public set): an example's length in tokens is log-normal with
-# median ``PACKED_MEDIAN`` = 256 and σ = ``PACKED_SIGMA`` = 1.0, clipped to [32, max_len]. About a quarter of the
-# examples pass 500 tokens and one in twenty 1,300, a long tail like instruction and chat sets have. Each example is
-# a conversation of the generated exchanges filled to its drawn length (prompts masked, responses trained).
+# Length distribution (stated, not measured from a public set): an example's length in tokens is
+# log-normal with median ``PACKED_MEDIAN`` = 256 and σ = ``PACKED_SIGMA`` = 1.0, clipped to [32,
+# max_len]. About a quarter of the examples pass 500 tokens and one in twenty 1,300, a long tail
+# like instruction and chat sets have. Each example is a conversation of the generated exchanges
+# filled to its drawn length (prompts masked, responses trained).
 
 PACKED_MEDIAN = 256
 PACKED_SIGMA = 1.0
@@ -490,8 +507,8 @@ MIN_EXAMPLE_TOKENS = 32
 
 def example_lengths(n: int, max_len: int, seed: int = 0, median: int = PACKED_MEDIAN,
                     sigma: float = PACKED_SIGMA) -> list[int]:
-    """``n`` example lengths drawn from the stated distribution: log-normal (``median``, ``sigma``), clipped to
-    [32, ``max_len``]."""
+    """``n`` example lengths drawn from the stated distribution: log-normal (``median``, ``sigma``),
+    clipped to [32, ``max_len``]."""
     _check_positive_int("n", n)
     _check_positive_int("max_len", max_len)
     _check_positive_int("median", median)
@@ -500,10 +517,12 @@ def example_lengths(n: int, max_len: int, seed: int = 0, median: int = PACKED_ME
     if max_len < MIN_EXAMPLE_TOKENS:
         raise ValueError(f"max_len must be at least {MIN_EXAMPLE_TOKENS}, got {max_len}")
     rng = random.Random(f"lengths/{seed}")
-    return [min(max_len, max(MIN_EXAMPLE_TOKENS, round(rng.lognormvariate(0.0, sigma) * median))) for _ in range(n)]
+    return [min(max_len,
+                max(MIN_EXAMPLE_TOKENS, round(rng.lognormvariate(0.0, sigma) * median))) for _ in range(n)]
 
 
-def make_sft_examples(tokenizer, n: int, max_len: int, seed: int = 0, **length_kw) -> list[tuple[list[int], list[int]]]:
+def make_sft_examples(tokenizer, n: int, max_len: int, seed: int = 0,
+                      **length_kw) -> list[tuple[list[int], list[int]]]:
     """``n`` independent examples ``(input_ids, labels)`` with lengths from ``example_lengths``: each one the
     generated exchanges appended until its drawn length (labels -100 on prompts and the begin token)."""
     lengths = example_lengths(n, max_len, seed, **length_kw)
@@ -517,9 +536,9 @@ def make_sft_examples(tokenizer, n: int, max_len: int, seed: int = 0, **length_k
 
 
 def check_examples(examples) -> list[tuple[list[int], list[int]]]:
-    """``examples`` as a list of ``(input_ids, labels)`` pairs of int lists, or a ``ValueError``/``TypeError`` naming
-    the first that is not one: ids and labels of one length (a label per token, or the two would be read out of
-    step), at least one token, integers only."""
+    """``examples`` as a list of ``(input_ids, labels)`` pairs of int lists, or a
+    ``ValueError``/``TypeError`` naming the first that is not one: ids and labels of one length (a
+    label per token, or the two would be read out of step), at least one token, integers only."""
     checked = []
     for i, example in enumerate(examples):
         try:
@@ -544,10 +563,11 @@ def _int_list(name: str, values) -> list[int]:
 
 
 def pack_examples(examples, tokens_per_batch: int, pad_id: int = 0) -> list[dict[str, torch.Tensor]]:
-    """Batches of one row of exactly ``tokens_per_batch`` tokens: whole examples in order, a new batch when the next
-    does not fit. The rest of a row is one padding document (labels -100, a document of its own, so no example
-    attends to it). Keys: ``input_ids``, ``labels``, ``position_ids`` [1, tokens_per_batch], ``cu_seq_lens_q`` and
-    ``cu_seq_lens_k`` (int32), ``max_length_q``/``max_length_k`` (ints), as ``DataCollatorWithFlattening`` gives."""
+    """Batches of one row of exactly ``tokens_per_batch`` tokens: whole examples in order, a new
+    batch when the next does not fit. The rest of a row is one padding document (labels -100, a
+    document of its own, so no example attends to it). Keys: ``input_ids``, ``labels``,
+    ``position_ids`` [1, tokens_per_batch], ``cu_seq_lens_q`` and ``cu_seq_lens_k`` (int32),
+    ``max_length_q``/``max_length_k`` (ints), as ``DataCollatorWithFlattening`` gives."""
     _check_positive_int("tokens_per_batch", tokens_per_batch)
     examples = check_examples(examples)
     rows: list[list] = [[]]
@@ -567,8 +587,8 @@ def _packed_row(row, tokens_per_batch: int, pad_id: int) -> dict[str, torch.Tens
     ids, labels, positions, offsets = [], [], [], [0]
     for example_ids, example_labels in row:
         ids += example_ids
-        # The first token of an example is never a target: the loss's shift would make the previous example's
-        # last position predict it.
+        # The first token of an example is never a target: the loss's shift would make the previous
+        # example's last position predict it.
         labels += [IGNORE_INDEX] + list(example_labels[1:])
         positions += range(len(example_ids))
         offsets.append(len(ids))
@@ -586,8 +606,9 @@ def _packed_row(row, tokens_per_batch: int, pad_id: int) -> dict[str, torch.Tens
 
 
 def pad_examples(examples, batch_size: int, pad_id: int = 0) -> list[dict[str, torch.Tensor]]:
-    """The same examples as padded batches, ``batch_size`` per batch, each padded on the right to its longest:
-    ``input_ids``, ``attention_mask``, ``labels`` (-100 on padding and on each example's first token, as packed)."""
+    """The same examples as padded batches, ``batch_size`` per batch, each padded on the right to
+    its longest: ``input_ids``, ``attention_mask``, ``labels`` (-100 on padding and on each
+    example's first token, as packed)."""
     _check_positive_int("batch_size", batch_size)
     examples = check_examples(examples)
     batches = []
@@ -606,7 +627,8 @@ def pad_examples(examples, batch_size: int, pad_id: int = 0) -> list[dict[str, t
 
 
 def useful_fraction(examples, batches) -> float:
-    """The examples' tokens over all tokens the batches made of them hold (padding included): 1.0 means none."""
+    """The examples' tokens over all tokens the batches made of them hold (padding included): 1.0
+    means none."""
     total = sum(b["input_ids"].numel() for b in batches)
     if total == 0:
         raise ValueError("the batches hold no tokens: there is no fraction to take")

@@ -8,13 +8,14 @@
 Sharded across GPUs with FSDP2, the same flags run under torchrun from the distributed wing:
 ``torchrun --nproc-per-node 2 -m kernels.distributed.finetune --batch-size 2``.
 
-Defaults: on a GPU, the largest preset that fits (``pick_preset_for_gpu``), 20 steps of one 2,048-token sequence;
-on the CPU, the tiny preset, 6 steps of 2 × 256 tokens with 2 micro-batches per step (about a minute or less in
-Triton's interpreter). Results go to ``finetune/<name>.json`` and ``.png`` (``--name``, default the preset;
-``<preset>_patched`` for the patched run alone) under the results root: the git-ignored runs folder, ``--out``, or
-with ``--record`` the committed results the chapters read (``assets/results/``). A file of that name is replaced only
-with ``--force``; the flags a run ran with are the JSON's ``settings``, by which ``kernels.bench.results.find_run``
-finds it. Every flag is checked before any work (``kernels.bench.cli``).
+Defaults: on a GPU, the largest preset that fits (``pick_preset_for_gpu``), 20 steps of one
+2,048-token sequence; on the CPU, the tiny preset, 6 steps of 2 × 256 tokens with 2 micro-batches
+per step (about a minute or less in Triton's interpreter). Results go to ``finetune/<name>.json``
+and ``.png`` (``--name``, default the preset; ``<preset>_patched`` for the patched run alone) under
+the results root: the git-ignored runs folder, ``--out``, or with ``--record`` the committed results
+the chapters read (``assets/results/``). A file of that name is replaced only with ``--force``; the
+flags a run ran with are the JSON's ``settings``, by which ``kernels.bench.results.find_run`` finds
+it. Every flag is checked before any work (``kernels.bench.cli``).
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def build_parser(writes: str = "finetune/<name>.json and .png") -> argparse.Argu
                         f"{default_lr('llama-3.1-8b'):g} for the Llama shapes; see kernels.training.loop.default_lr)")
     p.add_argument("--seed", type=cli.non_negative_int, default=0,
                    help="seed of the weights and of the data order (default 0)")
-    p.add_argument("--compare", action="store_true", help="run Hugging Face's model first, then the patched one")
+    p.add_argument("--compare", action="store_true",
+                   help="run Hugging Face's model first, then the patched one")
     p.add_argument("--fit", action="store_true",
                    help="also search the longest sequence at which a training step fits, baseline and patched (GPU)")
     p.add_argument("--fit-lo", type=cli.positive_int, default=None,
@@ -133,8 +135,9 @@ def _switches(text: str) -> tuple[str, ...]:
 
 
 def patch_options(args) -> dict:
-    """``patch_llama`` keywords from ``--kernels``: each switch on exactly when named. Without ``--kernels``, none:
-    patch_llama's default, ``kernels="auto"`` (every kernel of ``DEFAULT_KERNELS`` that applies)."""
+    """``patch_llama`` keywords from ``--kernels``: each switch on exactly when named. Without
+    ``--kernels``, none: patch_llama's default, ``kernels="auto"`` (every kernel of
+    ``DEFAULT_KERNELS`` that applies)."""
     if args.kernels is None:
         return {}
     return {name: name in args.kernels for name in SWITCHES}
@@ -165,10 +168,11 @@ def _fit(args, preset: str) -> dict:
 
 
 def probe_longest(args, preset: str) -> int:
-    """``--probe A,B``: two real steps of the patched model with the kernels of ``--kernels`` (the memory switches
-    ``tiled_mlp`` and ``offload_checkpoints`` among them), and the longest length that fits, with its arithmetic
-    (``kernels.training.long_context``; with the offload, checkpoints may split between the GPU and the host).
-    Gradient checkpointing is on: without it no long length fits."""
+    """``--probe A,B``: two real steps of the patched model with the kernels of ``--kernels`` (the
+    memory switches ``tiled_mlp`` and ``offload_checkpoints`` among them), and the longest length
+    that fits, with its arithmetic (``kernels.training.long_context``; with the offload, checkpoints
+    may split between the GPU and the host). Gradient checkpointing is on: without it no long length
+    fits."""
     from .long_context import longest_that_fits, probe, probe_budgets
 
     if runtime.MODE != "gpu":
@@ -195,7 +199,8 @@ def _slope(args, preset: str) -> dict:
         return {}
     found = {}
     for variant in ("baseline", "patched"):
-        found[variant] = memory_slope(preset, variant == "patched", args.slope, args.batch_size, seed=args.seed,
+        found[variant] = memory_slope(preset, variant == "patched", args.slope, args.batch_size,
+                                      seed=args.seed,
                                       patch_options=patch_options(args),
                                       gradient_checkpointing=args.gradient_checkpointing,
                                       padding_mask=args.padding_mask)
@@ -221,7 +226,8 @@ def _single_run(args, preset: str, lr: float) -> None:
     if args.gradient_checkpointing:
         enable_checkpointing(model)
     patch = patch_llama(model, **patch_options(args))
-    run = train(model, batches, grad_accum=args.grad_accum, lr=lr, label="patched", progress=not args.no_progress,
+    run = train(model, batches, grad_accum=args.grad_accum, lr=lr, label="patched",
+                progress=not args.no_progress,
                 padding_mask=args.padding_mask, adamw=args.patched_adamw or args.adamw)
     patch.undo()
     peak = f"{run.peak_memory / GiB:.2f} GiB" if run.peak_memory is not None else "n/a (CPU)"
@@ -230,7 +236,8 @@ def _single_run(args, preset: str, lr: float) -> None:
           f"final loss {run.losses[-1]:.4f}")
     data = {"device": runtime.device_name(), "mode": runtime.MODE, "versions": runtime.versions(),
             "settings": _settings(args, preset, lr), "patched": run.to_dict(),
-            "fit": _fit(args, preset) if args.fit else {}, "slope": _slope(args, preset) if args.slope else {}}
+            "fit": _fit(args, preset) if args.fit else {},
+            "slope": _slope(args, preset) if args.slope else {}}
     json_path = results_file("finetune", results_name(args, preset), cli.output_root(args))
     fig, ax = plt.subplots(figsize=(8, 4))
     ax.plot([r.step + 1 for r in run.records], run.losses, "x--", color="#c44e52", label="patched")
@@ -252,8 +259,8 @@ def _settings(args, preset: str, lr: float) -> dict:
 
 
 def results_name(args, preset: str) -> str:
-    """The results' name: ``--name``, else the preset (``--compare``) or ``<preset>_patched`` (the patched run
-    alone)."""
+    """The results' name: ``--name``, else the preset (``--compare``) or ``<preset>_patched`` (the
+    patched run alone)."""
     return args.name or (preset if args.compare else f"{preset}_patched")
 
 
@@ -265,7 +272,8 @@ def lora_results_paths(args, preset: str) -> tuple:
     return results_file("lora", name, root), results_file("lora", name, root, suffix=".png")
 
 
-# The fit search's flags when not given (None until then, so that a flag given without --fit is seen).
+# The fit search's flags when not given (None until then, so that a flag given without --fit is
+# seen).
 FIT_DEFAULTS = dict(fit_lo=4096, fit_hi=65536, fit_probes=8)
 
 
@@ -276,7 +284,8 @@ def fit_setting(args, name: str):
 
 
 def flag_problems(args) -> list[str]:
-    """What is wrong with a combination of flags, one line each (each flag alone was checked as it was parsed)."""
+    """What is wrong with a combination of flags, one line each (each flag alone was checked as it
+    was parsed)."""
     problems = []
     if args.seq_len < MIN_SEQ_LEN:
         problems.append(f"--seq-len {args.seq_len} is shorter than any exchange of the workbook's dataset: use at "
@@ -285,7 +294,8 @@ def flag_problems(args) -> list[str]:
     if lo > hi:
         problems.append(f"--fit-lo {lo} is above --fit-hi {hi}: the search needs lo ≤ hi")
     given = [flag for flag, value in (("--fit-lo", args.fit_lo), ("--fit-hi", args.fit_hi),
-                                      ("--fit-probes", args.fit_probes), ("--memory-fraction", args.memory_fraction))
+                                      ("--fit-probes", args.fit_probes),
+                                      ("--memory-fraction", args.memory_fraction))
              if value is not None]
     if given and not args.fit:
         tune, them = ("tunes", "it") if len(given) == 1 else ("tune", "them")
@@ -307,7 +317,8 @@ def check_args(parser: argparse.ArgumentParser, args, preset: str) -> None:
         problems.append("--lora RANK runs with --compare, without --fit, --slope, --probe or --compile")
     for flag, on, why in (("--fit", args.fit, "it searches the longest sequence that fits the GPU's memory"),
                           ("--slope", args.slope, "it reads the GPU allocator's peaks"),
-                          ("--probe", args.probe, "it runs real training steps; kernels.training.long_context."
+                          ("--probe", args.probe,
+                           "it runs real training steps; kernels.training.long_context."
                                                  "memory_table counts the bytes from the shapes anywhere")):
         if on:
             problems += cli.gpu_problems(flag, why)
@@ -324,8 +335,9 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 def _lora_compare(args, preset: str, lr: float) -> int:
-    """``--lora RANK --compare``: Hugging Face + PEFT, then patched + PEFT (the defaults and the ``lora`` switch, or
-    ``--kernels``), from the same weights on the same batches; ``lora/<name>.json`` and ``.png``."""
+    """``--lora RANK --compare``: Hugging Face + PEFT, then patched + PEFT (the defaults and the
+    ``lora`` switch, or ``--kernels``), from the same weights on the same batches;
+    ``lora/<name>.json`` and ``.png``."""
     import matplotlib
     import peft
     import torch
@@ -344,9 +356,11 @@ def _lora_compare(args, preset: str, lr: float) -> int:
         model = build_model(preset, dtype=torch.bfloat16, seed=args.seed)
         if args.gradient_checkpointing:
             enable_checkpointing(model)
-        config = peft.LoraConfig(r=args.lora, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(LORA_TARGETS))
+        config = peft.LoraConfig(r=args.lora, lora_alpha=alpha, lora_dropout=0.0,
+                                 target_modules=list(LORA_TARGETS))
         wrapped = peft.get_peft_model(model, config)
-        options = patch_options(args) or {"lora": True}  # the defaults and the fused adapters, unless --kernels
+        # the defaults and the fused adapters, unless --kernels
+        options = patch_options(args) or {"lora": True}
         handle = patch_llama(wrapped, **options) if variant == "patched" else None
         adamw = (args.patched_adamw or args.adamw) if variant == "patched" else args.adamw
         runs[variant] = train(wrapped, batches, grad_accum=args.grad_accum, lr=lr, label=f"{variant} + PEFT",
@@ -392,10 +406,13 @@ def main(argv: list[str] | None = None) -> int:
     import matplotlib
 
     matplotlib.use("Agg")
-    result: Comparison = compare(preset, args.steps, args.seq_len, args.batch_size, args.grad_accum, lr, args.seed,
+    result: Comparison = compare(preset, args.steps, args.seq_len, args.batch_size, args.grad_accum,
+                                 lr, args.seed,
                                  progress=not args.no_progress, compile=args.compile,
-                                 patch_options=patch_options(args), gradient_checkpointing=args.gradient_checkpointing,
-                                 padding_mask=args.padding_mask, adamw=args.adamw, patched_adamw=args.patched_adamw)
+                                 patch_options=patch_options(args),
+                                 gradient_checkpointing=args.gradient_checkpointing,
+                                 padding_mask=args.padding_mask, adamw=args.adamw,
+                                 patched_adamw=args.patched_adamw)
     if args.fit:
         result.fit = _fit(args, preset)
     if args.slope:

@@ -1,16 +1,18 @@
-"""The longest sequence that fits: how long a sequence one full training step can take before the GPU runs out
-of memory, Hugging Face's model against the patched one.
+"""The longest sequence that fits: how long a sequence one full training step can take before the
+GPU runs out of memory, Hugging Face's model against the patched one.
 
-``max_seq_len_that_fits`` builds the model and AdamW once on the GPU and probes lengths with real training steps
-(forward, backward, optimizer step); an out-of-memory error means a length does not fit. ``search_longest`` picks
-the lengths: doubling, then a prediction from the measured peaks (memory grows about linearly with the length),
-then bisection, so the answer takes few probes. ``fit_both`` runs the search for both variants, and
-``growth_bytes_per_token`` computes what one more token of sequence costs each of them; ``memory_slope`` measures
-it: the growth of a step's peak between two lengths.
+``max_seq_len_that_fits`` builds the model and AdamW once on the GPU and probes lengths with real
+training steps (forward, backward, optimizer step); an out-of-memory error means a length does not
+fit. ``search_longest`` picks the lengths: doubling, then a prediction from the measured peaks
+(memory grows about linearly with the length), then bisection, so the answer takes few probes.
+``fit_both`` runs the search for both variants, and ``growth_bytes_per_token`` computes what one
+more token of sequence costs each of them; ``memory_slope`` measures it: the growth of a step's peak
+between two lengths.
 
-Both searches take the patch's switches (``patch_options``, e.g. the linear cross-entropy), Hugging Face's gradient
-checkpointing, and a memory cap (``memory_fraction``: ``torch.cuda.set_per_process_memory_fraction``), which keeps
-a search short on a GPU with far more memory than the lengths of interest need.
+Both searches take the patch's switches (``patch_options``, e.g. the linear cross-entropy), Hugging
+Face's gradient checkpointing, and a memory cap (``memory_fraction``:
+``torch.cuda.set_per_process_memory_fraction``), which keeps a search short on a GPU with far more
+memory than the lengths of interest need.
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ class FitResult:
         return f"{head}  [probes: {tried}]"
 
     def measured_bytes_per_token(self) -> float | None:
-        """How much the step's peak grew per extra token of sequence between the two longest lengths that fitted."""
+        """How much the step's peak grew per extra token of sequence between the two longest lengths
+        that fitted."""
         fitted = sorted((p for p in self.probes if p.fits and p.peak is not None), key=lambda p: p.seq_len)
         if len(fitted) < 2:
             return None
@@ -88,13 +91,15 @@ def _round_down(n: float, step: int) -> int:
     return int(n // step) * step
 
 
-def _next_length(probes: list[Probe], lo: int, hi: int, step: int, budget: int | None) -> tuple[int, str] | None:
+def _next_length(probes: list[Probe], lo: int, hi: int, step: int, budget: int | None) -> tuple[int,
+                                                                                                str] | None:
     """The next length to try, or None when the answer is known to ``step``.
 
-    Doubling from ``lo`` until a failure, with, once a length has fitted and memory figures are known, a prediction:
-    the peak grows about linearly with the length, so the length at which it would reach ``budget`` is extrapolated
-    from the last two lengths that fitted (or from one, and the memory before the step). After a failed prediction,
-    plain bisection, so a poor prediction costs one probe at most.
+    Doubling from ``lo`` until a failure, with, once a length has fitted and memory figures are
+    known, a prediction: the peak grows about linearly with the length, so the length at which it
+    would reach ``budget`` is extrapolated from the last two lengths that fitted (or from one, and
+    the memory before the step). After a failed prediction, plain bisection, so a poor prediction
+    costs one probe at most.
     """
     fitted = sorted(p.seq_len for p in probes if p.fits)
     failed = sorted(p.seq_len for p in probes if not p.fits)
@@ -110,9 +115,9 @@ def _next_length(probes: list[Probe], lo: int, hi: int, step: int, budget: int |
     last = probes[-1]
     predicted = _predict(probes, budget, step)
     if predicted is not None and not (last.how == "prediction" and not last.fits):
-        # A long jump (more than half the length that fitted) aims 10% short: memory grows slightly faster than
-        # linearly (the attention mask is S × S), so a far extrapolation overshoots, and a probe just below the
-        # limit makes the next extrapolation short and exact.
+        # A long jump (more than half the length that fitted) aims 10% short: memory grows slightly
+        # faster than linearly (the attention mask is S × S), so a far extrapolation overshoots, and
+        # a probe just below the limit makes the next extrapolation short and exact.
         if predicted - good > max(2 * step, 0.5 * good):
             predicted = _round_down(good + 0.9 * (predicted - good), step)
         candidate = min(max(predicted, good + step), upper)
@@ -135,7 +140,8 @@ def _predict(probes: list[Probe], budget: int | None, step: int) -> int | None:
         below = fitted[-2]
         slope = (top.peak - below.peak) / (top.seq_len - below.seq_len)
     elif top.base is not None:
-        slope = (top.peak - top.base) / top.seq_len  # everything the step added, as if it all grew with length
+        # everything the step added, as if it all grew with length
+        slope = (top.peak - top.base) / top.seq_len
     else:
         return None
     if not slope > 0:
@@ -144,12 +150,15 @@ def _predict(probes: list[Probe], budget: int | None, step: int) -> int | None:
 
 
 def search_longest(
-    probe: Callable[[int], Probe], lo: int, hi: int, step: int = 256, max_probes: int = 8, budget: int | None = None
+    probe: Callable[[int], Probe], lo: int, hi: int, step: int = 256, max_probes: int = 8,
+    budget: int | None = None
 ) -> FitResult:
-    """The longest multiple of ``step`` in [``step``, ``hi``] for which ``probe(length).fits``, in few probes.
+    """The longest multiple of ``step`` in [``step``, ``hi``] for which ``probe(length).fits``, in
+    few probes.
 
-    ``probe`` runs one training step at a length and reports whether it fitted and, on a GPU, its peak memory;
-    ``budget`` is the memory the peak may reach (enables predictions; see ``_next_length``). Starts at ``lo``.
+    ``probe`` runs one training step at a length and reports whether it fitted and, on a GPU, its
+    peak memory; ``budget`` is the memory the peak may reach (enables predictions; see
+    ``_next_length``). Starts at ``lo``.
     """
     for name, value in (("lo", lo), ("hi", hi), ("step", step), ("max_probes", max_probes)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -171,9 +180,9 @@ def search_longest(
 
 def probe_batch(tokenizer, batch_size: int, seq_len: int, seed: int, vocab_size: int,
                 padding_mask: bool = True) -> tuple[dict[str, torch.Tensor], int]:
-    """One SFT batch of ``seq_len`` tokens on the CPU for a one-step memory probe, and the labels its loss counts
-    (the step's ``num_items_in_batch``); without its padding mask when ``padding_mask=False`` and the mask is
-    redundant (``kernels.hf.padding_mask``)."""
+    """One SFT batch of ``seq_len`` tokens on the CPU for a one-step memory probe, and the labels
+    its loss counts (the step's ``num_items_in_batch``); without its padding mask when
+    ``padding_mask=False`` and the mask is redundant (``kernels.hf.padding_mask``)."""
     batch = make_sft_batches(tokenizer, batch_size, seq_len, 1, seed, vocab_size=vocab_size)[0]
     n_items = count_trained_labels(batch)
     return (batch if padding_mask else drop_padding_mask(batch)), n_items
@@ -205,7 +214,8 @@ def _gpu_probe(model, optimizer, tokenizer, batch_size: int, seed: int,
             fits = True
         except torch.cuda.OutOfMemoryError:
             peak, fits = None, False
-        # Outside the except block: the exception and the frames holding the step's tensors are gone by now.
+        # Outside the except block: the exception and the frames holding the step's tensors are gone
+        # by now.
         batch = None
         optimizer.zero_grad(set_to_none=True)
         free_memory()
@@ -215,12 +225,13 @@ def _gpu_probe(model, optimizer, tokenizer, batch_size: int, seed: int,
 
 
 class _TrainingSetup:
-    """The model (patched or not, checkpointed or not), AdamW and the probe, on the GPU, under an optional memory
-    cap; everything is undone and freed on leaving."""
+    """The model (patched or not, checkpointed or not), AdamW and the probe, on the GPU, under an
+    optional memory cap; everything is undone and freed on leaving."""
 
     def __init__(self, preset, patched, batch_size, seed, tokenizer, patch_options, gradient_checkpointing,
                  memory_fraction, padding_mask=True):
-        self.args = (preset, patched, batch_size, seed, tokenizer, patch_options or {}, gradient_checkpointing,
+        self.args = (preset, patched, batch_size, seed, tokenizer, patch_options or {},
+                     gradient_checkpointing,
                      padding_mask, memory_fraction)
 
     def __enter__(self):
@@ -276,16 +287,18 @@ def max_seq_len_that_fits(
     memory_fraction: float | None = None,
     padding_mask: bool = True,
 ) -> FitResult | None:
-    """GPU only: the longest sequence (a multiple of ``step``) at which one full training step (forward, backward,
-    AdamW step) of ``preset`` fits in memory, Hugging Face's model (``patched=False``) or the patched one.
+    """GPU only: the longest sequence (a multiple of ``step``) at which one full training step
+    (forward, backward, AdamW step) of ``preset`` fits in memory, Hugging Face's model
+    (``patched=False``) or the patched one.
 
-    The model and AdamW stay on the GPU across probes (a first step at ``step`` tokens creates AdamW's states); each
-    probe runs one step on a real SFT batch of that length; ``torch.cuda.OutOfMemoryError`` means it does not fit,
-    and everything the step allocated is freed before the next probe. ``margin`` (2%) is left free when predicting.
-    ``patch_options`` go to ``patch_llama``; ``gradient_checkpointing`` checkpoints every decoder layer;
-    ``memory_fraction`` caps the memory the search may use (a fraction of the GPU's); ``padding_mask=False`` leaves
-    out the redundant padding mask (``kernels.hf.padding_mask``). On the CPU there is no memory limit to find: prints
-    so and returns None.
+    The model and AdamW stay on the GPU across probes (a first step at ``step`` tokens creates
+    AdamW's states); each probe runs one step on a real SFT batch of that length;
+    ``torch.cuda.OutOfMemoryError`` means it does not fit, and everything the step allocated is
+    freed before the next probe. ``margin`` (2%) is left free when predicting. ``patch_options`` go
+    to ``patch_llama``; ``gradient_checkpointing`` checkpoints every decoder layer;
+    ``memory_fraction`` caps the memory the search may use (a fraction of the GPU's);
+    ``padding_mask=False`` leaves out the redundant padding mask (``kernels.hf.padding_mask``). On
+    the CPU there is no memory limit to find: prints so and returns None.
     """
     if not _gpu_only("max_seq_len_that_fits"):
         return None
@@ -294,8 +307,9 @@ def max_seq_len_that_fits(
     with _TrainingSetup(preset, patched, batch_size, seed, tokenizer, patch_options, gradient_checkpointing,
                         memory_fraction, padding_mask) as setup:
         budget = int(setup.capacity * (1 - margin))
-        # One short step first, not counted as a probe: it creates AdamW's states, so that every probe starts from
-        # the same memory (weights and states) and the peaks of different probes can be compared.
+        # One short step first, not counted as a probe: it creates AdamW's states, so that every
+        # probe starts from the same memory (weights and states) and the peaks of different probes
+        # can be compared.
         warm = setup.probe(step)
         if not warm.fits:
             warm.how = "warm-up"
@@ -303,14 +317,16 @@ def max_seq_len_that_fits(
         return search_longest(setup.probe, lo, hi, step=step, max_probes=max_probes, budget=budget)
 
 
-def memory_slope(preset: str, patched: bool, lengths: tuple[int, int] = (16384, 32768), batch_size: int = 1, *,
+def memory_slope(preset: str, patched: bool, lengths: tuple[int, int] = (16384, 32768),
+                 batch_size: int = 1, *,
                  seed: int = 0, tokenizer=None, patch_options: dict | None = None,
                  gradient_checkpointing: bool = False, padding_mask: bool = True) -> dict | None:
-    """GPU only: the bytes one more token of sequence adds to a training step's peak, measured as the slope of the
-    peak between two lengths (after a warm-up step that creates AdamW's states). Returns the two probes and the
-    slope per token (batch × length tokens), or None on the CPU; a length that does not fit gives no slope.
-    ``padding_mask=False`` leaves out the redundant padding mask, whose [seq, seq] 4-D form grows with the square
-    of the length and so inflates a slope measured between two lengths."""
+    """GPU only: the bytes one more token of sequence adds to a training step's peak, measured as
+    the slope of the peak between two lengths (after a warm-up step that creates AdamW's states).
+    Returns the two probes and the slope per token (batch × length tokens), or None on the CPU; a
+    length that does not fit gives no slope. ``padding_mask=False`` leaves out the redundant padding
+    mask, whose [seq, seq] 4-D form grows with the square of the length and so inflates a slope
+    measured between two lengths."""
     if not _gpu_only("memory_slope"):
         return None
     with _TrainingSetup(preset, patched, batch_size, seed, tokenizer, patch_options, gradient_checkpointing,
@@ -326,23 +342,26 @@ def memory_slope(preset: str, patched: bool, lengths: tuple[int, int] = (16384, 
 
 def fit_both(preset: str, batch_size: int = 1, lo: int = 4096, hi: int = 65536, max_probes: int = 8,
              seed: int = 0, **options) -> dict[str, FitResult] | None:
-    """``max_seq_len_that_fits`` for the baseline and the patched model, one after the other (GPU only).
-    ``options``: ``patch_options``, ``gradient_checkpointing``, ``memory_fraction`` and ``padding_mask``, as there."""
+    """``max_seq_len_that_fits`` for the baseline and the patched model, one after the other (GPU
+    only). ``options``: ``patch_options``, ``gradient_checkpointing``, ``memory_fraction`` and
+    ``padding_mask``, as there."""
     if not _gpu_only("max_seq_len_that_fits"):
         return None
-    return {variant: max_seq_len_that_fits(preset, variant == "patched", batch_size, lo, hi, max_probes=max_probes,
+    return {variant: max_seq_len_that_fits(preset, variant == "patched", batch_size, lo, hi,
+                                           max_probes=max_probes,
                                            seed=seed, **options) for variant in VARIANTS}
 
 
 def growth_bytes_per_token(config, dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
-    """Computed bytes that one more token of sequence adds at a step's forward/backward high point, Hugging Face's
-    model against the patched one: what decides the longest sequence that fits once the weights, gradients and
-    optimizer states are paid for.
+    """Computed bytes that one more token of sequence adds at a step's forward/backward high point,
+    Hugging Face's model against the patched one: what decides the longest sequence that fits once
+    the weights, gradients and optimizer states are paid for.
 
-    * activations saved for backward: ``models.activation_bytes_per_token_layer`` per layer, plus the final norm;
-    * the patched norms save less: Hugging Face's keeps the float32 copy of its input (4·h bytes) and the normalised
-      values before the weight multiply; the kernel keeps the bf16 input and one float32 rstd. 4·h bytes fewer per
-      norm, 2·layers + 1 norms;
+    * activations saved for backward: ``models.activation_bytes_per_token_layer`` per layer, plus
+      the final norm;
+    * the patched norms save less: Hugging Face's keeps the float32 copy of its input (4·h bytes)
+      and the normalised values before the weight multiply; the kernel keeps the bf16 input and one
+      float32 rstd. 4·h bytes fewer per norm, 2·layers + 1 norms;
     * the loss at its high point: ``logits_bytes_per_token``.
     """
     h, layers = config.hidden_size, config.num_hidden_layers

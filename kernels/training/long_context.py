@@ -1,32 +1,41 @@
-"""Half a million tokens on one GPU: where a long training step's memory goes, and the probe that measures it.
+"""Half a million tokens on one GPU: where a long training step's memory goes, and the probe that
+measures it.
 
-Full fine-tuning of the Llama-3.1-8B shape in bf16 at batch 1, with gradient checkpointing, the package's kernels and
-the linear cross-entropy (no logits), spends its GPU memory on:
+Full fine-tuning of the Llama-3.1-8B shape in bf16 at batch 1, with gradient checkpointing, the
+package's kernels and the linear cross-entropy (no logits), spends its GPU memory on:
 
-* what does not grow with the sequence: weights, gradients and AdamW's two moments (2 + 2 + 4 bytes per parameter);
-* the checkpoints: each decoder layer's input, hidden × 2 bytes per token per layer, 256 KiB per token at 32 × 4,096;
-* the working set of the one layer being recomputed in the backward: its attention's tensors and gradients, and the
-  MLP's [tokens, intermediate] intermediates, the largest of all (14,336 columns);
-* the loss, small with the linear cross-entropy (a float32 gradient of the hidden states and a logsumexp per token).
+* what does not grow with the sequence: weights, gradients and AdamW's two moments (2 + 2 + 4 bytes
+  per parameter);
+* the checkpoints: each decoder layer's input, hidden × 2 bytes per token per layer, 256 KiB per
+  token at 32 × 4,096;
+* the working set of the one layer being recomputed in the backward: its attention's tensors and
+  gradients, and the MLP's [tokens, intermediate] intermediates, the largest of all (14,336
+  columns);
+* the loss, small with the linear cross-entropy (a float32 gradient of the hidden states and a
+  logsumexp per token).
 
-Two switches move the two growing parts out of the way: the tiled MLP (``kernels.hf.tiled_mlp``) makes the MLP's
-intermediates one tile's worth, and checkpoint offload (``kernels.hf.offload``) moves the checkpoints to host memory.
+Two switches move the two growing parts out of the way: the tiled MLP (``kernels.hf.tiled_mlp``)
+makes the MLP's intermediates one tile's worth, and checkpoint offload (``kernels.hf.offload``)
+moves the checkpoints to host memory.
 
-* ``memory_table(config, seq_len)`` counts each part from the shapes (a pure function, checked on the CPU);
-* ``probe(...)`` runs one real training step per length on a GPU and measures its peak (``max_memory_allocated``)
-  and the host memory the offload pinned;
-* ``longest_that_fits(points, gpu_bytes, host_bytes, layers=...)`` extrapolates two probes linearly to the longest
-  length that fits both memories, letting offloaded checkpoints stay on the GPU layer by layer when the host runs
-  out first, and says how;
-* ``check_split(...)`` runs one real step with the checkpoints split as that extrapolation chose, and
-  ``split_prediction`` says what the two lines predicted for it;
-* ``step_times(...)`` compares what the switches cost in time at a moderate length, against PyTorch's
-  ``save_on_cpu(pin_memory=True)`` and Liger-Kernel's ``LigerTiledSwiGLUMLP`` where installed;
-* ``python -m kernels.training.long_context --probe 131072,262144`` runs it all, one variant per process (Liger's
-  patch changes transformers' classes for the whole process; a variant that does not fit both lengths is probed again
-  at half of them), and writes ``long_context/<gpu>.json`` in the runs folder (``--record``: in ``assets/results/``,
-  where the chapter reads it); ``--force`` merges a run into an existing file, and ``--check-split N`` adds the
-  split's check at N tokens to that file.
+* ``memory_table(config, seq_len)`` counts each part from the shapes (a pure function, checked on
+  the CPU);
+* ``probe(...)`` runs one real training step per length on a GPU and measures its peak
+  (``max_memory_allocated``) and the host memory the offload pinned;
+* ``longest_that_fits(points, gpu_bytes, host_bytes, layers=...)`` extrapolates two probes linearly
+  to the longest length that fits both memories, letting offloaded checkpoints stay on the GPU layer
+  by layer when the host runs out first, and says how;
+* ``check_split(...)`` runs one real step with the checkpoints split as that extrapolation chose,
+  and ``split_prediction`` says what the two lines predicted for it;
+* ``step_times(...)`` compares what the switches cost in time at a moderate length, against
+  PyTorch's ``save_on_cpu(pin_memory=True)`` and Liger-Kernel's ``LigerTiledSwiGLUMLP`` where
+  installed;
+* ``python -m kernels.training.long_context --probe 131072,262144`` runs it all, one variant per
+  process (Liger's patch changes transformers' classes for the whole process; a variant that does
+  not fit both lengths is probed again at half of them), and writes ``long_context/<gpu>.json`` in
+  the runs folder (``--record``: in ``assets/results/``, where the chapter reads it); ``--force``
+  merges a run into an existing file, and ``--check-split N`` adds the split's check at N tokens to
+  that file.
 """
 
 from __future__ import annotations
@@ -67,7 +76,8 @@ RESULTS_DIR = RESULTS / "long_context"
 
 # The package's kernels for a long step: the norms, RoPE and SwiGLU, and the loss without logits.
 OURS = dict(rms_norm=True, cross_entropy=False, linear_cross_entropy=True, swiglu=True, rope=True)
-# Liger-Kernel's apply_liger_kernel_to_llama with every kernel on (its fused linear cross-entropy for the loss).
+# Liger-Kernel's apply_liger_kernel_to_llama with every kernel on (its fused linear cross-entropy
+# for the loss).
 LIGER = dict(rope=True, swiglu=True, rms_norm=True, cross_entropy=False, fused_linear_cross_entropy=True)
 # name -> (kernels, tiled MLP, checkpoint offload)
 VARIANTS = {
@@ -89,15 +99,16 @@ def _fmt(n: float) -> str:
     return f"{n / 1024:,.1f} KiB"
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Where a long step's memory goes, counted from the shapes
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class MemoryRow:
-    """One part of a step's GPU memory: ``fixed`` bytes plus ``per_token`` bytes per token of sequence, spanning
-    ``layers`` layers (the checkpoints span all of them, a working set one; 0 for model-wide parts)."""
+    """One part of a step's GPU memory: ``fixed`` bytes plus ``per_token`` bytes per token of
+    sequence, spanning ``layers`` layers (the checkpoints span all of them, a working set one; 0 for
+    model-wide parts)."""
 
     key: str
     part: str
@@ -141,7 +152,8 @@ class MemoryTable:
                          f"{r.layers or '':>8}{_fmt(r.at(self.seq_len)):>14}  {r.note}")
         for tiled, offload in ((False, False), (True, False), (False, True), (True, True)):
             name = {(False, False): "untiled MLP, checkpoints on the GPU", (True, False): "tiled MLP",
-                    (False, True): "checkpoints offloaded", (True, True): "tiled MLP + checkpoints offloaded"}
+                    (False, True): "checkpoints offloaded",
+                    (True, True): "tiled MLP + checkpoints offloaded"}
             lines.append(f"{'total, ' + name[(tiled, offload)]:<72}{_fmt(self.total(tiled, offload)):>14}")
         return "\n".join(lines)
 
@@ -149,11 +161,12 @@ class MemoryTable:
 
 
 def layer_working_bytes_per_token(config, itemsize: int = 2) -> int:
-    """Bytes per token of one decoder layer's norms and attention while it is recomputed and differentiated, with
-    the package's kernels (RMSNorm keeps its input and one float32 per row; RoPE keeps nothing; SDPA's flash kernel
-    one float32 logsumexp per head): the two norms' outputs (the projections' inputs), q, k and v after RoPE,
-    attention's output, the residual sum after attention, and in the backward the gradients of q, k, v and of
-    attention's output. A count from the shapes: the probe measures."""
+    """Bytes per token of one decoder layer's norms and attention while it is recomputed and
+    differentiated, with the package's kernels (RMSNorm keeps its input and one float32 per row;
+    RoPE keeps nothing; SDPA's flash kernel one float32 logsumexp per head): the two norms' outputs
+    (the projections' inputs), q, k and v after RoPE, attention's output, the residual sum after
+    attention, and in the backward the gradients of q, k, v and of attention's output. A count from
+    the shapes: the probe measures."""
     h, heads = config.hidden_size, config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or h // heads
     q, kv = heads * head_dim, config.num_key_value_heads * head_dim
@@ -162,12 +175,14 @@ def layer_working_bytes_per_token(config, itemsize: int = 2) -> int:
     return itemsize * (kept + gradients) + 4 * heads + 2 * 4  # logsumexp per head, rstd per norm
 
 
-def memory_table(config, seq_len: int, tile: int | None = None, dtype: torch.dtype = torch.bfloat16) -> MemoryTable:
-    """Where one training step's GPU memory goes at ``seq_len`` tokens (batch 1), part by part, for full
-    fine-tuning in ``dtype`` with AdamW (moments in the parameters' dtype), gradient checkpointing, the package's
-    kernels and the linear cross-entropy. ``config`` is a LlamaConfig or a preset name; ``tile`` the tiled MLP's rows
-    per tile (default: ``tile_rows`` with unlimited free memory, i.e. ``MAX_TILE_BYTES`` worth). Counted from the
-    shapes, not measured; ``probe`` measures."""
+def memory_table(config, seq_len: int, tile: int | None = None,
+                 dtype: torch.dtype = torch.bfloat16) -> MemoryTable:
+    """Where one training step's GPU memory goes at ``seq_len`` tokens (batch 1), part by part, for
+    full fine-tuning in ``dtype`` with AdamW (moments in the parameters' dtype), gradient
+    checkpointing, the package's kernels and the linear cross-entropy. ``config`` is a LlamaConfig
+    or a preset name; ``tile`` the tiled MLP's rows per tile (default: ``tile_rows`` with unlimited
+    free memory, i.e. ``MAX_TILE_BYTES`` worth). Counted from the shapes, not measured; ``probe``
+    measures."""
     if isinstance(config, str):
         config = llama_config(config)
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
@@ -178,20 +193,25 @@ def memory_table(config, seq_len: int, tile: int | None = None, dtype: torch.dty
     n = count_parameters(config)
     tile = tile or tile_rows(seq_len, h, inter, dtype, free_bytes=2**62)
     loss = linear_loss_extra_bytes(seq_len, h, vocab, size)["recompute"]
-    loss_per_token = 4 * h + 4 + 2 * size * h  # float32 d_hidden and logsumexp; the final norm's input and output
+    # float32 d_hidden and logsumexp; the final norm's input and output
+    loss_per_token = 4 * h + 4 + 2 * size * h
     rows = (
-        MemoryRow("weights", "weights", n * size, 0, 0, f"{n:,} parameters in {str(dtype).removeprefix('torch.')}"),
+        MemoryRow("weights", "weights", n * size, 0, 0,
+                  f"{n:,} parameters in {str(dtype).removeprefix('torch.')}"),
         MemoryRow("gradients", "gradients", n * size, 0, 0, "one per parameter"),
-        MemoryRow("adamw", "AdamW moments", 2 * n * size, 0, 0, "exp_avg and exp_avg_sq in the parameters' dtype"),
+        MemoryRow("adamw", "AdamW moments", 2 * n * size, 0, 0,
+                  "exp_avg and exp_avg_sq in the parameters' dtype"),
         MemoryRow("checkpoints", "checkpoints (every layer's input)", 0, layers * h * size, layers,
                   f"hidden × {size} B per token per layer"),
         MemoryRow("prefetched", "checkpoints on the GPU when offloaded", 0, 2 * h * size, 2,
                   "the one in use and the one being prefetched"),
-        MemoryRow("attention", "one layer: norms and attention", 0, layer_working_bytes_per_token(config, size), 1,
+        MemoryRow("attention", "one layer: norms and attention", 0,
+                  layer_working_bytes_per_token(config, size), 1,
                   "recomputed in the backward, with its gradients"),
         MemoryRow("mlp_untiled", "one layer: MLP intermediates, untiled", 0, 3 * inter * size, 1,
                   "gate, up and one more [tokens, intermediate] (Hugging Face's MLP: 4 kept, 2 gradients)"),
-        MemoryRow("mlp_tiled", "one layer: MLP intermediates, tiled", tile * tile_bytes_per_row(h, inter, dtype)
+        MemoryRow("mlp_tiled", "one layer: MLP intermediates, tiled",
+                  tile * tile_bytes_per_row(h, inter, dtype)
                   + 3 * h * inter * 4, 0, 1, f"one tile of {tile:,} rows, and float32 weight-gradient sums"),
         MemoryRow("hidden_grads", "gradients of the hidden states", 0, 3 * h * size, 0,
                   "the residual stream's, the layer output's and its input's"),
@@ -202,17 +222,18 @@ def memory_table(config, seq_len: int, tile: int | None = None, dtype: torch.dty
 
 
 def offload_traffic(config, seq_len: int, keep_on_gpu: int = 0, itemsize: int = 2) -> dict[str, int]:
-    """Bytes the checkpoint offload moves per step at ``seq_len`` tokens (batch 1), each way: the checkpoints of
-    every layer not kept on the GPU go to the host in the forward and come back in the backward."""
+    """Bytes the checkpoint offload moves per step at ``seq_len`` tokens (batch 1), each way: the
+    checkpoints of every layer not kept on the GPU go to the host in the forward and come back in
+    the backward."""
     if isinstance(config, str):
         config = llama_config(config)
     one_way = (config.num_hidden_layers - keep_on_gpu) * seq_len * config.hidden_size * itemsize
     return {"to_host": one_way, "to_gpu": one_way, "total": 2 * one_way}
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The GPU probe
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -247,9 +268,9 @@ class ProbeRun:
 
 
 def long_batch(seq_len: int, vocab: int, seed: int = 0) -> tuple[dict[str, torch.Tensor], int]:
-    """One row of ``seq_len`` random tokens on the CPU, its labels the tokens themselves (the first one ignored),
-    no attention mask (causal attention takes the flash kernel; a [seq, seq] mask at 262K tokens would take 128
-    GiB), and the labels its loss counts."""
+    """One row of ``seq_len`` random tokens on the CPU, its labels the tokens themselves (the first
+    one ignored), no attention mask (causal attention takes the flash kernel; a [seq, seq] mask at
+    262K tokens would take 128 GiB), and the labels its loss counts."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (1, seq_len), generator=gen)
     labels = ids.clone()
@@ -260,8 +281,8 @@ def long_batch(seq_len: int, vocab: int, seed: int = 0) -> tuple[dict[str, torch
 
 @dataclass
 class LongStepSetup:
-    """A bf16 model of a preset on the GPU with gradient checkpointing and the chosen kernels and switches, with
-    fused AdamW; ``undo()`` takes every switch back off."""
+    """A bf16 model of a preset on the GPU with gradient checkpointing and the chosen kernels and
+    switches, with fused AdamW; ``undo()`` takes every switch back off."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -275,10 +296,10 @@ class LongStepSetup:
 
 
 def _apply_kernels(model: torch.nn.Module, kernels, tiled_mlp: bool = False) -> object | None:
-    """Patch ``model`` with ``kernels``: "hf" (nothing), "ours" (``OURS``), "liger" (``LIGER``) or a dict of
-    ``patch_llama`` options; returns what undoes it (None for Liger, whose patch cannot be undone). With our kernels,
-    ``tiled_mlp`` is the patch's own switch (the tiled MLP takes the place of the SwiGLU MLP); with the others, the
-    MLPs are tiled on top of them."""
+    """Patch ``model`` with ``kernels``: "hf" (nothing), "ours" (``OURS``), "liger" (``LIGER``) or a
+    dict of ``patch_llama`` options; returns what undoes it (None for Liger, whose patch cannot be
+    undone). With our kernels, ``tiled_mlp`` is the patch's own switch (the tiled MLP takes the
+    place of the SwiGLU MLP); with the others, the MLPs are tiled on top of them."""
     if kernels == "hf" or kernels is None or kernels == "liger":
         if kernels == "liger":
             from liger_kernel.transformers import apply_liger_kernel_to_llama
@@ -292,7 +313,8 @@ def _apply_kernels(model: torch.nn.Module, kernels, tiled_mlp: bool = False) -> 
 
 
 def prepare(preset: str, kernels="ours", tiled_mlp: bool = False, offload: bool = False,
-            gradient_checkpointing: bool = True, offload_options: dict | None = None, tile: int | None = None,
+            gradient_checkpointing: bool = True, offload_options: dict | None = None,
+            tile: int | None = None,
             seed: int = 0) -> LongStepSetup:
     """Build the model and its optimizer for ``probe`` and ``step_times`` (see ``LongStepSetup``)."""
     model = build_model(preset, dtype=torch.bfloat16, seed=seed)
@@ -314,9 +336,11 @@ def prepare(preset: str, kernels="ours", tiled_mlp: bool = False, offload: bool 
     return LongStepSetup(model, optimizer, handle, undos)
 
 
-def train_step(setup: LongStepSetup, batch: dict[str, torch.Tensor], n_items: int, context=None) -> torch.Tensor:
-    """One training step (forward, backward, AdamW step, gradients freed); ``context`` wraps the forward. Returns
-    the loss, detached (a 0-d tensor: reading it is the caller's synchronisation, not the step's)."""
+def train_step(setup: LongStepSetup, batch: dict[str, torch.Tensor], n_items: int,
+               context=None) -> torch.Tensor:
+    """One training step (forward, backward, AdamW step, gradients freed); ``context`` wraps the
+    forward. Returns the loss, detached (a 0-d tensor: reading it is the caller's synchronisation,
+    not the step's)."""
     with context if context is not None else contextlib.nullcontext():
         loss = setup.model(**batch, num_items_in_batch=n_items).loss
     loss.backward()
@@ -328,8 +352,8 @@ def train_step(setup: LongStepSetup, batch: dict[str, torch.Tensor], n_items: in
 
 
 def measure_step(setup: LongStepSetup, seq_len: int, seed: int = 0) -> ProbePoint:
-    """One step at ``seq_len`` on the GPU: peak, base, host bytes and time; an out-of-memory error (GPU, or the
-    offload's host budget) gives a point that does not fit."""
+    """One step at ``seq_len`` on the GPU: peak, base, host bytes and time; an out-of-memory error
+    (GPU, or the offload's host budget) gives a point that does not fit."""
     device = next(setup.model.parameters()).device
     cpu_batch, n_items = long_batch(seq_len, setup.model.config.vocab_size, seed)
     free_memory()
@@ -346,7 +370,8 @@ def measure_step(setup: LongStepSetup, seq_len: int, seed: int = 0) -> ProbePoin
         loss = loss.item()
     except (torch.cuda.OutOfMemoryError, HostMemoryError) as exc:
         error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-    # Outside the except block: the exception and the frames holding the step's tensors are gone by now.
+    # Outside the except block: the exception and the frames holding the step's tensors are gone by
+    # now.
     batch = None
     setup.optimizer.zero_grad(set_to_none=True)
     host = setup.offload.stats.host_bytes if setup.offload is not None else 0
@@ -366,16 +391,19 @@ def probe(preset: str = "llama-3.1-8b", lengths=(131072, 262144), kernels="ours"
           offload: bool = False, gradient_checkpointing: bool = True, *, offload_options: dict | None = None,
           tile: int | None = None, warmup_len: int = 1024, seed: int = 0, variant: str | None = None,
           progress: bool = True) -> ProbeRun:
-    """GPU only: one real training step of ``preset`` (bf16, batch 1, fused AdamW) at each of ``lengths``, with
-    ``kernels`` ("hf", "ours", "liger" or ``patch_llama`` options), the tiled MLP and checkpoint offload on or off;
-    the GPU's peak (``torch.cuda.max_memory_allocated``) and the host bytes the offload pinned, per length.
+    """GPU only: one real training step of ``preset`` (bf16, batch 1, fused AdamW) at each of
+    ``lengths``, with ``kernels`` ("hf", "ours", "liger" or ``patch_llama`` options), the tiled MLP
+    and checkpoint offload on or off; the GPU's peak (``torch.cuda.max_memory_allocated``) and the
+    host bytes the offload pinned, per length.
 
-    A first step at ``warmup_len`` tokens creates AdamW's moments and compiles the kernels, so every probe starts from
-    the same memory. ``offload_options`` go to ``enable_checkpoint_offload`` (default ``keep_on_gpu=0``: every
-    checkpoint on the host, so that both memories grow linearly with the length and two probes extrapolate)."""
+    A first step at ``warmup_len`` tokens creates AdamW's moments and compiles the kernels, so every
+    probe starts from the same memory. ``offload_options`` go to ``enable_checkpoint_offload``
+    (default ``keep_on_gpu=0``: every checkpoint on the host, so that both memories grow linearly
+    with the length and two probes extrapolate)."""
     require_gpu("probe")
     offload_options = {"keep_on_gpu": 0, **(offload_options or {})}
-    settings = {"kernels": kernels, "tiled_mlp": tiled_mlp, "offload": offload, "offload_options": offload_options,
+    settings = {"kernels": kernels, "tiled_mlp": tiled_mlp, "offload": offload,
+                "offload_options": offload_options,
                 "gradient_checkpointing": gradient_checkpointing, "tile": tile, "dtype": "bfloat16",
                 "batch_size": 1, "optimizer": "torch.optim.AdamW(fused=True)", "warmup_len": warmup_len}
     run = ProbeRun(variant or describe_variant(kernels, tiled_mlp, offload), preset, settings)
@@ -401,16 +429,16 @@ def describe_variant(kernels, tiled_mlp: bool, offload: bool) -> str:
     return name + ("+tiled" if tiled_mlp else "") + ("+offload" if offload else "")
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # From two probes to the longest length that fits
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class FitEstimate:
-    """The longest length (a multiple of ``step``) whose extrapolated GPU peak and host bytes both fit, what
-    limits it, the two lines it came from, how many layers keep their checkpoint on the GPU to get there, and the
-    arithmetic as text."""
+    """The longest length (a multiple of ``step``) whose extrapolated GPU peak and host bytes both
+    fit, what limits it, the two lines it came from, how many layers keep their checkpoint on the
+    GPU to get there, and the arithmetic as text."""
 
     longest: int
     limited_by: str
@@ -428,7 +456,8 @@ def _line(x1: int, y1: float, x2: int, y2: float) -> tuple[float, float]:
 
 
 def fitted_pair(points) -> tuple[ProbePoint, ProbePoint] | None:
-    """The shortest and the longest of the probes that fitted, or None without two different lengths among them."""
+    """The shortest and the longest of the probes that fitted, or None without two different lengths
+    among them."""
     fitted = sorted((p for p in points if p.fits), key=lambda p: p.seq_len)
     if len(fitted) < 2 or fitted[0].seq_len == fitted[-1].seq_len:
         return None
@@ -436,8 +465,9 @@ def fitted_pair(points) -> tuple[ProbePoint, ProbePoint] | None:
 
 
 def _split_slopes(gpu_slope: float, host_slope: float, keep: int, layers: int) -> tuple[float, float]:
-    """The GPU's and the host's bytes per token when the checkpoints of ``keep`` of ``layers`` offloaded layers stay
-    on the GPU: each kept layer moves ``host_slope / layers`` from the host's line to the GPU's."""
+    """The GPU's and the host's bytes per token when the checkpoints of ``keep`` of ``layers``
+    offloaded layers stay on the GPU: each kept layer moves ``host_slope / layers`` from the host's
+    line to the GPU's."""
     moved = keep * host_slope / layers
     return gpu_slope + moved, host_slope - moved
 
@@ -450,18 +480,20 @@ def _limits(gpu_bytes: int, host_bytes: int, gpu_slope: float, gpu_fixed: float,
     return limits
 
 
-def longest_that_fits(points, gpu_bytes: int, host_bytes: int, step: int = 1024, layers: int = 0) -> FitEstimate:
-    """Extrapolate two probes (``ProbePoint``s that fitted, or a ``ProbeRun`` with two) linearly: the GPU peak and
-    the host bytes are each ``fixed + per_token × length`` through the two points, and the longest length is the
-    largest multiple of ``step`` at which both stay within ``gpu_bytes`` and ``host_bytes``. A memory that does not
-    grow with the length does not limit it. Linear is what the parts of ``memory_table`` are; attention with the
-    flash kernel keeps nothing quadratic.
+def longest_that_fits(points, gpu_bytes: int, host_bytes: int, step: int = 1024,
+                      layers: int = 0) -> FitEstimate:
+    """Extrapolate two probes (``ProbePoint``s that fitted, or a ``ProbeRun`` with two) linearly:
+    the GPU peak and the host bytes are each ``fixed + per_token × length`` through the two points,
+    and the longest length is the largest multiple of ``step`` at which both stay within
+    ``gpu_bytes`` and ``host_bytes``. A memory that does not grow with the length does not limit it.
+    Linear is what the parts of ``memory_table`` are; attention with the flash kernel keeps nothing
+    quadratic.
 
-    ``layers``: for probes that offloaded the checkpoints of that many layers (``keep_on_gpu=0``), the host's bytes
-    per token are ``layers`` equal checkpoints, and any of them may stay on the GPU instead
-    (``enable_checkpoint_offload(keep_on_gpu=k)``): each moves ``host_per_token / layers`` bytes per token from one
-    memory to the other. The estimate then takes the ``k`` that fits the longest length, so that a host that runs
-    out first borrows room from the GPU."""
+    ``layers``: for probes that offloaded the checkpoints of that many layers (``keep_on_gpu=0``),
+    the host's bytes per token are ``layers`` equal checkpoints, and any of them may stay on the GPU
+    instead (``enable_checkpoint_offload(keep_on_gpu=k)``): each moves ``host_per_token / layers``
+    bytes per token from one memory to the other. The estimate then takes the ``k`` that fits the
+    longest length, so that a host that runs out first borrows room from the GPU."""
     if isinstance(points, ProbeRun):
         points = points.points
     pair = fitted_pair(points)
@@ -505,13 +537,15 @@ def longest_that_fits(points, gpu_bytes: int, host_bytes: int, step: int = 1024,
     longest = max(0, int(limits[limited_by] // step) * step)
     lines.append(f"longest that fits both: {longest:,} tokens (a multiple of {step:,}), limited by {limited_by}"
                  + (f", with keep_on_gpu={keep}" if keep else ""))
-    return FitEstimate(longest, limited_by, gpu_slope, gpu_fixed, host_slope, host_fixed, "\n".join(lines), keep)
+    return FitEstimate(longest, limited_by, gpu_slope, gpu_fixed, host_slope, host_fixed,
+                       "\n".join(lines), keep)
 
 
 def fit_variants(results: dict) -> dict:
-    """``results`` with each variant's ``longest`` (a ``FitEstimate`` as a dict, or None and a ``longest_note``)
-    computed from its probes against the GPU memory and host budget its settings recorded; the checkpoints of an
-    offloading variant may split between the two memories (``longest_that_fits``'s ``layers``)."""
+    """``results`` with each variant's ``longest`` (a ``FitEstimate`` as a dict, or None and a
+    ``longest_note``) computed from its probes against the GPU memory and host budget its settings
+    recorded; the checkpoints of an offloading variant may split between the two memories
+    (``longest_that_fits``'s ``layers``)."""
     settings = results["settings"]
     layers = llama_config(settings["preset"]).num_hidden_layers
     for name, run in results["variants"].items():
@@ -533,11 +567,13 @@ SPLIT_VARIANT = "ours+both"
 
 
 def split_prediction(fit: dict, seq_len: int, keep: int, layers: int) -> dict[str, float]:
-    """The GPU peak and host bytes ``longest_that_fits`` predicts at ``seq_len`` tokens when the checkpoints of
-    ``keep`` of ``layers`` layers stay on the GPU, from a variant's two lines (``fit``, a ``FitEstimate`` as a dict)
-    moved as ``longest_that_fits`` moves them (``_split_slopes``)."""
+    """The GPU peak and host bytes ``longest_that_fits`` predicts at ``seq_len`` tokens when the
+    checkpoints of ``keep`` of ``layers`` layers stay on the GPU, from a variant's two lines
+    (``fit``, a ``FitEstimate`` as a dict) moved as ``longest_that_fits`` moves them
+    (``_split_slopes``)."""
     gpu_slope, host_slope = _split_slopes(fit["gpu_per_token"], fit["host_per_token"], keep, layers)
-    return {"gpu_peak": fit["gpu_fixed"] + gpu_slope * seq_len, "host_bytes": fit["host_fixed"] + host_slope * seq_len}
+    return {"gpu_peak": fit["gpu_fixed"] + gpu_slope * seq_len,
+            "host_bytes": fit["host_fixed"] + host_slope * seq_len}
 
 
 def format_split_check(results: dict) -> str:
@@ -560,8 +596,8 @@ def format_split_check(results: dict) -> str:
 
 def check_split(preset: str, seq_len: int, fit: dict, layers: int, seed: int = 0) -> dict:
     """GPU only: one real step of ``SPLIT_VARIANT`` at ``seq_len`` tokens with the checkpoints of
-    ``fit["keep_on_gpu"]`` layers kept on the GPU (the split ``longest_that_fits`` chose), and what its two lines
-    predicted for that step."""
+    ``fit["keep_on_gpu"]`` layers kept on the GPU (the split ``longest_that_fits`` chose), and what
+    its two lines predicted for that step."""
     keep = fit["keep_on_gpu"]
     kernels, tiled, offload = VARIANTS[SPLIT_VARIANT]
     run = probe(preset, (seq_len,), kernels, tiled, offload, offload_options={"keep_on_gpu": keep},
@@ -570,14 +606,14 @@ def check_split(preset: str, seq_len: int, fit: dict, layers: int, seed: int = 0
             "predicted": split_prediction(fit, seq_len, keep, layers)}
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # What the switches cost in time
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def _liger_tiled(model: torch.nn.Module):
-    """Replace every decoder layer's MLP with Liger's ``LigerTiledSwiGLUMLP`` over the same projections; returns
-    what puts the MLPs back."""
+    """Replace every decoder layer's MLP with Liger's ``LigerTiledSwiGLUMLP`` over the same
+    projections; returns what puts the MLPs back."""
     from liger_kernel.transformers.tiled_mlp import LigerTiledSwiGLUMLP
 
     originals = [layer.mlp for layer in model.model.layers]
@@ -615,11 +651,12 @@ def _timing_setup(preset: str, config: str, seed: int) -> tuple[LongStepSetup, o
 
 def step_times(preset: str = "llama-3.1-8b", seq_len: int = 32768, steps: int = 3, configs=TIMINGS,
                seed: int = 0, progress: bool = True) -> dict[str, dict]:
-    """GPU only: the median time of ``steps`` training steps at ``seq_len`` tokens (after one warm-up step) for each
-    configuration of ``TIMINGS``: our kernels with checkpointing (``ours``), plus checkpoint offload of every layer
-    (``ours+offload``), plus PyTorch's ``save_on_cpu(pin_memory=True)`` around the forward instead
-    (``ours+save_on_cpu``), plus the tiled MLP (``ours+tiled``), plus Liger's ``LigerTiledSwiGLUMLP``
-    (``ours+liger_tiled``, skipped where Liger is not installed). Each with its peak and bytes offloaded per step."""
+    """GPU only: the median time of ``steps`` training steps at ``seq_len`` tokens (after one
+    warm-up step) for each configuration of ``TIMINGS``: our kernels with checkpointing (``ours``),
+    plus checkpoint offload of every layer (``ours+offload``), plus PyTorch's
+    ``save_on_cpu(pin_memory=True)`` around the forward instead (``ours+save_on_cpu``), plus the
+    tiled MLP (``ours+tiled``), plus Liger's ``LigerTiledSwiGLUMLP`` (``ours+liger_tiled``, skipped
+    where Liger is not installed). Each with its peak and bytes offloaded per step."""
     require_gpu("step_times")
     from kernels.bench.progress import progress_bar as tqdm
 
@@ -648,7 +685,8 @@ def step_times(preset: str = "llama-3.1-8b", seq_len: int = 32768, steps: int = 
             median = sorted(times)[len(times) // 2]
             offloaded = setup.offload.stats.bytes_offloaded / (steps + 1) if setup.offload is not None else 0
             results[config] = {"step_s": median, "times_s": times, "tokens_per_s": seq_len / median,
-                               "peak": torch.cuda.max_memory_allocated(), "bytes_offloaded_per_step": offloaded}
+                               "peak": torch.cuda.max_memory_allocated(),
+                               "bytes_offloaded_per_step": offloaded}
         except torch.cuda.OutOfMemoryError as exc:
             results[config] = {"skipped": f"out of memory: {str(exc).splitlines()[0][:200]}"}
         except Exception as exc:  # noqa: BLE001  (recorded with the results, the other configurations still run)
@@ -664,9 +702,9 @@ def step_times(preset: str = "llama-3.1-8b", seq_len: int = 32768, steps: int = 
     return results
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Results: tables, the file, plots
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def format_probes(results: dict) -> str:
@@ -686,8 +724,9 @@ def format_probes(results: dict) -> str:
 
 
 def per_token_bytes(results: dict) -> dict[str, float]:
-    """Each variant's GPU bytes per token at the step's peak: the slope between its two probes that fitted (the
-    fixed part, weights and AdamW's moments, drops out); variants without two such probes are left out."""
+    """Each variant's GPU bytes per token at the step's peak: the slope between its two probes that
+    fitted (the fixed part, weights and AdamW's moments, drops out); variants without two such
+    probes are left out."""
     slopes = {}
     for name, run in results["variants"].items():
         pair = fitted_pair([ProbePoint(**p) for p in run.get("points", [])])
@@ -698,8 +737,9 @@ def per_token_bytes(results: dict) -> dict[str, float]:
 
 
 def format_per_token(results: dict, against=("ours", "liger")) -> str:
-    """A table of each variant's GPU bytes per token (``per_token_bytes``), as a fraction of those of the variants
-    named in ``against`` (where they were measured), and the longest length each fits."""
+    """A table of each variant's GPU bytes per token (``per_token_bytes``), as a fraction of those
+    of the variants named in ``against`` (where they were measured), and the longest length each
+    fits."""
     slopes = per_token_bytes(results)
     bases = [name for name in against if name in slopes]
     lines = [f"{'variant':<14}{'probes':>18}{'GPU B/token':>13}" + "".join(f"{'× ' + b:>10}" for b in bases)
@@ -763,8 +803,9 @@ def plot_memory_table(table: MemoryTable, ax=None):
 
 
 def plot_longest(results: dict, ax=None, target: int | None = None):
-    """The longest length each variant fits (extrapolated from its probes) as bars; a variant without two fitting
-    probes is drawn at zero with "n/a"; ``target``, a length to reach, as a dashed line."""
+    """The longest length each variant fits (extrapolated from its probes) as bars; a variant
+    without two fitting probes is drawn at zero with "n/a"; ``target``, a length to reach, as a
+    dashed line."""
     import matplotlib.pyplot as plt
 
     ax = ax or plt.subplots(figsize=(8, 3.5))[1]
@@ -784,9 +825,9 @@ def plot_longest(results: dict, ax=None, target: int | None = None):
     return ax
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The command line
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def _parse_lengths(text: str) -> tuple[int, ...]:
@@ -863,9 +904,10 @@ MIN_PROBE_LEN = 4096
 
 
 def probe_variant(args, name: str, halvings: int = 3) -> dict:
-    """One variant's probes in a process of its own, at ``args.probe``; while fewer than two lengths fit, again at
-    half the lengths (at most ``halvings`` times, never below ``MIN_PROBE_LEN``), so that a setup that stops short
-    of the lengths asked for (Hugging Face's, say) still gets two points to extrapolate from."""
+    """One variant's probes in a process of its own, at ``args.probe``; while fewer than two lengths
+    fit, again at half the lengths (at most ``halvings`` times, never below ``MIN_PROBE_LEN``), so
+    that a setup that stops short of the lengths asked for (Hugging Face's, say) still gets two
+    points to extrapolate from."""
     lengths = tuple(args.probe)
     tried = []
     for _ in range(halvings + 1):
@@ -881,14 +923,15 @@ def probe_variant(args, name: str, halvings: int = 3) -> dict:
 
 
 def probe_budgets() -> tuple[int, int]:
-    """What two probes are extrapolated against on this machine: the GPU's memory, and the host memory available
-    now less the offload's safety margin (GPU only)."""
+    """What two probes are extrapolated against on this machine: the GPU's memory, and the host
+    memory available now less the offload's safety margin (GPU only)."""
     return torch.cuda.mem_get_info()[1], host_budget_bytes(host_available_bytes(), HOST_MARGIN)
 
 
 def run_all(args) -> dict:
-    """Every variant's probes and the step times, each in a process of its own; the results dict (``main`` adds
-    the extrapolations, ``fit_variants``, once this run is merged with the file's earlier ones)."""
+    """Every variant's probes and the step times, each in a process of its own; the results dict
+    (``main`` adds the extrapolations, ``fit_variants``, once this run is merged with the file's
+    earlier ones)."""
     from tqdm.auto import tqdm
 
     gpu_total, host_budget = probe_budgets()
@@ -901,7 +944,8 @@ def run_all(args) -> dict:
         variants[name] = probe_variant(args, name)
     timings = _in_subprocess(args, ["--worker-timing", "--variants", "ours"]) if args.timing_len else {}
     return {
-        "chapter": "long_context", "date": datetime.date.today().isoformat(), "device": runtime.device_name(),
+        "chapter": "long_context", "date": datetime.date.today().isoformat(),
+        "device": runtime.device_name(),
         "device_slug": device_slug(), "mode": runtime.MODE, "versions": runtime.versions(),
         "settings": {"preset": args.preset, "lengths": list(args.probe), "variants": list(args.variants),
                      "timing_len": args.timing_len, "steps": args.steps, "gpu_total_bytes": gpu_total,
@@ -913,10 +957,11 @@ def run_all(args) -> dict:
 
 
 def merge_results(old: dict | None, new: dict) -> dict:
-    """``new`` with the variants (and step times) of ``old`` that ``new`` did not run, when both are runs of the
-    same preset on the same device: separate invocations, one variant each, build up one file (its variants in
-    ``VARIANTS``'s order). A run that timed steps and probed nothing keeps ``old``'s probe settings (the lengths and
-    the memory budgets the variants were fitted against) and brings only its step times and their settings."""
+    """``new`` with the variants (and step times) of ``old`` that ``new`` did not run, when both are
+    runs of the same preset on the same device: separate invocations, one variant each, build up one
+    file (its variants in ``VARIANTS``'s order). A run that timed steps and probed nothing keeps
+    ``old``'s probe settings (the lengths and the memory budgets the variants were fitted against)
+    and brings only its step times and their settings."""
     if not old or old.get("device") != new["device"] or old["settings"].get("preset") != new["settings"]["preset"]:
         return new
     variants = {**old.get("variants", {}), **new["variants"]}
@@ -936,8 +981,9 @@ def merge_results(old: dict | None, new: dict) -> dict:
 
 
 def run_split_check(args, results: dict) -> dict | None:
-    """``check_split`` in a process of its own, at ``args.check_split`` tokens, with the split that ``results``'s
-    ``SPLIT_VARIANT`` was extrapolated to; None (and a message) where that variant has no extrapolation."""
+    """``check_split`` in a process of its own, at ``args.check_split`` tokens, with the split that
+    ``results``'s ``SPLIT_VARIANT`` was extrapolated to; None (and a message) where that variant has
+    no extrapolation."""
     fit = (results.get("variants", {}).get(SPLIT_VARIANT) or {}).get("longest")
     if not fit:
         print(f"--check-split: the results file has no extrapolation of {SPLIT_VARIANT} to take the split from")
@@ -945,13 +991,14 @@ def run_split_check(args, results: dict) -> dict | None:
     with tempfile.TemporaryDirectory() as tmp:
         fit_file = Path(tmp) / "fit.json"
         fit_file.write_text(json.dumps(fit))
-        data = _in_subprocess(args, ["--check-split", str(args.check_split), "--worker-split", str(fit_file)])
+        data = _in_subprocess(args,
+                              ["--check-split", str(args.check_split), "--worker-split", str(fit_file)])
     return None if "error" in data else data
 
 
 def output_path(args) -> Path:
-    """The results file: ``--out``, else this GPU's file of the committed results (``--record``) or of the runs
-    folder."""
+    """The results file: ``--out``, else this GPU's file of the committed results (``--record``) or
+    of the runs folder."""
     if args.out is not None:
         return Path(args.out)
     return results_path() if args.record else results_file("long_context", device_slug(), cli.runs_dir())
@@ -966,7 +1013,8 @@ def main(argv=None) -> int:
     path = output_path(args)
     nothing = [] if args.variants or args.timing_len or args.check_split else [
         "--variants '' with --timing-len 0 and no --check-split: nothing to run"]
-    gpu = cli.gpu_problems("this command", "it runs real training steps and measures GPU memory; memory_table and "
+    gpu = cli.gpu_problems("this command",
+                           "it runs real training steps and measures GPU memory; memory_table and "
                            "longest_that_fits are the parts that run anywhere")
     cli.check_outputs(parser, args, [path], [*nothing, *gpu], out_is_file=True)
     print(runtime.describe())
@@ -992,9 +1040,15 @@ if __name__ == "__main__":
     raise SystemExit(main())
 
 
-__all__ = ["OURS", "LIGER", "VARIANTS", "TIMINGS", "MemoryRow", "MemoryTable", "layer_working_bytes_per_token",
-           "memory_table", "offload_traffic", "ProbePoint", "ProbeRun", "long_batch", "LongStepSetup", "prepare",
-           "train_step", "measure_step", "probe", "probe_budgets", "FitEstimate", "fitted_pair", "longest_that_fits",
-           "fit_variants", "SPLIT_VARIANT", "split_prediction", "format_split_check", "check_split", "step_times",
-           "per_token_bytes", "format_per_token", "format_probes", "format_step_times", "results_path", "load_all",
-           "plot_memory_table", "plot_longest", "probe_variant", "run_all", "merge_results", "run_split_check", "main"]
+__all__ = ["OURS", "LIGER", "VARIANTS", "TIMINGS", "MemoryRow", "MemoryTable",
+           "layer_working_bytes_per_token",
+           "memory_table", "offload_traffic", "ProbePoint", "ProbeRun", "long_batch",
+           "LongStepSetup", "prepare",
+           "train_step", "measure_step", "probe", "probe_budgets", "FitEstimate", "fitted_pair",
+           "longest_that_fits",
+           "fit_variants", "SPLIT_VARIANT", "split_prediction", "format_split_check", "check_split",
+           "step_times",
+           "per_token_bytes", "format_per_token", "format_probes", "format_step_times",
+           "results_path", "load_all",
+           "plot_memory_table", "plot_longest", "probe_variant", "run_all", "merge_results",
+           "run_split_check", "main"]

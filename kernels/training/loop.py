@@ -1,39 +1,44 @@
 """A plain PyTorch fine-tuning loop, and the same run twice: Hugging Face's model as it is, then patched.
 
-``train(model, batches, ...)`` is the loop a reader would write: AdamW (``torch.optim.AdamW`` with its defaults,
-"foreach" on a GPU; ``adamw="fused"`` for its one-kernel implementation, the default optimizer of Hugging Face's
-Trainer; ``adamw="triton"`` for this package's ``kernels.adamw.TritonAdamW``), the model's own loss
-(``model(**batch).loss``), gradient accumulation over ``grad_accum`` micro-batches, and per step a record of the
-loss, the time, the tokens and the peak memory. Its step loop (``train_steps``) also runs every rank of a sharded
-run (``kernels.distributed.parallel.train_fsdp``), given the global label count of each step and a sum of the loss
-across ranks.
+``train(model, batches, ...)`` is the loop a reader would write: AdamW (``torch.optim.AdamW`` with
+its defaults, "foreach" on a GPU; ``adamw="fused"`` for its one-kernel implementation, the default
+optimizer of Hugging Face's Trainer; ``adamw="triton"`` for this package's
+``kernels.adamw.TritonAdamW``), the model's own loss (``model(**batch).loss``), gradient
+accumulation over ``grad_accum`` micro-batches, and per step a record of the loss, the time, the
+tokens and the peak memory. Its step loop (``train_steps``) also runs every rank of a sharded run
+(``kernels.distributed.parallel.train_fsdp``), given the global label count of each step and a sum
+of the loss across ranks.
 
-Gradient accumulation follows Hugging Face's Trainer: every micro-batch's forward gets ``num_items_in_batch``, the
-number of labels the loss counts over *all* micro-batches of the step (labels that are not -100 after the shift by
-one, i.e. ``labels[..., 1:] != -100``). Each micro-batch's loss is then its sum divided by that number, and the
-accumulated gradient is the gradient of the mean over the whole step: exactly what one big batch would give. The
-count is taken on the CPU copy of the labels before the loop, so it costs the GPU nothing (a Python int; the Trainer
-passes a tensor, which both losses accept too).
+Gradient accumulation follows Hugging Face's Trainer: every micro-batch's forward gets
+``num_items_in_batch``, the number of labels the loss counts over *all* micro-batches of the step
+(labels that are not -100 after the shift by one, i.e. ``labels[..., 1:] != -100``). Each
+micro-batch's loss is then its sum divided by that number, and the accumulated gradient is the
+gradient of the mean over the whole step: exactly what one big batch would give. The count is taken
+on the CPU copy of the labels before the loop, so it costs the GPU nothing (a Python int; the
+Trainer passes a tensor, which both losses accept too).
 
 What a step record holds (``StepRecord``):
 
 * ``loss``: the step's mean loss over its counted labels (the sum of its micro-batch losses);
-* ``time_s``: wall time from the start of the step to its end, with the GPU synchronised at the end, so the time
-  covers every kernel of the step;
-* ``tokens``: every position processed, batch × seq × grad_accum, padding included: the work the GPU does, and what
-  the headline tokens/s counts (the usual convention of training benchmarks). ``real_tokens`` counts only
-  non-padding positions (attention_mask = 1), ``trained_tokens`` only the labels the loss counts;
-* ``peak_memory``: ``torch.cuda.max_memory_allocated`` since the run started (statistics reset at its start), so it
-  includes the weights, gradients and optimizer states; None on the CPU, whose allocator keeps no statistics.
+* ``time_s``: wall time from the start of the step to its end, with the GPU synchronised at the end,
+  so the time covers every kernel of the step;
+* ``tokens``: every position processed, batch × seq × grad_accum, padding included: the work the GPU
+  does, and what the headline tokens/s counts (the usual convention of training benchmarks).
+  ``real_tokens`` counts only non-padding positions (attention_mask = 1), ``trained_tokens`` only
+  the labels the loss counts;
+* ``peak_memory``: ``torch.cuda.max_memory_allocated`` since the run started (statistics reset at
+  its start), so it includes the weights, gradients and optimizer states; None on the CPU, whose
+  allocator keeps no statistics.
 
-Warm-up: the first ``warmup_steps`` steps (``WARMUP_STEPS`` = 3, fewer when a run is shorter: at most all steps but
-one) are excluded from tokens/s and time per step (the first steps create AdamW's states, pick kernels, compile
-Triton kernels), but they are in the loss curve.
+Warm-up: the first ``warmup_steps`` steps (``WARMUP_STEPS`` = 3, fewer when a run is shorter: at
+most all steps but one) are excluded from tokens/s and time per step (the first steps create AdamW's
+states, pick kernels, compile Triton kernels), but they are in the loss curve.
 
-``compare(...)`` builds the model twice from the same seed on the same device, trains Hugging Face's version, frees
-it, then trains the patched version (``kernels.hf.patch.patch_llama``) on the same batches in the same order, and
-returns both runs side by side. ``gradient_check(...)`` compares one batch's gradients three ways (float32, Hugging
-Face in bf16, patched in bf16). The longest sequence that fits is searched in ``kernels.training.fit``.
+``compare(...)`` builds the model twice from the same seed on the same device, trains Hugging Face's
+version, frees it, then trains the patched version (``kernels.hf.patch.patch_llama``) on the same
+batches in the same order, and returns both runs side by side. ``gradient_check(...)`` compares one
+batch's gradients three ways (float32, Hugging Face in bf16, patched in bf16). The longest sequence
+that fits is searched in ``kernels.training.fit``.
 """
 
 from __future__ import annotations
@@ -66,17 +71,23 @@ VARIANTS = ("baseline", "patched")
 def default_lr(preset: str) -> float:
     """A learning rate at which 20 steps lower the loss of a randomly initialised preset in bf16, stably.
 
-    bf16 weights near 0.02 are spaced about 1e-4 apart, so much smaller AdamW steps mostly round away. At 1e-4 the
-    Llama-3.1-8B shape's loss jumped between 9 and 17 in the first steps on an H200, and two runs that differ only
-    in rounding drifted apart by 0.8 by step 20; 3e-5 still moves the smaller weights. The tiny model tolerates
-    (and needs, to show learning in a few steps) a larger one.
+    bf16 weights near 0.02 are spaced about 1e-4 apart, so much smaller AdamW steps mostly round
+    away. At 1e-4 the Llama-3.1-8B shape's loss was unstable in the first steps, and runs that
+    differ only in rounding drifted apart (assets/notes/training.md); 3e-5 still moves the smaller
+    weights. The tiny model tolerates (and needs, to show learning in a few steps) a larger one.
+
+    Args:
+        preset: a preset name of ``kernels.training.models``.
+
+    Returns:
+        The learning rate.
     """
     return 1e-3 if preset == "tiny" else 3e-5
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Records
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -159,19 +170,21 @@ class RunResult:
         }
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The loop
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 
 def count_trained_labels(batch: dict[str, torch.Tensor], ignore_index: int = IGNORE_INDEX) -> int:
-    """Labels a causal-LM loss counts in one batch: those that are not ignored after the shift (``labels[..., 1:]``)."""
+    """Labels a causal-LM loss counts in one batch: those that are not ignored after the shift
+    (``labels[..., 1:]``)."""
     return int((batch["labels"][..., 1:] != ignore_index).sum())
 
 
 def describe_model(model: torch.nn.Module) -> dict:
-    """What will run: the norm modules by class, the loss function, dtype, device, attention implementation."""
+    """What will run: the norm modules by class, the loss function, dtype, device, attention
+    implementation."""
     norms: dict[str, int] = {}
     for module in model.modules():
         name = type(module).__name__
@@ -194,13 +207,16 @@ def describe_model(model: torch.nn.Module) -> dict:
 def _micro_batches_on(batches, device, padding_mask: bool = True) -> list[dict[str, torch.Tensor]]:
     keep = ("input_ids", "attention_mask", "labels")
     if not padding_mask:
-        batches = [drop_padding_mask(b) for b in batches]  # on the CPU copies: the check reads the whole mask
+        # on the CPU copies: the check reads the whole mask
+        batches = [drop_padding_mask(b) for b in batches]
     return [{k: v.to(device) for k, v in b.items() if k in keep} for b in batches]
 
 
 def check_train_args(batches, grad_accum, lr, warmup_steps) -> None:
-    """The arguments every loop over micro-batches takes (this one and the sharded one), checked with a message."""
-    if not isinstance(batches, (list, tuple)) or not batches or not all(isinstance(b, dict) for b in batches):
+    """The arguments every loop over micro-batches takes (this one and the sharded one), checked
+    with a message."""
+    if not isinstance(batches,
+                      (list, tuple)) or not batches or not all(isinstance(b, dict) for b in batches):
         raise TypeError(
             "batches must be a non-empty list of dicts (input_ids, attention_mask, labels), as make_sft_batches gives"
         )
@@ -237,22 +253,27 @@ def train(
     padding_mask: bool = True,
     adamw: str = "foreach",
 ) -> RunResult:
-    """Fine-tune ``model`` on ``batches`` (micro-batches, ``grad_accum`` per optimizer step); see the module docstring.
+    """Fine-tune ``model`` on ``batches`` (micro-batches, ``grad_accum`` per optimizer step); see
+    the module docstring.
 
-    ``adamw`` picks the AdamW implementation (``make_adamw``): ``"foreach"`` (``torch.optim.AdamW``'s default on a
-    GPU), ``"fused"`` (its one-kernel step, what Hugging Face's Trainer uses by default, ``optim="adamw_torch_fused"``)
-    or ``"triton"`` (``kernels.adamw.TritonAdamW``, the same algorithm as one Triton kernel per parameter tensor).
+    ``adamw`` picks the AdamW implementation (``make_adamw``): ``"foreach"``
+    (``torch.optim.AdamW``'s default on a GPU), ``"fused"`` (its one-kernel step, what Hugging
+    Face's Trainer uses by default, ``optim="adamw_torch_fused"``) or ``"triton"``
+    (``kernels.adamw.TritonAdamW``, the same algorithm as one Triton kernel per parameter tensor).
 
-    ``padding_mask=False`` leaves out each batch's ``attention_mask`` where ``kernels.hf.padding_mask`` shows it
-    redundant (right padding, padded labels ignored): the same losses and gradients, without the [seq, seq] mask.
+    ``padding_mask=False`` leaves out each batch's ``attention_mask`` where
+    ``kernels.hf.padding_mask`` shows it redundant (right padding, padded labels ignored): the same
+    losses and gradients, without the [seq, seq] mask.
 
-    ``after_backward(step, model)``, if given, is called once per step after the last backward and before
-    ``optimizer.step()`` (tests read the gradients there; its time counts in the step's time).
+    ``after_backward(step, model)``, if given, is called once per step after the last backward and
+    before ``optimizer.step()`` (tests read the gradients there; its time counts in the step's
+    time).
     """
     check_train_args(batches, grad_accum, lr, warmup_steps)
     groups = step_groups(batches, grad_accum)
     return train_steps(model, groups, labels_per_step(groups), lr=lr, label=label, warmup_steps=warmup_steps,
-                        progress=progress, after_backward=after_backward, padding_mask=padding_mask, adamw=adamw)
+                        progress=progress, after_backward=after_backward, padding_mask=padding_mask,
+                        adamw=adamw)
 
 
 def _own_loss(step_loss: torch.Tensor) -> torch.Tensor:
@@ -261,12 +282,14 @@ def _own_loss(step_loss: torch.Tensor) -> torch.Tensor:
 
 
 def _forward_backward(model: torch.nn.Module, micro_batches: list[dict], num_items: int) -> torch.Tensor:
-    """Forward and backward over one step's micro-batches, the gradients accumulating in ``.grad``; returns the sum
-    of their losses. Each loss is a sum over labels divided by ``num_items``, so the sum is a mean over them."""
+    """Forward and backward over one step's micro-batches, the gradients accumulating in ``.grad``;
+    returns the sum of their losses. Each loss is a sum over labels divided by ``num_items``, so the
+    sum is a mean over them."""
     step_loss = torch.zeros((), dtype=torch.float32, device=micro_batches[0]["input_ids"].device)
     for batch in micro_batches:
-        # Under CUDA graphs (torch.compile mode="reduce-overhead") each call is a new step whose outputs may
-        # reuse the last call's memory; the loss is added to step_loss before the next call. Elsewhere a no-op.
+        # Under CUDA graphs (torch.compile mode="reduce-overhead") each call is a new step whose
+        # outputs may reuse the last call's memory; the loss is added to step_loss before the next
+        # call. Elsewhere a no-op.
         torch.compiler.cudagraph_mark_step_begin()
         loss = model(**batch, num_items_in_batch=num_items).loss
         loss.backward()
@@ -279,8 +302,9 @@ ADAMW_IMPLEMENTATIONS = ("foreach", "fused", "triton")
 
 
 def make_adamw(model: torch.nn.Module, lr: float, adamw: str = "foreach") -> torch.optim.Optimizer:
-    """AdamW over ``model``'s parameters with PyTorch's default hyperparameters: ``torch.optim.AdamW`` as it is
-    (``"foreach"``) or with ``fused=True``, or ``kernels.adamw.TritonAdamW`` (``"triton"``)."""
+    """AdamW over ``model``'s parameters with PyTorch's default hyperparameters:
+    ``torch.optim.AdamW`` as it is (``"foreach"``) or with ``fused=True``, or
+    ``kernels.adamw.TritonAdamW`` (``"triton"``)."""
     if adamw not in ADAMW_IMPLEMENTATIONS:
         raise ValueError(f"adamw must be one of {ADAMW_IMPLEMENTATIONS}, got {adamw!r}")
     if adamw == "triton":
@@ -289,7 +313,8 @@ def make_adamw(model: torch.nn.Module, lr: float, adamw: str = "foreach") -> tor
 
 
 def describe_optimizer(optimizer: torch.optim.Optimizer, lr: float) -> str:
-    """What ran, for a run's record: e.g. ``torch.optim.AdamW(lr=0.0001, fused=True), defaults otherwise``."""
+    """What ran, for a run's record: e.g. ``torch.optim.AdamW(lr=0.0001, fused=True), defaults
+    otherwise``."""
     if isinstance(optimizer, TritonAdamW):
         return f"kernels.adamw.TritonAdamW(lr={lr:g}), torch.optim.AdamW's defaults otherwise"
     fused = ", fused=True" if optimizer.defaults.get("fused") else ""
@@ -313,20 +338,22 @@ def train_steps(
     rate_name: str = "tok_s",
     adamw: str = "foreach",
 ) -> RunResult:
-    """The step loop of ``train`` and of ``kernels.distributed.parallel.train_fsdp``. ``groups`` holds each optimizer
-    step's micro-batches (CPU copies); per step, a forward and backward of each, one AdamW step and a ``StepRecord``.
-    ``lr``, ``label``, ``warmup_steps``, ``progress``, ``after_backward`` and ``padding_mask`` are ``train``'s.
+    """The step loop of ``train`` and of ``kernels.distributed.parallel.train_fsdp``. ``groups``
+    holds each optimizer step's micro-batches (CPU copies); per step, a forward and backward of
+    each, one AdamW step and a ``StepRecord``. ``lr``, ``label``, ``warmup_steps``, ``progress``,
+    ``after_backward`` and ``padding_mask`` are ``train``'s.
 
     What differs between one process and several ranks comes in as two arguments:
 
-    * ``label_counts[step]``: the ``num_items_in_batch`` each micro-batch of the step divides its loss sum by, and
-      the step's ``trained_tokens``. One process counts its own labels; under FSDP every rank gets the count over
-      all ranks, so its loss is its share of the global mean.
-    * ``reduce_loss(step_loss)``: this process's step loss to the step's loss on record, inside the timed step. The
-      identity for one process; under FSDP the sum of the ranks' shares (a collective: every rank calls it).
+    * ``label_counts[step]``: the ``num_items_in_batch`` each micro-batch of the step divides its
+      loss sum by, and the step's ``trained_tokens``. One process counts its own labels; under FSDP
+      every rank gets the count over all ranks, so its loss is its share of the global mean.
+    * ``reduce_loss(step_loss)``: this process's step loss to the step's loss on record, inside the
+      timed step. The identity for one process; under FSDP the sum of the ranks' shares (a
+      collective: every rank calls it).
 
-    ``device`` is where the micro-batches go (default: the model's first parameter's). ``desc`` and ``rate_name``
-    label the progress bar and its tokens/s (default: ``label`` and ``tok_s``).
+    ``device`` is where the micro-batches go (default: the model's first parameter's). ``desc`` and
+    ``rate_name`` label the progress bar and its tokens/s (default: ``label`` and ``tok_s``).
     """
     device = next(model.parameters()).device if device is None else device
     steps = len(groups)
@@ -356,10 +383,12 @@ def train_steps(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step_loss = reduce_loss(step_loss)
-        runtime.synchronize(device)  # the step's time covers every kernel it launched, the reduction's included
+        # the step's time covers every kernel it launched, the reduction's included
+        runtime.synchronize(device)
         elapsed = time.perf_counter() - start
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-        record = StepRecord(step, float(step_loss), elapsed, total[step], real[step], label_counts[step], peak,
+        record = StepRecord(step, float(step_loss), elapsed, total[step], real[step],
+                            label_counts[step], peak,
                             step >= warmup)
         records.append(record)
         bar.set_postfix({"loss": f"{record.loss:.4f}", rate_name: f"{record.tokens_per_s:,.0f}"})
@@ -375,14 +404,15 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Baseline against patched
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @dataclass
 class Comparison:
-    """Two runs of the same fine-tuning, Hugging Face's model and the patched one; numbers, table, plot, JSON."""
+    """Two runs of the same fine-tuning, Hugging Face's model and the patched one; numbers, table,
+    plot, JSON."""
 
     settings: dict
     baseline: RunResult
@@ -390,8 +420,10 @@ class Comparison:
     device: str = field(default_factory=runtime.device_name)
     versions: dict = field(default_factory=runtime.versions)
     fit: dict = field(default_factory=dict)  # variant -> FitResult.to_dict(), when a fit search ran
-    slope: dict = field(default_factory=dict)  # variant -> fit.memory_slope(...), when the slope was measured
-    mode: str = field(default_factory=lambda: runtime.MODE)  # "gpu", or the interpreter's, whose times mean nothing
+    # variant -> fit.memory_slope(...), when the slope was measured
+    slope: dict = field(default_factory=dict)
+    # "gpu", or the interpreter's, whose times mean nothing
+    mode: str = field(default_factory=lambda: runtime.MODE)
 
     @property
     def loss_differences(self) -> list[float]:
@@ -428,7 +460,8 @@ class Comparison:
 
         timed = self.mode == "gpu"  # the interpreter's wall-clock says nothing of GPU speed: no ratios of it
         rows = [
-            ("tokens/s (all tokens)", f"{s['tokens_per_s']['baseline']:,.0f}", f"{s['tokens_per_s']['patched']:,.0f}",
+            ("tokens/s (all tokens)", f"{s['tokens_per_s']['baseline']:,.0f}",
+             f"{s['tokens_per_s']['patched']:,.0f}",
              f"{s['speedup']:.3f}×" if timed else "—"),
             ("tokens/s (non-padding)", f"{s['real_tokens_per_s']['baseline']:,.0f}",
              f"{s['real_tokens_per_s']['patched']:,.0f}", ""),
@@ -442,7 +475,8 @@ class Comparison:
         ]
         if "max_seq_len_that_fits" in s:
             fits = s["max_seq_len_that_fits"]
-            rows.append(("longest seq that fits", _fmt_len(fits.get("baseline")), _fmt_len(fits.get("patched")), ""))
+            rows.append(("longest seq that fits", _fmt_len(fits.get("baseline")),
+                         _fmt_len(fits.get("patched")), ""))
         if "activation_bytes_per_token" in s:
             per = {k: (f"{v / 1024:,.0f} KiB" if v is not None else "n/a")
                    for k, v in s["activation_bytes_per_token"].items()}
@@ -479,11 +513,13 @@ class Comparison:
         import matplotlib.pyplot as plt
 
         if axes is None:
-            _, axes = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+            _, axes = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True,
+                                   gridspec_kw={"height_ratios": [2, 1]})
         top, bottom = axes
         steps = [r.step + 1 for r in self.baseline.records]
         top.plot(steps, self.baseline.losses, "o-", label="baseline (Hugging Face)", color="#4c72b0")
-        top.plot(steps, self.patched.losses, "x--", label="patched (Triton RMSNorm + cross-entropy)", color="#c44e52")
+        top.plot(steps, self.patched.losses, "x--",
+                 label="patched (Triton RMSNorm + cross-entropy)", color="#c44e52")
         top.set_ylabel("loss")
         top.set_title(f"Same run, two implementations — {self.settings.get('preset')} on {self.device}")
         top.legend()
@@ -494,9 +530,10 @@ class Comparison:
         return axes
 
     def save(self, out_dir: str | Path = RESULTS, name: str | None = None) -> tuple[Path, Path]:
-        """Write ``finetune/<name>.json`` and ``.png`` (the loss curves) under the results root ``out_dir``, over any
-        earlier run of that name, each file complete or not at all; ``name`` defaults to the preset. What the run was
-        set up with is in the JSON's ``settings`` (``kernels.bench.results.find_run`` finds it by them)."""
+        """Write ``finetune/<name>.json`` and ``.png`` (the loss curves) under the results root
+        ``out_dir``, over any earlier run of that name, each file complete or not at all; ``name``
+        defaults to the preset. What the run was set up with is in the JSON's ``settings``
+        (``kernels.bench.results.find_run`` finds it by them)."""
         import matplotlib.pyplot as plt
 
         name = name or self.settings.get("preset")
@@ -524,8 +561,8 @@ def compile_model(model: torch.nn.Module, mode: str = "default") -> torch.nn.Mod
 
 
 def enable_checkpointing(model: torch.nn.Module) -> None:
-    """Hugging Face's gradient checkpointing, non-reentrant (the variant PyTorch recommends; it needs no input that
-    requires a gradient, and it composes with torch.compile and FSDP2)."""
+    """Hugging Face's gradient checkpointing, non-reentrant (the variant PyTorch recommends; it
+    needs no input that requires a gradient, and it composes with torch.compile and FSDP2)."""
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):  # the name newer transformers releases use
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
@@ -568,24 +605,27 @@ def compare(
 ) -> Comparison:
     """Train the baseline, then the patched model, from the same initial weights on the same batches.
 
-    Each model is built with ``build_model(preset, dtype, device, seed)`` (same seed, same device: the same weights)
-    and freed before the next one is built, so the two never share the GPU. ``lr`` defaults to ``default_lr``.
-    ``patch_options`` go to ``patch_llama`` (none: its default, every kernel that applies; e.g.
-    ``dict(kernels=("cross_entropy",))`` to patch the loss alone). ``compile``
-    (``"default"``, ``"reduce-overhead"``, ...) runs both models through ``compile_model`` with that mode; the
-    compilation happens in the first steps, which ``warmup_steps`` keeps out of the timings.
-    ``gradient_checkpointing`` turns on Hugging Face's activation checkpointing in both models (non-reentrant):
-    each decoder layer keeps only its input and recomputes the rest in the backward pass. ``padding_mask=False``
-    leaves out the redundant padding masks of both runs (``train``). ``adamw`` is ``train``'s, for both runs unless
-    ``patched_adamw`` names another for the patched run (e.g. Hugging Face with ``"fused"``, the default of its
-    Trainer, against the patched model with ``"triton"``: every kernel of this package, the optimizer's too).
+    Each model is built with ``build_model(preset, dtype, device, seed)`` (same seed, same device:
+    the same weights) and freed before the next one is built, so the two never share the GPU. ``lr``
+    defaults to ``default_lr``. ``patch_options`` go to ``patch_llama`` (none: its default, every
+    kernel that applies; e.g. ``dict(kernels=("cross_entropy",))`` to patch the loss alone).
+    ``compile`` (``"default"``, ``"reduce-overhead"``, ...) runs both models through
+    ``compile_model`` with that mode; the compilation happens in the first steps, which
+    ``warmup_steps`` keeps out of the timings. ``gradient_checkpointing`` turns on Hugging Face's
+    activation checkpointing in both models (non-reentrant): each decoder layer keeps only its input
+    and recomputes the rest in the backward pass. ``padding_mask=False`` leaves out the redundant
+    padding masks of both runs (``train``). ``adamw`` is ``train``'s, for both runs unless
+    ``patched_adamw`` names another for the patched run (e.g. Hugging Face with ``"fused"``, the
+    default of its Trainer, against the patched model with ``"triton"``: every kernel of this
+    package, the optimizer's too).
     """
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
     lr = default_lr(preset) if lr is None else lr
     batches = make_run_batches(preset, steps, seq_len, batch_size, grad_accum, seed, tokenizer)
     settings = {
-        "preset": preset, "steps": steps, "seq_len": seq_len, "batch_size": batch_size, "grad_accum": grad_accum,
+        "preset": preset, "steps": steps, "seq_len": seq_len, "batch_size": batch_size,
+        "grad_accum": grad_accum,
         "lr": lr, "seed": seed, "dtype": str(dtype).replace("torch.", ""), "warmup_steps": warmup_steps,
         "patch_options": dict(patch_options or {}), "compile": compile,
         "gradient_checkpointing": gradient_checkpointing, "padding_mask": padding_mask, "adamw": adamw,
@@ -612,12 +652,13 @@ def compare(
     return Comparison(settings, runs["baseline"], runs["patched"])
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # One batch, three ways: the float32 truth, Hugging Face in bf16, patched in bf16
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
-PARAMETER_KINDS = ("embed_tokens", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+PARAMETER_KINDS = ("embed_tokens", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                   "down_proj",
                    "input_layernorm", "post_attention_layernorm", "q_norm", "k_norm", "norm", "lm_head")
 
 
@@ -632,8 +673,9 @@ def parameter_kind(name: str) -> str:
 
 @dataclass
 class GradientCheck:
-    """Loss and per-parameter gradient errors of Hugging Face's bf16 model and the patched bf16 model, each against
-    the same model computed in float32 (the reference), and of the patched model against Hugging Face's."""
+    """Loss and per-parameter gradient errors of Hugging Face's bf16 model and the patched bf16
+    model, each against the same model computed in float32 (the reference), and of the patched model
+    against Hugging Face's."""
 
     losses: dict[str, float]  # "float32", "baseline", "patched"
     errors: dict[str, dict[str, float]]  # parameter -> {"baseline", "patched", "patched_vs_baseline"}
@@ -690,10 +732,12 @@ def _loss_and_grads(model, batch, n_items):
     return float(loss.detach()), {name: p.grad for name, p in model.named_parameters()}
 
 
-def gradient_check(preset_or_config="tiny", batch: dict | None = None, seed: int = 0, device=None) -> GradientCheck:
-    """One forward and backward pass on one batch, three ways, from the same weights: in float32 (the reference),
-    in bf16 as Hugging Face computes it, and in bf16 patched. The model is built once in float32 and its parameters
-    are cast to bf16, so all three start from the same values (up to the bf16 rounding of the weights)."""
+def gradient_check(preset_or_config="tiny", batch: dict | None = None, seed: int = 0,
+                   device=None) -> GradientCheck:
+    """One forward and backward pass on one batch, three ways, from the same weights: in float32
+    (the reference), in bf16 as Hugging Face computes it, and in bf16 patched. The model is built
+    once in float32 and its parameters are cast to bf16, so all three start from the same values (up
+    to the bf16 rounding of the weights)."""
     model = build_model(preset_or_config, dtype=torch.float32, device=device, seed=seed)
     device = next(model.parameters()).device
     if batch is None:
@@ -705,13 +749,15 @@ def gradient_check(preset_or_config="tiny", batch: dict | None = None, seed: int
     reference = {k: g.detach().clone() for k, g in reference.items()}
     model.zero_grad(set_to_none=True)
     with torch.no_grad():
-        # Parameters only: model.to(torch.bfloat16) would also round the rotary frequencies (a float32 buffer that
-        # a bf16 model built directly keeps in float32), and the bf16 runs would then test RoPE's rounding.
+        # Parameters only: model.to(torch.bfloat16) would also round the rotary frequencies (a
+        # float32 buffer that a bf16 model built directly keeps in float32), and the bf16 runs would
+        # then test RoPE's rounding.
         for param in model.parameters():
             param.data = param.data.to(torch.bfloat16)
     losses["baseline"], grads = _loss_and_grads(model, batch, n_items)
     baseline = {k: g.detach().clone() for k, g in grads.items()}
-    # Where the gradients live, in float32: no copy of a large gradient to the host, no float64 copies on the GPU.
+    # Where the gradients live, in float32: no copy of a large gradient to the host, no float64
+    # copies on the GPU.
     error = functools.partial(relative_error, on_device=True, dtype=torch.float32)
     errors = {k: {"baseline": error(baseline[k], reference[k])} for k in reference}
     with patch_llama(model, kernels=("rms_norm", "cross_entropy")):  # chapter 08's two kernels
@@ -725,7 +771,8 @@ def gradient_check(preset_or_config="tiny", batch: dict | None = None, seed: int
 
 
 __all__ = [
-    "WARMUP_STEPS", "VARIANTS", "StepRecord", "RunResult", "Comparison", "train", "compare", "count_trained_labels",
+    "WARMUP_STEPS", "VARIANTS", "StepRecord", "RunResult", "Comparison", "train", "compare",
+    "count_trained_labels",
     "describe_model", "default_lr", "make_run_batches", "free_memory", "gradient_check", "GradientCheck",
     "parameter_kind", "check_train_args", "step_groups", "labels_per_step", "train_steps",
 ]

@@ -1,17 +1,21 @@
-"""Llama models for the workbook: configurations, deterministic random weights, and the memory a fine-tuning step needs.
+"""Llama models for the workbook: configurations, deterministic random weights, and the memory a
+fine-tuning step needs.
 
-A kernel's cost depends on the shapes it sees, not on the values of the weights, so the workbook runs on Llama
-*configurations* with random weights and downloads nothing. The configurations by name (``"tiny"``,
-``"llama-3.2-1b"``, ``"llama-3.1-8b"``) live in ``kernels.hf.presets``; ``llama_config``, ``PRESETS`` and
-``count_parameters`` are imported here too, so a training script finds them beside ``build_model``.
+A kernel's cost depends on the shapes it sees, not on the values of the weights, so the workbook
+runs on Llama *configurations* with random weights and downloads nothing. The configurations by name
+(``"tiny"``, ``"llama-3.2-1b"``, ``"llama-3.1-8b"``) live in ``kernels.hf.presets``;
+``llama_config``, ``PRESETS`` and ``count_parameters`` are imported here too, so a training script
+finds them beside ``build_model``.
 
-``build_model`` gives the same weights for the same seed on the same device, which later chapters rely on to build a
-baseline and a patched copy of one model. ``load_pretrained`` loads real weights when they are already on disk.
+``build_model`` gives the same weights for the same seed on the same device, which later chapters
+rely on to build a baseline and a patched copy of one model. ``load_pretrained`` loads real weights
+when they are already on disk.
 
-``full_finetune_memory`` counts, from the configuration alone, the bytes full bf16 fine-tuning with AdamW needs;
-``pick_preset_for_gpu`` uses it to choose the largest preset that fits this GPU.
+``full_finetune_memory`` counts, from the configuration alone, the bytes full bf16 fine-tuning with
+AdamW needs; ``pick_preset_for_gpu`` uses it to choose the largest preset that fits this GPU.
 
-``transformers`` is imported inside the functions that need it so that ``import kernels`` stays fast.
+``transformers`` is imported inside the functions that need it so that ``import kernels`` stays
+fast.
 """
 
 from __future__ import annotations
@@ -34,9 +38,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 GiB = 1024**3
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Building models
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def _resolve_config(preset_or_config) -> LlamaConfig:
@@ -73,16 +77,17 @@ def _default_dtype(dtype: torch.dtype):
 def init_weights_(model: torch.nn.Module, seed: int = 0, std: float | None = None) -> torch.nn.Module:
     """Overwrite every parameter with seeded random values, in place; the same seed gives the same weights.
 
-    Matrices and embeddings get N(0, std²) with the configuration's ``initializer_range`` (0.02), as Hugging Face
-    initialises Llama. RMSNorm weights get N(1, 0.1²) rather than exactly 1: a kernel that forgot to multiply by the
-    weight would still match a model whose weights are all ones. The values come from one generator on the
-    parameters' device, so they are identical for the same seed on the same kind of device (the CPU's and CUDA's
-    random streams differ from each other).
+    Matrices and embeddings get N(0, std²) with the configuration's ``initializer_range`` (0.02), as
+    Hugging Face initialises Llama. RMSNorm weights get N(1, 0.1²) rather than exactly 1: a kernel
+    that forgot to multiply by the weight would still match a model whose weights are all ones. The
+    values come from one generator on the parameters' device, so they are identical for the same
+    seed on the same kind of device (the CPU's and CUDA's random streams differ from each other).
     """
     if std is None:
         std = getattr(getattr(model, "config", None), "initializer_range", 0.02)
     generators: dict[torch.device, torch.Generator] = {}
-    # Sorted names give an order that does not depend on how the model was assembled; tied weights appear once.
+    # Sorted names give an order that does not depend on how the model was assembled; tied weights
+    # appear once.
     for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
         gen = generators.get(param.device)
         if gen is None:
@@ -100,11 +105,13 @@ def init_weights_(model: torch.nn.Module, seed: int = 0, std: float | None = Non
 def build_model(
     preset_or_config="tiny", dtype: torch.dtype = torch.bfloat16, device=None, seed: int = 0
 ) -> LlamaForCausalLM:
-    """A ``LlamaForCausalLM`` of a preset (or any ``LlamaConfig``) with deterministic random weights, in train mode.
+    """A ``LlamaForCausalLM`` of a preset (or any ``LlamaConfig``) with deterministic random
+    weights, in train mode.
 
-    The model is constructed directly on ``device`` (default: ``runtime.device()``) in ``dtype``, so an 8B model on a
-    GPU never passes through slow fp32 initialisation on the CPU, then every weight is drawn by ``init_weights_``
-    from ``seed``. Attention runs through PyTorch's ``scaled_dot_product_attention`` ("sdpa").
+    The model is constructed directly on ``device`` (default: ``runtime.device()``) in ``dtype``, so
+    an 8B model on a GPU never passes through slow fp32 initialisation on the CPU, then every weight
+    is drawn by ``init_weights_`` from ``seed``. Attention runs through PyTorch's
+    ``scaled_dot_product_attention`` ("sdpa").
     """
     from transformers import LlamaForCausalLM
 
@@ -113,8 +120,8 @@ def build_model(
     device = torch.device(device) if device is not None else runtime.device()
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    # Construction runs Hugging Face's own initialisation, which draws from the global random state: keep the
-    # caller's random state untouched, the weights come from init_weights_ below anyway.
+    # Construction runs Hugging Face's own initialisation, which draws from the global random state:
+    # keep the caller's random state untouched, the weights come from init_weights_ below anyway.
     fork_devices = [device.index] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=fork_devices), _default_dtype(dtype), torch.device(device):
         model = LlamaForCausalLM(config)
@@ -126,7 +133,8 @@ def build_model(
 def load_pretrained(name_or_path, dtype: torch.dtype = torch.bfloat16, device=None) -> LlamaForCausalLM:
     """Real weights from a local directory or a model already in the Hugging Face cache; never downloads.
 
-    Returns the model in train mode with the KV cache off and attention through "sdpa", like ``build_model``.
+    Returns the model in train mode with the KV cache off and attention through "sdpa", like
+    ``build_model``.
     """
     from transformers import AutoModelForCausalLM
 
@@ -154,9 +162,9 @@ def load_pretrained(name_or_path, dtype: torch.dtype = torch.bfloat16, device=No
     return model.to(device).train()
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Memory of full fine-tuning
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def _fmt_bytes(n: float) -> str:
@@ -169,7 +177,8 @@ def _fmt_bytes(n: float) -> str:
 
 # The moments of a step at which memory can peak, and the parts alive at each (see MemoryBudget).
 HIGH_POINTS: dict[str, tuple[str, ...]] = {
-    "loss, forward": ("weights", "optimizer_states", "activations", "logits", "logits_fp32", "log_softmax_fp32"),
+    "loss, forward": ("weights", "optimizer_states", "activations", "logits", "logits_fp32",
+                      "log_softmax_fp32"),
     "loss, backward": ("weights", "optimizer_states", "activations", "log_softmax_fp32", "logit_grads_fp32"),
     "optimizer step": ("weights", "gradients", "optimizer_states", "optimizer_temporaries"),
 }
@@ -179,17 +188,20 @@ HIGH_POINTS: dict[str, tuple[str, ...]] = {
 class MemoryBudget:
     """Bytes a full fine-tuning step needs, part by part, and at the three moments where it can peak.
 
-    * ``"loss, forward"``, while Hugging Face's loss runs at the end of the forward pass: weights, optimizer states,
-      every activation saved for the backward pass, the bf16 logits, their fp32 copy (``logits.float()``) and the
-      fp32 log-softmax that ``F.cross_entropy`` keeps for its backward pass (10 bytes per logit);
-    * ``"loss, backward"``, the first nodes of the backward pass: all activations are still alive, next to the saved
-      log-softmax and two fp32 gradients of the logits, nll_loss's and log_softmax's (12 bytes per logit);
-    * ``"optimizer step"``, inside ``optimizer.step()``: weights, gradients, optimizer states and the optimizer's
-      temporaries. (Activations are gone by then: the backward pass freed them.)
+    * ``"loss, forward"``, while Hugging Face's loss runs at the end of the forward pass: weights,
+      optimizer states, every activation saved for the backward pass, the bf16 logits, their fp32
+      copy (``logits.float()``) and the fp32 log-softmax that ``F.cross_entropy`` keeps for its
+      backward pass (10 bytes per logit);
+    * ``"loss, backward"``, the first nodes of the backward pass: all activations are still alive,
+      next to the saved log-softmax and two fp32 gradients of the logits, nll_loss's and
+      log_softmax's (12 bytes per logit);
+    * ``"optimizer step"``, inside ``optimizer.step()``: weights, gradients, optimizer states and
+      the optimizer's temporaries. (Activations are gone by then: the backward pass freed them.)
 
-    From ``full_finetune_memory`` every field is computed from the configuration (``measured`` is False and
-    ``activations`` is an estimate). From ``kernels.training.profiling`` on a GPU, the parts are taken from the tensors
-    and the allocator's statistics and ``measured_peak`` is ``torch.cuda.max_memory_allocated`` over a step.
+    From ``full_finetune_memory`` every field is computed from the configuration (``measured`` is
+    False and ``activations`` is an estimate). From ``kernels.training.profiling`` on a GPU, the
+    parts are taken from the tensors and the allocator's statistics and ``measured_peak`` is
+    ``torch.cuda.max_memory_allocated`` over a step.
     """
 
     weights: int
@@ -220,7 +232,8 @@ class MemoryBudget:
 
     @property
     def loss_bytes(self) -> int:
-        """The most the loss's [tokens, vocab] buffers take at once (forward or backward) on top of the model."""
+        """The most the loss's [tokens, vocab] buffers take at once (forward or backward) on top of
+        the model."""
         return hf_loss_peak(self.logits, self.logits_fp32, self.log_softmax_fp32, self.logit_grads_fp32)
 
     def parts(self) -> dict[str, int]:
@@ -237,12 +250,14 @@ class MemoryBudget:
         }
 
     def table(self) -> str:
-        """A plain-text table of every part, with the note that says how it was obtained, and the high points."""
+        """A plain-text table of every part, with the note that says how it was obtained, and the
+        high points."""
         lines = [f"{'part':<24}{'bytes':>14}  how"]
         for name, value in self.parts().items():
             lines.append(f"{name:<24}{_fmt_bytes(value):>14}  {self.notes.get(name, '')}")
         for moment, value in self.high_points().items():
-            alive = ", ".join(name.replace("optimizer_", "").replace("_", " ") for name in HIGH_POINTS[moment])
+            alive = ", ".join(name.replace("optimizer_", "").replace("_",
+                                                                     " ") for name in HIGH_POINTS[moment])
             lines.append(f"{'at ' + moment:<24}{_fmt_bytes(value):>14}  {alive}")
         kind = "measured (torch.cuda.max_memory_allocated)" if self.measured_peak is not None else "computed"
         lines.append(f"{'peak':<24}{_fmt_bytes(self.peak):>14}  {kind}")
@@ -250,8 +265,9 @@ class MemoryBudget:
 
 
 def norm_bytes_per_token(hidden: int, dtype: torch.dtype = torch.bfloat16) -> int:
-    """Bytes one Hugging Face RMSNorm saves for the backward pass per token: its fp32 input (4·h), the fp32 1/rms
-    (4), and the normalised values before and after the weight multiply in ``dtype``."""
+    """Bytes one Hugging Face RMSNorm saves for the backward pass per token: its fp32 input (4·h),
+    the fp32 1/rms (4), and the normalised values before and after the weight multiply in
+    ``dtype``."""
     size = torch.empty((), dtype=dtype).element_size()
     return 4 * hidden + 4 + 2 * size * hidden
 
@@ -259,14 +275,17 @@ def norm_bytes_per_token(hidden: int, dtype: torch.dtype = torch.bfloat16) -> in
 def activation_bytes_per_token_layer(config: LlamaConfig, dtype: torch.dtype = torch.bfloat16) -> int:
     """Bytes one decoder layer saves for the backward pass per token, in Hugging Face's Llama (an estimate).
 
-    Counted from what autograd keeps (``tests/test_models.py`` checks it against the tensors a real step saves),
-    with h the hidden size, q the query width (heads × head_dim) and ``size`` the bytes of ``dtype``:
+    Counted from what autograd keeps (``tests/test_models.py`` checks it against the tensors a real
+    step saves), with h the hidden size, q the query width (heads × head_dim) and ``size`` the bytes
+    of ``dtype``:
 
-    * each of the 2 RMSNorms: its fp32 input (4·h bytes; the square and the normalising multiply share it), the
-      fp32 1/rms (4 bytes), the normalised values in ``dtype`` before the weight multiply and the output after it
-      (the projections that follow read the output, so it is saved once);
-    * attention: q, k and v (k and v repeated to every query head) and the output, in ``dtype``, plus one fp32
-      log-sum-exp per head; RoPE saves only the shared cos/sin tables, the o_proj input is a view of the output;
+    * each of the 2 RMSNorms: its fp32 input (4·h bytes; the square and the normalising multiply
+      share it), the fp32 1/rms (4 bytes), the normalised values in ``dtype`` before the weight
+      multiply and the output after it (the projections that follow read the output, so it is saved
+      once);
+    * attention: q, k and v (k and v repeated to every query head) and the output, in ``dtype``,
+      plus one fp32 log-sum-exp per head; RoPE saves only the shared cos/sin tables, the o_proj
+      input is a view of the output;
     * MLP (SwiGLU): gate, silu(gate), up and their product, in ``dtype``.
 
     The attention mask is not included: see ``full_finetune_memory``.
@@ -285,20 +304,23 @@ def activation_bytes_per_token_layer(config: LlamaConfig, dtype: torch.dtype = t
 def full_finetune_memory(
     config: LlamaConfig, batch_size: int, seq_len: int, dtype: torch.dtype = torch.bfloat16
 ) -> MemoryBudget:
-    """The memory of one step of full fine-tuning with ``torch.optim.AdamW``, computed from the configuration.
+    """The memory of one step of full fine-tuning with ``torch.optim.AdamW``, computed from the
+    configuration.
 
     Assumptions, each the behaviour of the libraries as they are:
 
     * weights and gradients are stored in ``dtype`` (bf16: 2 bytes per parameter each);
-    * AdamW's two moments (``exp_avg``, ``exp_avg_sq``) are created with ``torch.zeros_like(param)``, so they take
-      the parameter's dtype: bf16 parameters get bf16 states, 4 bytes per parameter in all (not the 8 bytes of fp32
-      moments that mixed-precision recipes keep);
-    * the default ("foreach") AdamW on a GPU computes ``sqrt(exp_avg_sq)`` for all parameters at once: one
-      parameter-sized temporary during ``optimizer.step()``;
-    * the loss is Hugging Face's: bf16 logits [B·S, V], an fp32 copy of them, and ``F.cross_entropy``'s fp32
-      log-softmax kept for the backward pass, whose first nodes then hold two fp32 gradients of the logits;
-    * activations: ``activation_bytes_per_token_layer`` × layers × tokens, plus the final norm and one attention
-      mask [B, 1, S, S] per layer. This part is an estimate.
+    * AdamW's two moments (``exp_avg``, ``exp_avg_sq``) are created with
+      ``torch.zeros_like(param)``, so they take the parameter's dtype: bf16 parameters get bf16
+      states, 4 bytes per parameter in all (not the 8 bytes of fp32 moments that mixed-precision
+      recipes keep);
+    * the default ("foreach") AdamW on a GPU computes ``sqrt(exp_avg_sq)`` for all parameters at
+      once: one parameter-sized temporary during ``optimizer.step()``;
+    * the loss is Hugging Face's: bf16 logits [B·S, V], an fp32 copy of them, and
+      ``F.cross_entropy``'s fp32 log-softmax kept for the backward pass, whose first nodes then hold
+      two fp32 gradients of the logits;
+    * activations: ``activation_bytes_per_token_layer`` × layers × tokens, plus the final norm and
+      one attention mask [B, 1, S, S] per layer. This part is an estimate.
     """
     for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -310,8 +332,9 @@ def full_finetune_memory(
     h, vocab = config.hidden_size, config.vocab_size
     per_layer = activation_bytes_per_token_layer(config, dtype)
     final_norm = norm_bytes_per_token(h, dtype)
-    # A row with padding makes Hugging Face build a [B, 1, S, S] mask for sdpa; PyTorch's CPU attention keeps a
-    # copy per layer (counted so, an upper bound where the GPU's attention shares one).
+    # A row with padding makes Hugging Face build a [B, 1, S, S] mask for sdpa; PyTorch's CPU
+    # attention keeps a copy per layer (counted so, an upper bound where the GPU's attention shares
+    # one).
     mask_per_layer = batch_size * seq_len * seq_len * size
     layers = config.num_hidden_layers
     activations = tokens * (layers * per_layer + final_norm) + layers * mask_per_layer
@@ -341,13 +364,15 @@ def _presets_largest_first() -> list[str]:
     return sorted(PRESETS, key=lambda name: count_parameters(llama_config(name)), reverse=True)
 
 
-def pick_preset_for_gpu(seq_len: int = 2048, batch_size: int = 1, free_bytes: int | None = None, margin: float = 0.10):
-    """``(preset, reason)``: the largest preset whose full bf16 fine-tuning with AdamW fits in free GPU memory.
+def pick_preset_for_gpu(seq_len: int = 2048, batch_size: int = 1, free_bytes: int | None = None,
+                        margin: float = 0.10):
+    """``(preset, reason)``: the largest preset whose full bf16 fine-tuning with AdamW fits in free
+    GPU memory.
 
-    A preset fits when its computed peak (``full_finetune_memory(...).peak``) plus ``margin`` (10%) of it is at most
-    ``free_bytes`` (default: what ``torch.cuda.mem_get_info`` reports free now). The margin covers what the count
-    leaves out: the allocator's fragmentation, the CUDA context's workspaces, the profiler. Without a GPU and
-    without ``free_bytes`` the answer is ``"tiny"``.
+    A preset fits when its computed peak (``full_finetune_memory(...).peak``) plus ``margin`` (10%)
+    of it is at most ``free_bytes`` (default: what ``torch.cuda.mem_get_info`` reports free now).
+    The margin covers what the count leaves out: the allocator's fragmentation, the CUDA context's
+    workspaces, the profiler. Without a GPU and without ``free_bytes`` the answer is ``"tiny"``.
     """
     if free_bytes is None:
         if not torch.cuda.is_available():

@@ -1,24 +1,28 @@
 """Padded against packed SFT batches, end to end: ``python -m kernels.training.packed``.
 
-The same independent examples (``make_sft_examples``: log-normal lengths, median 256 tokens, σ = 1, clipped to
-``--max-len``) go through one model two ways:
+The same independent examples (``make_sft_examples``: log-normal lengths, median 256 tokens, σ = 1,
+clipped to ``--max-len``) go through one model two ways:
 
-* **padded**: ``pad_examples``, ``--batch`` examples per batch, each padded on the right to the batch's longest, with
-  the padding mask; ``patch_llama``'s defaults (attention by SDPA with the mask);
-* **packed**: ``pack_examples``, rows of ``--tokens`` tokens holding whole examples back to back, position ids
-  restarting in each example and the document offsets beside them; ``patch_llama``'s defaults with
-  ``attention=True`` (the package's FlashAttention with the document mask), so no example attends to another.
+* **padded**: ``pad_examples``, ``--batch`` examples per batch, each padded on the right to the
+  batch's longest, with the padding mask; ``patch_llama``'s defaults (attention by SDPA with the
+  mask);
+* **packed**: ``pack_examples``, rows of ``--tokens`` tokens holding whole examples back to back,
+  position ids restarting in each example and the document offsets beside them; ``patch_llama``'s
+  defaults with ``attention=True`` (the package's FlashAttention with the document mask), so no
+  example attends to another.
 
-Each batch is a forward and a backward (every weight's gradient, freed after the batch) with no optimizer step, so
-both layouts see the same weights: the loss summed over every example (each batch's mean times its trained labels)
-must agree between them, to the rounding of the dtype. One batch of each layout runs first, untimed (compilation,
-allocation). The time is the whole pass over the examples; *useful* tokens per second count the examples' own
-tokens, not the padding: the measure of a fine-tuning step's work.
+Each batch is a forward and a backward (every weight's gradient, freed after the batch) with no
+optimizer step, so both layouts see the same weights: the loss summed over every example (each
+batch's mean times its trained labels) must agree between them, to the rounding of the dtype. One
+batch of each layout runs first, untimed (compilation, allocation). The time is the whole pass over
+the examples; *useful* tokens per second count the examples' own tokens, not the padding: the
+measure of a fine-tuning step's work.
 
-On a GPU: the Llama-3.1-8B shape with random bf16 weights and gradient checkpointing, 256 examples of at most 2,048
-tokens, padded 4 per batch, packed 8,192 tokens per row. In the interpreter: a one-layer tiny Llama in float32 and a
-few short examples (the timings there mean nothing; the losses are checked). Results: ``runs/packing/<name>.json``;
-``--record`` writes ``assets/results/packing/<name>.json``.
+On a GPU: the Llama-3.1-8B shape with random bf16 weights and gradient checkpointing, 256 examples
+of at most 2,048 tokens, padded 4 per batch, packed 8,192 tokens per row. In the interpreter: a
+one-layer tiny Llama in float32 and a few short examples (the timings there mean nothing; the losses
+are checked). Results: ``runs/packing/<name>.json``; ``--record`` writes
+``assets/results/packing/<name>.json``.
 """
 
 from __future__ import annotations
@@ -67,8 +71,9 @@ def _on(batch: dict, device) -> dict:
 
 
 def one_pass(model: torch.nn.Module, batches: list[dict], progress: bool = True, desc: str = "") -> dict:
-    """Forward and backward over every batch (gradients freed after each): the pass's time, its summed loss, and
-    the batches' tokens. The first batch runs once more before the clock starts, untimed."""
+    """Forward and backward over every batch (gradients freed after each): the pass's time, its
+    summed loss, and the batches' tokens. The first batch runs once more before the clock starts,
+    untimed."""
     from kernels.bench.progress import progress_bar as tqdm
 
     device = next(model.parameters()).device
@@ -98,9 +103,11 @@ def run(setup: Setup, progress: bool = True) -> dict:
     tokenizer = get_tokenizer()
     examples = make_sft_examples(tokenizer, setup.examples, setup.max_len, setup.seed, median=setup.median)
     useful = sum(len(ids) for ids, _ in examples)
-    layouts = {"padded": pad_examples(examples, setup.batch), "packed": pack_examples(examples, setup.tokens)}
+    layouts = {"padded": pad_examples(examples, setup.batch),
+               "packed": pack_examples(examples, setup.tokens)}
     dtype = torch.bfloat16 if runtime.MODE == "gpu" else torch.float32
-    config = llama_config(setup.preset) if setup.preset != "tiny" else llama_config("tiny", num_hidden_layers=1)
+    config = llama_config(setup.preset) if setup.preset != "tiny" else llama_config("tiny",
+                                                                                    num_hidden_layers=1)
     model = build_model(config, dtype=dtype, seed=setup.seed)
     if setup.checkpointing:
         enable_checkpointing(model)
@@ -143,7 +150,8 @@ def load(name: str = GPU_SETUP.preset) -> dict | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m kernels.training.packed", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kernels.training.packed",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=tuple(PRESETS), default=None,
                         help=f"model shape (GPU default {GPU_SETUP.preset}; CPU: a one-layer tiny Llama)")
     parser.add_argument("--examples", type=cli.positive_int, default=None,
@@ -156,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"tokens per packed row, at least --max-len (GPU default {GPU_SETUP.tokens})")
     parser.add_argument("--no-checkpointing", action="store_true",
                         help="keep every activation (GPU default: gradient checkpointing)")
-    parser.add_argument("--name", type=cli.file_name, default=None, help="the results' name (default: the preset)")
+    parser.add_argument("--name", type=cli.file_name, default=None,
+                        help="the results' name (default: the preset)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     cli.add_output_arguments(parser, f"{GROUP}/<name>.json")
     return parser

@@ -1,22 +1,25 @@
-"""What a training step's peak memory is made of, measured: the blocks alive at the peak, and the slope per token.
+"""What a training step's peak memory is made of, measured: the blocks alive at the peak, and the
+slope per token.
 
-``fit.memory_slope`` gives one number, the bytes one more token adds to a step's peak. This module takes the peak
-apart. It runs a checkpointed training step (forward, backward, AdamW) at two lengths with PyTorch's allocator
-history on (``torch.cuda.memory._record_memory_history``), replays the history of the longer step to find the moment
-of the peak, and lists the tensors alive at that moment by size and by the Python line that allocated them. A
-tensor's bytes per token (size / tokens) names it: 2·H is a [tokens, H] bf16 activation, 2·I the MLP's
-intermediate, 2·tokens the row of a [tokens, tokens] bf16 mask.
+``fit.memory_slope`` gives one number, the bytes one more token adds to a step's peak. This module
+takes the peak apart. It runs a checkpointed training step (forward, backward, AdamW) at two lengths
+with PyTorch's allocator history on (``torch.cuda.memory._record_memory_history``), replays the
+history of the longer step to find the moment of the peak, and lists the tensors alive at that
+moment by size and by the Python line that allocated them. A tensor's bytes per token (size /
+tokens) names it: 2·H is a [tokens, H] bf16 activation, 2·I the MLP's intermediate, 2·tokens the row
+of a [tokens, tokens] bf16 mask.
 
-Variants: Hugging Face's model; this package's patch with the linear cross-entropy (``ours_lce``), with every
-kernel (``ours_all``) and with every kernel and the padding mask as one additive bias (``ours_bias``,
-``kernels.hf.attention_mask``); Liger-Kernel's fused linear cross-entropy and RMSNorm (``liger_flce``) and all its Llama
-kernels (``liger_all``), when installed. Each runs with and without the padding mask (``kernels.hf.padding_mask``).
-Liger patches Hugging Face's Llama classes for the rest of the process, so its variants always run last.
+Variants: Hugging Face's model; this package's patch with the linear cross-entropy (``ours_lce``),
+with every kernel (``ours_all``) and with every kernel and the padding mask as one additive bias
+(``ours_bias``, ``kernels.hf.attention_mask``); Liger-Kernel's fused linear cross-entropy and
+RMSNorm (``liger_flce``) and all its Llama kernels (``liger_all``), when installed. Each runs with
+and without the padding mask (``kernels.hf.padding_mask``). Liger patches Hugging Face's Llama
+classes for the rest of the process, so its variants always run last.
 
     python -m kernels.training.peak_memory --preset llama-3.2-1b   # GPU only
 
-It writes ``peak_memory/<preset>_<gpu>.json`` into the runs folder, or with ``--record`` into ``assets/results/``, where
-chapters 10 and 11 read it.
+It writes ``peak_memory/<preset>_<gpu>.json`` into the runs folder, or with ``--record`` into
+``assets/results/``, where chapters 10 and 11 read it.
 """
 
 from __future__ import annotations
@@ -52,14 +55,15 @@ LENGTHS = (16384, 32768)
 FREES = ("free_requested", "free_completed")
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The replay: pure functions over the allocator's trace (a list of dicts), testable without a GPU
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def peak_index(trace: list[dict]) -> tuple[int, int]:
-    """(index of the allocation that reached the peak, bytes alive then) over the trace's own allocations; blocks
-    allocated before the history started are not in it, so the bytes are relative to the start."""
+    """(index of the allocation that reached the peak, bytes alive then) over the trace's own
+    allocations; blocks allocated before the history started are not in it, so the bytes are
+    relative to the start."""
     live: dict[int, int] = {}
     current = best = 0
     best_at = -1
@@ -75,7 +79,8 @@ def peak_index(trace: list[dict]) -> tuple[int, int]:
 
 
 def _site(frames: list[dict], depth: int = 3) -> str:
-    # The innermost lines outside PyTorch's own files (checkpointing excepted: it names the recomputed layer).
+    # The innermost lines outside PyTorch's own files (checkpointing excepted: it names the
+    # recomputed layer).
     own = [f for f in frames if "torch/" not in f["filename"] or "checkpoint" in f["filename"]]
     return " < ".join(f"{Path(f['filename']).name}:{f['line']}:{f['name']}" for f in own[:depth]) or "(autograd)"
 
@@ -90,7 +95,8 @@ def live_at(trace: list[dict], index: int, tokens: int, top: int = 12) -> list[d
         elif event["action"] in FREES:
             live.pop(event["addr"], None)
     groups = Counter((e["size"], _site(e.get("frames", []))) for e in live.values())
-    rows = [{"total_bytes": size * n, "size": size, "count": n, "bytes_per_token": size / tokens, "site": site}
+    rows = [{"total_bytes": size * n, "size": size, "count": n, "bytes_per_token": size / tokens,
+             "site": site}
             for (size, site), n in groups.items()]
     return sorted(rows, key=lambda r: -r["total_bytes"])[:top]
 
@@ -100,9 +106,9 @@ def slope(short: dict, long: dict, key: str = "peak_bwd") -> float:
     return (long[key] - short[key]) / (long["tokens"] - short["tokens"])
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The measurement (GPU)
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def _prepare(preset: str, variant: str):
@@ -143,18 +149,21 @@ def _step(model, optimizer, tokenizer, tokens: int, padding_mask: bool, record: 
     return found
 
 
-def measure(preset: str, variant: str, lengths: tuple[int, int] = LENGTHS, padding_mask: bool = True) -> dict:
-    """GPU only: one variant's probes at both lengths (the longer one with the blocks alive at its peak) and its
-    slopes per token (after the forward pass, at the forward's peak, at the backward's peak)."""
+def measure(preset: str, variant: str, lengths: tuple[int, int] = LENGTHS,
+            padding_mask: bool = True) -> dict:
+    """GPU only: one variant's probes at both lengths (the longer one with the blocks alive at its
+    peak) and its slopes per token (after the forward pass, at the forward's peak, at the backward's
+    peak)."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     free_memory()
     model, optimizer = _prepare(preset, variant)
     tokenizer = get_tokenizer()
-    # Checkpointing's early stop ends a layer's recomputation by raising from inside the last save of the layer.
-    # With the allocator history on, PyTorch 2.11 turns that into a SystemError when the saver is a custom
-    # autograd.Function (pytorch/pytorch#179536), as the patched MLP's SwiGLUDownFunction is. Every variant
-    # recomputes whole layers here, so all of them are measured the same way.
+    # Checkpointing's early stop ends a layer's recomputation by raising from inside the last save
+    # of the layer. With the allocator history on, PyTorch 2.11 turns that into a SystemError when
+    # the saver is a custom autograd.Function (pytorch/pytorch#179536), as the patched MLP's
+    # SwiGLUDownFunction is. Every variant recomputes whole layers here, so all of them are measured
+    # the same way.
     with torch.utils.checkpoint.set_checkpoint_early_stop(False):
         _step(model, optimizer, tokenizer, 256, padding_mask, False)  # AdamW's states, outside the probes
         probes = [_step(model, optimizer, tokenizer, n, padding_mask, n == lengths[-1]) for n in lengths]
@@ -187,7 +196,8 @@ def table(results: dict) -> str:
     lines = [f"{results['preset']}, checkpointed, between {results['lengths'][0]:,} and {results['lengths'][1]:,} "
              f"tokens ({results['device']}): KiB per token at the step's peak",
              f"{'variant':<12} {'with mask':>10} {'no mask':>10}"]
-    by = {(r["variant"], r["padding_mask"]): r["bytes_per_token"]["peak_bwd"] / 1024 for r in results["rows"]}
+    by = {(r["variant"],
+           r["padding_mask"]): r["bytes_per_token"]["peak_bwd"] / 1024 for r in results["rows"]}
     for variant in dict.fromkeys(r["variant"] for r in results["rows"]):
         cells = [f"{by[(variant, m)]:10.1f}" if (variant, m) in by else f"{'-':>10}" for m in (True, False)]
         lines.append(f"{variant:<12} {' '.join(cells)}")
@@ -195,14 +205,16 @@ def table(results: dict) -> str:
 
 
 def load(preset: str = "llama-3.2-1b", directory: Path = RESULTS) -> dict | None:
-    """The committed measurement of ``preset`` (``peak_memory/<preset>_<gpu>.json``), whichever GPU made it, or None."""
+    """The committed measurement of ``preset`` (``peak_memory/<preset>_<gpu>.json``), whichever GPU
+    made it, or None."""
     pattern = results_file("peak_memory", f"{preset}_*", directory)  # one file per GPU
     found = sorted(pattern.parent.glob(pattern.name))
     return json.loads(found[0].read_text()) if found else None
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m kernels.training.peak_memory", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kernels.training.peak_memory",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="llama-3.2-1b", choices=tuple(PRESETS))
     p.add_argument("--variants", type=cli.names(VARIANTS), default=tuple(VARIANTS),
                    help=f"comma-separated, from {', '.join(VARIANTS)}")

@@ -1,38 +1,44 @@
 """Profile one fine-tuning step: where the time goes, by operator family, and where the memory goes.
 
-``profile_training_step`` warms the step up, times a few plain steps, then records one full step (forward, backward,
-``optimizer.step()``, ``zero_grad``) with ``torch.profiler``, exports the trace for Perfetto, and sorts every
-microsecond into one of the families in ``FAMILIES``.
+``profile_training_step`` warms the step up, times a few plain steps, then records one full step
+(forward, backward, ``optimizer.step()``, ``zero_grad``) with ``torch.profiler``, exports the trace
+for Perfetto, and sorts every microsecond into one of the families in ``FAMILIES``.
 
 What is timed
-    On a GPU: the duration of every kernel (and memory copy) the step ran on the device. On the CPU: each operator's
-    *self* time (its own time, not its children's), so nothing is counted twice.
+    On a GPU: the duration of every kernel (and memory copy) the step ran on the device. On the CPU:
+    each operator's *self* time (its own time, not its children's), so nothing is counted twice.
 
 How time is sorted into families
-    1. *Regions.* While profiling, each RMSNorm module's forward and Hugging Face's loss function run inside
-       ``torch.profiler.record_function`` ranges (``region::rmsnorm``, ``region::loss``), and the optimizer's step
-       and zero_grad inside ``region::optimizer`` (PyTorch's own ``Optimizer.step#...`` ranges count too). Every
-       operator that runs inside a range, and every kernel such an operator launches (the profiler links each
-       kernel to the operator that launched it), belongs to that range's family. Forward attribution is exact.
-    2. *Backward through autograd sequence numbers.* Each operator recorded in the forward pass carries the
-       sequence number of the autograd node it created; the backward pass runs that node under
-       ``autograd::engine::evaluate_function: <Node>`` with the same sequence number. The backward of everything
-       that ran inside a region is attributed to that region, so RMSNorm's and the loss's backward are exact too
-       (where a profiler records no sequence numbers, step 3 takes over).
-    3. *Names.* Everything else is classified by ``classify(name)``, a pure function of the operator or kernel name:
-       ``aten::mm`` or ``nvjet_…``/``sm90_xmma_gemm…`` are matmuls, ``flash_fwd…``/``fmha_cutlass…`` attention,
-       ``vectorized_elementwise_kernel<…>`` elementwise, ``multi_tensor_apply_kernel`` the optimizer, and so on.
-       A kernel name alone cannot always tell: an ``aten::mul`` kernel may belong to RMSNorm, RoPE or SwiGLU, which is
-       why step 1 and 2 come first. By name, ``pow``, ``mean`` and ``rsqrt`` count as RMSNorm (in a Llama only
-       RMSNorm uses them) and softmax kernels as the loss (attention's softmax is fused inside sdpa's kernels).
+    1. *Regions.* While profiling, each RMSNorm module's forward and Hugging Face's loss function
+       run inside ``torch.profiler.record_function`` ranges (``region::rmsnorm``, ``region::loss``),
+       and the optimizer's step and zero_grad inside ``region::optimizer`` (PyTorch's own
+       ``Optimizer.step#...`` ranges count too). Every operator that runs inside a range, and every
+       kernel such an operator launches (the profiler links each kernel to the operator that
+       launched it), belongs to that range's family. Forward attribution is exact.
+    2. *Backward through autograd sequence numbers.* Each operator recorded in the forward pass
+       carries the sequence number of the autograd node it created; the backward pass runs that node
+       under ``autograd::engine::evaluate_function: <Node>`` with the same sequence number. The
+       backward of everything that ran inside a region is attributed to that region, so RMSNorm's
+       and the loss's backward are exact too (where a profiler records no sequence numbers, step 3
+       takes over).
+    3. *Names.* Everything else is classified by ``classify(name)``, a pure function of the operator
+       or kernel name: ``aten::mm`` or ``nvjet_…``/``sm90_xmma_gemm…`` are matmuls,
+       ``flash_fwd…``/``fmha_cutlass…`` attention, ``vectorized_elementwise_kernel<…>`` elementwise,
+       ``multi_tensor_apply_kernel`` the optimizer, and so on. A kernel name alone cannot always
+       tell: an ``aten::mul`` kernel may belong to RMSNorm, RoPE or SwiGLU, which is why step 1 and
+       2 come first. By name, ``pow``, ``mean`` and ``rsqrt`` count as RMSNorm (in a Llama only
+       RMSNorm uses them) and softmax kernels as the loss (attention's softmax is fused inside
+       sdpa's kernels).
 
 Memory
-    On a GPU, one extra step is measured with ``torch.cuda`` allocator statistics between its phases: weights,
-    gradients and optimizer states are summed from the tensors themselves, activations are what the forward pass
-    left allocated (less the loss's fp32 log-softmax), and the peak is ``torch.cuda.max_memory_allocated``. On the
-    CPU the allocator keeps no such statistics; the result carries ``full_finetune_memory``'s computed estimate.
+    On a GPU, one extra step is measured with ``torch.cuda`` allocator statistics between its
+    phases: weights, gradients and optimizer states are summed from the tensors themselves,
+    activations are what the forward pass left allocated (less the loss's fp32 log-softmax), and the
+    peak is ``torch.cuda.max_memory_allocated``. On the CPU the allocator keeps no such statistics;
+    the result carries ``full_finetune_memory``'s computed estimate.
 
-The trace (``assets/traces/*.json``) opens in https://ui.perfetto.dev (drag the file in) or chrome://tracing.
+The trace (``assets/traces/*.json``) opens in https://ui.perfetto.dev (drag the file in) or
+chrome://tracing.
 """
 
 from __future__ import annotations
@@ -61,8 +67,8 @@ from .models import HIGH_POINTS, GiB, MemoryBudget, full_finetune_memory
 TRACES = ASSETS / "traces"
 REPOSITORY = ASSETS.parent
 
-# A notice some PyTorch versions give on a profile's start, about events of earlier profiling cycles; a profile of
-# one step has one cycle, so there is nothing to act on.
+# A notice some PyTorch versions give on a profile's start, about events of earlier profiling
+# cycles; a profile of one step has one cycle, so there is nothing to act on.
 PROFILER_NOTICE = r".*Profiler clears events at the end of each cycle"
 FAMILIES = ("matmul", "attention", "rmsnorm", "cross_entropy", "elementwise", "optimizer", "other")
 FAMILY_TITLES = {
@@ -80,9 +86,9 @@ TRACE_NOTE = (
     "chrome://tracing. Each row is a thread or a GPU stream; click a kernel to see the operator that launched it."
 )
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Names -> families
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 # Checked in this order: the first family with a matching pattern wins.
 _RULES: tuple[tuple[str, re.Pattern], ...] = tuple(
@@ -90,15 +96,17 @@ _RULES: tuple[tuple[str, re.Pattern], ...] = tuple(
     for family, pattern in (
         # Optimizer: PyTorch's ranges, foreach/fused kernels (multi_tensor_apply), our own range.
         ("optimizer", r"^Optimizer\.|region::optimizer|multi_tensor_apply|_foreach_|(?i:fused_?adam)"),
-        # Loss: cross-entropy, nll, log-softmax (CPU ops, autograd nodes, cunn_SoftMax* and softmax_warp* kernels).
+        # Loss: cross-entropy, nll, log-softmax (CPU ops, autograd nodes, cunn_SoftMax* and
+        # softmax_warp* kernels).
         ("cross_entropy", r"region::loss|(?i:cross_?entropy|nll_?loss|log_?softmax|softmax)"),
         # Attention: sdpa and its flash / memory-efficient / cuDNN kernels.
         ("attention", r"(?i:flash|fmha|attention|sdpa|_scaled_dot_product)"),
-        # RMSNorm: its own kernels and the pieces only RMSNorm uses in a Llama (pow, mean, rsqrt). PyTorch's fused
-        # F.rms_norm reuses its layer-norm kernels on the GPU.
+        # RMSNorm: its own kernels and the pieces only RMSNorm uses in a Llama (pow, mean, rsqrt).
+        # PyTorch's fused F.rms_norm reuses its layer-norm kernels on the GPU.
         ("rmsnorm",
          r"(?i:rms_?norm|layer_?norm|rsqrt)|(?i:\bpow\b|pow_|powbackward)|aten::mean\b|MeanOps|MeanBackward"),
-        # Matmul: aten ops and autograd nodes, cuBLAS/cuBLASLt/CUTLASS kernel families (gemm, gemv, nvjet, xmma).
+        # Matmul: aten ops and autograd nodes, cuBLAS/cuBLASLt/CUTLASS kernel families (gemm, gemv,
+        # nvjet, xmma).
         (
             "matmul",
             r"^aten::(mm|addmm|bmm|baddbmm|matmul|linear|_addmm_activation|mkldnn_\w+)$|(Mm|Addmm|Bmm)Backward"
@@ -140,9 +148,9 @@ def short_name(name: str, width: int = 90) -> str:
     return name if len(name) <= width else name[: width - 1] + "…"
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Labelling regions while profiling
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def is_rmsnorm(module: torch.nn.Module) -> bool:
@@ -170,9 +178,10 @@ def _wrap_forward(module: torch.nn.Module, label: str) -> Callable[[], None]:
 
 
 def _loss_owner(model: torch.nn.Module) -> torch.nn.Module | None:
-    """The module whose forward calls ``self.loss_function``: the model itself, or the Hugging Face model inside a
-    wrapper (a PEFT ``PeftModel`` hands attribute reads to it, but an attribute set on the wrapper stays there,
-    where the forward that computes the loss never looks). None where no module has the property."""
+    """The module whose forward calls ``self.loss_function``: the model itself, or the Hugging Face
+    model inside a wrapper (a PEFT ``PeftModel`` hands attribute reads to it, but an attribute set
+    on the wrapper stays there, where the forward that computes the loss never looks). None where no
+    module has the property."""
     for module in model.modules():
         if isinstance(getattr(type(module), "loss_function", None), property):
             return module
@@ -180,8 +189,8 @@ def _loss_owner(model: torch.nn.Module) -> torch.nn.Module | None:
 
 
 def _wrap_loss_function(model: torch.nn.Module) -> Callable[[], None] | None:
-    """Put Hugging Face's ``loss_function`` (of ``model`` or the model it wraps) inside ``region::loss``; None where
-    there is none."""
+    """Put Hugging Face's ``loss_function`` (of ``model`` or the model it wraps) inside
+    ``region::loss``; None where there is none."""
     model = _loss_owner(model)
     inner = getattr(model, "loss_function", None)
     if inner is None or not callable(inner):
@@ -209,7 +218,8 @@ def _wrap_loss_function(model: torch.nn.Module) -> Callable[[], None] | None:
 
 @contextmanager
 def labelled_regions(model: torch.nn.Module):
-    """While inside, every RMSNorm forward runs in ``region::rmsnorm`` and the HF loss in ``region::loss``."""
+    """While inside, every RMSNorm forward runs in ``region::rmsnorm`` and the HF loss in
+    ``region::loss``."""
     restores = [_wrap_forward(m, "region::rmsnorm") for m in model.modules() if is_rmsnorm(m)]
     loss_restore = _wrap_loss_function(model)
     if loss_restore is not None:
@@ -221,19 +231,21 @@ def labelled_regions(model: torch.nn.Module):
             restore()
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The training step
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def hf_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Forward pass and loss as Hugging Face computes them (labels passed in). The output object, and with it
-    the bf16 logits, is dropped as soon as the loss is out, as in any training loop that keeps only the loss."""
+    """Forward pass and loss as Hugging Face computes them (labels passed in). The output object,
+    and with it the bf16 logits, is dropped as soon as the loss is out, as in any training loop that
+    keeps only the loss."""
     return model(**batch).loss
 
 
 def training_step(model, batch, optimizer, compute_loss=hf_loss) -> torch.Tensor:
-    """One full step: forward + loss, backward, ``optimizer.step()``, ``optimizer.zero_grad(set_to_none=True)``."""
+    """One full step: forward + loss, backward, ``optimizer.step()``,
+    ``optimizer.zero_grad(set_to_none=True)``."""
     loss = compute_loss(model, batch)
     loss.backward()
     with record_function("region::optimizer"):
@@ -267,7 +279,8 @@ def _loss_shapes(model, batch) -> tuple[int, int, torch.dtype]:
 
 
 def measure_step_memory(model, batch, optimizer, compute_loss=hf_loss) -> MemoryBudget:
-    """Run one step on a GPU with allocator statistics taken between its phases (see the module docstring)."""
+    """Run one step on a GPU with allocator statistics taken between its phases (see the module
+    docstring)."""
     device = next(model.parameters()).device
     if device.type != "cuda":
         raise RuntimeError("measure_step_memory needs a model on a CUDA device; on the CPU use full_finetune_memory")
@@ -319,14 +332,15 @@ def measure_step_memory(model, batch, optimizer, compute_loss=hf_loss) -> Memory
     )
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Attribution of profiler events
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @dataclass
 class Row:
-    """One line of a table: an operator, kernel or family, its number of calls, its time and share of the total."""
+    """One line of a table: an operator, kernel or family, its number of calls, its time and share
+    of the total."""
 
     name: str
     family: str
@@ -347,8 +361,9 @@ def _is_cpu_op(event) -> bool:
     return event.device_type == DeviceType.CPU and not event.is_async
 
 
-# Bookkeeping records of the profiler itself (CUPTI), not operators. When many launches are queued, "Command Buffer
-# Full" records appear and carry the durations of other operators' kernels: counting them would count those twice.
+# Bookkeeping records of the profiler itself (CUPTI), not operators. When many launches are queued,
+# "Command Buffer Full" records appear and carry the durations of other operators' kernels: counting
+# them would count those twice.
 PROFILER_OVERHEAD = frozenset({"Command Buffer Full", "Activity Buffer Request"})
 
 
@@ -376,8 +391,9 @@ def _region_keys(roots) -> dict[tuple[int, int], str]:
 def attribute_events(events, use_device: bool):
     """Sort profiler events into families, operators, kernels and phases (see the module docstring).
 
-    Returns ``(families, ops, kernels, phases, total_us)``: tallies keyed by family, by (operator, family), by
-    (kernel, family) and by phase ("forward", "backward", "optimizer"), and the total time they share.
+    Returns ``(families, ops, kernels, phases, total_us)``: tallies keyed by family, by (operator,
+    family), by (kernel, family) and by phase ("forward", "backward", "optimizer"), and the total
+    time they share.
     """
     cpu_ops = [e for e in events if _is_cpu_op(e)]
     roots = [e for e in cpu_ops if e.cpu_parent is None]
@@ -396,7 +412,8 @@ def attribute_events(events, use_device: bool):
             kernels[(kernel_name, family)].us += us
             kernels[(kernel_name, family)].calls += 1
 
-    # Depth-first over every thread's tree of operators, carrying the region and the phase down to the leaves.
+    # Depth-first over every thread's tree of operators, carrying the region and the phase down to
+    # the leaves.
     stack = [(root, None, "forward", False) for root in roots]
     while stack:
         event, inherited, phase, parent_is_op = stack.pop()
@@ -414,7 +431,8 @@ def attribute_events(events, use_device: bool):
             inherited = keys.get((event.fwd_thread, event.sequence_nr), inherited)
         is_op = name.startswith("aten::")
         if use_device:
-            # Device time: each kernel is charged to the operator that launched it; calls count kernel launches.
+            # Device time: each kernel is charged to the operator that launched it; calls count
+            # kernel launches.
             for kernel in event.kernels:
                 family = inherited or classify(kernel.name)
                 if family == "other":
@@ -423,7 +441,8 @@ def attribute_events(events, use_device: bool):
             if event.kernels:
                 ops[(name, family)].calls += 1
         else:
-            # CPU self time; calls count outermost aten operators (aten::linear, not also the aten::mm inside it).
+            # CPU self time; calls count outermost aten operators (aten::linear, not also the
+            # aten::mm inside it).
             family = inherited or classify(name)
             add(name, family, phase, event.self_cpu_time_total, int(is_op and not parent_is_op))
             ops[(name, family)].calls += 1
@@ -432,9 +451,10 @@ def attribute_events(events, use_device: bool):
     attributed = sum(t.us for t in families.values())
     total = attributed
     if use_device:
-        # Device work the profiler could not link to an operator (rare): counted, as "other", so shares stay honest.
-        # Device-side records of ranges (record_function, the optimizer's step) share their names with the CPU
-        # ranges and span kernels already counted: only kernels, copies and fills are device work.
+        # Device work the profiler could not link to an operator (rare): counted, as "other", so
+        # shares stay honest. Device-side records of ranges (record_function, the optimizer's step)
+        # share their names with the CPU ranges and span kernels already counted: only kernels,
+        # copies and fills are device work.
         range_names = {e.name for e in cpu_ops} | PROFILER_OVERHEAD
         device_total = sum(
             e.time_range.end - e.time_range.start
@@ -450,7 +470,8 @@ def attribute_events(events, use_device: bool):
 
 def _rows(tallies: dict, total_us: float, n: int | None) -> list[Row]:
     rows = [
-        Row(name=key[0], family=key[1], calls=t.calls, time_ms=t.us / 1e3, share=t.us / total_us if total_us else 0.0)
+        Row(name=key[0], family=key[1], calls=t.calls, time_ms=t.us / 1e3,
+            share=t.us / total_us if total_us else 0.0)
         for key, t in tallies.items()
         if t.us > 0
     ]
@@ -458,14 +479,15 @@ def _rows(tallies: dict, total_us: float, n: int | None) -> list[Row]:
     return rows if n is None else rows[:n]
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The result and the entry point
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @dataclass
 class StepProfile:
-    """What ``profile_training_step`` found. Times in milliseconds; ``time_kind`` says which time they are."""
+    """What ``profile_training_step`` found. Times in milliseconds; ``time_kind`` says which time
+    they are."""
 
     device: str
     time_kind: str
@@ -519,7 +541,8 @@ class StepProfile:
 
 
 def display_path(path: Path) -> str:
-    """``path`` as a reader of the repository writes it: relative to the repository when it lies inside it."""
+    """``path`` as a reader of the repository writes it: relative to the repository when it lies
+    inside it."""
     path = Path(path)
     try:
         return path.resolve().relative_to(REPOSITORY).as_posix()
@@ -531,12 +554,13 @@ def display_path(path: Path) -> str:
 def quiet_profiler():
     """Keep a ``torch.profiler.profile`` opened inside this block to what a reader can act on.
 
-    Python side: the notice about earlier profiling cycles (``PROFILER_NOTICE``) is filtered inside the block. C++
-    side: on machines without CUDA, some PyTorch builds print two lines per profile ("USDT: ... profiler_start")
-    from Kineto, the profiler's tracing library, at its default log level. Kineto reads ``KINETO_LOG_LEVEL`` once, at
-    the process's first profile, so where the user has not set it this sets it to 6, above every message, before
-    that profile starts. Not on a GPU: there the same level would also hide CUPTI's errors (a missing permission to
-    read the GPU's counters, say), which a reader can act on.
+    Python side: the notice about earlier profiling cycles (``PROFILER_NOTICE``) is filtered inside
+    the block. C++ side: on machines without CUDA, some PyTorch builds print two lines per profile
+    ("USDT: ... profiler_start") from Kineto, the profiler's tracing library, at its default log
+    level. Kineto reads ``KINETO_LOG_LEVEL`` once, at the process's first profile, so where the user
+    has not set it this sets it to 6, above every message, before that profile starts. Not on a GPU:
+    there the same level would also hide CUPTI's errors (a missing permission to read the GPU's
+    counters, say), which a reader can act on.
     """
     if not torch.cuda.is_available():
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")
@@ -573,10 +597,10 @@ def profile_training_step(
 ) -> StepProfile:
     """Warm up, time ``timed_steps`` plain steps, measure memory (GPU), then profile one full training step.
 
-    ``warmup`` steps (at least 1) also create the optimizer's states, so the profiled step is a steady-state one.
-    ``trace_path="auto"`` writes ``assets/traces/step_<device>_<shape>.json``; None exports nothing.
-    ``compute_loss(model, batch)`` returns the loss (default: Hugging Face's, with the labels in the batch).
-    Every step updates the weights, as training does.
+    ``warmup`` steps (at least 1) also create the optimizer's states, so the profiled step is a
+    steady-state one. ``trace_path="auto"`` writes ``assets/traces/step_<device>_<shape>.json``;
+    None exports nothing. ``compute_loss(model, batch)`` returns the loss (default: Hugging Face's,
+    with the labels in the batch). Every step updates the weights, as training does.
     """
     _check_batch(batch)
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -626,7 +650,8 @@ def profile_training_step(
         prof.export_chrome_trace(str(trace_path))
 
     fams, ops, kernels, phases, total_us = attribute_events(prof.events(), use_device)
-    family_rows = {f: Row(f, f, t.calls, t.us / 1e3, t.us / total_us if total_us else 0.0) for f, t in fams.items()}
+    family_rows = {f: Row(f, f, t.calls, t.us / 1e3, t.us / total_us if total_us else 0.0) for f,
+                   t in fams.items()}
     device_name = torch.cuda.get_device_name(device) if use_device else "CPU"
     return StepProfile(
         device=device_name,
@@ -644,9 +669,9 @@ def profile_training_step(
     )
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Amdahl's law: what a step could gain
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -674,9 +699,10 @@ class AmdahlEstimate:
 
 
 def step_speedup(share: float, factor: float = math.inf) -> float:
-    """Amdahl's law: how many times faster a step runs when a part taking ``share`` of its time (a fraction) runs
-    ``factor`` times faster. The rest, 1 − share, is unchanged and the part shrinks to share / factor; with the
-    default ``factor=math.inf`` the part costs nothing and the bound is 1 / (1 − share)."""
+    """Amdahl's law: how many times faster a step runs when a part taking ``share`` of its time (a
+    fraction) runs ``factor`` times faster. The rest, 1 − share, is unchanged and the part shrinks
+    to share / factor; with the default ``factor=math.inf`` the part costs nothing and the bound is
+    1 / (1 − share)."""
     if not 0 <= share < 1:
         raise ValueError(f"share must be a fraction of the step's time, 0 <= share < 1, got {share!r}")
     if not factor > 0:
@@ -687,8 +713,8 @@ def step_speedup(share: float, factor: float = math.inf) -> float:
 def amdahl(profile: StepProfile, targets: tuple[str, ...] = ("rmsnorm", "cross_entropy")) -> AmdahlEstimate:
     """Amdahl's bound: with a share s of the time removed, a step runs at most 1 / (1 - s) times faster.
 
-    s is the targets' share of the profiled time (GPU kernel time, or CPU self time). It is a bound: a kernel never
-    costs nothing, and on a GPU idle gaps between kernels do not shrink with them.
+    s is the targets' share of the profiled time (GPU kernel time, or CPU self time). It is a bound:
+    a kernel never costs nothing, and on a GPU idle gaps between kernels do not shrink with them.
     """
     unknown = [t for t in targets if t not in FAMILIES]
     if unknown:
@@ -707,9 +733,9 @@ def amdahl(profile: StepProfile, targets: tuple[str, ...] = ("rmsnorm", "cross_e
     )
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Plots
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 _COLORS = {
     "matmul": "#4c72b0", "attention": "#55a868", "rmsnorm": "#dd8452", "cross_entropy": "#c44e52",
@@ -727,7 +753,8 @@ def plot_family_times(profile: StepProfile, ax=None):
     times = [profile.families[f].time_ms for f in names]
     bars = ax.barh([FAMILY_TITLES[f] for f in names], times, color=[_COLORS[f] for f in names])
     for bar, f in zip(bars, names):
-        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {profile.families[f].share:.1%}", va="center")
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2,
+                f" {profile.families[f].share:.1%}", va="center")
     ax.invert_yaxis()
     ax.set_xlabel(f"ms ({profile.time_kind}, one step)")
     ax.set_title(f"Where a training step's time goes — {profile.device}")
@@ -736,12 +763,15 @@ def plot_family_times(profile: StepProfile, ax=None):
 
 
 def plot_memory(memory: MemoryBudget, ax=None, capacity: int | None = None):
-    """Stacked bars of the three moments a step can peak at (``HIGH_POINTS``), with the measured peak if any."""
+    """Stacked bars of the three moments a step can peak at (``HIGH_POINTS``), with the measured
+    peak if any."""
     import matplotlib.pyplot as plt
 
     colors = {
-        "weights": "#4c72b0", "gradients": "#64b5cd", "optimizer_states": "#55a868", "optimizer_temporaries": "#8fd19e",
-        "activations": "#8172b3", "logits": "#c44e52", "logits_fp32": "#e17c7e", "log_softmax_fp32": "#f2b5b6",
+        "weights": "#4c72b0", "gradients": "#64b5cd", "optimizer_states": "#55a868",
+        "optimizer_temporaries": "#8fd19e",
+        "activations": "#8172b3", "logits": "#c44e52", "logits_fp32": "#e17c7e",
+        "log_softmax_fp32": "#f2b5b6",
         "logit_grads_fp32": "#fbe0e0",
     }
     parts = memory.parts()
@@ -754,7 +784,8 @@ def plot_memory(memory: MemoryBudget, ax=None, capacity: int | None = None):
         left = 0.0
         for name in names:
             width = parts[name] / scale
-            ax.barh(y, width, left=left, color=colors[name], label=None if name in labelled else name.replace("_", " "))
+            ax.barh(y, width, left=left, color=colors[name],
+                    label=None if name in labelled else name.replace("_", " "))
             labelled.add(name)
             left += width
     if memory.measured_peak is not None:

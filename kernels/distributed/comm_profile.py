@@ -1,23 +1,26 @@
-"""Where a sharded step's time goes: compute kernels, collectives, and how much of the collectives nothing hides.
+"""Where a sharded step's time goes: compute kernels, collectives, and how much of the collectives
+nothing hides.
 
-FSDP2 all-gathers each layer's parameters before the layer runs and reduce-scatters its gradients after its
-backward, on a stream of their own, so that the collectives overlap the compute of the neighbouring layers. Whether
-they do is a question for the profiler. ``StepProfiler`` records a few steps of a run on rank 0 with
-``torch.profiler`` and ``summarize_trace`` reads the recorded trace:
+FSDP2 all-gathers each layer's parameters before the layer runs and reduce-scatters its gradients
+after its backward, on a stream of their own, so that the collectives overlap the compute of the
+neighbouring layers. Whether they do is a question for the profiler. ``StepProfiler`` records a few
+steps of a run on rank 0 with ``torch.profiler`` and ``summarize_trace`` reads the recorded trace:
 
-* **kernel time** on the GPU's timeline: the union of the intervals in which any compute kernel runs (``compute``),
-  the union of the intervals in which a collective kernel runs (NCCL's kernels, ``comm``), and the part of ``comm``
-  during which no compute kernel runs: ``exposed``, the collectives' time the step waits for. Unions, not sums:
-  kernels on several streams at once count once.
-* **bytes**: every collective FSDP2 issues is a c10d operator that the profiler records with its arguments' shapes
-  (``c10d::_allgather_base_``, ``c10d::_reduce_scatter_base_``, ``c10d::allreduce_``). Each is turned into the bytes
-  this rank *sends* with a ring algorithm: (N − 1)/N of the gathered buffer for an all-gather, of the input buffer
-  for a reduce-scatter, twice that for an all-reduce. ``kernels.distributed.scaling.bytes_sent_per_step`` predicts
-  the same quantity on paper.
+* **kernel time** on the GPU's timeline: the union of the intervals in which any compute kernel runs
+  (``compute``), the union of the intervals in which a collective kernel runs (NCCL's kernels,
+  ``comm``), and the part of ``comm`` during which no compute kernel runs: ``exposed``, the
+  collectives' time the step waits for. Unions, not sums: kernels on several streams at once count
+  once.
+* **bytes**: every collective FSDP2 issues is a c10d operator that the profiler records with its
+  arguments' shapes (``c10d::_allgather_base_``, ``c10d::_reduce_scatter_base_``,
+  ``c10d::allreduce_``). Each is turned into the bytes this rank *sends* with a ring algorithm: (N −
+  1)/N of the gathered buffer for an all-gather, of the input buffer for a reduce-scatter, twice
+  that for an all-reduce. ``kernels.distributed.scaling.bytes_sent_per_step`` predicts the same
+  quantity on paper.
 
-Each profiled "step" is the stretch between two calls of ``StepProfiler.step`` (the training loop calls it after a
-step's backward), so it holds one optimizer step and one forward and backward: a whole step's work.
-On the CPU (gloo) there are no kernels: only the bytes are counted.
+Each profiled "step" is the stretch between two calls of ``StepProfiler.step`` (the training loop
+calls it after a step's backward), so it holds one optimizer step and one forward and backward: a
+whole step's work. On the CPU (gloo) there are no kernels: only the bytes are counted.
 """
 
 from __future__ import annotations
@@ -29,13 +32,16 @@ from pathlib import Path
 
 import torch
 
-# Kernel names of collectives: NCCL's device kernels (``ncclDevKernel_AllGather_RING_LL``, ``ncclKernel_…``).
+# Kernel names of collectives: NCCL's device kernels (``ncclDevKernel_AllGather_RING_LL``,
+# ``ncclKernel_…``).
 COMM_KERNEL_PREFIXES = ("nccl",)
 
-# The c10d operators of the collectives, as the profiler names them: (kind, index of the argument whose size is the
-# gathered / reduced buffer, multiple of (N − 1)/N of that buffer a rank sends with a ring algorithm).
+# The c10d operators of the collectives, as the profiler names them: (kind, index of the argument
+# whose size is the gathered / reduced buffer, multiple of (N − 1)/N of that buffer a rank sends
+# with a ring algorithm).
 C10D_COLLECTIVES = {
-    "c10d::_allgather_base_": ("all_gather", 0, 1.0),  # (output, input, ...): the output is the gathered buffer
+    # (output, input, ...): the output is the gathered buffer
+    "c10d::_allgather_base_": ("all_gather", 0, 1.0),
     "c10d::_reduce_scatter_base_": ("reduce_scatter", 1, 1.0),  # (output, input, ...): the input is reduced
     "c10d::allreduce_": ("all_reduce", 0, 2.0),  # (tensors, ...): reduce-scatter then all-gather of each
 }
@@ -126,9 +132,9 @@ def _numel(dims) -> int:
 
 
 def sent_bytes(name: str, args: dict, world_size: int) -> tuple[str, float] | None:
-    """``(collective, bytes this rank sends)`` of one recorded c10d operator (``record_shapes=True`` gives its
-    arguments' shapes and types), or None for any other event. A tensor list's dtype is not recorded: taken as
-    4-byte (only the loss's all-reduce of one float is one here)."""
+    """``(collective, bytes this rank sends)`` of one recorded c10d operator (``record_shapes=True``
+    gives its arguments' shapes and types), or None for any other event. A tensor list's dtype is
+    not recorded: taken as 4-byte (only the loss's all-reduce of one float is one here)."""
     known = C10D_COLLECTIVES.get(name)
     if known is None:
         return None
@@ -141,8 +147,8 @@ def sent_bytes(name: str, args: dict, world_size: int) -> tuple[str, float] | No
 
 
 def summarize_trace(trace: dict, steps: int, world_size: int) -> TraceSummary:
-    """Read a Chrome trace (``torch.profiler``'s ``export_chrome_trace``, recorded with ``record_shapes=True``) of
-    ``steps`` profiled steps of one rank among ``world_size``."""
+    """Read a Chrome trace (``torch.profiler``'s ``export_chrome_trace``, recorded with
+    ``record_shapes=True``) of ``steps`` profiled steps of one rank among ``world_size``."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
     kernels = [e for e in events if e.get("cat") == "kernel"]
     steps = max(int(steps), 1)
@@ -178,9 +184,10 @@ def summarize_trace(trace: dict, steps: int, world_size: int) -> TraceSummary:
 
 
 def timeline_excerpt(trace: dict, *, max_ms: float | None = None, gap_ms: float = 0.02) -> list[dict]:
-    """The GPU's busy spans from the first recorded kernel on, as ``{"row": "compute"|"collective", "start_ms",
-    "dur_ms"}`` (ms from the first kernel): each row's kernels merged where less than ``gap_ms`` apart, so a step
-    is a few hundred spans, not tens of thousands of kernels. ``max_ms`` cuts it short (e.g. at one step)."""
+    """The GPU's busy spans from the first recorded kernel on, as ``{"row": "compute"|"collective",
+    "start_ms", "dur_ms"}`` (ms from the first kernel): each row's kernels merged where less than
+    ``gap_ms`` apart, so a step is a few hundred spans, not tens of thousands of kernels. ``max_ms``
+    cuts it short (e.g. at one step)."""
     kernels = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") == "kernel"]
     if not kernels:
         return []
@@ -189,7 +196,8 @@ def timeline_excerpt(trace: dict, *, max_ms: float | None = None, gap_ms: float 
     for e in kernels:
         start = (e["ts"] - t0) / 1e3
         if max_ms is None or start <= max_ms:
-            rows["collective" if is_comm_kernel(e["name"]) else "compute"].append((start, start + e["dur"] / 1e3))
+            rows["collective" if is_comm_kernel(e["name"]) else "compute"].append((start,
+                                                                                   start + e["dur"] / 1e3))
     return merged_spans(rows, gap_ms)
 
 
@@ -203,7 +211,8 @@ def merged_spans(rows: dict, gap_ms: float) -> list[dict]:
 
 
 def plot_timeline(excerpts: dict, ax=None, *, title: str = ""):
-    """Two rows per variant (compute kernels, collectives) over one step: ``excerpts`` is variant -> excerpt."""
+    """Two rows per variant (compute kernels, collectives) over one step: ``excerpts`` is variant ->
+    excerpt."""
     import matplotlib.pyplot as plt
 
     if ax is None:
@@ -224,12 +233,13 @@ def plot_timeline(excerpts: dict, ax=None, *, title: str = ""):
 
 
 class StepProfiler:
-    """``torch.profiler`` over ``active`` steps after ``wait`` steps, on this rank; ``step()`` marks a step's end.
+    """``torch.profiler`` over ``active`` steps after ``wait`` steps, on this rank; ``step()`` marks
+    a step's end.
 
-    After the run, ``summary`` is the ``TraceSummary`` of the recorded steps and ``excerpt`` the GPU's busy spans
-    over the first step's length (``timeline_excerpt``; ``excerpt_ms`` sets another length). Nothing is recorded
-    on a rank that is not asked (``enabled=False``): use it on rank 0 only, the other ranks run the same steps
-    unprofiled.
+    After the run, ``summary`` is the ``TraceSummary`` of the recorded steps and ``excerpt`` the
+    GPU's busy spans over the first step's length (``timeline_excerpt``; ``excerpt_ms`` sets another
+    length). Nothing is recorded on a rank that is not asked (``enabled=False``): use it on rank 0
+    only, the other ranks run the same steps unprofiled.
     """
 
     def __init__(self, wait: int, active: int, *, world_size: int = 1, enabled: bool = True,
@@ -262,8 +272,8 @@ class StepProfiler:
         activities = [ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(ProfilerActivity.CUDA)
-        # Started and stopped by hand at step boundaries, not by a profiler schedule: the profiler also counts
-        # optimizer steps as its steps, which would move a schedule's windows.
+        # Started and stopped by hand at step boundaries, not by a profiler schedule: the profiler
+        # also counts optimizer steps as its steps, which would move a schedule's windows.
         self._prof = profile(activities=activities, record_shapes=True)
         if self.wait == 0:
             self._start()
@@ -302,5 +312,6 @@ class StepProfiler:
         return False
 
 
-__all__ = ["StepProfiler", "TraceSummary", "CollectiveBytes", "summarize_trace", "timeline_excerpt", "merged_spans",
+__all__ = ["StepProfiler", "TraceSummary", "CollectiveBytes", "summarize_trace", "timeline_excerpt",
+           "merged_spans",
            "plot_timeline", "sent_bytes", "merge", "overlap", "total", "is_comm_kernel"]

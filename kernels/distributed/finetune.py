@@ -4,12 +4,13 @@
     torchrun --nproc-per-node 2 -m kernels.distributed.finetune --batch-size 2 --compare   # HF's, then patched
     torchrun --nproc-per-node 2 -m kernels.distributed.finetune --batch-size 2 --adamw triton
 
-It takes every flag of the single-GPU command line (``python -m kernels.training.finetune``), whose parser it
-extends with the sharding flags below, and runs ``kernels.distributed.parallel.fsdp_finetune`` in each process: rank 0
-prints, logs and writes ``fsdp/<name>_<N>gpu.json`` under the results root (``--name`` defaults to the preset): the
-runs folder, ``--out``, or with ``--record`` the committed results; an existing file only with ``--force``. It lives
-in this wing, not beside the single-GPU command line, because the training wing sits below the distributed one and
-must not import it.
+It takes every flag of the single-GPU command line (``python -m kernels.training.finetune``), whose
+parser it extends with the sharding flags below, and runs
+``kernels.distributed.parallel.fsdp_finetune`` in each process: rank 0 prints, logs and writes
+``fsdp/<name>_<N>gpu.json`` under the results root (``--name`` defaults to the preset): the runs
+folder, ``--out``, or with ``--record`` the committed results; an existing file only with
+``--force``. It lives in this wing, not beside the single-GPU command line, because the training
+wing sits below the distributed one and must not import it.
 """
 
 from __future__ import annotations
@@ -65,8 +66,9 @@ def _preset(args) -> str:
 
 
 def check_args(parser: argparse.ArgumentParser, args) -> None:
-    """Every check before the process group starts (each rank checks, so all stop together): the flags a sharded run
-    refuses, and the results file rank 0 will write (``fsdp/<name>_<N>gpu.json``, N from torchrun's WORLD_SIZE)."""
+    """Every check before the process group starts (each rank checks, so all stop together): the
+    flags a sharded run refuses, and the results file rank 0 will write
+    (``fsdp/<name>_<N>gpu.json``, N from torchrun's WORLD_SIZE)."""
     problems = flag_problems(args)
     if args.compile or args.fit or args.probe or args.slope:
         problems.append("a sharded run trains the eager loop: leave out --compile, --fit, --probe and --slope")
@@ -83,7 +85,8 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """One torchrun worker's run: check the flags, join the process group, train every variant, leave the group."""
+    """One torchrun worker's run: check the flags, join the process group, train every variant,
+    leave the group."""
     parser = build_fsdp_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
@@ -102,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
             preset, args.steps, args.seq_len, args.batch_size, args.grad_accum, args.lr, args.seed,
             variants=_variants(args), master_dtype=DTYPES[args.master_dtype],
             compute_dtype=DTYPES[args.compute_dtype], patch_options=patch_options(args),
-            gradient_checkpointing=args.gradient_checkpointing, padding_mask=args.padding_mask, prefetch=args.prefetch,
+            gradient_checkpointing=args.gradient_checkpointing, padding_mask=args.padding_mask,
+            prefetch=args.prefetch,
             progress=not args.no_progress, out_dir=cli.output_root(args), adamw=args.adamw, name=args.name,
             profile_steps=args.profile_steps,
         )

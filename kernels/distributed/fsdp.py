@@ -2,26 +2,29 @@
 
 One concern, in the order a run meets it:
 
-* ``setup()`` reads what ``torchrun`` puts in every worker's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-  ``MASTER_ADDR``, ``MASTER_PORT``), picks the device of this rank (``cuda:<local rank>`` in GPU mode, the CPU in
-  Triton's interpreter) and starts the default process group with the backend that device needs: NCCL for GPUs,
-  gloo for the CPU. Without torchrun's variables it starts a group of one, so the same code runs as a plain script.
-  FSDP2 runs on gloo as it is (checked with torch 2.13 on the CPU: all-gather, reduce-scatter with SUM, and
+* ``setup()`` reads what ``torchrun`` puts in every worker's environment (``RANK``, ``WORLD_SIZE``,
+  ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), picks the device of this rank (``cuda:<local
+  rank>`` in GPU mode, the CPU in Triton's interpreter) and starts the default process group with
+  the backend that device needs: NCCL for GPUs, gloo for the CPU. Without torchrun's variables it
+  starts a group of one, so the same code runs as a plain script. FSDP2 runs on gloo as it is
+  (checked with torch 2.13 on the CPU: all-gather, reduce-scatter with SUM, and
   ``DTensor.full_tensor``), which is how the tests train two processes on one CPU.
-* ``shard_llama(model)`` applies FSDP2 (``torch.distributed.fsdp.fully_shard``) the way FSDP2 users do: once per
-  decoder layer, then at the root (embeddings, final norm, LM head). Every parameter becomes a ``DTensor`` that holds
-  1/N of it on each rank (dim-0 shards); each layer's parameters are all-gathered just before the layer runs and
-  freed after, and their gradients are reduce-scattered as soon as the layer's backward is done.
-  ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``: the gathered parameters are bf16
-  and gradients are summed across ranks in float32.
+* ``shard_llama(model)`` applies FSDP2 (``torch.distributed.fsdp.fully_shard``) the way FSDP2 users
+  do: once per decoder layer, then at the root (embeddings, final norm, LM head). Every parameter
+  becomes a ``DTensor`` that holds 1/N of it on each rank (dim-0 shards); each layer's parameters
+  are all-gathered just before the layer runs and freed after, and their gradients are
+  reduce-scattered as soon as the layer's backward is done.
+  ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``: the gathered
+  parameters are bf16 and gradients are summed across ranks in float32.
 * ``print0`` prints on rank 0 only; ``teardown()`` destroys the group.
 
-The workbook's kernels need nothing from this module: inside a layer's forward and backward FSDP2 has already
-gathered the parameters into plain tensors, so ``TritonRMSNorm`` and the loss see what they see on one GPU. What
-*does* matter is the order: patch first, shard second (``prepare_model``). ``fully_shard`` records, for each
-parameter, the module that owns it and writes the gathered tensor back into that module before every forward; a norm
-swapped in after sharding would keep reading the sharded DTensor (the kernel's operator then refuses a mix of
-tensors and DTensors, which is the error you get).
+The workbook's kernels need nothing from this module: inside a layer's forward and backward FSDP2
+has already gathered the parameters into plain tensors, so ``TritonRMSNorm`` and the loss see what
+they see on one GPU. What *does* matter is the order: patch first, shard second (``prepare_model``).
+``fully_shard`` records, for each parameter, the module that owns it and writes the gathered tensor
+back into that module before every forward; a norm swapped in after sharding would keep reading the
+sharded DTensor (the kernel's operator then refuses a mix of tensors and DTensors, which is the
+error you get).
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ _ENV_DEFAULTS = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR
 
 @dataclass(frozen=True)
 class DistEnv:
-    """Where this process sits: its rank among ``world_size``, its local rank on the host, device and backend."""
+    """Where this process sits: its rank among ``world_size``, its local rank on the host, device
+    and backend."""
 
     rank: int
     world_size: int
@@ -79,21 +83,23 @@ def _env_int(name: str) -> int:
 
 
 def setup() -> DistEnv:
-    """Start the default process group from torchrun's environment (or a group of one without it); see the module
-    docstring. Idempotent: a second call returns the same ``DistEnv``."""
+    """Start the default process group from torchrun's environment (or a group of one without it);
+    see the module docstring. Idempotent: a second call returns the same ``DistEnv``."""
     world, local = _env_int("WORLD_SIZE"), _env_int("LOCAL_RANK")
     device = device_for(local)
     backend = backend_for(device)
     if not dist.is_initialized():
         if world == 1:
-            # A group of one needs an address too; a port chosen by the OS keeps parallel runs apart.
+            # A group of one needs an address too; a port chosen by the OS keeps parallel runs
+            # apart.
             os.environ.setdefault("MASTER_ADDR", _ENV_DEFAULTS["MASTER_ADDR"])
             os.environ.setdefault("MASTER_PORT", str(free_port()))
             os.environ.setdefault("RANK", "0")
             os.environ.setdefault("WORLD_SIZE", "1")
         if device.type == "cuda":
             torch.cuda.set_device(device)
-            # device_id binds the NCCL communicator to this GPU at once (no guess from the current device later).
+            # device_id binds the NCCL communicator to this GPU at once (no guess from the current
+            # device later).
             dist.init_process_group(backend, device_id=device)
         else:
             dist.init_process_group(backend)
@@ -103,8 +109,8 @@ def setup() -> DistEnv:
 def teardown() -> None:
     """Destroy the default process group if one is running (every rank must call it).
 
-    A barrier first: rank 0 hosts the rendezvous store, and a rank 0 that left while another rank was still
-    finishing its last collective would take the store away from under it."""
+    A barrier first: rank 0 hosts the rendezvous store, and a rank 0 that left while another rank
+    was still finishing its last collective would take the store away from under it."""
     if dist.is_initialized():
         try:
             dist.barrier()
@@ -131,15 +137,16 @@ def print0(*args, **kwargs) -> None:
         print(*args, **kwargs, flush=True)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # FSDP2
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
-def mixed_precision(param_dtype: torch.dtype | None = torch.bfloat16, reduce_dtype: torch.dtype | None = torch.float32):
-    """FSDP2's ``MixedPrecisionPolicy``: parameters gathered (and computed with) in ``param_dtype``, gradients
-    reduced across ranks in ``reduce_dtype``, then stored in the dtype of the sharded parameters. ``None`` keeps the
-    sharded parameters' dtype."""
+def mixed_precision(param_dtype: torch.dtype | None = torch.bfloat16,
+                    reduce_dtype: torch.dtype | None = torch.float32):
+    """FSDP2's ``MixedPrecisionPolicy``: parameters gathered (and computed with) in ``param_dtype``,
+    gradients reduced across ranks in ``reduce_dtype``, then stored in the dtype of the sharded
+    parameters. ``None`` keeps the sharded parameters' dtype."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -162,30 +169,35 @@ def shard_llama(
     sum_gradients: bool = True,
     prefetch: int = 0,
 ) -> torch.nn.Module:
-    """``fully_shard`` each decoder layer, then the root; returns ``model`` (its class is now ``FSDP<name>``).
+    """``fully_shard`` each decoder layer, then the root; returns ``model`` (its class is now
+    ``FSDP<name>``).
 
-    ``mp_policy`` defaults to ``mixed_precision()`` (bf16 parameters, float32 reduction). ``reshard_after_forward``
-    frees each layer's gathered parameters after its forward (gathered again for the backward): memory of one
-    layer's full parameters at a time, at the price of a second all-gather; the last layer is kept, since the
-    backward starts with it. FSDP2 prefetches the next layer's
-    all-gather while the current layer computes (one layer ahead by default, in forward and backward);
-    ``prefetch=k`` asks for ``k`` layers ahead explicitly (``set_modules_to_forward_prefetch`` and
-    ``..._backward_prefetch``): more all-gathers in flight next to the layers' kernels, more memory for them.
+    ``mp_policy`` defaults to ``mixed_precision()`` (bf16 parameters, float32 reduction).
+    ``reshard_after_forward`` frees each layer's gathered parameters after its forward (gathered
+    again for the backward): memory of one layer's full parameters at a time, at the price of a
+    second all-gather; the last layer is kept, since the backward starts with it. FSDP2 prefetches
+    the next layer's all-gather while the current layer computes (one layer ahead by default, in
+    forward and backward); ``prefetch=k`` asks for ``k`` layers ahead explicitly
+    (``set_modules_to_forward_prefetch`` and ``..._backward_prefetch``): more all-gathers in flight
+    next to the layers' kernels, more memory for them.
 
-    ``sum_gradients``: reduce-scatter with a plain sum instead of FSDP2's default average over ranks. The loop
-    (``kernels.distributed.parallel``) makes each rank's loss its share of the global mean (its sum over labels
-    divided by the label count of the whole global batch), so the sum across ranks is the gradient of the global
-    mean, exactly what one process computes on the whole batch.
+    ``sum_gradients``: reduce-scatter with a plain sum instead of FSDP2's default average over
+    ranks. The loop (``kernels.distributed.parallel``) makes each rank's loss its share of the
+    global mean (its sum over labels divided by the label count of the whole global batch), so the
+    sum across ranks is the gradient of the global mean, exactly what one process computes on the
+    whole batch.
     """
     from torch.distributed.fsdp import fully_shard
 
     mp_policy = mp_policy if mp_policy is not None else mixed_precision()
     layers = decoder_layers(model)
     for i, layer in enumerate(layers):
-        # The last layer is the first the backward needs: freeing it after its forward would only gather it again.
+        # The last layer is the first the backward needs: freeing it after its forward would only
+        # gather it again.
         last = i == len(layers) - 1
         fully_shard(layer, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward and not last)
-    # The root never reshards after forward: its parameters (LM head, final norm) are the first the backward needs.
+    # The root never reshards after forward: its parameters (LM head, final norm) are the first the
+    # backward needs.
     fully_shard(model, mp_policy=mp_policy, reshard_after_forward=False)
     if prefetch > 0:
         _prefetch(decoder_layers(model), prefetch)
@@ -193,13 +205,15 @@ def shard_llama(
         for module in model.modules():
             if hasattr(module, "set_gradient_divide_factor"):
                 module.set_gradient_divide_factor(1.0)
-                # Plain SUM collectives (no pre-multiplied sum op): supported by NCCL and gloo alike.
+                # Plain SUM collectives (no pre-multiplied sum op): supported by NCCL and gloo
+                # alike.
                 module.set_force_sum_reduction_for_comms(True)
     return model
 
 
 def _prefetch(layers: list, k: int) -> None:
-    """Each layer starts the all-gathers of the next ``k`` layers (forward) or of the ``k`` before it (backward)."""
+    """Each layer starts the all-gathers of the next ``k`` layers (forward) or of the ``k`` before
+    it (backward)."""
     for i, layer in enumerate(layers):
         layer.set_modules_to_forward_prefetch(layers[i + 1:i + 1 + k])
         layer.set_modules_to_backward_prefetch(layers[max(0, i - k):i][::-1])
@@ -220,11 +234,12 @@ def prepare_model(
 ):
     """Build the model on this rank's device, turn on checkpointing, patch, then shard: in that order.
 
-    Every rank builds the same full model from ``seed`` (``kernels.training.models.build_model``) and ``fully_shard``
-    keeps its 1/N of each parameter, so the sharded model starts from the very weights one process would. (The full
-    model exists once per rank for a moment: 16 GB in bf16 for the 8B shape; a meta-device build would avoid it.)
-    ``dtype`` is the dtype of the stored (sharded) parameters and so of AdamW's states; ``param_dtype`` the one the
-    layers compute in; ``prefetch`` goes to ``shard_llama``. Returns ``(model, patch_handle or None)``.
+    Every rank builds the same full model from ``seed`` (``kernels.training.models.build_model``)
+    and ``fully_shard`` keeps its 1/N of each parameter, so the sharded model starts from the very
+    weights one process would. (The full model exists once per rank for a moment: 16 GB in bf16 for
+    the 8B shape; a meta-device build would avoid it.) ``dtype`` is the dtype of the stored
+    (sharded) parameters and so of AdamW's states; ``param_dtype`` the one the layers compute in;
+    ``prefetch`` goes to ``shard_llama``. Returns ``(model, patch_handle or None)``.
     """
     from kernels.hf.patch import patch_llama
     from kernels.training.loop import enable_checkpointing

@@ -1,37 +1,40 @@
-"""The fine-tuning loop of ``kernels.training.loop`` across ranks, with FSDP2: same global batch, loss and gradients.
+"""The fine-tuning loop of ``kernels.training.loop`` across ranks, with FSDP2: same global batch,
+loss and gradients.
 
 Run it with torchrun (one process per GPU; on the CPU, gloo processes that share it)::
 
     torchrun --nproc-per-node 2 -m kernels.distributed.finetune --batch-size 2            # patched model
     torchrun --nproc-per-node 2 -m kernels.distributed.finetune --batch-size 2 --compare  # Hugging Face's, then patched
 
-or from Python: ``launch(2, ["--steps", "3", ...], out_dir)`` starts that command as a subprocess (bounded in time,
-on a free loopback port) and returns where rank 0 wrote its results JSON (``fsdp/<preset>_<N>gpu.json`` under
-``out_dir``); inside a process group,
-``fsdp_finetune`` is one rank's whole run and ``train_fsdp`` the loop itself.
+or from Python: ``launch(2, ["--steps", "3", ...], out_dir)`` starts that command as a subprocess
+(bounded in time, on a free loopback port) and returns where rank 0 wrote its results JSON
+(``fsdp/<preset>_<N>gpu.json`` under ``out_dir``); inside a process group, ``fsdp_finetune`` is one
+rank's whole run and ``train_fsdp`` the loop itself.
 
-**The global batch is split by rows.** Every rank generates the same global micro-batches (the workbook's data is
-deterministic) and keeps rows ``[r·B/N, (r+1)·B/N)`` of each, ``B`` the global rows per micro-batch and ``N`` the
-world size. A 2-process run with ``batch_size=4`` sees, step by step, the very rows a 1-process run with
-``batch_size=4`` sees, two on each rank.
+**The global batch is split by rows.** Every rank generates the same global micro-batches (the
+workbook's data is deterministic) and keeps rows ``[r·B/N, (r+1)·B/N)`` of each, ``B`` the global
+rows per micro-batch and ``N`` the world size. A 2-process run with ``batch_size=4`` sees, step by
+step, the very rows a 1-process run with ``batch_size=4`` sees, two on each rank.
 
-**Loss normalisation.** The single-process loop passes ``num_items_in_batch`` = the labels the loss counts over the
-whole step, so each micro-batch's loss is a sum divided by that count. Here that count must be *global*: each rank
-counts its own labels per step (on the CPU copy, before the loop), and one all-reduce (sum) over all steps' counts
-gives every rank the global count of every step. Rank r's loss is then ``sum_r / count_global``, its share of the
-global mean: the shares add up to the loss one process computes, and their gradients add up to its gradient. FSDP2
-is therefore told to *sum* gradients across ranks (``shard_llama(..., sum_gradients=True)``), not to average them
-(averaging would divide the gradient by N). The step's loss on record is the sum of the shares, all-reduced.
+**Loss normalisation.** The single-process loop passes ``num_items_in_batch`` = the labels the loss
+counts over the whole step, so each micro-batch's loss is a sum divided by that count. Here that
+count must be *global*: each rank counts its own labels per step (on the CPU copy, before the loop),
+and one all-reduce (sum) over all steps' counts gives every rank the global count of every step.
+Rank r's loss is then ``sum_r / count_global``, its share of the global mean: the shares add up to
+the loss one process computes, and their gradients add up to its gradient. FSDP2 is therefore told
+to *sum* gradients across ranks (``shard_llama(..., sum_gradients=True)``), not to average them
+(averaging would divide the gradient by N). The step's loss on record is the sum of the shares,
+all-reduced.
 
-**Mixed precision.** ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: layers compute in bf16 and
-gradients are summed across ranks in float32. The stored (sharded) parameters keep the dtype the model was built
-in: bf16 by default, as in the single-GPU loop (so AdamW's states are bf16 too), or float32 with
-``master_dtype=torch.float32`` (float32 master weights and AdamW states, bf16 compute). The correctness tests run
-everything in float32 on the CPU.
+**Mixed precision.** ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: layers compute
+in bf16 and gradients are summed across ranks in float32. The stored (sharded) parameters keep the
+dtype the model was built in: bf16 by default, as in the single-GPU loop (so AdamW's states are bf16
+too), or float32 with ``master_dtype=torch.float32`` (float32 master weights and AdamW states, bf16
+compute). The correctness tests run everything in float32 on the CPU.
 
-What one rank records: a ``kernels.training.loop.RunResult`` whose losses and trained-label counts are global, whose
-tokens are this rank's (so its tokens/s is per GPU), and whose peak memory is this rank's; ``FsdpRun`` adds the peak of
-every rank.
+What one rank records: a ``kernels.training.loop.RunResult`` whose losses and trained-label counts
+are global, whose tokens are this rank's (so its tokens/s is per GPU), and whose peak memory is this
+rank's; ``FsdpRun`` adds the peak of every rank.
 """
 
 from __future__ import annotations
@@ -71,13 +74,14 @@ from .fsdp import DistEnv, free_port, prepare_model, print0, setup
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The global batch, split by rows
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def split_rows(batch: dict[str, torch.Tensor], rank: int, world_size: int) -> dict[str, torch.Tensor]:
-    """Rank ``rank``'s rows of one global micro-batch: ``[rank·B/N, (rank+1)·B/N)``, B rows split over N ranks."""
+    """Rank ``rank``'s rows of one global micro-batch: ``[rank·B/N, (rank+1)·B/N)``, B rows split
+    over N ranks."""
     rows = batch["input_ids"].shape[0]
     if rows % world_size:
         raise ValueError(
@@ -94,8 +98,9 @@ def shard_batches(batches: list[dict], rank: int, world_size: int) -> list[dict]
 
 
 def global_label_counts(local_groups: list[list[dict]], device: torch.device) -> list[int]:
-    """Per step, the labels the loss counts over every rank's micro-batches: this rank's counts (taken on the CPU
-    labels) summed across ranks by one all-reduce for the whole run, not one per step."""
+    """Per step, the labels the loss counts over every rank's micro-batches: this rank's counts
+    (taken on the CPU labels) summed across ranks by one all-reduce for the whole run, not one per
+    step."""
     local = torch.tensor(labels_per_step(local_groups), dtype=torch.int64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(local, op=dist.ReduceOp.SUM)
@@ -103,16 +108,17 @@ def global_label_counts(local_groups: list[list[dict]], device: torch.device) ->
 
 
 def _global_sum(value: torch.Tensor) -> torch.Tensor:
-    """The sum of ``value`` over all ranks (on every rank): the ranks' shares of a step's loss add up to its loss."""
+    """The sum of ``value`` over all ranks (on every rank): the ranks' shares of a step's loss add
+    up to its loss."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         value = value.clone()
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
     return value
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The loop
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def train_fsdp(
@@ -129,15 +135,17 @@ def train_fsdp(
     padding_mask: bool = True,
     adamw: str = "foreach",
 ) -> RunResult:
-    """``kernels.training.loop.train`` for a sharded model: ``batches`` are the *global* micro-batches (every rank
-    passes the same list); each rank trains on its rows with the global label count (see the module docstring).
+    """``kernels.training.loop.train`` for a sharded model: ``batches`` are the *global*
+    micro-batches (every rank passes the same list); each rank trains on its rows with the global
+    label count (see the module docstring).
 
-    The step loop is ``train``'s (``kernels.training.loop.train_steps``), given each step's label count over all ranks
-    (every micro-batch's ``num_items_in_batch``) and ``_global_sum``, which adds the ranks' shares of the step's
-    loss into the loss on record. AdamW over the sharded parameters, ``torch.optim.AdamW``'s foreach or
-    ``adamw="triton"`` (``kernels.adamw.TritonAdamW``): each rank updates its shards, and the update is elementwise,
-    so sharding does not change it. ``after_backward(step, model)`` runs on every rank
-    after the step's last backward, when the sharded gradients are complete. The progress bar shows on rank 0 only.
+    The step loop is ``train``'s (``kernels.training.loop.train_steps``), given each step's label
+    count over all ranks (every micro-batch's ``num_items_in_batch``) and ``_global_sum``, which
+    adds the ranks' shares of the step's loss into the loss on record. AdamW over the sharded
+    parameters, ``torch.optim.AdamW``'s foreach or ``adamw="triton"``
+    (``kernels.adamw.TritonAdamW``): each rank updates its shards, and the update is elementwise, so
+    sharding does not change it. ``after_backward(step, model)`` runs on every rank after the step's
+    last backward, when the sharded gradients are complete. The progress bar shows on rank 0 only.
     """
     check_train_args(batches, grad_accum, lr, warmup_steps)
     groups = step_groups(shard_batches(batches, env.rank, env.world_size), grad_accum)
@@ -145,7 +153,8 @@ def train_fsdp(
     run = train_steps(
         model, groups, trained_global, lr=lr, label=label, warmup_steps=warmup_steps,
         progress=progress and env.is_rank0, after_backward=after_backward, padding_mask=padding_mask,
-        device=env.device, reduce_loss=_global_sum, desc=f"{label} ×{env.world_size}", rate_name="tok_s_per_gpu",
+        device=env.device, reduce_loss=_global_sum, desc=f"{label} ×{env.world_size}",
+        rate_name="tok_s_per_gpu",
         adamw=adamw,
     )
     run.what_ran.update(
@@ -164,21 +173,23 @@ def gather_to_all(value) -> list:
     return out
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # One run per variant, and its results file
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @dataclass
 class FsdpRun:
-    """A sharded fine-tuning run on ``world_size`` ranks: settings, a RunResult per variant, peaks of every rank."""
+    """A sharded fine-tuning run on ``world_size`` ranks: settings, a RunResult per variant, peaks
+    of every rank."""
 
     settings: dict
     world_size: int
     backend: str
     runs: dict[str, RunResult]
     peak_memory_per_rank: dict[str, list]
-    comm_profile: dict = field(default_factory=dict)  # variant -> rank 0's profiled steps (``profile_variant``)
+    # variant -> rank 0's profiled steps (``profile_variant``)
+    comm_profile: dict = field(default_factory=dict)
     device: str = field(default_factory=runtime.device_name)
     versions: dict = field(default_factory=runtime.versions)
 
@@ -201,7 +212,8 @@ class FsdpRun:
 
     def to_dict(self) -> dict:
         return {
-            "device": self.device, "mode": runtime.MODE, "versions": self.versions, "settings": self.settings,
+            "device": self.device, "mode": runtime.MODE, "versions": self.versions,
+            "settings": self.settings,
             "world_size": self.world_size, "backend": self.backend, "summary": self.summary(),
             "runs": {v: {**r.to_dict(), "peak_memory_per_rank": self.peak_memory_per_rank[v]}
                      for v, r in self.runs.items()},
@@ -223,8 +235,9 @@ class FsdpRun:
 
 
 def fsdp_results_file(name: str, world_size: int, directory: str | Path = RESULTS) -> Path:
-    """``<directory>/fsdp/<name>_<N>gpu.json``: a sharded run of ``name`` (the preset unless ``--name`` says
-    otherwise) on N ranks; its flags are the JSON's ``settings``, and a later run of that name and N replaces it."""
+    """``<directory>/fsdp/<name>_<N>gpu.json``: a sharded run of ``name`` (the preset unless
+    ``--name`` says otherwise) on N ranks; its flags are the JSON's ``settings``, and a later run of
+    that name and N replaces it."""
     return results_file("fsdp", f"{name}_{world_size}gpu", directory)
 
 
@@ -251,13 +264,13 @@ def fsdp_finetune(
     name: str | None = None,
     profile_steps: int = 0,
 ) -> FsdpRun:
-    """One rank's part of a sharded run (call it in every process of the group; ``setup()`` is called here if no
-    group runs yet). For each variant: build from ``seed``, patch (the "patched" variant), shard, train on the
-    global batches (``batch_size`` global rows per micro-batch), then, with ``profile_steps`` > 0, profile that many
-    more steps (``profile_variant``: after the timed run, so the profiler's cost stays out of its tokens/s), free.
-    Rank 0 writes
-    ``<out_dir>/fsdp/<name>_<N>gpu.json`` (``name`` defaults to the preset) when ``out_dir``, the results root, is
-    given."""
+    """One rank's part of a sharded run (call it in every process of the group; ``setup()`` is
+    called here if no group runs yet). For each variant: build from ``seed``, patch (the "patched"
+    variant), shard, train on the global batches (``batch_size`` global rows per micro-batch), then,
+    with ``profile_steps`` > 0, profile that many more steps (``profile_variant``: after the timed
+    run, so the profiler's cost stays out of its tokens/s), free. Rank 0 writes
+    ``<out_dir>/fsdp/<name>_<N>gpu.json`` (``name`` defaults to the preset) when ``out_dir``, the
+    results root, is given."""
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown or not variants:
         raise ValueError(f"variants must be taken from {VARIANTS}, got {variants!r}")
@@ -266,7 +279,8 @@ def fsdp_finetune(
     batches = make_run_batches(preset, steps, seq_len, batch_size, grad_accum, seed)
     settings = {
         "preset": preset, "steps": steps, "seq_len": seq_len, "global_batch_size": batch_size,
-        "batch_size_per_rank": batch_size // env.world_size, "grad_accum": grad_accum, "lr": lr, "seed": seed,
+        "batch_size_per_rank": batch_size // env.world_size, "grad_accum": grad_accum, "lr": lr,
+        "seed": seed,
         "master_dtype": str(master_dtype).replace("torch.", ""),
         "compute_dtype": str(compute_dtype).replace("torch.", ""), "reduce_dtype": "float32",
         "patch_options": dict(patch_options or {}), "gradient_checkpointing": gradient_checkpointing,
@@ -278,8 +292,10 @@ def fsdp_finetune(
     for variant in variants:
         free_memory()
         model, handle = prepare_model(
-            preset, env, dtype=master_dtype, param_dtype=compute_dtype, reduce_dtype=torch.float32, seed=seed,
-            patch=variant == "patched", patch_options=patch_options, gradient_checkpointing=gradient_checkpointing,
+            preset, env, dtype=master_dtype, param_dtype=compute_dtype, reduce_dtype=torch.float32,
+            seed=seed,
+            patch=variant == "patched", patch_options=patch_options,
+            gradient_checkpointing=gradient_checkpointing,
             prefetch=prefetch,
         )
         runs[variant] = train_fsdp(model, batches, env, grad_accum=grad_accum, lr=lr, label=variant,
@@ -287,7 +303,8 @@ def fsdp_finetune(
                                    adamw=adamw)
         peaks[variant] = gather_to_all(runs[variant].peak_memory)
         if profile_steps:
-            profiles[variant] = profile_variant(model, batches, env, profile_steps, grad_accum=grad_accum, lr=lr,
+            profiles[variant] = profile_variant(model, batches, env, profile_steps,
+                                                grad_accum=grad_accum, lr=lr,
                                                 padding_mask=padding_mask, adamw=adamw)
         del model, handle
         free_memory()
@@ -298,17 +315,20 @@ def fsdp_finetune(
     return result
 
 
-def profile_variant(model: torch.nn.Module, batches: list[dict], env: DistEnv, steps: int, *, grad_accum: int,
+def profile_variant(model: torch.nn.Module, batches: list[dict], env: DistEnv, steps: int, *,
+                    grad_accum: int,
                     lr: float, padding_mask: bool, adamw: str, wait: int = 2) -> dict:
-    """``steps`` more training steps of ``model``, recorded by the profiler on rank 0 after ``wait`` unrecorded
-    ones (every rank trains them: the collectives need all): ``{"summary": TraceSummary.to_dict(), "excerpt":
-    the first recorded step's kernels}`` on rank 0, ``{}`` elsewhere (``kernels.distributed.comm_profile``)."""
+    """``steps`` more training steps of ``model``, recorded by the profiler on rank 0 after ``wait``
+    unrecorded ones (every rank trains them: the collectives need all): ``{"summary":
+    TraceSummary.to_dict(), "excerpt": the first recorded step's kernels}`` on rank 0, ``{}``
+    elsewhere (``kernels.distributed.comm_profile``)."""
     needed = (wait + steps) * grad_accum
     if needed > len(batches):
         batches = (batches * (needed // len(batches) + 1))
     profiler = StepProfiler(wait, steps, world_size=env.world_size, enabled=env.is_rank0)
     with profiler:
-        train_fsdp(model, batches[:needed], env, grad_accum=grad_accum, lr=lr, label="profile", warmup_steps=0,
+        train_fsdp(model, batches[:needed], env, grad_accum=grad_accum, lr=lr, label="profile",
+                   warmup_steps=0,
                    progress=False, after_backward=profiler.step, padding_mask=padding_mask, adamw=adamw)
     if profiler.summary is None:
         return {}
@@ -316,14 +336,15 @@ def profile_variant(model: torch.nn.Module, batches: list[dict], env: DistEnv, s
     return {"summary": profiler.summary.to_dict(), "excerpt": profiler.excerpt}
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Launching the torchrun entry point (kernels.distributed.finetune) as a subprocess
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def torchrun_command(nproc: int, finetune_args: list[str], port: int | None = None) -> list[str]:
-    """``torchrun --nproc-per-node N -m kernels.distributed.finetune ARGS`` (as ``python -m torch.distributed.run``,
-    which needs no ``torchrun`` on the PATH), rendezvous on the loopback interface."""
+    """``torchrun --nproc-per-node N -m kernels.distributed.finetune ARGS`` (as ``python -m
+    torch.distributed.run``, which needs no ``torchrun`` on the PATH), rendezvous on the loopback
+    interface."""
     if not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc must be a positive int, got {nproc!r}")
     port = port or free_port()
@@ -334,7 +355,8 @@ def torchrun_command(nproc: int, finetune_args: list[str], port: int | None = No
 
 @dataclass
 class Launch:
-    """What a launched run left: its exit status, its output, the results file rank 0 wrote (None if it failed)."""
+    """What a launched run left: its exit status, its output, the results file rank 0 wrote (None if
+    it failed)."""
 
     returncode: int
     output: str
@@ -349,11 +371,13 @@ class Launch:
 
 def launch(nproc: int, finetune_args: list[str], out_dir: str | Path, *, preset: str = "tiny",
            timeout_s: float = 300, echo: bool = False) -> Launch:
-    """Run ``torchrun_command(nproc, finetune_args + --out out_dir)`` as a subprocess and wait at most ``timeout_s``.
+    """Run ``torchrun_command(nproc, finetune_args + --out out_dir)`` as a subprocess and wait at
+    most ``timeout_s``.
 
-    The subprocess gets its own process group, so on a timeout torchrun and every worker it started are ended
-    together (SIGTERM, then SIGKILL). ``out_dir`` is the results root the run writes under; the results file to look
-    for is ``fsdp_results_file`` of ``--name`` if given, else of the preset (``preset`` unless ``--preset`` is given).
+    The subprocess gets its own process group, so on a timeout torchrun and every worker it started
+    are ended together (SIGTERM, then SIGKILL). ``out_dir`` is the results root the run writes
+    under; the results file to look for is ``fsdp_results_file`` of ``--name`` if given, else of the
+    preset (``preset`` unless ``--preset`` is given).
     """
     out_dir = Path(out_dir)
     if "--preset" not in finetune_args:

@@ -1,19 +1,21 @@
-"""Scaling with FSDP2: tokens/s and peak memory per GPU, 1 GPU against N, Hugging Face's model against patched.
+"""Scaling with FSDP2: tokens/s and peak memory per GPU, 1 GPU against N, Hugging Face's model
+against patched.
 
     python -m kernels.distributed.scaling --preset llama-3.1-8b --gpus 1,2 --seq-lens 2048,4096,8192,16384   # 2 × H200
 
-For every number of GPUs, variant (``baseline``, ``patched``) and sequence length, one
-``torchrun --nproc-per-node N -m kernels.distributed.finetune`` run (``kernels.distributed.parallel.launch``) at the
-same per-GPU batch (``--batch-per-gpu`` rows; the global batch grows with N). Sequence lengths are tried in
-increasing order; the first that does not fit (the run dies with ``torch.OutOfMemoryError``) ends that series, so
-the longest length that ran is the longest that fits per GPU among those tried. Each run is a fresh process group,
-so an OOM leaves nothing behind for the next. Results: ``scaling/<preset>.json`` and ``.png`` (``plot_scaling``) in
-the runs folder, or with ``--record`` in ``assets/results/``, where chapter 12 reads them (over the preset's earlier
-run only with ``--force``); its flags are the JSON's ``settings``.
-On the CPU the same command runs tiny sizes with gloo processes (times there mean nothing).
+For every number of GPUs, variant (``baseline``, ``patched``) and sequence length, one ``torchrun
+--nproc-per-node N -m kernels.distributed.finetune`` run (``kernels.distributed.parallel.launch``)
+at the same per-GPU batch (``--batch-per-gpu`` rows; the global batch grows with N). Sequence
+lengths are tried in increasing order; the first that does not fit (the run dies with
+``torch.OutOfMemoryError``) ends that series, so the longest length that ran is the longest that
+fits per GPU among those tried. Each run is a fresh process group, so an OOM leaves nothing behind
+for the next. Results: ``scaling/<preset>.json`` and ``.png`` (``plot_scaling``) in the runs folder,
+or with ``--record`` in ``assets/results/``, where chapter 12 reads them (over the preset's earlier
+run only with ``--force``); its flags are the JSON's ``settings``. On the CPU the same command runs
+tiny sizes with gloo processes (times there mean nothing).
 
-``fsdp_budget`` is the arithmetic on paper for larger runs: state per GPU, bytes each GPU sends per step, the
-time that takes over a link, against the compute time of a step measured on one GPU.
+``fsdp_budget`` is the arithmetic on paper for larger runs: state per GPU, bytes each GPU sends per
+step, the time that takes over a link, against the compute time of a step measured on one GPU.
 """
 
 from __future__ import annotations
@@ -32,14 +34,16 @@ from kernels.training.models import GiB, count_parameters, llama_config
 
 from .parallel import launch
 
-# 50 timed steps and more per point on a GPU (plus the warm-up steps): fewer drift by several percent between runs.
-GPU_DEFAULTS = dict(preset="llama-3.1-8b", gpus="1,2", seq_lens="2048,4096,8192,16384", steps=53, batch_per_gpu=1)
+# 50 timed steps and more per point on a GPU (plus the warm-up steps): fewer drift by several
+# percent between runs.
+GPU_DEFAULTS = dict(preset="llama-3.1-8b", gpus="1,2", seq_lens="2048,4096,8192,16384", steps=53,
+                    batch_per_gpu=1)
 CPU_DEFAULTS = dict(preset="tiny", gpus="1,2", seq_lens="64,128", steps=3, batch_per_gpu=1)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The benchmark: one torchrun per (GPUs, variant, sequence length)
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def _ints(text: str) -> list[int]:
@@ -49,10 +53,10 @@ def _ints(text: str) -> list[int]:
 def run_point(gpus: int, variant: str, seq_len: int, *, preset: str, steps: int, batch_per_gpu: int,
               gradient_checkpointing: bool, timeout_s: float, work_dir: Path, profile_steps: int = 0,
               kernels: str | None = None, prefetch: int = 0) -> dict:
-    """One sharded run; returns its row of the results (``fits`` False when it ran out of GPU memory).
-    ``profile_steps`` > 0 adds rank 0's profile of that many more steps (``comm_profile``); ``kernels`` is the
-    patched variant's ``--kernels`` list (default: ``patch_llama``'s defaults); ``prefetch`` FSDP2's explicit
-    prefetch depth (0: its implicit one layer)."""
+    """One sharded run; returns its row of the results (``fits`` False when it ran out of GPU
+    memory). ``profile_steps`` > 0 adds rank 0's profile of that many more steps (``comm_profile``);
+    ``kernels`` is the patched variant's ``--kernels`` list (default: ``patch_llama``'s defaults);
+    ``prefetch`` FSDP2's explicit prefetch depth (0: its implicit one layer)."""
     args = ["--preset", preset, "--steps", str(steps), "--seq-len", str(seq_len), "--batch-size",
             str(batch_per_gpu * gpus), "--grad-accum", "1"]
     if variant == "baseline":
@@ -77,7 +81,8 @@ def run_point(gpus: int, variant: str, seq_len: int, *, preset: str, steps: int,
     summary = data["summary"][variant]
     row.update(fits=True, tokens_per_s_per_gpu=summary["tokens_per_s_per_gpu"],
                tokens_per_s_total=summary["tokens_per_s_total"], step_time_s=summary["step_time_s"],
-               peak_memory_bytes_max_rank=summary["peak_memory_bytes_max_rank"], final_loss=summary["final_loss"],
+               peak_memory_bytes_max_rank=summary["peak_memory_bytes_max_rank"],
+               final_loss=summary["final_loss"],
                losses=[s["loss"] for s in data["runs"][variant]["steps"]],
                timed_steps=sum(1 for s in data["runs"][variant]["steps"] if s.get("timed", True)),
                device=data["device"], versions=data["versions"], backend=data["backend"])
@@ -90,14 +95,16 @@ def run_scaling(preset: str, gpus: list[int], seq_lens: list[int], *, variants=(
                 steps: int = 8, batch_per_gpu: int = 1, gradient_checkpointing: bool = False,
                 timeout_s: float = 600, work_dir: str | Path | None = None, echo: bool = True,
                 profile_steps: int = 0, kernels: str | None = None, prefetch: int = 0) -> dict:
-    """Every point of the grid (see the module docstring); returns the results dict ``plot_scaling`` reads."""
+    """Every point of the grid (see the module docstring); returns the results dict ``plot_scaling``
+    reads."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="scaling_") as tmp:
         work = Path(work_dir) if work_dir is not None else Path(tmp)
         for n in gpus:
             for variant in variants:
                 for seq_len in sorted(seq_lens):
-                    row = run_point(n, variant, seq_len, preset=preset, steps=steps, batch_per_gpu=batch_per_gpu,
+                    row = run_point(n, variant, seq_len, preset=preset, steps=steps,
+                                    batch_per_gpu=batch_per_gpu,
                                     gradient_checkpointing=gradient_checkpointing, timeout_s=timeout_s,
                                     work_dir=work, profile_steps=profile_steps, kernels=kernels,
                                     prefetch=prefetch)
@@ -108,8 +115,10 @@ def run_scaling(preset: str, gpus: list[int], seq_lens: list[int], *, variants=(
                         break  # longer sequences do not fit either (or the run failed: see its error)
     return {
         "device": runtime.device_name(), "mode": runtime.MODE, "versions": runtime.versions(),
-        "settings": {"preset": preset, "gpus": gpus, "seq_lens": sorted(seq_lens), "variants": list(variants),
-                     "steps": steps, "batch_per_gpu": batch_per_gpu, "gradient_checkpointing": gradient_checkpointing,
+        "settings": {"preset": preset, "gpus": gpus, "seq_lens": sorted(seq_lens),
+                     "variants": list(variants),
+                     "steps": steps, "batch_per_gpu": batch_per_gpu,
+                     "gradient_checkpointing": gradient_checkpointing,
                      "profile_steps": profile_steps, "kernels": kernels or "patch_llama defaults",
                      "prefetch": prefetch or "FSDP2 default (one layer, implicit)",
                      "sharding": "FSDP2 per decoder layer + root, bf16 compute, float32 gradient reduction"},
@@ -120,9 +129,10 @@ def run_scaling(preset: str, gpus: list[int], seq_lens: list[int], *, variants=(
 
 
 def scaling_efficiency(rows: list[dict]) -> dict:
-    """variant -> sequence length -> ``{"base_gpus": B, "N": tokens/s per GPU at N over at B, ...}``, with B the
-    fewest GPUs at which that length ran (1, or 2 where one GPU cannot hold the model), and ``"N/M"`` the same ratio
-    between consecutive counts (``"2/1"``, ``"4/2"``). 1.0 is perfect scaling: each GPU as fast as alone."""
+    """variant -> sequence length -> ``{"base_gpus": B, "N": tokens/s per GPU at N over at B,
+    ...}``, with B the fewest GPUs at which that length ran (1, or 2 where one GPU cannot hold the
+    model), and ``"N/M"`` the same ratio between consecutive counts (``"2/1"``, ``"4/2"``). 1.0 is
+    perfect scaling: each GPU as fast as alone."""
     out: dict = {}
     points: dict = {}
     for row in rows:
@@ -178,17 +188,18 @@ def _row_text(row: dict) -> str:
 
 
 def predicted_sent_bytes(preset: str, gpus: int) -> float:
-    """``bytes_sent_per_step`` of ``preset`` on ``gpus`` GPUs under ``shard_llama``: the paper figure that the
-    profiled bytes (``comm_profile``) are checked against."""
+    """``bytes_sent_per_step`` of ``preset`` on ``gpus`` GPUs under ``shard_llama``: the paper
+    figure that the profiled bytes (``comm_profile``) are checked against."""
     config = llama_config(preset)
     return bytes_sent_per_step(count_parameters(config), gathered_once_count(config), gpus)
 
 
 def profile_table(results: dict) -> str:
-    """Per profiled run: the timed step (from tokens/s), and the profiled step's GPU timeline split into compute,
-    collectives, their exposed part (no compute kernel running) and idle time; the bytes rank 0 sent per step
-    against ``predicted_sent_bytes``. The profiled step runs under the profiler, which slows the host: compare its
-    parts with each other, and the timed step with the timed steps of other runs."""
+    """Per profiled run: the timed step (from tokens/s), and the profiled step's GPU timeline split
+    into compute, collectives, their exposed part (no compute kernel running) and idle time; the
+    bytes rank 0 sent per step against ``predicted_sent_bytes``. The profiled step runs under the
+    profiler, which slows the host: compare its parts with each other, and the timed step with the
+    timed steps of other runs."""
     lines = [f"{'variant':<10}{'GPUs':>5}{'seq':>7}{'timed':>9}{'profiled':>10}{'compute':>10}{'collect.':>10}"
              f"{'exposed':>10}{'idle':>9}{'sent GB':>9}{'predicted':>10}"]
     preset = results["settings"]["preset"]
@@ -209,8 +220,8 @@ def profile_table(results: dict) -> str:
 
 
 def plot_scaling(results: dict, axes=None):
-    """Left: tokens/s per GPU against sequence length, one line per (variant, GPUs). Right: peak memory per GPU
-    (GPU runs only). Points that did not fit are left out."""
+    """Left: tokens/s per GPU against sequence length, one line per (variant, GPUs). Right: peak
+    memory per GPU (GPU runs only). Points that did not fit are left out."""
     import matplotlib.pyplot as plt
 
     if axes is None:
@@ -250,15 +261,15 @@ def plot_scaling(results: dict, axes=None):
     return axes
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # On paper: 8 GPUs and more than one node
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
-# Link speeds, one direction, per link, as the vendor publishes them (peak figures, not measured here; NCCL reaches
-# less: measure yours with nccl-tests' all_gather_perf and reduce_scatter_perf and pass link_gb_s).
-# NVLink 4 of an H100/H200: 900 GB/s per GPU counting both directions (NVIDIA H200 Tensor Core GPU datasheet)
-# -> 450 GB/s each way. InfiniBand NDR: 400 Gb/s per port (NVIDIA ConnectX-7 datasheet) -> 50 GB/s each way; a
-# DGX H200 has 8 single-port ConnectX-7 for the compute fabric, one per GPU (NVIDIA DGX H200 datasheet).
+# Link speeds, one direction, per link, as the vendor publishes them (peak figures, not measured
+# here; NCCL reaches less: measure yours with nccl-tests' all_gather_perf and reduce_scatter_perf
+# and pass link_gb_s). NVLink 4 of an H100/H200 counted one way, and one InfiniBand NDR port; the
+# datasheets they come from and the arithmetic are in assets/notes/scaling.md. A DGX H200 has 8
+# single-port ConnectX-7 for the compute fabric, one per GPU.
 NVLINK_GB_S = 450.0
 INFINIBAND_PORT_GB_S = 50.0
 
@@ -266,28 +277,40 @@ INFINIBAND_PORT_GB_S = 50.0
 def link_bandwidth(gpus: int, gpus_per_node: int = 8, nics_per_node: int = 8) -> tuple[str, float]:
     """The bandwidth (GB/s, one direction) that bounds a ring collective over ``gpus`` GPUs, per GPU.
 
-    Inside one node every hop is NVLink. Across nodes NCCL runs one ring per network port: in each ring one GPU
-    per node sends over the network and the others over NVLink, so each GPU sends 1/ports of its bytes through a
-    port and a node's bytes leave through all its ports at once: the network bounds each GPU as if it had
-    ports × port speed to itself (8 × 50 = 400 GB/s on a DGX H200, near NVLink's 450). With fewer ports per node
-    it falls in proportion: one port for 8 GPUs gives 50 GB/s.
+    Inside one node every hop is NVLink. Across nodes NCCL runs one ring per network port: in each
+    ring one GPU per node sends over the network and the others over NVLink, so each GPU sends
+    1/ports of its bytes through a port and a node's bytes leave through all its ports at once: the
+    network bounds each GPU as if it had ports × port speed to itself (on a DGX H200, 8 ×
+    ``INFINIBAND_PORT_GB_S``, near ``NVLINK_GB_S``). With fewer ports per node it falls in
+    proportion: one port for 8 GPUs gives one port's speed.
+
+    Args:
+        gpus: GPUs in the ring.
+        gpus_per_node: GPUs of one node (all NVLink inside it).
+        nics_per_node: network ports of one node.
+
+    Returns:
+        ``(link, gb_s)``: the link's name and its bandwidth in GB/s, one direction, per GPU.
     """
     if gpus <= gpus_per_node:
         return "nvlink", NVLINK_GB_S
     return f"infiniband ×{nics_per_node}/node", min(NVLINK_GB_S, nics_per_node * INFINIBAND_PORT_GB_S)
 
 
-# The settings of the committed single-GPU run the arithmetic starts from (python -m kernels.training.finetune
-# --compare on one H200, patch_llama's default kernels, the padding mask, one row of 2,048 tokens, eager, foreach
-# AdamW), found among the fine-tuning runs by ``find_run``.
-SINGLE_GPU_SETTINGS = {"preset": "llama-3.1-8b", "patch_options": {}, "compile": None, "seq_len": 2048, "batch_size": 1,
-                       "grad_accum": 1, "gradient_checkpointing": False, "padding_mask": True, "adamw": "foreach",
+# The settings of the committed single-GPU run the arithmetic starts from (python -m
+# kernels.training.finetune --compare on one H200, patch_llama's default kernels, the padding mask,
+# one row of 2,048 tokens, eager, foreach AdamW), found among the fine-tuning runs by ``find_run``.
+SINGLE_GPU_SETTINGS = {"preset": "llama-3.1-8b", "patch_options": {}, "compile": None,
+                       "seq_len": 2048, "batch_size": 1,
+                       "grad_accum": 1, "gradient_checkpointing": False, "padding_mask": True,
+                       "adamw": "foreach",
                        "patched_adamw": "foreach"}
 
 
 @dataclass
 class FsdpBudget:
-    """Per GPU and per optimizer step, for ``gpus`` GPUs sharing one model with FSDP2 (see ``fsdp_budget``)."""
+    """Per GPU and per optimizer step, for ``gpus`` GPUs sharing one model with FSDP2 (see
+    ``fsdp_budget``)."""
 
     preset: str
     gpus: int
@@ -312,9 +335,10 @@ class FsdpBudget:
 
 
 def state_bytes_per_param(master_dtype: str = "bfloat16") -> int:
-    """What the loop keeps per parameter: the parameter, its gradient and AdamW's two moments, each in the dtype of
-    the stored parameter (PyTorch's AdamW keeps its states in the parameter's dtype): 4 × 2 B in bf16, as the
-    single-GPU loop runs; 4 × 4 B with float32 master weights (the 16 B/param usually quoted)."""
+    """What the loop keeps per parameter: the parameter, its gradient and AdamW's two moments, each
+    in the dtype of the stored parameter (PyTorch's AdamW keeps its states in the parameter's
+    dtype): 4 × 2 B in bf16, as the single-GPU loop runs; 4 × 4 B with float32 master weights (the
+    16 B/param usually quoted)."""
     size = {"bfloat16": 2, "float32": 4}[master_dtype]
     return 4 * size
 
@@ -323,11 +347,11 @@ def bytes_sent_per_step(parameters: int, gathered_once: int, gpus: int, compute_
                         reduce_bytes: int = 4) -> float:
     """Bytes each GPU sends per step with FSDP2 and ring collectives.
 
-    A ring all-gather or reduce-scatter of S bytes in total has every GPU send (N − 1)/N · S. Per step: the
-    parameters are all-gathered in ``compute_bytes`` for the forward and again for the backward (they were freed
-    after the forward), except ``gathered_once`` of them, which stay gathered until the backward (the root unit:
-    embeddings, final norm, LM head; and the last decoder layer, see ``shard_llama``); every gradient is
-    reduce-scattered in ``reduce_bytes``.
+    A ring all-gather or reduce-scatter of S bytes in total has every GPU send (N − 1)/N · S. Per
+    step: the parameters are all-gathered in ``compute_bytes`` for the forward and again for the
+    backward (they were freed after the forward), except ``gathered_once`` of them, which stay
+    gathered until the backward (the root unit: embeddings, final norm, LM head; and the last
+    decoder layer, see ``shard_llama``); every gradient is reduce-scattered in ``reduce_bytes``.
     """
     gathered = compute_bytes * (2 * parameters - gathered_once)
     reduced = reduce_bytes * parameters
@@ -348,13 +372,15 @@ def gathered_once_count(config) -> int:
 
 # Shapes for the arithmetic on paper only (never built): Llama-3.1-70B's published configuration.
 PAPER_SHAPES = {
-    "llama-3.1-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+    "llama-3.1-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                          num_attention_heads=64,
                           num_key_value_heads=8, head_dim=128),
 }
 
 
 def shape_config(name: str):
-    """A preset's ``LlamaConfig``, or one of ``PAPER_SHAPES`` (the 8B configuration with that model's sizes)."""
+    """A preset's ``LlamaConfig``, or one of ``PAPER_SHAPES`` (the 8B configuration with that
+    model's sizes)."""
     if name in PAPER_SHAPES:
         return llama_config("llama-3.1-8b", **PAPER_SHAPES[name])
     return llama_config(name)
@@ -363,22 +389,26 @@ def shape_config(name: str):
 def fsdp_budget(gpus: int, *, gpus_per_node: int = 8, nics_per_node: int = 8, preset: str = "llama-3.1-8b",
                 master_dtype: str = "bfloat16", single_gpu: dict | None = None,
                 link_gb_s: float | None = None) -> FsdpBudget:
-    """The arithmetic of one FSDP2 step at the per-GPU batch of a single-GPU run: ``single_gpu`` (a fine-tuning
-    comparison's JSON), by default the committed run of ``SINGLE_GPU_SETTINGS``.
+    """The arithmetic of one FSDP2 step at the per-GPU batch of a single-GPU run: ``single_gpu`` (a
+    fine-tuning comparison's JSON), by default the committed run of ``SINGLE_GPU_SETTINGS``.
 
-    * Memory per GPU: the sharded state (``state_bytes_per_param`` × parameters / N) plus what the single-GPU run
-      held besides its state (measured peak − state: activations, logits, the optimizer's temporaries), taken as
-      unchanged, so this is an upper bound (the optimizer's temporaries shrink with N too); for a paper shape,
-      scaled by its hidden size × layers over the measured model's.
-    * Communication: ``bytes_sent_per_step`` over the bandwidth of ``link_bandwidth`` (or ``link_gb_s``, e.g. one
-      measured with nccl-tests). Collectives' latency is left out: FSDP2 issues two all-gathers and one
-      reduce-scatter per layer per step, tens of µs each, against hundreds of ms of compute.
-    * Compute: the measured single-GPU step time of each variant (same tokens per GPU, so the same work per GPU).
-      For a larger shape than the measured run's (``PAPER_SHAPES``: 70B), that time scaled by the ratio of
-      parameter counts: a step's FLOPs are about 6 × parameters × tokens (attention's share, which grows with the
-      hidden size rather than the parameters, is left out), at the same achieved FLOP rate.
-    * Step time: max(compute, comm) if FSDP2's prefetching hides the collectives behind compute completely, which
-      is the best case; the patched variant's speed-up over Hugging Face's follows.
+    * Memory per GPU: the sharded state (``state_bytes_per_param`` × parameters / N) plus what the
+      single-GPU run held besides its state (measured peak − state: activations, logits, the
+      optimizer's temporaries), taken as unchanged, so this is an upper bound (the optimizer's
+      temporaries shrink with N too); for a paper shape, scaled by its hidden size × layers over the
+      measured model's.
+    * Communication: ``bytes_sent_per_step`` over the bandwidth of ``link_bandwidth`` (or
+      ``link_gb_s``, e.g. one measured with nccl-tests). Collectives' latency is left out: FSDP2
+      issues two all-gathers and one reduce-scatter per layer per step, tens of µs each, against
+      hundreds of ms of compute.
+    * Compute: the measured single-GPU step time of each variant (same tokens per GPU, so the same
+      work per GPU). For a larger shape than the measured run's (``PAPER_SHAPES``: 70B), that time
+      scaled by the ratio of parameter counts: a step's FLOPs are about 6 × parameters × tokens
+      (attention's share, which grows with the hidden size rather than the parameters, is left out),
+      at the same achieved FLOP rate.
+    * Step time: max(compute, comm) if FSDP2's prefetching hides the collectives behind compute
+      completely, which is the best case; the patched variant's speed-up over Hugging Face's
+      follows.
     """
     if not isinstance(gpus, int) or gpus < 1:
         raise ValueError(f"gpus must be a positive int, got {gpus!r}")
@@ -393,7 +423,8 @@ def fsdp_budget(gpus: int, *, gpus_per_node: int = 8, nics_per_node: int = 8, pr
     peak = max(summary["peak_memory_bytes"].values())
     measured = llama_config(single["settings"]["preset"])
     rest = peak - state_bytes_per_param(single["settings"]["dtype"]) * count_parameters(measured)
-    # Activations per token grow with hidden size × layers: scale the measured rest to a larger paper shape.
+    # Activations per token grow with hidden size × layers: scale the measured rest to a larger
+    # paper shape.
     rest *= (config.hidden_size * config.num_hidden_layers) / (measured.hidden_size * measured.num_hidden_layers)
     link, speed = link_bandwidth(gpus, gpus_per_node, nics_per_node)
     if link_gb_s is not None:
@@ -403,7 +434,8 @@ def fsdp_budget(gpus: int, *, gpus_per_node: int = 8, nics_per_node: int = 8, pr
     compute = {v: t * scale for v, t in summary["step_time_s"].items()}
     step = {v: max(t, comm) for v, t in compute.items()}
     return FsdpBudget(
-        preset=preset, gpus=gpus, nodes=-(-gpus // gpus_per_node), link=link, link_gb_s=speed, parameters=params,
+        preset=preset, gpus=gpus, nodes=-(-gpus // gpus_per_node), link=link, link_gb_s=speed,
+        parameters=params,
         state_bytes_per_param=per_param,
         state_bytes_per_gpu=state / gpus, rest_bytes_per_gpu=rest, memory_bytes_per_gpu=state / gpus + rest,
         sent_bytes_per_gpu=sent, comm_s=comm, compute_s=compute, step_s=step,
@@ -414,7 +446,8 @@ def fsdp_budget(gpus: int, *, gpus_per_node: int = 8, nics_per_node: int = 8, pr
 
 
 def budget_table(budgets: list[FsdpBudget]) -> str:
-    """One line per budget: memory, bytes sent, comm and compute time, tokens/s per GPU, the kernels' speed-up."""
+    """One line per budget: memory, bytes sent, comm and compute time, tokens/s per GPU, the
+    kernels' speed-up."""
     lines = [f"{'model':<14}{'GPUs':>5}{'nodes':>6} {'link':<23}{'state/GPU':>10}{'mem/GPU ≤':>11}{'sent/GPU':>10}"
              f"{'comm':>9}{'compute HF/ours':>17}{'tok/s/GPU HF/ours':>19}{'speed-up':>9}{'tokens to hide comm':>21}"]
     for b in budgets:
@@ -428,14 +461,15 @@ def budget_table(budgets: list[FsdpBudget]) -> str:
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The command line
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
     d = GPU_DEFAULTS if runtime.MODE == "gpu" else CPU_DEFAULTS
-    p = argparse.ArgumentParser(prog="python -m kernels.distributed.scaling", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kernels.distributed.scaling",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default=d["preset"], choices=tuple(PRESETS),
                    help=f"model preset (default {d['preset']})")
     p.add_argument("--gpus", type=_ints, default=_ints(d["gpus"]),
@@ -444,10 +478,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"sequence lengths to try, comma-separated (default {d['seq_lens']})")
     p.add_argument("--variants", type=cli.names(("baseline", "patched")), default=("baseline", "patched"),
                    help="baseline, patched or both (default both)")
-    p.add_argument("--steps", type=cli.positive_int, default=d["steps"], help=f"steps per run (default {d['steps']})")
+    p.add_argument("--steps", type=cli.positive_int, default=d["steps"],
+                   help=f"steps per run (default {d['steps']})")
     p.add_argument("--batch-per-gpu", type=cli.positive_int, default=d["batch_per_gpu"],
                    help=f"rows per GPU per step (default {d['batch_per_gpu']})")
-    p.add_argument("--gradient-checkpointing", action="store_true", help="activation checkpointing in every run")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="activation checkpointing in every run")
     p.add_argument("--profile-steps", type=cli.non_negative_int, default=0, metavar="K",
                    help="profile K more steps of every run on rank 0: compute, collectives, exposed collective time "
                         "and bytes sent (default 0: none)")
@@ -457,7 +493,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="all-gather K layers ahead explicitly (default 0: FSDP2's implicit one layer)")
     p.add_argument("--name", default=None,
                    help="results file name under scaling/ (default: the preset)")
-    p.add_argument("--timeout", type=cli.positive_float, default=600, help="seconds one run may take (default 600)")
+    p.add_argument("--timeout", type=cli.positive_float, default=600,
+                   help="seconds one run may take (default 600)")
     cli.add_output_arguments(p, "scaling/<name>.json and .png")
     return p
 
@@ -483,7 +520,8 @@ def main(argv: list[str] | None = None) -> int:
     cli.check_outputs(parser, args, [json_path, json_path.with_suffix(".png")], problems)
     print(runtime.describe())
     results = run_scaling(args.preset, args.gpus, args.seq_lens, variants=variants, steps=args.steps,
-                          batch_per_gpu=args.batch_per_gpu, gradient_checkpointing=args.gradient_checkpointing,
+                          batch_per_gpu=args.batch_per_gpu,
+                          gradient_checkpointing=args.gradient_checkpointing,
                           timeout_s=args.timeout, profile_steps=args.profile_steps, kernels=args.kernels,
                           prefetch=args.prefetch)
     axes = plot_scaling(results)

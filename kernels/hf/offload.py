@@ -1,44 +1,50 @@
-"""Gradient checkpoints offloaded to (pinned) host memory, copied on a side CUDA stream and prefetched for the backward.
+"""Gradient checkpoints offloaded to (pinned) host memory, copied on a side CUDA stream and
+prefetched for the backward.
 
-With Hugging Face's gradient checkpointing, each decoder layer keeps one tensor from its forward to its backward: its
-input, the hidden states [batch, seq, hidden] (the layer is recomputed from it). At the Llama-3.1-8B shape that is
-4,096 × 2 bytes per token per layer, 256 KiB per token over 32 layers: 128 GiB at 512K tokens, more than the GPU has.
-The forward does not need a layer's input on the GPU once the layer has consumed it, and the backward needs it again
-only when it reaches that layer, in reverse order. So:
+With Hugging Face's gradient checkpointing, each decoder layer keeps one tensor from its forward to
+its backward: its input, the hidden states [batch, seq, hidden] (the layer is recomputed from it).
+At the Llama-3.1-8B shape that is 4,096 × 2 bytes per token per layer, 256 KiB per token over 32
+layers: 128 GiB at 512K tokens, more than the GPU has. The forward does not need a layer's input on
+the GPU once the layer has consumed it, and the backward needs it again only when it reaches that
+layer, in reverse order. So:
 
-* **pack** (forward): as soon as a layer's checkpoint is saved, a copy to host memory is queued on a side CUDA stream,
-  after the kernels that produced it (``wait_stream``), and the GPU tensor is marked as in use by that stream
-  (``record_stream``), so the caching allocator does not hand its memory out before the copy has read it. The forward
-  goes on at once; the GPU copy is freed when the next layer has consumed it.
-* **unpack** (backward): the layer's checkpoint was brought back to the GPU on the side stream while the layer above
-  it ran its backward (prefetch, ``prefetch`` layers ahead), and the compute stream waits for that copy's CUDA event
-  (``wait_event``) before reading it. Nothing in the hot path calls ``synchronize()``.
+* **pack** (forward): as soon as a layer's checkpoint is saved, a copy to host memory is queued on a
+  side CUDA stream, after the kernels that produced it (``wait_stream``), and the GPU tensor is
+  marked as in use by that stream (``record_stream``), so the caching allocator does not hand its
+  memory out before the copy has read it. The forward goes on at once; the GPU copy is freed when
+  the next layer has consumed it.
+* **unpack** (backward): the layer's checkpoint was brought back to the GPU on the side stream while
+  the layer above it ran its backward (prefetch, ``prefetch`` layers ahead), and the compute stream
+  waits for that copy's CUDA event (``wait_event``) before reading it. Nothing in the hot path calls
+  ``synchronize()``.
 
-It is built on ``torch.autograd.graph.saved_tensors_hooks``: autograd hands every tensor it saves to the pack hook
-and stores what the hook returns; in the backward it hands that back to the unpack hook and uses the tensor it
-returns. The hooks are active only around each decoder layer's checkpoint call (the layer's
-``_gradient_checkpointing_func``, which Hugging Face sets when checkpointing is enabled, is wrapped), where the
-checkpoint saves its inputs through them before it pushes its own, innermost hooks for everything saved inside the
-layer. Only a tensor that is the layer's input, of shape [batch, seq, hidden], is offloaded; anything else passes
-through untouched.
+It is built on ``torch.autograd.graph.saved_tensors_hooks``: autograd hands every tensor it saves to
+the pack hook and stores what the hook returns; in the backward it hands that back to the unpack
+hook and uses the tensor it returns. The hooks are active only around each decoder layer's
+checkpoint call (the layer's ``_gradient_checkpointing_func``, which Hugging Face sets when
+checkpointing is enabled, is wrapped), where the checkpoint saves its inputs through them before it
+pushes its own, innermost hooks for everything saved inside the layer. Only a tensor that is the
+layer's input, of shape [batch, seq, hidden], is offloaded; anything else passes through untouched.
 
-**How many go to the host.** The last ``keep_on_gpu`` layers keep their checkpoints on the GPU (their backward comes
-first, and hides the first prefetch); the others are offloaded. By default ``keep_on_gpu`` is chosen at the start of
-each forward: as many checkpoints as fit in ``gpu_fraction`` (half) of the GPU memory then free, after setting aside
-the weight gradients the backward will allocate. Offloaded checkpoints must fit the host memory actually available
+**How many go to the host.** The last ``keep_on_gpu`` layers keep their checkpoints on the GPU
+(their backward comes first, and hides the first prefetch); the others are offloaded. By default
+``keep_on_gpu`` is chosen at the start of each forward: as many checkpoints as fit in
+``gpu_fraction`` (half) of the GPU memory then free, after setting aside the weight gradients the
+backward will allocate. Offloaded checkpoints must fit the host memory actually available
 (``MemAvailable`` in /proc/meminfo) less a safety margin; when they do not, the forward stops with a
 ``HostMemoryError`` that says how many tokens would fit.
 
-**Pinned buffers.** Copies between the GPU and host run asynchronously only from page-locked ("pinned") memory, and
-pinning is slow (it maps every page for the GPU), so the host buffers come from a pool that is reused across steps.
-PyTorch's pinned-memory allocator rounds each block up to a power of two (a 1.5 GiB checkpoint would take 2 GiB), so
-the pool holds power-of-two slabs (``SLAB_BYTES``, smaller for small checkpoints) and a checkpoint spans as many as
-it needs: nothing is wasted but the end of its last slab.
+**Pinned buffers.** Copies between the GPU and host run asynchronously only from page-locked
+("pinned") memory, and pinning is slow (it maps every page for the GPU), so the host buffers come
+from a pool that is reused across steps. PyTorch's pinned-memory allocator rounds each block up to a
+power of two (a 1.5 GiB checkpoint would take 2 GiB), so the pool holds power-of-two slabs
+(``SLAB_BYTES``, smaller for small checkpoints) and a checkpoint spans as many as it needs: nothing
+is wasted but the end of its last slab.
 
-Without CUDA the same code runs with plain host tensors, synchronous copies and no streams: the tests check there
-which tensors are offloaded, the pool's reuse, the order of the unpacks and prefetches, and the memory error. Under
-``torch.compile`` it refuses: the hooks run Python at every layer and manage streams by hand, which a compiled graph
-does not replay.
+Without CUDA the same code runs with plain host tensors, synchronous copies and no streams: the
+tests check there which tensors are offloaded, the pool's reuse, the order of the unpacks and
+prefetches, and the memory error. Under ``torch.compile`` it refuses: the hooks run Python at every
+layer and manage streams by hand, which a compiled graph does not replay.
 """
 
 from __future__ import annotations
@@ -55,12 +61,13 @@ from .tiled_mlp import free_device_bytes
 
 GiB = 1024**3
 MEMINFO = Path("/proc/meminfo")
-# Host memory left alone: a share of what is available, and at least a floor, for the Python process, the data
-# loader and the operating system's page cache.
+# Host memory left alone: a share of what is available, and at least a floor, for the Python
+# process, the data loader and the operating system's page cache.
 HOST_MARGIN = 0.10
 HOST_FLOOR_BYTES = 2 * GiB
-# The pinned slab: a power of two (the pinned allocator's rounding wastes nothing) large enough that one
-# cudaMemcpyAsync per slab costs nothing next to the copy (64 MiB take ~1 ms over PCIe 5).
+# The pinned slab: a power of two (the pinned allocator's rounding wastes nothing) large enough that
+# one cudaMemcpyAsync per slab costs nothing next to the copy (a 64 MiB copy lasts about a
+# millisecond over PCIe 5).
 SLAB_BYTES = 64 << 20
 
 
@@ -69,8 +76,9 @@ class HostMemoryError(MemoryError):
 
 
 def host_available_bytes(meminfo: Path | str = MEMINFO) -> int:
-    """``MemAvailable`` of /proc/meminfo in bytes: what the kernel estimates can be allocated without swapping
-    (free memory plus reclaimable caches). Where the file is missing, the free physical pages."""
+    """``MemAvailable`` of /proc/meminfo in bytes: what the kernel estimates can be allocated
+    without swapping (free memory plus reclaimable caches). Where the file is missing, the free
+    physical pages."""
     path = Path(meminfo)
     if path.exists():
         for line in path.read_text().splitlines():
@@ -97,14 +105,15 @@ def _fmt(n: float) -> str:
     return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 1024:,.1f} KiB"
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The pool of host slabs
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 class HostSlabPool:
-    """Host slabs (1-D uint8 tensors, pinned when ``pin``), by size, handed out and taken back; allocated only when
-    none of that size is free. ``allocations`` counts every slab ever allocated, ``held_bytes`` what the pool owns."""
+    """Host slabs (1-D uint8 tensors, pinned when ``pin``), by size, handed out and taken back;
+    allocated only when none of that size is free. ``allocations`` counts every slab ever allocated,
+    ``held_bytes`` what the pool owns."""
 
     def __init__(self, pin: bool):
         self.pin = pin
@@ -129,7 +138,8 @@ class HostSlabPool:
             self.free.setdefault(slab.numel(), []).append(slab)
 
     def trim(self, keep_size: int) -> None:
-        """Free the unused slabs of every size but ``keep_size`` (a new sequence length needs other slabs)."""
+        """Free the unused slabs of every size but ``keep_size`` (a new sequence length needs other
+        slabs)."""
         for size in [s for s in self.free if s != keep_size]:
             self.held_bytes -= size * len(self.free.pop(size))
 
@@ -140,9 +150,9 @@ class HostSlabPool:
         self.free.clear()
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # What the pack hook returns
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 class KeptCheckpoint:
@@ -155,10 +165,12 @@ class KeptCheckpoint:
 
 
 class OffloadedCheckpoint:
-    """A checkpoint in host slabs: where it came from, its slabs, and its copy back to the GPU once issued. When
-    autograd drops it (after its backward, or with a discarded graph), its slabs go back to the pool."""
+    """A checkpoint in host slabs: where it came from, its slabs, and its copy back to the GPU once
+    issued. When autograd drops it (after its backward, or with a discarded graph), its slabs go
+    back to the pool."""
 
-    __slots__ = ("layer", "shape", "dtype", "device", "nbytes", "slabs", "gpu", "fetched", "forward", "__weakref__")
+    __slots__ = ("layer", "shape", "dtype", "device", "nbytes", "slabs", "gpu", "fetched",
+                 "forward", "__weakref__")
 
     def __init__(self, layer, tensor, slabs, forward):
         self.layer = layer
@@ -167,7 +179,8 @@ class OffloadedCheckpoint:
         self.slabs = slabs
         self.gpu: torch.Tensor | None = None
         self.fetched = None  # the CUDA event recorded after the copy back
-        self.forward = forward  # this forward's records by layer (weak values): the prefetch looks the next one up
+        # this forward's records by layer (weak values): the prefetch looks the next one up
+        self.forward = forward
 
 
 def _chunks(nbytes: int, size: int):
@@ -175,14 +188,15 @@ def _chunks(nbytes: int, size: int):
     return [(a, min(a + size, nbytes)) for a in range(0, nbytes, size)]
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The handle
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @dataclass
 class OffloadStats:
-    """Counts since the handle was made: bytes and copies each way, the pool's slabs, and the last forward's plan."""
+    """Counts since the handle was made: bytes and copies each way, the pool's slabs, and the last
+    forward's plan."""
 
     bytes_offloaded: int = 0
     copies_to_host: int = 0
@@ -205,15 +219,17 @@ class _Plan:
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The layers Hugging Face's gradient checkpointing wraps (``GradientCheckpointingLayer``), in model order."""
+    """The layers Hugging Face's gradient checkpointing wraps (``GradientCheckpointingLayer``), in
+    model order."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
 def check_offloadable(model: torch.nn.Module) -> None:
-    """Raise, changing nothing, unless ``enable_checkpoint_offload(model)`` can take this model: eager (not
-    compiled), with decoder layers under non-reentrant gradient checkpointing (``patch_llama`` checks this first)."""
+    """Raise, changing nothing, unless ``enable_checkpoint_offload(model)`` can take this model:
+    eager (not compiled), with decoder layers under non-reentrant gradient checkpointing
+    (``patch_llama`` checks this first)."""
     _check_model(model, decoder_layers(model))
 
 
@@ -235,9 +251,10 @@ def _check_model(model: torch.nn.Module, layers: list[torch.nn.Module]) -> None:
 
 @torch.compiler.disable(reason="raises eagerly, where Dynamo cannot swallow the error and run the layer eagerly")
 def refuse_if_compiled(compiling: bool) -> None:
-    """Raise when ``compiling``. Called with ``torch.compiler.is_compiling()`` from a hook: Dynamo evaluates that
-    to True while tracing, and runs this function (excluded from tracing) eagerly, so the error reaches the caller.
-    Raised inside traced code, Dynamo would treat it as a graph break and quietly run the hook eagerly instead."""
+    """Raise when ``compiling``. Called with ``torch.compiler.is_compiling()`` from a hook: Dynamo
+    evaluates that to True while tracing, and runs this function (excluded from tracing) eagerly, so
+    the error reaches the caller. Raised inside traced code, Dynamo would treat it as a graph break
+    and quietly run the hook eagerly instead."""
     if compiling:
         raise RuntimeError("checkpoint offload does not run under torch.compile: its hooks run Python at every layer "
                            "and order copies on a side CUDA stream by hand, which a compiled graph does not replay. "
@@ -245,20 +262,25 @@ def refuse_if_compiled(compiling: bool) -> None:
 
 
 class CheckpointOffload:
-    """Offload the gradient checkpoints of ``model``'s decoder layers to host memory (see the module docstring).
+    """Offload the gradient checkpoints of ``model``'s decoder layers to host memory (see the module
+    docstring).
 
-    Attaches on construction; ``undo()`` (or leaving a ``with`` block) removes the hooks and frees the pool.
+    Attaches on construction; ``undo()`` (or leaving a ``with`` block) removes the hooks and frees
+    the pool.
 
-    * ``keep_on_gpu``: how many of the last layers keep their checkpoint on the GPU; None chooses per forward from
-      the free GPU memory (``gpu_fraction`` of it, after the weight gradients still to be allocated); 0 on a machine
-      without CUDA.
-    * ``host_margin``: the share of ``MemAvailable`` (read from ``meminfo``) left alone, at least ``HOST_FLOOR_BYTES``.
+    * ``keep_on_gpu``: how many of the last layers keep their checkpoint on the GPU; None chooses
+      per forward from the free GPU memory (``gpu_fraction`` of it, after the weight gradients still
+      to be allocated); 0 on a machine without CUDA.
+    * ``host_margin``: the share of ``MemAvailable`` (read from ``meminfo``) left alone, at least
+      ``HOST_FLOOR_BYTES``.
     * ``prefetch``: how many offloaded layers ahead of the backward the copies back are issued.
     * ``slab_bytes``: the host slab size (a power of two).
-    * ``timeline``: record CUDA events around each layer's compute and each copy, for ``timeline()``.
+    * ``timeline``: record CUDA events around each layer's compute and each copy, for
+      ``timeline()``.
 
-    ``stats`` counts bytes and copies; ``log`` lists the last forward's and backward's events in order:
-    ``("pack", layer, "host" | "gpu")``, ``("fetch", layer)`` when a copy back is issued, ``("unpack", layer)``.
+    ``stats`` counts bytes and copies; ``log`` lists the last forward's and backward's events in
+    order: ``("pack", layer, "host" | "gpu")``, ``("fetch", layer)`` when a copy back is issued,
+    ``("unpack", layer)``.
     """
 
     def __init__(self, model: torch.nn.Module, *, keep_on_gpu: int | None = None, gpu_fraction: float = 0.5,
@@ -293,11 +315,13 @@ class CheckpointOffload:
         self.record_timeline = timeline and self.cuda
         self.events: list[tuple[str, str, object, object]] = []
         self.plan: _Plan | None = None
-        self.current: tuple[int, torch.Tensor] | None = None  # (layer, its input) while a layer's forward runs
+        # (layer, its input) while a layer's forward runs
+        self.current: tuple[int, torch.Tensor] | None = None
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-        # Each layer's checkpoint function (set by Hugging Face's gradient_checkpointing_enable) is wrapped: the
-        # wrapper is where the layer's inputs are saved, in every transformers release (some run the layer's module
-        # hooks inside the checkpoint, some outside), and the backward's recompute never calls it again.
+        # Each layer's checkpoint function (set by Hugging Face's gradient_checkpointing_enable) is
+        # wrapped: the wrapper is where the layer's inputs are saved, in every transformers release
+        # (some run the layer's module hooks inside the checkpoint, some outside), and the
+        # backward's recompute never calls it again.
         self.originals = [layer._gradient_checkpointing_func for layer in layers]
         self.wrappers = [self._wrap(index, original) for index, original in enumerate(self.originals)]
         for layer, wrapper in zip(layers, self.wrappers):
@@ -306,14 +330,16 @@ class CheckpointOffload:
                         enumerate(layers)]
         self.active = True
 
-    # -- around each layer's checkpoint: the saved-tensor hooks for its inputs ------------------------------------
+    # -- around each layer's checkpoint: the saved-tensor hooks for its inputs
+    # ------------------------------------
 
     def _wrap(self, index: int, checkpoint):
         def checkpoint_with_offload(function, *args, **kwargs):
             refuse_if_compiled(torch.compiler.is_compiling())
             hidden = args[0] if args else None
             if not torch.is_grad_enabled() or not isinstance(hidden, torch.Tensor):
-                return checkpoint(function, *args, **kwargs)  # nothing is saved for a backward: nothing to offload
+                # nothing is saved for a backward: nothing to offload
+                return checkpoint(function, *args, **kwargs)
             if index == 0:
                 self._begin_forward(hidden)
             if self.plan is None:
@@ -321,7 +347,8 @@ class CheckpointOffload:
             self.current = (index, hidden)
             self._mark("compute", f"layer {index} forward", "start")
             try:
-                with self.hooks:  # the checkpoint saves its inputs through these, then pushes its own for the layer
+                # the checkpoint saves its inputs through these, then pushes its own for the layer
+                with self.hooks:
                     output = checkpoint(function, *args, **kwargs)
             finally:
                 current, self.current = self.current, None
@@ -331,7 +358,8 @@ class CheckpointOffload:
                                    "offload needs non-reentrant gradient checkpointing with the hidden states passed "
                                    "positionally, as Hugging Face's decoder loop does")
             if index == len(self.layers) - 1 and self.plan.first_kept == len(self.layers):
-                # Nothing kept on the GPU: the last layer's checkpoint starts back now, under the loss's backward.
+                # Nothing kept on the GPU: the last layer's checkpoint starts back now, under the
+                # loss's backward.
                 self._prefetch_below(len(self.layers), self.plan.records)
             return output
 
@@ -349,7 +377,8 @@ class CheckpointOffload:
 
         return hook
 
-    # -- the plan of one forward -----------------------------------------------------------------------------------
+    # -- the plan of one forward
+    # -----------------------------------------------------------------------------------
 
     def _begin_forward(self, hidden: torch.Tensor) -> None:
         self.plan = None
@@ -400,11 +429,12 @@ class CheckpointOffload:
                 f"the pool's {_fmt(self.pool.held_bytes)}), not the {_fmt((n - keep) * nbytes)} the other "
                 f"{n - keep} need. At most about {fit:,} tokens per step (batch × sequence) fit")
 
-    # -- pack and unpack ------------------------------------------------------------------------------------------
+    # -- pack and unpack
+    # ------------------------------------------------------------------------------------------
 
     def pack(self, tensor: torch.Tensor):
-        """autograd's pack hook: a layer's checkpoint input goes to the host or stays (as a record); anything else
-        is returned as it is."""
+        """autograd's pack hook: a layer's checkpoint input goes to the host or stays (as a record);
+        anything else is returned as it is."""
         current = self.current
         if current is None or not self._is_layer_input(tensor, current[1]):
             return tensor
@@ -461,14 +491,15 @@ class CheckpointOffload:
         if packed.gpu is None:  # not prefetched (the first one, or a second backward through the graph)
             self._fetch(packed)
         self._prefetch_below(packed.layer, packed.forward)
-        tensor, packed.gpu = packed.gpu, None  # autograd owns it now: freed once this layer's backward is done
+        # autograd owns it now: freed once this layer's backward is done
+        tensor, packed.gpu = packed.gpu, None
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_event(packed.fetched)
         return tensor
 
     def _prefetch_below(self, layer: int, records: weakref.WeakValueDictionary) -> None:
-        """Issue the copies back of the next ``prefetch`` checkpoints below ``layer`` (those offloaded, in the
-        forward whose ``records`` these are) not yet issued."""
+        """Issue the copies back of the next ``prefetch`` checkpoints below ``layer`` (those
+        offloaded, in the forward whose ``records`` these are) not yet issued."""
         for below in range(layer - 1, max(-1, layer - 1 - self.prefetch), -1):
             record = records.get(below)
             if record is not None and record.gpu is None:
@@ -479,7 +510,8 @@ class CheckpointOffload:
         flat = gpu.view(-1).view(torch.uint8)
         size = record.slabs[0].numel()
         if self.cuda:
-            # The new block may still be read by kernels queued on the compute stream: copy after them.
+            # The new block may still be read by kernels queued on the compute stream: copy after
+            # them.
             self.side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.side):
                 self._mark("copy", f"layer {record.layer} to GPU", "start")
@@ -496,7 +528,8 @@ class CheckpointOffload:
         self.log.append(("fetch", record.layer))
         self.stats.copies_to_gpu += 1
 
-    # -- the timeline (GPU) ---------------------------------------------------------------------------------------
+    # -- the timeline (GPU)
+    # ---------------------------------------------------------------------------------------
 
     def _mark(self, stream: str, what: str, edge: str) -> None:
         if not self.record_timeline:
@@ -506,9 +539,10 @@ class CheckpointOffload:
         self.events.append((stream, what, edge, event))
 
     def timeline(self) -> list[dict]:
-        """The recorded intervals of the last step, ``{"stream", "what", "start_ms", "end_ms"}`` relative to the
-        first event; a layer's backward runs from its unpack to the next one. Synchronises the GPU: call it after
-        the step, never inside one. Empty unless made with ``timeline=True`` on a GPU."""
+        """The recorded intervals of the last step, ``{"stream", "what", "start_ms", "end_ms"}``
+        relative to the first event; a layer's backward runs from its unpack to the next one.
+        Synchronises the GPU: call it after the step, never inside one. Empty unless made with
+        ``timeline=True`` on a GPU."""
         if not self.events:
             return []
         torch.cuda.synchronize(self.device)
@@ -523,12 +557,14 @@ class CheckpointOffload:
             elif edge == "start":
                 opened[(stream, what)] = t
             else:
-                spans.append({"stream": stream, "what": what, "start_ms": opened.pop((stream, what)), "end_ms": t})
+                spans.append({"stream": stream, "what": what,
+                              "start_ms": opened.pop((stream, what)), "end_ms": t})
         for (what, t0), (_, t1) in zip(backward_starts, backward_starts[1:]):
             spans.append({"stream": "compute", "what": what, "start_ms": t0, "end_ms": t1})
         return sorted(spans, key=lambda s: s["start_ms"])
 
-    # -- the handle -----------------------------------------------------------------------------------------------
+    # -- the handle
+    # ----------------------------------------------------------------------------------------------
 
     def undo(self) -> None:
         """Put each layer's checkpoint function back, remove the hooks and free the pool's unused slabs."""
@@ -559,11 +595,14 @@ class CheckpointOffload:
 
 
 def enable_checkpoint_offload(model: torch.nn.Module, **options) -> CheckpointOffload:
-    """Offload ``model``'s gradient checkpoints to host memory; returns the handle (``undo()``, ``stats``). The
-    options are ``CheckpointOffload``'s. Gradient checkpointing must be on, non-reentrant."""
+    """Offload ``model``'s gradient checkpoints to host memory; returns the handle (``undo()``,
+    ``stats``). The options are ``CheckpointOffload``'s. Gradient checkpointing must be on,
+    non-reentrant."""
     return CheckpointOffload(model, **options)
 
 
-__all__ = ["MEMINFO", "HOST_MARGIN", "HOST_FLOOR_BYTES", "SLAB_BYTES", "HostMemoryError", "host_available_bytes",
+__all__ = ["MEMINFO", "HOST_MARGIN", "HOST_FLOOR_BYTES", "SLAB_BYTES", "HostMemoryError",
+           "host_available_bytes",
            "host_budget_bytes", "slab_bytes_for", "HostSlabPool", "KeptCheckpoint", "OffloadedCheckpoint",
-           "OffloadStats", "decoder_layers", "check_offloadable", "CheckpointOffload", "enable_checkpoint_offload"]
+           "OffloadStats", "decoder_layers", "check_offloadable", "CheckpointOffload",
+           "enable_checkpoint_offload"]

@@ -1,65 +1,72 @@
 """When a causal language model's padding mask can be left out, and what leaving it out saves.
 
-A fine-tuning batch pads each row to the batch's length and passes ``attention_mask`` (1 for a real token, 0 for
-padding). Given a mask, Hugging Face's Llama builds a 4-D mask of [batch, 1, seq, seq] for scaled-dot-product
-attention: memory that grows with the square of the length, and a mask that keeps PyTorch from choosing its
-fastest (flash) attention kernel. Without a mask it passes ``is_causal=True`` instead and builds nothing.
+A fine-tuning batch pads each row to the batch's length and passes ``attention_mask`` (1 for a real
+token, 0 for padding). Given a mask, Hugging Face's Llama builds a 4-D mask of [batch, 1, seq, seq]
+for scaled-dot-product attention: memory that grows with the square of the length, and a mask that
+keeps PyTorch from choosing its fastest (flash) attention kernel. Without a mask it passes
+``is_causal=True`` instead and builds nothing.
 
-For a causal model the mask is redundant when every row is *right-padded* (its real tokens first, then only
-padding) and no padded position carries a label:
+For a causal model the mask is redundant when every row is *right-padded* (its real tokens first,
+then only padding) and no padded position carries a label:
 
 * a real token at position i attends to positions 0..i, all real, with or without the mask;
-* a padded position attends to whatever precedes it and so computes a different (meaningless) output, but its label
-  is ``ignore_index``: it adds nothing to the loss, and so nothing to any gradient.
+* a padded position attends to whatever precedes it and so computes a different (meaningless)
+  output, but its label is ``ignore_index``: it adds nothing to the loss, and so nothing to any
+  gradient.
 
-The loss and every gradient are the same; only the padded positions' logits differ. A left-padded row (padding
-first, as generation uses) or a row with a hole in the middle is not covered, and keeps its mask.
+The loss and every gradient are the same; only the padded positions' logits differ. A left-padded
+row (padding first, as generation uses) or a row with a hole in the middle is not covered, and keeps
+its mask.
 
-``drop_padding_mask(batch)`` leaves the mask out where it may go; ``DropRedundantMask`` does it as a data collator,
-for Hugging Face's ``Trainer``.
+``drop_padding_mask(batch)`` leaves the mask out where it may go; ``DropRedundantMask`` does it as a
+data collator, for Hugging Face's ``Trainer``.
 """
 
 from __future__ import annotations
 
 import torch
 
-# The label Hugging Face's loss and F.cross_entropy skip (kernels.training.data marks prompt and padding with it).
+# The label Hugging Face's loss and F.cross_entropy skip (kernels.training.data marks prompt and
+# padding with it).
 IGNORE_INDEX = -100
 
 
 def mask_is_redundant(batch: dict[str, torch.Tensor], ignore_index: int = IGNORE_INDEX) -> bool:
-    """True when ``batch["attention_mask"]`` changes nothing a causal model's loss sees: every row's zeros come
-    after all its ones (right padding), and every padded position's label is ``ignore_index``. A batch with no
-    mask, or with no padding at all, is trivially so."""
+    """True when ``batch["attention_mask"]`` changes nothing a causal model's loss sees: every row's
+    zeros come after all its ones (right padding), and every padded position's label is
+    ``ignore_index``. A batch with no mask, or with no padding at all, is trivially so."""
     mask = batch.get("attention_mask")
     if mask is None:
         return True
     if mask.dim() != 2:
         raise ValueError(f"attention_mask must be [batch, seq], got shape {tuple(mask.shape)}")
     real = mask.bool()
-    # Right padding: once a row has seen a zero it sees no more ones, i.e. the running minimum equals the mask.
+    # Right padding: once a row has seen a zero it sees no more ones, i.e. the running minimum
+    # equals the mask.
     right_padded = bool((real == real.cummin(dim=1).values).all())
     labels = batch.get("labels")
     padded_labels_ignored = labels is None or bool((labels[~real] == ignore_index).all())
     return right_padded and padded_labels_ignored
 
 
-def drop_padding_mask(batch: dict[str, torch.Tensor], ignore_index: int = IGNORE_INDEX) -> dict[str, torch.Tensor]:
-    """``batch`` without its ``attention_mask`` when ``mask_is_redundant`` says it may go; otherwise ``batch``
-    itself, unchanged. Call it on the CPU copy of a batch: the check reads the whole mask (on a GPU that would be a
-    host synchronisation per batch)."""
+def drop_padding_mask(batch: dict[str, torch.Tensor], ignore_index: int = IGNORE_INDEX) -> dict[str,
+                                                                                                torch.Tensor]:
+    """``batch`` without its ``attention_mask`` when ``mask_is_redundant`` says it may go; otherwise
+    ``batch`` itself, unchanged. Call it on the CPU copy of a batch: the check reads the whole mask
+    (on a GPU that would be a host synchronisation per batch)."""
     if "attention_mask" not in batch or not mask_is_redundant(batch, ignore_index):
         return batch
     return {k: v for k, v in batch.items() if k != "attention_mask"}
 
 
 class DropRedundantMask:
-    """A data collator: ``collator``'s batch, without its ``attention_mask`` where ``drop_padding_mask`` may drop
-    it. For Hugging Face's ``Trainer(..., data_collator=DropRedundantMask())``: the check runs in the data loader,
-    on the CPU tensors the collator made, so it costs no host synchronisation.
+    """A data collator: ``collator``'s batch, without its ``attention_mask`` where
+    ``drop_padding_mask`` may drop it. For Hugging Face's ``Trainer(...,
+    data_collator=DropRedundantMask())``: the check runs in the data loader, on the CPU tensors the
+    collator made, so it costs no host synchronisation.
 
-    ``collator``: the collator to wrap (default: transformers' ``default_data_collator``, which stacks rows that
-    are already padded)."""
+    ``collator``: the collator to wrap (default: transformers' ``default_data_collator``, which
+    stacks rows that are already padded)."""
 
     def __init__(self, collator=None, ignore_index: int = IGNORE_INDEX):
         if collator is None:
@@ -72,7 +79,8 @@ class DropRedundantMask:
 
 
 def attention_mask_bytes(batch_size: int, seq_len: int, itemsize: int = 1) -> int:
-    """Bytes of the [batch, 1, seq, seq] mask Hugging Face builds from a padding mask (boolean: 1 byte each).
-    PyTorch's memory-efficient attention kernel, the one that accepts a mask, turns it into an additive mask of
-    the activation dtype when it runs (2 bytes each in bf16): pass ``itemsize=2`` for that copy."""
+    """Bytes of the [batch, 1, seq, seq] mask Hugging Face builds from a padding mask (boolean: 1
+    byte each). PyTorch's memory-efficient attention kernel, the one that accepts a mask, turns it
+    into an additive mask of the activation dtype when it runs (2 bytes each in bf16): pass
+    ``itemsize=2`` for that copy."""
     return batch_size * seq_len * seq_len * itemsize

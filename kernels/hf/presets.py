@@ -1,14 +1,16 @@
 """Llama configurations by name: the shapes every chapter, benchmark and training run measures at.
 
-* ``"tiny"``: four layers, hidden size 128, grouped-query attention (4 query heads sharing 2 key/value heads),
-  vocabulary 2,048 (the size of the tokenizer that ``kernels.training.data`` trains), so the CPU gets through a step
-  in well under a second on the code paths a real Llama takes;
-* ``"llama-3.2-1b"`` and ``"llama-3.1-8b"``: the published shapes of those models (vocabulary 128,256, rope theta
-  500,000, the llama3 RoPE frequency scaling, GQA 32/8).
+* ``"tiny"``: four layers, hidden size 128, grouped-query attention (4 query heads sharing 2
+  key/value heads), vocabulary 2,048 (the size of the tokenizer that ``kernels.training.data``
+  trains), so the CPU gets through a step in well under a second on the code paths a real Llama
+  takes;
+* ``"llama-3.2-1b"`` and ``"llama-3.1-8b"``: the published shapes of those models (vocabulary
+  128,256, rope theta 500,000, the llama3 RoPE frequency scaling, GQA 32/8).
 
-They sit in the Hugging Face wing because they are transformers ``LlamaConfig`` objects and nothing more: the
-benchmarks read parameter shapes from them without building a model (``kernels.training.models`` builds them).
-``transformers`` is imported inside the functions that need it so that ``import kernels`` stays fast.
+They sit in the Hugging Face wing because they are transformers ``LlamaConfig`` objects and nothing
+more: the benchmarks read parameter shapes from them without building a model
+(``kernels.training.models`` builds them). ``transformers`` is imported inside the functions that
+need it so that ``import kernels`` stays fast.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ _COMMON = dict(
     use_cache=False,  # training never reads a KV cache; building one costs time and memory
 )
 
-# The llama3 RoPE frequency scaling of the published checkpoints (only the rotary frequencies depend on it).
+# The llama3 RoPE frequency scaling of the published checkpoints (only the rotary frequencies depend
+# on it).
 _LLAMA3_ROPE = dict(
     rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192,
 )
@@ -102,19 +105,22 @@ def _preset_factory(preset: str) -> Callable[..., LlamaConfig]:
     return make
 
 
-# name -> function returning a fresh LlamaConfig (keyword arguments override settings, e.g. vocab_size=...).
+# name -> function returning a fresh LlamaConfig (keyword arguments override settings, e.g.
+# vocab_size=...).
 PRESETS: dict[str, Callable[..., LlamaConfig]] = {name: _preset_factory(name) for name in _PRESET_ARGS}
 
 
 def llama_config(preset: str = "tiny", **overrides) -> LlamaConfig:
-    """The ``LlamaConfig`` of a preset, with any setting overridden, e.g. ``llama_config("tiny", vocab_size=4096)``."""
+    """The ``LlamaConfig`` of a preset, with any setting overridden, e.g. ``llama_config("tiny",
+    vocab_size=4096)``."""
     if not isinstance(preset, str) or preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
     return PRESETS[preset](**overrides)
 
 
 def count_parameters(config: LlamaConfig) -> int:
-    """Parameters of a ``LlamaForCausalLM`` with this configuration, counted from the shapes (tied weights once)."""
+    """Parameters of a ``LlamaForCausalLM`` with this configuration, counted from the shapes (tied
+    weights once)."""
     h, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
     head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
     q_out = config.num_attention_heads * head_dim

@@ -1,11 +1,12 @@
 """The rotary embedding of an attention module computed by the RoPE kernel (``patch_llama(..., rope=True)``).
 
-Llama's attention forward calls its modeling file's ``apply_rotary_pos_emb`` by name, so the function cannot be
-swapped on one model by setting an attribute. The patch gives each attention module an instance-level forward: the
-class's own forward function, rebuilt over a copy of its module's globals in which ``apply_rotary_pos_emb`` is
-``kernels.rope.apply_rotary``. Same code and arguments, one name resolved differently, for these modules only; a
-decorator's wrapper is rebuilt around the rebuilt function. A forward that does not call the function by name, or a
-rotary function whose signature is not the kernel's, is refused before anything changes.
+Llama's attention forward calls its modeling file's ``apply_rotary_pos_emb`` by name, so the
+function cannot be swapped on one model by setting an attribute. The patch gives each attention
+module an instance-level forward: the class's own forward function, rebuilt over a copy of its
+module's globals in which ``apply_rotary_pos_emb`` is ``kernels.rope.apply_rotary``. Same code and
+arguments, one name resolved differently, for these modules only; a decorator's wrapper is rebuilt
+around the rebuilt function. A forward that does not call the function by name, or a rotary function
+whose signature is not the kernel's, is refused before anything changes.
 """
 
 from __future__ import annotations
@@ -23,13 +24,15 @@ _ROTARY_PARAMETERS = ["q", "k", "cos", "sin", "unsqueeze_dim"]
 
 
 def _calls_rotary(forward) -> bool:
-    # The function under any functools.wraps-style decorators (transformers' deprecate_kwarg wraps some forwards).
+    # The function under any functools.wraps-style decorators (transformers' deprecate_kwarg wraps
+    # some forwards).
     return _ROTARY_NAME in getattr(getattr(inspect.unwrap(forward), "__code__", None), "co_names", ())
 
 
 def _forward_with_kernel_rotary(cls: type, where: str) -> types.FunctionType:
-    """``cls.forward`` rebuilt over a copy of its module's globals in which ``apply_rotary_pos_emb`` is ours, after
-    checking that it calls that function by name and that the function has the kernel's signature."""
+    """``cls.forward`` rebuilt over a copy of its module's globals in which ``apply_rotary_pos_emb``
+    is ours, after checking that it calls that function by name and that the function has the
+    kernel's signature."""
     if not _calls_rotary(cls.forward):
         raise ValueError(
             f"cannot patch the rotary embedding of {where} ({cls.__name__}): its forward does not call "
@@ -52,9 +55,10 @@ def _forward_with_kernel_rotary(cls: type, where: str) -> types.FunctionType:
 
 def find_attention(model: torch.nn.Module,
                    accepted: set[type]) -> list[tuple[str, torch.nn.Module, types.FunctionType]]:
-    """(qualified name, module, the forward to give it) of every attention module of the ``accepted`` classes, whose
-    rotary call is swapped, the forward rebuilt once per class; raises before any change (also for an attention
-    class outside ``accepted`` that calls the rotary function)."""
+    """(qualified name, module, the forward to give it) of every attention module of the
+    ``accepted`` classes, whose rotary call is swapped, the forward rebuilt once per class; raises
+    before any change (also for an attention class outside ``accepted`` that calls the rotary
+    function)."""
     forwards: dict[type, types.FunctionType] = {}
     found = []
     for where, module in model.named_modules():
@@ -77,9 +81,10 @@ def find_attention(model: torch.nn.Module,
 
 
 def _rebuilt_with_kernel_rotary(fn: types.FunctionType, where: str) -> types.FunctionType:
-    """``fn`` with ``apply_rotary_pos_emb`` resolved to ours. A decorator's wrapper (``functools.wraps`` keeps the
-    wrapped function as ``__wrapped__``, and the wrapper finds it in a cell of its closure) is rebuilt around the
-    rebuilt function, so what the decorator does (a renamed keyword argument, a warning) still happens."""
+    """``fn`` with ``apply_rotary_pos_emb`` resolved to ours. A decorator's wrapper
+    (``functools.wraps`` keeps the wrapped function as ``__wrapped__``, and the wrapper finds it in
+    a cell of its closure) is rebuilt around the rebuilt function, so what the decorator does (a
+    renamed keyword argument, a warning) still happens."""
     inner = getattr(fn, "__wrapped__", None)
     if inner is None:
         namespace = dict(fn.__globals__)
@@ -95,7 +100,8 @@ def _rebuilt_with_kernel_rotary(fn: types.FunctionType, where: str) -> types.Fun
                 "function. Use rope=False"
             )
         new_inner = _rebuilt_with_kernel_rotary(inner, where)
-        closure = tuple(types.CellType(new_inner) if i == holding[0] else cell for i, cell in enumerate(cells))
+        closure = tuple(types.CellType(new_inner) if i == holding[0] else cell for i,
+                        cell in enumerate(cells))
         rebuilt = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, closure)
         rebuilt.__dict__.update(fn.__dict__)
         rebuilt.__wrapped__ = new_inner
@@ -113,7 +119,8 @@ def _cell_holds(cell, value) -> bool:
 
 @dataclass
 class RotarySwap:
-    """An attention module given the forward with the kernel's rotary call: where, which, and that forward."""
+    """An attention module given the forward with the kernel's rotary call: where, which, and that
+    forward."""
 
     where: str
     module: torch.nn.Module

@@ -1,40 +1,47 @@
-"""Llama's MLP over the sequence in tiles of rows: its [tokens, intermediate] tensors exist for one tile at a time.
+"""Llama's MLP over the sequence in tiles of rows: its [tokens, intermediate] tensors exist for one
+tile at a time.
 
-A Llama MLP computes ``down_proj(silu(gate_proj(x)) * up_proj(x))``. Every row (token) is independent of every
-other, so the rows can be cut into tiles and each tile pushed through the three projections on its own. Untiled, a
-step at 500K tokens of the Llama-3.1-8B shape (intermediate 14,336) holds gate, up and their product, each
-500K × 14,336 × 2 bytes = 13.4 GiB, in the one layer being recomputed; tiled, the same three tensors take
-tile × 14,336 × 2 bytes each, whatever the sequence length.
+A Llama MLP computes ``down_proj(silu(gate_proj(x)) * up_proj(x))``. Every row (token) is
+independent of every other, so the rows can be cut into tiles and each tile pushed through the three
+projections on its own. Untiled, a step at 500K tokens of the Llama-3.1-8B shape (intermediate
+14,336) holds gate, up and their product, each 500K × 14,336 × 2 bytes = 13.4 GiB, in the one layer
+being recomputed; tiled, the same three tensors take tile × 14,336 × 2 bytes each, whatever the
+sequence length.
 
 ``TiledSwiGLUFunction`` is the ``autograd.Function`` that does it:
 
-* **forward**: for each tile, gate = x_t·W_gateᵀ and up = x_t·W_upᵀ, y = silu(gate)·up (``kernels.swiglu``'s
-  forward kernel), out_t = y·W_downᵀ written into the output's rows. It saves only x and the three weights.
-* **backward**: for each tile, gate and up are recomputed from the saved x; y is recomputed for d(W_down) = dout_tᵀ·y
-  and freed; dy = dout_t·W_down; the SwiGLU backward kernel writes d(gate) and d(up) over gate and up (they are this
-  tile's own temporaries); d(W_gate) += d(gate)ᵀ·x_t, d(W_up) += d(up)ᵀ·x_t; dx_t = d(gate)·W_gate + d(up)·W_up is
-  written into dx's rows. The weight gradients are sums over tiles: they accumulate in float32 by default (each
-  tile's product rounded once to the weights' dtype, as one matmul over all rows would round its result once), or
-  in the weights' dtype (``grad_dtype=None``: a rounding per tile, no float32 buffers).
+* **forward**: for each tile, gate = x_t·W_gateᵀ and up = x_t·W_upᵀ, y = silu(gate)·up
+  (``kernels.swiglu``'s forward kernel), out_t = y·W_downᵀ written into the output's rows. It saves
+  only x and the three weights.
+* **backward**: for each tile, gate and up are recomputed from the saved x; y is recomputed for
+  d(W_down) = dout_tᵀ·y and freed; dy = dout_t·W_down; the SwiGLU backward kernel writes d(gate) and
+  d(up) over gate and up (they are this tile's own temporaries); d(W_gate) += d(gate)ᵀ·x_t, d(W_up)
+  += d(up)ᵀ·x_t; dx_t = d(gate)·W_gate + d(up)·W_up is written into dx's rows. The weight gradients
+  are sums over tiles: they accumulate in float32 by default (each tile's product rounded once to
+  the weights' dtype, as one matmul over all rows would round its result once), or in the weights'
+  dtype (``grad_dtype=None``: a rounding per tile, no float32 buffers).
 
-**Under checkpointing the recompute is skipped.** A checkpointed decoder layer runs its forward twice: once in the
-forward pass, and once more in the backward, to rebuild what the layer's backward reads (PyTorch's non-reentrant
-checkpoint stops that recompute as soon as the last of those tensors is saved again). The tiled MLP's backward reads
-only x and the weights, and recomputes gate and up itself, tile by tile. So when its forward runs during a backward
-pass (``recomputing()``: autograd is executing a graph), it saves x and the weights and computes nothing: its output
-is a tensor of NaN that nothing reads (a Llama layer only adds it to the residual stream, and the recompute stops or
-its result is dropped; a model that did read it would get NaN gradients, not quietly wrong ones). Counted in matmuls,
-a checkpointed step then does what the untiled MLP does: gate and up three times (forward, backward's recompute, the
-gradient), down twice, where computing the output in the recompute too would add a whole MLP forward per layer.
-``skip_recompute=False`` computes it anyway.
+**Under checkpointing the recompute is skipped.** A checkpointed decoder layer runs its forward
+twice: once in the forward pass, and once more in the backward, to rebuild what the layer's backward
+reads (PyTorch's non-reentrant checkpoint stops that recompute as soon as the last of those tensors
+is saved again). The tiled MLP's backward reads only x and the weights, and recomputes gate and up
+itself, tile by tile. So when its forward runs during a backward pass (``recomputing()``: autograd
+is executing a graph), it saves x and the weights and computes nothing: its output is a tensor of
+NaN that nothing reads (a Llama layer only adds it to the residual stream, and the recompute stops
+or its result is dropped; a model that did read it would get NaN gradients, not quietly wrong ones).
+Counted in matmuls, a checkpointed step then does what the untiled MLP does: gate and up three times
+(forward, backward's recompute, the gradient), down twice, where computing the output in the
+recompute too would add a whole MLP forward per layer. ``skip_recompute=False`` computes it anyway.
 
-What is left of the cost is the weight gradients' accumulation over tiles (one more pass over the float32 sums per
-tile) and the loop. The tile length comes from ``tile_rows`` (the sizes and the free memory), never a fixed number.
+What is left of the cost is the weight gradients' accumulation over tiles (one more pass over the
+float32 sums per tile) and the loop. The tile length comes from ``tile_rows`` (the sizes and the
+free memory), never a fixed number.
 
 ``TiledSwiGLUMLP`` is a drop-in for a ``LlamaMLP`` holding the very same projection modules, and
-``apply_tiled_mlp(model)`` swaps every decoder layer's MLP for one, returning a handle that undoes it. Plain
-``nn.Linear`` projections without bias only (LoRA-wrapped or quantised layers keep their own forward and are
-refused). Eager only: under ``torch.compile`` the module's forward is left out of the graph and runs eagerly.
+``apply_tiled_mlp(model)`` swaps every decoder layer's MLP for one, returning a handle that undoes
+it. Plain ``nn.Linear`` projections without bias only (LoRA-wrapped or quantised layers keep their
+own forward and are refused). Eager only: under ``torch.compile`` the module's forward is left out
+of the graph and runs eagerly.
 """
 
 from __future__ import annotations
@@ -46,42 +53,47 @@ import torch
 from kernels import runtime
 from kernels.swiglu import TritonSwiGLUMLP, swiglu_backward_, swiglu_forward
 
-# Tiles are a multiple of this many rows: matmul kernels work in blocks of 64 to 256 rows, so a ragged tile length
-# would leave a partly filled block in every tile instead of only in the last one.
+# Tiles are a multiple of this many rows: matmul kernels work in blocks of 64 to 256 rows, so a
+# ragged tile length would leave a partly filled block in every tile instead of only in the last
+# one.
 ALIGN = 64
-# The share of free GPU memory one tile's working set may take. The rest of the step lives beside it (the
-# checkpoints, the gradients the backward allocates, attention's working set), and the free memory is read in the
-# forward, before the backward has allocated the weight gradients.
+# The share of free GPU memory one tile's working set may take. The rest of the step lives beside it
+# (the checkpoints, the gradients the backward allocates, attention's working set), and the free
+# memory is read in the forward, before the backward has allocated the weight gradients.
 FREE_FRACTION = 1 / 16
-# A tile's working set is capped here: beyond a few thousand rows a matmul of the 8B shape is no faster per row (a
-# 4,096 × 4,096 × 14,336 product already fills an H100), so a larger tile would only take memory. At the 8B shape
-# 512 MiB is about 5,700 rows.
+# A tile's working set is capped here: beyond a few thousand rows a matmul of the 8B shape is no
+# faster per row (a 4,096 × 4,096 × 14,336 product already fills an H100), so a larger tile would
+# only take memory. At the 8B shape 512 MiB is about 5,700 rows.
 MAX_TILE_BYTES = 512 << 20
-# Without a GPU there is no free-memory reading that matters: the interpreter's tiles get this documented budget.
+# Without a GPU there is no free-memory reading that matters: the interpreter's tiles get this
+# documented budget.
 CPU_TILE_BYTES = 32 << 20
 
 
 def tile_bytes_per_row(hidden: int, intermediate: int, dtype: torch.dtype) -> int:
-    """Bytes one row of a tile keeps alive at the tile's peak: gate, up and a third [rows, intermediate] tensor
-    (the product y in the forward, dy in the backward) and one [rows, hidden] output row, in ``dtype``."""
+    """Bytes one row of a tile keeps alive at the tile's peak: gate, up and a third [rows,
+    intermediate] tensor (the product y in the forward, dy in the backward) and one [rows, hidden]
+    output row, in ``dtype``."""
     size = torch.empty((), dtype=dtype).element_size()
     return (3 * intermediate + hidden) * size
 
 
 def free_device_bytes(device: torch.device | None = None) -> int:
-    """GPU memory a new allocation can get without a cudaMalloc failing: what the driver reports free plus what
-    PyTorch's caching allocator holds but does not use."""
+    """GPU memory a new allocation can get without a cudaMalloc failing: what the driver reports
+    free plus what PyTorch's caching allocator holds but does not use."""
     free, _ = torch.cuda.mem_get_info(device)
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
-def tile_rows(n_rows: int, hidden: int, intermediate: int, dtype: torch.dtype, free_bytes: int | None = None) -> int:
+def tile_rows(n_rows: int, hidden: int, intermediate: int, dtype: torch.dtype,
+              free_bytes: int | None = None) -> int:
     """Rows per tile: as many as keep one tile's working set (``tile_bytes_per_row``) within
-    ``FREE_FRACTION`` of ``free_bytes`` and within ``MAX_TILE_BYTES``, rounded down to a multiple of ``ALIGN``
-    (at least ``ALIGN``), and no more than ``n_rows`` rounded up to ``ALIGN`` (one tile for a short input).
+    ``FREE_FRACTION`` of ``free_bytes`` and within ``MAX_TILE_BYTES``, rounded down to a multiple of
+    ``ALIGN`` (at least ``ALIGN``), and no more than ``n_rows`` rounded up to ``ALIGN`` (one tile
+    for a short input).
 
-    ``free_bytes`` defaults to the free GPU memory (``free_device_bytes``); without a GPU the budget is
-    ``CPU_TILE_BYTES`` instead of a fraction of free memory.
+    ``free_bytes`` defaults to the free GPU memory (``free_device_bytes``); without a GPU the budget
+    is ``CPU_TILE_BYTES`` instead of a fraction of free memory.
     """
     for name, value in (("n_rows", n_rows), ("hidden", hidden), ("intermediate", intermediate)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -98,17 +110,18 @@ def tile_rows(n_rows: int, hidden: int, intermediate: int, dtype: torch.dtype, f
 
 
 def tile_bounds(n_rows: int, rows_per_tile: int) -> list[tuple[int, int]]:
-    """``(start, stop)`` of each tile over ``n_rows`` rows: consecutive, not overlapping, the last one partial when
-    ``rows_per_tile`` does not divide ``n_rows``."""
+    """``(start, stop)`` of each tile over ``n_rows`` rows: consecutive, not overlapping, the last
+    one partial when ``rows_per_tile`` does not divide ``n_rows``."""
     return [(start, min(start + rows_per_tile, n_rows)) for start in range(0, n_rows, rows_per_tile)]
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The autograd function
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
-def _check_inputs(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, rows: int) -> None:
+def _check_inputs(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                  rows: int) -> None:
     if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
         raise ValueError(f"tile_rows must be a positive int, got {rows!r}")
     if not x.is_floating_point():
@@ -125,19 +138,22 @@ def _check_inputs(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_d
             raise ValueError(f"{name} is on {w.device} but x is on {x.device}")
 
 
-def _mlp_tile(x_t: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _mlp_tile(x_t: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                    torch.Tensor]:
     """gate and up of one tile: two new contiguous [rows, intermediate] tensors."""
     return torch.mm(x_t, w_gate.t()), torch.mm(x_t, w_up.t())
 
 
 def recomputing() -> bool:
-    """True while autograd executes a backward pass. A decoder layer's forward that runs then is gradient
-    checkpointing recomputing it (reentrant or not): the only caller that runs a forward inside a backward."""
+    """True while autograd executes a backward pass. A decoder layer's forward that runs then is
+    gradient checkpointing recomputing it (reentrant or not): the only caller that runs a forward
+    inside a backward."""
     return torch._C._current_graph_task_id() != -1
 
 
-# (device type, operand dtype, sum dtype) -> whether torch.addmm(..., out_dtype=) adds a low-precision product into
-# a float32 sum in one matmul on that device (CUDA in recent PyTorch releases), found by trying it once.
+# (device type, operand dtype, sum dtype) -> whether torch.addmm(..., out_dtype=) adds a
+# low-precision product into a float32 sum in one matmul on that device (CUDA in recent PyTorch
+# releases), found by trying it once.
 _MIXED_ADDMM: dict[tuple[str, torch.dtype, torch.dtype], bool] = {}
 
 
@@ -155,9 +171,10 @@ def _mixed_addmm_works(acc: torch.Tensor, a: torch.Tensor) -> bool:
 
 
 def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b``. In the operands' dtype the matmul adds into acc itself. Into a float32 acc from bf16
-    operands, one mixed-precision addmm does the same where the device has it (the product is summed in float32
-    without being rounded); elsewhere the tile's product is rounded once to the operands' dtype and then added."""
+    """``acc += a @ b``. In the operands' dtype the matmul adds into acc itself. Into a float32 acc
+    from bf16 operands, one mixed-precision addmm does the same where the device has it (the product
+    is summed in float32 without being rounded); elsewhere the tile's product is rounded once to the
+    operands' dtype and then added."""
     if acc.dtype == a.dtype:
         acc.addmm_(a, b)
     elif _mixed_addmm_works(acc, a):
@@ -167,10 +184,11 @@ def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 class TiledSwiGLUFunction(torch.autograd.Function):
-    """``down(silu(x·W_gateᵀ) · (x·W_upᵀ))`` over tiles of ``tile_rows`` rows, saving x and the weights only (see
-    the module docstring for the passes). ``grad_dtype`` is the dtype the weight gradients accumulate in (None: the
-    weights' own). ``skip_output``: save what the backward needs and return NaN instead of computing the output
-    (for a checkpoint's recompute, which reads only what is saved)."""
+    """``down(silu(x·W_gateᵀ) · (x·W_upᵀ))`` over tiles of ``tile_rows`` rows, saving x and the
+    weights only (see the module docstring for the passes). ``grad_dtype`` is the dtype the weight
+    gradients accumulate in (None: the weights' own). ``skip_output``: save what the backward needs
+    and return NaN instead of computing the output (for a checkpoint's recompute, which reads only
+    what is saved)."""
 
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, rows: int, grad_dtype, skip_output: bool = False):
@@ -224,18 +242,19 @@ class TiledSwiGLUFunction(torch.autograd.Function):
 
 
 def tiled_swiglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-                     rows: int | None = None, grad_dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
-    """Llama's MLP without biases, ``(silu(x·W_gateᵀ) · x·W_upᵀ)·W_downᵀ``, over tiles of ``rows`` rows (default:
-    ``tile_rows`` of x's row count and the free memory). x is [..., hidden]; the weights are the projections'
-    ``weight`` tensors, in x's dtype and on its device."""
+                     rows: int | None = None,
+                     grad_dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+    """Llama's MLP without biases, ``(silu(x·W_gateᵀ) · x·W_upᵀ)·W_downᵀ``, over tiles of ``rows``
+    rows (default: ``tile_rows`` of x's row count and the free memory). x is [..., hidden]; the
+    weights are the projections' ``weight`` tensors, in x's dtype and on its device."""
     if rows is None:
         rows = tile_rows(max(1, x.numel() // x.shape[-1]), x.shape[-1], w_gate.shape[0], x.dtype)
     return TiledSwiGLUFunction.apply(x, w_gate, w_up, w_down, rows, grad_dtype)
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The module and the swap
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def _is_plain_linear(module: torch.nn.Module) -> bool:
@@ -244,8 +263,9 @@ def _is_plain_linear(module: torch.nn.Module) -> bool:
 
 
 def check_tileable(mlp: torch.nn.Module, where: str = "the MLP") -> None:
-    """Raise unless ``mlp`` is a gated SiLU MLP of plain ``nn.Linear`` projections without bias: ``gate_proj``,
-    ``up_proj``, ``down_proj`` and ``hidden_act`` (or ``act_fn``) SiLU, or a ``TritonSwiGLUMLP``."""
+    """Raise unless ``mlp`` is a gated SiLU MLP of plain ``nn.Linear`` projections without bias:
+    ``gate_proj``, ``up_proj``, ``down_proj`` and ``hidden_act`` (or ``act_fn``) SiLU, or a
+    ``TritonSwiGLUMLP``."""
     name = type(mlp).__name__
     missing = [p for p in ("gate_proj", "up_proj", "down_proj") if not isinstance(getattr(mlp, p, None),
                                                                                    torch.nn.Module)]
@@ -263,21 +283,23 @@ def check_tileable(mlp: torch.nn.Module, where: str = "the MLP") -> None:
     for proj in ("gate_proj", "up_proj", "down_proj"):
         module = getattr(mlp, proj)
         if not _is_plain_linear(module):
-            what = "has a bias" if getattr(module, "bias", None) is not None else f"is a {type(module).__name__}"
+            what = "has a bias" if getattr(module, "bias",
+                                           None) is not None else f"is a {type(module).__name__}"
             raise TypeError(f"{where}.{proj} {what}: the tiled MLP takes plain nn.Linear projections without bias "
                             "(a LoRA, quantised or hooked layer keeps its own forward)")
 
 
 class TiledSwiGLUMLP(torch.nn.Module):
-    """A Llama MLP computed over tiles of rows (``TiledSwiGLUFunction``), holding the very same ``gate_proj``,
-    ``up_proj`` and ``down_proj`` modules as the MLP it replaces (``from_hf``), so parameter names, the optimizer
-    and the state dict are unchanged.
+    """A Llama MLP computed over tiles of rows (``TiledSwiGLUFunction``), holding the very same
+    ``gate_proj``, ``up_proj`` and ``down_proj`` modules as the MLP it replaces (``from_hf``), so
+    parameter names, the optimizer and the state dict are unchanged.
 
-    ``tile_rows``: rows per tile, or None to choose with ``tile_rows()`` on the first call at each row count and keep
-    that choice for later calls at that count (the recompute of a checkpointed layer then cuts the same tiles as its
-    forward did). ``grad_dtype``: the weight gradients' accumulation dtype (float32; None for the weights' own).
-    ``skip_recompute``: when the forward runs inside a backward pass (a checkpoint recomputing the layer), save x and
-    return NaN without computing the output (see the module docstring); False computes it anyway.
+    ``tile_rows``: rows per tile, or None to choose with ``tile_rows()`` on the first call at each
+    row count and keep that choice for later calls at that count (the recompute of a checkpointed
+    layer then cuts the same tiles as its forward did). ``grad_dtype``: the weight gradients'
+    accumulation dtype (float32; None for the weights' own). ``skip_recompute``: when the forward
+    runs inside a backward pass (a checkpoint recomputing the layer), save x and return NaN without
+    computing the output (see the module docstring); False computes it anyway.
     """
 
     def __init__(self, gate_proj: torch.nn.Module, up_proj: torch.nn.Module, down_proj: torch.nn.Module,
@@ -293,7 +315,8 @@ class TiledSwiGLUMLP(torch.nn.Module):
     @classmethod
     def from_hf(cls, mlp: torch.nn.Module, tile_rows: int | None = None,
                 grad_dtype: torch.dtype | None = torch.float32) -> TiledSwiGLUMLP:
-        """A TiledSwiGLUMLP over ``mlp``'s own projections (no copy); refuses what ``check_tileable`` refuses."""
+        """A TiledSwiGLUMLP over ``mlp``'s own projections (no copy); refuses what
+        ``check_tileable`` refuses."""
         check_tileable(mlp)
         return cls(mlp.gate_proj, mlp.up_proj, mlp.down_proj, tile_rows, grad_dtype)
 
@@ -309,7 +332,8 @@ class TiledSwiGLUMLP(torch.nn.Module):
     @torch.compiler.disable(reason="the tiled MLP is a Python loop of tiles: it runs eagerly")
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         skip = self.skip_recompute and torch.is_grad_enabled() and recomputing()
-        return TiledSwiGLUFunction.apply(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
+        return TiledSwiGLUFunction.apply(x, self.gate_proj.weight, self.up_proj.weight,
+                                         self.down_proj.weight,
                                          self.rows_for(x), self.grad_dtype, skip)
 
     def extra_repr(self) -> str:
@@ -349,7 +373,8 @@ class TiledMLPHandle:
 
 
 def _decoder_mlps(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, torch.nn.Module]]:
-    """(qualified name, decoder layer, its ``mlp``) of every module with an ``mlp`` child, checked before any swap."""
+    """(qualified name, decoder layer, its ``mlp``) of every module with an ``mlp`` child, checked
+    before any swap."""
     found = []
     for name, module in model.named_modules():
         mlp = getattr(module, "mlp", None)
@@ -362,10 +387,11 @@ def _decoder_mlps(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, to
 
 def apply_tiled_mlp(model: torch.nn.Module, tile_rows: int | None = None,
                     grad_dtype: torch.dtype | None = torch.float32) -> TiledMLPHandle:
-    """Swap every decoder layer's MLP of ``model`` for a ``TiledSwiGLUMLP`` over the same projections; return the
-    handle that undoes it. Every MLP is checked first: one that is not gate/up/down with SiLU, or whose projections
-    are not plain bias-free ``nn.Linear`` layers, is refused before anything changes. A ``TritonSwiGLUMLP``
-    (``patch_llama(..., swiglu=True)``) is accepted and replaced too; undo this swap before undoing that patch."""
+    """Swap every decoder layer's MLP of ``model`` for a ``TiledSwiGLUMLP`` over the same
+    projections; return the handle that undoes it. Every MLP is checked first: one that is not
+    gate/up/down with SiLU, or whose projections are not plain bias-free ``nn.Linear`` layers, is
+    refused before anything changes. A ``TritonSwiGLUMLP`` (``patch_llama(..., swiglu=True)``) is
+    accepted and replaced too; undo this swap before undoing that patch."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     found = _decoder_mlps(model)
@@ -373,12 +399,15 @@ def apply_tiled_mlp(model: torch.nn.Module, tile_rows: int | None = None,
         raise ValueError(f"{type(model).__name__} has no decoder layer with an `mlp` to tile")
     handle = TiledMLPHandle()
     for where, parent, mlp in found:
-        tiled = mlp if isinstance(mlp, TiledSwiGLUMLP) else TiledSwiGLUMLP.from_hf(mlp, tile_rows, grad_dtype)
+        tiled = mlp if isinstance(mlp, TiledSwiGLUMLP) else TiledSwiGLUMLP.from_hf(mlp, tile_rows,
+                                                                                   grad_dtype)
         parent.mlp = tiled
         handle.swaps.append((where, parent, mlp, tiled))
     return handle
 
 
-__all__ = ["ALIGN", "FREE_FRACTION", "MAX_TILE_BYTES", "CPU_TILE_BYTES", "tile_bytes_per_row", "free_device_bytes",
-           "tile_rows", "tile_bounds", "recomputing", "TiledSwiGLUFunction", "tiled_swiglu_mlp", "check_tileable",
+__all__ = ["ALIGN", "FREE_FRACTION", "MAX_TILE_BYTES", "CPU_TILE_BYTES", "tile_bytes_per_row",
+           "free_device_bytes",
+           "tile_rows", "tile_bounds", "recomputing", "TiledSwiGLUFunction", "tiled_swiglu_mlp",
+           "check_tileable",
            "TiledSwiGLUMLP", "TiledMLPHandle", "apply_tiled_mlp"]

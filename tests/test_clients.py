@@ -108,6 +108,38 @@ def test_trainer_with_peft_lora_fused(device, gen, tmp_path, monkeypatch):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=1e-4)
 
 
+def test_trainer_on_a_model_patched_before_peft_wraps_it(device, gen, tmp_path, monkeypatch):
+    """``patch_llama(model)`` first, ``get_peft_model`` after (how Liger-style scripts run), then the Trainer: the
+    default fuses the adapters PEFT put in after the patch, and the logged losses are PEFT's own."""
+    peft = pytest.importorskip("peft", reason="peft is a test requirement (requirements.txt)")
+    base = _tiny(device, gen).train()
+    base.config.use_cache = False
+    config = peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "up_proj",
+                                                                                    "down_proj"])
+    reference = peft.get_peft_model(copy.deepcopy(base), config)
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if "lora_B" in name:  # B starts at zero: give it values, so the adapters shape the losses from step 1
+                p.copy_(torch.randn(p.shape, generator=gen).to(p) * 0.1)
+    data = _dataset(base.config.vocab_size, gen)
+    inner = copy.deepcopy(base)
+    patch = patch_llama(inner)
+    model = peft.get_peft_model(inner, config)
+    model.load_state_dict(reference.state_dict())
+    expected = _train_with_trainer(reference, data, tmp_path / "peft")
+    from kernels.lora import LoRALinearFunction, SwiGLULoRADownFunction
+
+    fused = []
+    for function in (LoRALinearFunction, SwiGLULoRADownFunction):
+        monkeypatch.setattr(function, "apply", lambda *args, apply=function.apply: fused.append(1) or apply(*args))
+    losses = _train_with_trainer(model, data, tmp_path / "patched")
+    assert "lora" in patch.kernels and "lora" not in patch.left_off
+    # 4 adapted layers per decoder layer (down_proj with its SwiGLU), 2 steps × 2 micro-batches.
+    assert len(fused) == 4 * base.config.num_hidden_layers * 2 * 2
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=1e-4)
+    patch.undo()
+
+
 def _shadowed_triton_adamw(params, **hyperparameters):
     """A ``TritonAdamW`` that, at every step, also steps ``torch.optim.AdamW`` on copies of the same weights with the
     same gradients and learning rate, and records how far apart the two steps' results are beyond float32 rounding

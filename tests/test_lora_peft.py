@@ -323,3 +323,166 @@ def test_compiled_patched_peft_model_has_one_graph_and_peft_gradients(device, ge
     loss, grads = loss_and_grads(compiled, ids, labels)
     grads = {name.removeprefix("_orig_mod."): g for name, g in grads.items()}  # the compiled wrapper's prefix
     _assert_close((loss, grads), expected, 5e-5)  # every kernel on, as patch-then-wrap
+
+
+# patch_llama(model) first and the adapters after it: the order of Liger-style scripts and of TRL's
+# SFTTrainer(model, peft_config=...). The default fuses the LoRA layers whichever way they arrive.
+
+def _count_nodes(monkeypatch) -> list:
+    calls = []
+    for cls, name in ((LoRAGroupFunction, "group"), (LoRALinearFunction, "one"), (SwiGLULoRADownFunction, "down")):
+        _counting(monkeypatch, cls, calls, name)
+    return calls
+
+
+def _every_node(layers: int) -> list:
+    # Each decoder layer with all seven projections adapted: q/k/v and gate/up one node each, o_proj one, down_proj
+    # over the SwiGLU one.
+    return sorted(["group"] * 2 * layers + ["one"] * layers + ["down"] * layers)
+
+
+def _with_values(model, gen):
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # B starts at zero: give it values, so the adapters change the loss and dA
+                p.copy_(torch.randn(p.shape, generator=gen).to(p) * 0.05)
+    return model
+
+
+def test_patch_then_get_peft_model_fuses_by_default(device, gen, monkeypatch):
+    base = _base(device, gen)
+    reference = lora_with_values(copy.deepcopy(base), _config())
+    ids, labels = _batch(base, gen, device)
+    expected = loss_and_grads(reference, ids, labels)
+    inner = copy.deepcopy(base)
+    patch = patch_llama(inner)  # the defaults, no LoRA layer yet: lora waits for them and is not listed
+    assert "lora" not in patch.kernels and "lora" not in patch.left_off and patch.lora.layers == []
+    model = peft.get_peft_model(inner, _config())
+    model.load_state_dict(reference.state_dict())
+    assert "lora" in patch.kernels  # the model holds LoRA layers now
+    calls = _count_nodes(monkeypatch)
+    result = loss_and_grads(model, ids, labels)
+    assert sorted(calls) == _every_node(base.config.num_hidden_layers)
+    _assert_close(result, expected, 5e-5)  # every default kernel on: the norms and the loss round differently too
+    assert _fused_count(model) == 7 * model.config.num_hidden_layers and "lora" not in patch.left_off
+    patch.undo()
+    assert _fused_count(model) == 0 and not model.base_model.model.model._forward_pre_hooks
+    _assert_close(loss_and_grads(model, ids, labels), expected, TOL[torch.float32])
+    with patch_llama(copy.deepcopy(base), lora=False) as off:  # lora=False: no hook waits for layers
+        assert off.lora is None and not off.model.model._forward_pre_hooks
+
+
+def test_patch_then_wrap_names_what_stays_peft_after_the_first_forward(device, gen):
+    base = _base(device, gen)
+    inner = copy.deepcopy(base)
+    patch = patch_llama(inner)
+    model = _with_values(peft.get_peft_model(inner, _config(targets=["q_proj", "o_proj"], dropout=0.1)), gen)
+    ids, labels = _batch(base, gen, device)
+    model(input_ids=ids, labels=labels)
+    assert "lora_dropout=0.1" in patch.left_off["lora"] and "o_proj" in patch.left_off["lora"]
+    assert patch.lora.summary().startswith(f"0 of {2 * base.config.num_hidden_layers} LoRA layers fused")
+
+
+def _add_adapter(client, model, config):
+    """Inject PEFT's LoRA layers into ``model`` itself, as transformers' ``add_adapter`` does, or through PEFT's own
+    ``inject_adapter_in_model`` (what ``add_adapter`` calls)."""
+    if client == "inject_adapter_in_model":
+        return peft.inject_adapter_in_model(config, model)
+    try:
+        model.add_adapter(config)
+    except ValueError as err:  # transformers 5 asks for a newer peft than some installs have
+        if "version of PEFT" not in str(err):
+            raise
+        pytest.skip(f"transformers' add_adapter refuses the installed peft {peft.__version__}: {err}")
+
+
+def _load_adapter(client, model, directory):
+    """Load the adapter saved in ``directory`` into ``model`` itself, trainable: transformers' ``load_adapter``, or
+    PEFT's ``inject_adapter_in_model`` and ``set_peft_model_state_dict`` (what ``load_adapter`` calls)."""
+    if client == "inject_adapter_in_model":
+        from safetensors.torch import load_file
+
+        config = peft.LoraConfig.from_pretrained(directory)
+        config.inference_mode = False  # saved as True: trainable, as load_adapter's is_trainable=True makes it
+        peft.inject_adapter_in_model(config, model)
+        saved = load_file(directory / "adapter_model.safetensors")
+        peft.set_peft_model_state_dict(model, {k.removeprefix("base_model.model."): v for k, v in saved.items()})
+        return
+    try:
+        model.load_adapter(str(directory), is_trainable=True)  # a local folder: no download
+    except ValueError as err:
+        if "version of PEFT" not in str(err):
+            raise
+        pytest.skip(f"transformers' load_adapter refuses the installed peft {peft.__version__}: {err}")
+
+
+@pytest.mark.parametrize("client", ["add_adapter", "inject_adapter_in_model"])
+def test_adapters_added_to_the_patched_model_are_fused(device, gen, monkeypatch, client):
+    # The adapters go into the Llama itself (no PeftModel around it), after the patch.
+    base = _base(device, gen)
+    ids, labels = _batch(base, gen, device)
+    reference = copy.deepcopy(base)
+    _add_adapter(client, reference, _config())
+    _with_values(reference, gen)
+    expected = loss_and_grads(reference, ids, labels)
+    model = copy.deepcopy(base)
+    patch = patch_llama(model)
+    _add_adapter(client, model, _config())
+    model.load_state_dict(reference.state_dict())
+    calls = _count_nodes(monkeypatch)
+    result = loss_and_grads(model, ids, labels)
+    assert sorted(calls) == _every_node(base.config.num_hidden_layers) and "lora" in patch.kernels
+    _assert_close(result, expected, 5e-5)
+    patch.undo()
+    assert _fused_count(model) == 0
+
+
+@pytest.mark.parametrize("client", ["load_adapter", "inject_adapter_in_model"])
+def test_an_adapter_loaded_into_the_patched_model_is_fused(device, gen, monkeypatch, tmp_path, client):
+    # From a directory this test writes (save_pretrained of a PEFT model): nothing is downloaded.
+    base = _base(device, gen)
+    ids, labels = _batch(base, gen, device)
+    lora_with_values(copy.deepcopy(base), _config()).save_pretrained(tmp_path / "adapter")
+    reference = copy.deepcopy(base)
+    _load_adapter(client, reference, tmp_path / "adapter")
+    expected = loss_and_grads(reference, ids, labels)
+    model = copy.deepcopy(base)
+    patch = patch_llama(model)
+    _load_adapter(client, model, tmp_path / "adapter")
+    calls = _count_nodes(monkeypatch)
+    result = loss_and_grads(model, ids, labels)
+    assert sorted(calls) == _every_node(base.config.num_hidden_layers)
+    assert any(p.abs().sum() > 0 for n, p in model.named_parameters() if "lora_B" in n)  # the saved B, not zeros
+    _assert_close(result, expected, 5e-5)
+    patch.undo()
+
+
+def test_under_autocast_as_close_to_float64_as_peft(device, gen, monkeypatch):
+    """Under autocast (the Trainer's and TRL's ``bf16=True``) PEFT's layers compute in bfloat16; the fused node then
+    does too, its operands cast as autocast casts them, rather than leave every call to PEFT. Each is measured
+    against the same model in float64 without autocast."""
+    base = _base(device, gen)
+    reference = lora_with_values(copy.deepcopy(base), _config(r=2, alpha=4))
+    ids, labels = _batch(base, gen, device)
+    device_type = torch.device(device).type
+
+    def under_autocast(model):
+        with torch.autocast(device_type, dtype=torch.bfloat16):
+            return loss_and_grads(model, ids, labels)
+
+    peft_result = under_autocast(reference)
+    exact = loss_and_grads(copy.deepcopy(reference).double(), ids, labels)
+    model = copy.deepcopy(reference)
+    patch_llama(model, kernels=("lora",))
+    calls = _count_nodes(monkeypatch)
+    (loss, grads), (_, peft_grads), (loss64, grads64) = under_autocast(model), peft_result, exact
+    layers = base.config.num_hidden_layers
+    assert sorted(calls) == sorted(["group"] * 2 * layers + ["one"] * 2 * layers)
+    assert all(g.dtype == torch.float32 for g in grads.values())  # the Parameters' gradients, through the casts
+    assert relative_error(loss, loss64) < TOL[torch.bfloat16]
+    everything = lambda g: torch.cat([g[name].flatten().double() for name in sorted(grads64)])  # noqa: E731
+    ours, theirs = (relative_error(everything(g), everything(grads64)) for g in (grads, peft_grads))
+    assert ours < 1.75 * theirs, (ours, theirs)
+    for name in grads64:
+        ours, theirs = relative_error(grads[name], grads64[name]), relative_error(peft_grads[name], grads64[name])
+        assert ours < max(TOL[torch.bfloat16], 4 * theirs), (name, ours, theirs)

@@ -25,7 +25,7 @@ def _sft_data(vocab: int, gen, rows: int = 8, seq: int = 20):
     return datasets.Dataset.from_list(data)
 
 
-def _train(trainer_cls, model, data, tmp_path):
+def _train(trainer_cls, model, data, tmp_path, with_trainer=False, **trainer_kwargs):
     from kernels.training.data import get_tokenizer
 
     args = trl.SFTConfig(
@@ -34,9 +34,11 @@ def _train(trainer_cls, model, data, tmp_path):
         use_cpu=not torch.cuda.is_available(), disable_tqdm=True, dataset_kwargs={"skip_prepare_dataset": True},
         remove_unused_columns=False, dataloader_num_workers=0,
     )
-    trainer = trainer_cls(model=model, args=args, train_dataset=data, processing_class=get_tokenizer())
+    trainer = trainer_cls(model=model, args=args, train_dataset=data, processing_class=get_tokenizer(),
+                          **trainer_kwargs)
     trainer.train()
-    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return (losses, trainer) if with_trainer else losses
 
 
 class KernelsSFTTrainer(ModelLossMixin, trl.SFTTrainer):
@@ -71,3 +73,39 @@ def test_sft_trainer_trains_with_the_patched_loss_only_through_the_mixin(device,
     # whatever their size): at most 1.2e-4 apart in the runs seen. A step moves the loss by about 2e-3, so a wrong loss
     # or gradient still fails 5e-4.
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=5e-4, atol=5e-4)
+
+
+def test_sft_trainer_with_peft_config_fuses_the_adapters_of_a_patched_model(device, gen, tmp_path, monkeypatch):
+    """``SFTTrainer(model=patched_model, peft_config=LoraConfig(...))``: TRL wraps the model with PEFT after the
+    patch, and the default fuses the adapters it injects; the logged losses are those of the unpatched model."""
+    peft = pytest.importorskip("peft", reason="peft is a test requirement (requirements.txt)")
+    from kernels.lora import LoRAGroupFunction, LoRALinearFunction, SwiGLULoRADownFunction
+
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=gen)))
+    base = build_model("tiny", dtype=torch.float32).to(device).train()
+    data = _sft_data(base.config.vocab_size, gen)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+    def config():
+        return peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=targets)
+
+    torch.manual_seed(0)  # PEFT draws A from the global generator: the same adapters in both runs
+    expected = _train(trl.SFTTrainer, copy.deepcopy(base), data, tmp_path / "peft", peft_config=config())
+    fused = []
+    for function in (LoRAGroupFunction, LoRALinearFunction, SwiGLULoRADownFunction):
+        monkeypatch.setattr(function, "apply", lambda *args, apply=function.apply: fused.append(1) or apply(*args))
+    model = copy.deepcopy(base)
+    patch = patch_llama(model)
+    torch.manual_seed(0)
+    losses, trainer = _train(trl.SFTTrainer, model, data, tmp_path / "patched", peft_config=config(),
+                             with_trainer=True)
+    assert trainer.args.bf16 and "lora" in patch.kernels and "lora" not in patch.left_off
+    # Per decoder layer and forward: q/k/v and gate/up one node each, o_proj one, down_proj over the SwiGLU one;
+    # 2 steps × 2 micro-batches, each forward run again in the backward under gradient checkpointing.
+    forwards = 2 * 2 * (2 if trainer.args.gradient_checkpointing else 1)
+    assert len(fused) == 4 * base.config.num_hidden_layers * forwards
+    # SFTConfig's bf16=True (its default) runs the step under autocast: PEFT's layers and the fused nodes compute in
+    # bfloat16, rounding in different places, and AdamW turns the smallest gradient differences into whole steps
+    # of lr (as above). The losses were about 1e-5 apart relatively; a step moves them by about 2e-3.
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=5e-4, atol=5e-4)
+    patch.undo()

@@ -1,5 +1,5 @@
-"""PEFT's LoRA layers computed by the fused LoRA linear (``patch_llama(..., lora=True)``; on by default in a model
-that holds PEFT LoRA layers when it is patched).
+"""PEFT's LoRA layers computed by the fused LoRA linear (``patch_llama``'s ``lora`` switch: on by default wherever
+PEFT's LoRA layers appear, before the patch or after it; ``lora=False`` turns it off).
 
 Each PEFT ``lora.Linear`` of the model gets an instance-level ``forward`` that computes its base layer and its
 adapter in one ``kernels.lora.lora_linear`` node, from the very same ``Parameter`` objects (the base weight,
@@ -24,21 +24,26 @@ whose parameters are not plain tensors (a sharded DTensor, say).
 ``SHARED_INPUT = False`` turns grouping off.
 
 **Both orders.** Wrapped first (``patch_llama(get_peft_model(llama, config))``), the LoRA layers are there to
-find. Patched first (``get_peft_model(patch_llama-ed llama, config)``), PEFT injects its layers afterwards; so the
+find. Patched first (``get_peft_model(patch_llama-ed llama, config)``, TRL's ``SFTTrainer(model,
+peft_config=...)``, transformers' ``add_adapter``/``load_adapter``), PEFT injects its layers afterwards; so the
 patch also leaves a forward pre-hook on the decoder that, before each forward, gives the fused forward to any
 LoRA layer that has taken a linear layer's place since (it looks at the children of the modules that held linear
-layers at the patch, not at every module).
+layers at the patch, not at every module). On a model that never gets LoRA layers the hook finds none and
+changes nothing.
 
 **Each call decides.** The fused path runs when the call is the plain case it computes, checked on attributes at
 each call (PEFT's state can change between steps): adapters enabled and not merged, exactly one active adapter,
 vanilla LoRA (no DoRA or other variant), dropout an identity (p = 0), no bias on ``lora_B``, ``fan_in_fan_out``
-off, the base a plain ``nn.Linear`` in the input's dtype, no autocast, no extra arguments. Anything else runs
-PEFT's forward, unchanged. What a layer had at patch time that keeps it on PEFT's path is listed, with the reason,
-in ``handle.left_off["lora"]``.
+off, the base a plain ``nn.Linear``, no extra arguments, and the input in the base weight's dtype, or any dtype
+under autocast (the Trainer's and TRL's ``bf16=True``): then the node computes in autocast's dtype, its operands
+cast as autocast casts PEFT's. Anything else runs PEFT's forward, unchanged. The layers found so far that stay
+on PEFT's path are listed, with the reason, in ``handle.left_off["lora"]`` (after the first forward for layers
+added after the patch).
 """
 
 from __future__ import annotations
 
+import contextlib
 import types
 from dataclasses import dataclass, field
 
@@ -101,17 +106,37 @@ def why_not_fused(layer: torch.nn.Module) -> str | None:
     return None
 
 
+def _compute_dtype(layer: torch.nn.Module, x: torch.Tensor) -> torch.dtype | None:
+    """The dtype the fused node computes a call of ``layer`` on ``x`` in, or None when the call is not the plain
+    case (the module docstring): under autocast, autocast's dtype, as PEFT's layers then compute in it; else
+    ``x``'s, which must be the base weight's."""
+    if why_not_fused(layer) is not None or x.dtype not in KERNEL_DTYPES:
+        return None
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        return dtype if dtype in KERNEL_DTYPES else None
+    return x.dtype if x.dtype == layer.get_base_layer().weight.dtype else None
+
+
 def _plain_call(layer: torch.nn.Module, x: torch.Tensor) -> bool:
     """Whether a call of ``layer`` on ``x`` is the plain case the fused layer computes (the module docstring)."""
-    return (why_not_fused(layer) is None and not torch.is_autocast_enabled(x.device.type)
-            and x.dtype == layer.get_base_layer().weight.dtype and x.dtype in KERNEL_DTYPES)
+    return _compute_dtype(layer, x) is not None
 
 
-def _adapter(layer: torch.nn.Module) -> tuple:
-    # The fused node's arguments after the input: base weight and bias, A, B, the scale, how to compute.
+def _cast(x: torch.Tensor) -> torch.dtype | None:
+    # Under autocast, the dtype every operand of the fused node is cast to first (autocast's own casts, which the
+    # fused node's matmuls would otherwise not see); else None: the operands as they are.
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
+
+
+def _adapter(layer: torch.nn.Module, cast: torch.dtype | None = None) -> tuple:
+    # The fused node's arguments after the input: base weight and bias, A, B, the scale, how to compute; each
+    # tensor cast to ``cast`` (autocast's dtype) where given, differentiably, so the gradients reach the Parameters.
     base, name = layer.get_base_layer(), layer.active_adapters[0]
-    return (base.weight, base.bias, layer.lora_A[name].weight, layer.lora_B[name].weight, float(layer.scaling[name]),
-            EPILOGUE, SKINNY)
+    tensors = (base.weight, base.bias, layer.lora_A[name].weight, layer.lora_B[name].weight)
+    if cast is not None:
+        tensors = tuple(t if t is None else t.to(cast) for t in tensors)
+    return (*tensors, float(layer.scaling[name]), EPILOGUE, SKINNY)
 
 
 def _fused_forward(self, x, *args, **kwargs):
@@ -122,9 +147,11 @@ def _fused_forward(self, x, *args, **kwargs):
         return type(self).forward(self, x, *args, **kwargs)
     y = None if torch.compiler.is_compiling() else _pending_output(self, x)
     if y is None:
-        y = _group_call(self, x)
-    if y is None:
-        y = LoRALinearFunction.apply(x, *_adapter(self))
+        cast = _cast(x)
+        with torch.autocast(x.device.type, enabled=False) if cast is not None else contextlib.nullcontext():
+            y = _group_call(self, x, cast)
+            if y is None:
+                y = LoRALinearFunction.apply(x if cast is None else x.to(cast), *_adapter(self, cast))
     return y.reshape(*x.shape[:-1], self.get_base_layer().out_features)
 
 
@@ -142,20 +169,24 @@ def _pending_output(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | N
     return pending[2]
 
 
-def _group_call(first: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """``first``'s output from one node for its whole group, the siblings' outputs left for their calls; None when
-    ``first`` leads no group or the group cannot run as one now."""
+def _group_call(first: torch.nn.Module, x: torch.Tensor, cast: torch.dtype | None = None) -> torch.Tensor | None:
+    """``first``'s output from one node for its whole group, the siblings' outputs left for their calls (operands
+    cast to ``cast`` where given: autocast's dtype); None when ``first`` leads no group or the group cannot run as
+    one now."""
     siblings = first.__dict__.get("_lora_siblings")
     if (not siblings or not SHARED_INPUT or EPILOGUE not in GROUP_EPILOGUES or torch.compiler.is_compiling()
             or not all(_plain_call(m, x) for m in siblings)
             or any(m._forward_pre_hooks for m in siblings)):  # a sibling's pre-hook may change its input or weights
         return None
-    layers = [_adapter(m) for m in (first, *siblings)]
+    plain = [_adapter(m)[:4] for m in (first, *siblings)]
+    if not all(type(t) in (torch.Tensor, torch.nn.Parameter) for layer in plain for t in layer if t is not None):
+        return None  # a sharded DTensor, say
+    layers = [_adapter(m, cast) for m in (first, *siblings)]
     params = [t for layer in layers for t in layer[:4]]
-    if (not adapters_share_dtype([layer[2] for layer in layers], [layer[3] for layer in layers])
-            or not all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in params if t is not None)):  # DTensor
+    if not adapters_share_dtype([layer[2] for layer in layers], [layer[3] for layer in layers]):
         return None
-    outputs = LoRAGroupFunction.apply(x, EPILOGUE, SKINNY, tuple(layer[4] for layer in layers), *params)
+    outputs = LoRAGroupFunction.apply(x if cast is None else x.to(cast), EPILOGUE, SKINNY,
+                                      tuple(layer[4] for layer in layers), *params)
     for sibling, y in zip(siblings, outputs[1:]):
         sibling.__dict__["_lora_pending"] = (x, _state(sibling, x), y)
     return outputs[0]
@@ -165,7 +196,13 @@ def _forward_after_swiglu(self, gate, up):
     """This layer (a ``down_proj``) over ``swiglu(gate, up)`` as one node that keeps gate and up, not the product
     (``kernels.lora.SwiGLULoRADownFunction``); None for a call that is not the plain case (the MLP then runs
     ``down_proj(swiglu(gate, up))``)."""
-    return SwiGLULoRADownFunction.apply(gate, up, *_adapter(self)) if _plain_call(self, gate) else None
+    if not _plain_call(self, gate):
+        return None
+    cast = _cast(gate)
+    if cast is None:
+        return SwiGLULoRADownFunction.apply(gate, up, *_adapter(self))
+    with torch.autocast(gate.device.type, enabled=False):
+        return SwiGLULoRADownFunction.apply(gate.to(cast), up.to(cast), *_adapter(self, cast))
 
 
 @dataclass
@@ -260,6 +297,15 @@ def has_lora_layers(model: torch.nn.Module) -> bool:
     """Whether ``model`` holds a PEFT LoRA ``Linear`` now (wrapped before the patch): where ``lora`` is a default."""
     cls = lora_linear_class()
     return cls is not None and any(type(m) is cls for m in model.modules())
+
+
+def lora_can_follow(model: torch.nn.Module) -> bool:
+    """Whether the lora switch applies to ``model``: PEFT LoRA layers now, or later (``check_lora``)."""
+    try:
+        check_lora(model)
+    except TypeError:
+        return False
+    return True
 
 
 def check_lora(model: torch.nn.Module) -> None:

@@ -95,7 +95,7 @@ from kernels.swiglu import TritonSwiGLUMLP, may_overwrite
 
 from .attention import attention_choice, check_attention, use_flash_attention
 from .attention_mask import CAUSAL_CALL, check_sdpa, is_plain_causal_call, use_mask_function
-from .lora import check_lora, enable_lora_fusion, has_lora_layers
+from .lora import check_lora, enable_lora_fusion, has_lora_layers, lora_can_follow
 from .offload import check_offloadable, enable_checkpoint_offload
 from .rotary import RotarySwap, find_attention
 from .tiled_mlp import TiledSwiGLUMLP, check_tileable
@@ -110,8 +110,8 @@ SWITCHES = ("rms_norm", "cross_entropy", "linear_cross_entropy", "swiglu", "rope
 # What ``patch_llama(model)`` turns on, where it applies: every kernel whose training step was measured no slower
 # than without it (patch_llama's docstring gives each measurement and its results file). Not the linear
 # cross-entropy: it saves memory at long sequences and costs a little time there.
-# ``lora`` is added to them where the model holds PEFT LoRA layers when it is patched (``kernels.hf.lora``); patching
-# first and wrapping after, it is on when asked (``lora=True``), as the patch cannot know that PEFT will follow.
+# ``lora`` is added to them wherever peft is installed (``kernels.hf.lora``): it fuses the PEFT LoRA layers the model
+# holds when patched and those PEFT puts in later; without any, it waits, unlisted in ``kernels``, and changes nothing.
 DEFAULT_KERNELS = ("rms_norm", "cross_entropy", "swiglu", "rope", "additive_mask", "skip_causal_mask")
 
 # (module path, class name) of the norms whose formula is Llama's: x · rsqrt(mean(x²) + eps) in float32, cast to the
@@ -501,9 +501,22 @@ class LlamaPatch:
     lora: object = None  # the LoraFusion handle (lora): PEFT's LoRA layers fused (kernels.hf.lora)
     mask: str = ""  # what the patched mask function does, for summary()
     active: bool = True
-    kernels: tuple[str, ...] = ()  # the kernels turned on, by name (SWITCHES), in SWITCHES' order
-    left_off: dict[str, str] = field(default_factory=dict)  # kernels="auto": each default kernel left off, and why
+    turned_on: tuple[str, ...] = ()  # the kernels turned on at the patch, by name, in SWITCHES' order
+    refused: dict[str, str] = field(default_factory=dict)  # kernels="auto": each kernel left off at the patch, why
     attention: str = ""  # which attention runs, and why (kernels.hf.attention.attention_choice)
+
+    @property
+    def kernels(self) -> tuple[str, ...]:
+        """The kernels turned on, by name (SWITCHES), in SWITCHES' order; ``lora`` once the model has LoRA layers."""
+        lora = self.lora is not None and self.lora.active and (self.lora.layers or has_lora_layers(self.model))
+        return tuple(k for k in SWITCHES if k in self.turned_on or (k == "lora" and lora))
+
+    @property
+    def left_off(self) -> dict[str, str]:
+        """Each kernel left off, and why; ``"lora"``: the LoRA layers that stay PEFT's, found so far, and why."""
+        if self.lora is not None and self.lora.left_off:
+            return {**self.refused, "lora": self.lora.summary()}
+        return dict(self.refused)
 
     def summary(self) -> str:
         """One line: which norms were replaced, what computes the loss, and the MLPs and attention patched."""
@@ -517,7 +530,7 @@ class LlamaPatch:
                   else "RoPE: Hugging Face's apply_rotary_pos_emb (rope=False)")
         mask = f"; {self.mask}" if self.mask else ""
         mask += "; checkpoints offloaded to host memory" if self.offload is not None else ""
-        mask += f"; {self.lora.summary()}" if self.lora is not None else ""
+        mask += f"; {self.lora.summary()}" if "lora" in self.kernels else ""  # not while it waits for layers
         mask += f"; attention: {self.attention}" if self.attention else ""
         state = "" if self.active else " [undone]"
         return f"TritonRMSNorm replaces {norms}; loss: {loss}; {mlps}; {rotary}{mask}{state}"
@@ -775,8 +788,8 @@ def patch_llama(
       (``rmsnorm_ce_compiled.json``), with SwiGLU and RoPE 7,406 against 7,441, 0.995×
       (``every_kernel_compiled_nomask.json``), inside the spread of repeated runs: Hugging Face's own eager step gave
       6,883 to 6,998 tokens/s at one setting (seq 2,048, no mask) in three files.
-    * ``lora``: on where the model holds PEFT LoRA layers at the patch (wrapped first; patched first, ask for it
-      with ``lora=True``). Llama-3.2-1B shape, PEFT LoRA r=16 on every projection, batch 4 × 2,048, one H100:
+    * ``lora``: on wherever PEFT LoRA layers appear, wrapped before the patch or after it (``lora=False`` turns it
+      off). Llama-3.2-1B shape, PEFT LoRA r=16 on every projection, batch 4 × 2,048, one H100:
       75,670 tokens/s with it against 41,164 without, 1.84× (``assets/results/lora/llama-3.2-1b_b4.json``,
       ``python -m kernels.bench.lora``). Layers whose configuration it does not compute stay PEFT's and are named
       in ``handle.left_off["lora"]``.
@@ -811,8 +824,8 @@ def patch_llama(
     attention_default, attention_why = attention_choice()
     if attention_default and attention is None and isinstance(kernels, str):
         selected["attention"] = False
-    if lora is None and isinstance(kernels, str) and has_lora_layers(model):
-        selected["lora"] = False
+    if lora is None and isinstance(kernels, str) and lora_can_follow(model):
+        selected["lora"] = False  # now, and for the layers PEFT puts in later (kernels.hf.lora)
     previous = model.__dict__.get("_kernels_patch")
     if previous is not None and previous.active:
         raise RuntimeError("this model is already patched: call .undo() on the handle patch_llama returned first")
@@ -846,7 +859,9 @@ def patch_llama(
             if selected[kernel]:
                 raise
             left_off[kernel] = str(err)
-    if left_off and not found:
+    # "auto"'s lora on a model without LoRA layers yet only waits for them: alone, it patches nothing.
+    waiting = "lora" in found and not selected["lora"] and not has_lora_layers(model)
+    if left_off and len(found) == waiting:
         reasons = "; ".join(f"{kernel}: {why}" for kernel, why in left_off.items())
         raise TypeError(f"no kernel of patch_llama applies to {name}: {reasons}")
 
@@ -859,8 +874,8 @@ def patch_llama(
     if "tiled_mlp" in found:
         found.pop("swiglu", None)  # the tiled MLP runs the same SwiGLU kernel, one tile of rows at a time
     patch = LlamaPatch(model)
-    patch.kernels = tuple(kernel for kernel in SWITCHES if kernel in found)
-    patch.left_off = left_off
+    patch.turned_on = tuple(kernel for kernel in SWITCHES if kernel in found and not (kernel == "lora" and waiting))
+    patch.refused = left_off
     for where, parent, attr, module in found.get("rms_norm", []):
         replacement = TritonRMSNorm.from_hf(module)
         setattr(parent, attr, replacement)
@@ -902,7 +917,5 @@ def patch_llama(
         patch.offload = enable_checkpoint_offload(model)
     if "lora" in found:
         patch.lora = enable_lora_fusion(model)
-        if patch.lora.left_off:
-            patch.left_off["lora"] = patch.lora.summary()
     model.__dict__["_kernels_patch"] = patch
     return patch

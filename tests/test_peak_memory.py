@@ -56,5 +56,8 @@ def test_slope_and_table():
 
 @pytest.mark.skipif(runtime.MODE == "gpu", reason="on a GPU the command measures, for minutes, and writes results")
 def test_cpu_says_gpu_only(capsys):
-    assert peak_memory.main([]) == 0
-    assert "GPU-only" in capsys.readouterr().out
+    # Like every command that needs a GPU: refused up front, exit 2 and one line that says why.
+    with pytest.raises(SystemExit) as exited:
+        peak_memory.main([])
+    assert exited.value.code == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err

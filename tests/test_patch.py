@@ -304,7 +304,9 @@ def test_bad_arguments(device, gen):
         patch_llama("llama")
     with pytest.raises(TypeError, match="inplace_logits must be True or False"):
         patch_llama(model, inplace_logits=1)
-    with pytest.raises(TypeError, match="loss_function"):
+    with pytest.raises(TypeError, match="loss_function"):  # the switches are checked in SWITCH_TABLE's order
+        patch_llama(torch.nn.Sequential(torch.nn.Linear(2, 2)), kernels=("cross_entropy",))
+    with pytest.raises(ValueError, match="Sequential has no norm patch_llama knows"):
         patch_llama(torch.nn.Sequential(torch.nn.Linear(2, 2)), kernels=NORM_AND_LOSS)
     with pytest.raises(TypeError, match="causal-LM loss"):
         patch_llama(model.model, kernels=NORM_AND_LOSS)  # LlamaModel has no language-model head
@@ -441,7 +443,9 @@ def test_auto_on_gemma_patches_the_loss_and_leaves_the_rest(device, gen):
 
 
 def test_auto_refuses_a_model_none_applies_to():
-    with pytest.raises(TypeError, match="no kernel of patch_llama applies to Sequential: cross_entropy: .*loss_func"):
+    # Each refusal, in SWITCH_TABLE's order.
+    with pytest.raises(TypeError, match="no kernel of patch_llama applies to Sequential: rms_norm: .*; cross_entropy: "
+                                        ".*loss_func"):
         patch_llama(torch.nn.Sequential(torch.nn.Linear(2, 2)))
 
 

@@ -83,6 +83,7 @@ import importlib
 import math
 import numbers
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -101,18 +102,6 @@ from .rotary import RotarySwap, find_attention
 from .tiled_mlp import TiledSwiGLUMLP, check_tileable
 
 IGNORE_INDEX = -100
-
-# patch_llama's kernels, by name: what its ``kernels=`` selector and its keyword switches may name, and what
-# ``python -m kernels.training.finetune --kernels`` and ``compare``'s ``patch_options`` pass on.
-SWITCHES = ("rms_norm", "cross_entropy", "linear_cross_entropy", "swiglu", "rope", "additive_mask",
-            "skip_causal_mask", "tiled_mlp", "offload_checkpoints", "lora", "attention")
-
-# What ``patch_llama(model)`` turns on, where it applies: every kernel whose training step was measured no slower
-# than without it (patch_llama's docstring gives each measurement and its results file). Not the linear
-# cross-entropy: it saves memory at long sequences and costs a little time there.
-# ``lora`` is added to them wherever peft is installed (``kernels.hf.lora``): it fuses the PEFT LoRA layers the model
-# holds when patched and those PEFT puts in later; without any, it waits, unlisted in ``kernels``, and changes nothing.
-DEFAULT_KERNELS = ("rms_norm", "cross_entropy", "swiglu", "rope", "additive_mask", "skip_causal_mask")
 
 # (module path, class name) of the norms whose formula is Llama's: x · rsqrt(mean(x²) + eps) in float32, cast to the
 # input dtype, then multiplied by the weight. Classes the installed transformers lacks are skipped.
@@ -480,60 +469,66 @@ def _carry_new_children(replacement: torch.nn.Module, original: torch.nn.Module)
             setattr(original, name, child)
 
 
+@dataclass
+class _Undo:
+    """How one switch's change is taken back: ``check()`` raises, changing nothing, where it cannot be; ``run()``."""
+
+    run: Callable[[], None]
+    check: Callable[[], None] = lambda: None
+
+
+def _chain(*steps) -> _Undo:
+    """One ``_Undo`` of several (callables, ``_Undo``s or None), run in reverse order, every check first."""
+    steps = [s if isinstance(s, _Undo) else _Undo(s) for s in steps if s is not None]
+
+    def run() -> None:
+        for step in reversed(steps):
+            step.run()
+
+    def check() -> None:
+        for step in steps:
+            step.check()
+
+    return _Undo(run, check)
+
+
 @dataclass(repr=False)
 class LlamaPatch:
     """What ``patch_llama`` changed, and how to change it back (``undo()``; also a context manager)."""
 
     model: torch.nn.Module
-    swaps: list[_Swap] = field(default_factory=list)
-    mlp_swaps: list[_Swap] = field(default_factory=list)
-    rotary: list[RotarySwap] = field(default_factory=list)
-    loss: _PatchedLoss | None = None
-    _had_own_loss: bool = False
-    _previous_loss: object = None
-    forward_wrapped: bool = False  # the model's forward is the patch's (the loss, or skip_causal_mask)
-    _had_own_forward: bool = False
-    _previous_forward: object = None
+    turned_on: tuple[str, ...] = ()  # the switches applied at the patch, in SWITCHES' order
+    refused: dict[str, str] = field(default_factory=dict)  # kernels="auto": each switch left off at the patch, why
+    undos: list[tuple[str, _Undo]] = field(default_factory=list)  # (switch, how to undo it), in the order applied
+    active: bool = True
+    # What the switches changed, for the caller and summary():
+    swaps: list[_Swap] = field(default_factory=list)  # rms_norm
+    mlp_swaps: list[_Swap] = field(default_factory=list)  # swiglu or tiled_mlp
+    rotary: list[RotarySwap] = field(default_factory=list)  # rope
+    loss: _PatchedLoss | None = None  # cross_entropy, linear_cross_entropy
     head: torch.nn.Module | None = None  # the LM head whose forward defers the logits (linear_cross_entropy)
-    _head_previous_forwards: list = field(default_factory=list)  # (head, its own forward or None) of each patched
-    _restore_attention: object = None  # points the attention back at plain SDPA (additive_mask, skip_causal_mask)
+    forward_wrapped: bool = False  # the model's forward is the patch's (the loss, or skip_causal_mask)
+    mask: str = ""  # what the patched mask function does (additive_mask, skip_causal_mask)
     offload: object = None  # the CheckpointOffload handle (offload_checkpoints)
     lora: object = None  # the LoraFusion handle (lora): PEFT's LoRA layers fused (kernels.hf.lora)
-    mask: str = ""  # what the patched mask function does, for summary()
-    active: bool = True
-    turned_on: tuple[str, ...] = ()  # the kernels turned on at the patch, by name, in SWITCHES' order
-    refused: dict[str, str] = field(default_factory=dict)  # kernels="auto": each kernel left off at the patch, why
     attention: str = ""  # which attention runs, and why (kernels.hf.attention.attention_choice)
 
     @property
     def kernels(self) -> tuple[str, ...]:
-        """The kernels turned on, by name (SWITCHES), in SWITCHES' order; ``lora`` once the model has LoRA layers."""
-        lora = self.lora is not None and self.lora.active and (self.lora.layers or has_lora_layers(self.model))
-        return tuple(k for k in SWITCHES if k in self.turned_on or (k == "lora" and lora))
+        """The switches turned on, by name, in SWITCHES' order (``lora`` once the model holds LoRA layers)."""
+        return tuple(s.name for s in SWITCH_TABLE
+                     if s.name in self.turned_on or (s.status is not None and s.status(self)[0]))
 
     @property
     def left_off(self) -> dict[str, str]:
-        """Each kernel left off, and why; ``"lora"``: the LoRA layers that stay PEFT's, found so far, and why."""
-        if self.lora is not None and self.lora.left_off:
-            return {**self.refused, "lora": self.lora.summary()}
-        return dict(self.refused)
+        """Each switch left off and why; ``"lora"``: the LoRA layers found so far that stay PEFT's, and why."""
+        live = {s.name: s.status(self)[1] for s in SWITCH_TABLE if s.status is not None}
+        return {**self.refused, **{name: why for name, why in live.items() if why}}
 
     def summary(self) -> str:
-        """One line: which norms were replaced, what computes the loss, and the MLPs and attention patched."""
-        norms = _count(type(swap.original).__name__ for swap in self.swaps) or "no norms"
-        loss = repr(self.loss) if self.loss is not None else "Hugging Face's loss (not patched)"
-        mlps = _count(type(swap.original).__name__ for swap in self.mlp_swaps)
-        mlp_class = type(self.mlp_swaps[0].replacement).__name__ if self.mlp_swaps else ""
-        mlps = f"{mlp_class} replaces {mlps}" if mlps else "MLP activation: Hugging Face's (swiglu=False)"
-        rotary = _count(type(swap.module).__name__ for swap in self.rotary)
-        rotary = (f"RoPE: Triton apply_rotary in {rotary}" if rotary
-                  else "RoPE: Hugging Face's apply_rotary_pos_emb (rope=False)")
-        mask = f"; {self.mask}" if self.mask else ""
-        mask += "; checkpoints offloaded to host memory" if self.offload is not None else ""
-        mask += f"; {self.lora.summary()}" if "lora" in self.kernels else ""  # not while it waits for layers
-        mask += f"; attention: {self.attention}" if self.attention else ""
-        state = "" if self.active else " [undone]"
-        return f"TritonRMSNorm replaces {norms}; loss: {loss}; {mlps}; {rotary}{mask}{state}"
+        """One line: what each switch replaced or left as it was, in the table's order."""
+        parts = [part for s in SWITCH_TABLE if s.describe is not None and (part := s.describe(self))]
+        return "; ".join(parts) + ("" if self.active else " [undone]")
 
     @property
     def replaced(self) -> list[str]:
@@ -541,50 +536,18 @@ class LlamaPatch:
         return [swap.where for swap in self.swaps]
 
     def undo(self) -> None:
-        """Put back the original norm modules, loss function and forward. A second call does nothing."""
+        """Take back every switch, the last applied first; every check first. A second call does nothing."""
         if not self.active:
             return
-        model = self.model
-        for swap in [*self.swaps, *self.mlp_swaps]:
-            if getattr(swap.parent, swap.name) is not swap.replacement:
-                raise RuntimeError(
-                    f"cannot undo: {swap.where} was replaced by something else after the patch; undo that first"
-                )
-        for swap in self.rotary:
-            if swap.module.__dict__.get("forward") is not swap.forward:
-                raise RuntimeError(f"cannot undo: the forward of {swap.where} was replaced after the patch")
-        if self.lora is not None:
-            self.lora.undo()
-        if self.offload is not None:
-            self.offload.undo()  # first: it wraps the checkpointed layers, which the swaps below do not touch
-        if self._restore_attention is not None:
-            self._restore_attention()  # first: it refuses, changing nothing, if the implementation was changed since
-        for swap in reversed([*self.swaps, *self.mlp_swaps]):
-            _carry_new_children(swap.replacement, swap.original)
-            setattr(swap.parent, swap.name, swap.original)
-        for swap in self.rotary:
-            del swap.module.forward  # the class's forward is seen again
-        if self.loss is not None:
-            if self._had_own_loss:
-                model._loss_function = self._previous_loss
-            elif "_loss_function" in model.__dict__:
-                del model._loss_function
-        if self.forward_wrapped:
-            if self._had_own_forward:
-                model.forward = self._previous_forward
-            elif "forward" in model.__dict__:
-                del model.forward
-        for head, previous in self._head_previous_forwards:
-            if previous is not None:
-                head.forward = previous
-            else:
-                del head.forward
-        model.__dict__.pop("_kernels_patch", None)
+        for _, step in self.undos:
+            step.check()
+        for _, step in reversed(self.undos):
+            step.run()
+        self.model.__dict__.pop("_kernels_patch", None)
         self.active = False
 
     def __repr__(self) -> str:
         return f"LlamaPatch({self.summary()})"
-
 
     def __enter__(self) -> "LlamaPatch":
         return self
@@ -634,15 +597,24 @@ def _check_causal_lm(model: torch.nn.Module, switch: str = "cross_entropy") -> N
         )
 
 
-def _wrap_forward(model: torch.nn.Module, loss: _PatchedLoss | None, skip_causal_mask: bool):
-    """An instance-level forward that drops the logits when the loss overwrote them with their gradient (``loss``),
-    and marks a call without mask, positions or cache as plain causal for the mask function (``skip_causal_mask``,
-    ``kernels.hf.attention_mask``)."""
+@dataclass
+class _ForwardState:
+    """What the patched model forward reads at each call: the patched loss (or None) and ``skip_causal_mask``."""
+
+    loss: _PatchedLoss | None = None
+    skip_causal_mask: bool = False
+
+
+def _wrap_forward(model: torch.nn.Module, state: _ForwardState):
+    """An instance-level forward that drops the logits when the loss overwrote them with their gradient
+    (``state.loss``), and marks a call without mask, positions or cache as plain causal for the mask function
+    (``state.skip_causal_mask``, ``kernels.hf.attention_mask``)."""
     inner = model.forward  # the bound method (or an earlier instance attribute)
 
     def forward(*args, **kwargs):
+        loss = state.loss
         previous_plain = CAUSAL_CALL.plain
-        CAUSAL_CALL.plain = skip_causal_mask and is_plain_causal_call(args, kwargs)
+        CAUSAL_CALL.plain = state.skip_causal_mask and is_plain_causal_call(args, kwargs)
         if loss is not None:
             loss.consumed = loss.deferred = loss.deferred_by = None
             # Defer the logits only where they exist for the loss alone: training, autograd on, labels given.
@@ -682,34 +654,6 @@ def _model_to_patch(model: torch.nn.Module) -> torch.nn.Module:
             return model
 
 
-def _selection(kernels, switches: dict[str, bool | None]) -> dict[str, bool]:
-    """The kernels to try, each mapped to whether it is required (a refusal raises) or wanted where it applies (a
-    refusal leaves it off): the ``kernels`` selector, then each keyword switch that is not None."""
-    if isinstance(kernels, str):
-        if kernels != "auto":
-            hint = f"; for this one kernel alone: kernels=({kernels!r},)" if kernels in SWITCHES else ""
-            raise ValueError(f'kernels must be "auto" or a tuple of names from {", ".join(SWITCHES)}, got '
-                             f"{kernels!r}{hint}")
-        selected = dict.fromkeys(DEFAULT_KERNELS, False)
-    else:
-        try:
-            names = tuple(kernels)
-        except TypeError:
-            raise TypeError(f'kernels must be "auto" or a tuple of names from {", ".join(SWITCHES)}, got '
-                            f"{kernels!r}") from None
-        unknown = [name for name in names if name not in SWITCHES]
-        if unknown:
-            raise ValueError(f"unknown kernel{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} in "
-                             f"kernels=: choose from {', '.join(SWITCHES)}")
-        selected = dict.fromkeys(names, True)
-    for name, value in switches.items():
-        if value is True:
-            selected[name] = True
-        elif value is False:
-            selected.pop(name, None)
-    return selected
-
-
 def _found(items: list, message: str) -> list:
     """``items``, or a ValueError with ``message`` when there are none (the kernel has nothing to replace)."""
     if not items:
@@ -728,6 +672,312 @@ def _check_mask_function(model: torch.nn.Module, switch: str) -> None:
     except ImportError as err:
         raise ValueError(f"{switch}=True needs transformers' AttentionInterface and AttentionMaskInterface, which "
                          f"this transformers lacks ({err})") from None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The switches, one entry each
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Surgery:
+    """One call of ``patch_llama``: the model, its options, the switches that apply, the handle being filled."""
+
+    model: torch.nn.Module
+    handle: LlamaPatch
+    inplace_logits: bool
+    required: dict[str, bool]  # each switch tried: True where asked for (a refusal raises)
+    keywords: dict[str, bool | None]  # the keyword switches as given
+    on: set[str]  # the switches being applied
+    forward: _ForwardState = field(default_factory=_ForwardState)
+
+    def wrap_forward(self) -> Callable[[], None] | None:
+        """Give the model the patch's forward, once; returns what puts the previous one back (None if done)."""
+        if self.handle.forward_wrapped:
+            return None
+        model = self.model
+        had_own, previous = "forward" in model.__dict__, model.__dict__.get("forward")
+        model.forward = _wrap_forward(model, self.forward)
+        self.handle.forward_wrapped = True
+
+        def undo() -> None:
+            if had_own:
+                model.forward = previous
+            else:
+                model.__dict__.pop("forward", None)
+
+        return undo
+
+    def install_loss(self) -> _Undo | None:
+        """Make ``model.loss_function`` the patched loss, once (for either loss switch); returns its undo."""
+        if self.handle.loss is not None:
+            return None
+        model = self.model
+        had_own, previous = "_loss_function" in model.__dict__, model.__dict__.get("_loss_function")
+        loss = _PatchedLoss(model, self.inplace_logits, "cross_entropy" in self.on)
+        model.loss_function = loss  # PreTrainedModel's setter stores it as model._loss_function
+        self.handle.loss = self.forward.loss = loss
+
+        def undo() -> None:
+            if had_own:
+                model._loss_function = previous
+            else:
+                model.__dict__.pop("_loss_function", None)
+
+        return _chain(self.wrap_forward(), undo)
+
+
+@dataclass(frozen=True)
+class Switch:
+    """One switch of ``patch_llama``: its name, whether ``kernels="auto"`` wants it, whether it applies to a model
+    (``check``: what it would change, or a TypeError/ValueError saying why not) and how (``apply``: the change,
+    returning how to undo it). ``SWITCH_TABLE`` lists them; the selector, ``left_off``, ``summary()`` and
+    ``undo()`` all read it.
+
+    Args:
+        name: the switch's keyword of ``patch_llama`` and its name in ``kernels=``.
+        default: True where ``kernels="auto"`` turns it on wherever it applies; a callable of the model where that
+            depends on the model or the machine (``attention``, ``lora``).
+        check: ``check(model)`` returns what ``apply`` needs; raises TypeError/ValueError where it cannot apply.
+        apply: ``apply(surgery, found)`` makes the change and returns its undo (a callable, or ``_Undo``).
+        describe: ``describe(handle)``: its part of ``summary()``, or None.
+        supersedes: switches this one takes the place of where both apply.
+        status: ``status(handle)`` → (on now, why layers stay off): a switch that follows layers added after the
+            patch (``lora``); in ``"auto"`` it waits, unlisted, where it has nothing to change yet.
+        note: ``note(surgery)``, run whether it applied or not: what the handle says about it.
+    """
+
+    name: str
+    default: bool | Callable[[torch.nn.Module], bool]
+    check: Callable[[torch.nn.Module], object]
+    apply: Callable[[_Surgery, object], object]
+    describe: Callable[[LlamaPatch], str | None] | None = None
+    supersedes: tuple[str, ...] = ()
+    status: Callable[[LlamaPatch], tuple[bool, str | None]] | None = None
+    note: Callable[[_Surgery], None] | None = None
+
+
+def _swap_modules(swaps: list[_Swap], replace, found) -> _Undo:
+    """Replace each module of ``found`` by ``replace(module)`` in its parent, noting each swap in ``swaps``."""
+    done = []
+    for where, parent, attr, module in found:
+        replacement = replace(module)
+        setattr(parent, attr, replacement)
+        done.append(_Swap(where, parent, attr, module, replacement))
+    swaps.extend(done)
+
+    def check() -> None:
+        for swap in done:
+            if getattr(swap.parent, swap.name) is not swap.replacement:
+                raise RuntimeError(
+                    f"cannot undo: {swap.where} was replaced by something else after the patch; undo that first"
+                )
+
+    def run() -> None:
+        for swap in reversed(done):
+            _carry_new_children(swap.replacement, swap.original)
+            setattr(swap.parent, swap.name, swap.original)
+
+    return _Undo(run, check)
+
+
+def _apply_rope(s: _Surgery, found) -> _Undo:
+    for where, module, forward in found:
+        module.forward = types.MethodType(forward, module)
+        s.handle.rotary.append(RotarySwap(where, module, module.forward))
+    swaps = list(s.handle.rotary)
+
+    def check() -> None:
+        for swap in swaps:
+            if swap.module.__dict__.get("forward") is not swap.forward:
+                raise RuntimeError(f"cannot undo: the forward of {swap.where} was replaced after the patch")
+
+    def run() -> None:
+        for swap in swaps:
+            del swap.module.forward  # the class's forward is seen again
+
+    return _Undo(run, check)
+
+
+def _apply_linear_cross_entropy(s: _Surgery, heads: list[torch.nn.Linear]) -> _Undo:
+    undo_loss = s.install_loss()
+    s.handle.head = s.handle.loss.head = heads[0]
+    previous = [(h, h.__dict__.get("forward")) for h in heads]
+    for h in heads:
+        h.forward = _deferring_head_forward(h, s.handle.loss)
+
+    def undo() -> None:
+        for head, forward in previous:
+            if forward is not None:
+                head.forward = forward
+            else:
+                del head.forward
+
+    return _chain(undo_loss, undo)
+
+
+def _apply_mask(s: _Surgery, additive: bool):
+    s.handle.mask = "; ".join(filter(None, (s.handle.mask, "padding mask: one additive bias per forward" if additive
+                                            else "causal mask: skipped under torch.compile")))
+    if additive:
+        return _attention_undo(s.model, use_mask_function(s.model, additive=True))
+    s.forward.skip_causal_mask = True
+    # With additive_mask on, its mask function also skips the causal mask of a plain call.
+    restore = None if "additive_mask" in s.on else _attention_undo(s.model, use_mask_function(s.model, additive=False))
+    return _chain(s.wrap_forward(), restore)
+
+
+def _attention_undo(model: torch.nn.Module, restore: Callable[[], None]) -> _Undo:
+    """``restore`` (which points the attention back, or raises where its implementation was changed since), with
+    a check that raises as it would, before anything is undone."""
+    config, implementation = model.config, model.config._attn_implementation
+
+    def check() -> None:
+        if config._attn_implementation != implementation:
+            restore()  # raises, naming the implementation found
+
+    return _Undo(restore, check)
+
+
+def _note_attention(s: _Surgery) -> None:
+    default, why = attention_choice()
+    if "attention" in s.on:
+        s.handle.attention = f"Triton flash_attention, {'asked for' if s.required['attention'] else why}"
+    elif "attention" in s.required or s.keywords["attention"] is None:
+        s.handle.attention = s.handle.refused.get("attention", why)
+    else:
+        s.handle.attention = "sdpa (attention=False)"
+
+
+def _apply_offload(s: _Surgery, found) -> Callable[[], None]:
+    s.handle.offload = enable_checkpoint_offload(s.model)
+    return s.handle.offload.undo
+
+
+def _apply_lora(s: _Surgery, found) -> Callable[[], None]:
+    s.handle.lora = enable_lora_fusion(s.model)
+    return s.handle.lora.undo
+
+
+def _lora_status(handle: LlamaPatch) -> tuple[bool, str | None]:
+    lora = handle.lora
+    if lora is None:
+        return False, None
+    on = "lora" in handle.turned_on or (lora.active and bool(lora.layers or has_lora_layers(handle.model)))
+    return on, (lora.summary() if lora.left_off else None)
+
+
+def _describe_mlps(p: LlamaPatch) -> str:
+    mlps = _count(type(swap.original).__name__ for swap in p.mlp_swaps)
+    if not mlps:
+        return "MLP activation: Hugging Face's (swiglu=False)"
+    return f"{type(p.mlp_swaps[0].replacement).__name__} replaces {mlps}"
+
+
+def _describe_rotary(p: LlamaPatch) -> str:
+    rotary = _count(type(swap.module).__name__ for swap in p.rotary)
+    return f"RoPE: Triton apply_rotary in {rotary}" if rotary else "RoPE: Hugging Face's apply_rotary_pos_emb (rope=False)"
+
+
+def _name(model: torch.nn.Module) -> str:
+    return type(model).__name__
+
+
+# patch_llama's switches, in the order they are checked, applied and listed (undone in reverse).
+SWITCH_TABLE = (
+    Switch("rms_norm", True,
+           lambda m: _found(_find_norms(m), f"{_name(m)} has no norm patch_llama knows: rms_norm has nothing to replace"),
+           lambda s, found: _swap_modules(s.handle.swaps, TritonRMSNorm.from_hf, found),
+           lambda p: f"TritonRMSNorm replaces {_count(type(w.original).__name__ for w in p.swaps) or 'no norms'}"),
+    Switch("cross_entropy", True, _check_causal_lm, lambda s, found: s.install_loss(),
+           lambda p: f"loss: {p.loss!r}" if p.loss is not None else "loss: Hugging Face's loss (not patched)"),
+    Switch("linear_cross_entropy", False, lambda m: (_check_causal_lm(m, "linear_cross_entropy"), _check_head(m))[1],
+           _apply_linear_cross_entropy),
+    Switch("swiglu", True,
+           lambda m: _found(_find_mlps(m), f"{_name(m)} has no MLP patch_llama knows: swiglu has nothing to replace"),
+           lambda s, found: _swap_modules(s.handle.mlp_swaps, TritonSwiGLUMLP.from_hf, found), _describe_mlps),
+    Switch("rope", True,
+           lambda m: _found(find_attention(m, set(_classes(SUPPORTED_ATTENTION).values())),
+                            f"{_name(m)} has no attention module patch_llama knows: rope has nothing to patch"),
+           _apply_rope, _describe_rotary),
+    Switch("additive_mask", True, lambda m: _check_mask_function(m, "additive_mask"),
+           lambda s, found: _apply_mask(s, additive=True), lambda p: p.mask or None),
+    Switch("skip_causal_mask", True, lambda m: _check_mask_function(m, "skip_causal_mask"),
+           lambda s, found: _apply_mask(s, additive=False)),
+    # Runs the SwiGLU kernel one tile of rows at a time, in place of swiglu.
+    Switch("tiled_mlp", False, _tileable_mlps,
+           lambda s, found: _swap_modules(s.handle.mlp_swaps, TiledSwiGLUMLP.from_hf, found), supersedes=("swiglu",)),
+    Switch("offload_checkpoints", False, check_offloadable, _apply_offload,
+           lambda p: "checkpoints offloaded to host memory" if p.offload is not None else None),
+    # After the MLP switches: the hook that fuses layers PEFT puts in later looks at the modules present now.
+    Switch("lora", lora_can_follow, lambda m: (check_lora(m), has_lora_layers(m))[1], _apply_lora,
+           lambda p: p.lora.summary() if "lora" in p.kernels else None, status=_lora_status),
+    # Our attention's mask function takes the place of the two SDPA mask switches.
+    Switch("attention", lambda m: attention_choice()[0], check_attention,
+           lambda s, found: _attention_undo(s.model, use_flash_attention(s.model)),
+           lambda p: f"attention: {p.attention}" if p.attention else None,
+           supersedes=("additive_mask", "skip_causal_mask"), note=_note_attention),
+)
+# patch_llama's switches, by name: what its ``kernels=`` selector and its keywords may name, and what
+# ``python -m kernels.training.finetune --kernels`` and ``compare``'s ``patch_options`` pass on.
+SWITCHES = tuple(s.name for s in SWITCH_TABLE)
+# What ``kernels="auto"`` turns on wherever it applies (``lora`` and ``attention`` decide per model and machine).
+DEFAULT_KERNELS = tuple(s.name for s in SWITCH_TABLE if s.default is True)
+
+
+def _selection(kernels, keywords: dict[str, bool | None], model: torch.nn.Module) -> dict[str, bool]:
+    """The switches to try, each mapped to whether it is required (a refusal raises) or wanted where it applies (a
+    refusal leaves it off): the ``kernels`` selector, then each keyword switch that is not None."""
+    for name, value in keywords.items():
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False (or None: as kernels= says), got {value!r}")
+    if isinstance(kernels, str):
+        if kernels != "auto":
+            hint = f"; for this one kernel alone: kernels=({kernels!r},)" if kernels in SWITCHES else ""
+            raise ValueError(f'kernels must be "auto" or a tuple of names from {", ".join(SWITCHES)}, got '
+                             f"{kernels!r}{hint}")
+        selected = {s.name: False for s in SWITCH_TABLE if s.default is True or (s.default and s.default(model))}
+    else:
+        try:
+            names = tuple(kernels)
+        except TypeError:
+            raise TypeError(f'kernels must be "auto" or a tuple of names from {", ".join(SWITCHES)}, got '
+                            f"{kernels!r}") from None
+        unknown = [name for name in names if name not in SWITCHES]
+        if unknown:
+            raise ValueError(f"unknown kernel{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} in "
+                             f"kernels=: choose from {', '.join(SWITCHES)}")
+        selected = dict.fromkeys(names, True)
+    for name, value in keywords.items():
+        if value is True:
+            selected[name] = True
+        elif value is False:
+            selected.pop(name, None)
+    return selected
+
+
+def _check_switches(model: torch.nn.Module, required: dict[str, bool]) -> tuple[dict, dict[str, str], set[str]]:
+    """Every check before the first change, so that a refusal leaves the model as it was: (what each switch that
+    applies would change, each switch left off and why, the switches that only wait). A required switch's refusal
+    raises; one that "auto" merely wants is left off. A switch that follows layers added later (``lora``), wanted
+    by "auto" with nothing to change yet, waits; alone, it does not count as a switch that applies."""
+    found, refused = {}, {}
+    for switch in (s for s in SWITCH_TABLE if s.name in required):
+        try:
+            found[switch.name] = switch.check(model)
+        except (TypeError, ValueError) as err:
+            if required[switch.name]:
+                raise
+            refused[switch.name] = str(err)
+    for switch in (s for s in SWITCH_TABLE if s.name in found):
+        for other in switch.supersedes:
+            found.pop(other, None)
+    waiting = {s.name for s in SWITCH_TABLE
+               if s.status is not None and s.name in found and not (required[s.name] or found[s.name])}
+    if refused and len(found) == len(waiting):
+        reasons = "; ".join(f"{name}: {why}" for name, why in refused.items())
+        raise TypeError(f"no kernel of patch_llama applies to {type(model).__name__}: {reasons}")
+    return found, refused, waiting
 
 
 def patch_llama(
@@ -813,109 +1063,20 @@ def patch_llama(
     model = _model_to_patch(model)
     if not isinstance(inplace_logits, bool):
         raise TypeError(f"inplace_logits must be True or False, got {inplace_logits!r}")
-    switches = dict(rms_norm=rms_norm, cross_entropy=cross_entropy, linear_cross_entropy=linear_cross_entropy,
+    keywords = dict(rms_norm=rms_norm, cross_entropy=cross_entropy, linear_cross_entropy=linear_cross_entropy,
                     swiglu=swiglu, rope=rope, additive_mask=additive_mask, skip_causal_mask=skip_causal_mask,
                     tiled_mlp=tiled_mlp, offload_checkpoints=offload_checkpoints, lora=lora, attention=attention)
-    for name, value in switches.items():
-        if value is not None and not isinstance(value, bool):
-            raise TypeError(f"{name} must be True or False (or None: as kernels= says), got {value!r}")
-    selected = _selection(kernels, switches)
-    # Our attention is a default only where the recorded benchmark of this GPU found it no slower (kernels.hf.attention).
-    attention_default, attention_why = attention_choice()
-    if attention_default and attention is None and isinstance(kernels, str):
-        selected["attention"] = False
-    if lora is None and isinstance(kernels, str) and lora_can_follow(model):
-        selected["lora"] = False  # now, and for the layers PEFT puts in later (kernels.hf.lora)
+    required = _selection(kernels, keywords, model)
     previous = model.__dict__.get("_kernels_patch")
     if previous is not None and previous.active:
         raise RuntimeError("this model is already patched: call .undo() on the handle patch_llama returned first")
-
-    # Every check before the first change: a refusal leaves the model as it was. A required kernel's refusal raises;
-    # a kernel that "auto" merely wants is left off, with the reason kept for the handle.
-    name = type(model).__name__
-    checks = {
-        "cross_entropy": lambda: _check_causal_lm(model),
-        "linear_cross_entropy": lambda: (_check_causal_lm(model, "linear_cross_entropy"), _check_head(model))[1],
-        "rms_norm": lambda: _found(_find_norms(model), f"{name} has no norm patch_llama knows: rms_norm has "
-                                                       "nothing to replace"),
-        "swiglu": lambda: _found(_find_mlps(model), f"{name} has no MLP patch_llama knows: swiglu has nothing to "
-                                                    "replace"),
-        "rope": lambda: _found(find_attention(model, set(_classes(SUPPORTED_ATTENTION).values())),
-                               f"{name} has no attention module patch_llama knows: rope has nothing to patch"),
-        "additive_mask": lambda: _check_mask_function(model, "additive_mask"),
-        "skip_causal_mask": lambda: _check_mask_function(model, "skip_causal_mask"),
-        "tiled_mlp": lambda: _tileable_mlps(model),
-        "offload_checkpoints": lambda: check_offloadable(model),
-        "lora": lambda: check_lora(model),
-        "attention": lambda: check_attention(model),
-    }
-    found, left_off = {}, {}
-    for kernel, check in checks.items():
-        if kernel not in selected:
-            continue
-        try:
-            found[kernel] = check()
-        except (TypeError, ValueError) as err:
-            if selected[kernel]:
-                raise
-            left_off[kernel] = str(err)
-    # "auto"'s lora on a model without LoRA layers yet only waits for them: alone, it patches nothing.
-    waiting = "lora" in found and not selected["lora"] and not has_lora_layers(model)
-    if left_off and len(found) == waiting:
-        reasons = "; ".join(f"{kernel}: {why}" for kernel, why in left_off.items())
-        raise TypeError(f"no kernel of patch_llama applies to {name}: {reasons}")
-
-    if "attention" in found:  # its mask function supersedes the two SDPA mask kernels
-        found.pop("additive_mask", None), found.pop("skip_causal_mask", None)
-    cross_entropy, linear_cross_entropy = "cross_entropy" in found, "linear_cross_entropy" in found
-    additive_mask, skip_causal_mask = "additive_mask" in found, "skip_causal_mask" in found
-    heads = found.get("linear_cross_entropy") or []
-    head = heads[0] if heads else None
-    if "tiled_mlp" in found:
-        found.pop("swiglu", None)  # the tiled MLP runs the same SwiGLU kernel, one tile of rows at a time
-    patch = LlamaPatch(model)
-    patch.turned_on = tuple(kernel for kernel in SWITCHES if kernel in found and not (kernel == "lora" and waiting))
-    patch.refused = left_off
-    for where, parent, attr, module in found.get("rms_norm", []):
-        replacement = TritonRMSNorm.from_hf(module)
-        setattr(parent, attr, replacement)
-        patch.swaps.append(_Swap(where, parent, attr, module, replacement))
-    for kernel, mlp_class in (("swiglu", TritonSwiGLUMLP), ("tiled_mlp", TiledSwiGLUMLP)):
-        for where, parent, attr, module in found.get(kernel, []):
-            replacement = mlp_class.from_hf(module)
-            setattr(parent, attr, replacement)
-            patch.mlp_swaps.append(_Swap(where, parent, attr, module, replacement))
-    for where, module, forward in found.get("rope", []):
-        module.forward = types.MethodType(forward, module)
-        patch.rotary.append(RotarySwap(where, module, module.forward))
-    patch_loss = cross_entropy or linear_cross_entropy
-    if patch_loss:
-        patch._had_own_loss = "_loss_function" in model.__dict__
-        patch._previous_loss = model.__dict__.get("_loss_function")
-        patch.loss = _PatchedLoss(model, inplace_logits, cross_entropy, head)
-        model.loss_function = patch.loss  # PreTrainedModel's setter stores it as model._loss_function
-    if patch_loss or skip_causal_mask:
-        patch._had_own_forward = "forward" in model.__dict__
-        patch._previous_forward = model.__dict__.get("forward")
-        model.forward = _wrap_forward(model, patch.loss, skip_causal_mask)
-        patch.forward_wrapped = True
-    for h in heads:
-        patch._head_previous_forwards.append((h, h.__dict__.get("forward")))
-        h.forward = _deferring_head_forward(h, patch.loss)
-    patch.head = head
-    if additive_mask or skip_causal_mask:
-        patch._restore_attention = use_mask_function(model, additive=additive_mask)
-        patch.mask = "; ".join(what for what, on in (("padding mask: one additive bias per forward", additive_mask),
-                                                     ("causal mask: skipped under torch.compile", skip_causal_mask))
-                               if on)
-    if "attention" in found:
-        patch._restore_attention = use_flash_attention(model)
-    patch.attention = (("Triton flash_attention, asked for" if selected["attention"] else f"Triton flash_attention, "
-                        f"{attention_why}") if "attention" in found else left_off.get("attention", attention_why)
-                       if "attention" in selected or attention is None else "sdpa (attention=False)")
-    if "offload_checkpoints" in found:
-        patch.offload = enable_checkpoint_offload(model)
-    if "lora" in found:
-        patch.lora = enable_lora_fusion(model)
+    found, refused, waiting = _check_switches(model, required)
+    patch = LlamaPatch(model, tuple(name for name in SWITCHES if name in found and name not in waiting), refused)
+    surgery = _Surgery(model, patch, inplace_logits, required, keywords, set(found))
+    for switch in SWITCH_TABLE:
+        if switch.name in found:
+            patch.undos.append((switch.name, _chain(switch.apply(surgery, found[switch.name]))))
+        if switch.note is not None:
+            switch.note(surgery)
     model.__dict__["_kernels_patch"] = patch
     return patch

@@ -1,43 +1,48 @@
-"""PEFT's LoRA layers computed by the fused LoRA linear (``patch_llama``'s ``lora`` switch: on by default wherever
-PEFT's LoRA layers appear, before the patch or after it; ``lora=False`` turns it off).
+"""PEFT's LoRA layers computed by the fused LoRA linear (``patch_llama``'s ``lora`` switch: on by
+default wherever PEFT's LoRA layers appear, before the patch or after it; ``lora=False`` turns it
+off).
 
-Each PEFT ``lora.Linear`` of the model gets an instance-level ``forward`` that computes its base layer and its
-adapter in one ``kernels.lora.lora_linear`` node, from the very same ``Parameter`` objects (the base weight,
-``lora_A[name].weight``, ``lora_B[name].weight``) and PEFT's own ``scaling[name]`` (α/r, or α/√r with rsLoRA).
-Nothing else changes: the modules, their names, the ``state_dict``, ``save_pretrained`` (PEFT's own adapter
-format) and the optimizer see what they saw before. ``undo()`` deletes the instance attributes, and PEFT's class
-forward is seen again (so ``merge_and_unload()`` then works as PEFT intends).
+Each PEFT ``lora.Linear`` of the model gets an instance-level ``forward`` that computes its base
+layer and its adapter in one ``kernels.lora.lora_linear`` node, from the very same ``Parameter``
+objects (the base weight, ``lora_A[name].weight``, ``lora_B[name].weight``) and PEFT's own
+``scaling[name]`` (α/r, or α/√r with rsLoRA). Nothing else changes: the modules, their names, the
+``state_dict``, ``save_pretrained`` (PEFT's own adapter format) and the optimizer see what they saw
+before. ``undo()`` deletes the instance attributes, and PEFT's class forward is seen again (so
+``merge_and_unload()`` then works as PEFT intends).
 
-**down_proj over the SwiGLU.** Each fused layer also gets ``forward_after_swiglu(gate, up)``, which the patched MLP
-(``kernels.swiglu.TritonSwiGLUMLP``) calls on its ``down_proj``: the layer and the SwiGLU before it as one node
-(``kernels.lora.SwiGLULoRADownFunction``) that keeps gate and up but not their product, the widest input of the
-layer, recomputed in the backward for dA instead. It declines (returns None) any call that is not the plain case.
+**down_proj over the SwiGLU.** Each fused layer also gets ``forward_after_swiglu(gate, up)``, which
+the patched MLP (``kernels.swiglu.TritonSwiGLUMLP``) calls on its ``down_proj``: the layer and the
+SwiGLU before it as one node (``kernels.lora.SwiGLULoRADownFunction``) that keeps gate and up but
+not their product, the widest input of the layer, recomputed in the backward for dA instead. It
+declines (returns None) any call that is not the plain case.
 
-**Layers that share an input.** q_proj, k_proj and v_proj of an attention block read one input, and so do
-gate_proj and up_proj of an MLP. When all of a group are fused LoRA layers, the first one called computes the whole
-group as one node (``kernels.lora.lora_group``: x read once for the adapters, the input gradients summed by the GEMMs
-instead of by autograd's adds) and leaves each sibling its output; the sibling's own call hands it out when it comes
-with the very same input tensor, unchanged since (version counters of the input, base weight and adapters), under
-the same grad mode. A call with another input computes on its own, as does everything under ``torch.compile``, a
-group where a sibling has a forward pre-hook (it could change the sibling's weights after the group ran), and one
-whose parameters are not plain tensors (a sharded DTensor, say).
-``SHARED_INPUT = False`` turns grouping off.
+**Layers that share an input.** q_proj, k_proj and v_proj of an attention block read one input, and
+so do gate_proj and up_proj of an MLP. When all of a group are fused LoRA layers, the first one
+called computes the whole group as one node (``kernels.lora.lora_group``: x read once for the
+adapters, the input gradients summed by the GEMMs instead of by autograd's adds) and leaves each
+sibling its output; the sibling's own call hands it out when it comes with the very same input
+tensor, unchanged since (version counters of the input, base weight and adapters), under the same
+grad mode. A call with another input computes on its own, as does everything under
+``torch.compile``, a group where a sibling has a forward pre-hook (it could change the sibling's
+weights after the group ran), and one whose parameters are not plain tensors (a sharded DTensor,
+say). ``SHARED_INPUT = False`` turns grouping off.
 
-**Both orders.** Wrapped first (``patch_llama(get_peft_model(llama, config))``), the LoRA layers are there to
-find. Patched first (``get_peft_model(patch_llama-ed llama, config)``, TRL's ``SFTTrainer(model,
-peft_config=...)``, transformers' ``add_adapter``/``load_adapter``), PEFT injects its layers afterwards; so the
-patch also leaves a forward pre-hook on the decoder that, before each forward, gives the fused forward to any
-LoRA layer that has taken a linear layer's place since (it looks at the children of the modules that held linear
-layers at the patch, not at every module). On a model that never gets LoRA layers the hook finds none and
-changes nothing.
+**Both orders.** Wrapped first (``patch_llama(get_peft_model(llama, config))``), the LoRA layers are
+there to find. Patched first (``get_peft_model(patch_llama-ed llama, config)``, TRL's
+``SFTTrainer(model, peft_config=...)``, transformers' ``add_adapter``/``load_adapter``), PEFT
+injects its layers afterwards; so the patch also leaves a forward pre-hook on the decoder that,
+before each forward, gives the fused forward to any LoRA layer that has taken a linear layer's place
+since (it looks at the children of the modules that held linear layers at the patch, not at every
+module). On a model that never gets LoRA layers the hook finds none and changes nothing.
 
-**Each call decides.** The fused path runs when the call is the plain case it computes, checked on attributes at
-each call (PEFT's state can change between steps): adapters enabled and not merged, exactly one active adapter,
-vanilla LoRA (no DoRA or other variant), dropout an identity (p = 0), no bias on ``lora_B``, ``fan_in_fan_out``
-off, the base a plain ``nn.Linear``, no extra arguments, and the input in the base weight's dtype, or any dtype
-under autocast (the Trainer's and TRL's ``bf16=True``): then the node computes in autocast's dtype, its operands
-cast as autocast casts PEFT's. Anything else runs PEFT's forward, unchanged. The layers found so far that stay
-on PEFT's path are listed, with the reason, in ``handle.left_off["lora"]`` (after the first forward for layers
+**Each call decides.** The fused path runs when the call is the plain case it computes, checked on
+attributes at each call (PEFT's state can change between steps): adapters enabled and not merged,
+exactly one active adapter, vanilla LoRA (no DoRA or other variant), dropout an identity (p = 0), no
+bias on ``lora_B``, ``fan_in_fan_out`` off, the base a plain ``nn.Linear``, no extra arguments, and
+the input in the base weight's dtype, or any dtype under autocast (the Trainer's and TRL's
+``bf16=True``): then the node computes in autocast's dtype, its operands cast as autocast casts
+PEFT's. Anything else runs PEFT's forward, unchanged. The layers found so far that stay on PEFT's
+path are listed, with the reason, in ``handle.left_off["lora"]`` (after the first forward for layers
 added after the patch).
 """
 
@@ -58,12 +63,13 @@ from kernels.lora import (
     adapters_share_dtype,
 )
 
-# How the fused layer computes its two halves (``kernels.lora``): the benchmark flips these to compare. The
-# low-rank product first, then the base GEMM onto it: 16,767 against 16,458 tokens/s for the base GEMM first, the
-# LoRA step at the 8B shape on one H200 (assets/notes/lora.md).
+# How the fused layer computes its two halves (``kernels.lora``): the benchmark flips these to
+# compare. The low-rank product first, then the base GEMM onto it: the faster order at the 8B shape
+# (assets/notes/lora.md).
 EPILOGUE = "cublas_lowrank_first"
 SKINNY = "cublas"
-# Whether LoRA layers on one input run as one node (``kernels.lora.lora_group``), and which layers those are.
+# Whether LoRA layers on one input run as one node (``kernels.lora.lora_group``), and which layers
+# those are.
 SHARED_INPUT = True
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -78,7 +84,14 @@ def lora_linear_class() -> type | None:
 
 
 def why_not_fused(layer: torch.nn.Module) -> str | None:
-    """Why ``layer`` (a PEFT ``lora.Linear``) runs PEFT's own forward right now, in words; None when it is fused."""
+    """Why a PEFT LoRA layer runs PEFT's own forward right now (chapter 15).
+
+    Args:
+        layer: a PEFT ``lora.Linear``.
+
+    Returns:
+        The reason in words, or None when the fused forward computes it.
+    """
     if layer.disable_adapters:
         return "adapters disabled"
     if layer.merged:
@@ -107,9 +120,9 @@ def why_not_fused(layer: torch.nn.Module) -> str | None:
 
 
 def _compute_dtype(layer: torch.nn.Module, x: torch.Tensor) -> torch.dtype | None:
-    """The dtype the fused node computes a call of ``layer`` on ``x`` in, or None when the call is not the plain
-    case (the module docstring): under autocast, autocast's dtype, as PEFT's layers then compute in it; else
-    ``x``'s, which must be the base weight's."""
+    """The dtype the fused node computes a call of ``layer`` on ``x`` in, or None when the call is
+    not the plain case (the module docstring): under autocast, autocast's dtype, as PEFT's layers
+    then compute in it; else ``x``'s, which must be the base weight's."""
     if why_not_fused(layer) is not None or x.dtype not in KERNEL_DTYPES:
         return None
     if torch.is_autocast_enabled(x.device.type):
@@ -119,19 +132,22 @@ def _compute_dtype(layer: torch.nn.Module, x: torch.Tensor) -> torch.dtype | Non
 
 
 def _plain_call(layer: torch.nn.Module, x: torch.Tensor) -> bool:
-    """Whether a call of ``layer`` on ``x`` is the plain case the fused layer computes (the module docstring)."""
+    """Whether a call of ``layer`` on ``x`` is the plain case the fused layer computes (the module
+    docstring)."""
     return _compute_dtype(layer, x) is not None
 
 
 def _cast(x: torch.Tensor) -> torch.dtype | None:
-    # Under autocast, the dtype every operand of the fused node is cast to first (autocast's own casts, which the
-    # fused node's matmuls would otherwise not see); else None: the operands as they are.
+    # Under autocast, the dtype every operand of the fused node is cast to first (autocast's own
+    # casts, which the fused node's matmuls would otherwise not see); else None: the operands as
+    # they are.
     return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
 
 
 def _adapter(layer: torch.nn.Module, cast: torch.dtype | None = None) -> tuple:
-    # The fused node's arguments after the input: base weight and bias, A, B, the scale, how to compute; each
-    # tensor cast to ``cast`` (autocast's dtype) where given, differentiably, so the gradients reach the Parameters.
+    # The fused node's arguments after the input: base weight and bias, A, B, the scale, how to
+    # compute; each tensor cast to ``cast`` (autocast's dtype) where given, differentiably, so the
+    # gradients reach the Parameters.
     base, name = layer.get_base_layer(), layer.active_adapters[0]
     tensors = (base.weight, base.bias, layer.lora_A[name].weight, layer.lora_B[name].weight)
     if cast is not None:
@@ -140,8 +156,8 @@ def _adapter(layer: torch.nn.Module, cast: torch.dtype | None = None) -> tuple:
 
 
 def _fused_forward(self, x, *args, **kwargs):
-    """PEFT's ``lora.Linear.forward`` for the plain case, as one fused node (or its share of a group node, see the
-    module docstring); any other call goes to PEFT's."""
+    """PEFT's ``lora.Linear.forward`` for the plain case, as one fused node (or its share of a group
+    node, see the module docstring); any other call goes to PEFT's."""
     if args or kwargs or not _plain_call(self, x):
         self.__dict__.pop("_lora_pending", None)
         return type(self).forward(self, x, *args, **kwargs)
@@ -156,30 +172,35 @@ def _fused_forward(self, x, *args, **kwargs):
 
 
 def _state(layer: torch.nn.Module, x: torch.Tensor) -> tuple:
-    # What a sibling's output was computed from: the input's and parameters' version counters, and the grad mode.
+    # What a sibling's output was computed from: the input's and parameters' version counters, and
+    # the grad mode.
     tensors = (x, *(t for t in _adapter(layer)[:4] if t is not None))
     return (torch.is_grad_enabled(), *((id(t), t._version) for t in tensors))
 
 
 def _pending_output(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """The output a group node left for ``layer``, if it was computed from this very ``x`` as it is now."""
+    """The output a group node left for ``layer``, if it was computed from this very ``x`` as it is
+    now."""
     pending = layer.__dict__.pop("_lora_pending", None)
     if pending is None or pending[0] is not x or pending[1] != _state(layer, x):
         return None
     return pending[2]
 
 
-def _group_call(first: torch.nn.Module, x: torch.Tensor, cast: torch.dtype | None = None) -> torch.Tensor | None:
-    """``first``'s output from one node for its whole group, the siblings' outputs left for their calls (operands
-    cast to ``cast`` where given: autocast's dtype); None when ``first`` leads no group or the group cannot run as
-    one now."""
+def _group_call(first: torch.nn.Module, x: torch.Tensor,
+                cast: torch.dtype | None = None) -> torch.Tensor | None:
+    """``first``'s output from one node for its whole group, the siblings' outputs left for their
+    calls (operands cast to ``cast`` where given: autocast's dtype); None when ``first`` leads no
+    group or the group cannot run as one now."""
     siblings = first.__dict__.get("_lora_siblings")
     if (not siblings or not SHARED_INPUT or EPILOGUE not in GROUP_EPILOGUES or torch.compiler.is_compiling()
             or not all(_plain_call(m, x) for m in siblings)
-            or any(m._forward_pre_hooks for m in siblings)):  # a sibling's pre-hook may change its input or weights
+            # A sibling's pre-hook may change its input or weights after the group ran.
+            or any(m._forward_pre_hooks for m in siblings)):
         return None
     plain = [_adapter(m)[:4] for m in (first, *siblings)]
-    if not all(type(t) in (torch.Tensor, torch.nn.Parameter) for layer in plain for t in layer if t is not None):
+    tensors = [t for layer in plain for t in layer if t is not None]
+    if not all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors):
         return None  # a sharded DTensor, say
     layers = [_adapter(m, cast) for m in (first, *siblings)]
     params = [t for layer in layers for t in layer[:4]]
@@ -193,9 +214,9 @@ def _group_call(first: torch.nn.Module, x: torch.Tensor, cast: torch.dtype | Non
 
 
 def _forward_after_swiglu(self, gate, up):
-    """This layer (a ``down_proj``) over ``swiglu(gate, up)`` as one node that keeps gate and up, not the product
-    (``kernels.lora.SwiGLULoRADownFunction``); None for a call that is not the plain case (the MLP then runs
-    ``down_proj(swiglu(gate, up))``)."""
+    """This layer (a ``down_proj``) over ``swiglu(gate, up)`` as one node that keeps gate and up,
+    not the product (``kernels.lora.SwiGLULoRADownFunction``); None for a call that is not the plain
+    case (the MLP then runs ``down_proj(swiglu(gate, up))``)."""
     if not _plain_call(self, gate):
         return None
     cast = _cast(gate)
@@ -207,19 +228,21 @@ def _forward_after_swiglu(self, gate, up):
 
 @dataclass
 class LoraFusion:
-    """The LoRA layers given the fused forward, and the hook that finds those PEFT adds later; ``undo()``."""
+    """The LoRA layers given the fused forward, and the hook that finds those PEFT adds later;
+    ``undo()``."""
 
     model: torch.nn.Module
     layers: list[torch.nn.Module] = field(default_factory=list)
     left_off: dict[str, str] = field(default_factory=dict)  # qualified name → why PEFT's forward stays
     hook: object = None
     active: bool = True
-    parents: list = field(default_factory=list)  # (qualified name, module) of the modules that hold linear layers
+    parents: list = field(default_factory=list)  # (qualified name, module) of those holding linear layers
     leaders: set = field(default_factory=set)  # the first layer of each group on a shared input
 
     def fuse_new_layers(self) -> int:
-        """Give the fused forward to every LoRA layer of the model that lacks it (a walk over every module); note
-        the modules PEFT puts its layers into, for the cheap walk of ``pre_hook``. Returns how many were new."""
+        """Give the fused forward to every LoRA layer of the model that lacks it (a walk over every
+        module); note the modules PEFT puts its layers into, for the cheap walk of ``pre_hook``.
+        Returns how many were new."""
         cls = lora_linear_class()
         self.parents = []
         new = 0
@@ -235,8 +258,8 @@ class LoraFusion:
         return new
 
     def _link(self, parent: torch.nn.Module) -> None:
-        # Each group of ``parent``'s children on one input (GROUPS) whose members are all fused LoRA layers: the
-        # first member computes the group (_group_call), the others take their outputs.
+        # Each group of ``parent``'s children on one input (GROUPS) whose members are all fused LoRA
+        # layers: the first member computes the group (_group_call), the others take their outputs.
         cls = lora_linear_class()
         for names in GROUPS:
             members = [parent._modules.get(name) for name in names]
@@ -246,17 +269,18 @@ class LoraFusion:
 
     def _fuse(self, where: str, module: torch.nn.Module) -> None:
         module.forward = types.MethodType(_fused_forward, module)
-        module.forward_after_swiglu = types.MethodType(_forward_after_swiglu, module)  # read by the patched MLP
+        # Read by the patched MLP.
+        module.forward_after_swiglu = types.MethodType(_forward_after_swiglu, module)
         self.layers.append(module)
         reason = why_not_fused(module)
         if reason is not None:
             self.left_off[where] = reason
 
     def pre_hook(self, module, args) -> None:
-        """The decoder's forward pre-hook: fuse the LoRA layers PEFT put, since, where a linear layer was. Only the
-        children of the modules that held a linear layer at the patch are looked at (PEFT swaps a targeted
-        ``nn.Linear`` in its parent): a few hundred attribute reads, not a walk over thousands of modules.
-        Returns None: the arguments stay."""
+        """The decoder's forward pre-hook: fuse the LoRA layers PEFT put, since, where a linear
+        layer was. Only the children of the modules that held a linear layer at the patch are looked
+        at (PEFT swaps a targeted ``nn.Linear`` in its parent): a few hundred attribute reads, not a
+        walk over thousands of modules. Returns None: the arguments stay."""
         cls = lora_linear_class()
         for where, parent in self.parents:
             new = False
@@ -270,7 +294,8 @@ class LoraFusion:
     def summary(self) -> str:
         """"N LoRA layers fused" and, for each layer that stays PEFT's, why."""
         text = f"{len(self.layers) - len(self.left_off)} of {len(self.layers)} LoRA layers fused"
-        # A group runs as one node only where every member is fused: a member left to PEFT runs PEFT's forward.
+        # A group runs as one node only where every member is fused: a member left to PEFT runs
+        # PEFT's forward.
         unfused = {id(m) for m in self.layers if why_not_fused(m) is not None}
         groups = [first for first in self.leaders
                   if not any(id(m) in unfused for m in (first, *first.__dict__.get("_lora_siblings", ())))]
@@ -279,6 +304,8 @@ class LoraFusion:
         return text + "".join(f"; {where}: {why}" for where, why in self.left_off.items())
 
     def undo(self) -> None:
+        """Remove the hook and the fused forwards: PEFT's class forward is seen again. A second call
+        does nothing."""
         if not self.active:
             return
         if self.hook is not None:
@@ -294,13 +321,28 @@ class LoraFusion:
 
 
 def has_lora_layers(model: torch.nn.Module) -> bool:
-    """Whether ``model`` holds a PEFT LoRA ``Linear`` now (wrapped before the patch): where ``lora`` is a default."""
+    """Whether ``model`` holds a PEFT LoRA ``Linear`` now.
+
+    Args:
+        model: any module.
+
+    Returns:
+        True where one of its modules is PEFT's ``lora.Linear``.
+    """
     cls = lora_linear_class()
     return cls is not None and any(type(m) is cls for m in model.modules())
 
 
 def lora_can_follow(model: torch.nn.Module) -> bool:
-    """Whether the lora switch applies to ``model``: PEFT LoRA layers now, or later (``check_lora``)."""
+    """Whether the lora switch applies to ``model``: ``kernels="auto"``'s default for it.
+
+    Args:
+        model: the model being patched.
+
+    Returns:
+        True where ``check_lora`` accepts it: peft installed, and LoRA layers now or a model PEFT
+        could wrap later.
+    """
     try:
         check_lora(model)
     except TypeError:
@@ -309,8 +351,15 @@ def lora_can_follow(model: torch.nn.Module) -> bool:
 
 
 def check_lora(model: torch.nn.Module) -> None:
-    """Raise (TypeError) where the lora switch cannot apply: peft is not installed, or the model has no PEFT LoRA
-    layer and is no Hugging Face model (with a ``config``) that PEFT could wrap after the patch."""
+    """Raise where the lora switch cannot apply.
+
+    Args:
+        model: the model being patched.
+
+    Raises:
+        TypeError: peft is not installed, or the model has no PEFT LoRA layer and is no Hugging Face
+            model (with a ``config``) that PEFT could wrap after the patch.
+    """
     if lora_linear_class() is None:
         raise TypeError("lora needs peft (pip install peft), which is not installed; use lora=False")
     if not hasattr(model, "config") and not has_lora_layers(model):
@@ -319,14 +368,24 @@ def check_lora(model: torch.nn.Module) -> None:
 
 
 def _decoder(model: torch.nn.Module) -> torch.nn.Module:
-    # The module every forward goes through as a call (so its hooks run): the decoder inside a causal LM.
+    # The module every forward goes through as a call (so its hooks run): the decoder inside a
+    # causal LM.
     get = getattr(model, "get_decoder", None)
     decoder = get() if callable(get) else None
     return decoder if isinstance(decoder, torch.nn.Module) else model
 
 
 def enable_lora_fusion(model: torch.nn.Module) -> LoraFusion:
-    """Fuse the LoRA layers of ``model`` now and, through a forward pre-hook, those PEFT injects later."""
+    """Fuse the LoRA layers of ``model`` now and, through a forward pre-hook, those PEFT injects
+    later.
+
+    Args:
+        model: the Hugging Face model (the Llama inside a PEFT model).
+
+    Returns:
+        The ``LoraFusion`` handle: its layers, those left to PEFT and why (``summary()``),
+        ``undo()``.
+    """
     check_lora(model)
     fusion = LoraFusion(model)
     fusion.fuse_new_layers()

@@ -1,79 +1,97 @@
 """Put the workbook's kernels into a Hugging Face model: module surgery on one model, undoable.
 
-``patch_llama(model)`` changes one model object, and nothing else. Each change below is one kernel, named as in
-``SWITCHES``; ``patch_llama(model)`` turns on those of ``DEFAULT_KERNELS`` that apply to the model (all but the linear
-cross-entropy), ``patch_llama(model, kernels=("rms_norm", "cross_entropy"))`` exactly the ones named:
+``patch_llama(model)`` changes one model object, and nothing else. Each change below is one switch,
+an entry of ``SWITCH_TABLE`` named as in ``SWITCHES``; ``patch_llama(model)`` turns on those of
+``DEFAULT_KERNELS`` that apply to the model, and ``lora`` and ``attention`` where they do (below);
+``patch_llama(model, kernels=("rms_norm", "cross_entropy"))`` turns on exactly the ones named.
+Chapter 08 derives the first two, chapters 09 to 16 the rest:
 
-* **RMSNorm** (``rms_norm``). Every norm module whose formula is Llama's, ``weight * (x / rms(x)).to(x.dtype)``, is
-  replaced by a ``TritonRMSNorm`` that shares its weight ``Parameter``. First every norm is found (parent module,
-  attribute name, module) and checked, then each is swapped with ``setattr(parent, name, new)``. Because the Parameter
-  is the same object, the optimizer (even one created before the patch), weight tying and the ``state_dict`` keys are
-  unchanged. Accepted classes: ``LlamaRMSNorm``, ``MistralRMSNorm``, ``Qwen2RMSNorm``, ``Qwen3RMSNorm`` (including
-  Qwen3's per-head ``q_norm``/``k_norm``, which normalise over head_dim on [batch, seq, heads, head_dim] tensors).
-  Gemma's norms compute ``x / rms(x) * (1 + weight)`` in float32 and are refused, as is any other class whose name
-  contains "RMSNorm": a kernel that computes a slightly different formula would train a slightly different model.
-* **The loss** (``cross_entropy``). ``model.loss_function`` (Hugging Face's ``ForCausalLMLoss``) is replaced, through
-  the setter ``PreTrainedModel`` provides, by ``causal_lm_loss``: the same label shift (labels padded with
-  ``ignore_index`` on the right and their first position dropped), the same ``ignore_index=-100``, the same
-  ``num_items_in_batch`` rule (a sum divided by it under gradient accumulation, else a mean), computed by the fused
-  Triton cross-entropy without the float32 copy of the logits and without a host synchronisation
-  (``check_targets=False``: a label outside the vocabulary gives a NaN loss instead of an exception).
-* **The logits, in training.** While the model is in train mode with autograd on, the loss writes the gradient of
-  the logits over the logits themselves (``inplace_backward=True``): no [tokens, vocab] gradient buffer is ever
-  allocated. The logits tensor then holds the gradient, so the patched ``forward`` returns ``logits=None`` rather
-  than hand out a tensor that no longer holds logits. To get logits: call the model in eval mode
-  (``model.eval()``) or under ``torch.no_grad()``, or patch with ``inplace_logits=False`` (the loss then allocates a
-  separate gradient buffer, as any loss does, and the logits are returned).
+* **RMSNorm** (``rms_norm``). Every norm module whose formula is Llama's, ``weight * (x /
+  rms(x)).to(x.dtype)``, is replaced by a ``TritonRMSNorm`` that shares its weight ``Parameter``.
+  First every norm is found (parent module, attribute name, module) and checked, then each is
+  swapped with ``setattr(parent, name, new)``. Because the Parameter is the same object, the
+  optimizer (even one created before the patch), weight tying and the ``state_dict`` keys are
+  unchanged. Accepted classes: ``LlamaRMSNorm``, ``MistralRMSNorm``, ``Qwen2RMSNorm``,
+  ``Qwen3RMSNorm`` (including Qwen3's per-head ``q_norm``/``k_norm``, which normalise over head_dim
+  on [batch, seq, heads, head_dim] tensors). Gemma's norms compute ``x / rms(x) * (1 + weight)`` in
+  float32 and are refused, as is any other class whose name contains "RMSNorm": a kernel that
+  computes a slightly different formula would train a slightly different model.
+* **The loss** (``cross_entropy``). ``model.loss_function`` (Hugging Face's ``ForCausalLMLoss``) is
+  replaced, through the setter ``PreTrainedModel`` provides, by ``causal_lm_loss``: the same label
+  shift (labels padded with ``ignore_index`` on the right and their first position dropped), the
+  same ``ignore_index=-100``, the same ``num_items_in_batch`` rule (a sum divided by it under
+  gradient accumulation, else a mean), computed by the fused Triton cross-entropy without the
+  float32 copy of the logits and without a host synchronisation (``check_targets=False``: a label
+  outside the vocabulary gives a NaN loss instead of an exception).
+* **The logits, in training.** While the model is in train mode with autograd on, the loss writes
+  the gradient of the logits over the logits themselves (``inplace_backward=True``): no [tokens,
+  vocab] gradient buffer is ever allocated. The logits tensor then holds the gradient, so the
+  patched ``forward`` returns ``logits=None`` rather than hand out a tensor that no longer holds
+  logits. To get logits: call the model in eval mode (``model.eval()``) or under
+  ``torch.no_grad()``, or patch with ``inplace_logits=False`` (the loss then allocates a separate
+  gradient buffer, as any loss does, and the logits are returned).
 
-* **The loss without the logits** (``linear_cross_entropy``, off by default: the memory switch). In train mode with
-  autograd on and labels given, the LM head does not compute logits at all: its forward (patched on that one
-  ``nn.Linear``) hands the hidden states through, and the loss computes the cross-entropy of
-  ``hidden @ lm_head.weight.T`` slice by slice (``kernels.linear_cross_entropy``), so no [tokens, vocab] tensor ever
-  exists. The output's ``logits`` is None. In eval mode, under ``no_grad`` or without labels the head computes logits
-  as usual (and the loss uses the fused cross-entropy, or Hugging Face's with ``cross_entropy=False``). Tied
-  embeddings work (the shared weight receives both gradients); an LM head that is not a plain ``nn.Linear`` without
-  bias (LoRA on the head) is refused. PEFT's ``modules_to_save=["lm_head"]`` trains a copy of the head, in either
-  order of wrapping and patching: the loss takes the weight of whichever head the wrapper ran.
-* **The MLP activation** (``swiglu``). Every ``LlamaMLP``, ``MistralMLP``, ``Qwen2MLP``, ``Qwen3MLP`` whose activation
-  is SiLU is replaced by a ``TritonSwiGLUMLP`` that holds the very same ``gate_proj``, ``up_proj`` and ``down_proj``
-  submodules (so parameter names, the optimizer and PEFT adapter layers inside the projections are unchanged) and
-  computes ``down_proj(swiglu(gate_proj(x), up_proj(x)))``. Any other activation (``hidden_act`` not ``"silu"``) or any
-  other class whose name ends in "MLP" is refused.
-* **The rotary embedding** (``rope``). The attention modules of these families call their modeling file's module-level
-  ``apply_rotary_pos_emb`` by name, so the function cannot be swapped on one model by setting an attribute, and
-  replacing it in the modeling module would change every model of the process (and the reference beside it). Instead
-  each ``LlamaAttention`` (``Mistral…``, ``Qwen2…``, ``Qwen3…``) of this model gets an instance-level ``forward``: the
-  class's own forward function, rebuilt over a copy of its module's globals in which ``apply_rotary_pos_emb`` is
-  ``kernels.rope.apply_rotary``. Same code, same arguments, one name resolved differently, for these module objects
-  only; ``undo()`` deletes the instance attribute and the class's forward is seen again. A forward wrapped by a
-  decorator that keeps the function it wraps (``functools.wraps``, as transformers' ``deprecate_kwarg`` does) keeps its
-  wrapper, rebuilt around the rebuilt function. Refused: an attention class the patch does not know, a forward that
-  does not call ``apply_rotary_pos_emb`` by name (through such wrappers), a rotary function whose signature is not
-  ``(q, k, cos, sin, unsqueeze_dim)``, and a module whose forward was already replaced on the instance (e.g. by
-  accelerate's hooks). The code: ``kernels.hf.rotary``.
+* **The loss without the logits** (``linear_cross_entropy``, off by default: the memory switch). In
+  train mode with autograd on and labels given, the LM head does not compute logits at all: its
+  forward (patched on that one ``nn.Linear``) hands the hidden states through, and the loss computes
+  the cross-entropy of ``hidden @ lm_head.weight.T`` slice by slice
+  (``kernels.linear_cross_entropy``), so no [tokens, vocab] tensor ever exists. The output's
+  ``logits`` is None. In eval mode, under ``no_grad`` or without labels the head computes logits as
+  usual (and the loss uses the fused cross-entropy, or Hugging Face's with ``cross_entropy=False``).
+  Tied embeddings work (the shared weight receives both gradients); an LM head that is not a plain
+  ``nn.Linear`` without bias (LoRA on the head) is refused. PEFT's ``modules_to_save=["lm_head"]``
+  trains a copy of the head, in either order of wrapping and patching: the loss takes the weight of
+  whichever head the wrapper ran.
+* **The MLP activation** (``swiglu``). Every ``LlamaMLP``, ``MistralMLP``, ``Qwen2MLP``,
+  ``Qwen3MLP`` whose activation is SiLU is replaced by a ``TritonSwiGLUMLP`` that holds the very
+  same ``gate_proj``, ``up_proj`` and ``down_proj`` submodules (so parameter names, the optimizer
+  and PEFT adapter layers inside the projections are unchanged) and computes
+  ``down_proj(swiglu(gate_proj(x), up_proj(x)))``. Any other activation (``hidden_act`` not
+  ``"silu"``) or any other class whose name ends in "MLP" is refused.
+* **The rotary embedding** (``rope``). The attention modules of these families call their modeling
+  file's module-level ``apply_rotary_pos_emb`` by name, so the function cannot be swapped on one
+  model by setting an attribute, and replacing it in the modeling module would change every model of
+  the process (and the reference beside it). Instead each ``LlamaAttention`` (``Mistral…``,
+  ``Qwen2…``, ``Qwen3…``) of this model gets an instance-level ``forward``: the class's own forward
+  function, rebuilt over a copy of its module's globals in which ``apply_rotary_pos_emb`` is
+  ``kernels.rope.apply_rotary``. Same code, same arguments, one name resolved differently, for these
+  module objects only; ``undo()`` deletes the instance attribute and the class's forward is seen
+  again. A forward wrapped by a decorator that keeps the function it wraps (``functools.wraps``, as
+  transformers' ``deprecate_kwarg`` does) keeps its wrapper, rebuilt around the rebuilt function.
+  Refused: an attention class the patch does not know, a forward that does not call
+  ``apply_rotary_pos_emb`` by name (through such wrappers), a rotary function whose signature is not
+  ``(q, k, cos, sin, unsqueeze_dim)``, and a module whose forward was already replaced on the
+  instance (e.g. by accelerate's hooks). The code: ``kernels.hf.rotary``.
 
-* **LoRA** (``lora``). Each PEFT ``lora.Linear`` computes its base layer and adapter as one fused node
-  (``kernels.hf.lora``, ``kernels.lora``), in either order of wrapping and patching; what stays PEFT's is named in
-  ``handle.left_off["lora"]`` with the reason.
+* **LoRA** (``lora``, chapter 15). Each PEFT ``lora.Linear`` computes its base layer and adapter as
+  one fused node (``kernels.hf.lora``, ``kernels.lora``), in either order of wrapping and patching:
+  on by default wherever peft is installed, it fuses the layers there at the patch and, through a
+  hook on the decoder, those PEFT puts in later (``get_peft_model``, TRL's ``peft_config``,
+  ``add_adapter``). ``handle.kernels`` lists it once the model holds LoRA layers; a model that never
+  gets any is left as it was. What stays PEFT's is named in ``handle.left_off["lora"]`` with the
+  reason.
 
-* **The padding mask** (``additive_mask``). Where a batch needs its mask, SDPA attention receives it as one additive
-  bias in the model's dtype, built once per forward pass, instead of a boolean mask that every attention call copies
-  into such a bias and keeps for its backward (``kernels.hf.attention_mask``).
+* **The padding mask** (``additive_mask``). Where a batch needs its mask, SDPA attention receives it
+  as one additive bias in the model's dtype, built once per forward pass, instead of a boolean mask
+  that every attention call copies into such a bias and keeps for its backward
+  (``kernels.hf.attention_mask``).
 
-* **The causal mask under torch.compile** (``skip_causal_mask``). Compiled, transformers builds a full [seq, seq] mask
-  even for a batch without padding, and attention with a mask repeats the key/value heads and runs the masked kernel.
-  The patched forward marks a call without mask, position ids or cache as plain causal, and the mask function then
-  returns None, so SDPA runs with ``is_causal`` as it does eagerly (``kernels.hf.attention_mask``). Eagerly it changes
-  nothing.
+* **The causal mask under torch.compile** (``skip_causal_mask``). Compiled, transformers builds a
+  full [seq, seq] mask even for a batch without padding, and attention with a mask repeats the
+  key/value heads and runs the masked kernel. The patched forward marks a call without mask,
+  position ids or cache as plain causal, and the mask function then returns None, so SDPA runs with
+  ``is_causal`` as it does eagerly (``kernels.hf.attention_mask``). Eagerly it changes nothing.
 
-Which kernels are on by default, and the measurement behind each choice: ``patch_llama``'s docstring.
+Which kernels are on by default, and the measurement behind each choice:
+``assets/notes/patch_defaults.md``.
 
-Why surgery on one model rather than editing Hugging Face's source or replacing ``LlamaRMSNorm.forward`` on the
-class for the whole process: the change is scoped to the model you pass (a reference model next to it stays
-untouched, which is how the workbook compares the two), it can be undone exactly, and it keeps every Parameter
-where it was. The handle's ``undo()`` puts the original modules, loss function and forward back (``with
-patch_llama(model): ...`` undoes on leaving the block). Do not ``copy.deepcopy`` a patched model: the copy's
-patched forward would still call the original model; undo, copy, and patch each.
+Why surgery on one model rather than editing Hugging Face's source or replacing
+``LlamaRMSNorm.forward`` on the class for the whole process: the change is scoped to the model you
+pass (a reference model next to it stays untouched, which is how the workbook compares the two), it
+can be undone exactly, and it keeps every Parameter where it was. The handle's ``undo()`` puts the
+original modules, loss function and forward back (``with patch_llama(model): ...`` undoes on leaving
+the block). Do not ``copy.deepcopy`` a patched model: the copy's patched forward would still call
+the original model; undo, copy, and patch each.
 """
 
 from __future__ import annotations
@@ -103,8 +121,9 @@ from .tiled_mlp import TiledSwiGLUMLP, check_tileable
 
 IGNORE_INDEX = -100
 
-# (module path, class name) of the norms whose formula is Llama's: x · rsqrt(mean(x²) + eps) in float32, cast to the
-# input dtype, then multiplied by the weight. Classes the installed transformers lacks are skipped.
+# (module path, class name) of the norms whose formula is Llama's: x · rsqrt(mean(x²) + eps) in
+# float32, cast to the input dtype, then multiplied by the weight. Classes the installed
+# transformers lacks are skipped.
 SAME_FORMULA = (
     ("transformers.models.llama.modeling_llama", "LlamaRMSNorm"),
     ("transformers.models.mistral.modeling_mistral", "MistralRMSNorm"),
@@ -112,8 +131,9 @@ SAME_FORMULA = (
     ("transformers.models.qwen3.modeling_qwen3", "Qwen3RMSNorm"),
 )
 
-# (module path, class name) of the gated MLPs (down(act(gate(x)) * up(x))) and attention modules (q and k rotated by
-# the modeling file's apply_rotary_pos_emb(q, k, cos, sin)) whose code patch_llama knows.
+# (module path, class name) of the gated MLPs (down(act(gate(x)) * up(x))) and attention modules (q
+# and k rotated by the modeling file's apply_rotary_pos_emb(q, k, cos, sin)) whose code patch_llama
+# knows.
 SUPPORTED_MLPS = tuple((path, f"{family}MLP") for path, family in (
     ("transformers.models.llama.modeling_llama", "Llama"), ("transformers.models.mistral.modeling_mistral", "Mistral"),
     ("transformers.models.qwen2.modeling_qwen2", "Qwen2"), ("transformers.models.qwen3.modeling_qwen3", "Qwen3"),
@@ -122,15 +142,22 @@ SUPPORTED_ATTENTION = tuple((path, name.replace("MLP", "Attention")) for path, n
 
 # Norms that look alike but compute something else, by class name, with what differs.
 _GEMMA = (
-    "it computes (x / rms(x)) · (1 + weight) in float32 and casts the product, whereas Llama's norm computes "
-    "weight · (x / rms(x)) cast to the input dtype first; its weight is stored as an offset from 1 (zeros at "
+    "it computes (x / rms(x)) · (1 + weight) in float32 and casts the product, whereas Llama's norm "
+    "computes "
+    "weight · (x / rms(x)) cast to the input dtype first; its weight is stored as an offset from 1 "
+    "(zeros at "
     "initialisation), so TritonRMSNorm would scale by w instead of 1 + w"
 )
 DIFFERENT_FORMULA = {"GemmaRMSNorm": _GEMMA, "Gemma2RMSNorm": _GEMMA, "Gemma3RMSNorm": _GEMMA}
 
 
 def supported_norm_classes() -> dict[str, type]:
-    """The RMSNorm classes ``patch_llama`` replaces, by name, among those the installed transformers has."""
+    """The RMSNorm classes ``patch_llama`` replaces, by name, among those the installed transformers
+    has.
+
+    Returns:
+        {class name: class} of ``SAME_FORMULA``'s classes that import.
+    """
     return _classes(SAME_FORMULA)
 
 
@@ -144,21 +171,31 @@ def _classes(table) -> dict[str, type]:
     return found
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The loss
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def shift_labels_like_hf(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """Position t predicts token t + 1: pad the labels with ``ignore_index`` on the right, drop the first position.
+    """Shift labels as Hugging Face does: position t predicts token t + 1 (chapter 08).
 
-    The result has the labels' shape, so it lines up with the logits row for row and the logits are never sliced
-    (a slice of the logits would make autograd allocate a full-size zero gradient for them).
+    The labels are padded with ``ignore_index`` on the right and their first position dropped. The
+    result has the labels' shape, so it lines up with the logits row for row and the logits are
+    never sliced (a slice of the logits would make autograd allocate a full-size zero gradient for
+    them).
+
+    Args:
+        labels: token ids, [..., seq].
+        ignore_index: the id of a target that does not count.
+
+    Returns:
+        The shifted labels, of ``labels``' shape and dtype.
     """
     return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
 
 
-# The logits' dtypes the fused losses compute (in float32 registers). float64 is refused, as by every kernel.
+# The logits' dtypes the fused losses compute (in float32 registers). float64 is refused, as by
+# every kernel.
 LOSS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -170,14 +207,27 @@ def _check_label_tensor(name: str, t) -> None:
 
 
 def loss_targets(labels, shift_labels, lead: tuple, ignore_index, device, where: str) -> torch.Tensor:
-    """The int64 targets of the causal-LM loss, one per row of ``lead`` (the logits' or hidden states' leading
-    dimensions): ``labels`` shifted as Hugging Face shifts them, or ``shift_labels`` as given.
+    """The int64 targets of the causal-LM loss, checked (chapter 08).
 
-    ``labels`` must have the shape ``lead`` ([batch, seq], as input_ids): the shift runs along their last dimension,
-    so labels of another shape with as many elements (transposed, flattened across sequences) would pair tokens with
-    the wrong positions without an error. ``shift_labels`` may also be flat (``lead``'s rows in order). Labels of any
-    integer dtype are read as int64 *before* the shift: its padding value ``ignore_index`` (-100) does not fit
-    uint8, and int8 or int16 would wrap ids; bool and floating labels are refused."""
+    ``labels`` must have the shape ``lead`` ([batch, seq], as input_ids): the shift runs along their
+    last dimension, so labels of another shape with as many elements (transposed, flattened across
+    sequences) would pair tokens with the wrong positions without an error. ``shift_labels`` may
+    also be flat (``lead``'s rows in order). Labels of any integer dtype are read as int64 *before*
+    the shift: its padding value ``ignore_index`` (-100) does not fit uint8, and int8 or int16 would
+    wrap ids; bool and floating labels are refused.
+
+    Args:
+        labels: token ids to shift as Hugging Face shifts them, or None when ``shift_labels`` is
+            given.
+        shift_labels: targets already shifted, or None.
+        lead: the logits' (or hidden states') leading dimensions, one target per row.
+        ignore_index: the id of a target that does not count (an integer).
+        device: where the targets go.
+        where: the caller's name, for the error messages.
+
+    Returns:
+        The targets, int64, of shape ``lead``, on ``device``.
+    """
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
         raise TypeError(f"ignore_index must be an integer, got {ignore_index!r}")
     ignore_index = int(ignore_index)
@@ -196,7 +246,8 @@ def loss_targets(labels, shift_labels, lead: tuple, ignore_index, device, where:
         _check_label_tensor("shift_labels", shift_labels)
         if tuple(shift_labels.shape) != lead and not (shift_labels.dim() == 1 and shift_labels.numel() == math.prod(lead)):
             raise ValueError(
-                f"shift_labels must have the shape of the logits without their last dimension, {lead}, or be those "
+                f"shift_labels must have the shape of the logits without their last dimension, {lead}, "
+                "or be those "
                 f"{math.prod(lead)} targets flattened, got {tuple(shift_labels.shape)}"
             )
         targets = shift_labels.long()
@@ -204,8 +255,19 @@ def loss_targets(labels, shift_labels, lead: tuple, ignore_index, device, where:
 
 
 def shaped_like_hf(loss: torch.Tensor, num_items_in_batch) -> torch.Tensor:
-    """The loss in the shape Hugging Face's has: its ``sum / num_items_in_batch`` broadcasts, so a one-element tensor
-    of shape [1] (as some trainers pass) gives a loss of shape [1]. A view: no copy, no synchronisation."""
+    """The loss in the shape Hugging Face's has (a view: no copy, no synchronisation).
+
+    Hugging Face's ``sum / num_items_in_batch`` broadcasts, so a one-element tensor of shape [1] (as
+    some trainers pass) gives a loss of shape [1].
+
+    Args:
+        loss: the scalar loss.
+        num_items_in_batch: what the caller passed (None, an int or a tensor).
+
+    Returns:
+        ``loss``, reshaped to ``num_items_in_batch``'s shape where that is a tensor of one or more
+        dimensions.
+    """
     if isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.dim() > 0:
         return loss.reshape(num_items_in_batch.shape)
     return loss
@@ -222,22 +284,36 @@ def causal_lm_loss(
     inplace_backward: bool = False,
     **kwargs,
 ) -> torch.Tensor:
-    """Hugging Face's ``ForCausalLMLoss``, computed by the fused Triton cross-entropy.
+    """Hugging Face's ``ForCausalLMLoss``, computed by the fused Triton cross-entropy (chapter 08).
 
-    Same arguments and meaning: ``labels`` are shifted here unless ``shift_labels`` is given; targets equal to
-    ``ignore_index`` do not count; with ``num_items_in_batch`` (gradient accumulation: the number of counted labels
-    over all micro-batches of the step) the loss is the sum divided by it, else the mean over counted labels.
-    Differences: the logits are not copied to float32 (the kernel computes in float32 anyway), labels are not
-    range-checked on the host (an out-of-range label gives NaN), and with ``inplace_backward=True`` the logits are
-    overwritten by their gradient (see ``kernels.cross_entropy.cross_entropy``). Other keyword arguments Hugging
-    Face passes along (attention flags and the like) are ignored, as ``ForCausalLMLoss`` ignores them. Stricter
-    than Hugging Face (``loss_targets``): labels must have the logits' leading shape; labels of any integer dtype
-    give the int64 labels' loss; float64 logits are refused (the kernel computes in float32).
+    Differences from Hugging Face's: the logits are not copied to float32 (the kernel computes in
+    float32 anyway), labels are not range-checked on the host (an out-of-range label gives NaN), and
+    with ``inplace_backward=True`` the logits are overwritten by their gradient
+    (``kernels.cross_entropy``). Stricter (``loss_targets``): labels must have the logits' leading
+    shape; labels of any integer dtype give the int64 labels' loss; float64 logits are refused.
+
+    Args:
+        logits: [..., vocab_size], float32, bfloat16 or float16.
+        labels: token ids, shifted here unless ``shift_labels`` is given.
+        vocab_size: the logits' last dimension.
+        num_items_in_batch: under gradient accumulation, the number of counted labels over all
+            micro-batches of the step: the loss is then the sum divided by it; None: the mean over
+            counted labels.
+        ignore_index: targets equal to it do not count.
+        shift_labels: targets already shifted, or None.
+        inplace_backward: write the logits' gradient over the logits.
+        **kwargs: what Hugging Face passes along (attention flags and the like), ignored as
+            ``ForCausalLMLoss`` ignores it.
+
+    Returns:
+        The loss, in the shape Hugging Face's has (``shaped_like_hf``).
     """
     if logits.dtype not in LOSS_DTYPES:
         raise TypeError(
-            f"logits must be float32, bfloat16 or float16 for the fused loss, got dtype {logits.dtype}: it computes in "
-            "float32. Run the model in float32 (model.float()), or patch it with cross_entropy=False to keep Hugging "
+            "logits must be float32, bfloat16 or float16 for the fused loss, got dtype "
+            f"{logits.dtype}: it computes in "
+            "float32. Run the model in float32 (model.float()), or patch it with cross_entropy=False "
+            "to keep Hugging "
             "Face's loss"
         )
     if logits.shape[-1] != vocab_size:
@@ -248,8 +324,8 @@ def causal_lm_loss(
         reduction, normalizer = "sum", num_items_in_batch
     else:
         reduction, normalizer = "mean", None
-    # No reshape of the logits: the kernel reads any leading dimensions in place, so a [batch, seq, vocab] tensor is
-    # never copied (and, in place, its own memory receives the gradient).
+    # No reshape of the logits: the kernel reads any leading dimensions in place, so a [batch, seq,
+    # vocab] tensor is never copied (and, in place, its own memory receives the gradient).
     loss = fused_cross_entropy(
         logits, target, ignore_index, reduction, normalizer=normalizer,
         inplace_backward=inplace_backward, check_targets=False,
@@ -266,15 +342,27 @@ def causal_lm_linear_loss(
     shift_labels: torch.Tensor | None = None,
     **kwargs,
 ) -> torch.Tensor:
-    """``causal_lm_loss`` of the logits ``hidden @ weight.T``, computed without them (``kernels.linear_cross_entropy``).
+    """``causal_lm_loss`` of the logits ``hidden @ weight.T``, computed without them (chapter 10).
 
-    Same label shift, ``ignore_index`` and ``num_items_in_batch`` rule as Hugging Face's ``ForCausalLMLoss``; no host
-    synchronisation (an out-of-range label gives NaN). ``hidden`` is what the LM head would have received. Labels
-    are checked as ``causal_lm_loss`` checks them (``loss_targets``)."""
+    Same label shift, ``ignore_index`` and ``num_items_in_batch`` rule as Hugging Face's
+    ``ForCausalLMLoss``, by ``kernels.linear_cross_entropy``; no host synchronisation (an
+    out-of-range label gives NaN). Labels are checked as ``causal_lm_loss`` checks them
+    (``loss_targets``).
+
+    Args:
+        hidden: what the LM head would have received, [..., hidden].
+        weight: the LM head's weight, [vocab, hidden].
+        labels, num_items_in_batch, ignore_index, shift_labels, **kwargs: as for ``causal_lm_loss``.
+
+    Returns:
+        The loss, in the shape Hugging Face's has.
+    """
     if hidden.dtype not in LOSS_DTYPES:
         raise TypeError(
-            f"hidden must be float32, bfloat16 or float16 for the fused loss, got dtype {hidden.dtype}: it computes "
-            "in float32. Run the model in float32 (model.float()), or patch it with linear_cross_entropy=False"
+            "hidden must be float32, bfloat16 or float16 for the fused loss, got dtype "
+            f"{hidden.dtype}: it computes "
+            "in float32. Run the model in float32 (model.float()), or patch it with "
+            "linear_cross_entropy=False"
         )
     target = loss_targets(labels, shift_labels, hidden.shape[:-1], ignore_index, hidden.device,
                           "causal_lm_linear_loss")
@@ -289,8 +377,9 @@ def causal_lm_linear_loss(
 
 
 class _PatchedLoss:
-    """``model.loss_function`` while patched: the fused cross-entropy of the logits (in place exactly when that is
-    safe and useful), or, when the LM head deferred them, the linear cross-entropy of its input."""
+    """``model.loss_function`` while patched: the fused cross-entropy of the logits (in place
+    exactly when that is safe and useful), or, when the LM head deferred them, the linear
+    cross-entropy of its input."""
 
     def __init__(self, model: torch.nn.Module, inplace_logits: bool, cross_entropy: bool = True,
                  head: torch.nn.Module | None = None):
@@ -302,8 +391,9 @@ class _PatchedLoss:
         self.consumed: torch.Tensor | None = None  # the tensor in the output's logits that holds no logits
         self.defer = False  # set by the patched forward: the head hands its input through instead of logits
         self.deferred: torch.Tensor | None = None  # what the head handed through
-        # Which head handed it through: the patched head, or a copy of it (PEFT's modules_to_save trains a copy of
-        # the head; its forward, copied with it, is bound to the copy). The loss takes that head's weight.
+        # Which head handed it through: the patched head, or a copy of it (PEFT's modules_to_save
+        # trains a copy of the head; its forward, copied with it, is bound to the copy). The loss
+        # takes that head's weight.
         self.deferred_by: torch.nn.Module | None = None
 
     def __call__(self, logits, labels, vocab_size, **kwargs):
@@ -312,15 +402,17 @@ class _PatchedLoss:
             return causal_lm_linear_loss(logits, self.deferred_by.weight, labels, **kwargs)
         if self.defer:
             raise RuntimeError(
-                "the LM head's input did not reach the loss unchanged (something wraps lm_head since the patch, "
+                "the LM head's input did not reach the loss unchanged (something wraps lm_head since "
+                "the patch, "
                 "e.g. an adapter): patch with linear_cross_entropy=False"
             )
         if not self.cross_entropy:
             return self.original(logits, labels, vocab_size, **kwargs)
-        # In place only in training with autograd on: then the logits exist for the loss alone and nothing reads
-        # them afterwards. In eval mode or under no_grad the kernel computes no gradient at all.
-        # Never into a leaf or a view of one: logits a caller passes to model.loss_function themselves are theirs.
-        # Under torch.compile (which cannot read grad_fn) the logits are the traced LM head's output, never a leaf.
+        # In place only in training with autograd on: then the logits exist for the loss alone and
+        # nothing reads them afterwards. In eval mode or under no_grad the kernel computes no
+        # gradient at all. Never into a leaf or a view of one: logits a caller passes to
+        # model.loss_function themselves are theirs. Under torch.compile (which cannot read grad_fn)
+        # the logits are the traced LM head's output, never a leaf.
         inplace = (self.inplace_logits and self.model.training and torch.is_grad_enabled() and logits.requires_grad
                    and (torch.compiler.is_compiling() or may_overwrite(logits)))
         loss = causal_lm_loss(logits, labels, vocab_size, inplace_backward=inplace, **kwargs)
@@ -338,10 +430,12 @@ class _PatchedLoss:
 
 
 def _deferring_head_forward(head: torch.nn.Linear, loss: _PatchedLoss):
-    """An instance-level forward for the LM head: while ``loss.defer`` is set, hand the hidden states through.
+    """An instance-level forward for the LM head: while ``loss.defer`` is set, hand the hidden
+    states through.
 
-    A bound method, not a closure over the head: a deep copy of the head (PEFT's ``modules_to_save`` trains one)
-    gets it bound to the copy, which then defers with its own weight instead of computing the original's logits."""
+    A bound method, not a closure over the head: a deep copy of the head (PEFT's ``modules_to_save``
+    trains one) gets it bound to the copy, which then defers with its own weight instead of
+    computing the original's logits."""
 
     inner = head.forward  # the class's forward, or an instance-level one already there (a device hook's)
 
@@ -359,8 +453,9 @@ def _deferring_head_forward(head: torch.nn.Linear, loss: _PatchedLoss):
 
 
 def _check_head(model: torch.nn.Module) -> list[torch.nn.Linear]:
-    """The LM heads whose forward defers the logits: the model's head, or, where PEFT's ``modules_to_save`` wraps
-    it (``ModulesToSaveWrapper``), the original head and each adapter's trainable copy, whichever the wrapper runs."""
+    """The LM heads whose forward defers the logits: the model's head, or, where PEFT's
+    ``modules_to_save`` wraps it (``ModulesToSaveWrapper``), the original head and each adapter's
+    trainable copy, whichever the wrapper runs."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     heads = [head]
     if type(head).__name__ == "ModulesToSaveWrapper" and hasattr(head, "original_module"):
@@ -368,15 +463,18 @@ def _check_head(model: torch.nn.Module) -> list[torch.nn.Linear]:
     for h in heads:
         if type(h) is not torch.nn.Linear or h.bias is not None:
             raise TypeError(
-                f"linear_cross_entropy=True needs an LM head that is a plain nn.Linear without bias (or PEFT's "
-                f"modules_to_save copies of one), got {type(h).__name__ if h is not None else 'none'} (an adapter "
+                "linear_cross_entropy=True needs an LM head that is a plain nn.Linear without bias "
+                "(or PEFT's "
+                f"modules_to_save copies of one), got {type(h).__name__ if h is not None else 'none'} "
+                "(an adapter "
                 "on the head, e.g. LoRA, computes something else): use linear_cross_entropy=False"
             )
     return heads
 
 
 def _with_logits(output, hidden: torch.Tensor, head: torch.nn.Module):
-    """The model's output with the hidden states ``head`` handed through replaced by their logits."""
+    """The model's output with the hidden states ``head`` handed through replaced by their logits.
+    """
     logits = head.forward.__func__.logits(head, hidden)
     if dataclasses.is_dataclass(output) and getattr(output, "logits", None) is hidden:
         return dataclasses.replace(output, logits=logits)
@@ -386,25 +484,28 @@ def _with_logits(output, hidden: torch.Tensor, head: torch.nn.Module):
 
 
 def _without_consumed_logits(output, consumed: torch.Tensor):
-    """The model's output with the overwritten logits replaced by None (a ModelOutput or a tuple)."""
+    """The model's output with the overwritten logits replaced by None (a ModelOutput or a tuple).
+    """
     if dataclasses.is_dataclass(output) and getattr(output, "logits", None) is consumed:
-        # A new output object: setting ``output.logits = None`` would leave the tensor in the ModelOutput's dict.
+        # A new output object: setting ``output.logits = None`` would leave the tensor in the
+        # ModelOutput's dict.
         return dataclasses.replace(output, logits=None)
     if isinstance(output, tuple):
         return tuple(None if item is consumed else item for item in output)
     return output
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The MLP activation (the rotary embedding: kernels.hf.rotary)
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 def _where(parent_name: str, name: str) -> str:
     return f"{parent_name + '.' if parent_name else ''}{name}"
 
 
 def _find_mlps(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str, torch.nn.Module]]:
-    """(qualified name, parent, attribute name, module) of every gated SiLU MLP; raises before anything changes."""
+    """(qualified name, parent, attribute name, module) of every gated SiLU MLP; raises before
+    anything changes."""
     accepted = set(_classes(SUPPORTED_MLPS).values())
     found = []
     for parent_name, parent in model.named_modules():
@@ -414,22 +515,25 @@ def _find_mlps(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str, 
                 act = getattr(getattr(child, "config", None), "hidden_act", None)
                 if act not in ("silu", "swish"):
                     raise ValueError(
-                        f"cannot replace {where} ({cls.__name__}): its activation is hidden_act={act!r}, and the "
+                        f"cannot replace {where} ({cls.__name__}): its activation is "
+                        f"hidden_act={act!r}, and the "
                         "fused kernel computes silu(gate) * up. Use swiglu=False"
                     )
                 found.append((where, parent, name, child))
             elif cls.__name__.endswith("MLP") and cls is not TritonSwiGLUMLP:
                 raise ValueError(
-                    f"cannot replace {where}: {cls.__module__}.{cls.__name__} is not an MLP whose code patch_llama "
-                    f"knows (it replaces {sorted(c.__name__ for c in accepted)}); it refuses rather than guess. "
+                    f"cannot replace {where}: {cls.__module__}.{cls.__name__} is not an MLP whose code "
+                    "patch_llama "
+                    f"knows (it replaces {sorted(c.__name__ for c in accepted)}); it refuses rather "
+                    "than guess. "
                     "Use swiglu=False"
                 )
     return found
 
 
 def _tileable_mlps(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str, torch.nn.Module]]:
-    """``_find_mlps``, each also checked for the tiled MLP (plain bias-free ``nn.Linear`` projections: a LoRA-wrapped
-    projection keeps Hugging Face's MLP)."""
+    """``_find_mlps``, each also checked for the tiled MLP (plain bias-free ``nn.Linear``
+    projections: a LoRA-wrapped projection keeps Hugging Face's MLP)."""
     mlps = _found(_find_mlps(model), f"{type(model).__name__} has no MLP patch_llama knows: tiled_mlp has nothing "
                                      "to replace")
     for where, _, _, module in mlps:
@@ -445,9 +549,9 @@ def _count(names) -> str:
     return ", ".join(f"{n} {name}" for name, n in counts.items())
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The patch and its handle
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -460,10 +564,11 @@ class _Swap:
 
 
 def _carry_new_children(replacement: torch.nn.Module, original: torch.nn.Module) -> None:
-    """Give ``original`` the submodules put into ``replacement`` since the patch. A replacement shares the original's
-    submodules (``TritonSwiGLUMLP`` keeps the very same projections), so a submodule that differs now was swapped
-    in later: PEFT, wrapping a patched model, puts its LoRA layers there. Putting back the original without them
-    would silently drop those adapters, weights and all."""
+    """Give ``original`` the submodules put into ``replacement`` since the patch. A replacement
+    shares the original's submodules (``TritonSwiGLUMLP`` keeps the very same projections), so a
+    submodule that differs now was swapped in later: PEFT, wrapping a patched model, puts its LoRA
+    layers there. Putting back the original without them would silently drop those adapters, weights
+    and all."""
     for name, child in replacement._modules.items():
         if name in original._modules and original._modules[name] is not child:
             setattr(original, name, child)
@@ -471,14 +576,16 @@ def _carry_new_children(replacement: torch.nn.Module, original: torch.nn.Module)
 
 @dataclass
 class _Undo:
-    """How one switch's change is taken back: ``check()`` raises, changing nothing, where it cannot be; ``run()``."""
+    """How one switch's change is taken back: ``check()`` raises, changing nothing, where it cannot
+    be; ``run()``."""
 
     run: Callable[[], None]
     check: Callable[[], None] = lambda: None
 
 
 def _chain(*steps) -> _Undo:
-    """One ``_Undo`` of several (callables, ``_Undo``s or None), run in reverse order, every check first."""
+    """One ``_Undo`` of several (callables, ``_Undo``s or None), run in reverse order, every check
+    first."""
     steps = [s if isinstance(s, _Undo) else _Undo(s) for s in steps if s is not None]
 
     def run() -> None:
@@ -494,12 +601,13 @@ def _chain(*steps) -> _Undo:
 
 @dataclass(repr=False)
 class LlamaPatch:
-    """What ``patch_llama`` changed, and how to change it back (``undo()``; also a context manager)."""
+    """What ``patch_llama`` changed, and how to change it back (``undo()``; also a context manager).
+    """
 
     model: torch.nn.Module
     turned_on: tuple[str, ...] = ()  # the switches applied at the patch, in SWITCHES' order
-    refused: dict[str, str] = field(default_factory=dict)  # kernels="auto": each switch left off at the patch, why
-    undos: list[tuple[str, _Undo]] = field(default_factory=list)  # (switch, how to undo it), in the order applied
+    refused: dict[str, str] = field(default_factory=dict)  # "auto": each switch left off at the patch, why
+    undos: list[tuple[str, _Undo]] = field(default_factory=list)  # (switch, its undo), in the order applied
     active: bool = True
     # What the switches changed, for the caller and summary():
     swaps: list[_Swap] = field(default_factory=list)  # rms_norm
@@ -515,13 +623,15 @@ class LlamaPatch:
 
     @property
     def kernels(self) -> tuple[str, ...]:
-        """The switches turned on, by name, in SWITCHES' order (``lora`` once the model holds LoRA layers)."""
+        """The switches turned on, by name, in SWITCHES' order (``lora`` once the model holds LoRA
+        layers)."""
         return tuple(s.name for s in SWITCH_TABLE
                      if s.name in self.turned_on or (s.status is not None and s.status(self)[0]))
 
     @property
     def left_off(self) -> dict[str, str]:
-        """Each switch left off and why; ``"lora"``: the LoRA layers found so far that stay PEFT's, and why."""
+        """Each switch left off and why; ``"lora"``: the LoRA layers found so far that stay PEFT's,
+        and why."""
         live = {s.name: s.status(self)[1] for s in SWITCH_TABLE if s.status is not None}
         return {**self.refused, **{name: why for name, why in live.items() if why}}
 
@@ -536,7 +646,8 @@ class LlamaPatch:
         return [swap.where for swap in self.swaps]
 
     def undo(self) -> None:
-        """Take back every switch, the last applied first; every check first. A second call does nothing."""
+        """Take back every switch, the last applied first; every check first. A second call does
+        nothing."""
         if not self.active:
             return
         for _, step in self.undos:
@@ -557,7 +668,8 @@ class LlamaPatch:
 
 
 def _find_norms(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str, torch.nn.Module]]:
-    """(qualified name, parent, attribute name, module) of every norm to replace; raises before anything changes."""
+    """(qualified name, parent, attribute name, module) of every norm to replace; raises before
+    anything changes."""
     accepted = set(supported_norm_classes().values())
     found = []
     for parent_name, parent in model.named_modules():
@@ -569,15 +681,19 @@ def _find_norms(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str,
                 continue
             if cls.__name__ in DIFFERENT_FORMULA:
                 raise ValueError(
-                    f"cannot replace {where} ({cls.__name__}): {DIFFERENT_FORMULA[cls.__name__]}. patch_llama "
-                    "supports the norms of Llama, Mistral, Qwen2 and Qwen3; leave the norms alone with rms_norm=False "
+                    f"cannot replace {where} ({cls.__name__}): {DIFFERENT_FORMULA[cls.__name__]}. "
+                    "patch_llama "
+                    "supports the norms of Llama, Mistral, Qwen2 and Qwen3; leave the norms alone "
+                    "with rms_norm=False "
                     "(patch_llama(model) leaves them off by itself)"
                 )
             if "RMSNorm" in cls.__name__ and cls is not TritonRMSNorm:
                 raise ValueError(
-                    f"cannot replace {where}: {cls.__module__}.{cls.__name__} is not a norm whose formula patch_llama "
+                    f"cannot replace {where}: {cls.__module__}.{cls.__name__} is not a norm whose "
+                    "formula patch_llama "
                     f"knows (it replaces {sorted(c.__name__ for c in accepted)}, which compute "
-                    "weight · (x / rms(x)).to(x.dtype)); it refuses rather than guess. Use rms_norm=False to leave "
+                    "weight · (x / rms(x)).to(x.dtype)); it refuses rather than guess. Use "
+                    "rms_norm=False to leave "
                     "the norms alone"
                 )
     return found
@@ -599,16 +715,17 @@ def _check_causal_lm(model: torch.nn.Module, switch: str = "cross_entropy") -> N
 
 @dataclass
 class _ForwardState:
-    """What the patched model forward reads at each call: the patched loss (or None) and ``skip_causal_mask``."""
+    """What the patched model forward reads at each call: the patched loss (or None) and
+    ``skip_causal_mask``."""
 
     loss: _PatchedLoss | None = None
     skip_causal_mask: bool = False
 
 
 def _wrap_forward(model: torch.nn.Module, state: _ForwardState):
-    """An instance-level forward that drops the logits when the loss overwrote them with their gradient
-    (``state.loss``), and marks a call without mask, positions or cache as plain causal for the mask function
-    (``state.skip_causal_mask``, ``kernels.hf.attention_mask``)."""
+    """An instance-level forward that drops the logits when the loss overwrote them with their
+    gradient (``state.loss``), and marks a call without mask, positions or cache as plain causal for
+    the mask function (``state.skip_causal_mask``, ``kernels.hf.attention_mask``)."""
     inner = model.forward  # the bound method (or an earlier instance attribute)
 
     def forward(*args, **kwargs):
@@ -617,7 +734,8 @@ def _wrap_forward(model: torch.nn.Module, state: _ForwardState):
         CAUSAL_CALL.plain = state.skip_causal_mask and is_plain_causal_call(args, kwargs)
         if loss is not None:
             loss.consumed = loss.deferred = loss.deferred_by = None
-            # Defer the logits only where they exist for the loss alone: training, autograd on, labels given.
+            # Defer the logits only where they exist for the loss alone: training, autograd on,
+            # labels given.
             loss.defer = (loss.head is not None and model.training and torch.is_grad_enabled()
                           and kwargs.get("labels") is not None)
         try:
@@ -634,17 +752,20 @@ def _wrap_forward(model: torch.nn.Module, state: _ForwardState):
                 loss.defer = False
 
     forward.__doc__ = (
-        "The model's forward, patched by kernels.patch_llama: in train mode with autograd on, the returned logits "
-        "are None (the loss overwrote them with their gradient). Use model.eval() or torch.no_grad() to get them."
+        "The model's forward, patched by kernels.patch_llama: in train mode with autograd on, the "
+        "returned logits "
+        "are None (the loss overwrote them with their gradient). Use model.eval() or torch.no_grad() "
+        "to get them."
     )
     forward.__wrapped__ = inner
     return forward
 
 
 def _model_to_patch(model: torch.nn.Module) -> torch.nn.Module:
-    """The Hugging Face model inside the wrappers users put around it: PEFT's ``PeftModel`` (LoRA and the other
-    adapters keep the original model, with adapter layers injected, behind ``get_base_model()``) and the module
-    ``torch.compile`` returns (``_orig_mod``). Patching the inner model is what a wrapper's forward then calls."""
+    """The Hugging Face model inside the wrappers users put around it: PEFT's ``PeftModel`` (LoRA
+    and the other adapters keep the original model, with adapter layers injected, behind
+    ``get_base_model()``) and the module ``torch.compile`` returns (``_orig_mod``). Patching the
+    inner model is what a wrapper's forward then calls."""
     while True:
         if isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
             model = model._orig_mod
@@ -655,15 +776,16 @@ def _model_to_patch(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _found(items: list, message: str) -> list:
-    """``items``, or a ValueError with ``message`` when there are none (the kernel has nothing to replace)."""
+    """``items``, or a ValueError with ``message`` when there are none (the kernel has nothing to
+    replace)."""
     if not items:
         raise ValueError(message)
     return items
 
 
 def _check_mask_function(model: torch.nn.Module, switch: str) -> None:
-    """What ``use_mask_function`` needs, checked before any change: SDPA attention, and transformers' registries of
-    attention and mask functions."""
+    """What ``use_mask_function`` needs, checked before any change: SDPA attention, and
+    transformers' registries of attention and mask functions."""
     check_sdpa(model, switch)
     try:
         from transformers import AttentionInterface  # noqa: F401
@@ -674,14 +796,15 @@ def _check_mask_function(model: torch.nn.Module, switch: str) -> None:
                          f"this transformers lacks ({err})") from None
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The switches, one entry each
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @dataclass
 class _Surgery:
-    """One call of ``patch_llama``: the model, its options, the switches that apply, the handle being filled."""
+    """One call of ``patch_llama``: the model, its options, the switches that apply, the handle
+    being filled."""
 
     model: torch.nn.Module
     handle: LlamaPatch
@@ -692,7 +815,8 @@ class _Surgery:
     forward: _ForwardState = field(default_factory=_ForwardState)
 
     def wrap_forward(self) -> Callable[[], None] | None:
-        """Give the model the patch's forward, once; returns what puts the previous one back (None if done)."""
+        """Give the model the patch's forward, once; returns what puts the previous one back (None
+        if done)."""
         if self.handle.forward_wrapped:
             return None
         model = self.model
@@ -709,7 +833,8 @@ class _Surgery:
         return undo
 
     def install_loss(self) -> _Undo | None:
-        """Make ``model.loss_function`` the patched loss, once (for either loss switch); returns its undo."""
+        """Make ``model.loss_function`` the patched loss, once (for either loss switch); returns its
+        undo."""
         if self.handle.loss is not None:
             return None
         model = self.model
@@ -729,21 +854,24 @@ class _Surgery:
 
 @dataclass(frozen=True)
 class Switch:
-    """One switch of ``patch_llama``: its name, whether ``kernels="auto"`` wants it, whether it applies to a model
-    (``check``: what it would change, or a TypeError/ValueError saying why not) and how (``apply``: the change,
-    returning how to undo it). ``SWITCH_TABLE`` lists them; the selector, ``left_off``, ``summary()`` and
-    ``undo()`` all read it.
+    """One switch of ``patch_llama``: its name, whether ``kernels="auto"`` wants it, whether it
+    applies to a model (``check``: what it would change, or a TypeError/ValueError saying why not)
+    and how (``apply``: the change, returning how to undo it). ``SWITCH_TABLE`` lists them; the
+    selector, ``left_off``, ``summary()`` and ``undo()`` all read it.
 
     Args:
         name: the switch's keyword of ``patch_llama`` and its name in ``kernels=``.
-        default: True where ``kernels="auto"`` turns it on wherever it applies; a callable of the model where that
-            depends on the model or the machine (``attention``, ``lora``).
-        check: ``check(model)`` returns what ``apply`` needs; raises TypeError/ValueError where it cannot apply.
-        apply: ``apply(surgery, found)`` makes the change and returns its undo (a callable, or ``_Undo``).
+        default: True where ``kernels="auto"`` turns it on wherever it applies; a callable of the
+            model where that depends on the model or the machine (``attention``, ``lora``).
+        check: ``check(model)`` returns what ``apply`` needs; raises TypeError/ValueError where it
+            cannot apply.
+        apply: ``apply(surgery, found)`` makes the change and returns its undo (a callable, or
+            ``_Undo``).
         describe: ``describe(handle)``: its part of ``summary()``, or None.
         supersedes: switches this one takes the place of where both apply.
-        status: ``status(handle)`` → (on now, why layers stay off): a switch that follows layers added after the
-            patch (``lora``); in ``"auto"`` it waits, unlisted, where it has nothing to change yet.
+        status: ``status(handle)`` → (on now, why layers stay off): a switch that follows layers
+            added after the patch (``lora``); in ``"auto"`` it waits, unlisted, where it has nothing
+            to change yet.
         note: ``note(surgery)``, run whether it applied or not: what the handle says about it.
     """
 
@@ -758,7 +886,8 @@ class Switch:
 
 
 def _swap_modules(swaps: list[_Swap], replace, found) -> _Undo:
-    """Replace each module of ``found`` by ``replace(module)`` in its parent, noting each swap in ``swaps``."""
+    """Replace each module of ``found`` by ``replace(module)`` in its parent, noting each swap in
+    ``swaps``."""
     done = []
     for where, parent, attr, module in found:
         replacement = replace(module)
@@ -770,7 +899,8 @@ def _swap_modules(swaps: list[_Swap], replace, found) -> _Undo:
         for swap in done:
             if getattr(swap.parent, swap.name) is not swap.replacement:
                 raise RuntimeError(
-                    f"cannot undo: {swap.where} was replaced by something else after the patch; undo that first"
+                    f"cannot undo: {swap.where} was replaced by something else after the patch; undo "
+                    "that first"
                 )
 
     def run() -> None:
@@ -817,19 +947,21 @@ def _apply_linear_cross_entropy(s: _Surgery, heads: list[torch.nn.Linear]) -> _U
 
 
 def _apply_mask(s: _Surgery, additive: bool):
-    s.handle.mask = "; ".join(filter(None, (s.handle.mask, "padding mask: one additive bias per forward" if additive
-                                            else "causal mask: skipped under torch.compile")))
+    what = ("padding mask: one additive bias per forward" if additive
+            else "causal mask: skipped under torch.compile")
+    s.handle.mask = f"{s.handle.mask}; {what}" if s.handle.mask else what
     if additive:
         return _attention_undo(s.model, use_mask_function(s.model, additive=True))
     s.forward.skip_causal_mask = True
     # With additive_mask on, its mask function also skips the causal mask of a plain call.
-    restore = None if "additive_mask" in s.on else _attention_undo(s.model, use_mask_function(s.model, additive=False))
-    return _chain(s.wrap_forward(), restore)
+    if "additive_mask" in s.on:
+        return s.wrap_forward()
+    return _chain(s.wrap_forward(), _attention_undo(s.model, use_mask_function(s.model, additive=False)))
 
 
 def _attention_undo(model: torch.nn.Module, restore: Callable[[], None]) -> _Undo:
-    """``restore`` (which points the attention back, or raises where its implementation was changed since), with
-    a check that raises as it would, before anything is undone."""
+    """``restore`` (which points the attention back, or raises where its implementation was changed
+    since), with a check that raises as it would, before anything is undone."""
     config, implementation = model.config, model.config._attn_implementation
 
     def check() -> None:
@@ -876,37 +1008,61 @@ def _describe_mlps(p: LlamaPatch) -> str:
 
 def _describe_rotary(p: LlamaPatch) -> str:
     rotary = _count(type(swap.module).__name__ for swap in p.rotary)
-    return f"RoPE: Triton apply_rotary in {rotary}" if rotary else "RoPE: Hugging Face's apply_rotary_pos_emb (rope=False)"
+    if not rotary:
+        return "RoPE: Hugging Face's apply_rotary_pos_emb (rope=False)"
+    return f"RoPE: Triton apply_rotary in {rotary}"
 
 
-def _name(model: torch.nn.Module) -> str:
-    return type(model).__name__
+def _nothing(model: torch.nn.Module, what: str, switch: str) -> str:
+    return f"{type(model).__name__} has no {what} patch_llama knows: {switch} has nothing to replace"
+
+
+def _check_norms(model: torch.nn.Module) -> list:
+    return _found(_find_norms(model), _nothing(model, "norm", "rms_norm"))
+
+
+def _check_mlps(model: torch.nn.Module) -> list:
+    return _found(_find_mlps(model), _nothing(model, "MLP", "swiglu"))
+
+
+def _check_rope(model: torch.nn.Module) -> list:
+    attention = find_attention(model, set(_classes(SUPPORTED_ATTENTION).values()))
+    return _found(attention, f"{type(model).__name__} has no attention module patch_llama knows: rope has "
+                             "nothing to patch")
+
+
+def _check_linear_cross_entropy(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    _check_causal_lm(model, "linear_cross_entropy")
+    return _check_head(model)
+
+
+def _swapping(attr: str, module_class: type):
+    # apply: swap each module found for module_class.from_hf(module), noted in the handle's list ``attr``.
+    return lambda s, found: _swap_modules(getattr(s.handle, attr), module_class.from_hf, found)
+
+
+def _describe_norms(p: LlamaPatch) -> str:
+    return f"TritonRMSNorm replaces {_count(type(w.original).__name__ for w in p.swaps) or 'no norms'}"
+
+
+def _describe_loss(p: LlamaPatch) -> str:
+    return f"loss: {p.loss!r}" if p.loss is not None else "loss: Hugging Face's loss (not patched)"
 
 
 # patch_llama's switches, in the order they are checked, applied and listed (undone in reverse).
 SWITCH_TABLE = (
-    Switch("rms_norm", True,
-           lambda m: _found(_find_norms(m), f"{_name(m)} has no norm patch_llama knows: rms_norm has nothing to replace"),
-           lambda s, found: _swap_modules(s.handle.swaps, TritonRMSNorm.from_hf, found),
-           lambda p: f"TritonRMSNorm replaces {_count(type(w.original).__name__ for w in p.swaps) or 'no norms'}"),
-    Switch("cross_entropy", True, _check_causal_lm, lambda s, found: s.install_loss(),
-           lambda p: f"loss: {p.loss!r}" if p.loss is not None else "loss: Hugging Face's loss (not patched)"),
-    Switch("linear_cross_entropy", False, lambda m: (_check_causal_lm(m, "linear_cross_entropy"), _check_head(m))[1],
-           _apply_linear_cross_entropy),
-    Switch("swiglu", True,
-           lambda m: _found(_find_mlps(m), f"{_name(m)} has no MLP patch_llama knows: swiglu has nothing to replace"),
-           lambda s, found: _swap_modules(s.handle.mlp_swaps, TritonSwiGLUMLP.from_hf, found), _describe_mlps),
-    Switch("rope", True,
-           lambda m: _found(find_attention(m, set(_classes(SUPPORTED_ATTENTION).values())),
-                            f"{_name(m)} has no attention module patch_llama knows: rope has nothing to patch"),
-           _apply_rope, _describe_rotary),
+    Switch("rms_norm", True, _check_norms, _swapping("swaps", TritonRMSNorm), _describe_norms),
+    Switch("cross_entropy", True, _check_causal_lm, lambda s, found: s.install_loss(), _describe_loss),
+    Switch("linear_cross_entropy", False, _check_linear_cross_entropy, _apply_linear_cross_entropy),
+    Switch("swiglu", True, _check_mlps, _swapping("mlp_swaps", TritonSwiGLUMLP), _describe_mlps),
+    Switch("rope", True, _check_rope, _apply_rope, _describe_rotary),
     Switch("additive_mask", True, lambda m: _check_mask_function(m, "additive_mask"),
            lambda s, found: _apply_mask(s, additive=True), lambda p: p.mask or None),
     Switch("skip_causal_mask", True, lambda m: _check_mask_function(m, "skip_causal_mask"),
            lambda s, found: _apply_mask(s, additive=False)),
     # Runs the SwiGLU kernel one tile of rows at a time, in place of swiglu.
-    Switch("tiled_mlp", False, _tileable_mlps,
-           lambda s, found: _swap_modules(s.handle.mlp_swaps, TiledSwiGLUMLP.from_hf, found), supersedes=("swiglu",)),
+    Switch("tiled_mlp", False, _tileable_mlps, _swapping("mlp_swaps", TiledSwiGLUMLP),
+           supersedes=("swiglu",)),
     Switch("offload_checkpoints", False, check_offloadable, _apply_offload,
            lambda p: "checkpoints offloaded to host memory" if p.offload is not None else None),
     # After the MLP switches: the hook that fuses layers PEFT puts in later looks at the modules present now.
@@ -918,16 +1074,19 @@ SWITCH_TABLE = (
            lambda p: f"attention: {p.attention}" if p.attention else None,
            supersedes=("additive_mask", "skip_causal_mask"), note=_note_attention),
 )
-# patch_llama's switches, by name: what its ``kernels=`` selector and its keywords may name, and what
-# ``python -m kernels.training.finetune --kernels`` and ``compare``'s ``patch_options`` pass on.
+# patch_llama's switches, by name: what its ``kernels=`` selector and its keywords may name, and
+# what ``python -m kernels.training.finetune --kernels`` and ``compare``'s ``patch_options`` pass
+# on.
 SWITCHES = tuple(s.name for s in SWITCH_TABLE)
-# What ``kernels="auto"`` turns on wherever it applies (``lora`` and ``attention`` decide per model and machine).
+# What ``kernels="auto"`` turns on wherever it applies (``lora`` and ``attention`` decide per model
+# and machine).
 DEFAULT_KERNELS = tuple(s.name for s in SWITCH_TABLE if s.default is True)
 
 
 def _selection(kernels, keywords: dict[str, bool | None], model: torch.nn.Module) -> dict[str, bool]:
-    """The switches to try, each mapped to whether it is required (a refusal raises) or wanted where it applies (a
-    refusal leaves it off): the ``kernels`` selector, then each keyword switch that is not None."""
+    """The switches to try, each mapped to whether it is required (a refusal raises) or wanted where
+    it applies (a refusal leaves it off): the ``kernels`` selector, then each keyword switch that is
+    not None."""
     for name, value in keywords.items():
         if value is not None and not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False (or None: as kernels= says), got {value!r}")
@@ -936,7 +1095,8 @@ def _selection(kernels, keywords: dict[str, bool | None], model: torch.nn.Module
             hint = f"; for this one kernel alone: kernels=({kernels!r},)" if kernels in SWITCHES else ""
             raise ValueError(f'kernels must be "auto" or a tuple of names from {", ".join(SWITCHES)}, got '
                              f"{kernels!r}{hint}")
-        selected = {s.name: False for s in SWITCH_TABLE if s.default is True or (s.default and s.default(model))}
+        selected = {s.name: False for s in SWITCH_TABLE
+                    if s.default is True or (callable(s.default) and s.default(model))}
     else:
         try:
             names = tuple(kernels)
@@ -956,11 +1116,12 @@ def _selection(kernels, keywords: dict[str, bool | None], model: torch.nn.Module
     return selected
 
 
-def _check_switches(model: torch.nn.Module, required: dict[str, bool]) -> tuple[dict, dict[str, str], set[str]]:
-    """Every check before the first change, so that a refusal leaves the model as it was: (what each switch that
-    applies would change, each switch left off and why, the switches that only wait). A required switch's refusal
-    raises; one that "auto" merely wants is left off. A switch that follows layers added later (``lora``), wanted
-    by "auto" with nothing to change yet, waits; alone, it does not count as a switch that applies."""
+def _check_switches(model: torch.nn.Module, required: dict[str, bool]) -> tuple[dict, dict, set[str]]:
+    """Every check before the first change, so that a refusal leaves the model as it was: (what each
+    switch that applies would change, each switch left off and why, the switches that only wait). A
+    required switch's refusal raises; one that "auto" merely wants is left off. A switch that
+    follows layers added later (``lora``), wanted by "auto" with nothing to change yet, waits;
+    alone, it does not count as a switch that applies."""
     found, refused = {}, {}
     for switch in (s for s in SWITCH_TABLE if s.name in required):
         try:
@@ -987,91 +1148,54 @@ def patch_llama(
     tiled_mlp: bool | None = None, offload_checkpoints: bool | None = None, lora: bool | None = None,
     attention: bool | None = None,
 ) -> LlamaPatch:
-    """Put the workbook's kernels into a Hugging Face Llama (or Mistral, Qwen2, Qwen3); returns a handle whose
-    ``undo()`` restores the model. What each kernel changes: the module docstring.
+    """Put the workbook's kernels into a Hugging Face Llama (or Mistral, Qwen2, Qwen3), undoably.
 
-    Which kernels:
+    Each switch is one entry of ``SWITCH_TABLE`` (what each changes: the module docstring; the
+    derivations: chapters 08 to 16, one family each). ``kernels="auto"`` turns on every switch of
+    ``DEFAULT_KERNELS`` that applies to the model, ``lora`` wherever PEFT's LoRA layers appear
+    (before the patch or after it), and ``attention`` where ``attention_choice`` finds it no slower
+    on this GPU; a switch that does not apply is left off, with the reason in ``handle.left_off``.
+    Why these defaults, with each measurement and its results file:
+    ``assets/notes/patch_defaults.md``.
 
-    * ``kernels="auto"`` (the default): every kernel of ``DEFAULT_KERNELS`` that applies to this model. One that does
-      not is left off, and ``handle.left_off`` says why: norms of another formula (Gemma's), an MLP that is not
-      gate/up/down with SiLU, an attention module whose rotary call is not found, attention other than SDPA (the two
-      mask kernels), a model without a causal-LM loss. If none applies, ``patch_llama`` raises.
-    * ``kernels=("rms_norm", "cross_entropy")``, any names of ``SWITCHES``: exactly those, each required. One that
-      cannot apply raises, before anything changes.
-    * The keywords ``rms_norm`` … ``offload_checkpoints`` override the selector, one kernel each: True requires it,
-      False leaves it off, None follows ``kernels``. ``patch_llama(model, linear_cross_entropy=True)`` is the
-      defaults plus the loss without logits; ``patch_llama(model, swiglu=False)`` the defaults but SwiGLU.
+    Args:
+        model: the model to patch; also a PEFT model or a ``torch.compile``-d one (the model inside
+            is patched).
+        kernels: ``"auto"``, or a tuple of names from ``SWITCHES``: exactly those, each required
+            (one that cannot apply raises before anything changes).
+        inplace_logits: with ``cross_entropy``, in train mode with autograd on, the loss's gradient
+            overwrites the logits and the output's ``logits`` is None; False keeps them (one more
+            [tokens, vocab] buffer).
+        rms_norm, cross_entropy, linear_cross_entropy, swiglu, rope, additive_mask, skip_causal_mask,
+        tiled_mlp, offload_checkpoints, lora, attention: one switch each, over ``kernels``: True
+            requires it, False leaves it off, None follows ``kernels`` (``patch_llama(model,
+            swiglu=False)``: the defaults but SwiGLU).
 
-    ``handle.kernels`` names the kernels turned on.
+    Returns:
+        The ``LlamaPatch`` handle: ``kernels`` (the switches on), ``left_off`` (each left off, and
+        why), ``summary()``, and ``undo()`` (also on leaving a ``with patch_llama(model):`` block).
 
-    ``inplace_logits`` (with ``cross_entropy``): in train mode with autograd on, the loss's gradient overwrites the
-    logits and the output's ``logits`` is None. ``False`` keeps the logits (one more [tokens, vocab] buffer).
-
-    ``model`` may also be a PEFT model (``get_peft_model(llama, LoraConfig(...))``): the Llama inside it is patched,
-    and the adapters are untouched. Wrapping with PEFT after patching works too; either way ``undo()`` restores the
-    Llama inside.
-
-    **Why these defaults.** A kernel is on by default when it computes the same model and the training step was
-    measured no slower with it. Measured on one H200 at the Llama-3.1-8B shape (batch 1, bf16, random weights;
-    ``python -m kernels.training.finetune --compare``: Hugging Face's step and the patched one on the same batches).
-    The files are in ``assets/results/finetune/``, each with its flags in its ``settings``:
-
-    * ``rms_norm`` and ``cross_entropy`` (with ``inplace_logits``): seq 2,048, no padding mask, 7,434 against 6,883
-      tokens/s, 1.080× (``rmsnorm_ce_nomask.json``); with the mask 7,103 against 6,528, 1.088× (``rmsnorm_ce.json``).
-    * ``swiglu`` and ``rope``: the same step with both added, 7,903 against 6,998, 1.129×
-      (``every_kernel_nomask.json``), about 5% on top of the two above. The patched MLP also keeps two
-      [tokens, intermediate] tensors per layer where Hugging Face's keeps four (``TritonSwiGLUMLP``).
-    * ``additive_mask``: level in time, less memory where a batch needs its mask. Seq 8,192, checkpointing, with the
-      mask: RMSNorm, the linear cross-entropy, SwiGLU, RoPE and the bias 5,872 against 5,308 tokens/s
-      (``every_kernel_lce_bias_ckpt.json``), the same without the bias 5,852, alone in the same call
-      (``assets/notes/linear_cross_entropy.md``); the step's peak grew by 261 KiB per token with the bias against 309
-      without (``assets/results/peak_memory/llama-3.1-8b_nvidia-h200.json``, ``ours_bias`` against ``ours_all``).
-      A batch without a mask, or whose mask SDPA skips, and a float32 model are unaffected.
-    * ``skip_causal_mask``: changes nothing eagerly, gives a compiled model SDPA's causal path back. Eager, RMSNorm,
-      the loss, SwiGLU, RoPE and ``TritonAdamW`` against Hugging Face with fused AdamW, seq 2,048, no mask: 10,994
-      against 8,760 tokens/s, 1.255×, with it (``every_kernel_skip_adamw.json``) and 11,125 against 8,836, 1.259×,
-      without it (``every_kernel_nomask_adamw.json``). Compiled, 10,963 against compiled Hugging Face's 9,492,
-      1.155× (``every_kernel_skip_compiled_adamw.json``), where the compiled step without it gave 10,143 in an earlier
-      run (``assets/notes/swiglu_rope.md``); compiled at seq 8,192 with checkpointing, 8,510 against 6,092, 1.397×
-      (``every_kernel_skip_compiled_ckpt.json``). Without the skip, the kernels are level with a compiled Hugging Face
-      (Inductor fuses the same elementwise work): RMSNorm and the loss 7,322 against 7,364, 0.994×
-      (``rmsnorm_ce_compiled.json``), with SwiGLU and RoPE 7,406 against 7,441, 0.995×
-      (``every_kernel_compiled_nomask.json``), inside the spread of repeated runs: Hugging Face's own eager step gave
-      6,883 to 6,998 tokens/s at one setting (seq 2,048, no mask) in three files.
-    * ``lora``: on wherever PEFT LoRA layers appear, wrapped before the patch or after it (``lora=False`` turns it
-      off). Llama-3.2-1B shape, PEFT LoRA r=16 on every projection, batch 4 × 2,048, one H100:
-      75,670 tokens/s with it against 41,164 without, 1.84× (``assets/results/lora/llama-3.2-1b_b4.json``,
-      ``python -m kernels.bench.lora``). Layers whose configuration it does not compute stay PEFT's and are named
-      in ``handle.left_off["lora"]``.
-    * ``tiled_mlp`` and ``offload_checkpoints`` stay off: they trade a little time for memory, for sequences
-      too long otherwise (chapter 14, ``kernels.training.long_context``). ``tiled_mlp`` runs each MLP over tiles of
-      rows (``kernels.hf.tiled_mlp``; it takes the place of ``swiglu``, whose kernel it runs per tile, and refuses
-      LoRA-wrapped projections). ``offload_checkpoints`` moves the checkpointed layer inputs to pinned host memory
-      and back (``kernels.hf.offload``): turn Hugging Face's checkpointing on first,
-      ``model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})``, and patch the
-      eager model, not a compiled one. Their cost in step time and the length they reach are measured by
-      ``python -m kernels.training.long_context`` (results in ``assets/results/long_context/``).
-    * ``attention`` (our FlashAttention, packed rows without cross-example attention; ``kernels.hf.attention``) is
-      on by default only where ``attention_choice`` finds it measured no slower than SDPA on this GPU.
-    * ``linear_cross_entropy`` stays off: it is the memory switch, for long sequences. It was level at 2,048 tokens
-      with every kernel on (7,846 against 7,826 tokens/s: every logit is kept) and, with RMSNorm and checkpointing,
-      0.16% slower at 8,192 (1,412.1 against 1,409.8 ms per step), where it recomputes a quarter of a matmul's logits
-      to hold about 1 GB less (each pair run alone in one call: ``assets/notes/linear_cross_entropy.md``).
+    Raises:
+        TypeError, ValueError: a required switch cannot apply, or, under ``"auto"``, none does.
+        RuntimeError: the model is already patched.
     """
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module (a Hugging Face model), got {type(model).__name__}")
+        raise TypeError(f"model must be a torch.nn.Module (a Hugging Face model), got "
+                        f"{type(model).__name__}")
     model = _model_to_patch(model)
     if not isinstance(inplace_logits, bool):
         raise TypeError(f"inplace_logits must be True or False, got {inplace_logits!r}")
     keywords = dict(rms_norm=rms_norm, cross_entropy=cross_entropy, linear_cross_entropy=linear_cross_entropy,
-                    swiglu=swiglu, rope=rope, additive_mask=additive_mask, skip_causal_mask=skip_causal_mask,
-                    tiled_mlp=tiled_mlp, offload_checkpoints=offload_checkpoints, lora=lora, attention=attention)
+                    swiglu=swiglu, rope=rope, additive_mask=additive_mask,
+                    skip_causal_mask=skip_causal_mask, tiled_mlp=tiled_mlp,
+                    offload_checkpoints=offload_checkpoints, lora=lora, attention=attention)
     required = _selection(kernels, keywords, model)
     previous = model.__dict__.get("_kernels_patch")
     if previous is not None and previous.active:
-        raise RuntimeError("this model is already patched: call .undo() on the handle patch_llama returned first")
+        raise RuntimeError("this model is already patched: call .undo() on the handle patch_llama returned "
+                           "first")
     found, refused, waiting = _check_switches(model, required)
-    patch = LlamaPatch(model, tuple(name for name in SWITCHES if name in found and name not in waiting), refused)
+    patch = LlamaPatch(model, tuple(n for n in SWITCHES if n in found and n not in waiting), refused)
     surgery = _Surgery(model, patch, inplace_logits, required, keywords, set(found))
     for switch in SWITCH_TABLE:
         if switch.name in found:

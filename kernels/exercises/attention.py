@@ -1,20 +1,23 @@
 """Check for the exercise of chapter 16: the inner loop of FlashAttention's forward, written in PyTorch.
 
-The reader completes ``fn(q, k, v, causal, block_n) -> out`` for one sequence: q is [heads, seq, head_dim], k and v
-[kv_heads, seq, head_dim] (grouped-query attention), and the loop walks the keys ``block_n`` at a time with the
-running maximum m, the running sum l and the accumulator acc of chapter 05's online softmax. ``check_attention_loop``
-runs it on a few fresh float64 inputs (GQA 4/2 and 6/3, causal and not, a length that is a multiple of the block and
-lengths that are not, scores large enough that a missing rescale shows) and compares with float64.
+The reader completes ``fn(q, k, v, causal, block_n) -> out`` for one sequence: q is [heads, seq,
+head_dim], k and v [kv_heads, seq, head_dim] (grouped-query attention), and the loop walks the keys
+``block_n`` at a time with the running maximum m, the running sum l and the accumulator acc of
+chapter 05's online softmax. ``check_attention_loop`` runs it on a few fresh float64 inputs (GQA 4/2
+and 6/3, causal and not, a length that is a multiple of the block and lengths that are not, scores
+large enough that a missing rescale shows) and compares with float64.
 
-Two things are checked. The structure: k and v reach the reader's function wrapped (``watch_keys``), so the check
-sees every operation that reads more than ``block_n`` keys at once, as a dense ``softmax(q kᵀ) v`` does. The
-finished answers (the package's attention, PyTorch's SDPA, the reference, this module's own loop) are out of reach
-while it runs (``reach.FORBIDDEN["attention_loop"]``). Then the numbers: when the output is wrong, the check
-recomputes the usual mistakes with the same loop and says which one the output reproduces (the stub's open TODOs,
-acc or l not rescaled, alpha inverted, the causal mask missing, off by one or without the block's offset, masked
-scores set to 0, the scale missing or 1/d, the wrong KV head, the output not divided by l, float32 arithmetic).
-Every diagnosis is worded once, in ``HINTS``. The check never raises because the reader's code is wrong or
-unfinished: it prints its verdict and returns a ``Report``.
+Two things are checked. The structure: k and v reach the reader's function wrapped (``watch_keys``),
+so the check sees every operation that reads more than ``block_n`` keys at once, as a dense
+``softmax(q kᵀ) v`` does. The finished answers (the package's attention, PyTorch's SDPA, the
+reference, this module's own loop) are out of reach while it runs
+(``reach.FORBIDDEN["attention_loop"]``). Then the numbers: when the output is wrong, the check
+recomputes the usual mistakes with the same loop and says which one the output reproduces (the
+stub's open TODOs, acc or l not rescaled, alpha inverted, the causal mask missing, off by one or
+without the block's offset, masked scores set to 0, the scale missing or 1/d, the wrong KV head, the
+output not divided by l, float32 arithmetic). Every diagnosis is worded once, in ``HINTS``. The
+check never raises because the reader's code is wrong or unfinished: it prints its verdict and
+returns a ``Report``.
 """
 
 from __future__ import annotations
@@ -39,68 +42,80 @@ FLOAT32_ERROR = 1e-5  # above TOLERANCE and below this, the loop is right but co
 # The stub's four TODOs, as mistakes of the loop, and how each reads in a list of what is still to do.
 STUB = ("gqa_zero", "no_scale", "no_causal_mask", "no_rescale")
 TODO = {
-    "gqa_zero": "the KV head (kh = 0 for every query head; query head h reads KV head h // (heads // kv_heads))",
+    "gqa_zero": ("the KV head (kh = 0 for every query head; query head h reads KV head h // (heads "
+                 "// kv_heads))"),
     "no_scale": "the scale (q @ kᵀ times 1/√d)",
     "no_causal_mask": "the causal mask (with causal, key j is hidden (−inf) from query i when j > i)",
-    "no_rescale": "the rescale (l and acc times alpha = exp(m_old − m_new) before the block's terms are added)",
+    "no_rescale": ("the rescale (l and acc times alpha = exp(m_old − m_new) before the block's "
+                   "terms are added)"),
 }
 
 HINTS = {
     "raised": "your function raised {error}",
     "shape": "your function returned {got}, expected a tensor of shape {want} (q's)",
-    "dense": ("this computes the whole row at once ({op} over all {keys} keys of a row); the exercise is the online "
-              "softmax over blocks of block_n keys: inside the loop over n0, read k[kh, n0:n0 + block_n] and "
-              "v[kh, n0:n0 + block_n] and update m, l and acc from that block alone"),
-    "wide": ("{op} read {keys} keys at once, more than block_n = {block_n}: the loop must read the keys block_n at a "
-             "time, k[kh, n0:n0 + block_n] and v[kh, n0:n0 + block_n]"),
-    "stub": ("attention_loop is still the stub as shipped: its four TODOs are open: " + "; ".join(TODO.values())),
+    "dense": ("this computes the whole row at once ({op} over all {keys} keys of a row); the "
+              "exercise is the online softmax over blocks of block_n keys: inside the loop over "
+              "n0, read k[kh, n0:n0 + block_n] and v[kh, n0:n0 + block_n] and update m, l and acc "
+              "from that block alone"),
+    "wide": ("{op} read {keys} keys at once, more than block_n = {block_n}: the loop must read the "
+             "keys block_n at a time, k[kh, n0:n0 + block_n] and v[kh, n0:n0 + block_n]"),
+    "stub": ("attention_loop is still the stub as shipped: its four TODOs are open: "
+             + "; ".join(TODO.values())),
     "stub_partly": "{n} of the stub's TODOs are still open: {todo}",
-    "dtype": ("your function returned {got}, and the inputs are float64: the loop computed or stored in {got}. "
-              "torch.zeros, torch.full and torch.empty without dtype=q.dtype make float32: allocate out as "
-              "torch.empty_like(q), and m, l and acc with dtype=q.dtype"),
-    "float32": ("the output is right to float32's precision (relative error {error:.1e}) but not to float64's (the "
-                "bound is 1e-9): the inputs are float64 and the loop computed in float32 somewhere: a torch.zeros, "
-                "torch.full or torch.empty without dtype=q.dtype makes float32, and so does .float()"),
-    "not_finite": ("the output holds NaN or infinity (first in query head {head}, row {row}): a 0/0 where l is 0 "
-                   "(no key reached that row), or an exp that overflowed (above about 709 in float64: is a "
-                   "difference taken the wrong way round?)"),
-    "alpha_inverted": ("every value of the output is NaN, which is what alpha = exp(m_new − m_old) gives: that "
-                       "exponent is ≥ 0, about +1e30 on the first block (m starts at −1e30), so exp overflows to inf "
-                       "and 0 · inf = NaN. When the maximum grows the old terms shrink: alpha = exp(m_old − m_new)"),
-    "no_rescale_acc": ("acc is not rescaled when the maximum grows: before adding the block's p @ v, multiply acc by "
-                       "alpha = exp(m_old − m_new) (one number per query row)"),
-    "no_rescale_l": ("l is not rescaled when the maximum grows: l = l · exp(m_old − m_new) + p.sum(-1), the same alpha "
-                     "as acc's"),
-    "no_rescale": ("neither acc nor l is rescaled when the maximum grows: both were summed relative to the old "
-                   "maximum; multiply each by alpha = exp(m_old − m_new) before adding the block's terms"),
-    "no_causal_mask": ("the output attends to later keys: with causal=True, key j must be masked (−inf) for query i "
-                       "when j > i"),
-    "causal_strict": ("each query is masked from its own key: the causal mask keeps j ≤ i (the diagonal belongs to "
-                      "the query), so it hides j > i, not j ≥ i"),
-    "causal_no_offset": ("the causal mask compares each query row with the key's place inside the block "
-                         "(0 … block_n − 1), not in the sequence: the block that starts at n0 holds keys n0, n0 + 1, "
-                         "…, so cols = torch.arange(n0, min(n0 + block_n, seq))"),
-    "mask_zero": ("masked scores are set to 0, and a 0 still counts in the softmax (e^(0 − m) > 0): a hidden key's "
-                  "score must be −inf (float('-inf')), which makes its e^(s − m) exactly 0"),
+    "dtype": ("your function returned {got}, and the inputs are float64: the loop computed or "
+              "stored in {got}. torch.zeros, torch.full and torch.empty without dtype=q.dtype make "
+              "float32: allocate out as torch.empty_like(q), and m, l and acc with dtype=q.dtype"),
+    "float32": ("the output is right to float32's precision (relative error {error:.1e}) but not "
+                "to float64's (the bound is 1e-9): the inputs are float64 and the loop computed in "
+                "float32 somewhere: a torch.zeros, torch.full or torch.empty without dtype=q.dtype "
+                "makes float32, and so does .float()"),
+    "not_finite": ("the output holds NaN or infinity (first in query head {head}, row {row}): a "
+                   "0/0 where l is 0 (no key reached that row), or an exp that overflowed (above "
+                   "about 709 in float64: is a difference taken the wrong way round?)"),
+    "alpha_inverted": ("every value of the output is NaN, which is what alpha = exp(m_new − m_old) "
+                       "gives: that exponent is ≥ 0, about +1e30 on the first block (m starts at "
+                       "−1e30), so exp overflows to inf and 0 · inf = NaN. When the maximum grows "
+                       "the old terms shrink: alpha = exp(m_old − m_new)"),
+    "no_rescale_acc": ("acc is not rescaled when the maximum grows: before adding the block's p @ "
+                       "v, multiply acc by alpha = exp(m_old − m_new) (one number per query row)"),
+    "no_rescale_l": ("l is not rescaled when the maximum grows: l = l · exp(m_old − m_new) + "
+                     "p.sum(-1), the same alpha as acc's"),
+    "no_rescale": ("neither acc nor l is rescaled when the maximum grows: both were summed "
+                   "relative to the old maximum; multiply each by alpha = exp(m_old − m_new) "
+                   "before adding the block's terms"),
+    "no_causal_mask": ("the output attends to later keys: with causal=True, key j must be masked "
+                       "(−inf) for query i when j > i"),
+    "causal_strict": ("each query is masked from its own key: the causal mask keeps j ≤ i (the "
+                      "diagonal belongs to the query), so it hides j > i, not j ≥ i"),
+    "causal_no_offset": ("the causal mask compares each query row with the key's place inside the "
+                         "block (0 … block_n − 1), not in the sequence: the block that starts at "
+                         "n0 holds keys n0, n0 + 1, …, so cols = torch.arange(n0, min(n0 + "
+                         "block_n, seq))"),
+    "mask_zero": ("masked scores are set to 0, and a 0 still counts in the softmax (e^(0 − m) > "
+                  "0): a hidden key's score must be −inf (float('-inf')), which makes its e^(s − "
+                  "m) exactly 0"),
     "no_scale": "the scores are not scaled: multiply q @ kᵀ by 1/√d (d = head_dim) before the softmax",
     "scale_d": "the scores are scaled by 1/d: the scale is 1/√d (d = head_dim), 1 / math.sqrt(d)",
-    "gqa_zero": ("every query head reads KV head 0: query head h reads KV head h // (heads // kv_heads), since "
-                 "heads // kv_heads consecutive query heads share one"),
-    "gqa_modulo": ("query head h reads KV head h % kv_heads: in grouped-query attention consecutive query heads share "
-                   "a KV head, h // (heads // kv_heads)"),
-    "gqa_kv_heads": ("query head h reads KV head h // kv_heads: the divisor is the group size, heads // kv_heads query "
-                     "heads per KV head, so kh = h // (heads // kv_heads) (h // kv_heads only agrees when "
-                     "heads = kv_heads²)"),
+    "gqa_zero": ("every query head reads KV head 0: query head h reads KV head h // (heads // "
+                 "kv_heads), since heads // kv_heads consecutive query heads share one"),
+    "gqa_modulo": ("query head h reads KV head h % kv_heads: in grouped-query attention "
+                   "consecutive query heads share a KV head, h // (heads // kv_heads)"),
+    "gqa_kv_heads": ("query head h reads KV head h // kv_heads: the divisor is the group size, "
+                     "heads // kv_heads query heads per KV head, so kh = h // (heads // kv_heads) "
+                     "(h // kv_heads only agrees when heads = kv_heads²)"),
     "not_normalised": "the output is acc itself: divide by l at the end, out = acc / l[:, None]",
-    "unrecognised": ("the output differs from float64 (relative error {error:.2e}) on {case}, in query heads {heads} "
-                     "(first wrong query row: {row}), and none of the usual mistakes reproduces it: print your output "
-                     "for one head beside attention_reference(...) to see the pattern"),
-    "passed": ("your inner loop matches float64 on {n} inputs (GQA 4/2 and 6/3, causal and not, lengths that are and "
-               "are not a multiple of the block, keys read block_n at a time; worst relative error {error:.1e})"),
+    "unrecognised": ("the output differs from float64 (relative error {error:.2e}) on {case}, in "
+                     "query heads {heads} (first wrong query row: {row}), and none of the usual "
+                     "mistakes reproduces it: print your output for one head beside "
+                     "attention_reference(...) to see the pattern"),
+    "passed": ("your inner loop matches float64 on {n} inputs (GQA 4/2 and 6/3, causal and not, "
+               "lengths that are and are not a multiple of the block, keys read block_n at a time; "
+               "worst relative error {error:.1e})"),
 }
 
 # The mistakes the check recognises on their own, in the order it tries them.
-MISTAKES = ("no_rescale", "no_rescale_acc", "no_rescale_l", "alpha_inverted", "no_causal_mask", "causal_strict",
+MISTAKES = ("no_rescale", "no_rescale_acc", "no_rescale_l", "alpha_inverted", "no_causal_mask",
+            "causal_strict",
             "causal_no_offset", "mask_zero", "no_scale", "scale_d", "gqa_zero", "gqa_modulo", "gqa_kv_heads",
             "not_normalised")
 
@@ -136,25 +151,32 @@ def blockwise_attention(q, k, v, causal: bool, block_n: int, *mistakes: str) -> 
     return out
 
 
-# What the reader's code may do to k and v without reading their values as scores: names of the torch functions
-# (and Tensor methods) whose result holds the same elements rearranged (MOVES), holds one element per element of
-# the same key (POINTWISE), or holds nothing read from them (FREE).
+# What the reader's code may do to k and v without reading their values as scores: names of the
+# torch functions (and Tensor methods) whose result holds the same elements rearranged (MOVES),
+# holds one element per element of the same key (POINTWISE), or holds nothing read from them (FREE).
 MOVES = frozenset({
-    "__getitem__", "narrow", "select", "index_select", "gather", "take_along_dim", "masked_select", "T", "mT", "H",
-    "mH", "t", "transpose", "swapaxes", "swapdims", "permute", "movedim", "moveaxis", "reshape", "reshape_as", "view",
-    "view_as", "flatten", "unflatten", "squeeze", "unsqueeze", "split", "split_with_sizes", "tensor_split", "chunk",
-    "unbind", "hsplit", "vsplit", "dsplit", "expand", "expand_as", "broadcast_to", "repeat", "repeat_interleave",
-    "tile", "contiguous", "clone", "detach", "data", "to", "float", "double", "half", "bfloat16", "type", "type_as",
+    "__getitem__", "narrow", "select", "index_select", "gather", "take_along_dim", "masked_select",
+                   "T", "mT", "H",
+    "mH", "t", "transpose", "swapaxes", "swapdims", "permute", "movedim", "moveaxis", "reshape",
+                   "reshape_as", "view",
+    "view_as", "flatten", "unflatten", "squeeze", "unsqueeze", "split", "split_with_sizes",
+                   "tensor_split", "chunk",
+    "unbind", "hsplit", "vsplit", "dsplit", "expand", "expand_as", "broadcast_to", "repeat",
+                   "repeat_interleave",
+    "tile", "contiguous", "clone", "detach", "data", "to", "float", "double", "half", "bfloat16",
+                   "type", "type_as",
     "cpu", "cuda", "flip", "roll", "cat", "concat", "concatenate", "stack", "unfold", "as_strided",
     "requires_grad_",
 })
 POINTWISE = frozenset({
-    "__add__", "__radd__", "__iadd__", "add", "add_", "__sub__", "__rsub__", "__isub__", "sub", "sub_", "__mul__",
-    "__rmul__", "__imul__", "mul", "mul_", "__truediv__", "__rtruediv__", "__itruediv__", "div", "div_", "__neg__",
+    "__add__", "__radd__", "__iadd__", "add", "add_", "__sub__", "__rsub__", "__isub__", "sub",
+                       "sub_", "__mul__",
+    "__rmul__", "__imul__", "mul", "mul_", "__truediv__", "__rtruediv__", "__itruediv__", "div",
+                       "div_", "__neg__",
     "neg", "__pos__", "abs", "exp", "exp2", "sqrt", "__pow__", "pow", "clamp", "nan_to_num",
 })
-FREE = frozenset({"empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "new_empty",
-                  "new_zeros", "new_ones", "new_full", "new_tensor"})
+FREE = frozenset({"empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like",
+                  "new_empty", "new_zeros", "new_ones", "new_full", "new_tensor"})
 
 
 class KeyReads:
@@ -171,9 +193,9 @@ class KeyReads:
 
 
 class _Keys(torch.Tensor):
-    """k or v (or a view of them) as the reader's function sees them: ``_index`` holds each element's key position,
-    ``_reads`` the record of reads. Rearranging keeps the wrapper; any other operation records how many keys its
-    operands span and returns a plain tensor."""
+    """k or v (or a view of them) as the reader's function sees them: ``_index`` holds each
+    element's key position, ``_reads`` the record of reads. Rearranging keeps the wrapper; any other
+    operation records how many keys its operands span and returns a plain tensor."""
 
     _index: torch.Tensor
     _reads: KeyReads
@@ -243,11 +265,12 @@ def _plain(t):
 
 
 def cases(gen: torch.Generator):
-    """The check's inputs, in the order it runs them: ``((heads, kv_heads, seq, d, causal, block_n), q, k, v)``,
-    float64, drawn from ``gen``."""
-    # (heads, kv_heads, seq, d, causal, block_n). The first is causal with a length that is a multiple of the block,
-    # so that a mask without the block's offset is named before the partial last block makes it raise; 6/3 heads
-    # tell h // (heads // kv_heads) from h // kv_heads, which 4/2 cannot. q's spread makes a missing rescale show.
+    """The check's inputs, in the order it runs them: ``((heads, kv_heads, seq, d, causal, block_n),
+    q, k, v)``, float64, drawn from ``gen``."""
+    # (heads, kv_heads, seq, d, causal, block_n). The first is causal with a length that is a
+    # multiple of the block, so that a mask without the block's offset is named before the partial
+    # last block makes it raise; 6/3 heads tell h // (heads // kv_heads) from h // kv_heads, which
+    # 4/2 cannot. q's spread makes a missing rescale show.
     for heads, kv_heads, seq, d, causal, block_n in ((4, 2, 40, 16, True, 8), (6, 3, 29, 32, False, 16),
                                                      (4, 2, 37, 16, True, 16)):
         q = torch.randn(heads, seq, d, generator=gen, dtype=torch.float64) * 3
@@ -258,7 +281,8 @@ def cases(gen: torch.Generator):
 
 def _describe(case) -> str:
     heads, kv_heads, seq, d, causal, block_n = case
-    return f"{heads}/{kv_heads} heads, seq {seq}, d={d}, {'causal' if causal else 'not causal'}, block_n={block_n}"
+    return (f"{heads}/{kv_heads} heads, seq {seq}, d={d}, {'causal' if causal else 'not causal'}, "
+            f"block_n={block_n}")
 
 
 def _same(out: torch.Tensor, wrong: torch.Tensor) -> bool:
@@ -270,8 +294,8 @@ def _same(out: torch.Tensor, wrong: torch.Tensor) -> bool:
 
 
 def diagnose(out, q, k, v, causal, block_n) -> str | None:
-    """The key of ``HINTS`` whose mistake (one of ``MISTAKES``, the stub, or the stub with some TODOs done) the
-    float64 recomputation of ``out`` reproduces, or None."""
+    """The key of ``HINTS`` whose mistake (one of ``MISTAKES``, the stub, or the stub with some
+    TODOs done) the float64 recomputation of ``out`` reproduces, or None."""
     tries = [(STUB, "stub")] + [((mistake,), mistake) for mistake in MISTAKES]
     tries += [(open_, "stub_partly") for n in (3, 2) for open_ in itertools.combinations(STUB, n)]
     right = blockwise_attention(q, k, v, causal, block_n)
@@ -301,16 +325,17 @@ def _where(out: torch.Tensor, ref: torch.Tensor) -> tuple[str, int]:
 
 
 def check_attention_loop(fn: Callable, verbose: bool = True, seed: int = 0) -> Report:
-    """Run ``fn(q, k, v, causal, block_n)`` on fresh float64 inputs, k and v watched; name the mistake when it
-    reads more than ``block_n`` keys at once, calls a finished answer, or returns a wrong output."""
+    """Run ``fn(q, k, v, causal, block_n)`` on fresh float64 inputs, k and v watched; name the
+    mistake when it reads more than ``block_n`` keys at once, calls a finished answer, or returns a
+    wrong output."""
     gen = torch.Generator().manual_seed(seed)
     worst, n = 0.0, 0
     for case, q, k, v in cases(gen):
         heads, kv_heads, seq, d, causal, block_n = case
         reads = KeyReads(block_n)
         try:
-            out = call_learner(EXERCISE, fn, q.clone(), watch_keys(k.clone(), reads), watch_keys(v.clone(), reads),
-                               causal, block_n)
+            out = call_learner(EXERCISE, fn, q.clone(), watch_keys(k.clone(), reads),
+                               watch_keys(v.clone(), reads), causal, block_n)
         except FinishedCodeCalled as called:
             return verdict(False, str(called), verbose)
         except Exception as exc:  # noqa: BLE001  (the reader's code: report, never raise)
@@ -339,7 +364,8 @@ def check_attention_loop(fn: Callable, verbose: bool = True, seed: int = 0) -> R
             if error < FLOAT32_ERROR:
                 return verdict(False, HINTS["float32"].format(error=error), verbose)
             heads_wrong, row = _where(out, ref)
-            message = HINTS["unrecognised"].format(error=error, case=_describe(case), heads=heads_wrong, row=row)
+            message = HINTS["unrecognised"].format(error=error, case=_describe(case),
+                                                   heads=heads_wrong, row=row)
             return verdict(False, message, verbose)
         worst, n = max(worst, error), n + 1
     return verdict(True, HINTS["passed"].format(n=n, error=worst), verbose)

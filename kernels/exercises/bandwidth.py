@@ -1,33 +1,40 @@
-"""Check for the exercise of chapters 04 and 07: predict a memory-bound kernel's floor from the bytes it moves.
+"""Check for the exercise of chapters 04 and 07: predict a memory-bound kernel's floor from the
+bytes it moves.
 
 The reader writes two functions:
 
-    minimal_bytes(M, N, dtype) -> int    the fewest bytes the kernel's forward + backward over [M, N] moves
-    floor_us(n_bytes, gbps) -> float     the time those bytes take at a copy bandwidth of ``gbps`` GB/s, in µs
+    minimal_bytes(M, N, dtype) -> int    the fewest bytes the kernel's forward + backward over
+                                         [M, N] moves
+    floor_us(n_bytes, gbps) -> float     the time those bytes take at a copy bandwidth of ``gbps``
+                                         GB/s, in µs
 
-Chapter 04 counts RMSNorm over x [M, N] with its weight [N]; chapter 07 the cross-entropy over [N, V] logits (N
-tokens, V words; its chapter writes ``minimal_bytes(N, V, dtype)``, and the messages name the dimensions so, see
-``DIMS``), read twice and its gradient written once, the design of this package's kernel. Each kernel's tensor
-transfers are listed once, in ``TRANSFERS``. ``check_floor(minimal_bytes, floor_us, kernel)`` is the same check for
-both chapters:
+Chapter 04 counts RMSNorm over x [M, N] with its weight [N]; chapter 07 the cross-entropy over [N,
+V] logits (N tokens, V words; its chapter writes ``minimal_bytes(N, V, dtype)``, and the messages
+name the dimensions so, see ``DIMS``), read twice and its gradient written once, the design of this
+package's kernel. Each kernel's tensor transfers are listed once, in ``TRANSFERS``.
+``check_floor(minimal_bytes, floor_us, kernel)`` is the same check for both chapters:
 
-* ``minimal_bytes`` is run on several shapes in bf16 and in float32, and its answer split into bytes per element of
-  the [rows, columns] tensors, per element of a [columns] vector (the weight), per row and a constant. The first two
-  must be what the transfers add up to; per-row scalars (RMSNorm's float32 rstd, the cross-entropy's int64 targets
-  and float32 logsumexp) may be counted or left out, as ``kernels.bench.sweep`` leaves them out. A wrong count is
-  compared with what the usual mistakes add up to, alone or two at a time (``BYTES_MISTAKES``,
-  ``EXTRA_TRANSFERS``, ``SIZE_MISTAKES``), and a count in kB, MB or GiB instead of bytes is named as such.
-* ``floor_us`` is run on a few byte counts and bandwidths; an answer a constant factor away from the right one
-  names the unit mistake that factor comes from (``FLOOR_MISTAKES``), alone or two at a time.
+* ``minimal_bytes`` is run on several shapes in bf16 and in float32, and its answer split into bytes
+  per element of the [rows, columns] tensors, per element of a [columns] vector (the weight), per
+  row and a constant. The first two must be what the transfers add up to; per-row scalars (RMSNorm's
+  float32 rstd, the cross-entropy's int64 targets and float32 logsumexp) may be counted or left out,
+  as ``kernels.bench.sweep`` leaves them out. A wrong count is compared with what the usual mistakes
+  add up to, alone or two at a time (``BYTES_MISTAKES``, ``EXTRA_TRANSFERS``, ``SIZE_MISTAKES``),
+  and a count in kB, MB or GiB instead of bytes is named as such.
+* ``floor_us`` is run on a few byte counts and bandwidths; an answer a constant factor away from the
+  right one names the unit mistake that factor comes from (``FLOOR_MISTAKES``), alone or two at a
+  time.
 
-Both run with their exercise's finished answers out of reach (``reach.FORBIDDEN``: the package's count
-``transfer_bytes``, the sweep's ``rmsnorm_bytes``/``cross_entropy_bytes``, ``timing.floor_ms``): a call of one is
-refused by name. Every diagnosis is worded once, in ``HINTS``. The check never raises because the reader's code is
-unfinished or wrong: it prints a verdict and returns a :class:`~kernels.exercises.rmsnorm.Report`.
+Both run with their exercise's finished answers out of reach (``reach.FORBIDDEN``: the package's
+count ``transfer_bytes``, the sweep's ``rmsnorm_bytes``/``cross_entropy_bytes``,
+``timing.floor_ms``): a call of one is refused by name. Every diagnosis is worded once, in
+``HINTS``. The check never raises because the reader's code is unfinished or wrong: it prints a
+verdict and returns a :class:`~kernels.exercises.rmsnorm.Report`.
 
-``compare_floor`` then sets the floor beside measured device times of the package's kernel: the rows of a results
-file of ``kernels.bench.sweep`` (the committed GPU run, ``kernels.bench.results.load_results``) or a time measured
-in the chapter, each against the copy bandwidth measured in the same run.
+``compare_floor`` then sets the floor beside measured device times of the package's kernel: the rows
+of a results file of ``kernels.bench.sweep`` (the committed GPU run,
+``kernels.bench.results.load_results``) or a time measured in the chapter, each against the copy
+bandwidth measured in the same run.
 """
 
 from __future__ import annotations
@@ -45,14 +52,16 @@ from .reach import FinishedCodeCalled, call_learner
 from .rmsnorm import Report, last_line
 
 KERNELS = ("rmsnorm", "cross_entropy")
-# What each chapter calls the two dimensions: M tokens × N hidden for RMSNorm, N tokens × V words for the loss.
+# What each chapter calls the two dimensions: M tokens × N hidden for RMSNorm, N tokens × V words
+# for the loss.
 DIMS = {"rmsnorm": ("M", "N"), "cross_entropy": ("N", "V")}
 
 
 @dataclass(frozen=True)
 class Transfer:
-    """One tensor moved once between memory and the chip: ``per`` is ``"element"`` for a [rows, columns] tensor,
-    ``"column"`` for a [columns] one (RMSNorm's weight), each element of the data's dtype."""
+    """One tensor moved once between memory and the chip: ``per`` is ``"element"`` for a [rows,
+    columns] tensor, ``"column"`` for a [columns] one (RMSNorm's weight), each element of the data's
+    dtype."""
 
     tensor: str
     step: str  # when it moves: "forward"/"backward" (RMSNorm), "first pass"/"second pass" (cross-entropy)
@@ -81,13 +90,15 @@ TRANSFERS: dict[str, tuple[Transfer, ...]] = {
     ),
 }
 
-# Per-row scalars a count may hold or leave out, in bytes per row at most: RMSNorm's float32 rstd (written by the
-# forward, read by the backward); the cross-entropy's int64 target (read in each pass) and float32 logsumexp and loss.
+# Per-row scalars a count may hold or leave out, in bytes per row at most: RMSNorm's float32 rstd
+# (written by the forward, read by the backward); the cross-entropy's int64 target (read in each
+# pass) and float32 logsumexp and loss.
 ROW_SLACK = {"rmsnorm": 8, "cross_entropy": 32}
 # A constant that depends on no shape (a scalar loss, a scale) may be counted too, up to this many bytes.
 CONSTANT_SLACK = 64
 
-# The usual ways of miscounting, each a filter over the transfers it keeps (a kernel lists those that apply to it).
+# The usual ways of miscounting, each a filter over the transfers it keeps (a kernel lists those
+# that apply to it).
 BYTES_MISTAKES: dict[str, dict[str, Callable[[Transfer], bool]]] = {
     "rmsnorm": {
         "reads_only": lambda t: t.direction == "read",
@@ -111,7 +122,8 @@ EXTRA_TRANSFERS: dict[str, dict[str, Transfer]] = {
     "cross_entropy": {"four_transfers": Transfer("gradient", "second pass", "write", "element")},
 }
 
-# Element sizes a count may use instead of the dtype's: the bytes per element it gives for a dtype of ``itemsize``.
+# Element sizes a count may use instead of the dtype's: the bytes per element it gives for a dtype
+# of ``itemsize``.
 SIZE_MISTAKES: dict[str, Callable[[int], int]] = {
     "element_in_bits": lambda itemsize: 8 * itemsize,
     "float32_size": lambda itemsize: 4,
@@ -133,10 +145,10 @@ FLOOR_MISTAKES: dict[str, float] = {
 
 HINTS = {
     # minimal_bytes: what is missing or broken
-    "not_done_bytes": ("not done yet: minimal_bytes returns None. Count the bytes of every tensor the kernel reads "
-                       "or writes: {transfers}"),
-    "not_done_floor": ("not done yet: floor_us returns None. Divide the bytes by the bandwidth in bytes per second, "
-                       "and give the time in microseconds"),
+    "not_done_bytes": ("not done yet: minimal_bytes returns None. Count the bytes of every tensor "
+                       "the kernel reads or writes: {transfers}"),
+    "not_done_floor": ("not done yet: floor_us returns None. Divide the bytes by the bandwidth in "
+                       "bytes per second, and give the time in microseconds"),
     "raised": "{name} raised {error} for {args}",
     "not_a_number": "{name} returned {type} for {args}, expected a number",
     # minimal_bytes: the mistakes
@@ -144,68 +156,75 @@ HINTS = {
     "writes_only": "you counted only the writes ({writes}): the reads move bytes too ({reads})",
     "forward_only": "you counted the forward alone ({forward}): the backward moves bytes too ({backward})",
     "backward_only": "you counted the backward alone ({backward}): the forward moves bytes too ({forward})",
-    "x_once": ("x is counted once: the forward and the backward are two kernels, run at different moments of the "
-               "step, so each reads x from memory (the backward recomputes x·rstd from it)"),
-    "no_dw": ("the weight gradient's write is missing (or the weight's read in one of the passes): the backward "
-              "writes dW, N elements, and both passes read w"),
+    "x_once": ("x is counted once: the forward and the backward are two kernels, run at different "
+               "moments of the step, so each reads x from memory (the backward recomputes x·rstd "
+               "from it)"),
+    "no_dw": ("the weight gradient's write is missing (or the weight's read in one of the passes): "
+              "the backward writes dW, N elements, and both passes read w"),
     "no_weight": ("the weight is left out: no read of w, no write of dW. That is the sweep's count "
-                  "(sweep.rmsnorm_bytes, 5·M·N·s), which leaves them out as a rounding error at Llama sizes; count "
-                  "them here: w read by each pass and dW written once, N elements each"),
-    "logits_once": ("the [{rows}, {cols}] logits are read once in your count, but this design reads each row twice: "
-                    "once for its running max and sum (the logsumexp), once more to write the gradient. Three "
-                    "logit-sized transfers, not two; one read is the floor of a design that keeps the whole row on "
-                    "chip"),
-    "y_read": ("you counted y read by the backward: the backward reads x and dy (and w) and recomputes x·rstd "
-               "from x; y is written once, by the forward, and read by the next layer, not by this kernel"),
-    "four_transfers": ("your count holds four [{rows}, {cols}] transfers (the output counted twice, or the logits "
-                       "read three times): this design reads the logits twice, once for the logsumexp and once for "
-                       "the gradient, and writes the gradient once, over the logits: three transfers"),
-    "element_in_bits": ("the element size is in bits: torch.finfo(dtype).bits is 16 for bf16, and a byte count "
-                        "needs bytes, dtype.itemsize (2)"),
-    "float32_size": ("4 bytes per element is float32's size, but the data here are bf16, 2 bytes per element: take "
-                     "the size from the dtype (dtype.itemsize)"),
-    "fixed_2_bytes": ("the element size is fixed at 2 bytes: float32 data have 4 bytes per element; take the size "
-                      "from the dtype (dtype.itemsize)"),
+                  "(sweep.rmsnorm_bytes, 5·M·N·s), which leaves them out as a rounding error at "
+                  "Llama sizes; count them here: w read by each pass and dW written once, N "
+                  "elements each"),
+    "logits_once": ("the [{rows}, {cols}] logits are read once in your count, but this design "
+                    "reads each row twice: once for its running max and sum (the logsumexp), once "
+                    "more to write the gradient. Three logit-sized transfers, not two; one read is "
+                    "the floor of a design that keeps the whole row on chip"),
+    "y_read": ("you counted y read by the backward: the backward reads x and dy (and w) and "
+               "recomputes x·rstd from x; y is written once, by the forward, and read by the next "
+               "layer, not by this kernel"),
+    "four_transfers": ("your count holds four [{rows}, {cols}] transfers (the output counted "
+                       "twice, or the logits read three times): this design reads the logits "
+                       "twice, once for the logsumexp and once for the gradient, and writes the "
+                       "gradient once, over the logits: three transfers"),
+    "element_in_bits": ("the element size is in bits: torch.finfo(dtype).bits is 16 for bf16, and "
+                        "a byte count needs bytes, dtype.itemsize (2)"),
+    "float32_size": ("4 bytes per element is float32's size, but the data here are bf16, 2 bytes "
+                     "per element: take the size from the dtype (dtype.itemsize)"),
+    "fixed_2_bytes": ("the element size is fixed at 2 bytes: float32 data have 4 bytes per "
+                      "element; take the size from the dtype (dtype.itemsize)"),
     "two_mistakes": "two mistakes at once: {first}; and {second}",
     "ambiguous": "your count fits more than one mistake, so look for either: {options}",
-    "per_row": ("your count holds {per_row:g} bytes per row, beyond the [{rows}, {cols}] and [{cols}] tensors: the "
-                "per-row scalars "
-                "(float32 or int64, a few per row) add at most {slack} bytes per row, and none below zero"),
-    "constant": ("your count holds a constant {constant:g} bytes that grows with no shape: a kernel's bytes grow with "
-                 "its tensors"),
-    "not_linear": ("your count does not grow like the kernel's tensors, which add bytes in proportion to {rows}·{cols} "
-                   "(the [{rows}, {cols}] tensors), to {cols} (a [{cols}] vector such as a weight) and to {rows} "
-                   "(per-row scalars): at {shape} it gives {got:,}; the "
-                   "transfers add up to {expected:,}"),
-    "not_bytes": ("your count is in {unit}, not bytes: at {shape} it gives {got:g} where the transfers add up to "
-                  "{expected:,} bytes. Return bytes; floor_us divides them by the bandwidth"),
-    "unrecognised": ("at {shape} your count is {got:,} bytes, the transfers add up to {expected:,}. Per element of "
-                     "[{rows}, {cols}] you count {got_element:g} bytes, the transfers {element:g}{column_terms}. The "
-                     "transfers: "
-                     "{transfers}"),
+    "per_row": ("your count holds {per_row:g} bytes per row, beyond the [{rows}, {cols}] and "
+                "[{cols}] tensors: the per-row scalars (float32 or int64, a few per row) add at "
+                "most {slack} bytes per row, and none below zero"),
+    "constant": ("your count holds a constant {constant:g} bytes that grows with no shape: a "
+                 "kernel's bytes grow with its tensors"),
+    "not_linear": ("your count does not grow like the kernel's tensors, which add bytes in "
+                   "proportion to {rows}·{cols} (the [{rows}, {cols}] tensors), to {cols} (a "
+                   "[{cols}] vector such as a weight) and to {rows} (per-row scalars): at {shape} "
+                   "it gives {got:,}; the transfers add up to {expected:,}"),
+    "not_bytes": ("your count is in {unit}, not bytes: at {shape} it gives {got:g} where the "
+                  "transfers add up to {expected:,} bytes. Return bytes; floor_us divides them by "
+                  "the bandwidth"),
+    "unrecognised": ("at {shape} your count is {got:,} bytes, the transfers add up to "
+                     "{expected:,}. Per element of [{rows}, {cols}] you count {got_element:g} "
+                     "bytes, the transfers {element:g}{column_terms}. The transfers: {transfers}"),
     "column_terms": "; per element of [{cols}] you count {got_column:g}, the transfers {column:g}",
-    "passed_bytes": ("minimal_bytes is right on {cases} shapes in bf16 and float32: at {shape} it counts {total:,} "
-                     "bytes, {per_element:g} per element of [{rows}, {cols}]{column_note}"),
+    "passed_bytes": ("minimal_bytes is right on {cases} shapes in bf16 and float32: at {shape} it "
+                     "counts {total:,} bytes, {per_element:g} per element of [{rows}, "
+                     "{cols}]{column_note}"),
     "column_note": ("; the weight and dW add {column:,} bytes, {share:.4%} of the total, the rounding error "
                     "sweep.rmsnorm_bytes leaves out"),
     # floor_us
     "milliseconds": "the floor is in milliseconds: a microsecond is a thousandth of one, so multiply by 1e3",
     "seconds": "the floor is in seconds: multiply by 1e6 for microseconds",
     "nanoseconds": "the floor is in nanoseconds: divide by 1e3 for microseconds",
-    "gib": ("the bandwidth is taken as GiB/s (2**30 bytes per second): the copy bandwidth is measured in GB/s, 1e9 "
-            "bytes per second"),
-    "gib_bytes": ("bytes and bandwidth are in different units, one in GiB (2**30 bytes) and the other in GB (1e9): "
-                  "the floor is n_bytes / (gbps · 1e9) seconds"),
+    "gib": ("the bandwidth is taken as GiB/s (2**30 bytes per second): the copy bandwidth is "
+            "measured in GB/s, 1e9 bytes per second"),
+    "gib_bytes": ("bytes and bandwidth are in different units, one in GiB (2**30 bytes) and the "
+                  "other in GB (1e9): the floor is n_bytes / (gbps · 1e9) seconds"),
     "bytes_as_bits": "the bytes are turned into bits (× 8): GB/s counts bytes per second",
     "gigabits": "the bandwidth is multiplied by 8, as if GB/s were gigabits: it counts bytes per second",
-    "halved_bandwidth": ("the bandwidth is halved (or the bytes doubled): the copy bandwidth already counts the bytes "
-                         "read plus the bytes written, as minimal_bytes does, so divide by it as it is"),
-    "doubled_bandwidth": ("the floor is half what it should be: the bandwidth doubled, or the bytes halved; the copy "
-                          "bandwidth and minimal_bytes both count reads plus writes, once each"),
+    "halved_bandwidth": ("the bandwidth is halved (or the bytes doubled): the copy bandwidth "
+                         "already counts the bytes read plus the bytes written, as minimal_bytes "
+                         "does, so divide by it as it is"),
+    "doubled_bandwidth": ("the floor is half what it should be: the bandwidth doubled, or the "
+                          "bytes halved; the copy bandwidth and minimal_bytes both count reads "
+                          "plus writes, once each"),
     "multiplied": "the bytes are multiplied by the bandwidth: a time is bytes divided by bytes per second",
     "inverted": "the bandwidth is divided by the bytes: a time is bytes divided by bytes per second",
-    "unrecognised_floor": ("for {n_bytes:,} bytes at {gbps:g} GB/s your floor_us gives {got:.6g} µs; the floor is "
-                           "n_bytes / (gbps · 1e9) seconds, {expected:.6g} µs"),
+    "unrecognised_floor": ("for {n_bytes:,} bytes at {gbps:g} GB/s your floor_us gives {got:.6g} "
+                           "µs; the floor is n_bytes / (gbps · 1e9) seconds, {expected:.6g} µs"),
     "passed_floor": "floor_us is right: {n_bytes:,} bytes at {gbps:,.0f} GB/s take {us:.1f} µs",
 }
 
@@ -222,8 +241,8 @@ _FLOOR_CASES = ((671_088_640, 4000.0), (1_000_000, 3350.0), (12_345_678, 2039.5)
 
 
 def hint(key: str, kernel: str = "rmsnorm", **fields) -> str:
-    """The diagnosis ``HINTS[key]`` with its fields filled in, the dimensions named as ``kernel``'s chapter names
-    them."""
+    """The diagnosis ``HINTS[key]`` with its fields filled in, the dimensions named as ``kernel``'s
+    chapter names them."""
     rows, cols = DIMS[kernel]
     return HINTS[key].format(rows=rows, cols=cols, **fields)
 
@@ -247,24 +266,25 @@ def _listing(transfers: Iterable[Transfer]) -> str:
 
 
 def transfer_bytes(kernel: str, m: int, n: int, dtype: torch.dtype = torch.bfloat16) -> int:
-    """The bytes ``kernel``'s forward + backward over [m, n] moves: every transfer of ``TRANSFERS``, each
-    [m, n] tensor m·n elements and each [n] tensor n elements of ``dtype``, per-row scalars left out. The package's
-    answer to the exercise's ``minimal_bytes``."""
+    """The bytes ``kernel``'s forward + backward over [m, n] moves: every transfer of ``TRANSFERS``,
+    each [m, n] tensor m·n elements and each [n] tensor n elements of ``dtype``, per-row scalars
+    left out. The package's answer to the exercise's ``minimal_bytes``."""
     _check_kernel(kernel)
     element, column = _count(TRANSFERS[kernel], dtype.itemsize)
     return element * m * n + column * n
 
 
 def _count(transfers: Iterable[Transfer], size: int) -> tuple[int, int]:
-    """(bytes per element of the [rows, columns] tensors, bytes per element of the [columns] ones) of ``transfers``
-    at ``size`` bytes per element."""
+    """(bytes per element of the [rows, columns] tensors, bytes per element of the [columns] ones)
+    of ``transfers`` at ``size`` bytes per element."""
     transfers = list(transfers)
-    return (size * sum(t.per == "element" for t in transfers), size * sum(t.per == "column" for t in transfers))
+    return (size * sum(t.per == "element" for t in transfers),
+            size * sum(t.per == "column" for t in transfers))
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Calling the reader's functions
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 class _Problem(Exception):
@@ -307,14 +327,15 @@ def _close(a: float, b: float, rel: float = 1e-6) -> bool:
     return math.isclose(a, b, rel_tol=rel)
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # minimal_bytes
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class _Terms:
-    """A count split into bytes per [rows, columns] element, per [columns] element, per row and a constant."""
+    """A count split into bytes per [rows, columns] element, per [columns] element, per row and a
+    constant."""
 
     element: float
     column: float
@@ -326,7 +347,8 @@ class _Terms:
 
 
 def _terms(fn: Callable, kernel: str, dtype: torch.dtype) -> _Terms:
-    """Split ``fn``'s count at ``dtype`` into its terms (four shapes fix them), then confirm them on other shapes."""
+    """Split ``fn``'s count at ``dtype`` into its terms (four shapes fix them), then confirm them on
+    other shapes."""
     f = {(m, n): _number(fn, "minimal_bytes", (m, n, dtype), _shape(kernel, m, n, dtype), kernel)
          for m, n in _FIT_SHAPES}
     (m1, n1), (m2, _), (_, n2) = _FIT_SHAPES[0], _FIT_SHAPES[1], _FIT_SHAPES[2]
@@ -338,8 +360,9 @@ def _terms(fn: Callable, kernel: str, dtype: torch.dtype) -> _Terms:
 
 
 def _candidates(kernel: str) -> list[tuple[tuple[str, ...], dict[torch.dtype, tuple[int, int]]]]:
-    """Every way of counting with at most two of the usual mistakes (at most one of them an element size): the
-    mistakes' names and the (per-element, per-column) bytes they give for each dtype. The right count comes first."""
+    """Every way of counting with at most two of the usual mistakes (at most one of them an element
+    size): the mistakes' names and the (per-element, per-column) bytes they give for each dtype. The
+    right count comes first."""
     transfers, filters, extras = TRANSFERS[kernel], BYTES_MISTAKES[kernel], EXTRA_TRANSFERS[kernel]
     counting = [*filters, *extras]
     combos: list[tuple[str, ...]] = [()]
@@ -383,12 +406,14 @@ def _check_bytes(fn: Callable, kernel: str) -> str | None:
             if not _close(value, terms.at(m, n)):
                 right = transfer_bytes(kernel, m, n, dtype)
                 raise _Problem(_in_units(value, right, shape)
-                               or hint("not_linear", kernel, shape=shape, got=_show_int(value), expected=right))
+                               or hint("not_linear", kernel, shape=shape, got=_show_int(value),
+                                       expected=right))
         got[dtype] = terms
     seen = {dt: (t.element, t.column) for dt, t in got.items()}
     candidates = _candidates(kernel)
     matching = [combo for combo, counts in candidates if all(_close(seen[dt][0], counts[dt][0])
-                                                            and _close(seen[dt][1], counts[dt][1]) for dt in _DTYPES)]
+                                                            and _close(seen[dt][1],
+                                                                       counts[dt][1]) for dt in _DTYPES)]
     if matching and matching[0] == ():
         for terms in got.values():
             if not (-1e-6 <= terms.row <= ROW_SLACK[kernel] + 1e-6):
@@ -433,7 +458,8 @@ def _show_int(value: float) -> int | float:
 
 def _bytes_passed(fn: Callable, kernel: str) -> str:
     m, n = _SHOWN[kernel]
-    total = int(_number(fn, "minimal_bytes", (m, n, torch.bfloat16), _shape(kernel, m, n, torch.bfloat16), kernel))
+    total = int(_number(fn, "minimal_bytes", (m, n, torch.bfloat16),
+                        _shape(kernel, m, n, torch.bfloat16), kernel))
     element, column = _count(TRANSFERS[kernel], 2)
     column_note = ""
     if column:
@@ -443,13 +469,14 @@ def _bytes_passed(fn: Callable, kernel: str) -> str:
                 total=total, per_element=element, column_note=column_note)
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # floor_us
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def floor_reference_us(n_bytes: float, gbps: float) -> float:
-    """The floor in µs: ``n_bytes`` at ``gbps`` GB/s (1e9 bytes per second), ``kernels.bench.timing.floor_ms`` × 1e3."""
+    """The floor in µs: ``n_bytes`` at ``gbps`` GB/s (1e9 bytes per second),
+    ``kernels.bench.timing.floor_ms`` × 1e3."""
     return floor_ms(n_bytes, gbps) * 1e3
 
 
@@ -478,9 +505,9 @@ def _check_floor_us(fn: Callable) -> str | None:
     return hint("unrecognised_floor", n_bytes=n_bytes, gbps=gbps, got=value, expected=expected)
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The check
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def _run(check: Callable, fn: Callable, *args) -> tuple[str | None, bool]:
@@ -493,17 +520,19 @@ def _run(check: Callable, fn: Callable, *args) -> tuple[str | None, bool]:
         return str(problem), False
 
 
-def check_floor(minimal_bytes: Callable, floor_us: Callable, kernel: str = "rmsnorm", verbose: bool = True) -> Report:
-    """Check the reader's ``minimal_bytes(M, N, dtype)`` for ``kernel`` (``"rmsnorm"`` or ``"cross_entropy"``) and
-    ``floor_us(n_bytes, gbps)``. Prints one verdict line for each (unless ``verbose=False``) and returns the
-    ``Report``, passed when both are right."""
+def check_floor(minimal_bytes: Callable, floor_us: Callable, kernel: str = "rmsnorm",
+                verbose: bool = True) -> Report:
+    """Check the reader's ``minimal_bytes(M, N, dtype)`` for ``kernel`` (``"rmsnorm"`` or
+    ``"cross_entropy"``) and ``floor_us(n_bytes, gbps)``. Prints one verdict line for each (unless
+    ``verbose=False``) and returns the ``Report``, passed when both are right."""
     _check_kernel(kernel)
     lines, passed = [], True
     for name, check, fn, args in (("minimal_bytes", _check_bytes, minimal_bytes, (kernel,)),
                                   ("floor_us", _check_floor_us, floor_us, ())):
         problem, not_done = _run(check, fn, *args)
         if not_done:
-            problem = (hint("not_done_bytes", transfers=_listing(TRANSFERS[kernel])) if name == "minimal_bytes"
+            problem = (hint("not_done_bytes",
+                            transfers=_listing(TRANSFERS[kernel])) if name == "minimal_bytes"
                        else hint("not_done_floor"))
         if problem is None:
             lines.append("✓ " + (_bytes_passed(fn, kernel) if name == "minimal_bytes" else hint(
@@ -518,14 +547,15 @@ def check_floor(minimal_bytes: Callable, floor_us: Callable, kernel: str = "rmsn
     return report
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The prediction against the clock
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Measurement:
-    """A device time of the kernel's forward + backward over [m, n], with the copy bandwidth of the same run."""
+    """A device time of the kernel's forward + backward over [m, n], with the copy bandwidth of the
+    same run."""
 
     m: int
     n: int
@@ -535,24 +565,28 @@ class Measurement:
     source: str = ""
 
 
-def measurements(results: dict, label: str = "", impl: str = "ours", pass_: str = "fwd+bwd") -> list[Measurement]:
-    """The device times of ``impl`` in a results dict of ``kernels.bench.sweep`` (GPU runs only: an interpreter's
-    wall-clock times say nothing about a GPU's floor), each with the copy bandwidth measured in that run; their
-    source reads ``label`` (such as "committed run"), the device and the date."""
-    if results is None or results.get("mode") != "gpu" or not (results.get("ceilings") or {}).get("copy_gbps"):
+def measurements(results: dict, label: str = "", impl: str = "ours",
+                 pass_: str = "fwd+bwd") -> list[Measurement]:
+    """The device times of ``impl`` in a results dict of ``kernels.bench.sweep`` (GPU runs only: an
+    interpreter's wall-clock times say nothing about a GPU's floor), each with the copy bandwidth
+    measured in that run; their source reads ``label`` (such as "committed run"), the device and the
+    date."""
+    if (results is None or results.get("mode") != "gpu"
+            or not (results.get("ceilings") or {}).get("copy_gbps")):
         return []
     copy = results["ceilings"]["copy_gbps"]
     dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-    source = ", ".join(part for part in (label, results.get("device"), str(results.get("date", ""))[:10]) if part)
-    return [Measurement(r["tokens"], r["width"], r["device_ms"], copy, dtypes.get(r.get("dtype"), torch.bfloat16),
-                        source)
+    source = ", ".join(part for part in (label, results.get("device"),
+                                         str(results.get("date", ""))[:10]) if part)
+    return [Measurement(r["tokens"], r["width"], r["device_ms"], copy,
+                        dtypes.get(r.get("dtype"), torch.bfloat16), source)
             for r in results["rows"]
             if r["impl"] == impl and r["pass"] == pass_ and r.get("device_ms") and r.get("status") == "ok"]
 
 
 def _yours(minimal_bytes, floor_us, m: int, n: int, dtype, copy: float, kernel: str) -> float | None:
-    """The reader's floor at one shape, or None where their functions give no number of their own (unfinished,
-    failing, or calling a finished answer)."""
+    """The reader's floor at one shape, or None where their functions give no number of their own
+    (unfinished, failing, or calling a finished answer)."""
     try:
         n_bytes = _number(minimal_bytes, "minimal_bytes", (m, n, dtype), "", kernel)
         return _number(floor_us, "floor_us", (n_bytes, copy), "", kernel)
@@ -562,9 +596,10 @@ def _yours(minimal_bytes, floor_us, m: int, n: int, dtype, copy: float, kernel: 
 
 def compare_floor(kernel: str, measured: Iterable[Measurement], minimal_bytes: Callable | None = None,
                   floor_us: Callable | None = None, verbose: bool = True) -> list[dict]:
-    """The floor beside each measured device time: the package's count (``transfer_bytes``) at the copy bandwidth
-    of the measurement's run, and, where the reader's ``minimal_bytes`` and ``floor_us`` give a number, theirs.
-    Prints a table (unless ``verbose=False``) and returns its rows."""
+    """The floor beside each measured device time: the package's count (``transfer_bytes``) at the
+    copy bandwidth of the measurement's run, and, where the reader's ``minimal_bytes`` and
+    ``floor_us`` give a number, theirs. Prints a table (unless ``verbose=False``) and returns its
+    rows."""
     _check_kernel(kernel)
     rows = []
     for meas in measured:
@@ -572,8 +607,8 @@ def compare_floor(kernel: str, measured: Iterable[Measurement], minimal_bytes: C
         floor = floor_reference_us(n_bytes, meas.copy_gbps)
         yours = (_yours(minimal_bytes, floor_us, meas.m, meas.n, meas.dtype, meas.copy_gbps, kernel)
                  if minimal_bytes is not None and floor_us is not None else None)
-        rows.append({"m": meas.m, "n": meas.n, "bytes": n_bytes, "copy_gbps": meas.copy_gbps, "floor_us": floor,
-                     "yours_us": yours, "device_us": meas.device_ms * 1e3,
+        rows.append({"m": meas.m, "n": meas.n, "bytes": n_bytes, "copy_gbps": meas.copy_gbps,
+                     "floor_us": floor, "yours_us": yours, "device_us": meas.device_ms * 1e3,
                      "floor_over_device": floor / (meas.device_ms * 1e3), "source": meas.source})
     if verbose:
         print(_format(rows, minimal_bytes is not None))
@@ -596,8 +631,9 @@ def _format(rows: list[dict], asked_for_yours: bool) -> str:
     beaten = [r for r in rows if r["yours_us"] is not None and r["yours_us"] > r["device_us"] * 1.001]
     if beaten:
         r = beaten[0]
-        lines.append(f"✗ at {r['m']:,}×{r['n']:,} the kernel ran in {r['device_us']:.1f} µs, under your floor of "
-                     f"{r['yours_us']:.1f} µs: no kernel beats its floor, so the floor is wrong (check_floor says why)")
+        lines.append(f"✗ at {r['m']:,}×{r['n']:,} the kernel ran in {r['device_us']:.1f} µs, under "
+                     f"your floor of {r['yours_us']:.1f} µs: no kernel beats its floor, so the "
+                     "floor is wrong (check_floor says why)")
     elif asked_for_yours and all(r["yours_us"] is None for r in rows):
         lines.append("(your minimal_bytes and floor_us give no number yet: the column 'yours' stays empty)")
     elif asked_for_yours and all(r["yours_us"] is not None and _close(r["yours_us"], r["floor_us"], rel=1e-3)

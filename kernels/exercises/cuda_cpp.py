@@ -1,15 +1,16 @@
 """Check for the exercise of chapter 13: the row loop of an RMSNorm forward, written in C++.
 
-The reader completes the body of ``rms_norm_rows``, a plain C++ function over raw float32 pointers: the loop that
-the CUDA kernel spreads over the threads of a block, here run by one CPU thread. The check compiles it with
-``torch.utils.cpp_extension.load_inline`` (the same compiler, flags and ninja as the package's extensions, but
-without PyTorch's headers, so a build takes a second or two instead of twenty), calls it through ``ctypes`` on
-inputs chosen to expose the usual mistakes (widths that are not powers of two, a row of tiny values where eps
-matters, rows further apart in memory than they are wide), and compares ``y`` and ``rstd`` with float64. It ends
-with rows 2**32 + 192 floats apart (``mapped_buffer``: an address range with almost no memory behind it), where a
-row offset cut to 32 bits (``int offset = row * x_row_stride``) reads row 1 from element 192. Every diagnosis is
-worded once, in ``DIAGNOSES``. It never raises because the reader's code is wrong or does not compile: it prints
-its verdict and returns a ``Report``.
+The reader completes the body of ``rms_norm_rows``, a plain C++ function over raw float32 pointers:
+the loop that the CUDA kernel spreads over the threads of a block, here run by one CPU thread. The
+check compiles it with ``torch.utils.cpp_extension.load_inline`` (the same compiler, flags and ninja
+as the package's extensions, but without PyTorch's headers, so a build takes a second or two instead
+of twenty), calls it through ``ctypes`` on inputs chosen to expose the usual mistakes (widths that
+are not powers of two, a row of tiny values where eps matters, rows further apart in memory than
+they are wide), and compares ``y`` and ``rstd`` with float64. It ends with rows 2**32 + 192 floats
+apart (``mapped_buffer``: an address range with almost no memory behind it), where a row offset cut
+to 32 bits (``int offset = row * x_row_stride``) reads row 1 from element 192. Every diagnosis is
+worded once, in ``DIAGNOSES``. It never raises because the reader's code is wrong or does not
+compile: it prints its verdict and returns a ``Report``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ extern "C" void rms_norm_rows(const float* x, int64_t x_row_stride, const float*
 }
 """
 
-# What the reader's source is compiled with: the C and C++ standard headers it may need, nothing of PyTorch's.
+# What the reader's source is compiled with: the C and C++ standard headers it may need, nothing of
+# PyTorch's.
 PRELUDE = "#include <cmath>\n#include <cstdint>\n"
 
 TOL = RELATIVE_ERROR_TOL[torch.float32]
@@ -48,54 +50,59 @@ TOL = RELATIVE_ERROR_TOL[torch.float32]
 # The eps a reader may have typed as a constant instead of using the argument (LlamaRMSNorm's usual value).
 COMMON_EPS = 1e-6
 
-# Every verdict, worded once. A case-specific one is prefixed with the input it was found on ("on an input of …, ").
+# Every verdict, worded once. A case-specific one is prefixed with the input it was found on ("on an
+# input of …, ").
 DIAGNOSES = {
     "unavailable": "cannot compile here: {reason}",
     "compile": "it does not compile: {error}",
-    "no_function": ('the library has no function named rms_norm_rows: keep the `extern "C"` line and the name of the '
-                    'stub (without extern "C", C++ renames the function)'),
+    "no_function": ('the library has no function named rms_norm_rows: keep the `extern "C"` line '
+                    'and the name of the stub (without extern "C", C++ renames the function)'),
     "not_written": "y was never written: the loop body is missing or stores nowhere",
-    "partly_written": ("y[{row}, {col}] was never written ({count} of {total} values): the column loop must cover "
-                       "0 … cols − 1 of every row"),
+    "partly_written": ("y[{row}, {col}] was never written ({count} of {total} values): the column "
+                       "loop must cover 0 … cols − 1 of every row"),
     "y_stride": ("y's rows were written x_row_stride apart, {count} values of them past the end of y: y is "
                  "packed, its row r starts at y + r * cols; x_row_stride is the spacing of x's rows only"),
-    "past_y": ("{count} value(s) were written past the end of y: a loop runs too far (c <= cols or row <= rows); "
-               "the last column is cols − 1 and the last row rows − 1"),
+    "past_y": ("{count} value(s) were written past the end of y: a loop runs too far (c <= cols or "
+               "row <= rows); the last column is cols − 1 and the last row rows − 1"),
     "no_eps": "y is wrong: eps is missing, r = 1 / sqrt(mean) instead of 1 / sqrt(mean + eps)",
-    "fixed_eps": (f"y is wrong: eps is the constant {COMMON_EPS:g}, not the eps argument (a model chooses its own: "
-                  "config.rms_norm_eps)"),
-    "eps_outside": ("y is wrong: eps is outside the square root, r = 1 / (sqrt(mean) + eps); it belongs inside, "
-                    "r = 1 / sqrt(mean + eps)"),
+    "fixed_eps": (f"y is wrong: eps is the constant {COMMON_EPS:g}, not the eps argument (a model "
+                  "chooses its own: config.rms_norm_eps)"),
+    "eps_outside": ("y is wrong: eps is outside the square root, r = 1 / (sqrt(mean) + eps); it "
+                    "belongs inside, r = 1 / sqrt(mean + eps)"),
     "no_weight": "y is wrong: the weight is not applied, y must be w[c] · x[c] · r",
     "sum_not_mean": "y is wrong: the sum of squares is not divided by the width (a sum, not a mean)",
     "times_sqrt": "y is wrong: x is multiplied by sqrt(mean + eps) instead of divided by it",
     "x_stride": "y is wrong: rows of x are read `cols` apart instead of `x_row_stride` apart",
-    "nan_y": ("y holds NaN in row {row}, computed by the function: the square root of a negative number, or 0 / 0 "
-              "(is every term of the sum of squares x · x?)"),
+    "nan_y": ("y holds NaN in row {row}, computed by the function: the square root of a negative "
+              "number, or 0 / 0 (is every term of the sum of squares x · x?)"),
     "wrong_y": ("y is wrong (relative error {error:.2g} > {tol:g}); row {row} differs most. Expected "
                 "y = w · x · r with r = 1 / sqrt(mean(x²) + eps)"),
     "no_rstd": "y is right but rstd was not written: store r in rstd[row] (the backward needs it)",
-    "rstd_is_std": ("y is right but rstd holds sqrt(mean + eps), the root mean square itself: store its reciprocal "
-                    "r = 1 / sqrt(mean + eps), which the backward multiplies by"),
+    "rstd_is_std": ("y is right but rstd holds sqrt(mean + eps), the root mean square itself: "
+                    "store its reciprocal r = 1 / sqrt(mean + eps), which the backward multiplies "
+                    "by"),
     "wrong_rstd": "y is right but rstd is wrong (relative error {error:.2g}): rstd[row] must be r",
-    "int32_offset": ("row {row} of y is the RMSNorm of the floats at element {wrapped:,} of x, not at element "
-                     "{start:,} where the row starts: row * x_row_stride was cut to 32 bits (an int offset, or a "
-                     "static_cast<int>), and it passes 2³¹. Keep every offset int64_t, as the signature's types are: "
-                     "rows × stride passes 2³¹ in real models (16,744 rows at a width of 128,256)"),
+    "int32_offset": ("row {row} of y is the RMSNorm of the floats at element {wrapped:,} of x, not "
+                     "at element {start:,} where the row starts: row * x_row_stride was cut to 32 "
+                     "bits (an int offset, or a static_cast<int>), and it passes 2³¹. Keep every "
+                     "offset int64_t, as the signature's types are: rows × stride passes 2³¹ in "
+                     "real models (16,744 rows at a width of 128,256)"),
     "source_type": "the check takes the C++ source as a string (r\"\"\"...\"\"\"), got {got}",
-    "passed": ("rms_norm_rows is right on {cases} inputs (widths {widths}, tiny values, a strided view); largest "
-               "relative error of y {worst:.1e}; {offsets}."),
+    "passed": ("rms_norm_rows is right on {cases} inputs (widths {widths}, tiny values, a strided "
+               "view); largest relative error of y {worst:.1e}; {offsets}."),
 }
 
-# The last input: rows HIGH_STRIDE floats apart, so row 1 starts past element 2**32. An offset cut to 32 bits keeps
-# HIGH_STRIDE mod 2**32 = HIGH_WRAP, still inside the buffer (a negative one would read before it and crash).
+# The last input: rows HIGH_STRIDE floats apart, so row 1 starts past element 2**32. An offset cut
+# to 32 bits keeps HIGH_STRIDE mod 2**32 = HIGH_WRAP, still inside the buffer (a negative one would
+# read before it and crash).
 HIGH_COLS = 64
 HIGH_WRAP = 3 * HIGH_COLS
 HIGH_STRIDE = 2**32 + HIGH_WRAP
 HIGH_CASE_TEXT = f"input of 2 × {HIGH_COLS} whose rows are {HIGH_STRIDE:,} floats apart in memory"
-OFFSETS_CHECKED = f"row offsets past 2³¹ read where they are (rows {HIGH_STRIDE:,} floats apart: int64 offsets)"
-OFFSETS_NOT_CHECKED = ("int64 row offsets NOT checked (this machine would not map the 16 GiB of addresses a row "
-                       "past element 2³² needs)")
+OFFSETS_CHECKED = (f"row offsets past 2³¹ read where they are (rows {HIGH_STRIDE:,} floats apart: "
+                   "int64 offsets)")
+OFFSETS_NOT_CHECKED = ("int64 row offsets NOT checked (this machine would not map the 16 GiB of "
+                       "addresses a row past element 2³² needs)")
 
 
 def diagnosis(key: str, **fields) -> str:
@@ -128,14 +135,15 @@ CASES = (
 )
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Compiling the reader's source
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def compile_rows_function(source: str):
-    """Compile ``source`` (C++ defining ``extern "C" void rms_norm_rows(...)``) and return ``(function, None)``,
-    or ``(None, what went wrong)``. Each distinct source is built once, under a name derived from its hash."""
+    """Compile ``source`` (C++ defining ``extern "C" void rms_norm_rows(...)``) and return
+    ``(function, None)``, or ``(None, what went wrong)``. Each distinct source is built once, under
+    a name derived from its hash."""
     from kernels.cuda_rmsnorm import cpu_build_unavailable
 
     reason = cpu_build_unavailable()
@@ -166,9 +174,9 @@ def _compiler_error(text: str) -> str:
     return f"main.cpp:{first}" if errors else first
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Running it, and what its results say
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def _inputs(case: Case, gen: torch.Generator):
@@ -180,9 +188,9 @@ def _inputs(case: Case, gen: torch.Generator):
     return x, w
 
 
-# What the output buffers are filled with before the call: a NaN with a payload of its own (float32 bits
-# 0x7FC0DEAD), so that a value the function never wrote is told apart from a NaN it computed (sqrt of a negative
-# number, 0 / 0), which comes out as the processor's default NaN.
+# What the output buffers are filled with before the call: a NaN with a payload of its own (float32
+# bits 0x7FC0DEAD), so that a value the function never wrote is told apart from a NaN it computed
+# (sqrt of a negative number, 0 / 0), which comes out as the processor's default NaN.
 POISON_BITS = 0x7FC0DEAD
 
 
@@ -198,9 +206,9 @@ def untouched(values: torch.Tensor) -> torch.Tensor:
 def run_rows_function(fn, x: torch.Tensor, w: torch.Tensor, eps: float):
     """Call the compiled ``rms_norm_rows`` on a float32 [rows, cols] view ``x`` (unit stride along a row).
 
-    Returns ``(y, rstd, buffer)``. All start poisoned (``untouched`` finds what the function did not write). ``y``
-    is the front of ``buffer``, a larger block: what the function writes past y's end lands there instead of on
-    memory it does not own, and the check can see it.
+    Returns ``(y, rstd, buffer)``. All start poisoned (``untouched`` finds what the function did not
+    write). ``y`` is the front of ``buffer``, a larger block: what the function writes past y's end
+    lands there instead of on memory it does not own, and the check can see it.
     """
     rows, cols = x.shape
     guard = rows * max(x.stride(0), cols) + cols  # room for a row loop that steps x's stride through y
@@ -216,7 +224,8 @@ def _suspects(x: torch.Tensor, w: torch.Tensor, case: Case) -> dict[str, torch.T
     reproduces."""
     x64, w64 = x.double(), w.double()
     ms = x64.pow(2).mean(-1, keepdim=True)
-    # The rows a function reads when it steps `cols` floats from row to row in x's memory, ignoring the stride.
+    # The rows a function reads when it steps `cols` floats from row to row in x's memory, ignoring
+    # the stride.
     packed = torch.as_strided(x, (case.rows, case.cols), (case.cols, 1)).double()
     suspects = {
         "no_eps": w64 * x64 * ms.rsqrt(),
@@ -232,8 +241,8 @@ def _suspects(x: torch.Tensor, w: torch.Tensor, case: Case) -> dict[str, torch.T
 
 
 def _diagnose(y, rstd, buffer, x: torch.Tensor, w: torch.Tensor, case: Case) -> str | None:
-    """What is wrong with ``(y, rstd)`` on ``case`` (``buffer``: y and what lies past its end), or None when both
-    are right. The answer names the case it was found on."""
+    """What is wrong with ``(y, rstd)`` on ``case`` (``buffer``: y and what lies past its end), or
+    None when both are right. The answer names the case it was found on."""
     problem = _problem(y, rstd, buffer, x, w, case)
     return None if problem is None else f"on an {case}, {problem}"
 
@@ -276,8 +285,8 @@ def _problem(y, rstd, buffer, x, w, case) -> str | None:
 def check_rms_norm_rows(source: str, seed: int | None = None, verbose: bool = True) -> Report:
     """Compile the reader's C++ ``source`` of ``rms_norm_rows`` and check it on every case against float64.
 
-    Prints the verdict (unless ``verbose=False``) and returns it as a ``Report``; never raises because the source
-    is wrong or does not compile.
+    Prints the verdict (unless ``verbose=False``) and returns it as a ``Report``; never raises
+    because the source is wrong or does not compile.
     """
     if not isinstance(source, str):
         return verdict(False, diagnosis("source_type", got=type(source).__name__), verbose)
@@ -299,12 +308,15 @@ def check_rms_norm_rows(source: str, seed: int | None = None, verbose: bool = Tr
         return verdict(False, problem, verbose)
     widths = "/".join(str(c.cols) for c in CASES)
     offsets = OFFSETS_CHECKED if ran else OFFSETS_NOT_CHECKED
-    return verdict(True, diagnosis("passed", cases=len(CASES), widths=widths, worst=worst, offsets=offsets), verbose)
+    return verdict(True,
+                   diagnosis("passed", cases=len(CASES), widths=widths, worst=worst,
+                             offsets=offsets), verbose)
 
 
 def _high_offsets(fn, gen: torch.Generator) -> tuple[str | None, bool]:
-    """Run ``fn`` on two rows ``HIGH_STRIDE`` floats apart; (what is wrong or None, whether it could run at all).
-    Only called once every case has passed, so y is written where it belongs: packed, a few hundred floats."""
+    """Run ``fn`` on two rows ``HIGH_STRIDE`` floats apart; (what is wrong or None, whether it could
+    run at all). Only called once every case has passed, so y is written where it belongs: packed, a
+    few hundred floats."""
     buffer = mapped_buffer(HIGH_STRIDE + HIGH_COLS, torch.float32, "cpu")
     if buffer is None:
         return None, False
@@ -333,21 +345,23 @@ def _high_offsets(fn, gen: torch.Generator) -> tuple[str | None, bool]:
     return None, True
 
 
-# ====================================================================================================================
+# ==================================================================================================
 # The CUDA exercise: a warp per row, 16-byte loads and a warp-shuffle reduction
-# ====================================================================================================================
+# ==================================================================================================
 #
-# The reader writes a CUDA kernel, as a string: ``rstd_warp_per_row`` computes each row's rstd = 1 / sqrt(mean(x²) +
-# eps) of a float32 [rows, cols] tensor, one warp per row (blockDim.x / 32 rows per block), each lane reading its
-# share of the row in float4 packs (16 bytes; cols is a multiple of 4, so every row starts on a 16-byte boundary) and
-# the lanes' partial sums added with warp shuffles. The package's kernel gives a whole block to a row; a warp per
-# row is the layout for rows too narrow to feed a block, and its reduction needs no shared memory at all.
+# The reader writes a CUDA kernel, as a string: ``rstd_warp_per_row`` computes each row's rstd = 1 /
+# sqrt(mean(x²) + eps) of a float32 [rows, cols] tensor, one warp per row (blockDim.x / 32 rows per
+# block), each lane reading its share of the row in float4 packs (16 bytes; cols is a multiple of 4,
+# so every row starts on a 16-byte boundary) and the lanes' partial sums added with warp shuffles.
+# The package's kernel gives a whole block to a row; a warp per row is the layout for rows too
+# narrow to feed a block, and its reduction needs no shared memory at all.
 #
-# Where a GPU is present the check builds the kernel with ``torch.utils.cpp_extension.load_inline`` in a separate
-# process (a kernel that reads out of bounds ends its CUDA context, and must not end the reader's), runs it on
-# poisoned outputs with room past their end, and compares with float64. Without a GPU it compiles the kernel to PTX
-# with ``nvcc`` when nvcc is on PATH (about two seconds), reads the source for the usual mistakes, and says plainly
-# that the kernel was compiled and not run; without nvcc, that it was neither.
+# Where a GPU is present the check builds the kernel with ``torch.utils.cpp_extension.load_inline``
+# in a separate process (a kernel that reads out of bounds ends its CUDA context, and must not end
+# the reader's), runs it on poisoned outputs with room past their end, and compares with float64.
+# Without a GPU it compiles the kernel to PTX with ``nvcc`` when nvcc is on PATH (about two
+# seconds), reads the source for the usual mistakes, and says plainly that the kernel was compiled
+# and not run; without nvcc, that it was neither.
 
 WARP_KERNEL = "rstd_warp_per_row"
 
@@ -361,46 +375,49 @@ extern "C" __global__ void rstd_warp_per_row(const float* x, float* rstd, int64_
 WARP_DIAGNOSES = {
     "stub": "rstd_warp_per_row is still the stub: its body is empty",
     "compile": "it does not compile: {error}",
-    "no_kernel": ('the PTX has no kernel named rstd_warp_per_row: keep `extern "C" __global__` and the stub\'s name '
-                  '(without extern "C", C++ renames the function)'),
+    "no_kernel": ('the PTX has no kernel named rstd_warp_per_row: keep `extern "C" __global__` and '
+                  'the stub\'s name (without extern "C", C++ renames the function)'),
     "no_shuffle": ("the lanes' partial sums are not combined with a warp shuffle (__shfl_xor_sync or "
                    "__shfl_down_sync): that is what this exercise is about"),
-    "old_shuffle": ("{call} without _sync no longer exists on sm_70 and later: use the _sync variant with the mask "
-                    "of the lanes taking part, 0xffffffff for a whole warp"),
-    "partial_mask": ("a shuffle's mask is {mask}, not the whole warp (0xffffffff): lanes outside the mask do not "
-                     "take part, and reading from them is undefined"),
-    "atomic": ("atomicAdd combines the partial sums: correct, but it serialises the lanes; the shuffles add them "
-               "in registers, in five steps"),
-    "no_vector_load": ("no 16-byte load: read the row as float4 packs (reinterpret_cast<const float4*>(row)[i]), "
-                       "one instruction per four floats"),
-    "int32_offset": ("`{code}` keeps a row offset in 32 bits: row * cols passes 2³¹ once rows × cols does (16,744 "
-                     "rows at a width of 128,256), and the offset wraps. Keep it int64_t (row is int64_t; so is "
-                     "cols)"),
+    "old_shuffle": ("{call} without _sync no longer exists on sm_70 and later: use the _sync "
+                    "variant with the mask of the lanes taking part, 0xffffffff for a whole warp"),
+    "partial_mask": ("a shuffle's mask is {mask}, not the whole warp (0xffffffff): lanes outside "
+                     "the mask do not take part, and reading from them is undefined"),
+    "atomic": ("atomicAdd combines the partial sums: correct, but it serialises the lanes; the "
+               "shuffles add them in registers, in five steps"),
+    "no_vector_load": ("no 16-byte load: read the row as float4 packs (reinterpret_cast<const "
+                       "float4*>(row)[i]), one instruction per four floats"),
+    "int32_offset": ("`{code}` keeps a row offset in 32 bits: row * cols passes 2³¹ once rows × "
+                     "cols does (16,744 rows at a width of 128,256), and the offset wraps. Keep it "
+                     "int64_t (row is int64_t; so is cols)"),
     "unavailable_gpu": "cannot build CUDA here: {reason}",
-    "crashed": ("the kernel failed on the GPU ({error}): an out-of-bounds or misaligned access. Does every lane "
-                "stay within its row's cols / 4 packs, and every warp whose row is ≥ rows do nothing?"),
+    "crashed": ("the kernel failed on the GPU ({error}): an out-of-bounds or misaligned access. "
+                "Does every lane stay within its row's cols / 4 packs, and every warp whose row is "
+                "≥ rows do nothing?"),
     "not_written": "rstd was never written: the lane that holds the total must store it",
-    "partly_written": ("rstd[{row}] was never written ({count} of {rows} rows): warp w of block b takes row "
-                       "b * (blockDim.x / 32) + w, and every row needs a warp (the grid is ceil(rows / warps per "
-                       "block) blocks)"),
-    "past_rows": ("{count} value(s) were written past the last row of rstd: a warp whose row is ≥ rows must do "
-                  "nothing (the last block has more warps than rows left)"),
-    "no_reduction": ("rstd holds lane 0's share only: the lanes' partial sums were not added (a shuffle over offsets "
-                     "16, 8, 4, 2, 1 before the store)"),
-    "one_pack": ("each lane read only its first pack: the row has cols / 4 packs, more than 32 when cols > 128; "
-                 "loop over them with a stride of 32"),
+    "partly_written": ("rstd[{row}] was never written ({count} of {rows} rows): warp w of block b "
+                       "takes row b * (blockDim.x / 32) + w, and every row needs a warp (the grid "
+                       "is ceil(rows / warps per block) blocks)"),
+    "past_rows": ("{count} value(s) were written past the last row of rstd: a warp whose row is ≥ "
+                  "rows must do nothing (the last block has more warps than rows left)"),
+    "no_reduction": ("rstd holds lane 0's share only: the lanes' partial sums were not added (a "
+                     "shuffle over offsets 16, 8, 4, 2, 1 before the store)"),
+    "one_pack": ("each lane read only its first pack: the row has cols / 4 packs, more than 32 "
+                 "when cols > 128; loop over them with a stride of 32"),
     "mean_over_packs": "the sum of squares is divided by the number of packs (cols / 4) instead of cols",
     "no_eps": "rstd is wrong: eps is missing, 1 / sqrt(mean) instead of 1 / sqrt(mean + eps)",
     "std": "rstd holds sqrt(mean + eps), the root itself: store its reciprocal (rsqrtf)",
     "wrong": ("rstd is wrong (relative error {error:.2g} > {tol:g}); row {row} differs most. Expected "
               "1 / sqrt(mean(x²) + eps) of every row"),
-    "passed_gpu": ("rstd_warp_per_row is right on {cases} inputs ({shapes}), run on {device}; largest relative error "
-                   "{worst:.1e}."),
-    "compiled_not_run": ("compiled, not run: no GPU. nvcc built the kernel to PTX for {arch}, and the source reads "
-                         "right (float4 loads, warp shuffles over the whole warp). Whether it computes rstd was not "
-                         "checked: run this check where there is a GPU."),
-    "not_compiled": ("not compiled and not run: no GPU and no nvcc here. The source reads right (float4 loads, warp "
-                     "shuffles over the whole warp), which is all that could be checked."),
+    "passed_gpu": ("rstd_warp_per_row is right on {cases} inputs ({shapes}), run on {device}; "
+                   "largest relative error {worst:.1e}."),
+    "compiled_not_run": ("compiled, not run: no GPU. nvcc built the kernel to PTX for {arch}, and "
+                         "the source reads right (float4 loads, warp shuffles over the whole "
+                         "warp). Whether it computes rstd was not checked: run this check where "
+                         "there is a GPU."),
+    "not_compiled": ("not compiled and not run: no GPU and no nvcc here. The source reads right "
+                     "(float4 loads, warp shuffles over the whole warp), which is all that could "
+                     "be checked."),
 }
 
 OUTCOMES = ("passed", "failed", "compiled, not run", "not compiled, not run")
@@ -408,8 +425,8 @@ OUTCOMES = ("passed", "failed", "compiled, not run", "not compiled, not run")
 
 @dataclass(frozen=True)
 class CudaReport:
-    """The verdict of the CUDA check: ``outcome`` is one of ``OUTCOMES``; true only when the kernel ran and was
-    right. "compiled, not run" is its own outcome, never a pass."""
+    """The verdict of the CUDA check: ``outcome`` is one of ``OUTCOMES``; true only when the kernel
+    ran and was right. "compiled, not run" is its own outcome, never a pass."""
 
     outcome: str
     message: str
@@ -451,24 +468,27 @@ class WarpCase:
 
 
 WARP_CASES = (
-    WarpCase(37, 1024, 128),  # 256 packs a row: 8 per lane; 37 rows, so the last block has warps without a row
-    WarpCase(5, 1000, 256, eps=1e-5, tiny_row=2),  # 250 packs: not a multiple of 32 lanes; eps decides one row
+    # 256 packs a row: 8 per lane; 37 rows, so the last block has warps without a row
+    WarpCase(37, 1024, 128),
+    # 250 packs: not a multiple of 32 lanes; eps decides one row
+    WarpCase(5, 1000, 256, eps=1e-5, tiny_row=2),
     WarpCase(64, 128, 64),  # exactly one pack per lane
     WarpCase(3, 4, 32),  # one pack a row: 31 lanes hold nothing
 )
 ROWS_GUARD = 64  # poisoned values past rstd's end, where a warp beyond the last row would write
 
 
-# -- reading the source --------------------------------------------------------------------------------------------
+# -- reading the source
+# --------------------------------------------------------------------------------------------
 
 _SHUFFLE = re.compile(r"__shfl_(xor|down|up)?_?sync\s*\(\s*([^,]+),")
 _OLD_SHUFFLE = re.compile(r"__shfl(_xor|_down|_up)?\s*\(")
 # A 32-bit variable initialised with a product that involves cols, or a product cast to 32 bits.
 _INT32_OFFSET = re.compile(r"\b(?:unsigned\s+int|unsigned|int|int32_t|uint32_t)\s+\w+\s*=\s*[^;]*\*[^;]*;"
-                           r"|(?:\bstatic_cast<\s*(?:int|unsigned|int32_t|uint32_t)\s*>|\(\s*(?:int|unsigned|int32_t|"
-                           r"uint32_t)\s*\))\s*\([^;]*?\*[^;]*?\)")
-_FULL_MASKS = {"0xffffffff", "0xffffffffu", "0xFFFFFFFF", "0xFFFFFFFFu", "0xffffffffU", "0xFFFFFFFFU", "~0u", "~0U",
-               "~0", "-1", "0xffffffffull"}
+                           r"|(?:\bstatic_cast<\s*(?:int|unsigned|int32_t|uint32_t)\s*>"
+                           r"|\(\s*(?:int|unsigned|int32_t|uint32_t)\s*\))\s*\([^;]*?\*[^;]*?\)")
+_FULL_MASKS = {"0xffffffff", "0xffffffffu", "0xFFFFFFFF", "0xFFFFFFFFu", "0xffffffffU",
+               "0xFFFFFFFFU", "~0u", "~0U", "~0", "-1", "0xffffffffull"}
 
 
 def _without_comments(source: str) -> str:
@@ -502,7 +522,8 @@ def read_warp_source(source: str) -> str | None:
     return None
 
 
-# -- compiling without a GPU: nvcc to PTX ----------------------------------------------------------------------------
+# -- compiling without a GPU: nvcc to PTX
+# ----------------------------------------------------------------------------
 
 PTX_ARCH = "sm_90"
 _PTX_PRELUDE = "#include <cstdint>\n"
@@ -522,8 +543,8 @@ def nvcc_path() -> str | None:
 
 
 def compile_to_ptx(source: str, arch: str = PTX_ARCH) -> tuple[str | None, str | None]:
-    """``(ptx, None)`` from ``nvcc --ptx``, or ``(None, what went wrong)``; each distinct source is compiled once
-    (the PTX is kept under the system's temporary folder, named by the source's hash)."""
+    """``(ptx, None)`` from ``nvcc --ptx``, or ``(None, what went wrong)``; each distinct source is
+    compiled once (the PTX is kept under the system's temporary folder, named by the source's hash)."""
     import subprocess
     import tempfile
 
@@ -550,7 +571,8 @@ def compile_to_ptx(source: str, arch: str = PTX_ARCH) -> tuple[str | None, str |
     return ptx.read_text(), None
 
 
-# -- running on a GPU, in a process of its own -----------------------------------------------------------------------
+# -- running on a GPU, in a process of its own
+# -----------------------------------------------------------------------
 
 # Raw pointers and the CUDA runtime only: without PyTorch's headers the build takes seconds, not a minute.
 _LAUNCHER = r"""
@@ -577,8 +599,9 @@ def _warp_inputs(case: WarpCase, gen: torch.Generator) -> torch.Tensor:
 
 
 def run_on_gpu_process(source: str, inputs: list[torch.Tensor]) -> dict:
-    """Build and run the reader's kernel on every case in a fresh Python process; returns ``{"error": text}`` for a
-    build that failed, or ``{"results": [(rstd_with_guard, error_text), …], "device": name}``."""
+    """Build and run the reader's kernel on every case in a fresh Python process; returns
+    ``{"error": text}`` for a build that failed, or ``{"results": [(rstd_with_guard, error_text),
+    …], "device": name}``."""
     import os
     import subprocess
     import sys
@@ -590,8 +613,8 @@ def run_on_gpu_process(source: str, inputs: list[torch.Tensor]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         job = Path(tmp) / "job.pt"
         torch.save({"source": source, "inputs": inputs, "cases": [vars(c) for c in WARP_CASES]}, job)
-        done = subprocess.run([sys.executable, "-m", "kernels.exercises.cuda_cpp", str(job)], capture_output=True,
-                              text=True, timeout=600, env=env)
+        done = subprocess.run([sys.executable, "-m", "kernels.exercises.cuda_cpp", str(job)],
+                              capture_output=True, text=True, timeout=600, env=env)
         answer = Path(tmp) / "answer.pt"
         if answer.is_file():
             return torch.load(answer)
@@ -613,7 +636,8 @@ def _gpu_job(job_path: str) -> None:
     except Exception as exc:  # noqa: BLE001  (a compile error is the reader's to read)
         lines = [line for line in str(exc).splitlines() if "error" in line and ".cu" in line]
         first = lines[0].split(".cu", 1)[-1] if lines else str(exc).strip().splitlines()[-1]
-        torch.save({"error": warp_diagnosis("compile", error=f"kernel.cu{first}" if lines else first)}, answer)
+        torch.save({"error": warp_diagnosis("compile",
+                                            error=f"kernel.cu{first}" if lines else first)}, answer)
         return
     launch = ctypes.CDLL(library).launch_rstd
     launch.restype = ctypes.c_char_p
@@ -676,9 +700,10 @@ def _warp_problem(rstd_guarded: torch.Tensor, x: torch.Tensor, case: WarpCase) -
 def check_rstd_warp_per_row(source: str, seed: int | None = None, verbose: bool = True) -> CudaReport:
     """Check the reader's CUDA source of ``rstd_warp_per_row`` (see the notes above ``WARP_DIAGNOSES``).
 
-    The outcome is "passed" only when the kernel ran on a GPU and was right; without a GPU it is "compiled, not
-    run" (nvcc found) or "not compiled, not run", each said in words, or "failed" with the first mistake found by
-    compiling or reading. Prints the verdict (unless ``verbose=False``); never raises because the source is wrong.
+    The outcome is "passed" only when the kernel ran on a GPU and was right; without a GPU it is
+    "compiled, not run" (nvcc found) or "not compiled, not run", each said in words, or "failed"
+    with the first mistake found by compiling or reading. Prints the verdict (unless
+    ``verbose=False``); never raises because the source is wrong.
     """
     if not isinstance(source, str):
         return _cuda_verdict("failed", f"the check takes the kernel's CUDA source as a string, got "
@@ -701,12 +726,16 @@ def check_rstd_warp_per_row(source: str, seed: int | None = None, verbose: bool 
         worst = 0.0
         for (rstd, error), x, case in zip(answer["results"], inputs, WARP_CASES):
             if error:
-                return _cuda_verdict("failed", f"on an {case}, " + warp_diagnosis("crashed", error=error), verbose)
+                return _cuda_verdict("failed",
+                                     f"on an {case}, " + warp_diagnosis("crashed", error=error), verbose)
             problem = _warp_problem(rstd, x, case)
             if problem:
                 return _cuda_verdict("failed", f"on an {case}, {problem}", verbose)
-            worst = max(worst, relative_error(rstd[: case.rows], (x.double().pow(2).mean(-1) + case.eps).rsqrt()))
-        if read:  # right answers, and a mistake of style the run cannot show (no shuffle, no float4, an atomic)
+            worst = max(worst,
+                        relative_error(rstd[: case.rows], (x.double().pow(2).mean(-1) + case.eps).rsqrt()))
+        # right answers, and a mistake of style the run cannot show (no shuffle, no float4, an
+        # atomic)
+        if read:
             return _cuda_verdict("failed", "the results are right, but " + read, verbose)
         shapes = ", ".join(f"{c.rows}×{c.cols}" for c in WARP_CASES)
         return _cuda_verdict("passed", warp_diagnosis("passed_gpu", cases=len(WARP_CASES), shapes=shapes,

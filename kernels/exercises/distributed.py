@@ -1,25 +1,26 @@
 """Check for the exercise of chapter 12: the global label count that every rank divides its loss by.
 
-Under data parallelism each rank trains on its own rows, and its loss is its sum over the **global** count of the
-labels the loss counts in the step (``num_items_in_batch``): then the ranks' shares add up to one process's loss,
-and their summed gradients to one process's gradient. The reader writes
+Under data parallelism each rank trains on its own rows, and its loss is its sum over the **global**
+count of the labels the loss counts in the step (``num_items_in_batch``): then the ranks' shares add
+up to one process's loss, and their summed gradients to one process's gradient. The reader writes
 
     global_label_count(ranks, rank) -> list[int]
 
-where ``ranks[r][s]`` is the list of micro-batches rank ``r`` trains on at step ``s`` (dicts of ``input_ids``,
-``attention_mask`` and ``labels``, each ``[rows, seq_len]``, labels ``-100`` on prompts and padding), and the
-answer is, step by step, the count rank ``rank`` passes to the loss. No process group is needed: the list of every
-rank's batches stands in for the ``all_reduce`` that combines the ranks' counts in a real run
-(``kernels.distributed.parallel.global_label_counts``).
+where ``ranks[r][s]`` is the list of micro-batches rank ``r`` trains on at step ``s`` (dicts of
+``input_ids``, ``attention_mask`` and ``labels``, each ``[rows, seq_len]``, labels ``-100`` on
+prompts and padding), and the answer is, step by step, the count rank ``rank`` passes to the loss.
+No process group is needed: the list of every rank's batches stands in for the ``all_reduce`` that
+combines the ranks' counts in a real run (``kernels.distributed.parallel.global_label_counts``).
 
-``check_global_label_count(fn)`` calls ``fn`` for every rank on batches made to tell the usual mistakes apart
-(ranks with different amounts of padding, rows whose first label is trained, several micro-batches per step) and
-names the mistake it recognises: averaging instead of summing across ranks, each rank keeping its own count,
-counting ignore_index (-100) labels or padding, forgetting the shift of a causal LM's loss, counting per
-micro-batch instead of per step. The reader's function runs with the package's count out of reach
-(``reach.FORBIDDEN["global_label_count"]``: ``global_label_counts``, ``labels_per_step``, ``count_trained_labels``):
-calling one is refused by name. Every diagnosis is worded once, in ``DIAGNOSES``. It never raises because the
-reader's function is wrong or unfinished: it prints its verdict and returns a ``Report``.
+``check_global_label_count(fn)`` calls ``fn`` for every rank on batches made to tell the usual
+mistakes apart (ranks with different amounts of padding, rows whose first label is trained, several
+micro-batches per step) and names the mistake it recognises: averaging instead of summing across
+ranks, each rank keeping its own count, counting ignore_index (-100) labels or padding, forgetting
+the shift of a causal LM's loss, counting per micro-batch instead of per step. The reader's function
+runs with the package's count out of reach (``reach.FORBIDDEN["global_label_count"]``:
+``global_label_counts``, ``labels_per_step``, ``count_trained_labels``): calling one is refused by
+name. Every diagnosis is worded once, in ``DIAGNOSES``. It never raises because the reader's
+function is wrong or unfinished: it prints its verdict and returns a ``Report``.
 """
 
 from __future__ import annotations
@@ -43,33 +44,38 @@ DIAGNOSES = {
     "raised": "your function raised {error} for rank {rank}",
     "not_a_list": ("your function returned {type} for rank {rank}; return a list with one count per step "
                    "(len(ranks[rank]) of them)"),
-    "one_number": ("your function returned one number for rank {rank}: the loss needs one count per optimizer step, "
-                   "a list of len(ranks[rank]) numbers"),
-    "wrong_length": ("your function returned {got} numbers for rank {rank}, where there are {steps} steps of "
-                     "{accum} micro-batches each: return one count per step"),
-    "per_micro_batch": ("the labels were counted per micro-batch, not per step: with gradient accumulation every "
-                        "micro-batch of a step divides its loss sum by the count of the whole step (all its "
-                        "micro-batches), so that the step's gradient is the mean over all of them"),
-    "average": ("the ranks' counts were averaged instead of summed: each rank's loss is its share, sum_r / "
-                "count_global, and the shares add up to the global mean only when count_global is the sum of the "
-                "ranks' counts (an all_reduce with op SUM)"),
-    "local": ("each rank divided by its own count: a rank with more padding then weighs more, and the shares no "
-              "longer add up to one process's loss; combine the ranks' counts (sum them) so that every rank gets "
-              "the same global count"),
-    "ignore_index": ("the prompt's labels were counted: they are ignore_index (-100) like padding's, and the loss "
-                     "skips them; count labels != -100, not the tokens the attention mask lets through"),
-    "padding": ("padding and prompt positions were counted (every position of a row, labels.numel() or rows × "
-                "sequence length): their labels are -100 and the loss skips them; count labels != -100"),
-    "no_shift": ("the shift was forgotten: a causal LM's loss compares the logits at position t with the label at "
-                 "t + 1, so it counts labels[:, 1:] (the first label of a row is never predicted); count "
-                 "labels[:, 1:] != -100"),
-    "differs_by_rank": ("the ranks got different counts at step {step} ({counts}): every rank must divide by the "
-                        "same global count, or the shares do not add up to one process's loss"),
-    "unrecognised": ("wrong count at step {step} for rank {rank}: {got} where the loss counts {expected} labels over "
-                     "all ranks. Per rank and step: the labels[:, 1:] != -100 of every micro-batch of the step; then "
-                     "the sum over the ranks"),
-    "passed": ("global_label_count is right on {cases} set-ups ({shapes}): every rank gets, step by step, the sum over "
-               "all ranks and micro-batches of the labels the loss counts, e.g. {example}"),
+    "one_number": ("your function returned one number for rank {rank}: the loss needs one count "
+                   "per optimizer step, a list of len(ranks[rank]) numbers"),
+    "wrong_length": ("your function returned {got} numbers for rank {rank}, where there are "
+                     "{steps} steps of {accum} micro-batches each: return one count per step"),
+    "per_micro_batch": ("the labels were counted per micro-batch, not per step: with gradient "
+                        "accumulation every micro-batch of a step divides its loss sum by the "
+                        "count of the whole step (all its micro-batches), so that the step's "
+                        "gradient is the mean over all of them"),
+    "average": ("the ranks' counts were averaged instead of summed: each rank's loss is its share, "
+                "sum_r / count_global, and the shares add up to the global mean only when "
+                "count_global is the sum of the ranks' counts (an all_reduce with op SUM)"),
+    "local": ("each rank divided by its own count: a rank with more padding then weighs more, and "
+              "the shares no longer add up to one process's loss; combine the ranks' counts (sum "
+              "them) so that every rank gets the same global count"),
+    "ignore_index": ("the prompt's labels were counted: they are ignore_index (-100) like "
+                     "padding's, and the loss skips them; count labels != -100, not the tokens the "
+                     "attention mask lets through"),
+    "padding": ("padding and prompt positions were counted (every position of a row, "
+                "labels.numel() or rows × sequence length): their labels are -100 and the loss "
+                "skips them; count labels != -100"),
+    "no_shift": ("the shift was forgotten: a causal LM's loss compares the logits at position t "
+                 "with the label at t + 1, so it counts labels[:, 1:] (the first label of a row is "
+                 "never predicted); count labels[:, 1:] != -100"),
+    "differs_by_rank": ("the ranks got different counts at step {step} ({counts}): every rank must "
+                        "divide by the same global count, or the shares do not add up to one "
+                        "process's loss"),
+    "unrecognised": ("wrong count at step {step} for rank {rank}: {got} where the loss counts "
+                     "{expected} labels over all ranks. Per rank and step: the labels[:, 1:] != "
+                     "-100 of every micro-batch of the step; then the sum over the ranks"),
+    "passed": ("global_label_count is right on {cases} set-ups ({shapes}): every rank gets, step "
+               "by step, the sum over all ranks and micro-batches of the labels the loss counts, "
+               "e.g. {example}"),
 }
 
 
@@ -80,8 +86,8 @@ def diagnosis(key: str, **fields) -> str:
 
 @dataclass(frozen=True)
 class Case:
-    """A simulated run: ``ranks`` processes, ``steps`` optimizer steps of ``accum`` micro-batches of ``rows`` rows of
-    ``seq_len`` tokens on each rank."""
+    """A simulated run: ``ranks`` processes, ``steps`` optimizer steps of ``accum`` micro-batches of
+    ``rows`` rows of ``seq_len`` tokens on each rank."""
 
     ranks: int
     steps: int
@@ -90,22 +96,24 @@ class Case:
     seq_len: int
 
     def __str__(self) -> str:
-        return (f"{self.ranks} ranks × {self.steps} steps × {self.accum} micro-batches of {self.rows} row(s) of up "
-                f"to {self.seq_len} tokens")
+        return (f"{self.ranks} ranks × {self.steps} steps × {self.accum} micro-batches of "
+                f"{self.rows} row(s) of up to {self.seq_len} tokens")
 
 
-CASES = (Case(ranks=2, steps=3, accum=3, rows=2, seq_len=16), Case(ranks=3, steps=3, accum=2, rows=2, seq_len=16))
+CASES = (Case(ranks=2, steps=3, accum=3, rows=2, seq_len=16),
+         Case(ranks=3, steps=3, accum=2, rows=2, seq_len=16))
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The batches
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def _row(seq_len: int, padding: int, first_trained: bool, gen: torch.Generator):
-    """One row: ids, attention mask and labels. Real tokens are prompts (label -100) and responses (label = the
-    token), in turns; ``padding`` positions at the end (attention 0, label -100). With ``first_trained`` the row
-    starts inside a response, as a row cut from a long packed sequence does, so its first label is not -100."""
+    """One row: ids, attention mask and labels. Real tokens are prompts (label -100) and responses
+    (label = the token), in turns; ``padding`` positions at the end (attention 0, label -100). With
+    ``first_trained`` the row starts inside a response, as a row cut from a long packed sequence
+    does, so its first label is not -100."""
     ids = torch.randint(3, 1000, (seq_len,), generator=gen)
     mask = torch.ones(seq_len, dtype=torch.long)
     labels = torch.full((seq_len,), IGNORE_INDEX, dtype=torch.long)
@@ -122,9 +130,10 @@ def _row(seq_len: int, padding: int, first_trained: bool, gen: torch.Generator):
 
 
 def make_rank_batches(case: Case, gen: torch.Generator) -> list[list[list[dict]]]:
-    """``ranks[r][s]``: the micro-batches of rank r at step s. Each micro-batch is padded to a length of its own (up
-    to ``seq_len``), as a collator that pads to the longest row does; rank r's rows end with about r/4 of that
-    length in padding, so the ranks' counts differ; about every other row starts with a trained label."""
+    """``ranks[r][s]``: the micro-batches of rank r at step s. Each micro-batch is padded to a
+    length of its own (up to ``seq_len``), as a collator that pads to the longest row does; rank r's
+    rows end with about r/4 of that length in padding, so the ranks' counts differ; about every
+    other row starts with a trained label."""
     ranks = []
     for r in range(case.ranks):
         steps = []
@@ -145,12 +154,13 @@ def make_rank_batches(case: Case, gen: torch.Generator) -> list[list[list[dict]]
     return ranks
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The right answer, and the usual wrong ones
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
-# How one micro-batch's labels are counted: the right way, and the mistakes. A key names the choice's mistakes, joined
-# by "+"; what follows a "/" only tells two variants of the same mistake apart.
+# How one micro-batch's labels are counted: the right way, and the mistakes. A key names the
+# choice's mistakes, joined by "+"; what follows a "/" only tells two variants of the same mistake
+# apart.
 _COUNTS: dict[str, Callable[[dict], int]] = {
     "right": count_trained_labels,  # labels[..., 1:] != -100: the package's own count
     "no_shift": lambda b: int((b["labels"] != IGNORE_INDEX).sum()),
@@ -159,8 +169,8 @@ _COUNTS: dict[str, Callable[[dict], int]] = {
     "padding": lambda b: b["labels"][:, 1:].numel(),
     "padding+no_shift": lambda b: b["labels"].numel(),
 }
-# Which micro-batches of a step a count covers: all of them (right), or one (the first, or the last, as a loop
-# that assigns instead of adding leaves it).
+# Which micro-batches of a step a count covers: all of them (right), or one (the first, or the last,
+# as a loop that assigns instead of adding leaves it).
 _STEPS: dict[str, Callable[[list[int]], int]] = {
     "right": sum,
     "per_micro_batch": lambda counts: counts[-1],
@@ -205,8 +215,9 @@ def mistakes_of(choices: tuple[str, ...]) -> list[str]:
 
 
 def tells_mistakes_apart(ranks) -> bool:
-    """Whether, on these batches, combinations of different mistakes always give different answers (else one could
-    pass for another). Variants of the same mistakes (an average rounded down or not) may coincide."""
+    """Whether, on these batches, combinations of different mistakes always give different answers
+    (else one could pass for another). Variants of the same mistakes (an average rounded down or
+    not) may coincide."""
     named: dict[tuple, frozenset] = {}
     for choices, answers in _suspects(ranks).items():
         key, mistakes = tuple(map(tuple, answers)), frozenset(mistakes_of(choices))
@@ -216,7 +227,8 @@ def tells_mistakes_apart(ranks) -> bool:
 
 
 def make_cases(gen: torch.Generator, tries: int = 50):
-    """Batches for every case on which the mistakes can be told apart (random ones rarely fail; a few tries do)."""
+    """Batches for every case on which the mistakes can be told apart (random ones rarely fail; a
+    few tries do)."""
     made = []
     for case in CASES:
         for _ in range(tries):
@@ -227,9 +239,9 @@ def make_cases(gen: torch.Generator, tries: int = 50):
     return made
 
 
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The check
-# --------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def _numbers(out, rank: int, case: Case) -> tuple[list[float] | None, str | None]:
@@ -243,11 +255,13 @@ def _numbers(out, rank: int, case: Case) -> tuple[list[float] | None, str | None
     try:
         values = [float(v.item() if isinstance(v, torch.Tensor) else v) for v in out]
     except (TypeError, ValueError):
-        return None, diagnosis("not_a_list", type=f"a {type(out).__name__} of {type(out[0]).__name__}", rank=rank)
+        return None, diagnosis("not_a_list", type=(f"a {type(out).__name__} of "
+                                                   f"{type(out[0]).__name__}"), rank=rank)
     if len(values) == case.steps * case.accum and case.accum > 1:
         return None, diagnosis("per_micro_batch")
     if len(values) != case.steps:
-        return None, diagnosis("wrong_length", got=len(values), rank=rank, steps=case.steps, accum=case.accum)
+        return None, diagnosis("wrong_length", got=len(values), rank=rank, steps=case.steps,
+                               accum=case.accum)
     return values, None
 
 
@@ -258,12 +272,14 @@ def _same(got: list[list[float]], want: list[list[float]]) -> bool:
 
 
 class _Refused(Exception):
-    """The reader's function called a finished answer: the message is the verdict, said without the set-up."""
+    """The reader's function called a finished answer: the message is the verdict, said without the
+    set-up."""
 
 
 def _check_case(fn, case: Case, ranks, exercise: str | None = "global_label_count") -> str | None:
-    """What is wrong with ``fn``'s answers on one set-up, or None; ``fn`` runs with ``exercise``'s finished answers
-    out of reach (``exercise`` None: ``fn`` is the check's own, replaying answers already given)."""
+    """What is wrong with ``fn``'s answers on one set-up, or None; ``fn`` runs with ``exercise``'s
+    finished answers out of reach (``exercise`` None: ``fn`` is the check's own, replaying answers
+    already given)."""
     got = []
     for rank in range(case.ranks):
         try:
@@ -272,7 +288,8 @@ def _check_case(fn, case: Case, ranks, exercise: str | None = "global_label_coun
             raise _Refused(str(called)) from None
         except NotImplementedError:
             return diagnosis("stub")
-        except Exception as error:  # noqa: BLE001  (any failure of the reader's code is reported, not raised)
+        # noqa: BLE001  (any failure of the reader's code is reported, not raised)
+        except Exception as error:
             return diagnosis("raised", error=f"{type(error).__name__}: {last_line(error)}", rank=rank)
         values, problem = _numbers(out, rank, case)
         if problem is not None:
@@ -295,10 +312,11 @@ def _check_case(fn, case: Case, ranks, exercise: str | None = "global_label_coun
 
 
 def check_global_label_count(fn: Callable, seed: int | None = None, verbose: bool = True) -> Report:
-    """Check ``fn(ranks, rank) -> list`` (the count rank ``rank`` passes to the loss at each step, ``ranks[r][s]``
-    being rank r's micro-batches of step s) against the sum over ranks and micro-batches of
-    ``kernels.training.loop.count_trained_labels``, on every case. Prints the verdict (unless ``verbose=False``)
-    and returns it; never raises because ``fn`` is wrong or unfinished."""
+    """Check ``fn(ranks, rank) -> list`` (the count rank ``rank`` passes to the loss at each step,
+    ``ranks[r][s]`` being rank r's micro-batches of step s) against the sum over ranks and
+    micro-batches of ``kernels.training.loop.count_trained_labels``, on every case. Prints the
+    verdict (unless ``verbose=False``) and returns it; never raises because ``fn`` is wrong or
+    unfinished."""
     gen = torch.Generator()
     gen.manual_seed(seed) if seed is not None else gen.seed()  # fresh batches unless a seed replays some
     example = None
@@ -311,36 +329,41 @@ def check_global_label_count(fn: Callable, seed: int | None = None, verbose: boo
             return verdict(False, problem if problem == DIAGNOSES["stub"] else f"{case}: {problem}", verbose)
         if example is None:
             local = [labels_per_step(steps)[0] for steps in ranks]
-            example = f"step 0 of {case.ranks} ranks: {' + '.join(map(str, local))} = {expected_counts(ranks)[0]}"
+            example = (f"step 0 of {case.ranks} ranks: {' + '.join(map(str, local))} = "
+                       f"{expected_counts(ranks)[0]}")
     shapes = "; ".join(str(case) for case in CASES)
     return verdict(True, diagnosis("passed", cases=len(CASES), shapes=shapes, example=example), verbose)
 
 
-# ====================================================================================================================
-# The same count through a collective: the reader's function runs once per rank, as each process would
-# ====================================================================================================================
+# ==================================================================================================
+# The same count through a collective: the reader's function runs once per rank, as each process
+# would
+# ==================================================================================================
 #
-# ``fn(steps, all_reduce) -> list`` gets only its own rank's step groups and an ``all_reduce(tensor)`` that sums
-# ``tensor`` in place over the ranks, as ``torch.distributed.all_reduce(tensor, op=ReduceOp.SUM)`` does. The check
-# runs one thread per rank, each calling ``fn`` (a collective waits until every rank has joined it, so the threads
-# meet inside ``all_reduce``), then names the answer's mistakes as above, and the collective's own: ranks that call
-# it a different number of times (a real run hangs), something else than a tensor, ranks that hand it tensors of
-# different shapes, and more than one collective per rank (each is a round trip between the GPUs).
+# ``fn(steps, all_reduce) -> list`` gets only its own rank's step groups and an
+# ``all_reduce(tensor)`` that sums ``tensor`` in place over the ranks, as
+# ``torch.distributed.all_reduce(tensor, op=ReduceOp.SUM)`` does. The check runs one thread per
+# rank, each calling ``fn`` (a collective waits until every rank has joined it, so the threads meet
+# inside ``all_reduce``), then names the answer's mistakes as above, and the collective's own: ranks
+# that call it a different number of times (a real run hangs), something else than a tensor, ranks
+# that hand it tensors of different shapes, and more than one collective per rank (each is a round
+# trip between the GPUs).
 
 COLLECTIVE_DIAGNOSES = {
     "stub": "not done yet: global_label_count still raises NotImplementedError",
-    "hang": ("rank {rank} called all_reduce {more} time(s) while rank {other} called it {fewer}: a collective waits "
-             "for every rank, so a real run would hang there. Every rank must make the same calls, in the same "
-             "order, whatever its data"),
-    "not_tensor": ("all_reduce was given {type}: a collective sums a tensor in place (every rank's copy becomes the "
-                   "sum), so put the counts in a tensor, all_reduce it, then read it back"),
-    "shapes": ("the ranks handed all_reduce tensors of different shapes ({shapes}): every rank must contribute a "
-               "tensor of the same shape, one element per step"),
-    "several": ("the counts are right, but each rank called all_reduce {calls} times: every collective is a round "
-                "trip between the GPUs (and, read with .item() or .tolist(), a wait for it). Put every step's count "
-                "in one tensor and all_reduce it once"),
-    "none": ("no rank called all_reduce: each rank sees only its own batches, so without the collective it can "
-             "only count its own labels"),
+    "hang": ("rank {rank} called all_reduce {more} time(s) while rank {other} called it {fewer}: a "
+             "collective waits for every rank, so a real run would hang there. Every rank must "
+             "make the same calls, in the same order, whatever its data"),
+    "not_tensor": ("all_reduce was given {type}: a collective sums a tensor in place (every rank's "
+                   "copy becomes the sum), so put the counts in a tensor, all_reduce it, then read "
+                   "it back"),
+    "shapes": ("the ranks handed all_reduce tensors of different shapes ({shapes}): every rank "
+               "must contribute a tensor of the same shape, one element per step"),
+    "several": ("the counts are right, but each rank called all_reduce {calls} times: every "
+                "collective is a round trip between the GPUs (and, read with .item() or .tolist(), "
+                "a wait for it). Put every step's count in one tensor and all_reduce it once"),
+    "none": ("no rank called all_reduce: each rank sees only its own batches, so without the "
+             "collective it can only count its own labels"),
 }
 COLLECTIVE_TIMEOUT_S = 20.0  # a rank waiting this long at a collective is taken for a hang
 
@@ -350,9 +373,10 @@ class _Hang(RuntimeError):
 
 
 class _Collective:
-    """``all_reduce`` for ``world`` threads, one per rank: each call waits until every rank has contributed, then
-    every rank's tensor becomes the sum. Counts the calls; a rank still waiting when another has finished (or has
-    failed) is released with ``_Hang``, where a real run would wait forever."""
+    """``all_reduce`` for ``world`` threads, one per rank: each call waits until every rank has
+    contributed, then every rank's tensor becomes the sum. Counts the calls; a rank still waiting
+    when another has finished (or has failed) is released with ``_Hang``, where a real run would
+    wait forever."""
 
     def __init__(self, world: int):
         import threading
@@ -395,7 +419,8 @@ class _Collective:
         if len(shapes) > 1:
             with self.cond:
                 self.problem = self.problem or diagnosis_collective(
-                    "shapes", shapes=", ".join(f"rank {r}: {tuple(s.shape)}" for r, s in enumerate(self.slots)))
+                    "shapes",
+                    shapes=", ".join(f"rank {r}: {tuple(s.shape)}" for r, s in enumerate(self.slots)))
                 self.cond.notify_all()
             raise RuntimeError(self.problem)
         total = torch.stack([s.to(torch.float64) for s in self.slots]).sum(0)
@@ -417,7 +442,8 @@ class _Collective:
             finally:
                 with self.cond:
                     self.done.add(rank)
-                    self.cond.notify_all()  # a rank still waiting at a collective would wait forever: release it
+                    # a rank still waiting at a collective would wait forever: release it
+                    self.cond.notify_all()
 
         threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(self.world)]
         for t in threads:
@@ -464,10 +490,12 @@ def _collective_case(fn, case: Case, ranks) -> str | None:
     return None
 
 
-def check_global_label_count_collective(fn: Callable, seed: int | None = None, verbose: bool = True) -> Report:
-    """Check ``fn(steps, all_reduce) -> list``, run once per rank on that rank's step groups with a summing
-    ``all_reduce`` shared by the ranks (see the notes above ``COLLECTIVE_DIAGNOSES``). Prints the verdict (unless
-    ``verbose=False``) and returns it; never raises because ``fn`` is wrong or unfinished."""
+def check_global_label_count_collective(fn: Callable, seed: int | None = None,
+                                        verbose: bool = True) -> Report:
+    """Check ``fn(steps, all_reduce) -> list``, run once per rank on that rank's step groups with a
+    summing ``all_reduce`` shared by the ranks (see the notes above ``COLLECTIVE_DIAGNOSES``).
+    Prints the verdict (unless ``verbose=False``) and returns it; never raises because ``fn`` is
+    wrong or unfinished."""
     refused = finished_answer(COLLECTIVE_EXERCISE, fn)
     if refused is not None:
         return verdict(False, refused, verbose)
@@ -484,7 +512,8 @@ def check_global_label_count_collective(fn: Callable, seed: int | None = None, v
             return verdict(False, problem if stub else f"{case}: {problem}", verbose)
         if example is None:
             local = [labels_per_step(steps)[0] for steps in ranks]
-            example = f"step 0 of {case.ranks} ranks: {' + '.join(map(str, local))} = {expected_counts(ranks)[0]}"
+            example = (f"step 0 of {case.ranks} ranks: {' + '.join(map(str, local))} = "
+                       f"{expected_counts(ranks)[0]}")
     shapes = "; ".join(str(case) for case in CASES)
     return verdict(True, diagnosis("passed", cases=len(CASES), shapes=shapes, example=example)
                    + " One all_reduce per rank, the same on every rank.", verbose)

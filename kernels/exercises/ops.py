@@ -1,18 +1,19 @@
 """Check for the exercise of chapter 09: the fake implementation of the RMSNorm forward operator.
 
-A fake implementation receives fake tensors (shape, dtype, device and strides, but no data) and must return fake
-outputs that describe the real ones exactly: that is all ``torch.compile`` learns about an operator while it traces
-a model. The check runs the reader's function under ``FakeTensorMode`` on inputs chosen to expose the usual
-mistakes (a float32 weight with a bfloat16 input promotes the output, a 3-D input, a transposed view, a single row,
-an input on a GPU) and compares every output's shape, dtype, strides and device with what
-``torch.ops.kernels.rms_norm_fwd`` really returns. While the reader's function runs, launching a Triton kernel
-raises instead of running: on a GPU, a kernel handed fake tensors would read and write memory nobody owns. The
-package's own fake, and its operator ``torch.ops.kernels.rms_norm_fwd`` that answers from it, are out of reach
+A fake implementation receives fake tensors (shape, dtype, device and strides, but no data) and must
+return fake outputs that describe the real ones exactly: that is all ``torch.compile`` learns about
+an operator while it traces a model. The check runs the reader's function under ``FakeTensorMode``
+on inputs chosen to expose the usual mistakes (a float32 weight with a bfloat16 input promotes the
+output, a 3-D input, a transposed view, a single row, an input on a GPU) and compares every output's
+shape, dtype, strides and device with what ``torch.ops.kernels.rms_norm_fwd`` really returns. While
+the reader's function runs, launching a Triton kernel raises instead of running: on a GPU, a kernel
+handed fake tensors would read and write memory nobody owns. The package's own fake, and its
+operator ``torch.ops.kernels.rms_norm_fwd`` that answers from it, are out of reach
 (``reach.FORBIDDEN["rms_norm_fake"]``): calling either is refused by name.
 
-The sentence that names each mistake is in ``HINTS``; the tests feed every mistake to the check and look for its
-sentence. The check never raises because the reader's function is wrong or unfinished: it prints its verdict and
-returns a ``Report``.
+The sentence that names each mistake is in ``HINTS``; the tests feed every mistake to the check and
+look for its sentence. The check never raises because the reader's function is wrong or unfinished:
+it prints its verdict and returns a ``Report``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+)
 from triton.runtime.jit import KernelInterface
 
 from kernels import runtime
@@ -35,41 +40,46 @@ EXERCISE = "rms_norm_fake"
 
 # Every diagnosis, in one place. Fields in braces are filled in for the input at hand.
 HINTS = {
-    "stub": "rms_norm_fake is still the stub (it raises NotImplementedError): return two empty tensors, (y, rstd)",
-    "reads_values": ("your fake read the values of its input ({error}): a fake tensor has none. A fake may only "
-                     "look at shapes, dtypes and devices (x.shape, x.dtype, x.device), never at values (.item(), "
-                     "float(...), a boolean mask)"),
-    "launched": ("your fake launched a Triton kernel: a fake implementation must compute nothing, only describe the "
-                 "outputs. On a GPU, the kernel would read and write at addresses that fake tensors do not own "
-                 "(an illegal memory access ends the CUDA context). Return torch.empty(...) tensors instead"),
+    "stub": ("rms_norm_fake is still the stub (it raises NotImplementedError): return two empty "
+             "tensors, (y, rstd)"),
+    "reads_values": ("your fake read the values of its input ({error}): a fake tensor has none. A "
+                     "fake may only look at shapes, dtypes and devices (x.shape, x.dtype, "
+                     "x.device), never at values (.item(), float(...), a boolean mask)"),
+    "launched": ("your fake launched a Triton kernel: a fake implementation must compute nothing, "
+                 "only describe the outputs. On a GPU, the kernel would read and write at "
+                 "addresses that fake tensors do not own (an illegal memory access ends the CUDA "
+                 "context). Return torch.empty(...) tensors instead"),
     "raised": "your fake raised {error}",
     "not_pair": "your fake returned {got}; the operator returns two tensors, (y, rstd)",
     "not_tensor": "{name} is {got}, not a tensor",
-    "y_flat": ("y has shape {got}, the rows the kernel sees; the real y has x's shape {expected}: y keeps every "
-               "dimension of x (the rows are the kernel's view, not the caller's)"),
+    "y_flat": ("y has shape {got}, the rows the kernel sees; the real y has x's shape {expected}: "
+               "y keeps every dimension of x (the rows are the kernel's view, not the caller's)"),
     "y_shape": "y has shape {got}, but the real y has x's shape {expected}",
-    "y_dtype": ("y has dtype {got}, but the real y has dtype {expected}: its dtype is that of weight * x in PyTorch, "
-                "torch.promote_types(x.dtype, weight.dtype) (a float32 weight promotes a bfloat16 input, as in "
-                "Hugging Face's LlamaRMSNorm)"),
-    "y_strides": ("y has strides {got}, but the real y is contiguous, strides {expected}: torch.empty_like(x) copies "
-                  "the memory layout of x (a transposed x gives a transposed y), while the kernel writes a fresh, "
-                  "row-major y: use torch.empty(x.shape, ...)"),
-    "device": ("{name} is on {got}, but the real {name} is on {expected}, where x is: torch.empty(...) allocates on "
-               "the CPU unless told otherwise: pass device=x.device"),
-    "rstd_not_flat": ("rstd has shape {got}, x's leading dimensions, but the real rstd is flat, {expected}: one "
-                      "float32 per row, and the kernel sees x as rows = x.numel() // x.shape[-1] rows"),
-    "rstd_one_dimension": ("rstd has shape {got}: one value per row of one leading dimension only, but x has "
-                           "{expected_rows} rows in all (rows = x.numel() // x.shape[-1], every leading dimension "
-                           "counts)"),
+    "y_dtype": ("y has dtype {got}, but the real y has dtype {expected}: its dtype is that of "
+                "weight * x in PyTorch, torch.promote_types(x.dtype, weight.dtype) (a float32 "
+                "weight promotes a bfloat16 input, as in Hugging Face's LlamaRMSNorm)"),
+    "y_strides": ("y has strides {got}, but the real y is contiguous, strides {expected}: "
+                  "torch.empty_like(x) copies the memory layout of x (a transposed x gives a "
+                  "transposed y), while the kernel writes a fresh, row-major y: use "
+                  "torch.empty(x.shape, ...)"),
+    "device": ("{name} is on {got}, but the real {name} is on {expected}, where x is: "
+               "torch.empty(...) allocates on the CPU unless told otherwise: pass device=x.device"),
+    "rstd_not_flat": ("rstd has shape {got}, x's leading dimensions, but the real rstd is flat, "
+                      "{expected}: one float32 per row, and the kernel sees x as rows = x.numel() "
+                      "// x.shape[-1] rows"),
+    "rstd_one_dimension": ("rstd has shape {got}: one value per row of one leading dimension only, "
+                           "but x has {expected_rows} rows in all (rows = x.numel() // "
+                           "x.shape[-1], every leading dimension counts)"),
     "rstd_shape": "rstd has shape {got}, but the real rstd has shape {expected}: one float32 per row of x",
-    "rstd_dtype": ("rstd has dtype {got}, but the real rstd is float32: the kernel keeps rstd in float32 whatever the "
-                   "input's dtype (the backward needs it exact)"),
+    "rstd_dtype": ("rstd has dtype {got}, but the real rstd is float32: the kernel keeps rstd in "
+                   "float32 whatever the input's dtype (the backward needs it exact)"),
     "rstd_strides": "rstd has strides {got}, but the real rstd is contiguous, strides {expected}",
-    "aliases": ("{name} is {what} itself (or a view of it), not a new tensor: the schema, (Tensor, Tensor) with no "
-                "alias annotation, promises fresh outputs, and the compiler may then free or overwrite x while y "
-                "lives. x.to(dtype) returns x itself when the dtype already matches: allocate with torch.empty(...)"),
-    "opcheck": ("your fake describes every input above, but torch.library.opcheck, with your fake registered by "
-                "torch.library.register_fake, failed {test}: {error}"),
+    "aliases": ("{name} is {what} itself (or a view of it), not a new tensor: the schema, (Tensor, "
+                "Tensor) with no alias annotation, promises fresh outputs, and the compiler may "
+                "then free or overwrite x while y lives. x.to(dtype) returns x itself when the "
+                "dtype already matches: allocate with torch.empty(...)"),
+    "opcheck": ("your fake describes every input above, but torch.library.opcheck, with your fake "
+                "registered by torch.library.register_fake, failed {test}: {error}"),
 }
 
 
@@ -80,7 +90,8 @@ def hint(key: str, **fields) -> str:
 
 @dataclass(frozen=True)
 class Case:
-    """One input: how to make x and the weight, and, for a case on another device, which device to pretend."""
+    """One input: how to make x and the weight, and, for a case on another device, which device to
+    pretend."""
 
     name: str
     shape: tuple[int, ...]
@@ -95,7 +106,8 @@ CASES = (
     Case("bfloat16 input of 2 × 3 × 40 (3-D)", (2, 3, 40), torch.bfloat16, torch.bfloat16),
     Case("bfloat16 input with a float32 weight", (4, 32), torch.bfloat16, torch.float32),
     Case("strided view x[:, ::2] of a 6 × 96 tensor", (6, 48), torch.float32, torch.float32, view="strided"),
-    Case("transposed view: x = t.t() of a 64 × 6 tensor t", (6, 64), torch.float32, torch.float32, view="transposed"),
+    Case("transposed view: x = t.t() of a 64 × 6 tensor t", (6, 64), torch.float32, torch.float32,
+         view="transposed"),
     Case("single row of 16", (16,), torch.float32, torch.float32),
     Case("bfloat16 input of 3 × 32 on a GPU (fake tensors: no GPU is needed)", (3, 32), torch.bfloat16,
          torch.bfloat16, fake_device="cuda"),
@@ -140,7 +152,9 @@ def _no_kernel_launches():
 
     def refuse(self, grid):
         def launch(*args, **kwargs):
-            raise _KernelLaunched(f"a Triton kernel ({getattr(self, '__name__', type(self).__name__)}) was launched")
+            raise _KernelLaunched("a Triton kernel "
+                                  f"({getattr(self, '__name__', type(self).__name__)}) was "
+                                  "launched")
         return launch
 
     original = KernelInterface.__getitem__
@@ -165,7 +179,8 @@ def _dtype(d: torch.dtype) -> str:
 
 
 def _run(fake: Callable, case: Case, x: torch.Tensor, w: torch.Tensor):
-    """The reader's outputs on fake copies of x and w (on ``case.fake_device`` when it has one), and those copies."""
+    """The reader's outputs on fake copies of x and w (on ``case.fake_device`` when it has one), and
+    those copies."""
     with FakeTensorMode(allow_non_fake_inputs=False) as mode:
         if case.fake_device is None:
             fx, fw = mode.from_tensor(x), mode.from_tensor(w)
@@ -207,9 +222,11 @@ def _compare(name: str, got: torch.Tensor, real: Meta, x: torch.Tensor) -> str |
 
 
 def check_rms_norm_fake(fake: Callable, verbose: bool = True) -> Report:
-    """Check ``fake(x, weight, eps) -> (y, rstd)``: fake outputs that match the real operator's, on every case.
+    """Check ``fake(x, weight, eps) -> (y, rstd)``: fake outputs that match the real operator's, on
+    every case.
 
-    Prints the verdict (unless ``verbose=False``) and returns it: the first mismatch, on which input, in words."""
+    Prints the verdict (unless ``verbose=False``) and returns it: the first mismatch, on which
+    input, in words."""
     device = runtime.device()
     g = torch.Generator().manual_seed(0)
     for case in CASES:
@@ -228,7 +245,8 @@ def check_rms_norm_fake(fake: Callable, verbose: bool = True) -> Report:
         except (DataDependentOutputException, DynamicOutputShapeException) as exc:
             return verdict(False, where + hint("reads_values", error=type(exc).__name__), verbose)
         except Exception as exc:  # noqa: BLE001  (the reader's code may raise anything: say what)
-            error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ''}"
+            error = (f"{type(exc).__name__}: "
+                     f"{str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ''}")
             key = "reads_values" if "data pointer" in str(exc) or "numpy" in str(exc).lower() else "raised"
             return verdict(False, where + hint(key, error=error), verbose)
         if not (isinstance(out, (tuple, list)) and len(out) == 2):
@@ -245,9 +263,10 @@ def check_rms_norm_fake(fake: Callable, verbose: bool = True) -> Report:
     problem = _opcheck(fake, device, g)
     if problem:
         return verdict(False, problem, verbose)
-    return verdict(True, f"your fake describes the real outputs (shape, dtype, strides, device) on all {len(CASES)} "
-                         "inputs, without computing anything, and torch.library.opcheck passes with it registered "
-                         "(the schema, fake against real, tracing with static and dynamic shapes).", verbose)
+    return verdict(True, ("your fake describes the real outputs (shape, dtype, strides, device) on "
+                          f"all {len(CASES)} inputs, without computing anything, and "
+                          "torch.library.opcheck passes with it registered (the schema, fake "
+                          "against real, tracing with static and dynamic shapes)."), verbose)
 
 
 # A scratch namespace for the check's own operators: each check registers the reader's fake on a new one (an
@@ -285,8 +304,8 @@ def _scratch_operator(fake: Callable):
 
 
 def _opcheck(fake: Callable, device, g: torch.Generator) -> str | None:
-    """``torch.library.opcheck`` of the reader's fake registered on a scratch operator, on one 3-D bfloat16 input
-    with a float32 weight; the first test that failed, in words, or None."""
+    """``torch.library.opcheck`` of the reader's fake registered on a scratch operator, on one 3-D
+    bfloat16 input with a float32 weight; the first test that failed, in words, or None."""
     refused: list[str] = []
     op = _scratch_operator(_guarded(fake, refused))
     x = torch.randn(2, 3, 40, generator=g).to(device=device, dtype=torch.bfloat16)

@@ -1,16 +1,18 @@
 """Check for chapter 01's exercise: from a step's profile, predict what fusing one operator family can gain.
 
-The reader writes ``amdahl_speedup(share, factor)``, Amdahl's law for a part of the step that takes ``share`` of its
-time and becomes ``factor`` times faster, and fills a prediction from the family table the chapter printed:
+The reader writes ``amdahl_speedup(share, factor)``, Amdahl's law for a part of the step that takes
+``share`` of its time and becomes ``factor`` times faster, and fills a prediction from the family
+table the chapter printed:
 
     prediction = {"family": "rmsnorm", "share": 0.125, "factor": 9}
 
-``check_amdahl`` runs the function on a grid of shares and factors (and on ``factor = math.inf``, the family costing
-nothing), recognises the usual wrong formulas, then checks the prediction against the profile: a family a fused
-kernel can shrink, and its share read from the right row and column. The function runs with the package's Amdahl's
-law (``step_speedup``, ``amdahl``) out of reach (``reach.FORBIDDEN["amdahl_speedup"]``): calling it is refused by
-name. Every diagnosis is worded in ``HINTS``. It never raises because the reader's code is wrong or unfinished: it
-prints a verdict and returns a :class:`Report`.
+``check_amdahl`` runs the function on a grid of shares and factors (and on ``factor = math.inf``,
+the family costing nothing), recognises the usual wrong formulas, then checks the prediction against
+the profile: a family a fused kernel can shrink, and its share read from the right row and column.
+The function runs with the package's Amdahl's law (``step_speedup``, ``amdahl``) out of reach
+(``reach.FORBIDDEN["amdahl_speedup"]``): calling it is refused by name. Every diagnosis is worded in
+``HINTS``. It never raises because the reader's code is wrong or unfinished: it prints a verdict and
+returns a :class:`Report`.
 """
 
 from __future__ import annotations
@@ -28,68 +30,81 @@ SHARES = (0.05, 0.25, 0.5, 0.9)
 FACTORS = (2.0, 4.0, 10.0)
 # A share read from the table is printed to a tenth of a percent: this close counts as the same number.
 SHARE_TOL = 0.0006
-# Families whose operators are memory-bound chains a fused kernel of one's own can shorten; the rest already run as
-# tuned vendor kernels (matmul, attention) or hold almost nothing (other).
+# Families whose operators are memory-bound chains a fused kernel of one's own can shorten; the rest
+# already run as tuned vendor kernels (matmul, attention) or hold almost nothing (other).
 FUSABLE = ("rmsnorm", "cross_entropy", "elementwise", "optimizer")
 
 HINTS = {
     "raised": "your function raised {error} for share={share:g}, factor={factor:g}",
-    "not_a_number": "your function returned {type} for share={share:g}, factor={factor:g}, expected a number",
-    "placeholder": ("your function returns 1 whatever the share and the factor: is it still the placeholder? (a step "
-                    "whose part gets faster gets faster too)"),
-    "whole_step": ("your function returns the factor itself, as if the whole step ran factor times faster: only the "
-                   "family's share speeds up; the rest of the step, 1 − share, takes as long as before"),
-    "limit_only": ("your function ignores the factor and returns 1 / (1 − share): that is the limit for a family that "
-                   "costs nothing (factor → ∞). With a finite factor the family still takes share / factor"),
-    "time_not_speedup": ("your function returns the new time of the step as a fraction of the old, (1 − share) + "
-                         "share / factor; the speed-up is the old time over the new one, the reciprocal"),
-    "weighted_speeds": ("you averaged the speeds, (1 − share) · 1 + share · factor: speeds do not add, times do. The "
-                        "new time is (1 − share) + share / factor, and the speed-up is 1 over that"),
-    "multiplied_time": ("you multiplied the family's time by the factor, 1 / ((1 − share) + share · factor): a part "
-                        "that runs factor times faster takes share / factor of the old time"),
-    "sped_up_rest": ("you made the rest of the step faster instead of the family: the family's share shrinks to "
-                     "share / factor, the other 1 − share stays"),
-    "family_alone": ("you divided only the family's time, factor / share: the step's new time also holds the rest, "
-                     "1 − share, which does not get faster"),
-    "subtracted_new_time": ("you subtracted the family's new time, 1 / (1 − share / factor): what disappears is the "
-                            "time saved, share − share / factor, so the new time is (1 − share) + share / factor"),
-    "limit": ("your formula is right for finite factors but gives {got} for factor = math.inf, the family costing "
-              "nothing, where the answer is 1 / (1 − share) = {expected:.4g}: write it as 1 / ((1 − share) + share / "
-              "factor), in which share / factor simply becomes 0"),
-    "unrecognised": ("for share={share:g}, factor={factor:g} your function returns {got:.6g}, but Amdahl's law gives "
-                     "{expected:.6g}. Time the step as two parts: the one that stays, and the one that shrinks"),
+    "not_a_number": ("your function returned {type} for share={share:g}, factor={factor:g}, "
+                     "expected a number"),
+    "placeholder": ("your function returns 1 whatever the share and the factor: is it still the "
+                    "placeholder? (a step whose part gets faster gets faster too)"),
+    "whole_step": ("your function returns the factor itself, as if the whole step ran factor times "
+                   "faster: only the family's share speeds up; the rest of the step, 1 − share, "
+                   "takes as long as before"),
+    "limit_only": ("your function ignores the factor and returns 1 / (1 − share): that is the "
+                   "limit for a family that costs nothing (factor → ∞). With a finite factor the "
+                   "family still takes share / factor"),
+    "time_not_speedup": ("your function returns the new time of the step as a fraction of the old, "
+                         "(1 − share) + share / factor; the speed-up is the old time over the new "
+                         "one, the reciprocal"),
+    "weighted_speeds": ("you averaged the speeds, (1 − share) · 1 + share · factor: speeds do not "
+                        "add, times do. The new time is (1 − share) + share / factor, and the "
+                        "speed-up is 1 over that"),
+    "multiplied_time": ("you multiplied the family's time by the factor, 1 / ((1 − share) + share "
+                        "· factor): a part that runs factor times faster takes share / factor of "
+                        "the old time"),
+    "sped_up_rest": ("you made the rest of the step faster instead of the family: the family's "
+                     "share shrinks to share / factor, the other 1 − share stays"),
+    "family_alone": ("you divided only the family's time, factor / share: the step's new time also "
+                     "holds the rest, 1 − share, which does not get faster"),
+    "subtracted_new_time": ("you subtracted the family's new time, 1 / (1 − share / factor): what "
+                            "disappears is the time saved, share − share / factor, so the new time "
+                            "is (1 − share) + share / factor"),
+    "limit": ("your formula is right for finite factors but gives {got} for factor = math.inf, the "
+              "family costing nothing, where the answer is 1 / (1 − share) = {expected:.4g}: write "
+              "it as 1 / ((1 − share) + share / factor), in which share / factor simply becomes 0"),
+    "unrecognised": ("for share={share:g}, factor={factor:g} your function returns {got:.6g}, but "
+                     "Amdahl's law gives {expected:.6g}. Time the step as two parts: the one that "
+                     "stays, and the one that shrinks"),
     # The prediction.
     "prediction_type": "prediction must be a dict with the keys 'family', 'share' and 'factor', got {got}",
-    "no_family": ("not done yet: name, in prediction['family'], the family a fused kernel of your own can shrink "
-                  "(one of {families})"),
+    "no_family": ("not done yet: name, in prediction['family'], the family a fused kernel of your "
+                  "own can shrink (one of {families})"),
     "unknown_family": "{family!r} is not a family of the table; the families are {families}",
-    "vendor_family": ("{title} already runs as tuned vendor kernels (cuBLAS, fused attention) that are bound by "
-                      "arithmetic, not by memory traffic: a fused kernel of your own has nothing to remove there. Pick "
-                      "a family of many small memory-bound operators"),
+    "vendor_family": ("{title} already runs as tuned vendor kernels (cuBLAS, fused attention) that "
+                      "are bound by arithmetic, not by memory traffic: a fused kernel of your own "
+                      "has nothing to remove there. Pick a family of many small memory-bound "
+                      "operators"),
     "other_family": "{title} is views, allocation and overhead, almost no time: there is nothing to fuse",
-    "no_share": ("not done yet: copy, into prediction['share'], the share of the {title} row of the family table "
-                 "printed above"),
+    "no_share": ("not done yet: copy, into prediction['share'], the share of the {title} row of "
+                 "the family table printed above"),
     "share_not_number": "prediction['share'] must be a number, got {got!r}",
-    "percent": ("prediction['share'] = {share:g} is a percentage: Amdahl's law takes a fraction of the time, "
-                "{fraction:.4g}"),
-    "not_a_fraction": "prediction['share'] = {share:g} is not a fraction of the step's time (between 0 and 1)",
-    "other_row": ("prediction['share'] = {share:g} is the share of the {other} row; the prediction is about {title}: "
-                  "read the share column of its own row"),
-    "by_names": ("prediction['share'] = {share:g} is {title}'s share by names alone, the profile without regions, "
-                 "which leaves most of its casts and multiplies in 'elementwise': read the table sorted with regions "
-                 "and autograd's sequence numbers"),
-    "operator_row": ("prediction['share'] = {share:g} is one operator's row of the operator table ({op}); a family "
-                     "is the sum of all its operators: read the family table"),
-    "milliseconds": ("prediction['share'] = {share:g} is {title}'s time in milliseconds, not its share: read the "
-                     "share column"),
-    "wrong_share": ("prediction['share'] = {share:g} is not the share of the {title} row of the family table: read "
-                    "its share column (and write it as a fraction: 12.5% is 0.125)"),
-    "factor": ("prediction['factor'] must be a number above 1 (how many times faster the fused family runs), got "
-               "{got!r}"),
-    "passed": ("amdahl_speedup is right on {points} shares and factors, and for a family that costs nothing. Your "
-               "prediction: {title} is {share:.1%} of this step's {kind}; made {factor:g}× faster, the step would run "
-               "{speedup:.3f}× faster; even at no cost it could not beat {limit:.3f}×."),
-    "passed_function": "amdahl_speedup is right on {points} shares and factors, and for a family that costs nothing.",
+    "percent": ("prediction['share'] = {share:g} is a percentage: Amdahl's law takes a fraction of "
+                "the time, {fraction:.4g}"),
+    "not_a_fraction": ("prediction['share'] = {share:g} is not a fraction of the step's time "
+                       "(between 0 and 1)"),
+    "other_row": ("prediction['share'] = {share:g} is the share of the {other} row; the prediction "
+                  "is about {title}: read the share column of its own row"),
+    "by_names": ("prediction['share'] = {share:g} is {title}'s share by names alone, the profile "
+                 "without regions, which leaves most of its casts and multiplies in 'elementwise': "
+                 "read the table sorted with regions and autograd's sequence numbers"),
+    "operator_row": ("prediction['share'] = {share:g} is one operator's row of the operator table "
+                     "({op}); a family is the sum of all its operators: read the family table"),
+    "milliseconds": ("prediction['share'] = {share:g} is {title}'s time in milliseconds, not its "
+                     "share: read the share column"),
+    "wrong_share": ("prediction['share'] = {share:g} is not the share of the {title} row of the "
+                    "family table: read its share column (and write it as a fraction: 12.5% is "
+                    "0.125)"),
+    "factor": ("prediction['factor'] must be a number above 1 (how many times faster the fused "
+               "family runs), got {got!r}"),
+    "passed": ("amdahl_speedup is right on {points} shares and factors, and for a family that "
+               "costs nothing. Your prediction: {title} is {share:.1%} of this step's {kind}; made "
+               "{factor:g}× faster, the step would run {speedup:.3f}× faster; even at no cost it "
+               "could not beat {limit:.3f}×."),
+    "passed_function": ("amdahl_speedup is right on {points} shares and factors, and for a family "
+                        "that costs nothing."),
 }
 
 
@@ -119,9 +134,10 @@ _SUSPECTS: dict[str, Callable[[float, float], float]] = {
 
 def check_amdahl(fn: Callable, prediction: dict | None = None, profile=None, by_names=None,
                  verbose: bool = True) -> Report:
-    """Check ``fn(share, factor) -> speed-up`` and, given the chapter's ``profile`` (a ``StepProfile``), the
-    reader's ``prediction``. ``by_names`` is the profile taken without regions, if the chapter made one: a share read
-    from it is recognised. Prints the verdict (unless ``verbose=False``) and returns it."""
+    """Check ``fn(share, factor) -> speed-up`` and, given the chapter's ``profile`` (a
+    ``StepProfile``), the reader's ``prediction``. ``by_names`` is the profile taken without
+    regions, if the chapter made one: a share read from it is recognised. Prints the verdict (unless
+    ``verbose=False``) and returns it."""
     try:
         problem = _check_function(fn)
     except _Finished as called:
@@ -136,23 +152,26 @@ def check_amdahl(fn: Callable, prediction: dict | None = None, profile=None, by_
         return verdict(False, problem, verbose)
     title = _title(family)
     return verdict(True, hint("passed", points=points, title=title, share=share, kind=profile.time_kind,
-                              factor=factor, speedup=amdahl_reference(share, factor), limit=1.0 / (1.0 - share)),
+                              factor=factor, speedup=amdahl_reference(share, factor),
+                              limit=1.0 / (1.0 - share)),
                    verbose)
 
 
 class _Finished(Exception):
-    """The reader's function called a finished answer (the package's Amdahl's law): the message is the verdict."""
+    """The reader's function called a finished answer (the package's Amdahl's law): the message is
+    the verdict."""
 
 
 def _value(fn, share, factor):
-    """fn(share, factor) as a float, or (None, what went wrong); raises ``_Finished`` when fn called a finished
-    answer."""
+    """fn(share, factor) as a float, or (None, what went wrong); raises ``_Finished`` when fn called
+    a finished answer."""
     try:
         out = call_learner("amdahl_speedup", fn, share, factor)
     except FinishedCodeCalled as called:
         raise _Finished(str(called)) from None
     except Exception as error:  # noqa: BLE001  (any failure of the reader's code is reported, not raised)
-        return None, hint("raised", error=f"{type(error).__name__}: {last_line(error)}", share=share, factor=factor)
+        return None, hint("raised", error=f"{type(error).__name__}: {last_line(error)}",
+                          share=share, factor=factor)
     try:
         return float(out), None
     except (TypeError, ValueError):
@@ -183,7 +202,8 @@ def _check_function(fn) -> str | None:
         if all(_close(v, wrong(s, f)) for (s, f), v in got.items()):
             return hint(key)
     (share, factor), value = next(((k, v) for k, v in got.items() if not _close(v, amdahl_reference(*k))))
-    return hint("unrecognised", share=share, factor=factor, got=value, expected=amdahl_reference(share, factor))
+    return hint("unrecognised", share=share, factor=factor, got=value,
+                expected=amdahl_reference(share, factor))
 
 
 def _title(family: str) -> str:

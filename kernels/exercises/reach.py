@@ -1,17 +1,19 @@
 """What a check keeps out of reach while it runs the learner's code: a ✓ means the learner wrote it.
 
-Each exercise rebuilds something the package (or PyTorch) already has: chapter 16 writes the online-softmax loop that
-``attention_reference`` and ``F.scaled_dot_product_attention`` compute, chapter 15 the backward that autograd through
-``lora_linear`` computes. While a check calls the learner's function, every finished answer to *that* exercise listed
-in ``FORBIDDEN`` is replaced by a tripwire. Calling one stops the check with a verdict that names what was called and
-why it does not count, even if the learner's code catches the error.
+Each exercise rebuilds something the package (or PyTorch) already has: chapter 16 writes the
+online-softmax loop that ``attention_reference`` and ``F.scaled_dot_product_attention`` compute,
+chapter 15 the backward that autograd through ``lora_linear`` computes. While a check calls the
+learner's function, every finished answer to *that* exercise listed in ``FORBIDDEN`` is replaced by
+a tripwire. Calling one stops the check with a verdict that names what was called and why it does
+not count, even if the learner's code catches the error.
 
-The tripwire replaces the finished function wherever a learner can reach it by name: as an attribute of its module
-(``kernels.attention.attention_reference``, ``F.cross_entropy``, ``torch.Tensor.backward``), under any other name a
-module of the package binds it to (``kernels.flash_attention``), in the learner's own namespace (a notebook's
-``from kernels.attention import attention_reference``: the function's ``__globals__``) and in its closure. Everything
-is put back when the call returns. Handing the finished function itself (or a ``functools.partial`` of it) to the
-check is caught before the call.
+The tripwire replaces the finished function wherever a learner can reach it by name: as an attribute
+of its module (``kernels.attention.attention_reference``, ``F.cross_entropy``,
+``torch.Tensor.backward``), under any other name a module of the package binds it to
+(``kernels.flash_attention``), in the learner's own namespace (a notebook's ``from kernels.attention
+import attention_reference``: the function's ``__globals__``) and in its closure. Everything is put
+back when the call returns. Handing the finished function itself (or a ``functools.partial`` of it)
+to the check is caught before the call.
 
 Use it in a check as::
 
@@ -22,8 +24,8 @@ Use it in a check as::
     except Exception as error:
         ...  # the learner's code raised: name the error
 
-Each row of ``FORBIDDEN`` is one exercise (named like its solution in ``solutions/``); adding an exercise means adding
-its row, and the test of the table calls every target.
+Each row of ``FORBIDDEN`` is one exercise (named like its solution in ``solutions/``); adding an
+exercise means adding its row, and the test of the table calls every target.
 """
 
 from __future__ import annotations
@@ -40,9 +42,10 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Forbid:
-    """One finished answer: ``target`` is ``"module:attribute"`` (``"torch:Tensor.backward"`` for a method), ``what``
-    says in a few words what it is, and ``when`` (optional) limits the tripwire to the calls it returns True for (a
-    launcher the exercise may call with ``compute_grad=False`` but not with ``compute_grad=True``)."""
+    """One finished answer: ``target`` is ``"module:attribute"`` (``"torch:Tensor.backward"`` for a
+    method), ``what`` says in a few words what it is, and ``when`` (optional) limits the tripwire to
+    the calls it returns True for (a launcher the exercise may call with ``compute_grad=False`` but
+    not with ``compute_grad=True``)."""
 
     target: str
     what: str
@@ -50,8 +53,8 @@ class Forbid:
 
 
 class FinishedCodeCalled(Exception):
-    """Raised when the learner's code calls a finished answer to the exercise being checked; the message is the
-    check's verdict."""
+    """Raised when the learner's code calls a finished answer to the exercise being checked; the
+    message is the check's verdict."""
 
 
 # Finished answers that count for several exercises.
@@ -80,8 +83,9 @@ RMS_NORM_BACKWARD = (
 
 
 def _asks_for_gradient(*args, **kwargs) -> bool:
-    """Whether a call of ``kernels.cross_entropy.cross_entropy_forward`` asks for the gradient (``compute_grad``,
-    by name or by position): with ``compute_grad=False`` it gives only the loss and the logsumexp."""
+    """Whether a call of ``kernels.cross_entropy.cross_entropy_forward`` asks for the gradient
+    (``compute_grad``, by name or by position): with ``compute_grad=False`` it gives only the loss
+    and the logsumexp."""
     forward = resolve("kernels.cross_entropy:cross_entropy_forward")[2]
     bound = inspect.signature(forward).bind_partial(*args, **kwargs)
     bound.apply_defaults()
@@ -90,24 +94,29 @@ def _asks_for_gradient(*args, **kwargs) -> bool:
 
 CROSS_ENTROPY = (
     Forbid("kernels.cross_entropy:cross_entropy", "the package's finished cross-entropy"),
-    Forbid("kernels.cross_entropy:cross_entropy_forward", "the package's cross-entropy kernel with its gradient",
+    Forbid("kernels.cross_entropy:cross_entropy_forward", ("the package's cross-entropy kernel "
+                                                           "with its gradient"),
            when=_asks_for_gradient),
-    # Whoever launches it (an operator, the autograd Function, the module), the package's kernel with its gradient
-    # sweep compiled in.
-    Forbid("kernels.cross_entropy:cross_entropy_fwd_kernel.run", "the package's cross-entropy kernel with its gradient",
+    # Whoever launches it (an operator, the autograd Function, the module), the package's kernel
+    # with its gradient sweep compiled in.
+    Forbid("kernels.cross_entropy:cross_entropy_fwd_kernel.run", ("the package's cross-entropy "
+                                                                  "kernel with its gradient"),
            when=lambda *args, **kwargs: bool(kwargs.get("COMPUTE_GRAD"))),
-    Forbid("kernels.cross_entropy:TritonCrossEntropyLoss.forward", "the package's finished cross-entropy module"),
+    Forbid("kernels.cross_entropy:TritonCrossEntropyLoss.forward", ("the package's finished "
+                                                                    "cross-entropy module")),
     Forbid("kernels.reference:cross_entropy_hf", "the reference the check compares with"),
     Forbid("torch.nn.functional:cross_entropy", "PyTorch's own cross-entropy"),
     Forbid("torch.nn.functional:nll_loss", "PyTorch's own cross-entropy (its second half)"),
     *AUTOGRAD,
 )
-SOFTMAX = tuple(Forbid(target, "PyTorch's softmax, which your kernel computes in this exercise") for target in (
+SOFTMAX = tuple(Forbid(target,
+                       "PyTorch's softmax, which your kernel computes in this exercise") for target in (
     "torch:softmax", "torch:log_softmax", "torch:Tensor.softmax", "torch:Tensor.log_softmax",
     "torch.nn.functional:softmax", "torch.nn.functional:log_softmax", "torch.special:softmax",
     "torch.special:log_softmax",
 )) + tuple(Forbid(target, "PyTorch's exp, the softmax's half, which your kernel computes in this exercise")
-           for target in ("torch:exp", "torch:Tensor.exp", "torch:Tensor.exp_", "torch.special:exp2", "torch:exp2"))
+           for target in ("torch:exp", "torch:Tensor.exp", "torch:Tensor.exp_",
+                          "torch.special:exp2", "torch:exp2"))
 ATTENTION = (
     Forbid("kernels.attention:attention_reference", "the float64 reference the check compares with"),
     Forbid("kernels.attention:flash_attention", "the package's finished FlashAttention"),
@@ -129,20 +138,23 @@ LORA = (
     Forbid("kernels.lora:LoRAGroupFunction.backward", "the package's finished LoRA group backward"),
     Forbid("kernels.exercises.lora:_terms", "the check's own float64 gradients"),
     *AUTOGRAD,
-    # Autograd's transforms that AUTOGRAD's entries do not reach: they call autograd's internals, not those names.
+    # Autograd's transforms that AUTOGRAD's entries do not reach: they call autograd's internals,
+    # not those names.
     Forbid("torch.func:jacrev", "autograd, which computes this gradient for you"),
     Forbid("torch.func:jacfwd", "autograd, which computes this gradient for you"),
     Forbid("torch.func:grad_and_value", "autograd, which computes this gradient for you"),
 )
-# Chapters 02 and 03: PyTorch's and Hugging Face's RMSNorm and the package's forward kernel (the first three, which
-# the forward exercises keep out of reach too), then the package's backward kernel and autograd's transforms.
+# Chapters 02 and 03: PyTorch's and Hugging Face's RMSNorm and the package's forward kernel (the
+# first three, which the forward exercises keep out of reach too), then the package's backward
+# kernel and autograd's transforms.
 RMS_NORM_KERNELS = (
     Forbid("torch:rms_norm", "PyTorch's own RMSNorm"),
     Forbid("transformers.models.llama.modeling_llama:LlamaRMSNorm.forward",
            "Hugging Face's RMSNorm, the module the check compares with"),
     Forbid("kernels.rmsnorm:rms_norm_fwd_kernel.run", "the package's finished RMSNorm forward kernel"),
     Forbid("kernels.rmsnorm:rms_norm_bwd_kernel.run", "the package's finished RMSNorm backward kernel"),
-    # Autograd's transforms that AUTOGRAD's entries do not reach (they call autograd's internals, not those names).
+    # Autograd's transforms that AUTOGRAD's entries do not reach (they call autograd's internals,
+    # not those names).
     Forbid("torch.func:jacrev", "autograd, which computes this gradient for you"),
     Forbid("torch.func:jacfwd", "autograd, which computes this gradient for you"),
     Forbid("torch.func:grad_and_value", "autograd, which computes this gradient for you"),
@@ -150,7 +162,8 @@ RMS_NORM_KERNELS = (
 
 
 def _is_rms_norm_fwd(op=None, *args, **kwargs) -> bool:
-    """Whether an operator call (``op`` the OpOverload or its packet) is the package's ``kernels::rms_norm_fwd``."""
+    """Whether an operator call (``op`` the OpOverload or its packet) is the package's
+    ``kernels::rms_norm_fwd``."""
     name = getattr(op, "_qualified_op_name", None) or getattr(op, "_name", "")
     return name == "kernels::rms_norm_fwd"
 
@@ -175,7 +188,8 @@ NORM_SURGERY = (
 )
 RMS_NORM_FAKE = (
     Forbid("kernels.rmsnorm:rms_norm_fwd_fake", "the package's finished fake implementation"),
-    Forbid("kernels.rmsnorm:rms_norm", "the package's RMSNorm, whose operator answers from the finished fake"),
+    Forbid("kernels.rmsnorm:rms_norm", ("the package's RMSNorm, whose operator answers from the "
+                                        "finished fake")),
     Forbid("torch._ops:OpOverload.__call__",
            "the package's operator torch.ops.kernels.rms_norm_fwd, which answers from the finished fake",
            when=_is_rms_norm_fwd),
@@ -186,9 +200,12 @@ RMS_NORM_FAKE = (
 SLICE_GRADIENT = (
     Forbid("kernels.exercises.linear_cross_entropy:reference_slice_gradient",
            "the float64 slice gradient the check compares with"),
-    Forbid("kernels.linear_cross_entropy:_grad_slice_kernel", "the package's finished slice-gradient kernel"),
-    Forbid("kernels.linear_cross_entropy:gradient_pass", "the package's finished gradient pass over the slices"),
-    Forbid("kernels.linear_cross_entropy:linear_cross_entropy", "the package's finished linear cross-entropy"),
+    Forbid("kernels.linear_cross_entropy:_grad_slice_kernel", ("the package's finished "
+                                                               "slice-gradient kernel")),
+    Forbid("kernels.linear_cross_entropy:gradient_pass", ("the package's finished gradient pass "
+                                                          "over the slices")),
+    Forbid("kernels.linear_cross_entropy:linear_cross_entropy", ("the package's finished linear "
+                                                                 "cross-entropy")),
     Forbid("torch.nn.functional:cross_entropy", "PyTorch's own cross-entropy"),
     *AUTOGRAD,
 )
@@ -212,18 +229,21 @@ ROPE_BACKWARD = (
 LABEL_COUNT = (
     Forbid("kernels.distributed.parallel:global_label_counts", "the package's finished global label count"),
     Forbid("kernels.training.loop:labels_per_step", "the package's finished count per step"),
-    Forbid("kernels.training.loop:count_trained_labels", "the package's finished count of a batch's trained labels"),
+    Forbid("kernels.training.loop:count_trained_labels", ("the package's finished count of a "
+                                                          "batch's trained labels")),
     Forbid("kernels.exercises.distributed:expected_counts", "the counts the check compares with"),
 )
 
-# Chapter 13: the checks compile the learner's C++ and CUDA source, which cannot call Python; these rows name the
-# package's finished versions all the same, so that a check that runs learner Python for them keeps them away.
+# Chapter 13: the checks compile the learner's C++ and CUDA source, which cannot call Python; these
+# rows name the package's finished versions all the same, so that a check that runs learner Python
+# for them keeps them away.
 CPP_RMS_NORM = (
     Forbid("kernels.cuda_rmsnorm:rms_norm_cpp", "the package's finished C++ RMSNorm"),
     Forbid("kernels.cuda_rmsnorm:rms_norm_cuda", "the package's finished CUDA RMSNorm"),
     *RMS_NORM_FORWARD,
 )
-# Chapter 14: the package's tile loop and tiled MLP; the package's offload, whose pack and unpack are the answer.
+# Chapter 14: the package's tile loop and tiled MLP; the package's offload, whose pack and unpack
+# are the answer.
 TILED_MLP = (
     Forbid("kernels.hf.tiled_mlp:tile_bounds", "the package's finished tile loop bounds"),
     Forbid("kernels.hf.tiled_mlp:tiled_swiglu_mlp", "the package's finished tiled MLP"),
@@ -241,8 +261,9 @@ OFFLOAD = (
 
 # What each exercise keeps out of reach, by the name of its solution.
 FORBIDDEN: dict[str, tuple[Forbid, ...]] = {
-    # Chapter 02's forward function and tile kernel, chapter 03's dx and backward tile kernel. The package's Triton
-    # kernels trip when launched (``.run``), whoever launches them: the operators, the Function, the module.
+    # Chapter 02's forward function and tile kernel, chapter 03's dx and backward tile kernel. The
+    # package's Triton kernels trip when launched (``.run``), whoever launches them: the operators,
+    # the Function, the module.
     "rms_norm_forward_rows": RMS_NORM_FORWARD + RMS_NORM_KERNELS[:3],
     "rms_norm_tile_kernel": RMS_NORM_FORWARD + RMS_NORM_KERNELS[:3],
     "rms_norm_dx": RMS_NORM_BACKWARD + RMS_NORM_KERNELS,
@@ -275,10 +296,11 @@ FORBIDDEN: dict[str, tuple[Forbid, ...]] = {
 
 
 def targets(exercise: str) -> tuple[Forbid, ...]:
-    """What ``exercise`` keeps out of reach (its row of ``FORBIDDEN`` and the hidden solutions); a ValueError names
-    the exercises there are."""
+    """What ``exercise`` keeps out of reach (its row of ``FORBIDDEN`` and the hidden solutions); a
+    ValueError names the exercises there are."""
     if exercise not in FORBIDDEN:
-        raise ValueError(f"no exercise named {exercise!r} in FORBIDDEN; there are: {', '.join(sorted(FORBIDDEN))}")
+        raise ValueError(f"no exercise named {exercise!r} in FORBIDDEN; there are: "
+                         f"{', '.join(sorted(FORBIDDEN))}")
     return FORBIDDEN[exercise] + SOLUTIONS
 
 
@@ -304,9 +326,9 @@ class Tripwire:
         if not self.called:
             return None
         name, what = self.called[0]
-        return (f"your code called {name} ({what}): that is a finished answer to this exercise, so the check keeps it "
-                f"out of reach, and a ✓ would not be yours. Write it yourself; solution(\"{self.exercise}\") shows "
-                f"one answer once you have tried.")
+        return (f"your code called {name} ({what}): that is a finished answer to this exercise, so "
+                "the check keeps it out of reach, and a ✓ would not be yours. Write it yourself; "
+                f"solution(\"{self.exercise}\") shows one answer once you have tried.")
 
     def wire(self, forbid: Forbid, original: Callable) -> Callable:
         name = forbid.target.replace(":", ".")
@@ -338,7 +360,8 @@ def _namespaces(fn: Any) -> Iterator[dict]:
     base = _base(fn)
     candidates = [getattr(base, "__globals__", None)]
     candidates += [vars(module) for name, module in list(sys.modules.items())
-                   if module is not None and (name == "kernels" or name.startswith("kernels.") or name == "__main__")]
+                   if module is not None
+                   and (name == "kernels" or name.startswith("kernels.") or name == "__main__")]
     for namespace in candidates:
         if isinstance(namespace, dict) and id(namespace) not in seen:
             seen.add(id(namespace))
@@ -347,8 +370,8 @@ def _namespaces(fn: Any) -> Iterator[dict]:
 
 @contextmanager
 def out_of_reach(exercise: str, fn: Any = None) -> Iterator[Tripwire]:
-    """Within the block, each finished answer to ``exercise`` is a tripwire, wherever ``fn`` (the learner's function)
-    could reach it by name; everything is restored on the way out."""
+    """Within the block, each finished answer to ``exercise`` is a tripwire, wherever ``fn`` (the
+    learner's function) could reach it by name; everything is restored on the way out."""
     tripwire = Tripwire(exercise)
     undo: list[Callable[[], None]] = []
     try:
@@ -385,8 +408,8 @@ def _filled(cell) -> bool:
 
 
 def finished_answer(exercise: str, obj: Any) -> str | None:
-    """The verdict when ``obj`` (under any partial or bound method) is itself one of ``exercise``'s finished answers,
-    handed to the check as if it were the learner's; else None."""
+    """The verdict when ``obj`` (under any partial or bound method) is itself one of ``exercise``'s
+    finished answers, handed to the check as if it were the learner's; else None."""
     base = _base(obj)
     for forbid in targets(exercise):
         if resolve(forbid.target)[2] is base:
@@ -395,12 +418,13 @@ def finished_answer(exercise: str, obj: Any) -> str | None:
 
 
 def call_learner(exercise: str, fn: Callable, *args, watch: Any = None, **kwargs):
-    """``fn(*args, **kwargs)`` with ``exercise``'s finished answers out of reach. Raises ``FinishedCodeCalled``
-    (its message is the verdict) when ``fn`` is a finished answer or called one, even if it caught the error; any
-    other error of ``fn`` propagates as it is.
+    """``fn(*args, **kwargs)`` with ``exercise``'s finished answers out of reach. Raises
+    ``FinishedCodeCalled`` (its message is the verdict) when ``fn`` is a finished answer or called
+    one, even if it caught the error; any other error of ``fn`` propagates as it is.
 
-    ``watch`` is the learner's own code when ``fn`` is the check's launcher of it (a Triton kernel's Python function,
-    ``kernel.fn``): the tripwire then replaces the names in ``watch``'s namespace; by default, in ``fn``'s."""
+    ``watch`` is the learner's own code when ``fn`` is the check's launcher of it (a Triton kernel's
+    Python function, ``kernel.fn``): the tripwire then replaces the names in ``watch``'s namespace;
+    by default, in ``fn``'s."""
     code = fn if watch is None else watch
     message = finished_answer(exercise, code)
     if message:

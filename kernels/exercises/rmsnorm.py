@@ -1,23 +1,28 @@
 """Checks for the RMSNorm exercises of chapter 02 (forward) and chapter 03 (backward).
 
-Two kinds of check. ``check_rms_norm_forward`` and ``check_rms_norm_backward`` call the reader's *function* (a
-wrapper that launches a kernel) on a handful of fresh random inputs, each chosen to expose particular mistakes (a
-width that is a power of two, one that is not, a row of tiny values, bfloat16, a strided view), and compare the
-result with a float64 reference. ``check_rms_norm_tile`` and ``check_rms_norm_backward_tile`` launch the reader's
-*kernel* themselves, with tiles of ``TILE_ROWS`` rows, on tensors that sit inside larger buffers: foreign values
-around every input, a sentinel around every output. A kernel that reads or writes past the tensor's last row, before
-its first, or past its last column therefore touches memory the check owns, and the check can say exactly where.
+Two kinds of check. ``check_rms_norm_forward`` and ``check_rms_norm_backward`` call the reader's
+*function* (a wrapper that launches a kernel) on a handful of fresh random inputs, each chosen to
+expose particular mistakes (a width that is a power of two, one that is not, a row of tiny values,
+bfloat16, a strided view), and compare the result with a float64 reference. ``check_rms_norm_tile``
+and ``check_rms_norm_backward_tile`` launch the reader's *kernel* themselves, with tiles of
+``TILE_ROWS`` rows, on tensors that sit inside larger buffers: foreign values around every input, a
+sentinel around every output. A kernel that reads or writes past the tensor's last row, before its
+first, or past its last column therefore touches memory the check owns, and the check can say
+exactly where.
 
-Both tile checks end with a launch on rows that lie past element 2**31 of their buffer (``mapped_buffer``: on the
-CPU an address range with almost no memory behind it), where row offsets computed in int32 wrap around.
+Both tile checks end with a launch on rows that lie past element 2**31 of their buffer
+(``mapped_buffer``: on the CPU an address range with almost no memory behind it), where row offsets
+computed in int32 wrap around.
 
-Every check runs the reader's code with the finished answers of its exercise out of reach (``kernels.exercises.reach``:
-the package's RMSNorm and its kernels, the references, PyTorch's own RMSNorm, and autograd for the backward): a
-reader's function that calls one of them gets a verdict that says so, not a ✓.
+Every check runs the reader's code with the finished answers of its exercise out of reach
+(``kernels.exercises.reach``: the package's RMSNorm and its kernels, the references, PyTorch's own
+RMSNorm, and autograd for the backward): a reader's function that calls one of them gets a verdict
+that says so, not a ✓.
 
-When the result is wrong, a check recomputes the usual mistakes in float64 and says which one the output
-reproduces, on which input and in which row; the wording of every diagnosis is in ``HINTS``. A check never raises
-because the reader's code is wrong or unfinished: it prints its verdict and returns a :class:`Report`.
+When the result is wrong, a check recomputes the usual mistakes in float64 and says which one the
+output reproduces, on which input and in which row; the wording of every diagnosis is in ``HINTS``.
+A check never raises because the reader's code is wrong or unfinished: it prints its verdict and
+returns a :class:`Report`.
 """
 
 from __future__ import annotations
@@ -36,15 +41,18 @@ from kernels.exercises.reach import FinishedCodeCalled, call_learner, out_of_rea
 from kernels.reference import relative_error, rms_norm_reference
 from kernels.tolerances import ELEMENT_TOL, RELATIVE_ERROR_TOL
 
-# A bfloat16 forward output must equal Hugging Face's bit for bit except in at most this fraction of values. The
-# right cast order gives (almost) no differences; multiplying by the weight before rounding changes about a fifth.
+# A bfloat16 forward output must equal Hugging Face's bit for bit except in at most this fraction of
+# values. The right cast order gives (almost) no differences; multiplying by the weight before
+# rounding changes about a fifth.
 BF16_MAX_DIFFERENT = 0.02
 
-# Rows per program in the tile checks, and rows of guard before and after each tensor: enough for the last tile to
-# hang past the end, and for a row index that is off by one, to stay inside memory the check owns.
+# Rows per program in the tile checks, and rows of guard before and after each tensor: enough for
+# the last tile to hang past the end, and for a row index that is off by one, to stay inside memory
+# the check owns.
 TILE_ROWS = 4
 GUARD_ROWS = TILE_ROWS + 1
-SENTINEL = -4096.0  # what an output's surroundings hold (exact in bfloat16): a kernel that changes it wrote there
+# what an output's surroundings hold (exact in bfloat16): a kernel that changes it wrote there
+SENTINEL = -4096.0
 
 # Every diagnosis, in one place. Fields in braces are filled in for the input at hand.
 HINTS = {
@@ -57,134 +65,161 @@ HINTS = {
               "cast_to(value, OUT.dtype.element_ty)"),
     "device": "the output is on {got}, expected {expected} (where x is)",
     # Patterns in the output.
-    "placeholder_zeros": ("every value of {name} is 0: is the exercise line still the placeholder? (the stub as given "
-                          "computes zeros)"),
-    "nothing_written": ("nothing was written to {name}: is the mask (or are the offsets) still a placeholder? (the "
-                        "stub as given stores nothing)"),
-    "tail_columns": ("columns {first}–{last} of {name} are wrong while columns 0–{right} are right: tail columns not "
-                     "written: check your mask (cols < n_cols) on the loads and the store, and that BLOCK_N ≥ n_cols."),
-    "tail_rows": ("rows {first}–{last} of {name} are wrong while rows 0–{right} are right: some rows were never "
-                  "computed: does the grid launch a program for every row (or block of rows), does each program start "
-                  "at its own first row (pid * ROWS for a tile), and does the row mask keep exactly rows < n_rows?"),
-    "first_rows_skipped": ("{rows} of {name} {were} never written while the other rows are right: the first "
-                           "program's first row is 0, so this program's rows are pid * ROWS + tl.arange(0, ROWS): is "
-                           "the row index shifted (an off-by-one)?"),
-    "not_finite": ("{name} holds NaN or infinity. Masked-off lanes must load other=0.0, and eps belongs inside the "
-                   "square root."),
-    "unrecognised": ("relative error of {name} {error:.2e} (must stay below {tol:g}). None of the usual mistakes "
-                     "reproduces this output: print it beside the reference for this input to see the pattern."),
+    "placeholder_zeros": ("every value of {name} is 0: is the exercise line still the placeholder? "
+                          "(the stub as given computes zeros)"),
+    "nothing_written": ("nothing was written to {name}: is the mask (or are the offsets) still a "
+                        "placeholder? (the stub as given stores nothing)"),
+    "tail_columns": ("columns {first}–{last} of {name} are wrong while columns 0–{right} are "
+                     "right: tail columns not written: check your mask (cols < n_cols) on the "
+                     "loads and the store, and that BLOCK_N ≥ n_cols."),
+    "tail_rows": ("rows {first}–{last} of {name} are wrong while rows 0–{right} are right: some "
+                  "rows were never computed: does the grid launch a program for every row (or "
+                  "block of rows), does each program start at its own first row (pid * ROWS for a "
+                  "tile), and does the row mask keep exactly rows < n_rows?"),
+    "first_rows_skipped": ("{rows} of {name} {were} never written while the other rows are right: "
+                           "the first program's first row is 0, so this program's rows are pid * "
+                           "ROWS + tl.arange(0, ROWS): is the row index shifted (an off-by-one)?"),
+    "not_finite": ("{name} holds NaN or infinity. Masked-off lanes must load other=0.0, and eps "
+                   "belongs inside the square root."),
+    "unrecognised": ("relative error of {name} {error:.2e} (must stay below {tol:g}). None of the "
+                     "usual mistakes reproduces this output: print it beside the reference for "
+                     "this input to see the pattern."),
     # Where a tile kernel wrote: outside the tensor.
     "rows_past_end": ("{name} was written in {written}, past its last row ({rows} rows): the last program's "
                       "tile hangs past n_rows, and the mask must switch those rows off: "
                       "(rows[:, None] < n_rows) & (cols[None, :] < n_cols)"),
-    "row_at_end": ("{name} was written in row {rows}, one past its last: the row mask lets rows == n_rows through: "
-                   "rows < n_rows, not <="),
-    "rows_before_start": ("{name} was written before its first row: the row index is off by one: this program's rows "
-                          "are pid * ROWS + tl.arange(0, ROWS), and the first program's first row is 0"),
-    "columns_past_end": ("{name} was written in columns {first}–{last}, past its last column ({cols} columns), in the "
-                         "memory around the tensor: the mask must switch off the lanes with cols ≥ n_cols, on the "
-                         "loads and the store (a 2-D mask: rows and columns)"),
-    "output_stride": ("{name}'s rows were written {used} elements apart ({what}), but they are {right} apart: offset "
-                      "{name}'s rows by {arg}"),
+    "row_at_end": ("{name} was written in row {rows}, one past its last: the row mask lets rows == "
+                   "n_rows through: rows < n_rows, not <="),
+    "rows_before_start": ("{name} was written before its first row: the row index is off by one: "
+                          "this program's rows are pid * ROWS + tl.arange(0, ROWS), and the first "
+                          "program's first row is 0"),
+    "columns_past_end": ("{name} was written in columns {first}–{last}, past its last column "
+                         "({cols} columns), in the memory around the tensor: the mask must switch "
+                         "off the lanes with cols ≥ n_cols, on the loads and the store (a 2-D "
+                         "mask: rows and columns)"),
+    "output_stride": ("{name}'s rows were written {used} elements apart ({what}), but they are "
+                      "{right} apart: offset {name}'s rows by {arg}"),
     # RMSNorm's forward.
-    "divide_by_block": ("did you divide by BLOCK_N ({block_n}) instead of n_cols ({n})? The masked lanes load zeros, "
-                        "so the sum of squares is right, but the mean is over the row's real width"),
-    "short_block": ("only the first {short} columns were used: BLOCK_N must be a power of two at least n_cols "
-                    "(triton.next_power_of_2({n}) = {block_n}), with the mask cols < n_cols switching off the extra "
-                    "lanes"),
-    "masked_other": ("the masked-off lanes of x loaded 1.0, not 0.0: the {pad} lanes between n_cols ({n}) and BLOCK_N "
-                     "({block_n}) each add 1.0² to the sum of squares. Load with other=0.0, so that they add nothing"),
-    "sum_not_mean": "you summed the squares but did not divide by n_cols: rstd needs the mean of x², not the sum",
+    "divide_by_block": ("did you divide by BLOCK_N ({block_n}) instead of n_cols ({n})? The masked "
+                        "lanes load zeros, so the sum of squares is right, but the mean is over "
+                        "the row's real width"),
+    "short_block": ("only the first {short} columns were used: BLOCK_N must be a power of two at "
+                    "least n_cols (triton.next_power_of_2({n}) = {block_n}), with the mask cols < "
+                    "n_cols switching off the extra lanes"),
+    "masked_other": ("the masked-off lanes of x loaded 1.0, not 0.0: the {pad} lanes between "
+                     "n_cols ({n}) and BLOCK_N ({block_n}) each add 1.0² to the sum of squares. "
+                     "Load with other=0.0, so that they add nothing"),
+    "sum_not_mean": ("you summed the squares but did not divide by n_cols: rstd needs the mean of "
+                     "x², not the sum"),
     "no_rsqrt": ("you multiplied by mean(x²) + eps itself: rstd is its reciprocal square root, "
                  "tl.math.rsqrt(mean + eps)"),
-    "sqrt_not_rsqrt": ("you multiplied by sqrt(mean(x²) + eps) instead of dividing by it: rstd = 1 / sqrt(mean(x²) + "
-                       "eps), tl.math.rsqrt(...)"),
+    "sqrt_not_rsqrt": ("you multiplied by sqrt(mean(x²) + eps) instead of dividing by it: rstd = 1 "
+                       "/ sqrt(mean(x²) + eps), tl.math.rsqrt(...)"),
     "no_weight": "the weight is never applied: y = w ⊙ x̂",
     "no_eps": "eps is missing: add it inside the square root (the eps passed in, here {eps:g})",
     "eps_outside_sqrt": ("eps was added outside the square root: 1 / (sqrt(mean(x²)) + eps) is not "
                          "1 / sqrt(mean(x²) + eps); it belongs inside: tl.math.rsqrt(mean + eps)"),
     "default_eps": "you used eps = 1e-6, not the eps passed in ({eps:g}): take it from the argument",
-    "square_of_mean": ("you squared the mean (mean(x)²) instead of taking the mean of the squares (mean(x²)): "
-                       "square first, tl.sum(x * x, ...) / n_cols"),
-    "no_square": ("the values were not squared: rstd = 1 / sqrt(mean(x²) + eps), and without the square a row whose "
-                  "mean is negative gives the root of a negative number (NaN)"),
-    "centred": ("you subtracted the row's mean (that is LayerNorm's variance): RMSNorm does not centre, rstd = "
-                "1 / sqrt(mean(x²) + eps) of x itself"),
-    "centred_x": ("you centred x (x − mean(x)), as LayerNorm does: RMSNorm does not subtract the mean, neither in "
-                  "rstd nor in x̂ = x · rstd"),
-    "divide_by_rows": ("the mean divides by the number of rows ({divisor}) instead of n_cols ({n}): the mean runs "
-                       "along the row, over its columns"),
-    "row_stride": ("rows were read n_cols ({cols}) elements apart, but in this view they are {stride} apart: offset "
-                   "each row by the tensor's row stride (x.stride(0)), not by its width"),
-    "inputs_width": ("the rows of {tensors} were read n_cols ({cols}) elements apart, the width, but they are "
-                     "{strides} elements apart: offset each tensor's rows by its own row stride ({args})"),
-    "input_stride": ("rows of {tensor} were read {used} elements apart ({what}), but they are {right} apart: offset "
-                     "{tensor}'s rows by {arg}, not by {wrong}"),
-    "cast_order": ("output not cast like Hugging Face: you multiplied by the weight before casting. Hugging Face "
-                   "rounds x̂ to the input dtype first, then multiplies by the weight: "
-                   "y = cast_to(x_hat, X.dtype.element_ty).to(tl.float32) * w"),
-    "truncation": ("values are truncated to bfloat16 instead of rounded: Triton's interpreter truncates "
-                   ".to(tl.bfloat16), so store through cast_to(value, Y.dtype.element_ty) (and round x̂ the same way)"),
-    "bf16_bits": ("{share:.0f}% of the values differ from Hugging Face's in the last bits (close, but not the same "
-                  "rounding): normalise in float32, round x̂ to bfloat16, then multiply by the weight."),
-    "no_upcast": ("float32 inputs are right but this bfloat16 one is not: the loaded values were not converted to "
-                  "float32 before the arithmetic. Load, then .to(tl.float32): the squares and their sum must be "
-                  "float32 (a bfloat16 sum stops growing once it is large, and Triton's interpreter computes bfloat16 "
-                  "arithmetic wrongly)"),
-    "int32_rows": ("{rows} of {name} {were} never written while the rows before are right: row {first} starts "
-                   "at element {start:,}, past 2**31 − 1, and its offset wrapped around: the row indices are int32. "
-                   "Make them int64 before multiplying by the stride: (pid * ROWS + tl.arange(0, ROWS)).to(tl.int64)"),
-    "tile_shapes_forward": ("Triton could not combine two blocks of different shapes ({error}). In this kernel that "
-                            "comes from one of three things: a reduction along the wrong axis (rstd is one value per "
-                            "row: tl.sum(..., axis=1), shape [ROWS]); a row index without [:, None] (the offsets are "
-                            "rows[:, None] * stride + cols[None, :]); or a mask built from 1-D pieces that do not "
-                            "broadcast: (rows[:, None] < n_rows) & (cols[None, :] < n_cols)"),
+    "square_of_mean": ("you squared the mean (mean(x)²) instead of taking the mean of the squares "
+                       "(mean(x²)): square first, tl.sum(x * x, ...) / n_cols"),
+    "no_square": ("the values were not squared: rstd = 1 / sqrt(mean(x²) + eps), and without the "
+                  "square a row whose mean is negative gives the root of a negative number (NaN)"),
+    "centred": ("you subtracted the row's mean (that is LayerNorm's variance): RMSNorm does not "
+                "centre, rstd = 1 / sqrt(mean(x²) + eps) of x itself"),
+    "centred_x": ("you centred x (x − mean(x)), as LayerNorm does: RMSNorm does not subtract the "
+                  "mean, neither in rstd nor in x̂ = x · rstd"),
+    "divide_by_rows": ("the mean divides by the number of rows ({divisor}) instead of n_cols "
+                       "({n}): the mean runs along the row, over its columns"),
+    "row_stride": ("rows were read n_cols ({cols}) elements apart, but in this view they are "
+                   "{stride} apart: offset each row by the tensor's row stride (x.stride(0)), not "
+                   "by its width"),
+    "inputs_width": ("the rows of {tensors} were read n_cols ({cols}) elements apart, the width, "
+                     "but they are {strides} elements apart: offset each tensor's rows by its own "
+                     "row stride ({args})"),
+    "input_stride": ("rows of {tensor} were read {used} elements apart ({what}), but they are "
+                     "{right} apart: offset {tensor}'s rows by {arg}, not by {wrong}"),
+    "cast_order": ("output not cast like Hugging Face: you multiplied by the weight before "
+                   "casting. Hugging Face rounds x̂ to the input dtype first, then multiplies by "
+                   "the weight: y = cast_to(x_hat, X.dtype.element_ty).to(tl.float32) * w"),
+    "truncation": ("values are truncated to bfloat16 instead of rounded: Triton's interpreter "
+                   "truncates .to(tl.bfloat16), so store through cast_to(value, "
+                   "Y.dtype.element_ty) (and round x̂ the same way)"),
+    "bf16_bits": ("{share:.0f}% of the values differ from Hugging Face's in the last bits (close, "
+                  "but not the same rounding): normalise in float32, round x̂ to bfloat16, then "
+                  "multiply by the weight."),
+    "no_upcast": ("float32 inputs are right but this bfloat16 one is not: the loaded values were "
+                  "not converted to float32 before the arithmetic. Load, then .to(tl.float32): the "
+                  "squares and their sum must be float32 (a bfloat16 sum stops growing once it is "
+                  "large, and Triton's interpreter computes bfloat16 arithmetic wrongly)"),
+    "int32_rows": ("{rows} of {name} {were} never written while the rows before are right: row "
+                   "{first} starts at element {start:,}, past 2**31 − 1, and its offset wrapped "
+                   "around: the row indices are int32. Make them int64 before multiplying by the "
+                   "stride: (pid * ROWS + tl.arange(0, ROWS)).to(tl.int64)"),
+    "tile_shapes_forward": ("Triton could not combine two blocks of different shapes ({error}). In "
+                            "this kernel that comes from one of three things: a reduction along "
+                            "the wrong axis (rstd is one value per row: tl.sum(..., axis=1), shape "
+                            "[ROWS]); a row index without [:, None] (the offsets are rows[:, None] "
+                            "* stride + cols[None, :]); or a mask built from 1-D pieces that do "
+                            "not broadcast: (rows[:, None] < n_rows) & (cols[None, :] < n_cols)"),
     # RMSNorm's backward: dx.
     "no_rstd": "the leading rstd factor is missing: dx = rstd · (g − x̂ · mean(g ⊙ x̂))",
-    "dx_sum_not_mean": "you summed g ⊙ x̂ over the row instead of taking its mean: divide the sum by n_cols ({n})",
+    "dx_sum_not_mean": ("you summed g ⊙ x̂ over the row instead of taking its mean: divide the sum "
+                        "by n_cols ({n})"),
     "dx_sign": "the sign of the correction is wrong: dx = rstd · (g − x̂ · mean(g ⊙ x̂)), a minus",
-    "dx_axis_0": ("the mean ran down the tile's columns (axis=0: one value per column, over the tile's rows): dx's "
-                  "mean is one value per row, tl.sum(g * x_hat, axis=1) / n_cols, used as [:, None]"),
-    "no_correction": ("the correction term − x̂ · mean(g ⊙ x̂) is missing: it carries how each output depends on every "
-                      "input through rstd"),
+    "dx_axis_0": ("the mean ran down the tile's columns (axis=0: one value per column, over the "
+                  "tile's rows): dx's mean is one value per row, tl.sum(g * x_hat, axis=1) / "
+                  "n_cols, used as [:, None]"),
+    "no_correction": ("the correction term − x̂ · mean(g ⊙ x̂) is missing: it carries how each "
+                      "output depends on every input through rstd"),
     "dx_no_weight": "the weight is missing: g = dy ⊙ w is the gradient that reaches x̂, in both places",
     "dy_in_mean": "inside the mean use g = dy ⊙ w, not dy: mean(g ⊙ x̂)",
     "mean_of_g": "wrong mean: it is mean(g ⊙ x̂), not mean(g)",
-    "x_for_x_hat": ("you used x where x̂ belongs, once: the correction is x̂ · mean(g ⊙ x̂) with x̂ = x · rstd (x in "
-                    "the product, x inside the mean, or rstd · g − x̂ · mean(g ⊙ x̂) all give these numbers: rstd "
-                    "multiplies the whole bracket, the correction too)"),
+    "x_for_x_hat": ("you used x where x̂ belongs, once: the correction is x̂ · mean(g ⊙ x̂) with "
+                    "x̂ = x · rstd (x in the product, x inside the mean, or rstd · g − x̂ · mean(g "
+                    "⊙ x̂) all give these numbers: rstd multiplies the whole bracket, the "
+                    "correction too)"),
     "x_for_x_hat_twice": "you used x where x̂ belongs (in the product and in the mean): x̂ = x · rstd",
-    "dx_divide_by_block": ("wrong mean: did you divide by BLOCK_N ({block_n}) instead of n_cols ({n})? The masked "
-                           "lanes add zeros to the sum; the mean is over the row's real width"),
-    "tile_shapes_backward": ("Triton could not combine two blocks of different shapes ({error}). In this kernel that "
-                             "comes from one of three things: a sum along the wrong axis (dx's mean is one value per "
-                             "row, tl.sum(..., axis=1), used as [:, None]; dW's contribution is one value per column, "
-                             "tl.sum(..., axis=0), the sum over the tile's rows); a row index without [:, None]; or a "
-                             "mask built from 1-D pieces that do not broadcast: row_ok[:, None] & col_ok[None, :]"),
+    "dx_divide_by_block": ("wrong mean: did you divide by BLOCK_N ({block_n}) instead of n_cols "
+                           "({n})? The masked lanes add zeros to the sum; the mean is over the "
+                           "row's real width"),
+    "tile_shapes_backward": ("Triton could not combine two blocks of different shapes ({error}). "
+                             "In this kernel that comes from one of three things: a sum along the "
+                             "wrong axis (dx's mean is one value per row, tl.sum(..., axis=1), "
+                             "used as [:, None]; dW's contribution is one value per column, "
+                             "tl.sum(..., axis=0), the sum over the tile's rows); a row index "
+                             "without [:, None]; or a mask built from 1-D pieces that do not "
+                             "broadcast: row_ok[:, None] & col_ok[None, :]"),
     # RMSNorm's backward: dW, from a tile kernel's per-program partial sums.
-    "dw_zero": "every value of dW is 0: nothing is ever added to dw_acc: is the dW line still the placeholder?",
+    "dw_zero": ("every value of dW is 0: nothing is ever added to dw_acc: is the dW line still the "
+                "placeholder?"),
     "dw_sign": "dW has the wrong sign: dW = + Σ over rows of dy ⊙ x̂",
-    "dw_used_g": ("dW used g = dy ⊙ w where dy belongs: dW = Σ over rows of dy ⊙ x̂ (the weight does not multiply its "
-                  "own gradient)"),
+    "dw_used_g": ("dW used g = dy ⊙ w where dy belongs: dW = Σ over rows of dy ⊙ x̂ (the weight "
+                  "does not multiply its own gradient)"),
     "dw_used_x": "dW used x where x̂ belongs: dW = Σ over rows of dy ⊙ x̂, with x̂ = x · rstd",
-    "dw_not_summed": ("dw_acc is one value per column ([BLOCK_N]), but a [ROWS, BLOCK_N] block was added to it "
-                      "({error}): sum the tile's dy ⊙ x̂ over its rows first, tl.sum(..., axis=0)"),
-    "dw_rstd_twice": "dW multiplied by rstd once more: x_hat already holds x · rstd, so dW = Σ over rows of dy ⊙ x̂",
+    "dw_not_summed": ("dw_acc is one value per column ([BLOCK_N]), but a [ROWS, BLOCK_N] block was "
+                      "added to it ({error}): sum the tile's dy ⊙ x̂ over its rows first, "
+                      "tl.sum(..., axis=0)"),
+    "dw_rstd_twice": ("dW multiplied by rstd once more: x_hat already holds x · rstd, so dW = Σ "
+                      "over rows of dy ⊙ x̂"),
     "dw_mean": "dW is a mean over the rows, but it is a sum: dW = Σ over rows of dy ⊙ x̂, with no division",
-    "dw_last_tile": ("dW holds only the last tile of each program: add each tile's contribution to the accumulator "
-                     "(dw_acc += ...), do not assign it (dw_acc = ...)"),
-    "dw_unrounded": ("dW used x̂ before rounding: the forward multiplied the weight by x̂ rounded to x's dtype, so "
-                     "dW = Σ dy ⊙ x_hat_rounded"),
-    "dw_not_float32": ("dW is right for float32 inputs but not for this bfloat16 one (relative error {error:.1e}, "
-                       "where float32 sums stay under {tight:g}): dW was not accumulated in float32. Keep dw_acc a "
-                       "float32 block, tl.zeros((BLOCK_N,), dtype=tl.float32), add float32 sums into it, and round to "
-                       "the weight's dtype only once, after the partials are summed"),
-    "dw_loop_dtype": ("dw_acc changed its dtype inside the loop ({error}): a loop's accumulator keeps one dtype, and "
-                      "for dW that is float32: tl.zeros((BLOCK_N,), dtype=tl.float32), with float32 sums added to it"),
-    "dw_partials_missing": ("some of dW's partial sums were never written (they are still NaN): every program stores "
-                            "its sums once, after its loop: DW_PARTIALS + pid * n_cols + cols"),
-    "dw_partials_outside": ("DW_PARTIALS was written outside this program's row: program pid stores its BLOCK_N sums "
-                            "at DW_PARTIALS + pid * n_cols + cols, with the mask cols < n_cols"),
+    "dw_last_tile": ("dW holds only the last tile of each program: add each tile's contribution to "
+                     "the accumulator (dw_acc += ...), do not assign it (dw_acc = ...)"),
+    "dw_unrounded": ("dW used x̂ before rounding: the forward multiplied the weight by x̂ rounded "
+                     "to x's dtype, so dW = Σ dy ⊙ x_hat_rounded"),
+    "dw_not_float32": ("dW is right for float32 inputs but not for this bfloat16 one (relative "
+                       "error {error:.1e}, where float32 sums stay under {tight:g}): dW was not "
+                       "accumulated in float32. Keep dw_acc a float32 block, tl.zeros((BLOCK_N,), "
+                       "dtype=tl.float32), add float32 sums into it, and round to the weight's "
+                       "dtype only once, after the partials are summed"),
+    "dw_loop_dtype": ("dw_acc changed its dtype inside the loop ({error}): a loop's accumulator "
+                      "keeps one dtype, and for dW that is float32: tl.zeros((BLOCK_N,), "
+                      "dtype=tl.float32), with float32 sums added to it"),
+    "dw_partials_missing": ("some of dW's partial sums were never written (they are still NaN): "
+                            "every program stores its sums once, after its loop: DW_PARTIALS + pid "
+                            "* n_cols + cols"),
+    "dw_partials_outside": ("DW_PARTIALS was written outside this program's row: program pid "
+                            "stores its BLOCK_N sums at DW_PARTIALS + pid * n_cols + cols, with "
+                            "the mask cols < n_cols"),
 }
 
 
@@ -213,7 +248,8 @@ class Case:
     cols: int
     eps: float = 1e-6
     row_stride: int | None = None  # when set, x is a [rows, cols] view into a wider buffer
-    dy_stride: int | None = None  # backward: when set, dy is a view whose rows are this far apart (not x's stride)
+    # backward: when set, dy is a view whose rows are this far apart (not x's stride)
+    dy_stride: int | None = None
     tiny_row: int | None = None  # when set, that row of x is scaled so that mean(x²) is below eps
 
     def __str__(self) -> str:
@@ -235,9 +271,10 @@ class Case:
 
 @dataclass(frozen=True)
 class TileCase:
-    """One launch of the reader's tile kernel: the shape, and the row stride of each 2-D tensor it receives, in the
-    order of the kernel's pointer arguments (forward: x, y; backward: x, dy, dx). Every stride exceeds BLOCK_N, so a
-    lane past the last column lands in the memory around the tensor, never in the next row."""
+    """One launch of the reader's tile kernel: the shape, and the row stride of each 2-D tensor it
+    receives, in the order of the kernel's pointer arguments (forward: x, y; backward: x, dy, dx).
+    Every stride exceeds BLOCK_N, so a lane past the last column lands in the memory around the
+    tensor, never in the next row."""
 
     dtype: torch.dtype
     rows: int
@@ -277,45 +314,51 @@ BACKWARD_CASES = (
     # x and dy strided, each its own way: dy read at x's stride (or x at dy's, or either at the width) shows.
     Case(torch.float32, 4, 80, row_stride=128, dy_stride=160),
 )
-# The tile kernels: float32 first, so that a mistake that only bfloat16 shows (a missing upcast, a bfloat16
-# accumulator) is named as such. Row counts leave the last tile short (by 2, 3, 1 and 3 rows) and strides differ
-# between tensors, so that using one tensor's stride for another shows.
+# The tile kernels: float32 first, so that a mistake that only bfloat16 shows (a missing upcast, a
+# bfloat16 accumulator) is named as such. Row counts leave the last tile short (by 2, 3, 1 and 3
+# rows) and strides differ between tensors, so that using one tensor's stride for another shows.
 TILE_CASES = (
-    TileCase(torch.float32, 6, 64, strides=(80, 72)),  # BLOCK_N == n_cols; two rows of the last tile are padding
-    TileCase(torch.float32, 9, 100, strides=(136, 144)),  # BLOCK_N = 128 > n_cols: the column mask and the divisor
-    TileCase(torch.float32, 7, 37, strides=(72, 64), eps=1e-5, tiny_row=1),  # eps inside the square root or not
+    # BLOCK_N == n_cols; two rows of the last tile are padding
+    TileCase(torch.float32, 6, 64, strides=(80, 72)),
+    # BLOCK_N = 128 > n_cols: the column mask and the divisor
+    TileCase(torch.float32, 9, 100, strides=(136, 144)),
+    # eps inside the square root or not
+    TileCase(torch.float32, 7, 37, strides=(72, 64), eps=1e-5, tiny_row=1),
     TileCase(torch.bfloat16, 5, 300, strides=(520, 512)),  # the float32 upcast
 )
 BACKWARD_TILE_CASES = (
     TileCase(torch.float32, 13, 64, strides=(80, 72, 88), programs=2),
     TileCase(torch.float32, 10, 100, strides=(136, 144, 160), programs=2),
-    # Many tiles per program: a bfloat16 accumulator for dW rounds after every tile and drifts far from float32.
+    # Many tiles per program: a bfloat16 accumulator for dW rounds after every tile and drifts far
+    # from float32.
     TileCase(torch.bfloat16, 203, 48, strides=(64, 72, 80), programs=2),
 )
-# The tile checks' last launch: HIGH_ROWS rows HIGH_STRIDE elements apart, so that row 2 starts at element
-# 2**31 + 128, past int32; the tensors start HIGH_HEADROOM elements into their buffer, so that an offset that wraps
-# around to -2**31 + 128 still lands inside it (where it is harmless and seen). The tensors share the buffer: x in the
-# first HIGH_COLS columns of each row, then y (forward: HIGH_COLS columns further on), or dy and dx (backward, one
-# after the other). 2**32 bfloat16 elements: 8 GiB of addresses.
+# The tile checks' last launch: HIGH_ROWS rows HIGH_STRIDE elements apart, so that row 2 starts at
+# element 2**31 + 128, past int32; the tensors start HIGH_HEADROOM elements into their buffer, so
+# that an offset that wraps around to -2**31 + 128 still lands inside it (where it is harmless and
+# seen). The tensors share the buffer: x in the first HIGH_COLS columns of each row, then y
+# (forward: HIGH_COLS columns further on), or dy and dx (backward, one after the other). 2**32
+# bfloat16 elements: 8 GiB of addresses.
 HIGH_STRIDE = 2**30 + 64
 HIGH_HEADROOM = 2**31
 HIGH_ROWS, HIGH_COLS = 3, 64
-# dW from float32 partial sums of exact products stays this close to its float64 value; a bfloat16 accumulator
-# over the 26 tiles of a program in BACKWARD_TILE_CASES is off by about a percent.
+# dW from float32 partial sums of exact products stays this close to its float64 value; a bfloat16
+# accumulator over the 26 tiles of a program in BACKWARD_TILE_CASES is off by about a percent.
 DW_TIGHT = 1e-4
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The checks of a function
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def check_rms_norm_forward(fn: Callable, seed: int | None = None, verbose: bool = True) -> Report:
     """Check ``fn(x, weight, eps) -> y``, an RMSNorm forward over the last dimension of a 2-D ``x``.
 
-    ``y`` must have ``x``'s shape and dtype and match Hugging Face's ``LlamaRMSNorm``: within float32 precision of
-    the float64 result, and for bfloat16 the same bits (normalise in float32, round to bfloat16, then multiply by
-    the weight). Prints the verdict (unless ``verbose=False``) and returns it.
+    ``y`` must have ``x``'s shape and dtype and match Hugging Face's ``LlamaRMSNorm``: within
+    float32 precision of the float64 result, and for bfloat16 the same bits (normalise in float32,
+    round to bfloat16, then multiply by the weight). Prints the verdict (unless ``verbose=False``)
+    and returns it.
     """
     gen = generator(seed)
     worst = {}
@@ -333,9 +376,10 @@ def check_rms_norm_forward(fn: Callable, seed: int | None = None, verbose: bool 
             return verdict(False, problem, verbose)
         worst[case.dtype] = max(worst.get(case.dtype, 0.0), relative_error(out, ref))
     summary = (
-        f"forward correct on {len(FORWARD_CASES)} inputs (widths {_widths(FORWARD_CASES)}, float32 and bfloat16, "
-        f"tiny values, a strided view). Largest relative errors: {_format_errors(worst)}; bfloat16 outputs "
-        f"identical to Hugging Face's in {100 * min(same_bits):.2f}% of values."
+        f"forward correct on {len(FORWARD_CASES)} inputs (widths {_widths(FORWARD_CASES)}, float32 "
+        "and bfloat16, tiny values, a strided view). Largest relative errors: "
+        f"{_format_errors(worst)}; bfloat16 outputs identical to Hugging Face's in "
+        f"{100 * min(same_bits):.2f}% of values."
     )
     return verdict(True, summary, verbose)
 
@@ -343,8 +387,8 @@ def check_rms_norm_forward(fn: Callable, seed: int | None = None, verbose: bool 
 def check_rms_norm_backward(fn: Callable, seed: int | None = None, verbose: bool = True) -> Report:
     """Check ``fn(dy, x, weight, rstd) -> dx``, the input gradient of RMSNorm for a 2-D ``x``.
 
-    ``rstd`` is the float32 ``1 / sqrt(mean(x²) + eps)`` per row that the forward pass saved; ``dx`` must have ``x``'s
-    shape and dtype. Prints the verdict (unless ``verbose=False``) and returns it.
+    ``rstd`` is the float32 ``1 / sqrt(mean(x²) + eps)`` per row that the forward pass saved; ``dx``
+    must have ``x``'s shape and dtype. Prints the verdict (unless ``verbose=False``) and returns it.
     """
     gen = generator(seed)
     worst = {}
@@ -360,25 +404,25 @@ def check_rms_norm_backward(fn: Callable, seed: int | None = None, verbose: bool
             return verdict(False, problem, verbose)
         worst[case.dtype] = max(worst.get(case.dtype, 0.0), relative_error(out, ref))
     summary = (
-        f"backward (dx) correct on {len(BACKWARD_CASES)} inputs (widths {_widths(BACKWARD_CASES)}, float32 and "
-        f"bfloat16, a strided view). Largest relative errors: {_format_errors(worst)}."
+        f"backward (dx) correct on {len(BACKWARD_CASES)} inputs (widths {_widths(BACKWARD_CASES)}, "
+        f"float32 and bfloat16, a strided view). Largest relative errors: {_format_errors(worst)}."
     )
     return verdict(True, summary, verbose)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The checks of a tile kernel, launched by the check on guarded buffers
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def check_rms_norm_tile(kernel, seed: int | None = None, verbose: bool = True) -> Report:
     """Check a Triton kernel that normalises a tile of ``ROWS`` rows × ``BLOCK_N`` columns per program.
 
-    The check launches it itself, ``cdiv(n_rows, ROWS)`` programs, as
-    ``kernel[grid](X, W, Y, n_rows, n_cols, stride_x, stride_y, eps, ROWS=TILE_ROWS, BLOCK_N=next_power_of_2(n_cols))``
-    on tensors inside larger buffers, so it sees every element the kernel writes, inside the tensor or not. ``Y``
-    must match Hugging Face's ``LlamaRMSNorm`` as in ``check_rms_norm_forward``. Prints the verdict (unless
-    ``verbose=False``) and returns it.
+    The check launches it itself, ``cdiv(n_rows, ROWS)`` programs, as ``kernel[grid](X, W, Y,
+    n_rows, n_cols, stride_x, stride_y, eps, ROWS=TILE_ROWS, BLOCK_N=next_power_of_2(n_cols))`` on
+    tensors inside larger buffers, so it sees every element the kernel writes, inside the tensor or
+    not. ``Y`` must match Hugging Face's ``LlamaRMSNorm`` as in ``check_rms_norm_forward``. Prints
+    the verdict (unless ``verbose=False``) and returns it.
     """
     gen = generator(seed)
     worst, same_bits = {}, []
@@ -387,12 +431,14 @@ def check_rms_norm_tile(kernel, seed: int | None = None, verbose: bool = True) -
         w = _weight(case, gen)
         y_buf, y, y_before = _guarded_output(case.rows, case.cols, case.strides[1], case.dtype)
         ref = _forward64(x, w, case.eps)
-        problem = _launch(kernel, "rms_norm_tile_kernel", "forward", (triton.cdiv(case.rows, TILE_ROWS),), case,
+        problem = _launch(kernel, "rms_norm_tile_kernel", "forward",
+                          (triton.cdiv(case.rows, TILE_ROWS),), case,
                           x, w, y, case.rows, case.cols, x.stride(0), y.stride(0), case.eps)
         suspects = _forward_suspects(x, w, case, strides=False) + _tile_forward_suspects(x, w, case)
         if problem is None:
             problem = _written_outside(y_buf, y_before, y, ref, case, "y", {
-                case.cols: "n_cols, the width", case.strides[0]: "stride_x, x's row stride"}, "stride_y", suspects)
+                case.cols: "n_cols, the width", case.strides[0]: "stride_x, x's row stride"},
+                                       "stride_y", suspects)
         if problem is None:
             problem = _compare(y, ref, case, "y", suspects)
         fraction = None
@@ -403,7 +449,8 @@ def check_rms_norm_tile(kernel, seed: int | None = None, verbose: bool = True) -
             # float32 passed and bfloat16 did not, in a way no other diagnosis names: the upcast is missing
             bad = bad_elements(y, ref, case.dtype)
             detail = (_first_difference(_f64(y), ref, bad, "y") if fraction is None
-                      else f"{100 * fraction:.0f}% of the values differ from Hugging Face's in the last bits")
+                      else (f"{100 * fraction:.0f}% of the values differ from Hugging Face's in "
+                            "the last bits"))
             problem = f"on a {case}, {detail}: {hint('no_upcast')}."
         if problem is not None:
             return verdict(False, problem, verbose)
@@ -412,19 +459,21 @@ def check_rms_norm_tile(kernel, seed: int | None = None, verbose: bool = True) -
     if problem is not None:
         return verdict(False, problem, verbose)
     offsets = ("rows past element 2**31 read and written where they are (int64 row offsets)" if ran
-               else "int64 row offsets NOT checked (this machine would not map the 8 GiB of addresses it needs)")
+               else ("int64 row offsets NOT checked (this machine would not map the 8 GiB of "
+                     "addresses it needs)"))
     summary = (
-        f"tile kernel correct on {len(TILE_CASES)} inputs (widths {_widths(TILE_CASES)}, float32 and bfloat16, tiny "
-        f"values, strided rows, a last tile that hangs past the last row), and nothing written outside the tensor; "
-        f"{offsets}. Largest relative errors: {_format_errors(worst)}; bfloat16 outputs identical to Hugging Face's "
-        f"in {100 * min(same_bits):.2f}% of values."
+        f"tile kernel correct on {len(TILE_CASES)} inputs (widths {_widths(TILE_CASES)}, float32 "
+        "and bfloat16, tiny values, strided rows, a last tile that hangs past the last row), and "
+        f"nothing written outside the tensor; {offsets}. Largest relative errors: "
+        f"{_format_errors(worst)}; bfloat16 outputs identical to Hugging Face's in "
+        f"{100 * min(same_bits):.2f}% of values."
     )
     return verdict(True, summary, verbose)
 
 
 def _high_rows_tile(kernel, gen: torch.Generator) -> tuple[str | None, bool]:
-    """Launch the tile kernel on bfloat16 rows past element 2**31 of their buffer; (what is wrong or None, whether
-    the launch could run at all)."""
+    """Launch the tile kernel on bfloat16 rows past element 2**31 of their buffer; (what is wrong or
+    None, whether the launch could run at all)."""
     device = runtime.device()
     elements = HIGH_HEADROOM + (HIGH_ROWS - 1) * HIGH_STRIDE + 3 * HIGH_COLS
     buffer = mapped_buffer(elements, torch.bfloat16, device)
@@ -432,7 +481,8 @@ def _high_rows_tile(kernel, gen: torch.Generator) -> tuple[str | None, bool]:
         return None, False
     case = TileCase(torch.bfloat16, HIGH_ROWS, HIGH_COLS, strides=(HIGH_STRIDE, HIGH_STRIDE))
     x = buffer.as_strided((HIGH_ROWS, HIGH_COLS), (HIGH_STRIDE, 1), storage_offset=HIGH_HEADROOM)
-    y = buffer.as_strided((HIGH_ROWS, HIGH_COLS), (HIGH_STRIDE, 1), storage_offset=HIGH_HEADROOM + 2 * HIGH_COLS)
+    y = buffer.as_strided((HIGH_ROWS, HIGH_COLS), (HIGH_STRIDE, 1),
+                          storage_offset=HIGH_HEADROOM + 2 * HIGH_COLS)
     x.copy_(_matrix64(case, gen).to(torch.bfloat16))
     y.fill_(float("nan"))
     w = _weight(case, gen)
@@ -446,8 +496,9 @@ def _high_rows_tile(kernel, gen: torch.Generator) -> tuple[str | None, bool]:
 
 
 def _high_rows_backward_tile(kernel, gen: torch.Generator) -> tuple[str | None, bool]:
-    """Launch the backward tile kernel, one program, on bfloat16 rows past element 2**31 of their buffer (x, dy and
-    dx side by side in each row); (what is wrong or None, whether the launch could run at all)."""
+    """Launch the backward tile kernel, one program, on bfloat16 rows past element 2**31 of their
+    buffer (x, dy and dx side by side in each row); (what is wrong or None, whether the launch could
+    run at all)."""
     device = runtime.device()
     elements = HIGH_HEADROOM + (HIGH_ROWS - 1) * HIGH_STRIDE + 3 * HIGH_COLS
     buffer = mapped_buffer(elements, torch.bfloat16, device)
@@ -462,8 +513,8 @@ def _high_rows_backward_tile(kernel, gen: torch.Generator) -> tuple[str | None, 
     w = _weight(case, gen)
     rstd = torch.rsqrt(x.float().pow(2).mean(-1) + case.eps)
     partials = torch.full((1, HIGH_COLS), float("nan"), dtype=torch.float32, device=device)
-    problem = _launch(kernel, "rms_norm_bwd_tile_kernel", "backward", (1,), case, x, w, dy, rstd, dx, partials,
-                      HIGH_ROWS, HIGH_COLS, HIGH_STRIDE, HIGH_STRIDE, HIGH_STRIDE)
+    problem = _launch(kernel, "rms_norm_bwd_tile_kernel", "backward", (1,), case, x, w, dy, rstd,
+                      dx, partials, HIGH_ROWS, HIGH_COLS, HIGH_STRIDE, HIGH_STRIDE, HIGH_STRIDE)
     x_now, dy_now, dx_now = x.cpu(), dy.cpu(), dx.cpu()
     del x, dy, dx, buffer  # 8 GiB of addresses: give them back
     if problem is not None:
@@ -475,8 +526,8 @@ def _high_rows_backward_tile(kernel, gen: torch.Generator) -> tuple[str | None, 
 
 
 def _high_rows_problem(out: torch.Tensor, ref: torch.Tensor, case: TileCase, name: str) -> str | None:
-    """None when ``out``, the rows past element 2**31, matches ``ref``; otherwise what is wrong: int32 row offsets
-    when exactly the rows that start past 2**31 − 1 are wrong."""
+    """None when ``out``, the rows past element 2**31, matches ``ref``; otherwise what is wrong:
+    int32 row offsets when exactly the rows that start past 2**31 − 1 are wrong."""
     bad = bad_elements(out, ref, case.dtype)
     bad_rows = bad.any(1).tolist()
     if not any(bad_rows):
@@ -485,7 +536,8 @@ def _high_rows_problem(out: torch.Tensor, ref: torch.Tensor, case: TileCase, nam
     where = f"on a {case} (rows {HIGH_STRIDE:,} elements apart), "
     if first > 0 and all(bad_rows[first:]) and first * HIGH_STRIDE >= 2**31:
         rows = _span("row", first, case.rows - 1)
-        return where + hint("int32_rows", rows=rows, name=name, were="was" if first == case.rows - 1 else "were",
+        return where + hint("int32_rows", rows=rows, name=name,
+                            were="was" if first == case.rows - 1 else "were",
                             first=first, start=first * HIGH_STRIDE) + "."
     error = relative_error(out, ref)
     return (where + _first_difference(_f64(out), ref, bad, name) + "; "
@@ -493,10 +545,11 @@ def _high_rows_problem(out: torch.Tensor, ref: torch.Tensor, case: TileCase, nam
 
 
 def mapped_buffer(elements: int, dtype: torch.dtype, device) -> torch.Tensor | None:
-    """A 1-D buffer of ``elements`` for checks that need offsets past 2**31 but touch only a few of them, or None
-    where it cannot be had. On a GPU it is real memory (None unless that and 1 GiB more are free). On the CPU, where
-    Triton's interpreter runs kernels, it is an anonymous private mapping, reserved without memory behind it where
-    the system allows: a page becomes memory once something writes to it, and reads as zeros until then."""
+    """A 1-D buffer of ``elements`` for checks that need offsets past 2**31 but touch only a few of
+    them, or None where it cannot be had. On a GPU it is real memory (None unless that and 1 GiB
+    more are free). On the CPU, where Triton's interpreter runs kernels, it is an anonymous private
+    mapping, reserved without memory behind it where the system allows: a page becomes memory once
+    something writes to it, and reads as zeros until then."""
     device = torch.device(device)
     nbytes = elements * torch.empty((), dtype=dtype).element_size()
     if device.type == "cuda":
@@ -516,14 +569,16 @@ def mapped_buffer(elements: int, dtype: torch.dtype, device) -> torch.Tensor | N
 
 
 def check_rms_norm_backward_tile(kernel, seed: int | None = None, verbose: bool = True) -> Report:
-    """Check a Triton kernel for RMSNorm's backward in a persistent grid of tiles: dx, and dW as partial sums.
+    """Check a Triton kernel for RMSNorm's backward in a persistent grid of tiles: dx, and dW as
+    partial sums.
 
-    The check launches it itself on ``case.programs`` programs, as
-    ``kernel[(P,)](X, W, DY, RSTD, DX, DW_PARTIALS, n_rows, n_cols, stride_x, stride_dy, stride_dx,
-    ROWS=TILE_ROWS, BLOCK_N=next_power_of_2(n_cols))``; program ``pid`` handles the tiles ``pid, pid + P, ...`` and
-    writes its float32 sums of ``dy ⊙ x̂`` (x̂ rounded to x's dtype, as the forward used it) as row ``pid`` of the
-    ``[P, n_cols]`` float32 ``DW_PARTIALS``; the check adds the rows up. Inputs and outputs sit inside larger buffers,
-    so the check sees every element the kernel writes. Prints the verdict (unless ``verbose=False``) and returns it.
+    The check launches it itself on ``case.programs`` programs, as ``kernel[(P,)](X, W, DY, RSTD,
+    DX, DW_PARTIALS, n_rows, n_cols, stride_x, stride_dy, stride_dx, ROWS=TILE_ROWS,
+    BLOCK_N=next_power_of_2(n_cols))``; program ``pid`` handles the tiles ``pid, pid + P, ...`` and
+    writes its float32 sums of ``dy ⊙ x̂`` (x̂ rounded to x's dtype, as the forward used it) as row
+    ``pid`` of the ``[P, n_cols]`` float32 ``DW_PARTIALS``; the check adds the rows up. Inputs and
+    outputs sit inside larger buffers, so the check sees every element the kernel writes. Prints the
+    verdict (unless ``verbose=False``) and returns it.
     """
     gen = generator(seed)
     worst = {"dx": {}, "dW": 0.0}
@@ -536,10 +591,12 @@ def check_rms_norm_backward_tile(kernel, seed: int | None = None, verbose: bool 
         p_buf, partials, p_before = _guarded_output(case.programs, case.cols, case.cols, torch.float32)
         ref, suspects = _backward_suspects(x, w, dy, rstd, case)
         suspects += _input_stride_suspects(
-            case, {"x": x, "dy": dy}, lambda t, w=w, r=rstd, c=case: _backward_suspects(t["x"], w, t["dy"], r, c)[0])
+            case, {"x": x, "dy": dy}, lambda t, w=w, r=rstd,
+                                           c=case: _backward_suspects(t["x"], w, t["dy"], r, c)[0])
         suspects.append((hint("dx_axis_0"), _dx_tile_axis_0(x, w, dy, rstd)))
         problem = _launch(kernel, "rms_norm_bwd_tile_kernel", "backward", (case.programs,), case,
-                          x, w, dy, rstd, dx, partials, case.rows, case.cols, x.stride(0), dy.stride(0), dx.stride(0))
+                          x, w, dy, rstd, dx, partials, case.rows, case.cols, x.stride(0),
+                          dy.stride(0), dx.stride(0))
         if problem is None:
             problem = _written_outside(dx_buf, dx_before, dx, ref, case, "dx", {
                 case.cols: "n_cols, the width", case.strides[0]: "stride_x, x's row stride",
@@ -561,23 +618,26 @@ def check_rms_norm_backward_tile(kernel, seed: int | None = None, verbose: bool 
     if problem is not None:
         return verdict(False, problem, verbose)
     offsets = ("rows past element 2**31 read and written where they are (int64 row offsets)" if ran
-               else "int64 row offsets NOT checked (this machine would not map the 8 GiB of addresses it needs)")
+               else ("int64 row offsets NOT checked (this machine would not map the 8 GiB of "
+                     "addresses it needs)"))
     summary = (
-        f"backward tile kernel correct on {len(BACKWARD_TILE_CASES)} inputs (widths {_widths(BACKWARD_TILE_CASES)}, "
-        f"float32 and bfloat16, strided rows, last tiles that hang past the last row, programs that loop over several "
-        f"tiles), and nothing written outside the tensors; {offsets}. Largest relative errors: dx "
-        f"{_format_errors(worst['dx'])}; dW (from your float32 partial sums) {worst['dW']:.1e}."
+        f"backward tile kernel correct on {len(BACKWARD_TILE_CASES)} inputs (widths "
+        f"{_widths(BACKWARD_TILE_CASES)}, float32 and bfloat16, strided rows, last tiles that hang "
+        "past the last row, programs that loop over several tiles), and nothing written outside "
+        f"the tensors; {offsets}. Largest relative errors: dx {_format_errors(worst['dx'])}; dW "
+        f"(from your float32 partial sums) {worst['dW']:.1e}."
     )
     return verdict(True, summary, verbose)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Inputs and calls
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def generator(seed: int | None) -> torch.Generator:
-    """The CPU generator a check draws its inputs from: seeded with ``seed``, or fresh on every call when None."""
+    """The CPU generator a check draws its inputs from: seeded with ``seed``, or fresh on every call
+    when None."""
     gen = torch.Generator()
     if seed is None:
         gen.seed()  # fresh inputs on every call: a function must be right for any input, not for one
@@ -595,8 +655,9 @@ def _matrix64(case, gen: torch.Generator, tiny: bool = False) -> torch.Tensor:
 
 def _matrix(case: Case, gen: torch.Generator, tiny: bool = False, stride: int | None = None,
             spare_rows: int = 0) -> torch.Tensor:
-    """A [rows, cols] input: a view of a buffer whose rows are ``stride`` (default: the case's row stride) apart,
-    with ``spare_rows`` more rows after it, so that rows read at another tensor's larger stride stay inside."""
+    """A [rows, cols] input: a view of a buffer whose rows are ``stride`` (default: the case's row
+    stride) apart, with ``spare_rows`` more rows after it, so that rows read at another tensor's
+    larger stride stay inside."""
     stride = stride or case.row_stride or case.cols
     buffer = torch.randn(case.rows + (spare_rows if stride != case.cols else 0), stride, generator=gen,
                          dtype=torch.float64)
@@ -607,13 +668,15 @@ def _matrix(case: Case, gen: torch.Generator, tiny: bool = False, stride: int | 
 
 def _weight(case, gen: torch.Generator) -> torch.Tensor:
     # Spread around 1 and never all ones: an all-ones weight hides a missing or misplaced multiplication.
-    return (0.5 + torch.rand(case.cols, generator=gen, dtype=torch.float64)).to(case.dtype).to(runtime.device())
+    return (0.5 + torch.rand(case.cols, generator=gen,
+                             dtype=torch.float64)).to(case.dtype).to(runtime.device())
 
 
 def _guarded_input(data: torch.Tensor, stride: int, dtype: torch.dtype, gen: torch.Generator):
-    """``data`` as a view into a buffer of rows ``stride`` elements apart, surrounded by ``GUARD_ROWS`` rows before
-    and after and by padding columns, all holding foreign values (around 8, never the tensor's): a kernel that reads
-    them computes something visibly different. Returns (buffer, view)."""
+    """``data`` as a view into a buffer of rows ``stride`` elements apart, surrounded by
+    ``GUARD_ROWS`` rows before and after and by padding columns, all holding foreign values (around
+    8, never the tensor's): a kernel that reads them computes something visibly different. Returns
+    (buffer, view)."""
     rows, cols = data.shape
     buffer = 8 + 4 * torch.randn(rows + 2 * GUARD_ROWS, stride, generator=gen, dtype=torch.float64)
     buffer[GUARD_ROWS:GUARD_ROWS + rows, :cols] = data
@@ -622,8 +685,9 @@ def _guarded_input(data: torch.Tensor, stride: int, dtype: torch.dtype, gen: tor
 
 
 def _guarded_output(rows: int, cols: int, stride: int, dtype: torch.dtype):
-    """An output view of ``rows × cols`` inside a buffer like ``_guarded_input``'s: the view holds NaN (an element
-    the kernel never writes stays NaN), the rest ``SENTINEL``. Returns (buffer, view, a copy of the buffer)."""
+    """An output view of ``rows × cols`` inside a buffer like ``_guarded_input``'s: the view holds
+    NaN (an element the kernel never writes stays NaN), the rest ``SENTINEL``. Returns (buffer,
+    view, a copy of the buffer)."""
     buffer = torch.full((rows + 2 * GUARD_ROWS, stride), SENTINEL, dtype=dtype, device=runtime.device())
     view = buffer[GUARD_ROWS:GUARD_ROWS + rows, :cols]
     view.fill_(float("nan"))
@@ -631,7 +695,8 @@ def _guarded_output(rows: int, cols: int, stride: int, dtype: torch.dtype):
 
 
 def _guarded_rstd(x: torch.Tensor, case: TileCase, gen: torch.Generator):
-    """The float32 rstd of each row of ``x``, inside a buffer whose elements past the end hold foreign values."""
+    """The float32 rstd of each row of ``x``, inside a buffer whose elements past the end hold
+    foreign values."""
     buffer = 0.5 + torch.rand(case.rows + 2 * GUARD_ROWS, generator=gen, dtype=torch.float64)
     buffer = buffer.float().to(runtime.device())
     view = buffer[GUARD_ROWS:GUARD_ROWS + case.rows]
@@ -646,8 +711,8 @@ def _changed(buffer: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
 
 
 def _call(fn, args, case: Case, expect_like: torch.Tensor, exercise: str):
-    """Run the reader's function with ``exercise``'s finished answers out of reach; return ``(output, None)`` or
-    ``(None, what is wrong with the call or its result)``."""
+    """Run the reader's function with ``exercise``'s finished answers out of reach; return
+    ``(output, None)`` or ``(None, what is wrong with the call or its result)``."""
     where = f"on a {case}, "
     try:
         out = call_learner(exercise, fn, *args)
@@ -667,11 +732,12 @@ def _call(fn, args, case: Case, expect_like: torch.Tensor, exercise: str):
 
 
 def _launch(kernel, exercise: str, which: str, grid, case: TileCase, *args) -> str | None:
-    """Launch the reader's tile kernel with ``exercise``'s finished answers out of reach; None, or what went wrong
-    (a finished answer called, or the usual cause of a shape clash)."""
+    """Launch the reader's tile kernel with ``exercise``'s finished answers out of reach; None, or
+    what went wrong (a finished answer called, or the usual cause of a shape clash)."""
     tripwire = None
     try:
-        # The kernel's Python function holds the names the reader's code can reach (``.fn`` of a Triton kernel).
+        # The kernel's Python function holds the names the reader's code can reach (``.fn`` of a
+        # Triton kernel).
         with out_of_reach(exercise, getattr(kernel, "fn", kernel)) as tripwire:
             kernel[grid](*args, ROWS=TILE_ROWS, BLOCK_N=triton.next_power_of_2(case.cols))
     except Exception as error:  # noqa: BLE001  (any failure of the reader's kernel is reported, not raised)
@@ -680,15 +746,19 @@ def _launch(kernel, exercise: str, which: str, grid, case: TileCase, *args) -> s
         text = str(error)
         detail = last_line(error)
         if "incompatible dimensions" in text or "Cannot broadcast" in text:
-            clash = next((line.strip() for line in text.splitlines() if "incompatible dimensions" in line), detail)
+            clash = next((line.strip() for line in text.splitlines() if "incompatible dimensions" in line),
+                         detail)
             return f"on a {case}, " + hint(f"tile_shapes_{which}", error=_shorten(clash))
         if which == "backward" and "Expected pointer argument to have shape" in text:
             return f"on a {case}, " + hint("dw_not_summed", error=_shorten(detail))
         if "oop-carried variable" in text or "loop-carried" in text.lower():
-            # The compiler (on a GPU) names the accumulator's type before and after: a new shape with the same dtype
-            # is a block added to a per-column sum without summing it over the rows first.
-            types = re.search(r"initial type <\[(.*?)\], (\w+)> but is re-assigned to <\[(.*?)\], (\w+)>", text)
-            if which == "backward" and types and types.group(1) != types.group(3) and types.group(2) == types.group(4):
+            # The compiler (on a GPU) names the accumulator's type before and after: a new shape
+            # with the same dtype is a block added to a per-column sum without summing it over the
+            # rows first.
+            types = re.search(r"initial type <\[(.*?)\], (\w+)> but is re-assigned to <\[(.*?)\], "
+                              r"(\w+)>", text)
+            if (which == "backward" and types and types.group(1) != types.group(3)
+                    and types.group(2) == types.group(4)):
                 return f"on a {case}, " + hint("dw_not_summed", error=_shorten(detail))
             return f"on a {case}, " + hint("dw_loop_dtype", error=_shorten(detail))
         return f"on a {case}, " + hint("kernel_raised", error=f"{type(error).__name__}: {detail}")
@@ -701,8 +771,8 @@ def _shorten(text: str, width: int = 160) -> str:
 
 
 def last_line(error: Exception) -> str:
-    """The last non-empty line of ``error``'s message (at most 300 characters): what a check tells the reader of an
-    exception their function raised."""
+    """The last non-empty line of ``error``'s message (at most 300 characters): what a check tells
+    the reader of an exception their function raised."""
     lines = [line for line in str(error).strip().splitlines() if line.strip()]
     text = lines[-1] if lines else repr(error)
     return text if len(text) <= 300 else text[:297] + "..."
@@ -724,18 +794,19 @@ def _format_errors(worst: dict) -> str:
     return ", ".join(f"{str(dtype).removeprefix('torch.')} {error:.1e}" for dtype, error in worst.items())
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # References and the usual mistakes, all in float64
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def _f64(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(device="cpu", dtype=torch.float64)
 
 
-def _forward64(x, w, eps, divisor=None, columns=None, rstd_power=-0.5, weight=True, eps_outside=False, padding=0):
-    """RMSNorm in float64, or one of its usual misreadings (another divisor, fewer columns, sqrt for rsqrt, ``padding``
-    lanes of 1.0 in the sum of squares...)."""
+def _forward64(x, w, eps, divisor=None, columns=None, rstd_power=-0.5, weight=True,
+               eps_outside=False, padding=0):
+    """RMSNorm in float64, or one of its usual misreadings (another divisor, fewer columns, sqrt for
+    rsqrt, ``padding`` lanes of 1.0 in the sum of squares...)."""
     x, w = _f64(x), _f64(w)
     used = x if columns is None else x[:, :columns]
     mean_square = (used.pow(2).sum(-1, keepdim=True) + padding) / (divisor or used.shape[-1])
@@ -747,8 +818,8 @@ def _forward64(x, w, eps, divisor=None, columns=None, rstd_power=-0.5, weight=Tr
 
 
 def _statistic_suspects(x, w, case) -> list[tuple[str, torch.Tensor]]:
-    """The forward with the wrong statistic: mean(x)², mean(x) (no square: NaN where negative), LayerNorm's variance,
-    LayerNorm's centred x̂; all in float64."""
+    """The forward with the wrong statistic: mean(x)², mean(x) (no square: NaN where negative),
+    LayerNorm's variance, LayerNorm's centred x̂; all in float64."""
     x64, w64 = _f64(x), _f64(w)
     mean = x64.mean(-1, keepdim=True)
     variance = (x64 - mean).pow(2).mean(-1, keepdim=True)
@@ -765,13 +836,15 @@ def _forward_suspects(x, w, case, strides: bool = True) -> list[tuple[str, torch
     block_n = triton.next_power_of_2(n)
     suspects = []
     for divisor in sorted({case.rows, TILE_ROWS} - {n, block_n, 1}):  # the rows of the input, or of a tile
-        suspects.append((hint("divide_by_rows", divisor=divisor, n=n), _forward64(x, w, case.eps, divisor=divisor)))
+        suspects.append((hint("divide_by_rows", divisor=divisor, n=n),
+                         _forward64(x, w, case.eps, divisor=divisor)))
     if block_n != n:
-        suspects.append((hint("divide_by_block", block_n=block_n, n=n), _forward64(x, w, case.eps, divisor=block_n)))
+        suspects.append((hint("divide_by_block", block_n=block_n, n=n),
+                         _forward64(x, w, case.eps, divisor=block_n)))
         suspects.append((hint("masked_other", pad=block_n - n, n=n, block_n=block_n),
                          _forward64(x, w, case.eps, padding=block_n - n)))
-        # BLOCK_N too small (the power of two below n_cols): only the first columns enter the sum, and the rest of
-        # the row is never written, so only those first columns can be compared.
+        # BLOCK_N too small (the power of two below n_cols): only the first columns enter the sum,
+        # and the rest of the row is never written, so only those first columns can be compared.
         short = block_n // 2
         suspects.append((hint("short_block", short=short, n=n, block_n=block_n),
                          _first_columns(_forward64(x, w, case.eps, columns=short), short)))
@@ -800,21 +873,24 @@ def _tile_forward_suspects(x, w, case: TileCase) -> list[tuple[str, torch.Tensor
 
 
 def _input_stride_suspects(case: TileCase | Case, inputs: dict, compute, others: dict | None = None):
-    """What a kernel computes when it steps between the rows of one input by a wrong stride: the width, or the row
-    stride of another tensor. ``compute`` maps the inputs (some read wrongly) to the result."""
+    """What a kernel computes when it steps between the rows of one input by a wrong stride: the
+    width, or the row stride of another tensor. ``compute`` maps the inputs (some read wrongly) to
+    the result."""
     strides = dict(zip(inputs, case.strides))
     strides.update(others or {})
     suspects = []
     for name, t in inputs.items():
         wrong = {case.cols: "n_cols, the width"}
-        wrong.update({s: f"stride_{other}, {other}'s row stride" for other, s in strides.items() if other != name})
+        wrong.update({s: f"stride_{other}, {other}'s row stride" for other,
+                      s in strides.items() if other != name})
         for used, what in wrong.items():
             if used == strides[name] or not _fits(t, used):
                 continue
             misread = dict(inputs, **{name: _as_if_strided(t, used)})
             suspects.append((hint("input_stride", tensor=name, used=used, what=what, right=strides[name],
                                   arg=f"stride_{name}", wrong=what.split(",")[0]), compute(misread)))
-    if len(inputs) > 1 and all(_fits(t, case.cols) for t in inputs.values()):  # every input read at the width
+    # every input read at the width
+    if len(inputs) > 1 and all(_fits(t, case.cols) for t in inputs.values()):
         names = list(inputs)
         suspects.append((hint("inputs_width", tensors=" and ".join(names), cols=case.cols,
                               strides=" and ".join(str(strides[n]) for n in names),
@@ -824,7 +900,8 @@ def _input_stride_suspects(case: TileCase | Case, inputs: dict, compute, others:
 
 
 def _backward_suspects(x, w, dy, rstd, case) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]:
-    """The right dx, and the usual mistakes in writing dx = rstd · (g − x̂ · mean(g ⊙ x̂)) with g = dy ⊙ w."""
+    """The right dx, and the usual mistakes in writing dx = rstd · (g − x̂ · mean(g ⊙ x̂)) with g =
+    dy ⊙ w."""
 
     def dx64(x, dy, divisor=None, columns=None):
         x, w64, dy, r = _f64(x), _f64(w), _f64(dy), _f64(rstd)[:, None]
@@ -849,8 +926,10 @@ def _backward_suspects(x, w, dy, rstd, case) -> tuple[torch.Tensor, list[tuple[s
     v = dx64(x, dy)
     suspects = [(hint(key, n=n), v[key]) for key in v if key != "right"]
     if block_n != n:
-        suspects.append((hint("dx_divide_by_block", block_n=block_n, n=n), dx64(x, dy, divisor=block_n)["right"]))
-        # BLOCK_N too small: only the first columns are computed (with either divisor); only they can be compared.
+        suspects.append((hint("dx_divide_by_block", block_n=block_n, n=n),
+                         dx64(x, dy, divisor=block_n)["right"]))
+        # BLOCK_N too small: only the first columns are computed (with either divisor); only they
+        # can be compared.
         short = block_n // 2
         for divisor in (short, n):
             dx_short = torch.full(v["right"].shape, float("nan"), dtype=torch.float64)
@@ -863,8 +942,9 @@ def _backward_suspects(x, w, dy, rstd, case) -> tuple[torch.Tensor, list[tuple[s
 
 
 def _dx_tile_axis_0(x, w, dy, rstd) -> torch.Tensor:
-    """dx of a tile kernel whose mean runs along axis 0: per tile of TILE_ROWS rows, one mean per column over the
-    tile's rows (rows past the end load zeros), divided by n_cols, broadcast over the rows."""
+    """dx of a tile kernel whose mean runs along axis 0: per tile of TILE_ROWS rows, one mean per
+    column over the tile's rows (rows past the end load zeros), divided by n_cols, broadcast over
+    the rows."""
     x, w64, dy, r = _f64(x), _f64(w), _f64(dy), _f64(rstd)[:, None]
     x_hat, g = x * r, dy * w64
     dx = torch.empty_like(x)
@@ -876,7 +956,8 @@ def _dx_tile_axis_0(x, w, dy, rstd) -> torch.Tensor:
 
 
 def _as_if_strided(t: torch.Tensor, stride: int) -> torch.Tensor:
-    """What a kernel reads from the memory of view ``t`` when it steps between rows by ``stride`` elements."""
+    """What a kernel reads from the memory of view ``t`` when it steps between rows by ``stride``
+    elements."""
     return torch.as_strided(t, t.shape, (stride, 1))
 
 
@@ -894,7 +975,8 @@ def _first_columns(t: torch.Tensor, columns: int) -> torch.Tensor:
 
 
 def _check_dw(partials, x, w, dy, rstd, case: TileCase, fp32_passed: bool) -> tuple[str | None, float]:
-    """Sum the kernel's float32 partials in float64 and compare with dW = Σ dy ⊙ round(x̂); (problem, error)."""
+    """Sum the kernel's float32 partials in float64 and compare with dW = Σ dy ⊙ round(x̂);
+    (problem, error)."""
     where = f"on a {case}, "
     got = _f64(partials).sum(0)
     x32, dy64, r = x.detach().cpu().float(), _f64(dy), rstd.detach().cpu().float()[:, None]
@@ -931,14 +1013,15 @@ def _check_dw(partials, x, w, dy, rstd, case: TileCase, fp32_passed: bool) -> tu
     return where + first + "; " + hint("unrecognised", name="dW", error=error, tol=DW_TIGHT), error
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Comparing and explaining
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def bad_elements(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Elements of ``out`` (any dtype and device) that are not close to ``ref`` (float64, on the CPU) within the
-    element tolerances of ``dtype``; where ``ref`` is NaN nothing is compared. Shared by the exercises' checks."""
+    """Elements of ``out`` (any dtype and device) that are not close to ``ref`` (float64, on the
+    CPU) within the element tolerances of ``dtype``; where ``ref`` is NaN nothing is compared.
+    Shared by the exercises' checks."""
     rtol, atol = ELEMENT_TOL[dtype]
     out = _f64(out)
     compared = torch.isfinite(ref)
@@ -948,9 +1031,10 @@ def bad_elements(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> to
 
 
 def _reproduces(out, wrong, text: str, dtype: torch.dtype) -> bool:
-    """Whether ``out`` is what the mistake ``text`` computes, ``wrong``. Where ``wrong`` is NaN nothing is compared
-    (columns a mistake never writes), except for a missing square, whose NaN rows (the root of a negative mean) are
-    part of its pattern: the output must be NaN in exactly those rows."""
+    """Whether ``out`` is what the mistake ``text`` computes, ``wrong``. Where ``wrong`` is NaN
+    nothing is compared (columns a mistake never writes), except for a missing square, whose NaN
+    rows (the root of a negative mean) are part of its pattern: the output must be NaN in exactly
+    those rows."""
     if text == HINTS["no_square"] and not torch.equal(torch.isnan(_f64(out)), torch.isnan(wrong)):
         return False
     return not bad_elements(out, wrong, dtype).any()
@@ -982,14 +1066,16 @@ def _compare(out, ref, case, name: str, suspects) -> str | None:
     if not torch.isfinite(out64).all():
         return f"{where}, {first}: " + hint("not_finite", name=name)
     return (f"{where}, {first}; "
-            + hint("unrecognised", name=name, error=relative_error(out, ref), tol=RELATIVE_ERROR_TOL[case.dtype]))
+            + hint("unrecognised", name=name, error=relative_error(out, ref),
+                   tol=RELATIVE_ERROR_TOL[case.dtype]))
 
 
 def _written_outside(buffer, before, view, ref, case: TileCase, name: str, other_strides: dict, arg: str,
                      suspects=()):
-    """None when the kernel wrote inside the view only; otherwise where else it wrote, and why (a wrong stride, a
-    missing row or column mask, a row index off by one). Rows written at another stride are compared with ``ref``
-    and with the ``suspects``, the usual mistakes in what was computed, so that both mistakes are named."""
+    """None when the kernel wrote inside the view only; otherwise where else it wrote, and why (a
+    wrong stride, a missing row or column mask, a row index off by one). Rows written at another
+    stride are compared with ``ref`` and with the ``suspects``, the usual mistakes in what was
+    computed, so that both mistakes are named."""
     changed = _changed(buffer, before)
     inside = torch.zeros_like(changed)
     inside[GUARD_ROWS:GUARD_ROWS + case.rows, : case.cols] = True
@@ -1018,7 +1104,8 @@ def _written_outside(buffer, before, view, ref, case: TileCase, name: str, other
     if after == [case.rows] and case.padding_rows > 1:
         problems.append(hint("row_at_end", name=name, rows=case.rows))
     elif after:
-        problems.append(hint("rows_past_end", name=name, written=_span("row", after[0], after[-1]), rows=case.rows))
+        problems.append(hint("rows_past_end", name=name, written=_span("row", after[0], after[-1]),
+                             rows=case.rows))
     columns = outside[GUARD_ROWS:GUARD_ROWS + case.rows].any(0).nonzero().flatten()
     if len(columns):
         problems.append(hint("columns_past_end", name=name, first=int(columns[0]), last=int(columns[-1]),
@@ -1027,13 +1114,14 @@ def _written_outside(buffer, before, view, ref, case: TileCase, name: str, other
 
 
 def _named(problem: str) -> bool:
-    """Whether ``problem`` names a mistake (rather than saying that none of the usual ones reproduces the output, or
-    only that it holds NaN)."""
+    """Whether ``problem`` names a mistake (rather than saying that none of the usual ones
+    reproduces the output, or only that it holds NaN)."""
     return not any(_says(HINTS[key], problem) for key in ("unrecognised", "bf16_bits", "not_finite"))
 
 
 def _says(wording: str, message: str) -> bool:
-    """Whether ``message`` holds the diagnosis worded ``wording`` (its fixed words, in order; fields left out)."""
+    """Whether ``message`` holds the diagnosis worded ``wording`` (its fixed words, in order; fields
+    left out)."""
     at = 0
     for piece in (p for p in re.split(r"\{[^}]*\}", wording) if p.strip()):
         at = message.find(piece, at)
@@ -1077,7 +1165,8 @@ TRUNCATION_HINT = HINTS["truncation"]
 
 
 def _bf16_near_misses(x, w, case) -> list[tuple[str, torch.Tensor]]:
-    """Outputs that are right to bfloat16 precision but rounded differently from Hugging Face's, as bf16 on the CPU."""
+    """Outputs that are right to bfloat16 precision but rounded differently from Hugging Face's, as
+    bf16 on the CPU."""
     x32, w32 = x.detach().cpu().float(), w.detach().cpu().float()
     x_hat = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + case.eps)
     rounded = x_hat.bfloat16().float()
@@ -1091,7 +1180,8 @@ def _bf16_near_misses(x, w, case) -> list[tuple[str, torch.Tensor]]:
 
 
 def _bf16_cast_order(out, x, w, case) -> tuple[str | None, float]:
-    """Compare a bfloat16 output bit for bit with Hugging Face's; return (what is wrong or None, fraction differing)."""
+    """Compare a bfloat16 output bit for bit with Hugging Face's; return (what is wrong or None,
+    fraction differing)."""
     out = out.cpu()
     differs = (out != rms_norm_reference(x.cpu(), w.cpu(), case.eps)).float().mean().item()
     if differs <= BF16_MAX_DIFFERENT:

@@ -1,16 +1,19 @@
 """The check for the exercise of chapter 08: putting ``TritonRMSNorm`` into a Hugging Face Llama by hand.
 
-``check_manual_patch(fn)`` builds a tiny float32 Llama, keeps an untouched copy of it, calls ``fn(model)`` and then
-looks at what changed: which norms were replaced and by what, whether each replacement holds the very weight
-Parameter of the norm it replaces and its eps, whether the ``state_dict`` kept its keys. Last, it runs one forward
-and backward pass through both models on the same batch and compares the loss and every gradient. It prints what
-is wrong in words (the sentences are in ``MANUAL_PATCH_DIAGNOSES``) and never raises because the reader's function
-is wrong or unfinished. The reader's function runs with the finished surgery out of reach (``patch_llama`` and
-``TritonRMSNorm.from_hf``, ``reach.FORBIDDEN["patch_norms_by_hand"]``): calling either is refused by name.
+``check_manual_patch(fn)`` builds a tiny float32 Llama, keeps an untouched copy of it, calls
+``fn(model)`` and then looks at what changed: which norms were replaced and by what, whether each
+replacement holds the very weight Parameter of the norm it replaces and its eps, whether the
+``state_dict`` kept its keys. Last, it runs one forward and backward pass through both models on the
+same batch and compares the loss and every gradient. It prints what is wrong in words (the sentences
+are in ``MANUAL_PATCH_DIAGNOSES``) and never raises because the reader's function is wrong or
+unfinished. The reader's function runs with the finished surgery out of reach (``patch_llama`` and
+``TritonRMSNorm.from_hf``, ``reach.FORBIDDEN["patch_norms_by_hand"]``): calling either is refused by
+name.
 
-The chapter asks for two phases, collect every norm, then swap. While the reader's function runs, every module's
-children sit in a dict that notices being changed while something is walking it (``_WatchedChildren``), so a swap
-made inside the walk is seen and named, even where it happens to give the right model.
+The chapter asks for two phases, collect every norm, then swap. While the reader's function runs,
+every module's children sit in a dict that notices being changed while something is walking it
+(``_WatchedChildren``), so a swap made inside the walk is seen and named, even where it happens to
+give the right model.
 """
 
 from __future__ import annotations
@@ -35,48 +38,57 @@ _WRONG = "✗ "
 MANUAL_PATCH_DIAGNOSES = {
     "stub": "the function is still the stub (it raises NotImplementedError)",
     "raised": "your function raised an exception",
-    "copy": "the norms were replaced in a copy of the model, not in the model passed in: the model you train is "
-            "unchanged; replace the modules inside the model itself",
-    "nothing": "no norm of the model was replaced: a new module bound to a loop variable (module = ...) or put into "
-               "a copy never reaches the model; put it into its parent with setattr(parent, name, new_module)",
+    "copy": ("the norms were replaced in a copy of the model, not in the model passed in: the "
+             "model you train is unchanged; replace the modules inside the model itself"),
+    "nothing": ("no norm of the model was replaced: a new module bound to a loop variable (module "
+                "= ...) or put into a copy never reaches the model; put it into its parent with "
+                "setattr(parent, name, new_module)"),
     "missed": "some norms were missed",
     "wrong-type": "a norm was replaced by something other than a kernels.TritonRMSNorm",
-    "weight-not-carried": "the weight was not carried over: the new norm has its own freshly initialised weight "
-                          "(all ones) instead of the model's values, so the model computes something else",
-    "weight-copied": "the weight was copied instead of shared: the new norm holds another Parameter with the same "
-                     "values, so an optimizer built before the patch updates the old Parameter, which the model no "
-                     "longer uses, and the norm never learns; give the new norm the same Parameter object "
-                     "(new.weight = old.weight)",
-    "weight-rewrapped": "the weight was wrapped in a new Parameter (nn.Parameter(old.weight)): it shares the memory, "
-                        "but the gradient goes to the new Parameter's .grad, which an optimizer built before the "
-                        "patch never reads; give the new norm the same Parameter object (new.weight = old.weight)",
+    "weight-not-carried": ("the weight was not carried over: the new norm has its own freshly "
+                           "initialised weight (all ones) instead of the model's values, so the "
+                           "model computes something else"),
+    "weight-copied": ("the weight was copied instead of shared: the new norm holds another "
+                      "Parameter with the same values, so an optimizer built before the patch "
+                      "updates the old Parameter, which the model no longer uses, and the norm "
+                      "never learns; give the new norm the same Parameter object (new.weight = "
+                      "old.weight)"),
+    "weight-rewrapped": ("the weight was wrapped in a new Parameter (nn.Parameter(old.weight)): it "
+                         "shares the memory, but the gradient goes to the new Parameter's .grad, "
+                         "which an optimizer built before the patch never reads; give the new norm "
+                         "the same Parameter object (new.weight = old.weight)"),
     "eps": "eps was not carried over: each norm keeps its own in `variance_epsilon` (the model's "
            "config.rms_norm_eps), and TritonRMSNorm's default differs; pass eps=old.variance_epsilon",
     "keys": "the state_dict keys changed: checkpoints would no longer load into the patched model",
     "gradients": "the loss or the gradients differ from Hugging Face's model",
-    "one-phase": "the norms were swapped while the module tree was still being walked (setattr inside the loop over "
-                 "named_modules() or named_children()): work in two phases, first collect every (parent, name, norm) "
-                 "into a list, then swap in a second loop. Replacing children during the walk changes the structure "
-                 "being iterated: here it happened to work, but a replacement that holds the old norm is walked "
-                 "into again, and adding or removing a child stops the walk with an error",
-    "dotted-name": "a new module was set under a dotted name (setattr(model, 'model.layers.0.input_layernorm', new) "
-                   "adds an attribute with dots in its name; it does not reach the norm): split the name and set it "
-                   "on the parent, parent = model.get_submodule(path); setattr(parent, attribute, new)",
-    "weight-tensor": "the weight must be the Parameter itself: new.weight = old.weight (a plain tensor such as "
-                     "old.weight.data or old.weight.detach() cannot be a module's parameter)",
-    "eps-attribute": "a LlamaRMSNorm keeps its eps in the attribute variance_epsilon: eps=old.variance_epsilon",
+    "one-phase": ("the norms were swapped while the module tree was still being walked (setattr "
+                  "inside the loop over named_modules() or named_children()): work in two phases, "
+                  "first collect every (parent, name, norm) into a list, then swap in a second "
+                  "loop. Replacing children during the walk changes the structure being iterated: "
+                  "here it happened to work, but a replacement that holds the old norm is walked "
+                  "into again, and adding or removing a child stops the walk with an error"),
+    "dotted-name": ("a new module was set under a dotted name (setattr(model, "
+                    "'model.layers.0.input_layernorm', new) adds an attribute with dots in its "
+                    "name; it does not reach the norm): split the name and set it on the parent, "
+                    "parent = model.get_submodule(path); setattr(parent, attribute, new)"),
+    "weight-tensor": ("the weight must be the Parameter itself: new.weight = old.weight (a plain "
+                      "tensor such as old.weight.data or old.weight.detach() cannot be a module's "
+                      "parameter)"),
+    "eps-attribute": ("a LlamaRMSNorm keeps its eps in the attribute variance_epsilon: "
+                      "eps=old.variance_epsilon"),
 }
 
 EXERCISE = "patch_norms_by_hand"
-# A classmethod is looked up anew on every access, so it cannot be a row of reach.FORBIDDEN (whose targets are
-# compared by identity): the check wires it itself, beside the row's targets.
+# A classmethod is looked up anew on every access, so it cannot be a row of reach.FORBIDDEN (whose
+# targets are compared by identity): the check wires it itself, beside the row's targets.
 FROM_HF = Forbid("kernels.rmsnorm:TritonRMSNorm.from_hf",
                  "the package's finished replacement of one norm, which carries the weight and eps for you")
 
 
 @contextmanager
 def _finished_out_of_reach(fn):
-    """The exercise's row of ``reach.FORBIDDEN`` out of reach of ``fn``, and ``TritonRMSNorm.from_hf`` too."""
+    """The exercise's row of ``reach.FORBIDDEN`` out of reach of ``fn``, and
+    ``TritonRMSNorm.from_hf`` too."""
     with out_of_reach(EXERCISE, fn) as tripwire:
         stored = vars(TritonRMSNorm)["from_hf"]
         TritonRMSNorm.from_hf = tripwire.wire(FROM_HF, TritonRMSNorm.from_hf)
@@ -87,10 +99,12 @@ def _finished_out_of_reach(fn):
 
 
 def _call(fn, model):
-    """``fn(model)`` with the finished surgery out of reach; raises ``FinishedCodeCalled`` when ``fn`` is one or
-    called one (even if it caught the error)."""
-    if fn is TritonRMSNorm.from_hf or getattr(fn, "__func__", None) is vars(TritonRMSNorm)["from_hf"].__func__:
-        raise FinishedCodeCalled(Tripwire(EXERCISE, [(FROM_HF.target.replace(":", "."), FROM_HF.what)]).message)
+    """``fn(model)`` with the finished surgery out of reach; raises ``FinishedCodeCalled`` when
+    ``fn`` is one or called one (even if it caught the error)."""
+    if fn is TritonRMSNorm.from_hf or getattr(fn, "__func__",
+                                              None) is vars(TritonRMSNorm)["from_hf"].__func__:
+        raise FinishedCodeCalled(Tripwire(EXERCISE,
+                                          [(FROM_HF.target.replace(":", "."), FROM_HF.what)]).message)
     if any(fn is resolve(forbid.target)[2] for forbid in targets(EXERCISE)):
         return call_learner(EXERCISE, fn, model)  # refused before the call, by name
     with _finished_out_of_reach(fn) as tripwire:
@@ -116,9 +130,10 @@ _NORM_ROLES = {
 
 
 class _WatchedChildren(dict):
-    """A module's children (its ``_modules``) that record a change made while something walks them: every walk
-    that ``named_modules``, ``named_children``, ``modules`` or ``children`` makes goes through ``items``/``values``/
-    ``keys``/``__iter__`` here, and ``setattr(parent, name, new)`` goes through ``__setitem__``."""
+    """A module's children (its ``_modules``) that record a change made while something walks them:
+    every walk that ``named_modules``, ``named_children``, ``modules`` or ``children`` makes goes
+    through ``items``/``values``/ ``keys``/``__iter__`` here, and ``setattr(parent, name, new)``
+    goes through ``__setitem__``."""
 
     def __init__(self, children: dict, changed: list):
         super().__init__(children)
@@ -151,7 +166,8 @@ class _WatchedChildren(dict):
 
 
 def _watch(model: torch.nn.Module) -> list:
-    """Give every module of ``model`` watched children; returns the list the changes made during a walk go to."""
+    """Give every module of ``model`` watched children; returns the list the changes made during a
+    walk go to."""
     changed: list = []
     for module in list(model.modules()):
         module.__dict__["_modules"] = _WatchedChildren(module.__dict__["_modules"], changed)
@@ -159,7 +175,8 @@ def _watch(model: torch.nn.Module) -> list:
 
 
 def _unwatch(model: torch.nn.Module) -> None:
-    """Plain dicts again, wherever watched ones are (the modules the reader put in have plain ones already)."""
+    """Plain dicts again, wherever watched ones are (the modules the reader put in have plain ones
+    already)."""
     stack = [model]
     while stack:
         module = stack.pop()
@@ -187,7 +204,8 @@ def _report(problem: str | None, success: str, verbose: bool) -> bool:
 
 
 def _norms(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    return {name: module for name, module in model.named_modules() if type(module).__name__ == "LlamaRMSNorm"}
+    return {name: module for name,
+            module in model.named_modules() if type(module).__name__ == "LlamaRMSNorm"}
 
 
 def _missed(names: list[str]) -> str:
@@ -243,8 +261,9 @@ def check_manual_patch(fn: Callable, verbose: bool = True, seed: int = 0) -> boo
     """Check ``fn(model)``: it must replace, inside ``model`` (a Hugging Face ``LlamaForCausalLM``), every
     ``LlamaRMSNorm`` by a ``kernels.TritonRMSNorm`` that holds the same weight Parameter and the same eps.
 
-    Runs on a tiny float32 Llama (``build_model("tiny", dtype=torch.float32)``) on ``runtime.device()``. Prints the
-    verdict (unless ``verbose=False``) and returns True when the patch is right and every gradient matches.
+    Runs on a tiny float32 Llama (``build_model("tiny", dtype=torch.float32)``) on
+    ``runtime.device()``. Prints the verdict (unless ``verbose=False``) and returns True when the
+    patch is right and every gradient matches.
     """
     device = runtime.device()
     model = build_model("tiny", dtype=torch.float32, device=device, seed=seed)
@@ -265,8 +284,8 @@ def check_manual_patch(fn: Callable, verbose: bool = True, seed: int = 0) -> boo
     if problem:
         return _report(problem, "", verbose)
     if changed_during_walk:
-        return _report(f"{MANUAL_PATCH_DIAGNOSES['one-phase']} (e.g. {changed_during_walk[0]!r} was replaced during "
-                       "the walk)", "", verbose)
+        return _report(f"{MANUAL_PATCH_DIAGNOSES['one-phase']} (e.g. {changed_during_walk[0]!r} "
+                       "was replaced during the walk)", "", verbose)
 
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=gen).to(device)
@@ -281,8 +300,10 @@ def check_manual_patch(fn: Callable, verbose: bool = True, seed: int = 0) -> boo
     loss_error = relative_error(loss, ref_loss)
     worst = max(errors, key=errors.get)
     if loss_error > tol or errors[worst] > tol:
-        return _report(f"{MANUAL_PATCH_DIAGNOSES['gradients']}: loss {loss.item():.6f} against {ref_loss.item():.6f}; "
-                       f"the largest gradient error is {errors[worst]:.1e} in {worst}", "", verbose)
-    return _report(None, f"all {len(norms_before)} LlamaRMSNorm replaced by TritonRMSNorm, each holding the same "
-                         f"weight Parameter and eps; the loss and the gradients of all {len(errors)} parameters match "
-                         f"Hugging Face's model (largest relative error {errors[worst]:.1e})", verbose)
+        return _report(f"{MANUAL_PATCH_DIAGNOSES['gradients']}: loss {loss.item():.6f} against "
+                       f"{ref_loss.item():.6f}; the largest gradient error is {errors[worst]:.1e} "
+                       f"in {worst}", "", verbose)
+    return _report(None, (f"all {len(norms_before)} LlamaRMSNorm replaced by TritonRMSNorm, each "
+                          "holding the same weight Parameter and eps; the loss and the gradients "
+                          f"of all {len(errors)} parameters match Hugging Face's model (largest "
+                          f"relative error {errors[worst]:.1e})"), verbose)

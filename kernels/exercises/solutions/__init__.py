@@ -1,9 +1,9 @@
 """The exercises' solutions, one module each, hidden until asked for.
 
-A chapter's exercise cell gives a stub to complete and a ``check_…`` call; ``solution("name")`` prints this folder's
-``name.py`` when the reader asks for it, and ``load("name")`` returns the function it defines, which is how the
-tests hold every solution to its own checker. A solution module defines exactly one public function, named like the
-module.
+A chapter's exercise cell gives a stub to complete and a ``check_…`` call; ``solution("name")``
+prints this folder's ``name.py`` when the reader asks for it, and ``load("name")`` returns the
+function it defines, which is how the tests hold every solution to its own checker. A solution
+module defines exactly one public function, named like the module.
 """
 
 from __future__ import annotations
@@ -34,10 +34,11 @@ def solution(name: str) -> None:
 
 
 def load(name: str) -> Callable:
-    """The function solution ``name`` defines (the module is loaded from its file, so it stays out of sight until
-    asked for: nothing here imports it)."""
+    """The function solution ``name`` defines (the module is loaded from its file, so it stays out
+    of sight until asked for: nothing here imports it)."""
     source(name)  # the same error for an unknown name
-    spec = importlib.util.spec_from_file_location(f"kernels.exercises.solutions.{name}", FOLDER / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"kernels.exercises.solutions.{name}",
+                                                  FOLDER / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return getattr(module, name)

@@ -13,7 +13,8 @@ def attention_loop(q, k, v, causal, block_n):
     rows = torch.arange(seq)[:, None]
     for h in range(heads):
         kh = h // group
-        m = torch.full((seq,), -1e30, dtype=q.dtype)  # finite: a fully masked block leaves alpha = 1, not NaN
+        # finite: a fully masked block leaves alpha = 1, not NaN
+        m = torch.full((seq,), -1e30, dtype=q.dtype)
         l = torch.zeros(seq, dtype=q.dtype)  # noqa: E741
         acc = torch.zeros(seq, d, dtype=q.dtype)
         for n0 in range(0, seq, block_n):
@@ -22,7 +23,8 @@ def attention_loop(q, k, v, causal, block_n):
                 cols = torch.arange(n0, min(n0 + block_n, seq))[None, :]
                 s = s.masked_fill(cols > rows, float("-inf"))
             m_new = torch.maximum(m, s.max(dim=-1).values)
-            alpha = torch.exp(m - m_new)  # what the old terms were measured against, moved to the new maximum
+            # what the old terms were measured against, moved to the new maximum
+            alpha = torch.exp(m - m_new)
             p = torch.exp(s - m_new[:, None])
             l = l * alpha + p.sum(-1)  # noqa: E741
             acc = acc * alpha[:, None] + p @ v[kh, n0:n0 + block_n]

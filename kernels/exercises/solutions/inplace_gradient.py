@@ -1,4 +1,5 @@
-"""Chapter 06, exercise 2: the gradient sweep written over the logits, one program per row, chunk by chunk."""
+"""Chapter 06, exercise 2: the gradient sweep written over the logits, one program per row, chunk by
+chunk."""
 
 import torch
 import triton
@@ -10,8 +11,10 @@ BLOCK_V = 128
 
 
 @triton.jit
-def _inplace_gradient_kernel(LOGITS, TARGET, LSE, SCALE, n_cols, stride, ignore_index, BLOCK_V: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)  # int64 before multiplying: row * stride passes 2**31 on large logits
+def _inplace_gradient_kernel(LOGITS, TARGET, LSE, SCALE, n_cols, stride, ignore_index,
+                             BLOCK_V: tl.constexpr):
+    # int64 before multiplying: row * stride passes 2**31 on large logits
+    row = tl.program_id(0).to(tl.int64)
     row_ptr = LOGITS + row * stride  # rows are `stride` elements apart, which may be more than n_cols
     target = tl.load(TARGET + row)
     lse = tl.load(LSE + row)
@@ -26,6 +29,6 @@ def _inplace_gradient_kernel(LOGITS, TARGET, LSE, SCALE, n_cols, stride, ignore_
 
 def inplace_gradient(logits, target, lse, ignore_index=-100):
     scale = 1.0 / (target != ignore_index).sum().to(torch.float32)  # stays on the device: no host sync
-    _inplace_gradient_kernel[(logits.shape[0],)](logits, target, lse, scale, logits.shape[1], logits.stride(0),
-                                                 ignore_index, BLOCK_V=BLOCK_V)
+    _inplace_gradient_kernel[(logits.shape[0],)](logits, target, lse, scale, logits.shape[1],
+                                                 logits.stride(0), ignore_index, BLOCK_V=BLOCK_V)
     return logits

@@ -1,5 +1,5 @@
-"""Chapter 03's second exercise, one answer: RMSNorm's backward on tiles of rows in a persistent grid, with dW as
-float32 partial sums, one row of DW_PARTIALS per program."""
+"""Chapter 03's second exercise, one answer: RMSNorm's backward on tiles of rows in a persistent
+grid, with dW as float32 partial sums, one row of DW_PARTIALS per program."""
 
 import triton
 import triton.language as tl
@@ -16,7 +16,8 @@ def rms_norm_bwd_tile_kernel(
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < n_cols
     w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
-    dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)  # this program's share of dW: float32, for every tile it adds
+    # this program's share of dW: float32, for every tile it adds
+    dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
 
     for block in range(pid, tl.cdiv(n_rows, ROWS), tl.num_programs(0)):  # tiles pid, pid + P, pid + 2P, ...
         rows = (block * ROWS + tl.arange(0, ROWS)).to(tl.int64)

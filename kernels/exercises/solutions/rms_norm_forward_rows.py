@@ -1,4 +1,5 @@
-"""Chapter 02's forward function, one answer: RMSNorm with one row per program, in Hugging Face's cast order."""
+"""Chapter 02's forward function, one answer: RMSNorm with one row per program, in Hugging Face's
+cast order."""
 
 import torch
 import triton
@@ -16,7 +17,8 @@ def _rms_norm_row_kernel(X, W, Y, n_cols, stride_x, stride_y, eps, BLOCK_N: tl.c
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     # The masked lanes hold zeros: they add nothing to the sum, and the mean divides by the real width.
     rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    x_hat = cast_to(x * rstd, X.dtype.element_ty).to(tl.float32)  # rounded to x's dtype first, as Hugging Face does
+    # rounded to x's dtype first, as Hugging Face does
+    x_hat = cast_to(x * rstd, X.dtype.element_ty).to(tl.float32)
     tl.store(Y + row * stride_y + cols, cast_to(x_hat * w, Y.dtype.element_ty), mask=mask)
 
 

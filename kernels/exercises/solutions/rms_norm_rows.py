@@ -1,11 +1,13 @@
-"""Chapter 13's exercise, one answer: the RMSNorm row loop in C++, as the source ``check_rms_norm_rows`` compiles."""
+"""Chapter 13's exercise, one answer: the RMSNorm row loop in C++, as the source
+``check_rms_norm_rows`` compiles."""
 
 
 def rms_norm_rows():
     """The C++ source of ``rms_norm_rows``: pass it to ``check_rms_norm_rows(rms_norm_rows())``."""
-    # Two strides: a row of x starts at row * x_row_stride (x may be a view into a wider buffer); y is packed, so its
-    # row starts at row * cols. Offsets are int64_t: row * stride passes 2^31 once rows × width does. The sum of
-    # squares accumulates in a float, eps goes inside the square root, and rstd keeps r for the backward.
+    # Two strides: a row of x starts at row * x_row_stride (x may be a view into a wider buffer); y
+    # is packed, so its row starts at row * cols. Offsets are int64_t: row * stride passes 2^31 once
+    # rows × width does. The sum of squares accumulates in a float, eps goes inside the square root,
+    # and rstd keeps r for the backward.
     return r"""
 extern "C" void rms_norm_rows(const float* x, int64_t x_row_stride, const float* w, float* y, float* rstd,
                               int64_t rows, int64_t cols, float eps) {

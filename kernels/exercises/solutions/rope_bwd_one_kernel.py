@@ -24,7 +24,8 @@ def rope_bwd_one_kernel(DY, COS, SIN, DX, n_heads, seq, half, sx_b, sx_h, sx_t, 
     dy2 = tl.load(dy_at + half, mask=ok, other=0.0).to(tl.float32)
     c2 = tl.load(c_at + half, mask=ok, other=0.0).to(tl.float32)
     s2 = tl.load(s_at + half, mask=ok, other=0.0).to(tl.float32)
-    # The transpose of x·cos + rotate_half(x)·sin: the sine terms change sign and take the partner's half of sin.
+    # The transpose of x·cos + rotate_half(x)·sin: the sine terms change sign and take the partner's
+    # half of sin.
     dx1 = dy1 * c1 + dy2 * s2
     dx2 = dy2 * c2 - dy1 * s1
     o_at = DX + b * so_b + h * so_h + t[:, None] * so_t + d[None, :]

@@ -1,12 +1,15 @@
-"""Chapter 13's CUDA exercise, one answer: each row's rstd, a warp per row, float4 loads and a shuffle butterfly."""
+"""Chapter 13's CUDA exercise, one answer: each row's rstd, a warp per row, float4 loads and a
+shuffle butterfly."""
 
 
 def rstd_warp_per_row():
-    """The CUDA source of ``rstd_warp_per_row``: pass it to ``check_rstd_warp_per_row(rstd_warp_per_row())``."""
-    # Warp w of block b owns row b * (blockDim.x / 32) + w; a warp past the last row returns as a whole, so the
-    # shuffles below always run on full warps. cols is a multiple of 4 and x is 16-byte aligned, so every row is a
-    # whole number of float4 packs: lane l reads packs l, l + 32, l + 64, ... (neighbouring lanes, neighbouring 16
-    # bytes: one coalesced 512-byte read per step). Five xor shuffles give every lane the warp's total.
+    """The CUDA source of ``rstd_warp_per_row``: pass it to
+    ``check_rstd_warp_per_row(rstd_warp_per_row())``."""
+    # Warp w of block b owns row b * (blockDim.x / 32) + w; a warp past the last row returns as a
+    # whole, so the shuffles below always run on full warps. cols is a multiple of 4 and x is
+    # 16-byte aligned, so every row is a whole number of float4 packs: lane l reads packs l, l + 32,
+    # l + 64, ... (neighbouring lanes, neighbouring 16 bytes: one coalesced 512-byte read per step).
+    # Five xor shuffles give every lane the warp's total.
     return r"""
 extern "C" __global__ void rstd_warp_per_row(const float* x, float* rstd, int64_t rows, int64_t cols, float eps) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;

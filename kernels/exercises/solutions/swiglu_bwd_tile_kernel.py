@@ -1,4 +1,5 @@
-"""Chapter 11's SwiGLU exercise, one answer: the backward pass on a tile of ROWS rows × BLOCK_N columns per program."""
+"""Chapter 11's SwiGLU exercise, one answer: the backward pass on a tile of ROWS rows × BLOCK_N
+columns per program."""
 
 import triton
 import triton.language as tl
@@ -7,10 +8,10 @@ from kernels.triton_utils import cast_to
 
 
 @triton.jit
-def swiglu_bwd_tile_kernel(DY, GATE, UP, DGATE, DUP, n_rows, n_cols, stride_dy, stride_gate, stride_up, stride_out,
-                           ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-    # The tile: a 2-D grid, rows along its first axis (int64, so that row * stride cannot overflow), columns along
-    # its second.
+def swiglu_bwd_tile_kernel(DY, GATE, UP, DGATE, DUP, n_rows, n_cols, stride_dy, stride_gate,
+                           stride_up, stride_out, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    # The tile: a 2-D grid, rows along its first axis (int64, so that row * stride cannot overflow),
+    # columns along its second.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     # Only real elements: the last row block may hang past n_rows, the last column block past n_cols.

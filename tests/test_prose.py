@@ -28,15 +28,17 @@ FIGURE = re.compile(
     r"|\b[Mm]easured\b[^.;]*?\d[\d,.]*\s*(?:%|×|ms|µs|s\b|GiB|MiB)"
 )
 
-# The exercises are the reader's starting points, checked separately.
+# The exercises (checks and solutions) count in the long-line share like the rest of the package. The
+# figures check leaves them out: the one line it flags there is a unit conversion in a solution's comment
+# ("a second is 1e6 µs"), not a measurement, and the pattern cannot tell the two apart.
 EXERCISES = "kernels/exercises/"
 
 
-def _files() -> list[Path]:
+def _files(exercises: bool = True) -> list[Path]:
     files = []
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
-        if rel.startswith(EXERCISES):
+        if not exercises and rel.startswith(EXERCISES):
             continue
         files.append(path)
     return files
@@ -75,7 +77,7 @@ def test_the_pattern_finds_figures():
 
 
 def test_no_measured_figures_in_code_prose():
-    found = [line for path in _files() for line in figures(path)]
+    found = [line for path in _files(exercises=False) for line in figures(path)]
     assert not found, "measured figures belong in assets/notes/ (the code points there):\n" + "\n".join(found)
 
 

@@ -430,14 +430,22 @@ def call_learner(exercise: str, fn: Callable, *args, watch: Any = None, **kwargs
     if message:
         raise FinishedCodeCalled(message)
     with out_of_reach(exercise, code) as tripwire:
-        try:
-            result = fn(*args, **kwargs)
-        except FinishedCodeCalled:
-            raise
-        except Exception:
-            if tripwire.called:  # the learner's code turned the tripwire's error into another one
-                raise FinishedCodeCalled(tripwire.message) from None
-            raise
-        if tripwire.called:  # the learner's code caught the tripwire's error and went on
-            raise FinishedCodeCalled(tripwire.message)
-        return result
+        return run_watched(tripwire, fn, *args, **kwargs)
+
+
+def run_watched(tripwire: Tripwire, fn: Callable, *args, **kwargs):
+    """``fn(*args, **kwargs)`` inside an ``out_of_reach`` block whose ``tripwire`` is given: raises
+    ``FinishedCodeCalled`` when ``fn`` called a finished answer, even if it caught the error or turned it
+    into another one; any other error of ``fn`` propagates as it is. For a check that wires more than
+    its row of ``FORBIDDEN`` into the same tripwire."""
+    try:
+        result = fn(*args, **kwargs)
+    except FinishedCodeCalled:
+        raise
+    except Exception:
+        if tripwire.called:  # the learner's code turned the tripwire's error into another one
+            raise FinishedCodeCalled(tripwire.message) from None
+        raise
+    if tripwire.called:  # the learner's code caught the tripwire's error and went on
+        raise FinishedCodeCalled(tripwire.message)
+    return result

@@ -458,9 +458,7 @@ def check_rms_norm_tile(kernel, seed: int | None = None, verbose: bool = True) -
     problem, ran = _high_rows_tile(kernel, gen)
     if problem is not None:
         return verdict(False, problem, verbose)
-    offsets = ("rows past element 2**31 read and written where they are (int64 row offsets)" if ran
-               else ("int64 row offsets NOT checked (this machine would not map the 8 GiB of "
-                     "addresses it needs)"))
+    offsets = _offsets_checked(ran)
     summary = (
         f"tile kernel correct on {len(TILE_CASES)} inputs (widths {_widths(TILE_CASES)}, float32 "
         "and bfloat16, tiny values, strided rows, a last tile that hangs past the last row), and "
@@ -617,9 +615,7 @@ def check_rms_norm_backward_tile(kernel, seed: int | None = None, verbose: bool 
     problem, ran = _high_rows_backward_tile(kernel, gen)
     if problem is not None:
         return verdict(False, problem, verbose)
-    offsets = ("rows past element 2**31 read and written where they are (int64 row offsets)" if ran
-               else ("int64 row offsets NOT checked (this machine would not map the 8 GiB of "
-                     "addresses it needs)"))
+    offsets = _offsets_checked(ran)
     summary = (
         f"backward tile kernel correct on {len(BACKWARD_TILE_CASES)} inputs (widths "
         f"{_widths(BACKWARD_TILE_CASES)}, float32 and bfloat16, strided rows, last tiles that hang "
@@ -784,6 +780,13 @@ def verdict(passed: bool, message: str, verbose: bool) -> Report:
     if verbose:
         print(report.message)
     return report
+
+
+def _offsets_checked(ran: bool) -> str:
+    """What a tile check's launch on rows past element 2**31 showed, for its ✓ message."""
+    return ("rows past element 2**31 read and written where they are (int64 row offsets)" if ran
+            else ("int64 row offsets NOT checked (this machine would not map the 8 GiB of "
+                  "addresses it needs)"))
 
 
 def _widths(cases) -> str:

@@ -30,7 +30,7 @@ from kernels.rmsnorm import TritonRMSNorm
 from kernels.tolerances import RELATIVE_ERROR_TOL
 from kernels.training.models import build_model
 
-from .reach import FinishedCodeCalled, Forbid, Tripwire, call_learner, out_of_reach, resolve, targets
+from .reach import FinishedCodeCalled, Forbid, Tripwire, call_learner, out_of_reach, resolve, run_watched, targets
 
 _OK = "✓ "
 _WRONG = "✗ "
@@ -108,17 +108,7 @@ def _call(fn, model):
     if any(fn is resolve(forbid.target)[2] for forbid in targets(EXERCISE)):
         return call_learner(EXERCISE, fn, model)  # refused before the call, by name
     with _finished_out_of_reach(fn) as tripwire:
-        try:
-            returned = fn(model)
-        except FinishedCodeCalled:
-            raise
-        except Exception:
-            if tripwire.called:
-                raise FinishedCodeCalled(tripwire.message) from None
-            raise
-        if tripwire.called:
-            raise FinishedCodeCalled(tripwire.message)
-        return returned
+        return run_watched(tripwire, fn, model)
 
 
 # What each norm of a Llama decoder does, to say which ones were missed.

@@ -62,8 +62,13 @@ def loss_and_grads(model, batch):
 
 
 def test_leaving_the_mask_out_changes_no_loss_and_no_gradient(device, gen):
-    seed = seed_from(gen)
+    # A batch with padding: about 1 seed in 150 draws two examples that both fill the 80 tokens, so the next seed
+    # is taken there (the test is about padded positions).
+    first = seed = seed_from(gen)
     batch = make_sft_batches(get_tokenizer(), 2, 80, 1, seed=seed)[0]
+    while int((batch["attention_mask"] == 0).sum()) == 0 and seed < first + 20:
+        seed += 1
+        batch = make_sft_batches(get_tokenizer(), 2, 80, 1, seed=seed)[0]
     assert int((batch["attention_mask"] == 0).sum()) > 0
     model = build_model("tiny", dtype=torch.float32, device=device, seed=seed)
     on = lambda b: {k: v.to(device) for k, v in b.items()}  # noqa: E731

@@ -72,12 +72,22 @@ class TraceSummary:
     top_comm_kernels: list = field(default_factory=list)  # [(name, total ms per step)], longest first
 
     def to_dict(self) -> dict:
+        """The summary's fields as a dict, the collectives' entries too.
+
+        Returns:
+            a JSON-ready dict.
+        """
         out = asdict(self)
         out["collectives"] = {k: asdict(v) if isinstance(v, CollectiveBytes) else v
                               for k, v in self.collectives.items()}
         return out
 
     def text(self) -> str:
+        """The summary in one sentence: the step's parts and the bytes sent (only the bytes on a CPU run).
+
+        Returns:
+            the sentence.
+        """
         if self.step_ms is None:
             return (f"{self.steps} profiled step(s): no GPU kernels recorded (CPU run); "
                     f"{self.sent_bytes_per_step / 1e9:.3f} GB sent per step by this rank")
@@ -88,7 +98,14 @@ class TraceSummary:
 
 
 def merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The union of ``(start, end)`` intervals as disjoint, sorted intervals."""
+    """The union of ``(start, end)`` intervals as disjoint, sorted intervals.
+
+    Args:
+        intervals: ``(start, end)`` pairs, in any order, overlapping or not.
+
+    Returns:
+        the union.
+    """
     out: list[list[float]] = []
     for start, end in sorted(intervals):
         if out and start <= out[-1][1]:
@@ -99,11 +116,27 @@ def merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 
 def total(intervals: list[tuple[float, float]]) -> float:
+    """The summed length of ``(start, end)`` intervals (disjoint ones, as ``merge`` returns).
+
+    Args:
+        intervals: the intervals.
+
+    Returns:
+        the length.
+    """
     return sum(b - a for a, b in intervals)
 
 
 def overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    """Length of the intersection of two unions (each disjoint and sorted, as ``merge`` returns)."""
+    """Length of the intersection of two unions (each disjoint and sorted, as ``merge`` returns).
+
+    Args:
+        a: one union of intervals.
+        b: the other.
+
+    Returns:
+        the length the two share.
+    """
     i = j = 0
     length = 0.0
     while i < len(a) and j < len(b):
@@ -118,6 +151,14 @@ def overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float
 
 
 def is_comm_kernel(name: str) -> bool:
+    """Whether a GPU kernel's name is a collective's (NCCL's or gloo's prefixes, ``COMM_KERNEL_PREFIXES``).
+
+    Args:
+        name: the kernel's name in the trace.
+
+    Returns:
+        True for a collective.
+    """
     return name.lower().startswith(COMM_KERNEL_PREFIXES)
 
 
@@ -134,7 +175,16 @@ def _numel(dims) -> int:
 def sent_bytes(name: str, args: dict, world_size: int) -> tuple[str, float] | None:
     """``(collective, bytes this rank sends)`` of one recorded c10d operator (``record_shapes=True``
     gives its arguments' shapes and types), or None for any other event. A tensor list's dtype is
-    not recorded: taken as 4-byte (only the loss's all-reduce of one float is one here)."""
+    not recorded: taken as 4-byte (only the loss's all-reduce of one float is one here).
+
+    Args:
+        name: the operator's name in the trace.
+        args: the event's ``args`` (its ``Input Dims`` and ``Input type``).
+        world_size: the number of ranks.
+
+    Returns:
+        the collective's kind and the bytes, or None.
+    """
     known = C10D_COLLECTIVES.get(name)
     if known is None:
         return None
@@ -148,7 +198,16 @@ def sent_bytes(name: str, args: dict, world_size: int) -> tuple[str, float] | No
 
 def summarize_trace(trace: dict, steps: int, world_size: int) -> TraceSummary:
     """Read a Chrome trace (``torch.profiler``'s ``export_chrome_trace``, recorded with
-    ``record_shapes=True``) of ``steps`` profiled steps of one rank among ``world_size``."""
+    ``record_shapes=True``) of ``steps`` profiled steps of one rank among ``world_size``.
+
+    Args:
+        trace: the trace, as loaded from its JSON.
+        steps: the profiled steps it holds (at least 1 is taken).
+        world_size: the number of ranks.
+
+    Returns:
+        the per-step means, as a ``TraceSummary`` (its times None when no GPU kernel was recorded).
+    """
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
     kernels = [e for e in events if e.get("cat") == "kernel"]
     steps = max(int(steps), 1)
@@ -187,7 +246,16 @@ def timeline_excerpt(trace: dict, *, max_ms: float | None = None, gap_ms: float 
     """The GPU's busy spans from the first recorded kernel on, as ``{"row": "compute"|"collective",
     "start_ms", "dur_ms"}`` (ms from the first kernel): each row's kernels merged where less than
     ``gap_ms`` apart, so a step is a few hundred spans, not tens of thousands of kernels. ``max_ms``
-    cuts it short (e.g. at one step)."""
+    cuts it short (e.g. at one step).
+
+    Args:
+        trace: the trace, as loaded from its JSON.
+        max_ms: keep spans starting up to this time (None: all).
+        gap_ms: close gaps shorter than this.
+
+    Returns:
+        the spans, sorted by start (empty when the trace has no kernel).
+    """
     kernels = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") == "kernel"]
     if not kernels:
         return []
@@ -202,7 +270,15 @@ def timeline_excerpt(trace: dict, *, max_ms: float | None = None, gap_ms: float 
 
 
 def merged_spans(rows: dict, gap_ms: float) -> list[dict]:
-    """``{row: [(start, end), …]}`` → spans with gaps under ``gap_ms`` closed, in the excerpt's format."""
+    """``{row: [(start, end), …]}`` → spans with gaps under ``gap_ms`` closed, in the excerpt's format.
+
+    Args:
+        rows: row name -> ``(start, end)`` intervals in ms.
+        gap_ms: close gaps shorter than this.
+
+    Returns:
+        ``{"row", "start_ms", "dur_ms"}`` dicts, sorted by start.
+    """
     out = []
     for row, intervals in rows.items():
         for start, end in merge([(a, b + gap_ms) for a, b in intervals]):
@@ -212,7 +288,18 @@ def merged_spans(rows: dict, gap_ms: float) -> list[dict]:
 
 def plot_timeline(excerpts: dict, ax=None, *, title: str = ""):
     """Two rows per variant (compute kernels, collectives) over one step: ``excerpts`` is variant ->
-    excerpt."""
+    excerpt.
+
+    Chapter 12 draws one step with it.
+
+    Args:
+        excerpts: variant -> ``timeline_excerpt``.
+        ax: a matplotlib axes to draw on (None: a new figure).
+        title: the title (empty: a default one).
+
+    Returns:
+        the axes.
+    """
     import matplotlib.pyplot as plt
 
     if ax is None:
@@ -240,6 +327,16 @@ class StepProfiler:
     GPU's busy spans over the first step's length (``timeline_excerpt``; ``excerpt_ms`` sets another
     length). Nothing is recorded on a rank that is not asked (``enabled=False``): use it on rank 0
     only, the other ranks run the same steps unprofiled.
+
+    Args:
+        wait: steps before recording starts (0 or more).
+        active: steps to record (1 or more).
+        world_size: the number of ranks (for the bytes sent).
+        enabled: record on this rank.
+        excerpt_ms: the excerpt's length (None: the first recorded step's).
+
+    Raises:
+        ValueError: when ``wait`` < 0 or ``active`` < 1.
     """
 
     def __init__(self, wait: int, active: int, *, world_size: int = 1, enabled: bool = True,
@@ -295,7 +392,11 @@ class StepProfiler:
         self._prof = None
 
     def step(self, *_args) -> None:
-        """The end of one step: start recording after ``wait`` of them, stop after ``active`` more."""
+        """The end of one step: start recording after ``wait`` of them, stop after ``active`` more.
+
+        Args:
+            *_args: ignored, so it can be an ``after_backward(step, model)`` callback.
+        """
         self._calls += 1
         if self._prof is None:
             return

@@ -29,7 +29,11 @@ from .parallel import DTYPES, fsdp_finetune, fsdp_results_file
 
 
 def add_fsdp_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags a sharded run takes on top of the single-GPU command line's."""
+    """The flags a sharded run takes on top of the single-GPU command line's.
+
+    Args:
+        parser: the parser to extend (``build_fsdp_parser`` passes the single-GPU one).
+    """
     group = parser.add_argument_group("FSDP2 (under torchrun)")
     group.add_argument("--baseline", action="store_true",
                        help="Hugging Face's model alone, not patched (--compare runs both)")
@@ -46,6 +50,11 @@ def add_fsdp_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_fsdp_parser() -> argparse.ArgumentParser:
+    """The sharded run's command line: the single-GPU fine-tuning flags plus ``add_fsdp_arguments``.
+
+    Returns:
+        the parser, its ``prog`` the ``torchrun`` command that runs it.
+    """
     parser = build_parser(writes="fsdp/<name>_<N>gpu.json")
     parser.prog = "torchrun --nproc-per-node N -m kernels.distributed.finetune"
     parser.description = ("Fine-tune a Llama preset sharded with FSDP2 across the processes torchrun starts; "
@@ -68,7 +77,12 @@ def _preset(args) -> str:
 def check_args(parser: argparse.ArgumentParser, args) -> None:
     """Every check before the process group starts (each rank checks, so all stop together): the
     flags a sharded run refuses, and the results file rank 0 will write
-    (``fsdp/<name>_<N>gpu.json``, N from torchrun's WORLD_SIZE)."""
+    (``fsdp/<name>_<N>gpu.json``, N from torchrun's WORLD_SIZE).
+
+    Args:
+        parser: the parser (its ``error`` reports the problems and exits).
+        args: the parsed flags.
+    """
     problems = flag_problems(args)
     if args.compile or args.fit or args.probe or args.slope:
         problems.append("a sharded run trains the eager loop: leave out --compile, --fit, --probe and --slope")
@@ -86,7 +100,16 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """One torchrun worker's run: check the flags, join the process group, train every variant,
-    leave the group."""
+    leave the group.
+
+    Chapter 12 launches it through ``kernels.distributed.parallel.launch``.
+
+    Args:
+        argv: the command line's arguments (None: ``sys.argv``'s).
+
+    Returns:
+        the exit status, 0 (a refused flag exits through ``argparse`` before the group starts).
+    """
     parser = build_fsdp_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)

@@ -58,12 +58,29 @@ class DistEnv:
 
 
 def backend_for(device: torch.device) -> str:
-    """NCCL for CUDA tensors, gloo for CPU tensors (the two backends PyTorch ships for them)."""
+    """NCCL for CUDA tensors, gloo for CPU tensors (the two backends PyTorch ships for them).
+
+    Args:
+        device: the device this rank computes on.
+
+    Returns:
+        ``"nccl"`` or ``"gloo"``.
+    """
     return "nccl" if device.type == "cuda" else "gloo"
 
 
 def device_for(local_rank: int) -> torch.device:
-    """One GPU per local rank in GPU mode; the CPU (every rank shares it) in Triton's interpreter."""
+    """One GPU per local rank in GPU mode; the CPU (every rank shares it) in Triton's interpreter.
+
+    Args:
+        local_rank: this process's rank on its host (torchrun's ``LOCAL_RANK``).
+
+    Returns:
+        ``cuda:<local_rank>`` in GPU mode, else the CPU.
+
+    Raises:
+        RuntimeError: in GPU mode, when the host has no GPU of that index.
+    """
     if runtime.MODE == "gpu":
         if local_rank >= torch.cuda.device_count():
             raise RuntimeError(
@@ -84,7 +101,13 @@ def _env_int(name: str) -> int:
 
 def setup() -> DistEnv:
     """Start the default process group from torchrun's environment (or a group of one without it);
-    see the module docstring. Idempotent: a second call returns the same ``DistEnv``."""
+    see the module docstring. Idempotent: a second call returns the same ``DistEnv``.
+
+    Chapter 12 calls it in every process.
+
+    Returns:
+        this process's ``DistEnv``.
+    """
     world, local = _env_int("WORLD_SIZE"), _env_int("LOCAL_RANK")
     device = device_for(local)
     backend = backend_for(device)
@@ -119,7 +142,11 @@ def teardown() -> None:
 
 
 def free_port() -> int:
-    """A TCP port on the loopback interface that is free now (the OS picks it)."""
+    """A TCP port on the loopback interface that is free now (the OS picks it).
+
+    Returns:
+        the port number.
+    """
     import socket
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -128,11 +155,20 @@ def free_port() -> int:
 
 
 def is_rank0() -> bool:
+    """True on rank 0, and in a process with no process group (it is the only one).
+
+    Returns:
+        whether this process prints and writes for the group.
+    """
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def print0(*args, **kwargs) -> None:
-    """``print`` on rank 0 only (every rank runs the same script; one copy of each line is enough)."""
+    """``print`` on rank 0 only (every rank runs the same script; one copy of each line is enough).
+
+    Args:
+        *args, **kwargs: as for ``print`` (``flush`` is always on).
+    """
     if is_rank0():
         print(*args, **kwargs, flush=True)
 
@@ -146,14 +182,32 @@ def mixed_precision(param_dtype: torch.dtype | None = torch.bfloat16,
                     reduce_dtype: torch.dtype | None = torch.float32):
     """FSDP2's ``MixedPrecisionPolicy``: parameters gathered (and computed with) in ``param_dtype``,
     gradients reduced across ranks in ``reduce_dtype``, then stored in the dtype of the sharded
-    parameters. ``None`` keeps the sharded parameters' dtype."""
+    parameters. ``None`` keeps the sharded parameters' dtype.
+
+    Args:
+        param_dtype: the dtype parameters are gathered and computed in.
+        reduce_dtype: the dtype gradients are reduced in.
+
+    Returns:
+        the ``torch.distributed.fsdp.MixedPrecisionPolicy``.
+    """
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The decoder layers of a Hugging Face causal LM (``model.model.layers``), each one FSDP unit."""
+    """The decoder layers of a Hugging Face causal LM (``model.model.layers``), each one FSDP unit.
+
+    Args:
+        model: a Hugging Face causal LM.
+
+    Returns:
+        its decoder layers, in order.
+
+    Raises:
+        TypeError: when ``model`` has no non-empty ``model.model.layers``.
+    """
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
@@ -186,6 +240,18 @@ def shard_llama(
     global mean (its sum over labels divided by the label count of the whole global batch), so the
     sum across ranks is the gradient of the global mean, exactly what one process computes on the
     whole batch.
+
+    Chapter 12 shards the Llama with it.
+
+    Args:
+        model: a Hugging Face causal LM, on this rank's device (patched or not).
+        mp_policy: FSDP2's mixed-precision policy (None: ``mixed_precision()``).
+        reshard_after_forward: free each layer's gathered parameters after its forward.
+        sum_gradients: reduce-scatter gradients by sum instead of mean.
+        prefetch: layers to all-gather ahead explicitly (0: FSDP2's implicit one layer).
+
+    Returns:
+        ``model`` itself, sharded in place.
     """
     from torch.distributed.fsdp import fully_shard
 
@@ -240,6 +306,23 @@ def prepare_model(
     the 8B shape; a meta-device build would avoid it.) ``dtype`` is the dtype of the stored
     (sharded) parameters and so of AdamW's states; ``param_dtype`` the one the layers compute in;
     ``prefetch`` goes to ``shard_llama``. Returns ``(model, patch_handle or None)``.
+
+    Chapter 12 builds its sharded models with it.
+
+    Args:
+        preset: the model preset (``kernels.training.models``).
+        env: this process's ``DistEnv`` (its device).
+        dtype: the stored (sharded) parameters' dtype.
+        param_dtype: the dtype the layers compute in.
+        reduce_dtype: the dtype gradients are reduced in.
+        seed: the seed of the weights (the same on every rank).
+        patch: apply ``patch_llama``.
+        patch_options: keyword arguments for ``patch_llama``.
+        gradient_checkpointing: checkpoint each decoder layer.
+        prefetch: layers to all-gather ahead (``shard_llama``).
+
+    Returns:
+        ``(model, handle)``: the sharded model and the ``LlamaPatch`` (None when ``patch`` is False).
     """
     from kernels.hf.patch import patch_llama
     from kernels.training.loop import enable_checkpointing
@@ -254,7 +337,14 @@ def prepare_model(
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
-    """True when ``model`` went through ``fully_shard`` (its class is FSDP2's ``FSDPModule`` subclass)."""
+    """True when ``model`` went through ``fully_shard`` (its class is FSDP2's ``FSDPModule`` subclass).
+
+    Args:
+        model: any module.
+
+    Returns:
+        whether it is an ``FSDPModule``.
+    """
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)

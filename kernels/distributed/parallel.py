@@ -81,7 +81,19 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 def split_rows(batch: dict[str, torch.Tensor], rank: int, world_size: int) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s rows of one global micro-batch: ``[rank·B/N, (rank+1)·B/N)``, B rows split
-    over N ranks."""
+    over N ranks.
+
+    Args:
+        batch: one global micro-batch, tensors with rows first.
+        rank: this rank.
+        world_size: the number of ranks.
+
+    Returns:
+        the same keys, each tensor's slice of rows for ``rank`` (views).
+
+    Raises:
+        ValueError: when the rows do not split equally over ``world_size``.
+    """
     rows = batch["input_ids"].shape[0]
     if rows % world_size:
         raise ValueError(
@@ -93,14 +105,31 @@ def split_rows(batch: dict[str, torch.Tensor], rank: int, world_size: int) -> di
 
 
 def shard_batches(batches: list[dict], rank: int, world_size: int) -> list[dict]:
-    """This rank's rows of every global micro-batch, in the same order."""
+    """This rank's rows of every global micro-batch, in the same order.
+
+    Args:
+        batches: the global micro-batches.
+        rank: this rank.
+        world_size: the number of ranks.
+
+    Returns:
+        one ``split_rows`` per micro-batch.
+    """
     return [split_rows(b, rank, world_size) for b in batches]
 
 
 def global_label_counts(local_groups: list[list[dict]], device: torch.device) -> list[int]:
     """Per step, the labels the loss counts over every rank's micro-batches: this rank's counts
     (taken on the CPU labels) summed across ranks by one all-reduce for the whole run, not one per
-    step."""
+    step.
+
+    Args:
+        local_groups: this rank's micro-batches, grouped per optimizer step.
+        device: where the all-reduce runs (this rank's device).
+
+    Returns:
+        the global label count of each step.
+    """
     local = torch.tensor(labels_per_step(local_groups), dtype=torch.int64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(local, op=dist.ReduceOp.SUM)
@@ -146,6 +175,24 @@ def train_fsdp(
     (``kernels.adamw.TritonAdamW``): each rank updates its shards, and the update is elementwise, so
     sharding does not change it. ``after_backward(step, model)`` runs on every rank after the step's
     last backward, when the sharded gradients are complete. The progress bar shows on rank 0 only.
+
+    Chapter 12 trains with it (through ``fsdp_finetune``).
+
+    Args:
+        model: the sharded model (``prepare_model``).
+        batches: the global micro-batches, the same list on every rank.
+        env: this process's ``DistEnv``.
+        grad_accum: micro-batches per optimizer step.
+        lr: the peak learning rate.
+        label: the run's name in the progress bar and the result.
+        warmup_steps: linear warm-up steps of the learning rate.
+        progress: show a progress bar (rank 0 only).
+        after_backward: called as ``after_backward(step, model)`` after each step's last backward.
+        padding_mask: pass the batches' attention masks to the model.
+        adamw: ``"foreach"`` (``torch.optim.AdamW``) or ``"triton"`` (``TritonAdamW``).
+
+    Returns:
+        this rank's ``RunResult``, its ``what_ran`` naming the world size and what is global.
     """
     check_train_args(batches, grad_accum, lr, warmup_steps)
     groups = step_groups(shard_batches(batches, env.rank, env.world_size), grad_accum)
@@ -165,7 +212,14 @@ def train_fsdp(
 
 
 def gather_to_all(value) -> list:
-    """``value`` of every rank, in rank order (a Python object; one small collective)."""
+    """``value`` of every rank, in rank order (a Python object; one small collective).
+
+    Args:
+        value: any picklable object.
+
+    Returns:
+        one value per rank (just ``[value]`` without a group of several ranks).
+    """
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return [value]
     out = [None] * dist.get_world_size()
@@ -194,6 +248,13 @@ class FsdpRun:
     versions: dict = field(default_factory=runtime.versions)
 
     def summary(self) -> dict:
+        """Per variant: tokens/s per GPU and in total, step time, the largest rank's peak and the final loss.
+
+        With both variants, also the patched run's speedup and the largest loss difference per step.
+
+        Returns:
+            the figures, keyed by variant (and ``speedup``, ``max_abs_loss_difference``).
+        """
         out = {}
         for variant, run in self.runs.items():
             peaks = [p for p in self.peak_memory_per_rank[variant] if p is not None]
@@ -211,6 +272,11 @@ class FsdpRun:
         return out
 
     def to_dict(self) -> dict:
+        """Everything the results file keeps: device, versions, settings, summary, every run and its peaks.
+
+        Returns:
+            a JSON-ready dict.
+        """
         return {
             "device": self.device, "mode": runtime.MODE, "versions": self.versions,
             "settings": self.settings,
@@ -221,6 +287,11 @@ class FsdpRun:
         }
 
     def table(self) -> str:
+        """The summary as a text table, one row per variant (chapter 12 prints it).
+
+        Returns:
+            the table, lines joined by newlines.
+        """
         s = self.summary()
         lines = [f"{'':<10}{'tokens/s per GPU':>18}{'tokens/s total':>16}{'step':>11}{'peak (max rank)':>17}"
                  f"{'final loss':>12}"]
@@ -237,7 +308,16 @@ class FsdpRun:
 def fsdp_results_file(name: str, world_size: int, directory: str | Path = RESULTS) -> Path:
     """``<directory>/fsdp/<name>_<N>gpu.json``: a sharded run of ``name`` (the preset unless
     ``--name`` says otherwise) on N ranks; its flags are the JSON's ``settings``, and a later run of
-    that name and N replaces it."""
+    that name and N replaces it.
+
+    Args:
+        name: the run's name.
+        world_size: the number of ranks.
+        directory: the results root.
+
+    Returns:
+        the path (its folder not created here).
+    """
     return results_file("fsdp", f"{name}_{world_size}gpu", directory)
 
 
@@ -270,7 +350,38 @@ def fsdp_finetune(
     with ``profile_steps`` > 0, profile that many more steps (``profile_variant``: after the timed
     run, so the profiler's cost stays out of its tokens/s), free. Rank 0 writes
     ``<out_dir>/fsdp/<name>_<N>gpu.json`` (``name`` defaults to the preset) when ``out_dir``, the
-    results root, is given."""
+    results root, is given.
+
+    Chapter 12 runs it under ``torchrun`` (``launch``).
+
+    Args:
+        preset: the model preset.
+        steps: optimizer steps.
+        seq_len: tokens per row.
+        batch_size: global rows per micro-batch (a multiple of the world size).
+        grad_accum: micro-batches per step.
+        lr: peak learning rate (None: the preset's default).
+        seed: seed of the weights and the data.
+        variants: which of ``VARIANTS`` to run, in order.
+        master_dtype: the stored (sharded) parameters' dtype.
+        compute_dtype: the dtype the layers compute in.
+        patch_options: keyword arguments for ``patch_llama``.
+        gradient_checkpointing: checkpoint each decoder layer.
+        padding_mask: pass the attention masks to the model.
+        prefetch: layers to all-gather ahead (0: FSDP2's implicit one).
+        warmup_steps: linear warm-up steps of the learning rate.
+        progress: show a progress bar on rank 0.
+        out_dir: the results root (None: nothing written).
+        adamw: ``"foreach"`` or ``"triton"``.
+        name: the results file's name (None: the preset).
+        profile_steps: steps to profile after each timed run (0: none).
+
+    Returns:
+        the ``FsdpRun`` (the same on every rank except the profiles, rank 0's only).
+
+    Raises:
+        ValueError: when ``variants`` is empty or names one not in ``VARIANTS``.
+    """
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown or not variants:
         raise ValueError(f"variants must be taken from {VARIANTS}, got {variants!r}")
@@ -321,7 +432,22 @@ def profile_variant(model: torch.nn.Module, batches: list[dict], env: DistEnv, s
     """``steps`` more training steps of ``model``, recorded by the profiler on rank 0 after ``wait``
     unrecorded ones (every rank trains them: the collectives need all): ``{"summary":
     TraceSummary.to_dict(), "excerpt": the first recorded step's kernels}`` on rank 0, ``{}``
-    elsewhere (``kernels.distributed.comm_profile``)."""
+    elsewhere (``kernels.distributed.comm_profile``).
+
+    Args:
+        model: the sharded model, already trained by the timed run.
+        batches: the global micro-batches (repeated when fewer than needed).
+        env: this process's ``DistEnv``.
+        steps: steps to record.
+        grad_accum: micro-batches per step.
+        lr: the learning rate.
+        padding_mask: pass the attention masks to the model.
+        adamw: ``"foreach"`` or ``"triton"``.
+        wait: steps run before recording starts.
+
+    Returns:
+        the summary and excerpt on rank 0, ``{}`` on the others.
+    """
     needed = (wait + steps) * grad_accum
     if needed > len(batches):
         batches = (batches * (needed // len(batches) + 1))
@@ -344,7 +470,19 @@ def profile_variant(model: torch.nn.Module, batches: list[dict], env: DistEnv, s
 def torchrun_command(nproc: int, finetune_args: list[str], port: int | None = None) -> list[str]:
     """``torchrun --nproc-per-node N -m kernels.distributed.finetune ARGS`` (as ``python -m
     torch.distributed.run``, which needs no ``torchrun`` on the PATH), rendezvous on the loopback
-    interface."""
+    interface.
+
+    Args:
+        nproc: processes to start (one per GPU).
+        finetune_args: the arguments of ``kernels.distributed.finetune``.
+        port: the rendezvous port (None: a free one).
+
+    Returns:
+        the command, as a list for ``subprocess``.
+
+    Raises:
+        ValueError: when ``nproc`` is not a positive int.
+    """
     if not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc must be a positive int, got {nproc!r}")
     port = port or free_port()
@@ -364,6 +502,14 @@ class Launch:
     seconds: float
 
     def load(self) -> dict:
+        """The results file rank 0 wrote, read back.
+
+        Returns:
+            its JSON content.
+
+        Raises:
+            RuntimeError: when the run failed, with the end of its output.
+        """
         if self.results is None:
             raise RuntimeError(f"the run failed (exit status {self.returncode}):\n{self.output[-3000:]}")
         return json.loads(self.results.read_text())
@@ -378,6 +524,21 @@ def launch(nproc: int, finetune_args: list[str], out_dir: str | Path, *, preset:
     are ended together (SIGTERM, then SIGKILL). ``out_dir`` is the results root the run writes
     under; the results file to look for is ``fsdp_results_file`` of ``--name`` if given, else of the
     preset (``preset`` unless ``--preset`` is given).
+
+    Chapter 12 runs its sharded fine-tuning with it.
+
+    Args:
+        nproc: processes to start.
+        finetune_args: the arguments of ``kernels.distributed.finetune`` (``--out`` and
+            ``--no-progress`` are added).
+        out_dir: the results root.
+        preset: the preset added when ``finetune_args`` has no ``--preset``.
+        timeout_s: seconds before the run is ended.
+        echo: print the run's output.
+
+    Returns:
+        a ``Launch``: exit status, output, results file (None unless the run succeeded and wrote it),
+        seconds.
     """
     out_dir = Path(out_dir)
     if "--preset" not in finetune_args:

@@ -56,7 +56,26 @@ def run_point(gpus: int, variant: str, seq_len: int, *, preset: str, steps: int,
     """One sharded run; returns its row of the results (``fits`` False when it ran out of GPU
     memory). ``profile_steps`` > 0 adds rank 0's profile of that many more steps (``comm_profile``);
     ``kernels`` is the patched variant's ``--kernels`` list (default: ``patch_llama``'s defaults);
-    ``prefetch`` FSDP2's explicit prefetch depth (0: its implicit one layer)."""
+    ``prefetch`` FSDP2's explicit prefetch depth (0: its implicit one layer).
+
+    Args:
+        gpus: processes (GPUs) of the run.
+        variant: ``"baseline"`` or ``"patched"``.
+        seq_len: tokens per row.
+        preset: the model preset.
+        steps: optimizer steps.
+        batch_per_gpu: rows per GPU per micro-batch.
+        gradient_checkpointing: checkpoint each decoder layer.
+        timeout_s: seconds before the run is ended.
+        work_dir: the folder the run writes its results under.
+        profile_steps: steps to profile after the timed run (0: none).
+        kernels: the patched variant's ``--kernels`` (None: the defaults).
+        prefetch: layers to all-gather ahead (0: FSDP2's implicit one).
+
+    Returns:
+        the row: the point's settings and seconds, then its figures, losses, device and versions when it
+        ran, or ``fits`` (False on out-of-memory, None on another failure) and the output's end.
+    """
     args = ["--preset", preset, "--steps", str(steps), "--seq-len", str(seq_len), "--batch-size",
             str(batch_per_gpu * gpus), "--grad-accum", "1"]
     if variant == "baseline":
@@ -96,7 +115,29 @@ def run_scaling(preset: str, gpus: list[int], seq_lens: list[int], *, variants=(
                 timeout_s: float = 600, work_dir: str | Path | None = None, echo: bool = True,
                 profile_steps: int = 0, kernels: str | None = None, prefetch: int = 0) -> dict:
     """Every point of the grid (see the module docstring); returns the results dict ``plot_scaling``
-    reads."""
+    reads.
+
+    Chapter 12 runs the grid with it.
+
+    Args:
+        preset: the model preset.
+        gpus: the GPU counts to compare.
+        seq_lens: the sequence lengths to try at each count (tried shortest first; longer ones are
+            skipped once one does not fit).
+        variants: ``"baseline"``, ``"patched"`` or both.
+        steps: optimizer steps per run.
+        batch_per_gpu: rows per GPU per micro-batch.
+        gradient_checkpointing: checkpoint each decoder layer in every run.
+        timeout_s: seconds one run may take.
+        work_dir: where the runs write (None: a temporary folder).
+        echo: print each row as it finishes.
+        profile_steps: steps to profile after each timed run (0: none).
+        kernels: the patched variant's ``--kernels`` (None: the defaults).
+        prefetch: layers to all-gather ahead (0: FSDP2's implicit one).
+
+    Returns:
+        device, mode, versions, settings, the rows, ``longest_fitting`` and ``scaling_efficiency``.
+    """
     rows = []
     with tempfile.TemporaryDirectory(prefix="scaling_") as tmp:
         work = Path(work_dir) if work_dir is not None else Path(tmp)
@@ -132,7 +173,14 @@ def scaling_efficiency(rows: list[dict]) -> dict:
     """variant -> sequence length -> ``{"base_gpus": B, "N": tokens/s per GPU at N over at B,
     ...}``, with B the fewest GPUs at which that length ran (1, or 2 where one GPU cannot hold the
     model), and ``"N/M"`` the same ratio between consecutive counts (``"2/1"``, ``"4/2"``). 1.0 is
-    perfect scaling: each GPU as fast as alone."""
+    perfect scaling: each GPU as fast as alone.
+
+    Args:
+        rows: the rows of ``run_scaling``.
+
+    Returns:
+        the ratios, keyed by variant, then by sequence length (as a string).
+    """
     out: dict = {}
     points: dict = {}
     for row in rows:
@@ -151,7 +199,16 @@ def scaling_efficiency(rows: list[dict]) -> dict:
 
 
 def efficiency_table(results: dict) -> str:
-    """One line per (variant, length): tokens/s per GPU at each count, and the efficiency between counts."""
+    """One line per (variant, length): tokens/s per GPU at each count, and the efficiency between counts.
+
+    Chapter 12 prints it.
+
+    Args:
+        results: the dict of ``run_scaling``.
+
+    Returns:
+        the table, lines joined by newlines.
+    """
     eff = results.get("scaling_efficiency") or scaling_efficiency(results["runs"])
     gpus = sorted({r["gpus"] for r in results["runs"]})
     head = f"{'variant':<10}{'seq':>7}" + "".join(f"{f'{n} GPU tok/s/GPU':>18}" for n in gpus) + "  efficiency"
@@ -169,7 +226,14 @@ def efficiency_table(results: dict) -> str:
 
 
 def longest_fitting(rows: list[dict]) -> dict:
-    """variant -> {GPUs: the longest sequence length that ran}."""
+    """variant -> {GPUs: the longest sequence length that ran}.
+
+    Args:
+        rows: the rows of ``run_scaling``.
+
+    Returns:
+        the lengths, keyed by variant, then by GPU count (as a string).
+    """
     out: dict = {}
     for row in rows:
         if row["fits"]:
@@ -189,7 +253,15 @@ def _row_text(row: dict) -> str:
 
 def predicted_sent_bytes(preset: str, gpus: int) -> float:
     """``bytes_sent_per_step`` of ``preset`` on ``gpus`` GPUs under ``shard_llama``: the paper
-    figure that the profiled bytes (``comm_profile``) are checked against."""
+    figure that the profiled bytes (``comm_profile``) are checked against.
+
+    Args:
+        preset: the model preset.
+        gpus: the number of GPUs.
+
+    Returns:
+        bytes each GPU sends per step.
+    """
     config = llama_config(preset)
     return bytes_sent_per_step(count_parameters(config), gathered_once_count(config), gpus)
 
@@ -199,7 +271,16 @@ def profile_table(results: dict) -> str:
     into compute, collectives, their exposed part (no compute kernel running) and idle time; the
     bytes rank 0 sent per step against ``predicted_sent_bytes``. The profiled step runs under the
     profiler, which slows the host: compare its parts with each other, and the timed step with the
-    timed steps of other runs."""
+    timed steps of other runs.
+
+    Chapter 12 prints it.
+
+    Args:
+        results: the dict of ``run_scaling``, run with ``profile_steps``.
+
+    Returns:
+        the table, lines joined by newlines (only the header when no run was profiled).
+    """
     lines = [f"{'variant':<10}{'GPUs':>5}{'seq':>7}{'timed':>9}{'profiled':>10}{'compute':>10}{'collect.':>10}"
              f"{'exposed':>10}{'idle':>9}{'sent GB':>9}{'predicted':>10}"]
     preset = results["settings"]["preset"]
@@ -221,7 +302,17 @@ def profile_table(results: dict) -> str:
 
 def plot_scaling(results: dict, axes=None):
     """Left: tokens/s per GPU against sequence length, one line per (variant, GPUs). Right: peak
-    memory per GPU (GPU runs only). Points that did not fit are left out."""
+    memory per GPU (GPU runs only). Points that did not fit are left out.
+
+    Chapter 12 draws it.
+
+    Args:
+        results: the dict of ``run_scaling``.
+        axes: two matplotlib axes to draw on (None: a new figure).
+
+    Returns:
+        the two axes.
+    """
     import matplotlib.pyplot as plt
 
     if axes is None:
@@ -331,6 +422,11 @@ class FsdpBudget:
     tokens_to_hide_comm: float
 
     def to_dict(self) -> dict:
+        """The budget's fields as a dict.
+
+        Returns:
+            a JSON-ready dict.
+        """
         return asdict(self)
 
 
@@ -338,7 +434,14 @@ def state_bytes_per_param(master_dtype: str = "bfloat16") -> int:
     """What the loop keeps per parameter: the parameter, its gradient and AdamW's two moments, each
     in the dtype of the stored parameter (PyTorch's AdamW keeps its states in the parameter's
     dtype): 4 × 2 B in bf16, as the single-GPU loop runs; 4 × 4 B with float32 master weights (the
-    16 B/param usually quoted)."""
+    16 B/param usually quoted).
+
+    Args:
+        master_dtype: ``"bfloat16"`` or ``"float32"``.
+
+    Returns:
+        bytes per parameter.
+    """
     size = {"bfloat16": 2, "float32": 4}[master_dtype]
     return 4 * size
 
@@ -352,6 +455,16 @@ def bytes_sent_per_step(parameters: int, gathered_once: int, gpus: int, compute_
     backward (they were freed after the forward), except ``gathered_once`` of them, which stay
     gathered until the backward (the root unit: embeddings, final norm, LM head; and the last
     decoder layer, see ``shard_llama``); every gradient is reduce-scattered in ``reduce_bytes``.
+
+    Args:
+        parameters: the model's parameter count.
+        gathered_once: parameters all-gathered only once per step.
+        gpus: the number of GPUs.
+        compute_bytes: bytes per gathered parameter.
+        reduce_bytes: bytes per reduced gradient.
+
+    Returns:
+        bytes each GPU sends per step.
     """
     gathered = compute_bytes * (2 * parameters - gathered_once)
     reduced = reduce_bytes * parameters
@@ -359,13 +472,27 @@ def bytes_sent_per_step(parameters: int, gathered_once: int, gpus: int, compute_
 
 
 def root_parameter_count(config) -> int:
-    """Parameters outside the decoder layers: embeddings, LM head (unless tied), final norm."""
+    """Parameters outside the decoder layers: embeddings, LM head (unless tied), final norm.
+
+    Args:
+        config: a ``LlamaConfig``.
+
+    Returns:
+        the count.
+    """
     embeddings = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
     return embeddings + config.hidden_size
 
 
 def gathered_once_count(config) -> int:
-    """Parameters FSDP2 gathers once per step under ``shard_llama``: the root unit's and the last layer's."""
+    """Parameters FSDP2 gathers once per step under ``shard_llama``: the root unit's and the last layer's.
+
+    Args:
+        config: a ``LlamaConfig``.
+
+    Returns:
+        the count.
+    """
     per_layer = (count_parameters(config) - root_parameter_count(config)) // config.num_hidden_layers
     return root_parameter_count(config) + per_layer
 
@@ -380,7 +507,14 @@ PAPER_SHAPES = {
 
 def shape_config(name: str):
     """A preset's ``LlamaConfig``, or one of ``PAPER_SHAPES`` (the 8B configuration with that
-    model's sizes)."""
+    model's sizes).
+
+    Args:
+        name: a preset or a key of ``PAPER_SHAPES``.
+
+    Returns:
+        the ``LlamaConfig``.
+    """
     if name in PAPER_SHAPES:
         return llama_config("llama-3.1-8b", **PAPER_SHAPES[name])
     return llama_config(name)
@@ -409,6 +543,23 @@ def fsdp_budget(gpus: int, *, gpus_per_node: int = 8, nics_per_node: int = 8, pr
     * Step time: max(compute, comm) if FSDP2's prefetching hides the collectives behind compute
       completely, which is the best case; the patched variant's speed-up over Hugging Face's
       follows.
+
+    Chapter 12 draws its budgets with it.
+
+    Args:
+        gpus: the number of GPUs.
+        gpus_per_node: GPUs per host (sets the link: NVLink within a host, the network across).
+        nics_per_node: network cards per host.
+        preset: a preset or a key of ``PAPER_SHAPES``.
+        master_dtype: the stored parameters' dtype (``state_bytes_per_param``).
+        single_gpu: a fine-tuning comparison's JSON (None: the committed one).
+        link_gb_s: the link's bandwidth in GB/s (None: ``link_bandwidth``'s).
+
+    Returns:
+        the ``FsdpBudget``.
+
+    Raises:
+        ValueError: when ``gpus`` is not a positive int.
     """
     if not isinstance(gpus, int) or gpus < 1:
         raise ValueError(f"gpus must be a positive int, got {gpus!r}")
@@ -447,7 +598,16 @@ def fsdp_budget(gpus: int, *, gpus_per_node: int = 8, nics_per_node: int = 8, pr
 
 def budget_table(budgets: list[FsdpBudget]) -> str:
     """One line per budget: memory, bytes sent, comm and compute time, tokens/s per GPU, the
-    kernels' speed-up."""
+    kernels' speed-up.
+
+    Chapter 12 prints it.
+
+    Args:
+        budgets: the budgets, one line each.
+
+    Returns:
+        the table, lines joined by newlines.
+    """
     lines = [f"{'model':<14}{'GPUs':>5}{'nodes':>6} {'link':<23}{'state/GPU':>10}{'mem/GPU ≤':>11}{'sent/GPU':>10}"
              f"{'comm':>9}{'compute HF/ours':>17}{'tok/s/GPU HF/ours':>19}{'speed-up':>9}{'tokens to hide comm':>21}"]
     for b in budgets:
@@ -467,6 +627,11 @@ def budget_table(budgets: list[FsdpBudget]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m kernels.distributed.scaling`` (its defaults follow the mode).
+
+    Returns:
+        the parser.
+    """
     d = GPU_DEFAULTS if runtime.MODE == "gpu" else CPU_DEFAULTS
     p = argparse.ArgumentParser(prog="python -m kernels.distributed.scaling",
                                 description=__doc__.split("\n\n")[0])
@@ -500,6 +665,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the grid from the command line, then write its JSON and figure under ``scaling/``.
+
+    Args:
+        argv: the command line's arguments (None: ``sys.argv``'s).
+
+    Returns:
+        the exit status, 0 (a refused flag exits through ``argparse``).
+    """
     import matplotlib
 
     matplotlib.use("Agg")

@@ -14,6 +14,9 @@ one after the other on the same model and the same batches:
   their shared input (``kernels.lora.lora_group``), o_proj and down_proj one fused node each, the
   low-rank product written first and the base GEMM adding onto it in its β-epilogue
   (``epilogue="cublas_lowrank_first"``; the same for dx);
+* **patched first, then PEFT**: the other order, as TRL's ``SFTTrainer(peft_config=...)`` runs it:
+  ``patch_llama`` on the bare model, then ``get_peft_model``; the layers PEFT injects are fused at the
+  first forward (the adapters start from the same values as the other PEFT setups);
 * **patched + PEFT, one node per layer**: the same with every LoRA layer its own node
   (``SHARED_INPUT = False``);
 * **patched + PEFT, low-rank product after**: one node per layer, the base GEMM first and the
@@ -88,7 +91,17 @@ LABELS = {
 
 def build_llama(preset: str, dtype: torch.dtype, device: torch.device, seed: int = 0) -> torch.nn.Module:
     """A ``LlamaForCausalLM`` of ``preset`` built on ``device`` in ``dtype`` (random weights, SDPA,
-    no cache)."""
+    no cache).
+
+    Args:
+        preset: a name of ``kernels.hf.presets.PRESETS``.
+        dtype: the weights' dtype.
+        device: where the weights are made.
+        seed: the random weights' seed.
+
+    Returns:
+        The model, in training mode.
+    """
     from transformers import LlamaForCausalLM
 
     config = llama_config(preset)
@@ -106,7 +119,18 @@ def build_llama(preset: str, dtype: torch.dtype, device: torch.device, seed: int
 
 
 def make_batches(vocab: int, batch: int, seq: int, count: int, device, seed: int = 0) -> list[dict]:
-    """``count`` random SFT batches: the first quarter of each row is prompt (labels -100)."""
+    """``count`` random SFT batches: the first quarter of each row is prompt (labels -100).
+
+    Args:
+        vocab: token ids are drawn below it.
+        batch, seq: rows per batch and tokens per row.
+        count: how many batches.
+        device: where the batches go.
+        seed: the draw's seed.
+
+    Returns:
+        A list of ``{"input_ids", "labels"}`` dicts.
+    """
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(count):
@@ -118,6 +142,15 @@ def make_batches(vocab: int, batch: int, seq: int, count: int, device, seed: int
 
 
 def lora_config(rank: int, alpha: float, use_rslora: bool = False):
+    """PEFT's ``LoraConfig`` of every setup: dropout 0 on the seven projections of ``TARGETS``.
+
+    Args:
+        rank, alpha: the adapters' rank and scaling numerator.
+        use_rslora: scale by α/√r instead of α/r.
+
+    Returns:
+        A ``peft.LoraConfig`` for a causal LM.
+    """
     import peft
 
     return peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(TARGETS),
@@ -125,7 +158,17 @@ def lora_config(rank: int, alpha: float, use_rslora: bool = False):
 
 
 def time_steps(model, batches: list[dict], warmup: int, steps: int, optimizer=None) -> dict:
-    """Run ``warmup`` then ``steps`` training steps; tokens/s of the timed ones, the peak, the first loss."""
+    """Run ``warmup`` then ``steps`` training steps; tokens/s of the timed ones, the peak, the first loss.
+
+    Args:
+        model: the model to train (its loss from ``labels``).
+        batches: the batches, taken in turn.
+        warmup, steps: untimed, then timed steps.
+        optimizer: stepped and zeroed after each backward, if given (the floor has none).
+
+    Returns:
+        ``tokens_per_s``, ``step_ms``, ``peak_gib`` (None off the GPU) and ``first_loss``.
+    """
     device = batches[0]["input_ids"].device
     gc.collect()
     if device.type == "cuda":
@@ -177,7 +220,22 @@ def _lora_backends(epilogue: str, skinny: str, shared_input: bool = False):
 def run_setups(preset: str, batch: int, seq: int, rank: int, alpha: float, warmup: int, steps: int,
                checkpointing: bool, setups=SETUPS, seed: int = 0, log=print) -> dict:
     """Every setup of ``setups`` on one model, in a fixed order (Liger last: it patches modules for
-    the process)."""
+    the process).
+
+    Args:
+        preset, batch, seq: the model and the step's shape.
+        rank, alpha: the adapters'.
+        warmup, steps: untimed, then timed steps per setup.
+        checkpointing: gradient checkpointing on every decoder layer.
+        setups: the names of ``SETUPS`` to run.
+        seed: the weights', batches' and adapters' seed.
+        log: where progress lines go.
+
+    Returns:
+        ``rows`` (one per setup run: its timings, or the error that stopped it),
+        ``trainable_parameters``, and the summaries of the fused LoRA layers (``lora_layers``, and
+        ``lora_layers_patch_first`` for the patch-first order).
+    """
     import peft
 
     device = runtime.device()
@@ -271,7 +329,14 @@ def _patch_then_wrap(wrapped, wrap, initial: dict, measure):
 
 
 def layer_shapes(preset: str) -> dict[str, tuple[int, int]]:
-    """(in, out) of each adapted projection of ``preset``."""
+    """(in, out) of each adapted projection of ``preset``.
+
+    Args:
+        preset: a name of ``PRESETS``.
+
+    Returns:
+        ``{projection name: (in features, out features)}``.
+    """
     c = llama_config(preset)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     kv = c.num_key_value_heads * head_dim
@@ -323,7 +388,18 @@ def micro(preset: str, tokens: int, rank: int, alpha: float,
     """Per adapted layer (ms, median): forward PEFT's way, with the cuBLAS β-epilogue (the low-rank
     product added after the base GEMM, and written before it), merged into a temporary weight, with
     the Triton epilogue, and the bare base GEMM; the GEMM alone in cuBLAS and in Triton; dA and dB
-    by cuBLAS and by split-K."""
+    by cuBLAS and by split-K.
+
+    Args:
+        preset: whose layer shapes.
+        tokens: rows of x.
+        rank, alpha: the adapter's.
+        names: the projections timed.
+        seed: the inputs' seed.
+
+    Returns:
+        One dict per layer: its shape and each timing (``…_ms``).
+    """
     device = runtime.device()
     dtype = torch.bfloat16 if runtime.MODE == "gpu" else torch.float32
     gen = torch.Generator().manual_seed(seed)
@@ -340,7 +416,14 @@ def micro(preset: str, tokens: int, rank: int, alpha: float,
 def verdicts(rows: dict) -> dict:
     """The targets, where the rows needed are there: patched against its floor (≥ 0.90), against Hugging Face
     + PEFT (≥ 1.40), peak within the floor's + 8 GiB, ahead of Liger + PEFT; patched first then wrapped
-    within 3% of wrapped first then patched, in tokens/s and in peak."""
+    within 3% of wrapped first then patched, in tokens/s and in peak.
+
+    Args:
+        rows: ``run_setups``'s rows.
+
+    Returns:
+        ``{target name: {"ratio" or "value", "target", "met"}}`` for the targets whose rows ran.
+    """
     def tps(name):
         return rows.get(name, {}).get("tokens_per_s")
 
@@ -377,6 +460,14 @@ def _row_text(row: dict) -> str:
 
 
 def format_table(result: dict) -> str:
+    """The run as text: one line per setup, the targets, the micro-benchmarks.
+
+    Args:
+        result: what ``run`` returns (or a recorded file's contents).
+
+    Returns:
+        The lines joined.
+    """
     lines = [f"LoRA step, {result['settings']['preset']}, batch {result['settings']['batch']} × "
              f"{result['settings']['seq']}, r={result['settings']['rank']}, α={result['settings']['alpha']}"
              f"{', checkpointing' if result['settings']['checkpointing'] else ''} on {result['device']}"]
@@ -409,18 +500,44 @@ def format_table(result: dict) -> str:
 
 def load_recorded(name: str = "llama-3.1-8b_b4", directory: Path = RESULTS) -> dict | None:
     """A committed run (``assets/results/lora/<name>.json``, written with ``--record``), or None if
-    there is none."""
+    there is none. Chapter 15 shows it.
+
+    Args:
+        name: the file's name without ``.json``.
+        directory: the results root.
+
+    Returns:
+        The run's dict, or None.
+    """
     path = results_file(GROUP, name, directory)
     return json.loads(path.read_text()) if path.exists() else None
 
 
 def default_name(preset: str, batch: int, checkpointing: bool) -> str:
+    """The result file's default name, ``<preset>_b<batch>[_ckpt]``.
+
+    Args:
+        preset, batch, checkpointing: the run's settings.
+
+    Returns:
+        The name.
+    """
     return f"{preset}_b{batch}{'_ckpt' if checkpointing else ''}"
 
 
 def run(preset: str, batch: int, seq: int, rank: int, alpha: float, warmup: int, steps: int,
         checkpointing: bool,
         setups=SETUPS, with_micro: bool = True, log=print) -> dict:
+    """One whole run: the setups (``run_setups``), the targets judged on a GPU, then the micro-benchmarks.
+
+    Args:
+        preset, batch, seq, rank, alpha, warmup, steps, checkpointing, setups, log: as for
+            ``run_setups``.
+        with_micro: run the per-layer micro-benchmarks too.
+
+    Returns:
+        The result dict that ``--record`` writes: settings, device, rows, targets, micro rows.
+    """
     log(runtime.describe())
     settings = dict(preset=preset, batch=batch, seq=seq, rank=rank, alpha=alpha, dropout=0.0,
                     targets=list(TARGETS),
@@ -440,6 +557,7 @@ def run(preset: str, batch: int, seq: int, rank: int, alpha: float, warmup: int,
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser (``python -m kernels.bench.lora --help``)."""
     parser = argparse.ArgumentParser(prog="python -m kernels.bench.lora",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default=None, choices=tuple(PRESETS),
@@ -465,6 +583,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """``python -m kernels.bench.lora``: run, print the tables, save the file.
+
+    Args:
+        argv: the arguments (``sys.argv[1:]`` when None).
+
+    Returns:
+        0; arguments it refuses end the process with status 2 before any work (argparse's error).
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     setups = args.setups

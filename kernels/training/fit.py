@@ -61,6 +61,11 @@ class FitResult:
         return self.shortest_failing is not None and self.shortest_failing - self.longest <= self.step
 
     def summary(self) -> str:
+        """The search in one line: what fitted and what did not, then every probe's length and outcome.
+
+        Returns:
+            the line.
+        """
         tried = ", ".join(f"{p.seq_len:,}{'✓' if p.fits else '✗'}" for p in self.probes)
         if self.longest is None:
             head = "nothing tried fitted"
@@ -75,7 +80,11 @@ class FitResult:
 
     def measured_bytes_per_token(self) -> float | None:
         """How much the step's peak grew per extra token of sequence between the two longest lengths
-        that fitted."""
+        that fitted.
+
+        Returns:
+            bytes per token, or None with fewer than two fitted probes that report a peak.
+        """
         fitted = sorted((p for p in self.probes if p.fits and p.peak is not None), key=lambda p: p.seq_len)
         if len(fitted) < 2:
             return None
@@ -83,6 +92,11 @@ class FitResult:
         return (b.peak - a.peak) / (b.seq_len - a.seq_len)
 
     def to_dict(self) -> dict:
+        """The result's fields and every probe as a dict.
+
+        Returns:
+            a JSON-ready dict.
+        """
         return {"longest": self.longest, "shortest_failing": self.shortest_failing, "exact": self.exact,
                 "step": self.step, "hi": self.hi, "probes": [asdict(p) for p in self.probes]}
 
@@ -159,6 +173,21 @@ def search_longest(
     ``probe`` runs one training step at a length and reports whether it fitted and, on a GPU, its
     peak memory; ``budget`` is the memory the peak may reach (enables predictions; see
     ``_next_length``). Starts at ``lo``.
+
+    Args:
+        probe: runs one step at a length and returns its ``Probe``.
+        lo: the first length probed (a multiple of ``step``).
+        hi: the longest length tried (a multiple of ``step``, at least ``lo``).
+        step: the lengths' granularity.
+        max_probes: the most probes to run.
+        budget: the bytes a step's peak may reach (None: no predictions, bisection only).
+
+    Returns:
+        the ``FitResult``, ``longest`` None when no probe fitted.
+
+    Raises:
+        ValueError: when a size is not a positive int, or ``lo`` and ``hi`` are not multiples of
+            ``step`` with ``lo`` <= ``hi``.
     """
     for name, value in (("lo", lo), ("hi", hi), ("step", step), ("max_probes", max_probes)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -182,7 +211,19 @@ def probe_batch(tokenizer, batch_size: int, seq_len: int, seed: int, vocab_size:
                 padding_mask: bool = True) -> tuple[dict[str, torch.Tensor], int]:
     """One SFT batch of ``seq_len`` tokens on the CPU for a one-step memory probe, and the labels
     its loss counts (the step's ``num_items_in_batch``); without its padding mask when
-    ``padding_mask=False`` and the mask is redundant (``kernels.hf.padding_mask``)."""
+    ``padding_mask=False`` and the mask is redundant (``kernels.hf.padding_mask``).
+
+    Args:
+        tokenizer: the tokenizer that makes the examples.
+        batch_size: rows of the batch.
+        seq_len: tokens per row.
+        seed: the data's seed.
+        vocab_size: the model's vocabulary size (token ids stay below it).
+        padding_mask: keep the padding mask even where it is redundant.
+
+    Returns:
+        ``(batch, labels)``: the batch and the labels its loss counts.
+    """
     batch = make_sft_batches(tokenizer, batch_size, seq_len, 1, seed, vocab_size=vocab_size)[0]
     n_items = count_trained_labels(batch)
     return (batch if padding_mask else drop_padding_mask(batch)), n_items
@@ -299,6 +340,31 @@ def max_seq_len_that_fits(
     ``memory_fraction`` caps the memory the search may use (a fraction of the GPU's);
     ``padding_mask=False`` leaves out the redundant padding mask (``kernels.hf.padding_mask``). On
     the CPU there is no memory limit to find: prints so and returns None.
+
+    Chapter 08 runs it through ``fit_both``.
+
+    Args:
+        preset: the model preset.
+        patched: False for Hugging Face's model, True for the patched one.
+        batch_size: rows per step.
+        lo: the first length probed.
+        hi: the longest length tried.
+        max_probes: the most probes to run.
+        step: the lengths' granularity.
+        seed: the seed of the weights and the data.
+        margin: the share of the GPU's memory left free when predicting.
+        tokenizer: the tokenizer (None: the workbook's).
+        patch_options: keyword arguments for ``patch_llama``.
+        gradient_checkpointing: checkpoint each decoder layer.
+        memory_fraction: the share of the GPU's memory the search may use (None: all).
+        padding_mask: keep the padding mask even where it is redundant.
+
+    Returns:
+        the ``FitResult`` (with only the warm-up probe when even ``step`` tokens do not fit), or None
+        on the CPU.
+
+    Raises:
+        TypeError: when ``patched`` is not a bool.
     """
     if not _gpu_only("max_seq_len_that_fits"):
         return None
@@ -326,7 +392,23 @@ def memory_slope(preset: str, patched: bool, lengths: tuple[int, int] = (16384, 
     Returns the two probes and the slope per token (batch × length tokens), or None on the CPU; a
     length that does not fit gives no slope. ``padding_mask=False`` leaves out the redundant padding
     mask, whose [seq, seq] 4-D form grows with the square of the length and so inflates a slope
-    measured between two lengths."""
+    measured between two lengths.
+
+    Args:
+        preset: the model preset.
+        patched: False for Hugging Face's model, True for the patched one.
+        lengths: the two sequence lengths.
+        batch_size: rows per step.
+        seed: the seed of the weights and the data.
+        tokenizer: the tokenizer (None: the workbook's).
+        patch_options: keyword arguments for ``patch_llama``.
+        gradient_checkpointing: checkpoint each decoder layer.
+        padding_mask: keep the padding mask even where it is redundant.
+
+    Returns:
+        ``{"lengths", "batch_size", "probes", "bytes_per_token"}`` (the slope None when a length does
+        not fit), or None on the CPU.
+    """
     if not _gpu_only("memory_slope"):
         return None
     with _TrainingSetup(preset, patched, batch_size, seed, tokenizer, patch_options, gradient_checkpointing,
@@ -344,7 +426,22 @@ def fit_both(preset: str, batch_size: int = 1, lo: int = 4096, hi: int = 65536, 
              seed: int = 0, **options) -> dict[str, FitResult] | None:
     """``max_seq_len_that_fits`` for the baseline and the patched model, one after the other (GPU
     only). ``options``: ``patch_options``, ``gradient_checkpointing``, ``memory_fraction`` and
-    ``padding_mask``, as there."""
+    ``padding_mask``, as there.
+
+    Chapter 08 runs it.
+
+    Args:
+        preset: the model preset.
+        batch_size: rows per step.
+        lo: the first length probed.
+        hi: the longest length tried.
+        max_probes: the most probes per variant.
+        seed: the seed of the weights and the data.
+        **options: passed to ``max_seq_len_that_fits``.
+
+    Returns:
+        variant -> ``FitResult``, or None on the CPU.
+    """
     if not _gpu_only("max_seq_len_that_fits"):
         return None
     return {variant: max_seq_len_that_fits(preset, variant == "patched", batch_size, lo, hi,
@@ -363,6 +460,15 @@ def growth_bytes_per_token(config, dtype: torch.dtype = torch.bfloat16) -> dict[
       and the normalised values before the weight multiply; the kernel keeps the bf16 input and one
       float32 rstd. 4·h bytes fewer per norm, 2·layers + 1 norms;
     * the loss at its high point: ``logits_bytes_per_token``.
+
+    Chapter 08 compares it with the measured slopes.
+
+    Args:
+        config: a ``LlamaConfig``.
+        dtype: the activations' dtype.
+
+    Returns:
+        bytes per token for ``"baseline"`` and ``"patched"``, and their parts.
     """
     h, layers = config.hidden_size, config.num_hidden_layers
     activations = layers * activation_bytes_per_token_layer(config, dtype) + norm_bytes_per_token(h, dtype)

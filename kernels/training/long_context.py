@@ -118,6 +118,14 @@ class MemoryRow:
     note: str
 
     def at(self, seq_len: int) -> int:
+        """The part's bytes at ``seq_len`` tokens: ``fixed + per_token × seq_len``.
+
+        Args:
+            seq_len: tokens of the step.
+
+        Returns:
+            bytes.
+        """
         return self.fixed + self.per_token * seq_len
 
 
@@ -130,21 +138,53 @@ class MemoryTable:
     rows: tuple[MemoryRow, ...]
 
     def row(self, key: str) -> MemoryRow:
+        """The row named ``key``.
+
+        Args:
+            key: the row's key (``"weights"``, ``"checkpoints"``, ...).
+
+        Returns:
+            the ``MemoryRow``.
+
+        Raises:
+            KeyError: when no row has that key.
+        """
         for row in self.rows:
             if row.key == key:
                 return row
         raise KeyError(f"no row {key!r}; rows: {[r.key for r in self.rows]}")
 
     def keys(self, tiled_mlp: bool = False, offload: bool = False) -> list[str]:
-        """The rows alive at the step's peak (the start of the backward) with the given switches."""
+        """The rows alive at the step's peak (the start of the backward) with the given switches.
+
+        Args:
+            tiled_mlp: with the tiled MLP.
+            offload: with the checkpoints offloaded.
+
+        Returns:
+            the rows' keys.
+        """
         return ["weights", "gradients", "adamw", "prefetched" if offload else "checkpoints", "attention",
                 "mlp_tiled" if tiled_mlp else "mlp_untiled", "hidden_grads", "loss"]
 
     def total(self, tiled_mlp: bool = False, offload: bool = False) -> int:
-        """Bytes at the step's peak, counted: the sum of ``keys``' rows at ``seq_len``."""
+        """Bytes at the step's peak, counted: the sum of ``keys``' rows at ``seq_len``.
+
+        Args:
+            tiled_mlp: with the tiled MLP.
+            offload: with the checkpoints offloaded.
+
+        Returns:
+            bytes.
+        """
         return sum(self.row(k).at(self.seq_len) for k in self.keys(tiled_mlp, offload))
 
     def format(self) -> str:
+        """The rows as a text table, then the total under each combination of the two switches.
+
+        Returns:
+            the table, lines joined by newlines.
+        """
         lines = [f"{'part':<40}{'fixed':>12}{'per token':>12}{'layers':>8}{f'at {self.seq_len:,}':>14}  note"]
         for r in self.rows:
             per_token = f"{r.per_token:,} B" if r.per_token else "—"
@@ -166,7 +206,15 @@ def layer_working_bytes_per_token(config, itemsize: int = 2) -> int:
     RoPE keeps nothing; SDPA's flash kernel one float32 logsumexp per head): the two norms' outputs
     (the projections' inputs), q, k and v after RoPE, attention's output, the residual sum after
     attention, and in the backward the gradients of q, k, v and of attention's output. A count from
-    the shapes: the probe measures."""
+    the shapes: the probe measures.
+
+    Args:
+        config: a ``LlamaConfig``.
+        itemsize: bytes per element of the activations.
+
+    Returns:
+        bytes per token.
+    """
     h, heads = config.hidden_size, config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or h // heads
     q, kv = heads * head_dim, config.num_key_value_heads * head_dim
@@ -182,7 +230,22 @@ def memory_table(config, seq_len: int, tile: int | None = None,
     checkpointing, the package's kernels and the linear cross-entropy. ``config`` is a LlamaConfig
     or a preset name; ``tile`` the tiled MLP's rows per tile (default: ``tile_rows`` with unlimited
     free memory, i.e. ``MAX_TILE_BYTES`` worth). Counted from the shapes, not measured; ``probe``
-    measures."""
+    measures.
+
+    Chapter 14 counts its budget with it.
+
+    Args:
+        config: a ``LlamaConfig`` or a preset name.
+        seq_len: tokens of the step.
+        tile: the tiled MLP's rows per tile (None: ``tile_rows``'s choice).
+        dtype: the weights' and activations' dtype.
+
+    Returns:
+        the ``MemoryTable``.
+
+    Raises:
+        ValueError: when ``seq_len`` is not a positive int.
+    """
     if isinstance(config, str):
         config = llama_config(config)
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
@@ -224,7 +287,19 @@ def memory_table(config, seq_len: int, tile: int | None = None,
 def offload_traffic(config, seq_len: int, keep_on_gpu: int = 0, itemsize: int = 2) -> dict[str, int]:
     """Bytes the checkpoint offload moves per step at ``seq_len`` tokens (batch 1), each way: the
     checkpoints of every layer not kept on the GPU go to the host in the forward and come back in
-    the backward."""
+    the backward.
+
+    Chapter 14 uses it.
+
+    Args:
+        config: a ``LlamaConfig`` or a preset name.
+        seq_len: tokens of the step.
+        keep_on_gpu: layers whose checkpoints stay on the GPU.
+        itemsize: bytes per element of a checkpoint.
+
+    Returns:
+        ``{"to_host", "to_gpu", "total"}`` in bytes.
+    """
     if isinstance(config, str):
         config = llama_config(config)
     one_way = (config.num_hidden_layers - keep_on_gpu) * seq_len * config.hidden_size * itemsize
@@ -253,24 +328,47 @@ class ProbePoint:
 
 @dataclass
 class ProbeRun:
+    """One variant's probes (``probe``): its name, the preset, its settings and a ``ProbePoint`` per length."""
     variant: str
     preset: str
     settings: dict
     points: list[ProbePoint] = field(default_factory=list)
 
     def to_dict(self) -> dict:
+        """The run as a dict, its points too.
+
+        Returns:
+            a JSON-ready dict.
+        """
         return {"variant": self.variant, "preset": self.preset, "settings": self.settings,
                 "points": [asdict(p) for p in self.points]}
 
     @classmethod
     def from_dict(cls, d: dict) -> ProbeRun:
+        """The run back from ``to_dict``'s dict.
+
+        Args:
+            d: the dict.
+
+        Returns:
+            the ``ProbeRun``.
+        """
         return cls(d["variant"], d["preset"], d["settings"], [ProbePoint(**p) for p in d["points"]])
 
 
 def long_batch(seq_len: int, vocab: int, seed: int = 0) -> tuple[dict[str, torch.Tensor], int]:
     """One row of ``seq_len`` random tokens on the CPU, its labels the tokens themselves (the first
     one ignored), no attention mask (causal attention takes the flash kernel; a [seq, seq] mask at
-    262K tokens would take 128 GiB), and the labels its loss counts."""
+    262K tokens would take 128 GiB), and the labels its loss counts.
+
+    Args:
+        seq_len: tokens of the row.
+        vocab: the vocabulary size (token ids stay below it).
+        seed: the seed of the tokens.
+
+    Returns:
+        ``(batch, labels)``: the batch and the labels its loss counts.
+    """
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (1, seq_len), generator=gen)
     labels = ids.clone()
@@ -316,7 +414,21 @@ def prepare(preset: str, kernels="ours", tiled_mlp: bool = False, offload: bool 
             gradient_checkpointing: bool = True, offload_options: dict | None = None,
             tile: int | None = None,
             seed: int = 0) -> LongStepSetup:
-    """Build the model and its optimizer for ``probe`` and ``step_times`` (see ``LongStepSetup``)."""
+    """Build the model and its optimizer for ``probe`` and ``step_times`` (see ``LongStepSetup``).
+
+    Args:
+        preset: the model preset.
+        kernels: ``"hf"``, ``"ours"``, ``"liger"`` or ``patch_llama`` options.
+        tiled_mlp: use the tiled MLP.
+        offload: offload the checkpoints to host memory.
+        gradient_checkpointing: checkpoint each decoder layer.
+        offload_options: keyword arguments for ``enable_checkpoint_offload``.
+        tile: the tiled MLP's rows per tile (None: chosen from the free memory at each step).
+        seed: the seed of the weights.
+
+    Returns:
+        the ``LongStepSetup``.
+    """
     model = build_model(preset, dtype=torch.bfloat16, seed=seed)
     if gradient_checkpointing:
         enable_checkpointing(model)
@@ -340,7 +452,17 @@ def train_step(setup: LongStepSetup, batch: dict[str, torch.Tensor], n_items: in
                context=None) -> torch.Tensor:
     """One training step (forward, backward, AdamW step, gradients freed); ``context`` wraps the
     forward. Returns the loss, detached (a 0-d tensor: reading it is the caller's synchronisation,
-    not the step's)."""
+    not the step's).
+
+    Args:
+        setup: the model and its optimizer (``prepare``).
+        batch: the inputs, on the GPU.
+        n_items: the labels the loss counts.
+        context: a context manager around the forward (None: none).
+
+    Returns:
+        the loss, detached.
+    """
     with context if context is not None else contextlib.nullcontext():
         loss = setup.model(**batch, num_items_in_batch=n_items).loss
     loss.backward()
@@ -353,7 +475,16 @@ def train_step(setup: LongStepSetup, batch: dict[str, torch.Tensor], n_items: in
 
 def measure_step(setup: LongStepSetup, seq_len: int, seed: int = 0) -> ProbePoint:
     """One step at ``seq_len`` on the GPU: peak, base, host bytes and time; an out-of-memory error
-    (GPU, or the offload's host budget) gives a point that does not fit."""
+    (GPU, or the offload's host budget) gives a point that does not fit.
+
+    Args:
+        setup: the model and its optimizer (``prepare``).
+        seq_len: tokens of the step.
+        seed: the seed of the tokens.
+
+    Returns:
+        the ``ProbePoint`` (``fits`` False, with the error, when it ran out of memory).
+    """
     device = next(setup.model.parameters()).device
     cpu_batch, n_items = long_batch(seq_len, setup.model.config.vocab_size, seed)
     free_memory()
@@ -382,6 +513,14 @@ def measure_step(setup: LongStepSetup, seq_len: int, seed: int = 0) -> ProbePoin
 
 
 def require_gpu(what: str) -> None:
+    """Refuse to run ``what`` without a CUDA GPU.
+
+    Args:
+        what: the function's name, for the message.
+
+    Raises:
+        RuntimeError: in Triton's interpreter or where no CUDA device answers.
+    """
     if runtime.MODE != "gpu" or not torch.cuda.is_available():
         raise RuntimeError(f"{what} runs real training steps and measures GPU memory: it needs a CUDA GPU "
                            "(memory_table and longest_that_fits are the parts that run anywhere)")
@@ -399,7 +538,30 @@ def probe(preset: str = "llama-3.1-8b", lengths=(131072, 262144), kernels="ours"
     A first step at ``warmup_len`` tokens creates AdamW's moments and compiles the kernels, so every
     probe starts from the same memory. ``offload_options`` go to ``enable_checkpoint_offload``
     (default ``keep_on_gpu=0``: every checkpoint on the host, so that both memories grow linearly
-    with the length and two probes extrapolate)."""
+    with the length and two probes extrapolate).
+
+    Chapter 14 shows the recorded probes.
+
+    Args:
+        preset: the model preset.
+        lengths: the sequence lengths to probe.
+        kernels: ``"hf"``, ``"ours"``, ``"liger"`` or ``patch_llama`` options.
+        tiled_mlp: use the tiled MLP.
+        offload: offload the checkpoints to host memory.
+        gradient_checkpointing: checkpoint each decoder layer.
+        offload_options: keyword arguments for ``enable_checkpoint_offload``.
+        tile: the tiled MLP's rows per tile (None: chosen from the free memory).
+        warmup_len: tokens of the warm-up step.
+        seed: the seed of the weights and the tokens.
+        variant: the run's name (None: ``describe_variant``'s).
+        progress: show a progress bar.
+
+    Returns:
+        the ``ProbeRun``.
+
+    Raises:
+        RuntimeError: without a CUDA GPU, or when even the warm-up step does not fit.
+    """
     require_gpu("probe")
     offload_options = {"keep_on_gpu": 0, **(offload_options or {})}
     settings = {"kernels": kernels, "tiled_mlp": tiled_mlp, "offload": offload,
@@ -425,6 +587,16 @@ def probe(preset: str = "llama-3.1-8b", lengths=(131072, 262144), kernels="ours"
 
 
 def describe_variant(kernels, tiled_mlp: bool, offload: bool) -> str:
+    """A variant's name from its switches: ``kernels`` (``"custom"`` for options), ``+tiled``, ``+offload``.
+
+    Args:
+        kernels: ``"hf"``, ``"ours"``, ``"liger"`` or ``patch_llama`` options.
+        tiled_mlp: the tiled MLP is on.
+        offload: the checkpoint offload is on.
+
+    Returns:
+        the name.
+    """
     name = kernels if isinstance(kernels, str) else "custom"
     return name + ("+tiled" if tiled_mlp else "") + ("+offload" if offload else "")
 
@@ -457,7 +629,14 @@ def _line(x1: int, y1: float, x2: int, y2: float) -> tuple[float, float]:
 
 def fitted_pair(points) -> tuple[ProbePoint, ProbePoint] | None:
     """The shortest and the longest of the probes that fitted, or None without two different lengths
-    among them."""
+    among them.
+
+    Args:
+        points: ``ProbePoint``s.
+
+    Returns:
+        ``(shortest, longest)``, or None.
+    """
     fitted = sorted((p for p in points if p.fits), key=lambda p: p.seq_len)
     if len(fitted) < 2 or fitted[0].seq_len == fitted[-1].seq_len:
         return None
@@ -493,7 +672,24 @@ def longest_that_fits(points, gpu_bytes: int, host_bytes: int, step: int = 1024,
     the host's bytes per token are ``layers`` equal checkpoints, and any of them may stay on the GPU
     instead (``enable_checkpoint_offload(keep_on_gpu=k)``): each moves ``host_per_token / layers``
     bytes per token from one memory to the other. The estimate then takes the ``k`` that fits the
-    longest length, so that a host that runs out first borrows room from the GPU."""
+    longest length, so that a host that runs out first borrows room from the GPU.
+
+    Chapter 14 extrapolates its probes with it.
+
+    Args:
+        points: ``ProbePoint``s, or a ``ProbeRun``.
+        gpu_bytes: the GPU's memory.
+        host_bytes: the host memory the offload may use.
+        step: the length's granularity.
+        layers: layers whose checkpoints the probes offloaded (0: no split considered).
+
+    Returns:
+        the ``FitEstimate``, its ``text`` the arithmetic.
+
+    Raises:
+        ValueError: without two fitted probes of different lengths, or when the GPU peak did not grow
+            between them.
+    """
     if isinstance(points, ProbeRun):
         points = points.points
     pair = fitted_pair(points)
@@ -545,7 +741,14 @@ def fit_variants(results: dict) -> dict:
     """``results`` with each variant's ``longest`` (a ``FitEstimate`` as a dict, or None and a
     ``longest_note``) computed from its probes against the GPU memory and host budget its settings
     recorded; the checkpoints of an offloading variant may split between the two memories
-    (``longest_that_fits``'s ``layers``)."""
+    (``longest_that_fits``'s ``layers``).
+
+    Args:
+        results: a results file's dict (its ``settings`` and ``variants``), changed in place.
+
+    Returns:
+        ``results``.
+    """
     settings = results["settings"]
     layers = llama_config(settings["preset"]).num_hidden_layers
     for name, run in results["variants"].items():
@@ -570,14 +773,33 @@ def split_prediction(fit: dict, seq_len: int, keep: int, layers: int) -> dict[st
     """The GPU peak and host bytes ``longest_that_fits`` predicts at ``seq_len`` tokens when the
     checkpoints of ``keep`` of ``layers`` layers stay on the GPU, from a variant's two lines
     (``fit``, a ``FitEstimate`` as a dict) moved as ``longest_that_fits`` moves them
-    (``_split_slopes``)."""
+    (``_split_slopes``).
+
+    Args:
+        fit: a ``FitEstimate`` as a dict.
+        seq_len: tokens of the step.
+        keep: layers whose checkpoints stay on the GPU.
+        layers: the model's layers.
+
+    Returns:
+        ``{"gpu_peak", "host_bytes"}`` in bytes.
+    """
     gpu_slope, host_slope = _split_slopes(fit["gpu_per_token"], fit["host_per_token"], keep, layers)
     return {"gpu_peak": fit["gpu_fixed"] + gpu_slope * seq_len,
             "host_bytes": fit["host_fixed"] + host_slope * seq_len}
 
 
 def format_split_check(results: dict) -> str:
-    """The real step that checks the split (``check_split``) beside what the arithmetic predicted for it."""
+    """The real step that checks the split (``check_split``) beside what the arithmetic predicted for it.
+
+    Chapter 14 prints it.
+
+    Args:
+        results: a results file's dict.
+
+    Returns:
+        the text (one sentence when the split was not checked, or the step did not fit).
+    """
     check = results.get("split_check")
     if not check:
         return "the split was not checked with a real step in this results file"
@@ -597,7 +819,18 @@ def format_split_check(results: dict) -> str:
 def check_split(preset: str, seq_len: int, fit: dict, layers: int, seed: int = 0) -> dict:
     """GPU only: one real step of ``SPLIT_VARIANT`` at ``seq_len`` tokens with the checkpoints of
     ``fit["keep_on_gpu"]`` layers kept on the GPU (the split ``longest_that_fits`` chose), and what
-    its two lines predicted for that step."""
+    its two lines predicted for that step.
+
+    Args:
+        preset: the model preset.
+        seq_len: tokens of the step.
+        fit: the variant's ``FitEstimate`` as a dict (its ``keep_on_gpu``).
+        layers: the model's layers.
+        seed: the seed of the weights and the tokens.
+
+    Returns:
+        the variant, the split, the measured point and the prediction.
+    """
     keep = fit["keep_on_gpu"]
     kernels, tiled, offload = VARIANTS[SPLIT_VARIANT]
     run = probe(preset, (seq_len,), kernels, tiled, offload, offload_options={"keep_on_gpu": keep},
@@ -631,6 +864,11 @@ def _liger_tiled(model: torch.nn.Module):
 
 
 def liger_available() -> bool:
+    """Whether Liger-Kernel's Hugging Face integration imports here.
+
+    Returns:
+        True when ``liger_kernel.transformers`` imports.
+    """
     try:
         import liger_kernel.transformers  # noqa: F401
     except ImportError:
@@ -656,7 +894,25 @@ def step_times(preset: str = "llama-3.1-8b", seq_len: int = 32768, steps: int = 
     plus checkpoint offload of every layer (``ours+offload``), plus PyTorch's
     ``save_on_cpu(pin_memory=True)`` around the forward instead (``ours+save_on_cpu``), plus the
     tiled MLP (``ours+tiled``), plus Liger's ``LigerTiledSwiGLUMLP`` (``ours+liger_tiled``, skipped
-    where Liger is not installed). Each with its peak and bytes offloaded per step."""
+    where Liger is not installed). Each with its peak and bytes offloaded per step.
+
+    Chapter 14 shows the recorded times.
+
+    Args:
+        preset: the model preset.
+        seq_len: tokens per step.
+        steps: timed steps per configuration.
+        configs: the configurations, names from ``TIMINGS``.
+        seed: the seed of the weights and the tokens.
+        progress: show a progress bar.
+
+    Returns:
+        configuration -> its times, tokens/s, peak, bytes offloaded and ``vs_ours``, or ``{"skipped":
+        why}`` where it could not run.
+
+    Raises:
+        RuntimeError: without a CUDA GPU.
+    """
     require_gpu("step_times")
     from kernels.bench.progress import progress_bar as tqdm
 
@@ -708,7 +964,16 @@ def step_times(preset: str = "llama-3.1-8b", seq_len: int = 32768, steps: int = 
 
 
 def format_probes(results: dict) -> str:
-    """The probes of every variant, and each one's extrapolated longest length."""
+    """The probes of every variant, and each one's extrapolated longest length.
+
+    Chapter 14 prints it.
+
+    Args:
+        results: a results file's dict.
+
+    Returns:
+        the table, lines joined by newlines.
+    """
     lines = [f"{'variant':<14}{'tokens':>10}{'fits':>6}{'GPU peak':>13}{'host':>12}{'step s':>9}{'loss':>8}"
              "  longest that fits"]
     for name, run in results["variants"].items():
@@ -726,7 +991,14 @@ def format_probes(results: dict) -> str:
 def per_token_bytes(results: dict) -> dict[str, float]:
     """Each variant's GPU bytes per token at the step's peak: the slope between its two probes that
     fitted (the fixed part, weights and AdamW's moments, drops out); variants without two such
-    probes are left out."""
+    probes are left out.
+
+    Args:
+        results: a results file's dict.
+
+    Returns:
+        variant -> bytes per token.
+    """
     slopes = {}
     for name, run in results["variants"].items():
         pair = fitted_pair([ProbePoint(**p) for p in run.get("points", [])])
@@ -739,7 +1011,17 @@ def per_token_bytes(results: dict) -> dict[str, float]:
 def format_per_token(results: dict, against=("ours", "liger")) -> str:
     """A table of each variant's GPU bytes per token (``per_token_bytes``), as a fraction of those
     of the variants named in ``against`` (where they were measured), and the longest length each
-    fits."""
+    fits.
+
+    Chapter 14 prints it.
+
+    Args:
+        results: a results file's dict.
+        against: the variants to divide by.
+
+    Returns:
+        the table, lines joined by newlines.
+    """
     slopes = per_token_bytes(results)
     bases = [name for name in against if name in slopes]
     lines = [f"{'variant':<14}{'probes':>18}{'GPU B/token':>13}" + "".join(f"{'× ' + b:>10}" for b in bases)
@@ -754,6 +1036,15 @@ def format_per_token(results: dict, against=("ours", "liger")) -> str:
 
 
 def format_step_times(times: dict, seq_len: int) -> str:
+    """The step times as a table (chapter 14 prints it), a skipped configuration with its reason.
+
+    Args:
+        times: the dict of ``step_times`` (or ``{"error": why}``).
+        seq_len: tokens per step.
+
+    Returns:
+        the table, lines joined by newlines.
+    """
     if "error" in times:
         return f"step time at {seq_len:,} tokens: not measured ({times['error']})"
     lines = [f"step time at {seq_len:,} tokens", f"{'configuration':<20}{'s/step':>9}{'vs ours':>9}"
@@ -769,16 +1060,43 @@ def format_step_times(times: dict, seq_len: int) -> str:
 
 
 def results_path(slug: str | None = None) -> Path:
+    """This chapter's committed results file of a GPU.
+
+    Args:
+        slug: the GPU's short name (None: this machine's ``device_slug()``).
+
+    Returns:
+        the path.
+    """
     return RESULTS_DIR / f"{slug or device_slug()}.json"
 
 
 def load_all(directory: Path = RESULTS_DIR) -> dict[str, dict]:
-    """Every results file of this chapter's GPU runs, by file name."""
+    """Every results file of this chapter's GPU runs, by file name.
+
+    Chapter 14 reads them.
+
+    Args:
+        directory: the folder of the results files.
+
+    Returns:
+        file stem -> its dict.
+    """
     return {p.stem: json.loads(p.read_text()) for p in sorted(Path(directory).glob("*.json"))}
 
 
 def plot_memory_table(table: MemoryTable, ax=None):
-    """Stacked bars of the counted peak with each combination of switches."""
+    """Stacked bars of the counted peak with each combination of switches.
+
+    Chapter 14 draws it.
+
+    Args:
+        table: the ``MemoryTable``.
+        ax: a matplotlib axes to draw on (None: a new figure).
+
+    Returns:
+        the axes.
+    """
     import matplotlib.pyplot as plt
 
     ax = ax or plt.subplots(figsize=(9, 4))[1]
@@ -805,7 +1123,18 @@ def plot_memory_table(table: MemoryTable, ax=None):
 def plot_longest(results: dict, ax=None, target: int | None = None):
     """The longest length each variant fits (extrapolated from its probes) as bars; a variant
     without two fitting probes is drawn at zero with "n/a"; ``target``, a length to reach, as a
-    dashed line."""
+    dashed line.
+
+    Chapter 14 draws it.
+
+    Args:
+        results: a results file's dict.
+        ax: a matplotlib axes to draw on (None: a new figure).
+        target: a length to draw as a line (None: none).
+
+    Returns:
+        the axes.
+    """
     import matplotlib.pyplot as plt
 
     ax = ax or plt.subplots(figsize=(8, 3.5))[1]
@@ -849,6 +1178,11 @@ def _parse_variants(text: str) -> tuple[str, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m kernels.training.long_context`` (and its hidden worker flags).
+
+    Returns:
+        the parser.
+    """
     parser = argparse.ArgumentParser(prog="python -m kernels.training.long_context",
                                      description="The longest sequence one GPU trains: probes and step times.")
     parser.add_argument("--probe", type=_parse_lengths, default=(131072, 262144),
@@ -907,7 +1241,16 @@ def probe_variant(args, name: str, halvings: int = 3) -> dict:
     """One variant's probes in a process of its own, at ``args.probe``; while fewer than two lengths
     fit, again at half the lengths (at most ``halvings`` times, never below ``MIN_PROBE_LEN``), so
     that a setup that stops short of the lengths asked for (Hugging Face's, say) still gets two
-    points to extrapolate from."""
+    points to extrapolate from.
+
+    Args:
+        args: the parsed flags.
+        name: the variant.
+        halvings: the most times the lengths are halved.
+
+    Returns:
+        the variant's run as a dict, with the lengths tried.
+    """
     lengths = tuple(args.probe)
     tried = []
     for _ in range(halvings + 1):
@@ -924,14 +1267,25 @@ def probe_variant(args, name: str, halvings: int = 3) -> dict:
 
 def probe_budgets() -> tuple[int, int]:
     """What two probes are extrapolated against on this machine: the GPU's memory, and the host
-    memory available now less the offload's safety margin (GPU only)."""
+    memory available now less the offload's safety margin (GPU only).
+
+    Returns:
+        ``(gpu_bytes, host_bytes)``.
+    """
     return torch.cuda.mem_get_info()[1], host_budget_bytes(host_available_bytes(), HOST_MARGIN)
 
 
 def run_all(args) -> dict:
     """Every variant's probes and the step times, each in a process of its own; the results dict
     (``main`` adds the extrapolations, ``fit_variants``, once this run is merged with the file's
-    earlier ones)."""
+    earlier ones).
+
+    Args:
+        args: the parsed flags.
+
+    Returns:
+        the results dict.
+    """
     from tqdm.auto import tqdm
 
     gpu_total, host_budget = probe_budgets()
@@ -961,7 +1315,15 @@ def merge_results(old: dict | None, new: dict) -> dict:
     runs of the same preset on the same device: separate invocations, one variant each, build up one
     file (its variants in ``VARIANTS``'s order). A run that timed steps and probed nothing keeps
     ``old``'s probe settings (the lengths and the memory budgets the variants were fitted against)
-    and brings only its step times and their settings."""
+    and brings only its step times and their settings.
+
+    Args:
+        old: the results file's dict (None: no file).
+        new: this run's dict.
+
+    Returns:
+        the merged dict.
+    """
     if not old or old.get("device") != new["device"] or old["settings"].get("preset") != new["settings"]["preset"]:
         return new
     variants = {**old.get("variants", {}), **new["variants"]}
@@ -983,7 +1345,15 @@ def merge_results(old: dict | None, new: dict) -> dict:
 def run_split_check(args, results: dict) -> dict | None:
     """``check_split`` in a process of its own, at ``args.check_split`` tokens, with the split that
     ``results``'s ``SPLIT_VARIANT`` was extrapolated to; None (and a message) where that variant has
-    no extrapolation."""
+    no extrapolation.
+
+    Args:
+        args: the parsed flags.
+        results: the results file's dict, its variants fitted.
+
+    Returns:
+        ``check_split``'s dict, or None.
+    """
     fit = (results.get("variants", {}).get(SPLIT_VARIANT) or {}).get("longest")
     if not fit:
         print(f"--check-split: the results file has no extrapolation of {SPLIT_VARIANT} to take the split from")
@@ -998,13 +1368,28 @@ def run_split_check(args, results: dict) -> dict | None:
 
 def output_path(args) -> Path:
     """The results file: ``--out``, else this GPU's file of the committed results (``--record``) or
-    of the runs folder."""
+    of the runs folder.
+
+    Args:
+        args: the parsed flags.
+
+    Returns:
+        the path.
+    """
     if args.out is not None:
         return Path(args.out)
     return results_path() if args.record else results_file("long_context", device_slug(), cli.runs_dir())
 
 
 def main(argv=None) -> int:
+    """Probe, time and extrapolate from the command line (GPU only), then write ``long_context/<gpu>.json``.
+
+    Args:
+        argv: the command line's arguments (None: ``sys.argv``'s).
+
+    Returns:
+        the exit status, 0 (a refused flag, or a machine without a GPU, exits through ``argparse``).
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.worker is not None:

@@ -73,7 +73,17 @@ def _on(batch: dict, device) -> dict:
 def one_pass(model: torch.nn.Module, batches: list[dict], progress: bool = True, desc: str = "") -> dict:
     """Forward and backward over every batch (gradients freed after each): the pass's time, its
     summed loss, and the batches' tokens. The first batch runs once more before the clock starts,
-    untimed."""
+    untimed.
+
+    Args:
+        model: the model, on its device.
+        batches: the batches, on the CPU.
+        progress: show a progress bar.
+        desc: the progress bar's label.
+
+    Returns:
+        ``{"seconds", "summed_loss", "batches", "tokens", "labels"}``.
+    """
     from kernels.bench.progress import progress_bar as tqdm
 
     device = next(model.parameters()).device
@@ -99,7 +109,18 @@ def one_pass(model: torch.nn.Module, batches: list[dict], progress: bool = True,
 
 
 def run(setup: Setup, progress: bool = True) -> dict:
-    """Both layouts over the same examples on one model; the rows and their ratio."""
+    """Both layouts over the same examples on one model; the rows and their ratio.
+
+    Chapter 16 shows the recorded result.
+
+    Args:
+        setup: the sizes, the preset and the seed.
+        progress: show progress bars.
+
+    Returns:
+        device, mode, versions, settings, the useful tokens, a row per layout, the speedup and the
+        summed losses' relative difference.
+    """
     tokenizer = get_tokenizer()
     examples = make_sft_examples(tokenizer, setup.examples, setup.max_len, setup.seed, median=setup.median)
     useful = sum(len(ids) for ids, _ in examples)
@@ -129,6 +150,14 @@ def run(setup: Setup, progress: bool = True) -> dict:
 
 
 def format_table(result: dict) -> str:
+    """The two layouts' rows as text, and packed against padded (chapter 16 prints it).
+
+    Args:
+        result: the dict of ``run`` (or ``load``).
+
+    Returns:
+        the table, lines joined by newlines.
+    """
     st = result["settings"]
     lines = [f"{result['device']}: {st['examples']} examples (median {st['median']} tokens, at most {st['max_len']:,})"
              f", {result['useful_tokens']:,} tokens of their own; {st['preset']}, {st['dtype']}"
@@ -144,12 +173,26 @@ def format_table(result: dict) -> str:
 
 
 def load(name: str = GPU_SETUP.preset) -> dict | None:
-    """The recorded run ``assets/results/packing/<name>.json``, or None when there is none yet."""
+    """The recorded run ``assets/results/packing/<name>.json``, or None when there is none yet.
+
+    Chapter 16 reads it.
+
+    Args:
+        name: the results' name.
+
+    Returns:
+        the result's dict, or None.
+    """
     path = results_file(GROUP, name)
     return json.loads(path.read_text()) if path.exists() else None
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m kernels.training.packed`` (a flag left out keeps the mode's setup).
+
+    Returns:
+        the parser.
+    """
     parser = argparse.ArgumentParser(prog="python -m kernels.training.packed",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=tuple(PRESETS), default=None,
@@ -172,6 +215,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def setup_from_args(args) -> Setup:
+    """The mode's default ``Setup`` with the flags that were given over it.
+
+    Args:
+        args: the parsed flags.
+
+    Returns:
+        the ``Setup``.
+    """
     base = GPU_SETUP if runtime.MODE == "gpu" else CPU_SETUP
     chosen = {k: getattr(args, k) for k in ("preset", "examples", "max_len", "batch", "tokens")
               if getattr(args, k) is not None}
@@ -181,6 +232,14 @@ def setup_from_args(args) -> Setup:
 
 
 def main(argv=None) -> int:
+    """Run both layouts from the command line, print the table, write ``packing/<name>.json``.
+
+    Args:
+        argv: the command line's arguments (None: ``sys.argv``'s).
+
+    Returns:
+        the exit status, 0 (a refused flag exits through ``argparse``).
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     setup = setup_from_args(args)

@@ -63,7 +63,14 @@ FREES = ("free_requested", "free_completed")
 def peak_index(trace: list[dict]) -> tuple[int, int]:
     """(index of the allocation that reached the peak, bytes alive then) over the trace's own
     allocations; blocks allocated before the history started are not in it, so the bytes are
-    relative to the start."""
+    relative to the start.
+
+    Args:
+        trace: the allocator's history: one device's ``device_traces`` of ``torch.cuda.memory._snapshot()``.
+
+    Returns:
+        ``(index, bytes)``; index -1 when the trace allocates nothing.
+    """
     live: dict[int, int] = {}
     current = best = 0
     best_at = -1
@@ -87,7 +94,17 @@ def _site(frames: list[dict], depth: int = 3) -> str:
 
 def live_at(trace: list[dict], index: int, tokens: int, top: int = 12) -> list[dict]:
     """The blocks alive just after ``trace[index]``, grouped by (size, allocating site), largest total first:
-    ``total_bytes``, ``size``, ``count``, ``bytes_per_token`` (size / ``tokens``) and ``site``."""
+    ``total_bytes``, ``size``, ``count``, ``bytes_per_token`` (size / ``tokens``) and ``site``.
+
+    Args:
+        trace: the allocator's history.
+        index: the event after which to look.
+        tokens: the step's tokens.
+        top: how many groups to keep.
+
+    Returns:
+        the groups, largest total first.
+    """
     live: dict[int, dict] = {}
     for event in trace[: index + 1]:
         if event["action"] == "alloc":
@@ -102,7 +119,16 @@ def live_at(trace: list[dict], index: int, tokens: int, top: int = 12) -> list[d
 
 
 def slope(short: dict, long: dict, key: str = "peak_bwd") -> float:
-    """Bytes per token between two probes (``measure``'s dicts)."""
+    """Bytes per token between two probes (``measure``'s dicts).
+
+    Args:
+        short: the shorter probe.
+        long: the longer probe.
+        key: which peak: ``"after_fwd"``, ``"peak_fwd"`` or ``"peak_bwd"``.
+
+    Returns:
+        bytes per token.
+    """
     return (long[key] - short[key]) / (long["tokens"] - short["tokens"])
 
 
@@ -153,7 +179,20 @@ def measure(preset: str, variant: str, lengths: tuple[int, int] = LENGTHS,
             padding_mask: bool = True) -> dict:
     """GPU only: one variant's probes at both lengths (the longer one with the blocks alive at its
     peak) and its slopes per token (after the forward pass, at the forward's peak, at the backward's
-    peak)."""
+    peak).
+
+    Args:
+        preset: the model preset.
+        variant: one of ``VARIANTS``.
+        lengths: the two sequence lengths.
+        padding_mask: keep the padding mask.
+
+    Returns:
+        ``{"variant", "padding_mask", "probes", "bytes_per_token"}``.
+
+    Raises:
+        ValueError: when ``variant`` is not one of ``VARIANTS``.
+    """
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     free_memory()
@@ -184,7 +223,17 @@ def _available(variant: str) -> bool:
 
 
 def run(preset: str = "llama-3.2-1b", variants=VARIANTS, lengths=LENGTHS, masks=(True, False)) -> dict:
-    """GPU only: ``measure`` for each variant (Liger's last) with and without the padding mask."""
+    """GPU only: ``measure`` for each variant (Liger's last) with and without the padding mask.
+
+    Args:
+        preset: the model preset.
+        variants: the variants to measure (those not installed are left out).
+        lengths: the two sequence lengths.
+        masks: the padding-mask settings to measure each variant with.
+
+    Returns:
+        preset, device, versions, lengths and one row per (variant, mask).
+    """
     order = [v for v in VARIANTS if v in variants and _available(v)]
     rows = [measure(preset, v, tuple(lengths), m) for v in order for m in masks]
     return {"preset": preset, "device": runtime.device_name(), "versions": runtime.versions(),
@@ -192,7 +241,16 @@ def run(preset: str = "llama-3.2-1b", variants=VARIANTS, lengths=LENGTHS, masks=
 
 
 def table(results: dict) -> str:
-    """Bytes per token at the backward's peak, each variant with and without the mask."""
+    """Bytes per token at the backward's peak, each variant with and without the mask.
+
+    Chapters 10 and 11 print it.
+
+    Args:
+        results: the dict of ``run`` (or ``load``).
+
+    Returns:
+        the table, lines joined by newlines.
+    """
     lines = [f"{results['preset']}, checkpointed, between {results['lengths'][0]:,} and {results['lengths'][1]:,} "
              f"tokens ({results['device']}): KiB per token at the step's peak",
              f"{'variant':<12} {'with mask':>10} {'no mask':>10}"]
@@ -206,13 +264,28 @@ def table(results: dict) -> str:
 
 def load(preset: str = "llama-3.2-1b", directory: Path = RESULTS) -> dict | None:
     """The committed measurement of ``preset`` (``peak_memory/<preset>_<gpu>.json``), whichever GPU
-    made it, or None."""
+    made it, or None.
+
+    Chapters 10 and 11 read it.
+
+    Args:
+        preset: the model preset.
+        directory: the results root.
+
+    Returns:
+        the measurement's dict, or None.
+    """
     pattern = results_file("peak_memory", f"{preset}_*", directory)  # one file per GPU
     found = sorted(pattern.parent.glob(pattern.name))
     return json.loads(found[0].read_text()) if found else None
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m kernels.training.peak_memory``.
+
+    Returns:
+        the parser.
+    """
     p = argparse.ArgumentParser(prog="python -m kernels.training.peak_memory",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="llama-3.2-1b", choices=tuple(PRESETS))
@@ -225,6 +298,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Measure from the command line (GPU only), print the table, write ``peak_memory/<preset>_<gpu>.json``.
+
+    Args:
+        argv: the command line's arguments (None: ``sys.argv``'s).
+
+    Returns:
+        the exit status, 0 (without a GPU, or with a refused flag, it exits through ``argparse``).
+    """
     p = build_parser()
     args = p.parse_args(argv)
     path = results_file("peak_memory", f"{args.preset}_{device_slug()}", cli.output_root(args))

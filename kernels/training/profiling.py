@@ -125,7 +125,19 @@ _RULES: tuple[tuple[str, re.Pattern], ...] = tuple(
 
 
 def classify(name: str) -> str:
-    """The family of an operator, autograd node or kernel, from its name alone (one of ``FAMILIES``)."""
+    """The family of an operator, autograd node or kernel, from its name alone (one of ``FAMILIES``).
+
+    Chapter 01 sorts a step's operators with it.
+
+    Args:
+        name: the operator's, node's or kernel's name.
+
+    Returns:
+        the family, ``"other"`` when no rule matches.
+
+    Raises:
+        TypeError: when ``name`` is not a str.
+    """
     if not isinstance(name, str):
         raise TypeError(f"name must be a str, got {type(name).__name__}")
     for family, pattern in _RULES:
@@ -135,7 +147,15 @@ def classify(name: str) -> str:
 
 
 def short_name(name: str, width: int = 90) -> str:
-    """A kernel's demangled name without ``void``, its argument list and template noise, cut to ``width``."""
+    """A kernel's demangled name without ``void``, its argument list and template noise, cut to ``width``.
+
+    Args:
+        name: the kernel's name.
+        width: the most characters kept (the last one an ellipsis when cut).
+
+    Returns:
+        the short name.
+    """
     name = re.sub(r"^void\s+", "", name)
     if name.endswith(")") and "(" in name and not name.startswith("autograd"):
         depth = 0  # drop the trailing argument list "(...)" but keep template arguments
@@ -154,7 +174,14 @@ def short_name(name: str, width: int = 90) -> str:
 
 
 def is_rmsnorm(module: torch.nn.Module) -> bool:
-    """RMSNorm modules are recognised by class name (LlamaRMSNorm, TritonRMSNorm, LigerRMSNorm, ...)."""
+    """RMSNorm modules are recognised by class name (LlamaRMSNorm, TritonRMSNorm, LigerRMSNorm, ...).
+
+    Args:
+        module: any module.
+
+    Returns:
+        whether its class name ends in ``RMSNorm``.
+    """
     return type(module).__name__.endswith("RMSNorm")
 
 
@@ -219,7 +246,13 @@ def _wrap_loss_function(model: torch.nn.Module) -> Callable[[], None] | None:
 @contextmanager
 def labelled_regions(model: torch.nn.Module):
     """While inside, every RMSNorm forward runs in ``region::rmsnorm`` and the HF loss in
-    ``region::loss``."""
+    ``region::loss``.
+
+    A context manager; leaving it puts every wrapped forward and the loss function back.
+
+    Args:
+        model: the model whose norms and loss are labelled.
+    """
     restores = [_wrap_forward(m, "region::rmsnorm") for m in model.modules() if is_rmsnorm(m)]
     loss_restore = _wrap_loss_function(model)
     if loss_restore is not None:
@@ -239,13 +272,31 @@ def labelled_regions(model: torch.nn.Module):
 def hf_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Forward pass and loss as Hugging Face computes them (labels passed in). The output object,
     and with it the bf16 logits, is dropped as soon as the loss is out, as in any training loop that
-    keeps only the loss."""
+    keeps only the loss.
+
+    Args:
+        model: a Hugging Face causal LM.
+        batch: its inputs, labels included, on the model's device.
+
+    Returns:
+        the loss.
+    """
     return model(**batch).loss
 
 
 def training_step(model, batch, optimizer, compute_loss=hf_loss) -> torch.Tensor:
     """One full step: forward + loss, backward, ``optimizer.step()``,
-    ``optimizer.zero_grad(set_to_none=True)``."""
+    ``optimizer.zero_grad(set_to_none=True)``.
+
+    Args:
+        model: the model.
+        batch: its inputs, on the model's device.
+        optimizer: the optimizer over the model's parameters.
+        compute_loss: ``compute_loss(model, batch)`` returns the loss.
+
+    Returns:
+        the loss, detached.
+    """
     loss = compute_loss(model, batch)
     loss.backward()
     with record_function("region::optimizer"):
@@ -280,7 +331,20 @@ def _loss_shapes(model, batch) -> tuple[int, int, torch.dtype]:
 
 def measure_step_memory(model, batch, optimizer, compute_loss=hf_loss) -> MemoryBudget:
     """Run one step on a GPU with allocator statistics taken between its phases (see the module
-    docstring)."""
+    docstring).
+
+    Args:
+        model: the model, on a CUDA device.
+        batch: its inputs, on that device.
+        optimizer: the optimizer over the model's parameters (its states made by an earlier step).
+        compute_loss: ``compute_loss(model, batch)`` returns the loss.
+
+    Returns:
+        the ``MemoryBudget``, its parts measured where the allocator can tell them apart.
+
+    Raises:
+        RuntimeError: when the model is not on a CUDA device.
+    """
     device = next(model.parameters()).device
     if device.type != "cuda":
         raise RuntimeError("measure_step_memory needs a model on a CUDA device; on the CPU use full_finetune_memory")
@@ -394,6 +458,10 @@ def attribute_events(events, use_device: bool):
     Returns ``(families, ops, kernels, phases, total_us)``: tallies keyed by family, by (operator,
     family), by (kernel, family) and by phase ("forward", "backward", "optimizer"), and the total
     time they share.
+
+    Args:
+        events: the profiler's events (``prof.events()``).
+        use_device: charge GPU kernel time to the operators that launched it (False: CPU self time).
     """
     cpu_ops = [e for e in events if _is_cpu_op(e)]
     roots = [e for e in cpu_ops if e.cpu_parent is None]
@@ -511,9 +579,22 @@ class StepProfile:
         return f"Trace: {display_path(self.trace_path)}\n{TRACE_NOTE}" if self.trace_path else "No trace was exported."
 
     def share(self, *families: str) -> float:
+        """The summed share of the step's profiled time of ``families`` (a family not seen counts 0).
+
+        Args:
+            *families: names from ``FAMILIES``.
+
+        Returns:
+            the share, a fraction.
+        """
         return sum(self.families[f].share for f in families if f in self.families)
 
     def family_table(self) -> str:
+        """One line per family seen: calls, milliseconds and share, then the total (chapter 01 prints it).
+
+        Returns:
+            the table, lines joined by newlines.
+        """
         lines = [f"{'family':<48}{'calls':>8}{'ms':>11}{'share':>8}"]
         for name in FAMILIES:
             row = self.families.get(name)
@@ -523,6 +604,15 @@ class StepProfile:
         return "\n".join(lines)
 
     def top_table(self, n: int = 15, kernels: bool = False) -> str:
+        """The costliest operators (or kernels), one line each, with family, calls, milliseconds and share.
+
+        Args:
+            n: how many lines.
+            kernels: list GPU kernels instead of operators (empty on the CPU).
+
+        Returns:
+            the table, lines joined by newlines.
+        """
         rows = self.top_kernels if kernels else self.top_ops
         head = "kernel" if kernels else "operator"
         lines = [f"{head:<70}{'family':<15}{'calls':>7}{'ms':>10}{'share':>8}"]
@@ -531,6 +621,11 @@ class StepProfile:
         return "\n".join(lines)
 
     def summary(self) -> str:
+        """The step in two sentences: time, tokens/s, the profiled step's phases, the peak memory.
+
+        Returns:
+            the text.
+        """
         phase = ", ".join(f"{k} {v:.1f} ms" for k, v in self.phases.items())
         return (
             f"{self.device}: step {self.step_ms:.1f} ms for {self.tokens:,} tokens ({self.tokens_per_s:,.0f} tokens/s, "
@@ -542,7 +637,14 @@ class StepProfile:
 
 def display_path(path: Path) -> str:
     """``path`` as a reader of the repository writes it: relative to the repository when it lies
-    inside it."""
+    inside it.
+
+    Args:
+        path: any path.
+
+    Returns:
+        the path as text.
+    """
     path = Path(path)
     try:
         return path.resolve().relative_to(REPOSITORY).as_posix()
@@ -601,6 +703,28 @@ def profile_training_step(
     steady-state one. ``trace_path="auto"`` writes ``assets/traces/step_<device>_<shape>.json``;
     None exports nothing. ``compute_loss(model, batch)`` returns the loss (default: Hugging Face's,
     with the labels in the batch). Every step updates the weights, as training does.
+
+    Chapter 01 profiles a Llama step with it; chapters 04, 08 and 15 profile again.
+
+    Args:
+        model: the model (its device decides GPU or CPU time).
+        batch: inputs with ``input_ids`` and ``labels``, on any device (moved to the model's).
+        optimizer: the optimizer over the model's parameters.
+        warmup: untimed steps first (at least 1).
+        timed_steps: plain steps timed (the median is kept).
+        trace_path: where to export the Chrome trace, ``"auto"`` or None.
+        compute_loss: ``compute_loss(model, batch)`` returns the loss.
+        label_regions: label the norms and the loss (``labelled_regions``).
+        top: how many operators and kernels to keep.
+        measure_memory: measure the memory on a GPU (False: the computed estimate).
+
+    Returns:
+        the ``StepProfile``.
+
+    Raises:
+        TypeError: when ``batch`` is not a dict with ``input_ids`` or ``optimizer`` is not an
+            optimizer.
+        ValueError: when ``batch`` has no labels, ``warmup`` < 1 or ``timed_steps`` < 1.
     """
     _check_batch(batch)
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -688,6 +812,11 @@ class AmdahlEstimate:
     peak_bytes: int
 
     def summary(self) -> str:
+        """The bound in words: the targets' shares, the fastest step they allow, the loss's share of the peak.
+
+        Returns:
+            the text.
+        """
         parts = " + ".join(f"{t} {self.shares[t]:.1%}" for t in self.targets)
         return (
             f"{parts} = {self.share:.1%} of the step's measured time. If they cost nothing, the step could be at "
@@ -702,7 +831,20 @@ def step_speedup(share: float, factor: float = math.inf) -> float:
     """Amdahl's law: how many times faster a step runs when a part taking ``share`` of its time (a
     fraction) runs ``factor`` times faster. The rest, 1 − share, is unchanged and the part shrinks
     to share / factor; with the default ``factor=math.inf`` the part costs nothing and the bound is
-    1 / (1 − share)."""
+    1 / (1 − share).
+
+    Chapter 01 derives it.
+
+    Args:
+        share: the part's fraction of the step, in [0, 1).
+        factor: how many times faster the part runs.
+
+    Returns:
+        the step's speedup.
+
+    Raises:
+        ValueError: when ``share`` is outside [0, 1) or ``factor`` is not positive.
+    """
     if not 0 <= share < 1:
         raise ValueError(f"share must be a fraction of the step's time, 0 <= share < 1, got {share!r}")
     if not factor > 0:
@@ -715,6 +857,18 @@ def amdahl(profile: StepProfile, targets: tuple[str, ...] = ("rmsnorm", "cross_e
 
     s is the targets' share of the profiled time (GPU kernel time, or CPU self time). It is a bound:
     a kernel never costs nothing, and on a GPU idle gaps between kernels do not shrink with them.
+
+    Chapters 01 and 08 apply it.
+
+    Args:
+        profile: the ``StepProfile``.
+        targets: the families that would cost nothing.
+
+    Returns:
+        the ``AmdahlEstimate``.
+
+    Raises:
+        ValueError: when a target is not one of ``FAMILIES``.
     """
     unknown = [t for t in targets if t not in FAMILIES]
     if unknown:
@@ -744,7 +898,17 @@ _COLORS = {
 
 
 def plot_family_times(profile: StepProfile, ax=None):
-    """Horizontal bars: milliseconds per family, labelled with their share of the step."""
+    """Horizontal bars: milliseconds per family, labelled with their share of the step.
+
+    Chapters 01 and 04 draw it.
+
+    Args:
+        profile: the ``StepProfile``.
+        ax: a matplotlib axes to draw on (None: a new figure).
+
+    Returns:
+        the axes.
+    """
     import matplotlib.pyplot as plt
 
     names = [f for f in FAMILIES if f in profile.families]
@@ -764,7 +928,18 @@ def plot_family_times(profile: StepProfile, ax=None):
 
 def plot_memory(memory: MemoryBudget, ax=None, capacity: int | None = None):
     """Stacked bars of the three moments a step can peak at (``HIGH_POINTS``), with the measured
-    peak if any."""
+    peak if any.
+
+    Chapter 01 draws it.
+
+    Args:
+        memory: the ``MemoryBudget``.
+        ax: a matplotlib axes to draw on (None: a new figure).
+        capacity: the GPU's memory in bytes, drawn as a line (None: not drawn).
+
+    Returns:
+        the axes.
+    """
     import matplotlib.pyplot as plt
 
     colors = {

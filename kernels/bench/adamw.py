@@ -36,7 +36,14 @@ BYTES_PER_PARAMETER = 14  # bf16: 4 reads (p, g, m, v) and 3 writes (p, m, v) of
 
 
 def parameter_shapes(preset: str) -> list[tuple[int, ...]]:
-    """The shapes of a ``LlamaForCausalLM``'s parameters for ``preset`` (a tied LM head once)."""
+    """The shapes of a ``LlamaForCausalLM``'s parameters for ``preset`` (a tied LM head once).
+
+    Args:
+        preset: the model preset.
+
+    Returns:
+        one shape per parameter tensor, in the model's order.
+    """
     c = llama_config(preset)
     h, inter, vocab = c.hidden_size, c.intermediate_size, c.vocab_size
     head_dim = getattr(c, "head_dim", None) or h // c.num_attention_heads
@@ -61,7 +68,15 @@ def check(params: list[torch.nn.Parameter], count: int = 3) -> float:
     tensors, in units of the bf16 spacing at the larger of each value before and after the step (0:
     the same bits; at most 1 expected). Before, not only after: where the update nearly cancels the
     value, float32 arithmetic is exact only to the operands' scale, and the result's own spacing is
-    far finer."""
+    far finer.
+
+    Args:
+        params: parameters with gradients.
+        count: how many of them to compare.
+
+    Returns:
+        the largest difference, in bf16 spacings.
+    """
     worst = 0.0
     for p in params[:count]:
         a = torch.nn.Parameter(p.detach().clone())
@@ -81,7 +96,15 @@ def _sync() -> None:
 
 
 def time_step(optimizer: torch.optim.Optimizer, reps: int) -> float:
-    """Median wall time of one ``optimizer.step()`` in ms, synchronised around each, after a first step."""
+    """Median wall time of one ``optimizer.step()`` in ms, synchronised around each, after a first step.
+
+    Args:
+        optimizer: the optimizer, over parameters with gradients.
+        reps: timed steps.
+
+    Returns:
+        milliseconds.
+    """
     optimizer.step()
     times = []
     for _ in range(reps):
@@ -94,14 +117,28 @@ def time_step(optimizer: torch.optim.Optimizer, reps: int) -> float:
 
 
 def copy_gbps() -> float | None:
-    """Device-to-device copy bandwidth of this GPU (read + write), GB/s; None in the interpreter."""
+    """Device-to-device copy bandwidth of this GPU (read + write), GB/s; None in the interpreter.
+
+    Returns:
+        GB/s, or None.
+    """
     if runtime.MODE != "gpu":
         return None
     return measure_copy_gbps()
 
 
 def run(preset: str, reps: int) -> dict:
-    """Check ours, then time every implementation's step at ``preset``'s parameter shapes."""
+    """Check ours, then time every implementation's step at ``preset``'s parameter shapes.
+
+    Chapter 11 shows the recorded result.
+
+    Args:
+        preset: the model preset whose parameter shapes are stepped.
+        reps: timed steps per implementation.
+
+    Returns:
+        the settings, the floor, the check and a row per implementation.
+    """
     shapes = parameter_shapes(preset)
     params = _make_parameters(shapes, runtime.device())
     n = sum(p.numel() for p in params)
@@ -123,6 +160,14 @@ def run(preset: str, reps: int) -> dict:
 
 
 def format_table(result: dict) -> str:
+    """The result as text: the floor, the check, each implementation's step time against the fastest.
+
+    Args:
+        result: the dict of ``run``.
+
+    Returns:
+        the table, lines joined by newlines.
+    """
     floor = f"{result['floor_ms']:.1f} ms" if result["floor_ms"] else "n/a (no GPU)"
     lines = [f"AdamW step, {result['preset']}: {result['parameters'] / 1e9:.3f}B bf16 parameters in "
              f"{result['tensors']} tensors on {result['device']}; floor {floor} "
@@ -136,6 +181,11 @@ def format_table(result: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m kernels.bench.adamw``.
+
+    Returns:
+        the parser.
+    """
     parser = argparse.ArgumentParser(prog="python -m kernels.bench.adamw",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=tuple(PRESETS), default=None,
@@ -148,6 +198,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """Check and time the AdamW steps from the command line, print the table, write ``adamw/<gpu>.json``.
+
+    Args:
+        argv: the command line's arguments (None: ``sys.argv``'s).
+
+    Returns:
+        the exit status, 0 (a refused flag exits through ``argparse``).
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     path = results_file("adamw", device_slug(), cli.output_root(args))

@@ -54,13 +54,36 @@ BACKWARD_FACTOR = 2.5
 
 def causal_flops(batch: int, heads: int, seq: int, head_dim: int) -> float:
     """Forward + backward FLOPs of causal attention as counted here: 2·2·B·H·S²·D/2 forward, 2.5×
-    that backward."""
+    that backward.
+
+    Args:
+        batch: sequences.
+        heads: query heads.
+        seq: tokens per sequence.
+        head_dim: the head's size.
+
+    Returns:
+        the FLOP count.
+    """
     return 2 * 2 * batch * heads * seq * seq * head_dim / 2 * (1 + BACKWARD_FACTOR)
 
 
 def inputs(batch, heads, kv_heads, seq, head_dim, dtype, seed=0):
     """q, k, v (requiring gradients) and an output gradient, drawn from ``seed`` on this device in
-    ``dtype``."""
+    ``dtype``.
+
+    Args:
+        batch: sequences.
+        heads: query heads.
+        kv_heads: key/value heads.
+        seq: tokens per sequence.
+        head_dim: the head's size.
+        dtype: the tensors' dtype.
+        seed: the seed.
+
+    Returns:
+        ``(q, k, v, grad)``, each [batch, heads (or kv_heads), seq, head_dim].
+    """
     g = torch.Generator(device="cpu").manual_seed(seed)
     dev = runtime.device()
 
@@ -127,7 +150,11 @@ def _documents(doc):
 
 
 def dense_peers() -> dict[str, Callable]:
-    """Name → factory(batch, heads, seq) of a function (q, k, v) → out, for dense causal attention."""
+    """Name → factory(batch, heads, seq) of a function (q, k, v) → out, for dense causal attention.
+
+    Returns:
+        the factories: ours and PyTorch's SDPA backends (with FlexAttention on a GPU).
+    """
     if runtime.MODE != "gpu":
         from torch.nn.attention import SDPBackend
 
@@ -152,12 +179,29 @@ def _packed_interior(on: bool):
 
 def document_positions(batch: int, seq: int, doc: int, device=None) -> torch.Tensor:
     """Position ids [batch, seq] of rows packed with documents of ``doc`` tokens: 0, 1, ..., doc −
-    1, 0, 1, ..."""
+    1, 0, 1, ...
+
+    Args:
+        batch: rows.
+        seq: tokens per row.
+        doc: tokens per document.
+        device: where the tensor lives (None: this machine's device).
+
+    Returns:
+        the position ids, an expanded view.
+    """
     return (torch.arange(seq, device=device or runtime.device()) % doc)[None].expand(batch, seq)
 
 
 def document_peers(doc: int) -> dict[str, Callable]:
-    """Name → factory for causal attention within documents of ``doc`` tokens."""
+    """Name → factory for causal attention within documents of ``doc`` tokens.
+
+    Args:
+        doc: tokens per document.
+
+    Returns:
+        the factories: ours packed and masked (with FlexAttention's document mask on a GPU).
+    """
     def ours(interior):
         def make(batch, heads, seq):
             positions = document_positions(batch, seq, doc)
@@ -196,7 +240,21 @@ def _check(fn, reference, q, k, v, grad) -> float:
 
 
 def measure(peers: dict[str, Callable], batch, heads, kv_heads, seq, head_dim, flops, matmul_tflops) -> dict:
-    """One row: each peer's checked forward + backward time, TFLOP/s and share of the matmul ceiling."""
+    """One row: each peer's checked forward + backward time, TFLOP/s and share of the matmul ceiling.
+
+    Args:
+        peers: name -> factory(batch, heads, seq).
+        batch: sequences.
+        heads: query heads.
+        kv_heads: key/value heads.
+        seq: tokens per sequence.
+        head_dim: the head's size.
+        flops: the FLOP count of one forward + backward.
+        matmul_tflops: the GPU's matmul ceiling (None: no share).
+
+    Returns:
+        the row: times, TFLOP/s, shares and errors per peer, and ``missing`` with why.
+    """
     q, k, v, grad = inputs(batch, heads, kv_heads, seq, head_dim, torch.bfloat16 if runtime.MODE == "gpu"
                             else torch.float32)
     row = {"seq": seq, "batch": batch, "ms": {}, "tflops": {}, "of_matmul": {}, "error": {}, "missing": {}}
@@ -237,6 +295,15 @@ def _matmul_tflops() -> float | None:
 
 
 def run(seqs=None, tokens: int | None = None) -> dict:
+    """Time ours and the peers, dense and over packed documents, at each length (chapter 16 shows it).
+
+    Args:
+        seqs: the sequence lengths (None: the mode's).
+        tokens: tokens per batch (None: the mode's).
+
+    Returns:
+        device, versions, settings, the dense rows and the documents' rows.
+    """
     shape = GPU_SHAPE if runtime.MODE == "gpu" else CPU_SHAPE
     seqs = tuple(seqs or shape["seqs"])
     heads, kv_heads, d, doc = (shape[k] for k in ("heads", "kv_heads", "head_dim", "doc"))
@@ -262,7 +329,14 @@ def run(seqs=None, tokens: int | None = None) -> dict:
 
 
 def ratios(result: dict) -> list[dict]:
-    """Ours against each peer per length (peer time / our time: above 1 means ours is faster)."""
+    """Ours against each peer per length (peer time / our time: above 1 means ours is faster).
+
+    Args:
+        result: the dict of ``run``.
+
+    Returns:
+        one entry per length: ``vs_<peer>`` and the documents' ratios.
+    """
     out = []
     for row, docs in zip(result["rows"], result["documents"]):
         ms, dms = row["ms"], docs["ms"]
@@ -279,6 +353,14 @@ def ratios(result: dict) -> list[dict]:
 
 
 def format_table(result: dict) -> str:
+    """The result as text: each peer's time per length, what is missing, the ratios (chapter 16).
+
+    Args:
+        result: the dict of ``run`` (or ``load``).
+
+    Returns:
+        the table, lines joined by newlines.
+    """
     matmul = result.get("matmul_tflops")
     st = result["settings"]
     lines = [f"{result['device']}: attention forward + backward, {st['heads']}/{st['kv_heads']} heads, "
@@ -301,7 +383,14 @@ def format_table(result: dict) -> str:
 
 def version_note(result: dict) -> str:
     """Which version of our kernels the run timed, and whether it is the package's (runs before the
-    field: 1)."""
+    field: 1).
+
+    Args:
+        result: the dict of ``run``.
+
+    Returns:
+        the note, one line.
+    """
     timed = result.get("kernel_version", 1)
     if timed == attention.VERSION:
         return f"  ours: kernel version {timed}, the package's"
@@ -310,7 +399,16 @@ def version_note(result: dict) -> str:
 
 
 def load(path: Path | None = None) -> dict | None:
-    """The recorded run of this GPU (else the first recorded one), or None when there is none yet."""
+    """The recorded run of this GPU (else the first recorded one), or None when there is none yet.
+
+    Chapter 16 reads it.
+
+    Args:
+        path: a results file (None: this GPU's, else the first one recorded).
+
+    Returns:
+        the result's dict, or None.
+    """
     folder = RESULTS / "attention"
     if path is None:
         candidates = [folder / f"{device_slug()}.json", *sorted(folder.glob("*.json"))]
@@ -319,6 +417,11 @@ def load(path: Path | None = None) -> dict | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m kernels.bench.attention``.
+
+    Returns:
+        the parser.
+    """
     parser = argparse.ArgumentParser(prog="python -m kernels.bench.attention",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--seqs", type=cli.positive_int, nargs="+", default=None,
@@ -331,6 +434,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """Time attention from the command line, print the table, write ``attention/<gpu>.json``.
+
+    Args:
+        argv: the command line's arguments (None: ``sys.argv``'s).
+
+    Returns:
+        the exit status, 0 (a refused flag exits through ``argparse``).
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     root = cli.output_root(args)

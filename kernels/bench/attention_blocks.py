@@ -83,7 +83,18 @@ KERNELS = ("forward", "dkdv", "dq")
 
 def candidates(kernel: str, props: runtime.DeviceProps | None = None) -> list[BlockConfig]:
     """The tiles tried for ``kernel`` ("forward", "dkdv" or "dq"): the configured one first, then
-    the others."""
+    the others.
+
+    Args:
+        kernel: ``"forward"``, ``"dkdv"`` or ``"dq"``.
+        props: the device's properties (None: this machine's).
+
+    Returns:
+        the ``BlockConfig`` candidates.
+
+    Raises:
+        ValueError: when ``kernel`` is not one of ``KERNELS``.
+    """
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     table = CPU_CANDIDATES if (props or runtime.device_props()).interpreter else GPU_CANDIDATES
@@ -93,7 +104,14 @@ def candidates(kernel: str, props: runtime.DeviceProps | None = None) -> list[Bl
 def base_config(shape: dict) -> Config:
     """The configuration every row starts from: ``attention_config``'s on a GPU; in the interpreter
     the first candidates (``attention_config`` there gives one tile of up to 128 rows, which would
-    walk no second block)."""
+    walk no second block).
+
+    Args:
+        shape: the benchmark's shape (``seq``, ``head_dim``, ``documents``).
+
+    Returns:
+        the ``Config``.
+    """
     if runtime.MODE == "gpu":
         return attention_config(shape["seq"], shape["head_dim"], packed=bool(shape.get("documents")))
     first = {k: candidates(k)[0] for k in KERNELS}
@@ -107,7 +125,18 @@ def _with(config: Config, kernel: str, block: BlockConfig) -> Config:
 def measure_kernel(kernel: str, shape: dict, config: Config, blocks: list[BlockConfig],
                    scale: float) -> list[dict]:
     """One row per candidate tile of ``kernel``: checked against ``config``'s outputs, then timed
-    (the forward alone, or the whole backward)."""
+    (the forward alone, or the whole backward).
+
+    Args:
+        kernel: ``"forward"``, ``"dkdv"`` or ``"dq"``.
+        shape: the benchmark's shape.
+        config: the configuration the other kernels keep, and the reference's.
+        blocks: the candidate tiles of ``kernel``.
+        scale: the softmax scale.
+
+    Returns:
+        one row per tile: its error and time, or ``failed`` and why.
+    """
     dtype = torch.bfloat16 if runtime.MODE == "gpu" else torch.float32
     drawn = inputs(*(shape[k] for k in ("batch", "heads", "kv_heads", "seq", "head_dim")), dtype)
     q, k, v, grad = (t.detach() for t in drawn)  # the kernels are launched directly: no autograd here
@@ -142,7 +171,15 @@ def measure_kernel(kernel: str, shape: dict, config: Config, blocks: list[BlockC
 
 def packed_segments(shape: dict, device) -> tuple:
     """(seg_start, seg_end) of packed rows with documents of ``shape["documents"]`` tokens, or ()
-    for dense rows."""
+    for dense rows.
+
+    Args:
+        shape: the benchmark's shape.
+        device: where the bounds live.
+
+    Returns:
+        the bounds, or ().
+    """
     doc = shape.get("documents")
     if not doc:
         return ()
@@ -150,13 +187,30 @@ def packed_segments(shape: dict, device) -> tuple:
 
 
 def fastest(rows: list[dict]) -> dict | None:
-    """The timed row with the least time, or None."""
+    """The timed row with the least time, or None.
+
+    Args:
+        rows: rows of ``measure_kernel``.
+
+    Returns:
+        the row.
+    """
     timed = [r for r in rows if "ms" in r]
     return min(timed, key=lambda r: r["ms"]) if timed else None
 
 
 def run(shape: dict | None = None, kernels=KERNELS) -> dict:
-    """Every candidate of each of ``kernels`` at ``shape``; dQ's candidates run beside the fastest dK/dV."""
+    """Every candidate of each of ``kernels`` at ``shape``; dQ's candidates run beside the fastest dK/dV.
+
+    Chapter 16 shows the recorded sweeps.
+
+    Args:
+        shape: the benchmark's shape (None: the mode's).
+        kernels: which of ``KERNELS`` to sweep.
+
+    Returns:
+        device, versions, settings, the configured tiles, every row and the fastest per kernel.
+    """
     shape = dict(shape or (GPU_SHAPE if runtime.MODE == "gpu" else CPU_SHAPE))
     scale = 1.0 / shape["head_dim"] ** 0.5
     config = base_config(shape)
@@ -184,6 +238,14 @@ def _label(block: dict) -> str:
 
 
 def format_table(result: dict) -> str:
+    """Every tile's time against the configured one, per kernel (chapter 16 prints it).
+
+    Args:
+        result: the dict of ``run``.
+
+    Returns:
+        the table, lines joined by newlines.
+    """
     st = result["settings"]
     docs = f", packed documents of {st['documents']:,} tokens" if st.get("documents") else ""
     lines = [f"{result['device']}: attention tiles, batch {st['batch']}, {st['heads']}/{st['kv_heads']} heads, "
@@ -205,6 +267,11 @@ def format_table(result: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m kernels.bench.attention_blocks``.
+
+    Returns:
+        the parser.
+    """
     parser = argparse.ArgumentParser(prog="python -m kernels.bench.attention_blocks",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq", type=cli.positive_int, default=None,
@@ -219,6 +286,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """Sweep the tiles from the command line, print the table, write ``attention_blocks/<gpu>.json``.
+
+    Args:
+        argv: the command line's arguments (None: ``sys.argv``'s).
+
+    Returns:
+        the exit status, 0 (a refused flag exits through ``argparse``).
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     name = device_slug() + (f"_documents{args.documents}" if args.documents else "")

@@ -64,7 +64,17 @@ def _number(text: str) -> float:
 
 
 def positive_int(text: str) -> int:
-    """An integer ≥ 1 (sizes, counts, steps)."""
+    """An integer ≥ 1 (sizes, counts, steps).
+
+    Args:
+        text: the flag's value.
+
+    Returns:
+        the integer.
+
+    Raises:
+        argparse.ArgumentTypeError: when it is not an integer ≥ 1.
+    """
     value = _integer(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
@@ -72,7 +82,17 @@ def positive_int(text: str) -> int:
 
 
 def non_negative_int(text: str) -> int:
-    """An integer ≥ 0 (a seed; a length where 0 means "skip")."""
+    """An integer ≥ 0 (a seed; a length where 0 means "skip").
+
+    Args:
+        text: the flag's value.
+
+    Returns:
+        the integer.
+
+    Raises:
+        argparse.ArgumentTypeError: when it is not an integer ≥ 0.
+    """
     value = _integer(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be an integer ≥ 0, got {text!r}")
@@ -80,7 +100,17 @@ def non_negative_int(text: str) -> int:
 
 
 def positive_float(text: str) -> float:
-    """A finite number > 0 (a learning rate, a timeout in seconds)."""
+    """A finite number > 0 (a learning rate, a timeout in seconds).
+
+    Args:
+        text: the flag's value.
+
+    Returns:
+        the number.
+
+    Raises:
+        argparse.ArgumentTypeError: when it is not a finite number > 0.
+    """
     value = _number(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
@@ -88,7 +118,17 @@ def positive_float(text: str) -> float:
 
 
 def non_negative_float(text: str) -> float:
-    """A finite number ≥ 0."""
+    """A finite number ≥ 0.
+
+    Args:
+        text: the flag's value.
+
+    Returns:
+        the number.
+
+    Raises:
+        argparse.ArgumentTypeError: when it is not a finite number ≥ 0.
+    """
     value = _number(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be a number ≥ 0, got {text!r}")
@@ -96,7 +136,17 @@ def non_negative_float(text: str) -> float:
 
 
 def fraction(text: str) -> float:
-    """A number in (0, 1] (a share of the GPU's memory)."""
+    """A number in (0, 1] (a share of the GPU's memory).
+
+    Args:
+        text: the flag's value.
+
+    Returns:
+        the number.
+
+    Raises:
+        argparse.ArgumentTypeError: when it is not a number in (0, 1].
+    """
     value = _number(text)
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1], got {text!r}")
@@ -105,7 +155,17 @@ def fraction(text: str) -> float:
 
 def positive_ints(text: str) -> tuple[int, ...]:
     """A non-empty comma-separated list of positive integers, e.g. ``1024,4096`` (``_`` allowed:
-    ``131_072``)."""
+    ``131_072``).
+
+    Args:
+        text: the flag's value.
+
+    Returns:
+        the integers, in the order given.
+
+    Raises:
+        argparse.ArgumentTypeError: when the list is empty, has an empty item or a non-positive one.
+    """
     parts = [p.strip() for p in str(text).split(",")]
     if not any(parts):
         raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
@@ -121,7 +181,17 @@ def positive_ints(text: str) -> tuple[int, ...]:
 
 
 def increasing_pair(text: str) -> tuple[int, int]:
-    """Two positive integers, the first smaller: two lengths to measure between (``16384,32768``)."""
+    """Two positive integers, the first smaller: two lengths to measure between (``16384,32768``).
+
+    Args:
+        text: the flag's value.
+
+    Returns:
+        the two integers.
+
+    Raises:
+        argparse.ArgumentTypeError: unless it is two positive integers, the first smaller.
+    """
     values = positive_ints(text)
     if len(values) != 2 or not values[0] < values[1]:
         raise argparse.ArgumentTypeError(f"expected two increasing positive integers such as 16384,32768, "
@@ -130,7 +200,17 @@ def increasing_pair(text: str) -> tuple[int, int]:
 
 
 def file_name(text: str) -> str:
-    """A results name (``--name``): a file name without a folder, as ``results_file`` takes it."""
+    """A results name (``--name``): a file name without a folder, as ``results_file`` takes it.
+
+    Args:
+        text: the flag's value.
+
+    Returns:
+        the name, unchanged.
+
+    Raises:
+        argparse.ArgumentTypeError: when it is empty or holds a folder.
+    """
     try:
         results_file("runs", text)  # the group does not matter: only the name is checked
     except ValueError as exc:
@@ -140,7 +220,16 @@ def file_name(text: str) -> str:
 
 def names(choices: Iterable[str], *, allow_empty: bool = False) -> Callable[[str], tuple[str, ...]]:
     """An argument type: comma-separated names, each one of ``choices``, in the order given, without repeats;
-    empty only where ``allow_empty``."""
+    empty only where ``allow_empty``.
+
+    Args:
+        choices: the known names.
+        allow_empty: accept an empty list.
+
+    Returns:
+        the parser of the flag's value, which returns the names as a tuple and raises
+        ``argparse.ArgumentTypeError`` on an unknown name (or an empty list, unless allowed).
+    """
     known = tuple(choices)
 
     def parse(text: str) -> tuple[str, ...]:
@@ -164,7 +253,11 @@ def names(choices: Iterable[str], *, allow_empty: bool = False) -> Callable[[str
 
 def runs_dir() -> Path:
     """The git-ignored folder command-line runs write into by default: ``runs/`` at the repository root, or
-    ``$KERNELS_RUNS_DIR``."""
+    ``$KERNELS_RUNS_DIR``.
+
+    Returns:
+        the folder (not created here).
+    """
     return Path(os.environ.get(RUNS_ENV) or REPO / "runs")
 
 
@@ -174,7 +267,15 @@ def add_output_arguments(parser: argparse.ArgumentParser, what: str, *,
                          force_help: str = "replace a results file that already exists") -> None:
     """``--out``, ``--record`` and ``--force``. ``what`` says what a run writes
     (``"rmsnorm/<gpu>.json and .png"``), relative to the results root; where ``out_is_file``,
-    ``--out`` names the file itself."""
+    ``--out`` names the file itself.
+
+    Args:
+        parser: the command's parser.
+        what: what a run writes, for the help.
+        out_flags: the names of the ``--out`` flag.
+        out_is_file: ``--out`` names the results file, not the results root.
+        force_help: the help of ``--force``.
+    """
     group = parser.add_argument_group("where the results go")
     where = group.add_mutually_exclusive_group()
     if out_is_file:
@@ -198,7 +299,14 @@ def _short(path: Path) -> str:
 
 def output_root(args: argparse.Namespace) -> Path:
     """The results root of this run: ``--out``, else the committed results with ``--record``, else
-    the runs folder."""
+    the runs folder.
+
+    Args:
+        args: the parsed flags.
+
+    Returns:
+        the folder.
+    """
     if getattr(args, "out", None) is not None:
         return Path(args.out)
     return RESULTS if getattr(args, "record", False) else runs_dir()
@@ -206,7 +314,15 @@ def output_root(args: argparse.Namespace) -> Path:
 
 def root_problems(root: Path, flag: str = "--out") -> list[str]:
     """Why ``root`` cannot be a results root (a folder that exists or can be created), one line
-    each; [] if it can."""
+    each; [] if it can.
+
+    Args:
+        root: the folder.
+        flag: the flag that named it, for the messages.
+
+    Returns:
+        the problems.
+    """
     root = Path(root)
     if root.exists() and not root.is_dir():
         return [f"{flag} {root} is a file: {flag} names a folder, the results root (the run writes <group>/<name>.json "
@@ -216,7 +332,16 @@ def root_problems(root: Path, flag: str = "--out") -> list[str]:
 
 def file_problems(path: Path, force: bool, flag: str = "--out") -> list[str]:
     """Why results cannot be written to ``path``, one line each; [] if they can. An existing file is
-    refused unless ``force``."""
+    refused unless ``force``.
+
+    Args:
+        path: the file.
+        force: replace a file that exists.
+        flag: the flag that named it, for the messages.
+
+    Returns:
+        the problems.
+    """
     path = Path(path)
     if path.is_dir():
         return [f"{flag}: {path} is a folder, not a results file"]
@@ -246,7 +371,14 @@ def _creatable(folder: Path, flag: str, target: Path) -> list[str]:
 
 
 def record_problems(args: argparse.Namespace) -> list[str]:
-    """``--record`` writes the committed results, which are GPU runs: refused in Triton's interpreter."""
+    """``--record`` writes the committed results, which are GPU runs: refused in Triton's interpreter.
+
+    Args:
+        args: the parsed flags.
+
+    Returns:
+        one line when ``--record`` is given without a GPU, else [].
+    """
     if getattr(args, "record", False) and runtime.MODE != "gpu":
         return ["--record replaces the committed results of a GPU run; this machine runs Triton's interpreter "
                 "(leave out --record: the run goes to the runs folder)"]
@@ -256,7 +388,15 @@ def record_problems(args: argparse.Namespace) -> list[str]:
 def gpu_problems(what: str, why: str) -> list[str]:
     """``[one line]`` saying that ``what`` needs a CUDA GPU (``why``), in Triton's interpreter or
     where no CUDA device answers; [] on a GPU. Commands refuse such runs with the other argument
-    mistakes: exit 2 before any work."""
+    mistakes: exit 2 before any work.
+
+    Args:
+        what: the command, for the message.
+        why: what it needs the GPU for.
+
+    Returns:
+        the problems.
+    """
     import torch
 
     if runtime.MODE == "gpu" and torch.cuda.is_available():
@@ -268,7 +408,18 @@ def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace, tar
                   problems: Iterable[str] = (), *, out_is_file: bool = False) -> None:
     """Check the results root (unless ``--out`` names the file itself) and every file this run will
     write (``targets``), with the ``problems`` the command found itself; on any, ``fail``. Call it
-    right after parsing, before any work."""
+    right after parsing, before any work.
+
+    Args:
+        parser: the command's parser.
+        args: the parsed flags.
+        targets: the files the run will write.
+        problems: the command's own problems.
+        out_is_file: ``--out`` names the file itself (no results root to check).
+
+    Raises:
+        SystemExit: with status 2, on any problem.
+    """
     found = [*problems, *record_problems(args)]
     where = [] if out_is_file else root_problems(output_root(args))
     if not where:  # the files' own checks would only repeat a bad root
@@ -279,7 +430,15 @@ def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace, tar
 
 def fail(parser: argparse.ArgumentParser, problems: Iterable[str]) -> None:
     """Exit with status 2, argparse's usage line and one ``prog: error: ...`` line per problem;
-    nothing if none."""
+    nothing if none.
+
+    Args:
+        parser: the command's parser.
+        problems: the problems, one line each.
+
+    Raises:
+        SystemExit: with status 2, when there is any problem.
+    """
     problems = list(problems)
     if not problems:
         return
@@ -310,6 +469,12 @@ def replacing(*paths: Path) -> Iterator[tuple[Path, ...]]:
         with replacing(json_path, png_path) as (json_tmp, png_tmp):
             json_tmp.write_text(text)
             fig.savefig(png_tmp)
+
+    Args:
+        *paths: the files to replace.
+
+    Yields:
+        one temporary path per path, in the same folder.
     """
     paths = tuple(Path(p) for p in paths)
     temps = tuple(_temporary(p) for p in paths)
@@ -330,26 +495,62 @@ def _json_text(data) -> str:
 
 def write_text(path: Path, text: str) -> Path:
     """Write ``text`` to ``path`` through a temporary file renamed over it: the old file stays until
-    the new one is complete. Returns the path."""
+    the new one is complete. Returns the path.
+
+    Args:
+        path: the file (its folder is created).
+        text: the content.
+
+    Returns:
+        the path.
+    """
     with replacing(path) as (tmp,):
         tmp.write_text(text)
     return Path(path)
 
 
 def write_json(path: Path, data) -> Path:
-    """``data`` as indented JSON, written like ``write_text``."""
+    """``data`` as indented JSON, written like ``write_text``.
+
+    Args:
+        path: the file (its folder is created).
+        data: anything JSON can write.
+
+    Returns:
+        the path.
+    """
     return write_text(path, _json_text(data))
 
 
 def save_figure(fig, path: Path, **savefig_kwargs) -> Path:
-    """``fig.savefig`` through a temporary file renamed over ``path``."""
+    """``fig.savefig`` through a temporary file renamed over ``path``.
+
+    Args:
+        fig: a matplotlib figure.
+        path: the file (its folder is created).
+        **savefig_kwargs: passed to ``fig.savefig``.
+
+    Returns:
+        the path.
+    """
     with replacing(path) as (tmp,):
         fig.savefig(tmp, **savefig_kwargs)
     return Path(path)
 
 
 def write_json_and_figure(json_path: Path, data, fig, png_path: Path, **savefig_kwargs) -> tuple[Path, Path]:
-    """A results JSON and its plot, both replaced or neither (``replacing``)."""
+    """A results JSON and its plot, both replaced or neither (``replacing``).
+
+    Args:
+        json_path: the JSON file.
+        data: anything JSON can write.
+        fig: a matplotlib figure.
+        png_path: the figure's file.
+        **savefig_kwargs: passed to ``fig.savefig``.
+
+    Returns:
+        ``(json_path, png_path)``.
+    """
     with replacing(json_path, png_path) as (json_tmp, png_tmp):
         json_tmp.write_text(_json_text(data))
         fig.savefig(png_tmp, **savefig_kwargs)

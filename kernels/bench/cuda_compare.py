@@ -49,13 +49,27 @@ TARGET_FRAC_COPY = 0.85  # and at least 85% of the measured copy bandwidth
 
 
 def count_cpp_lines(text: str) -> int:
-    """Lines of C++/CUDA that hold code: blank lines and comments (``//`` and ``/* */``) do not count."""
+    """Lines of C++/CUDA that hold code: blank lines and comments (``//`` and ``/* */``) do not count.
+
+    Args:
+        text: C++ or CUDA source.
+
+    Returns:
+        the count.
+    """
     text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
     return sum(1 for line in text.splitlines() if line.split("//", 1)[0].strip())
 
 
 def count_python_lines(text: str) -> int:
-    """Lines of Python that hold code: blank lines, comments and docstrings do not count."""
+    """Lines of Python that hold code: blank lines, comments and docstrings do not count.
+
+    Args:
+        text: Python source.
+
+    Returns:
+        the count.
+    """
     lines: set[int] = set()
     previous = tokenize.NEWLINE
     skip = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
@@ -80,7 +94,11 @@ def _cuda_parts() -> tuple[str, str]:
 
 
 def triton_kernel_source() -> str:
-    """The source of the three Triton kernels of ``kernels/rmsnorm.py`` (forward, backward, dW sum)."""
+    """The source of the three Triton kernels of ``kernels/rmsnorm.py`` (forward, backward, dW sum).
+
+    Returns:
+        the source, kernels separated by a blank line.
+    """
     from kernels import rmsnorm
 
     kernels = (rmsnorm.rms_norm_fwd_kernel, rmsnorm.rms_norm_bwd_kernel, rmsnorm.rms_norm_dw_kernel)
@@ -88,7 +106,11 @@ def triton_kernel_source() -> str:
 
 
 def triton_host_source() -> str:
-    """The Triton version's host side: launch configuration, launches and operator registration."""
+    """The Triton version's host side: launch configuration, launches and operator registration.
+
+    Returns:
+        the source.
+    """
     from kernels import rmsnorm
 
     parts = (rmsnorm.tile_width, rmsnorm.tile_elements, rmsnorm.cached_forward_config, rmsnorm.dw_tiles,
@@ -101,14 +123,31 @@ def triton_host_source() -> str:
 
 
 def cuda_kernel_source() -> str:
-    """The device code of ``kernels/csrc/rmsnorm_cuda.cu``: packs, reductions and the three kernels."""
+    """The device code of ``kernels/csrc/rmsnorm_cuda.cu``: packs, reductions and the three kernels.
+
+    Returns:
+        the source.
+    """
     return _cuda_parts()[0]
 
 
 def cpp_snippet(name: str, path: Path | None = None) -> str:
     """The definition of the C++ function, kernel or struct ``name`` in ``path`` (the CUDA source by
     default), with its ``template`` line and the comment block right above it: what a chapter shows
-    beside the Triton twin."""
+    beside the Triton twin.
+
+    Chapter 13 shows the CUDA kernels with it.
+
+    Args:
+        name: the function's, kernel's or struct's name.
+        path: the C++ source (None: ``kernels/csrc/rmsnorm_cuda.cu``).
+
+    Returns:
+        the definition's lines.
+
+    Raises:
+        ValueError: when ``path`` defines no ``name``.
+    """
     lines = (path or cuda_rmsnorm.CUDA_SOURCE).read_text().splitlines()
     # A definition's first line, not a comment that names it: "void f(", "__global__ void f(",
     # "struct f {".
@@ -133,7 +172,13 @@ def cpp_snippet(name: str, path: Path | None = None) -> str:
 def lines_of_code() -> dict[str, dict[str, int]]:
     """Lines of code of each version, counted from the sources: ``kernels`` (what runs on the GPU)
     and ``host`` (launch configuration, launches, operator registration), blank lines, comments and
-    docstrings left out."""
+    docstrings left out.
+
+    Chapter 13 prints them.
+
+    Returns:
+        version (``cuda``, ``triton``, ``cpp_cpu``) -> ``{"kernels", "host"}`` line counts.
+    """
     device, host = _cuda_parts()
     return {
         "cuda": {"kernels": count_cpp_lines(device), "host": count_cpp_lines(host)},
@@ -179,7 +224,14 @@ IMPLS = (
 
 def sizes(quick: bool = False) -> dict:
     """Chapter 04's RMSNorm sizes (``kernels.bench.sweep``): the full sweep on a GPU, tiny ones in
-    the interpreter."""
+    the interpreter.
+
+    Args:
+        quick: the quick sweep's sizes.
+
+    Returns:
+        the sizes: ``tokens``, ``hidden`` and the hidden-size sweep.
+    """
     from . import sweep
 
     if runtime.MODE == "gpu":
@@ -196,7 +248,21 @@ def run_comparison(quick: bool = False, size: dict | None = None, warmup: int = 
                    ceilings: dict | None = None, progress: bool = True) -> dict:
     """Check and time the three implementations; returns a results dict (``kernels.bench.sweep``'s,
     plus the CUDA build, the lines of code and the targets). ``size`` overrides ``sizes(quick)``
-    (same keys)."""
+    (same keys).
+
+    Chapter 13 shows the recorded comparison.
+
+    Args:
+        quick: the quick sweep's sizes.
+        size: the sizes (None: ``sizes(quick)``).
+        warmup: ``do_bench`` warm-up, ms.
+        rep: ``do_bench`` repetitions, ms.
+        ceilings: the GPU's ceilings (None: the stored ones).
+        progress: show a progress bar.
+
+    Returns:
+        the results dict.
+    """
     from .sweep import run_benchmark
 
     size = dict(size or sizes(quick))
@@ -224,7 +290,15 @@ def _row(results: dict, impl: str, tokens: int, width: int, pass_: str) -> dict 
 def targets(results: dict, shape: tuple[int, int] = TARGET_SHAPE) -> list[dict]:
     """The CUDA forward's targets at ``shape`` (device times): within 5% of Triton's time or faster,
     and at least 85% of the measured copy bandwidth. ``met`` is None where the run has no such
-    numbers (no GPU, shape absent)."""
+    numbers (no GPU, shape absent).
+
+    Args:
+        results: the comparison's results dict.
+        shape: ``(tokens, hidden)`` the targets are read at.
+
+    Returns:
+        one entry per target: its text, the value and ``met``.
+    """
     cuda, triton = (_row(results, k, *shape, "fwd") for k in ("cuda", "triton"))
     ratio = (cuda["device_ms"] / triton["device_ms"]) if (cuda and triton and cuda["device_ms"]
                                                            and triton["device_ms"]) else None
@@ -241,7 +315,15 @@ def targets(results: dict, shape: tuple[int, int] = TARGET_SHAPE) -> list[dict]:
 def save_comparison(results: dict, directory: Path = RESULTS) -> tuple[Path, Path]:
     """Write the results as ``cuda_rmsnorm/<device>.json`` under the results root ``directory`` (a
     folder of their own, never over chapter 04's ``rmsnorm/<device>.json``) and their plot as PNG
-    beside it; returns both paths."""
+    beside it; returns both paths.
+
+    Args:
+        results: the comparison's results dict.
+        directory: the results root.
+
+    Returns:
+        ``(json_path, png_path)``.
+    """
     path = results_file("cuda_rmsnorm", results["device_slug"], directory)
     fig = plot_comparison(results)
     png = cli.write_json_and_figure(path, results, fig, path.with_suffix(".png"), dpi=110,
@@ -254,13 +336,29 @@ def save_comparison(results: dict, directory: Path = RESULTS) -> tuple[Path, Pat
 
 def load_comparison(directory: Path = RESULTS) -> dict | None:
     """The newest GPU comparison in ``directory/cuda_rmsnorm/``, or None (there is none until one
-    has run on a GPU)."""
+    has run on a GPU).
+
+    Chapter 13 reads it.
+
+    Args:
+        directory: the results root.
+
+    Returns:
+        the results dict, or None.
+    """
     found = [results for results in runs("cuda_rmsnorm", directory).values() if results.get("mode") == "gpu"]
     return max(found, key=lambda r: r.get("date", "")) if found else None
 
 
 def describe_targets(results: dict) -> str:
-    """The targets, one line each, with the measured value or why there is none."""
+    """The targets, one line each, with the measured value or why there is none.
+
+    Args:
+        results: the comparison's results dict.
+
+    Returns:
+        the lines, joined by newlines.
+    """
     lines = []
     for t in results.get("targets") or targets(results):
         if t["met"] is None:
@@ -271,12 +369,29 @@ def describe_targets(results: dict) -> str:
 
 
 def describe_lines(loc: dict) -> str:
+    """The lines of code of each version, one line each (chapter 13 prints them).
+
+    Args:
+        loc: the dict of ``lines_of_code``.
+
+    Returns:
+        the lines, joined by newlines.
+    """
     names = {"cuda": "CUDA C++", "triton": "Triton", "cpp_cpu": "C++ CPU forward"}
     return "\n".join(f"  {names.get(k, k):<16} kernels {v['kernels']:>4}   host {v['host']:>4}" for k, v in loc.items())
 
 
 def report(results: dict) -> str:
-    """Everything a reader wants from one run, as text: the table, targets, build and lines of code."""
+    """Everything a reader wants from one run, as text: the table, targets, build and lines of code.
+
+    Chapter 13 prints it.
+
+    Args:
+        results: the comparison's results dict.
+
+    Returns:
+        the text.
+    """
     build = results.get("cuda_build")
     build_line = (f"CUDA build: {'compiled' if build['compiled'] else 'from the build cache'} in "
                   f"{build['seconds']:.1f} s" if build else f"CUDA version not run: {results.get('cuda_unavailable')}")
@@ -287,7 +402,16 @@ def report(results: dict) -> str:
 
 def plot_comparison(results: dict):
     """A 2 × 2 figure: time per call and bandwidth against the measured copy line, forward and
-    forward+backward, over the token sweep at the fixed hidden size."""
+    forward+backward, over the token sweep at the fixed hidden size.
+
+    Chapter 13 draws it.
+
+    Args:
+        results: the comparison's results dict.
+
+    Returns:
+        the matplotlib figure.
+    """
     import matplotlib.pyplot as plt
 
     from .plots import plot_bandwidth, plot_times
@@ -302,6 +426,11 @@ def plot_comparison(results: dict):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m kernels.bench.cuda_compare``.
+
+    Returns:
+        the parser.
+    """
     parser = argparse.ArgumentParser(prog="python -m kernels.bench.cuda_compare",
                                      description=__doc__.split("\n\n")[0],
                                      epilog="Without a GPU nothing is saved unless --out names a folder: interpreter "
@@ -324,6 +453,14 @@ def _out_dir(args) -> Path | None:
 
 
 def main(argv=None) -> int:
+    """Build, check and time the three RMSNorms from the command line, then print and save the report.
+
+    Args:
+        argv: the command line's arguments (None: ``sys.argv``'s).
+
+    Returns:
+        the exit status, 0 (a refused flag exits through ``argparse``).
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     out_dir = _out_dir(args)

@@ -158,7 +158,19 @@ IMPLS = (
 def make_inputs(tokens: int, hidden: int, vocab: int, dtype=torch.bfloat16, seed: int = 0,
                 ignored: float = 0.1):
     """Hidden states, an LM head weight (scaled as a trained one: logits of a few units) and
-    targets, a share of them ignored, on this machine's device."""
+    targets, a share of them ignored, on this machine's device.
+
+    Args:
+        tokens: rows of the hidden states.
+        hidden: the hidden size.
+        vocab: the vocabulary size.
+        dtype: the inputs' dtype.
+        seed: the seed.
+        ignored: the share of targets set to -100.
+
+    Returns:
+        ``(hidden_states, weight, targets)``, the first two requiring gradients.
+    """
     g = torch.Generator(device="cpu").manual_seed(seed)
     device = runtime.device()
     h = torch.randn(tokens, hidden, generator=g).to(device, dtype).requires_grad_()
@@ -170,12 +182,34 @@ def make_inputs(tokens: int, hidden: int, vocab: int, dtype=torch.bfloat16, seed
 
 def matmul_flop(tokens: int, hidden: int, vocab: int) -> int:
     """The FLOP of the unfused loss's three matmuls (logits, d_hidden, d_weight): the floor every
-    plan is judged by."""
+    plan is judged by.
+
+    Chapter 10 uses it.
+
+    Args:
+        tokens: rows of the hidden states.
+        hidden: the hidden size.
+        vocab: the vocabulary size.
+
+    Returns:
+        the FLOP count.
+    """
     return 3 * 2 * tokens * hidden * vocab
 
 
 def check(fn, h, w, t, expected) -> dict:
-    """Relative errors of the loss and both gradients against ``expected`` = (loss, d_hidden, d_weight)."""
+    """Relative errors of the loss and both gradients against ``expected`` = (loss, d_hidden, d_weight).
+
+    Args:
+        fn: ``fn(hidden, weight, targets)`` returns the loss.
+        h: the hidden states.
+        w: the LM head's weight.
+        t: the targets.
+        expected: the reference ``(loss, d_hidden, d_weight)``.
+
+    Returns:
+        ``{"errors", "ok"}``: the three relative errors, and whether all are within the dtype's bound.
+    """
     h.grad = w.grad = None
     loss = fn(h, w, t)
     loss.backward()
@@ -188,7 +222,18 @@ def check(fn, h, w, t, expected) -> dict:
 
 
 def measure(impl: LinearImpl, tokens: int, hidden: int, vocab: int, ceilings: dict | None) -> dict:
-    """Check, then time, one implementation at one size."""
+    """Check, then time, one implementation at one size.
+
+    Args:
+        impl: the implementation.
+        tokens: rows of the hidden states.
+        hidden: the hidden size.
+        vocab: the vocabulary size.
+        ceilings: the GPU's ceilings (None: no share of the matmul ceiling).
+
+    Returns:
+        the row: times, extra memory and check, or ``skipped`` and why.
+    """
     row = {"impl": impl.key, "label": impl.label, "tokens": tokens, "hidden": hidden, "vocab": vocab}
     reason = impl.unavailable()
     if reason:
@@ -225,7 +270,20 @@ def measure(impl: LinearImpl, tokens: int, hidden: int, vocab: int, ceilings: di
 
 def run(tokens=None, hidden=None, vocab=None, keys=None, progress: bool = True) -> dict:
     """Every implementation (or those in ``keys``) at every token count; the results as a dict (see
-    ``save``)."""
+    ``save``).
+
+    Chapter 10 runs it.
+
+    Args:
+        tokens: token counts (None: the mode's sizes).
+        hidden: the hidden size (None: the mode's).
+        vocab: the vocabulary size (None: the mode's).
+        keys: implementation keys (None: all).
+        progress: show a progress bar.
+
+    Returns:
+        device, versions, ceilings, sizes and one row per (token count, implementation).
+    """
     sizes = GPU_SIZES if runtime.MODE == "gpu" else CPU_SIZES
     tokens, hidden, vocab = tokens or sizes["tokens"], hidden or sizes["hidden"], vocab or sizes["vocab"]
     impls = [i for i in IMPLS if keys is None or i.key in keys]
@@ -245,7 +303,16 @@ def run(tokens=None, hidden=None, vocab=None, keys=None, progress: bool = True) 
 
 
 def table(results: dict) -> str:
-    """The rows as a text table: time (eager and device), extra memory, share of the matmul ceiling."""
+    """The rows as a text table: time (eager and device), extra memory, share of the matmul ceiling.
+
+    Chapter 10 prints it.
+
+    Args:
+        results: the dict of ``run``.
+
+    Returns:
+        the table, lines joined by newlines.
+    """
     lines = [f"{'tokens':>7} {'implementation':<38} {'eager ms':>9} {'device ms':>9} {'extra MiB':>10} {'of mm':>6}"]
     for r in results["rows"]:
         if "skipped" in r or not r.get("check", {}).get("ok"):
@@ -263,7 +330,17 @@ def table(results: dict) -> str:
 
 
 def plot(results: dict, axes=None):
-    """Time and extra memory against tokens, one line per implementation."""
+    """Time and extra memory against tokens, one line per implementation.
+
+    Chapter 10 draws it.
+
+    Args:
+        results: the dict of ``run``.
+        axes: two matplotlib axes to draw on (None: a new figure).
+
+    Returns:
+        the two axes.
+    """
     import matplotlib.pyplot as plt
 
     if axes is None:
@@ -289,7 +366,15 @@ def plot(results: dict, axes=None):
 
 
 def save(results: dict, out: Path = RESULTS) -> tuple[Path, Path]:
-    """``linear_cross_entropy/<device>.json`` and ``.png`` under the results root ``out``."""
+    """``linear_cross_entropy/<device>.json`` and ``.png`` under the results root ``out``.
+
+    Args:
+        results: the dict of ``run``.
+        out: the results root.
+
+    Returns:
+        ``(json_path, png_path)``.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -305,6 +390,11 @@ def save(results: dict, out: Path = RESULTS) -> tuple[Path, Path]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m kernels.bench.linear_ce``.
+
+    Returns:
+        the parser.
+    """
     p = argparse.ArgumentParser(prog="python -m kernels.bench.linear_ce", description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=cli.positive_ints, default=None, help="token counts, e.g. 2048,8192")
     p.add_argument("--hidden", type=cli.positive_int, default=None,
@@ -319,6 +409,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """Check and time the plans from the command line, print the table, write the JSON and PNG.
+
+    Args:
+        argv: the command line's arguments (None: ``sys.argv``'s).
+
+    Returns:
+        the exit status, 0 (a refused flag exits through ``argparse``).
+    """
     p = build_parser()
     args = p.parse_args(argv)
     root = cli.output_root(args)

@@ -65,6 +65,15 @@ def host_us(fn: Callable[[], object], calls: int | None = None, warmup: int | No
     ``grads``: tensors whose ``.grad`` is reset before each call (a backward then writes instead of
     accumulating). In the interpreter the number is the interpreter's Python, not a GPU's host
     overhead: a few calls only.
+
+    Args:
+        fn: the call to time, without arguments.
+        calls: timed calls (None: the mode's default).
+        warmup: untimed calls first (None: the mode's default).
+        grads: tensors whose ``.grad`` is reset before each call.
+
+    Returns:
+        microseconds per call.
     """
     calls = calls or runtime.pick(5, 2000)
     warmup = runtime.pick(1, 100) if warmup is None else warmup
@@ -96,6 +105,14 @@ def interleaved_host_us(fns: dict[str, tuple[Callable[[], object], list]], calls
     (the layers of ``breakdown``) could even come out negative. Interleaved, a slow stretch slows
     every function of that round alike. The order rotates from round to round, so that no function
     always runs first, or always right after the same neighbour.
+
+    Args:
+        fns: name -> ``(fn, grads)``.
+        calls: calls per function in all (None: the mode's default).
+        rounds: the rounds (None: the mode's default).
+
+    Returns:
+        name -> microseconds per call.
     """
     calls = calls or runtime.pick(5, 2000)
     rounds = rounds or runtime.pick(1, 10)
@@ -111,7 +128,16 @@ def interleaved_host_us(fns: dict[str, tuple[Callable[[], object], list]], calls
 
 def measure_peers(kernel: str, pass_: str, calls: int | None = None) -> list[dict]:
     """Host µs per call of every implementation of ``kernel`` (checked against float64 first), on a
-    tiny case, timed in interleaved rounds (``interleaved_host_us``)."""
+    tiny case, timed in interleaved rounds (``interleaved_host_us``).
+
+    Args:
+        kernel: one of ``PASSES``'s kernels.
+        pass_: the pass to time (``"fwd"`` or ``"fwd+bwd"``).
+        calls: calls per implementation (None: the mode's default).
+
+    Returns:
+        one row per implementation, ``host_us`` None with a ``note`` where it was not timed.
+    """
     case = _case(kernel)
     rows, timed = [], {}
     for impl in implementations(kernel):
@@ -316,7 +342,17 @@ _LAYERS_OF = {"rmsnorm": _rmsnorm_layers, "cross_entropy": _cross_entropy_layers
 
 def breakdown(kernel: str, calls: int | None = None) -> dict:
     """Our forward + backward of ``kernel`` on a tiny case, split into ``LAYERS`` (µs per call), and
-    the operator dispatch that an eager call skips (``dispatch_skipped_us``)."""
+    the operator dispatch that an eager call skips (``dispatch_skipped_us``).
+
+    Chapter 09 draws it.
+
+    Args:
+        kernel: one of ``PASSES``'s kernels.
+        calls: calls per layer (None: the mode's default).
+
+    Returns:
+        the levels' and parts' microseconds, the dispatch skipped and the launches.
+    """
     case = _case(kernel)
     layers = _LAYERS_OF[kernel](case)
     t = interleaved_host_us({name: (layers[name], []) for name in ("total", "ops", "impl",
@@ -374,7 +410,14 @@ def floor(calls: int | None = None) -> dict[str, float]:
     without and with its two empty launches, ours through its Python ``autograd.Function``, and ours
     as called (on a GPU, the C++ node of ``kernels.host_path`` where it is built). The third is the
     least any Python ``autograd.Function`` with a Triton kernel per pass can cost on this host,
-    whatever its kernels do."""
+    whatever its kernels do.
+
+    Args:
+        calls: calls per function (None: the mode's default).
+
+    Returns:
+        name (from ``FLOOR``) -> microseconds per call.
+    """
     case = _case("swiglu")
     gate, up, dy = case.gate, case.up, case.dy
     from kernels.swiglu import SwiGLUFunction, swiglu
@@ -396,7 +439,16 @@ def floor(calls: int | None = None) -> dict[str, float]:
 
 def run(calls: int | None = None) -> dict:
     """Every kernel and pass: peers' host µs, our breakdown and the floor, with the device and
-    versions it ran on."""
+    versions it ran on.
+
+    Chapter 09 runs it.
+
+    Args:
+        calls: calls per measurement (None: the mode's default).
+
+    Returns:
+        device, versions, the peers' rows, the breakdowns and ``floor_us``.
+    """
     results = {"device": runtime.device_name(), "device_slug": device_slug(), "mode": runtime.MODE,
                "versions": runtime.versions(), "calls": calls or runtime.pick(5, 2000), "peers": [],
                "breakdown": {}}
@@ -409,6 +461,14 @@ def run(calls: int | None = None) -> dict:
 
 
 def format_table(results: dict) -> str:
+    """The results as text: each peer's host time, our breakdown per kernel, the floor (chapter 09).
+
+    Args:
+        results: the dict of ``run``.
+
+    Returns:
+        the table, lines joined by newlines.
+    """
     lines = [f"host time per call, µs ({results['device']}, tiny tensors)"]
     for row in results["peers"]:
         value = f"{row['host_us']:8.1f}" if row["host_us"] is not None else "       —"
@@ -426,7 +486,17 @@ def format_table(results: dict) -> str:
 def plot(results: dict, ax=None):
     """Stacked bars: where the microseconds of our Python path go, next to the fastest peer's total,
     per kernel; on SwiGLU's bar, dashed, the floor of a Python-level operator, and what ours costs
-    as called (``floor``)."""
+    as called (``floor``).
+
+    Chapter 09 draws it.
+
+    Args:
+        results: the dict of ``run``.
+        ax: a matplotlib axes to draw on (None: a new figure).
+
+    Returns:
+        the axes.
+    """
     import matplotlib.pyplot as plt
 
     if ax is None:
@@ -461,7 +531,15 @@ def plot(results: dict, ax=None):
 
 def save(results: dict, directory=RESULTS) -> tuple:
     """Write ``overhead/<device>.json`` and ``.png`` under the results root ``directory`` (each
-    complete or not at all); returns both paths."""
+    complete or not at all); returns both paths.
+
+    Args:
+        results: the dict of ``run``.
+        directory: the results root.
+
+    Returns:
+        ``(json_path, png_path)``.
+    """
     import matplotlib.pyplot as plt
 
     path = results_file("overhead", results["device_slug"], directory)
@@ -473,6 +551,11 @@ def save(results: dict, directory=RESULTS) -> tuple:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m kernels.bench.overhead``.
+
+    Returns:
+        the parser.
+    """
     parser = argparse.ArgumentParser(prog="python -m kernels.bench.overhead",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=cli.positive_int, default=None,
@@ -483,6 +566,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """Measure from the command line, print the table, write ``overhead/<device>.json`` and ``.png``.
+
+    Args:
+        argv: the command line's arguments (None: ``sys.argv``'s).
+
+    Returns:
+        the exit status, 0 (a refused flag exits through ``argparse``).
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     targets = [] if args.no_save else [results_file("overhead", device_slug(), cli.output_root(args), suffix)

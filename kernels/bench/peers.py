@@ -267,7 +267,20 @@ IMPLEMENTATIONS = {"rmsnorm": RMSNORM_IMPLS, "cross_entropy": CROSS_ENTROPY_IMPL
 
 
 def implementations(kernel: str, keys=None) -> list[Impl]:
-    """The implementations of ``kernel`` (all, or those named in ``keys``; Impl objects pass through)."""
+    """The implementations of ``kernel`` (all, or those named in ``keys``; Impl objects pass through).
+
+    Chapters 04 and 07 choose their peers with it.
+
+    Args:
+        kernel: one of ``KERNELS``.
+        keys: implementation keys or ``Impl`` objects (None: every implementation of ``kernel``).
+
+    Returns:
+        the ``Impl`` objects, in the order asked.
+
+    Raises:
+        ValueError: when ``kernel`` is unknown or a key names no implementation of it.
+    """
     check_kernel(kernel)
     known = {impl.key: impl for impl in IMPLEMENTATIONS[kernel]}
     if keys is None:

@@ -44,6 +44,17 @@ def sweep_rows(results: dict, pass_: str = "fwd+bwd", sweep: str = "tokens") -> 
 
     ``sweep="tokens"``: the token sweep at the fixed width; ``"width"``: the hidden-size (or
     vocabulary) sweep at its fixed token count.
+
+    Args:
+        results: a sweep's results dict.
+        pass_: ``"fwd"``, ``"bwd"`` or ``"fwd+bwd"``.
+        sweep: ``"tokens"`` or ``"width"``.
+
+    Returns:
+        implementation key -> its rows.
+
+    Raises:
+        ValueError: when ``sweep`` is not one of ``SWEEPS``.
     """
     if sweep not in SWEEPS:
         raise ValueError(f"sweep must be one of {SWEEPS}, got {sweep!r}")
@@ -116,6 +127,18 @@ def plot_bandwidth(results: dict, pass_: str = "fwd+bwd", sweep: str = "tokens",
     ``floor_bytes=True`` counts the cross-entropy at its single-read floor (4 bytes per bf16 logit)
     instead of the two-read design (6): the line then reads as a fraction of the speed of light of
     any cross-entropy.
+
+    Chapters 04 and 11 draw it.
+
+    Args:
+        results: a sweep's results dict.
+        pass_: ``"fwd"``, ``"bwd"`` or ``"fwd+bwd"``.
+        sweep: ``"tokens"`` or ``"width"``.
+        ax: a matplotlib axes to draw on (None: a new figure).
+        floor_bytes: count the cross-entropy's bytes at its single-read floor.
+
+    Returns:
+        the axes (with a note instead of lines when the results have no device times).
     """
     ax = _new_axes(ax)
     key = "gbps_floor" if floor_bytes else "gbps"
@@ -150,7 +173,20 @@ def _same_bytes_copy_points(results: dict, pass_: str, sweep: str, key: str) -> 
 
 
 def plot_times(results: dict, pass_: str = "fwd+bwd", sweep: str = "tokens", basis: str = "device", ax=None):
-    """Time per call vs size, per implementation, log-log. ``basis="both"``: device solid, eager dashed."""
+    """Time per call vs size, per implementation, log-log. ``basis="both"``: device solid, eager dashed.
+
+    Chapters 04, 07 and 11 draw it.
+
+    Args:
+        results: a sweep's results dict.
+        pass_: ``"fwd"``, ``"bwd"`` or ``"fwd+bwd"``.
+        sweep: ``"tokens"`` or ``"width"``.
+        basis: ``"device"``, ``"eager"`` or ``"both"`` (an interpreter run has eager times only).
+        ax: a matplotlib axes to draw on (None: a new figure).
+
+    Returns:
+        the axes.
+    """
     ax = _new_axes(ax)
     bases = BASES if basis == "both" else (basis,)
     if results["mode"] != "gpu":
@@ -178,7 +214,20 @@ def plot_times(results: dict, pass_: str = "fwd+bwd", sweep: str = "tokens", bas
 def plot_speedups(results: dict, pass_: str = "fwd+bwd", sweep: str = "tokens",
                   basis: str = "device", ax=None):
     """Bars: ours' speed-up over each peer (peer time / ours) at each size; above the line at 1,
-    ours is faster."""
+    ours is faster.
+
+    Chapters 04 and 07 draw it.
+
+    Args:
+        results: a sweep's results dict.
+        pass_: ``"fwd"``, ``"bwd"`` or ``"fwd+bwd"``.
+        sweep: ``"tokens"`` or ``"width"``.
+        basis: ``"device"`` or ``"eager"``.
+        ax: a matplotlib axes to draw on (None: a new figure).
+
+    Returns:
+        the axes.
+    """
     ax = _new_axes(ax)
     labels = _labels(results)
     sizes = sorted({_x(r, sweep) for rows in sweep_rows(results, pass_, sweep).values() for r in rows})
@@ -211,7 +260,19 @@ def plot_speedups(results: dict, pass_: str = "fwd+bwd", sweep: str = "tokens",
 
 
 def plot_peak_memory(results: dict, pass_: str = "fwd+bwd", sweep: str = "tokens", ax=None):
-    """Extra peak memory of one call (beyond its inputs) vs size, per implementation."""
+    """Extra peak memory of one call (beyond its inputs) vs size, per implementation.
+
+    Chapter 07 draws it.
+
+    Args:
+        results: a sweep's results dict.
+        pass_: ``"fwd"``, ``"bwd"`` or ``"fwd+bwd"``.
+        sweep: ``"tokens"`` or ``"width"``.
+        ax: a matplotlib axes to draw on (None: a new figure).
+
+    Returns:
+        the axes.
+    """
     ax = _new_axes(ax)
     labels, xs = _labels(results), []
     for impl, rows in sweep_rows(results, pass_, sweep).items():
@@ -228,7 +289,14 @@ def plot_peak_memory(results: dict, pass_: str = "fwd+bwd", sweep: str = "tokens
 
 
 def summary_figure(results: dict):
-    """Four panels per kernel: what the command line saves as ``<kernel>/<gpu>.png``."""
+    """Four panels per kernel: what the command line saves as ``<kernel>/<gpu>.png``.
+
+    Args:
+        results: a sweep's results dict.
+
+    Returns:
+        the matplotlib ``Figure``.
+    """
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(14, 10), layout="constrained")
@@ -252,7 +320,15 @@ def summary_figure(results: dict):
 
 def save_summary_png(results: dict, path) -> Path:
     """Save ``summary_figure(results)`` as a PNG and return the path (a bare Figure: no display or
-    pyplot needed)."""
+    pyplot needed).
+
+    Args:
+        results: a sweep's results dict.
+        path: the PNG's path (its folder is created).
+
+    Returns:
+        the path.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     summary_figure(results).savefig(path, dpi=110)

@@ -32,12 +32,28 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 
 def check_kernel(kernel: str) -> None:
+    """Refuse a kernel name the sweeps do not know.
+
+    Args:
+        kernel: the name.
+
+    Raises:
+        ValueError: when ``kernel`` is not one of ``KERNELS``.
+    """
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
 
 
 def first_line(exc: BaseException, width: int = 200) -> str:
-    """The first line of an exception's message, cut to ``width`` characters: what a results row notes."""
+    """The first line of an exception's message, cut to ``width`` characters: what a results row notes.
+
+    Args:
+        exc: the exception.
+        width: the most characters kept.
+
+    Returns:
+        the line (empty for an empty message).
+    """
     text = str(exc).strip().splitlines()
     return (text[0] if text else "")[:width]
 
@@ -49,19 +65,40 @@ def first_line(exc: BaseException, width: int = 200) -> str:
 
 def save_ceilings(ceilings: dict, path: Path = CEILINGS_FILE) -> Path:
     """Write the ceilings measured by ``kernels.bench.timing.measure_ceilings`` as JSON and return
-    the path."""
+    the path.
+
+    Chapter 00 saves them.
+
+    Args:
+        ceilings: the dict of ``measure_ceilings``.
+        path: the file (its folder is created).
+
+    Returns:
+        the path.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(ceilings, indent=2) + "\n")
     return path
 
 
 def load_ceilings(path: Path = CEILINGS_FILE) -> dict | None:
-    """The ceilings stored by notebook 00 (or ``None`` if it has not run on a GPU yet)."""
+    """The ceilings stored by notebook 00 (or ``None`` if it has not run on a GPU yet).
+
+    Args:
+        path: the file.
+
+    Returns:
+        the ceilings, or None.
+    """
     return json.loads(path.read_text()) if path.exists() else None
 
 
 def device_slug() -> str:
-    """A file-name-safe name of this device: ``nvidia-h200``, or ``cpu-interpreter``."""
+    """A file-name-safe name of this device: ``nvidia-h200``, or ``cpu-interpreter``.
+
+    Returns:
+        the slug.
+    """
     if runtime.MODE != "gpu":
         return "cpu-interpreter"
     return re.sub(r"[^a-z0-9]+", "-", runtime.device_name().lower()).strip("-")
@@ -75,6 +112,18 @@ def results_file(group: str, name: str, directory: Path = RESULTS, suffix: str =
     device slug, a preset, or a name given on the command line). What a run was set up with is
     inside the JSON, not in the name, so a new run with other flags under the same name replaces the
     file instead of adding a sibling.
+
+    Args:
+        group: the folder (a file name).
+        name: the file's name without suffix (a file name).
+        directory: the results root.
+        suffix: the file's suffix.
+
+    Returns:
+        the path (nothing is created).
+
+    Raises:
+        ValueError: when ``group`` or ``name`` is empty or holds a folder.
     """
     return _group_dir(group, directory) / f"{_file_name('name', name)}{suffix}"
 
@@ -90,7 +139,15 @@ def _group_dir(group: str, directory: Path) -> Path:
 
 
 def save_results(results: dict, directory: Path = RESULTS) -> Path:
-    """Write ``results`` as ``<directory>/<kernel>/<device slug>.json`` and return the path."""
+    """Write ``results`` as ``<directory>/<kernel>/<device slug>.json`` and return the path.
+
+    Args:
+        results: a sweep's results dict (its ``kernel`` and ``device_slug``).
+        directory: the results root.
+
+    Returns:
+        the path.
+    """
     path = results_file(results["kernel"], results["device_slug"], directory)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1) + "\n")
@@ -99,7 +156,21 @@ def save_results(results: dict, directory: Path = RESULTS) -> Path:
 
 def load_results(kernel: str, directory: Path = RESULTS, include_interpreter: bool = False) -> dict | None:
     """The newest results JSON of ``kernel`` in ``directory/<kernel>/`` (GPU runs only unless
-    asked), or None."""
+    asked), or None.
+
+    Chapters 04, 07 and 11 read their sweeps with it.
+
+    Args:
+        kernel: one of ``KERNELS``.
+        directory: the results root.
+        include_interpreter: count interpreter runs too.
+
+    Returns:
+        the newest results dict by date, or None.
+
+    Raises:
+        ValueError: when ``kernel`` is unknown.
+    """
     check_kernel(kernel)
     found = []
     for path in sorted((Path(directory) / kernel).glob("*.json")):
@@ -131,6 +202,13 @@ def run_settings(run: dict, group: str | None = None) -> dict:
     AdamW, overhead, linear cross-entropy and peak-memory runs, have no ``settings`` at all), so
     those count as settings too. In the ``finetune`` group a setting of ``FINETUNE_DEFAULTS`` that a
     run does not record takes the value it had then.
+
+    Args:
+        run: a results file's dict.
+        group: its folder (``"finetune"`` fills in the defaults).
+
+    Returns:
+        the settings.
     """
     settings = {k: v for k, v in run.items() if not isinstance(v, (list, dict))}
     if isinstance(run.get("settings"), dict):
@@ -143,7 +221,15 @@ def run_settings(run: dict, group: str | None = None) -> dict:
 
 def runs(group: str, directory: Path = RESULTS) -> dict[str, dict]:
     """Every run of ``group``: ``{file name: the parsed JSON}`` of ``directory/<group>/*.json``,
-    sorted by name."""
+    sorted by name.
+
+    Args:
+        group: the folder.
+        directory: the results root.
+
+    Returns:
+        file name -> its dict.
+    """
     return {path.name: json.loads(path.read_text()) for path in sorted(_group_dir(group,
                                                                                   directory).glob("*.json"))}
 
@@ -157,6 +243,20 @@ def find_run(group: str, directory: Path = RESULTS, **settings) -> dict:
     that used it). Raises ``LookupError``, listing the settings of the runs that are there, when
     none matches, and ``ValueError``, naming the files, when more than one does (give another
     setting to tell them apart).
+
+    Chapters 09 to 12 read their runs with it.
+
+    Args:
+        group: the folder.
+        directory: the results root.
+        **settings: the settings the run must have.
+
+    Returns:
+        the run's dict.
+
+    Raises:
+        LookupError: when no run matches.
+        ValueError: when more than one run matches.
     """
     found = runs(group, directory)
     missing = object()
@@ -202,6 +302,13 @@ def speedups(results: dict, basis: str = "device") -> list[dict]:
     Each entry: tokens, width, pass, basis, ours_ms, peers {key: ms}, speedup {key: ×}, fastest_peer
     (key or None), fastest_peer_ms, vs_fastest (fastest peer's time / ours). Times that are missing
     (skipped, failed, not capturable) are left out; an entry without ours has no speed-ups.
+
+    Args:
+        results: a sweep's results dict.
+        basis: ``"device"`` or ``"eager"``.
+
+    Returns:
+        one entry per (tokens, width, pass).
     """
     out = []
     for (tokens, width, pass_), rows in _groups(results).items():
@@ -229,6 +336,14 @@ def targets(results: dict, min_speedup: float = 1.0, bases=BASES) -> list[dict]:
     (True/False, or None when there is nothing to compare), and for the device basis ours' fraction
     of the copy bandwidth and of a copy of the same bytes (``frac_same_bytes_copy``: the copy's time
     over ours, 1 as fast as that copy).
+
+    Args:
+        results: a sweep's results dict.
+        min_speedup: the speed-up over the fastest peer that meets the target.
+        bases: the time bases to read.
+
+    Returns:
+        one entry per shape, pass and basis.
     """
     labels = {k: v["label"] for k, v in results.get("implementations", {}).items()}
     ours_rows = {(r["tokens"], r["width"], r["pass"]): r for r in results["rows"] if r["role"] == "ours"}
@@ -253,6 +368,16 @@ def crossovers(results: dict, basis: str = "device", pass_: str = "fwd+bwd") -> 
 
     None means ours is not faster at the largest size measured. Only the token sweep (the fixed
     width) is read.
+
+    Chapter 07 reads them.
+
+    Args:
+        results: a sweep's results dict.
+        basis: ``"device"`` or ``"eager"``.
+        pass_: the pass.
+
+    Returns:
+        peer key -> token count, or None.
     """
     width = results["settings"]["width"]
     entries = sorted((e for e in speedups(results, basis) if e["pass"] == pass_ and e["width"] == width),
@@ -277,6 +402,16 @@ def tokens_that_fit(results: dict, budget_bytes: float, pass_: str = "fwd+bwd") 
     A token costs its input row (a row of logits, [V] in the logits' dtype: it exists whatever the
     loss) plus the extra peak memory per token measured at the largest token count. Implementations
     without a measured peak (interpreter runs, failed rows) are left out.
+
+    Chapter 07 uses it.
+
+    Args:
+        results: a sweep's results dict.
+        budget_bytes: the memory to fill.
+        pass_: the pass.
+
+    Returns:
+        implementation key -> its label, bytes per token, where they were measured, and the tokens.
     """
     best: dict[str, dict] = {}
     for row in results["rows"]:
@@ -297,7 +432,17 @@ def tokens_that_fit(results: dict, budget_bytes: float, pass_: str = "fwd+bwd") 
 
 def summarize(results: dict, min_speedup: float = 1.0) -> str:
     """A few lines: where ours beats the fastest peer, by how much, and how close it gets to the
-    copy ceiling."""
+    copy ceiling.
+
+    Chapters 04 and 07 print it.
+
+    Args:
+        results: a sweep's results dict.
+        min_speedup: the speed-up over the fastest peer that meets the target.
+
+    Returns:
+        the lines, joined by newlines.
+    """
     lines = [f"{results['kernel']} on {results['device']} ({results['mode']}), {results['date']}"]
     if results["mode"] != "gpu":
         lines.append("  interpreter run: wall-clock times of the CPU say nothing about GPU speed; no comparison drawn")
@@ -332,7 +477,16 @@ def _fmt(value, spec: str, missing: str = "—") -> str:
 
 
 def format_table(results: dict) -> str:
-    """The final table: one line per implementation × shape × pass, with ours' speed-up over each row."""
+    """The final table: one line per implementation × shape × pass, with ours' speed-up over each row.
+
+    Chapters 04, 07 and 11 print it.
+
+    Args:
+        results: a sweep's results dict.
+
+    Returns:
+        the table, lines joined by newlines.
+    """
     dev = {(e["tokens"], e["width"], e["pass"]): e["ours_ms"] for e in speedups(results, "device")}
     eag = {(e["tokens"], e["width"], e["pass"]): e["ours_ms"] for e in speedups(results, "eager")}
     eager_head = "eager ms" if results["mode"] == "gpu" else "wall ms*"

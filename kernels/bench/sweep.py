@@ -114,6 +114,20 @@ def rmsnorm_bytes(tokens: int, hidden: int, itemsize: int = 2, pass_: str = "fwd
     Forward reads x and writes y: 2·M·N·s. Backward reads x and dy and writes dx: 3·M·N·s more,
     5·M·N·s in all. The weight, dW and one float32 rstd per row are a rounding error at Llama sizes
     and are left out.
+
+    Chapter 04 derives it.
+
+    Args:
+        tokens: rows.
+        hidden: the hidden size.
+        itemsize: bytes per element.
+        pass_: ``"fwd"`` or ``"fwd+bwd"``.
+
+    Returns:
+        bytes.
+
+    Raises:
+        ValueError: when ``pass_`` is neither.
     """
     _check_pass(pass_)
     return (2 if pass_ == "fwd" else 5) * tokens * hidden * itemsize
@@ -132,6 +146,20 @@ def cross_entropy_bytes(tokens: int, vocab: int, itemsize: int = 2, design: str 
     ``"two_read"`` is the design of this package's kernel: 3 logit-sized transfers, 6 bytes per
     logit in bf16. ``"single_read"`` is the floor: 4 bytes per logit in bf16. Targets and per-row
     scalars are left out.
+
+    Chapter 07 derives it.
+
+    Args:
+        tokens: rows of logits.
+        vocab: the vocabulary size.
+        itemsize: bytes per logit.
+        design: ``"two_read"`` or ``"single_read"``.
+
+    Returns:
+        bytes.
+
+    Raises:
+        ValueError: when ``design`` is neither.
     """
     if design not in CE_DESIGNS:
         raise ValueError(f"design must be one of {tuple(CE_DESIGNS)}, got {design!r}")
@@ -144,6 +172,20 @@ def swiglu_bytes(tokens: int, intermediate: int, itemsize: int = 2, pass_: str =
     Forward reads gate and up and writes y: 3·M·I·s. Backward reads dy, gate and up and writes
     d(gate) and d(up): 5·M·I·s more, 8·M·I·s in all. Storing silu(gate) for the backward instead of
     recomputing it would add a write and a read: 10·M·I·s.
+
+    Chapter 11 derives it.
+
+    Args:
+        tokens: rows.
+        intermediate: the intermediate size.
+        itemsize: bytes per element.
+        pass_: ``"fwd"`` or ``"fwd+bwd"``.
+
+    Returns:
+        bytes.
+
+    Raises:
+        ValueError: when ``pass_`` is neither.
     """
     _check_pass(pass_)
     return (3 if pass_ == "fwd" else 8) * tokens * intermediate * itemsize
@@ -156,6 +198,23 @@ def rope_bytes(tokens: int, head_dim: int, q_heads: int = 32, kv_heads: int = 8,
     Forward reads q and k and writes both rotated: 2·(Hq + Hkv)·T·D·s, plus cos and sin read once
     per position (2·T·D·s_trig), not once per head. Backward is the same traffic again with dy in
     and dx out.
+
+    Chapter 11 derives it.
+
+    Args:
+        tokens: positions.
+        head_dim: the head's size.
+        q_heads: query heads.
+        kv_heads: key/value heads.
+        itemsize: bytes per element of q and k.
+        pass_: ``"fwd"`` or ``"fwd+bwd"``.
+        trig_itemsize: bytes per element of cos and sin (None: ``itemsize``).
+
+    Returns:
+        bytes.
+
+    Raises:
+        ValueError: when ``pass_`` is neither.
     """
     _check_pass(pass_)
     trig = itemsize if trig_itemsize is None else trig_itemsize
@@ -185,6 +244,11 @@ class Check:
     message: str = ""
 
     def to_json(self) -> dict:
+        """The check as a JSON-ready dict (errors that are not finite become None).
+
+        Returns:
+            ``{"ok", "errors", "tol", "message"}``.
+        """
         return {"ok": self.ok, "errors": {k: _finite_or_none(v) for k, v in self.errors.items()},
                 "tol": self.tol,
                 "message": self.message}
@@ -205,7 +269,16 @@ def _generator(device: torch.device, seed: int) -> torch.Generator:
 
 class RMSNormCase:
     """Inputs of one RMSNorm shape: x (requires grad), a weight around 1 (never all ones), dy;
-    float64 references."""
+    float64 references.
+
+    Args:
+        tokens: rows of x.
+        hidden: the hidden size.
+        dtype: the inputs' dtype.
+        device: where the inputs live (None: this machine's device).
+        seed: the seed of the inputs.
+        eps: RMSNorm's epsilon.
+    """
 
     kernel = "rmsnorm"
 
@@ -222,6 +295,7 @@ class RMSNormCase:
 
     @property
     def width(self) -> int:
+        """The swept width: the hidden size."""
         return self.hidden
 
     def reset_inputs(self) -> None:
@@ -233,10 +307,23 @@ class RMSNormCase:
         self.x.grad = None
 
     def bytes(self, pass_: str) -> tuple[int, int]:
+        """The bytes one call moves, for the bandwidth and its floor.
+
+        Args:
+            pass_: ``"fwd"`` or ``"fwd+bwd"``.
+
+        Returns:
+            the minimal bytes, twice (no floor below them).
+        """
         n = rmsnorm_bytes(self.tokens, self.hidden, self.dtype.itemsize, pass_)
         return n, n
 
     def reference(self) -> dict[str, torch.Tensor]:
+        """The float64 references, computed once and kept.
+
+        Returns:
+            ``y``, ``dx``, ``dw``.
+        """
         if self._ref is None:
             x64 = self.x.detach().double().requires_grad_()
             w64 = self.weight.double().requires_grad_()
@@ -246,6 +333,16 @@ class RMSNormCase:
         return self._ref
 
     def check(self, fn, params, pass_: str) -> Check:
+        """Run ``fn`` once (and its backward for ``"fwd+bwd"``) and compare with the float64 references.
+
+        Args:
+            fn: the implementation, ``fn(x)``, with its weight in ``params[0]``.
+            params: its parameters (gradients reset around the check).
+            pass_: ``"fwd"`` or ``"fwd+bwd"``.
+
+        Returns:
+            the ``Check``, judged against the dtype's bound.
+        """
         ref = self.reference()
         reset_grads([self.x, *params])
         with torch.enable_grad():
@@ -260,7 +357,16 @@ class RMSNormCase:
 
     def step(self, fn, params, pass_: str):
         """``(call, grad_to_none)``: one timed call, and the tensors whose .grad must be reset
-        between calls."""
+        between calls.
+
+        Args:
+            fn: the implementation, ``fn(x)``, with its weight in ``params[0]``.
+            params: its parameters.
+            pass_: ``"fwd"`` or ``"fwd+bwd"``.
+
+        Returns:
+            ``(call, grad_to_none)``.
+        """
         x, dy = self.x, self.dy
         if pass_ == "fwd":
             return (lambda: fn(x)), [x, *params]
@@ -281,6 +387,13 @@ class CrossEntropyCase:
     The float64 reference is the mean loss over all rows (in chunks, so it never needs a float64
     copy of all the logits) and the gradient of a sample of rows, which always includes an ignored
     one.
+
+    Args:
+        tokens: rows of the logits.
+        vocab: the vocabulary size.
+        dtype: the logits' dtype.
+        device: where the inputs live (None: this machine's device).
+        seed: the seed of the inputs.
     """
 
     kernel = "cross_entropy"
@@ -302,6 +415,7 @@ class CrossEntropyCase:
 
     @property
     def width(self) -> int:
+        """The swept width: the vocabulary size."""
         return self.vocab
 
     def reset_inputs(self) -> None:
@@ -313,11 +427,24 @@ class CrossEntropyCase:
         self.logits.grad = None
 
     def bytes(self, pass_: str) -> tuple[int, int]:
+        """The bytes one call moves, for the bandwidth and its floor.
+
+        Args:
+            pass_: ``"fwd"`` or ``"fwd+bwd"``.
+
+        Returns:
+            ``(two_read, single_read)``: the kernel's design and the floor.
+        """
         s = self.dtype.itemsize
         return (cross_entropy_bytes(self.tokens, self.vocab, s, "two_read"),
                 cross_entropy_bytes(self.tokens, self.vocab, s, "single_read"))
 
     def sample_rows(self) -> torch.Tensor:
+        """The rows whose gradient the reference checks: up to ``SAMPLE_ROWS`` from the seed, row 3 first.
+
+        Returns:
+            the row indices, on the case's device.
+        """
         n = min(self.tokens, self.SAMPLE_ROWS)
         g = _generator(torch.device("cpu"), self.seed + 2)
         rows = torch.randperm(self.tokens, generator=g)[:n]
@@ -326,6 +453,11 @@ class CrossEntropyCase:
         return rows.to(self.device)
 
     def reference(self) -> dict[str, torch.Tensor]:
+        """The float64 references, computed once and kept.
+
+        Returns:
+            ``loss``, the sampled ``rows`` and their ``grad_rows``.
+        """
         if self._ref is None:
             logits, target = self.logits.detach(), self.target
             valid = target != self.IGNORE_INDEX
@@ -351,6 +483,16 @@ class CrossEntropyCase:
         return ((torch.logsumexp(x, dim=-1) - picked) * keep).sum()
 
     def check(self, fn, params, pass_: str) -> Check:
+        """Run ``fn`` once (and its backward for ``"fwd+bwd"``) and compare with the float64 references.
+
+        Args:
+            fn: the implementation, ``fn(logits, target)`` returning the mean loss.
+            params: its parameters (gradients reset around the check).
+            pass_: ``"fwd"`` or ``"fwd+bwd"``.
+
+        Returns:
+            the ``Check``, judged against the dtype's bound.
+        """
         ref = self.reference()
         self.logits.grad = None
         with torch.enable_grad():
@@ -366,6 +508,20 @@ class CrossEntropyCase:
         return _judge(errors, RELATIVE_ERROR_TOL[self.dtype])
 
     def step(self, fn, params, pass_: str):
+        """``(call, grad_to_none)``: one timed call, and the tensors whose ``.grad`` is reset between
+        calls.
+
+        Args:
+            fn: the implementation, ``fn(logits, target)`` returning the mean loss.
+            params: its parameters.
+            pass_: ``"fwd"`` or ``"fwd+bwd"``.
+
+        Returns:
+            ``(call, grad_to_none)``.
+
+        Raises:
+            ValueError: for any pass but ``"fwd+bwd"``.
+        """
         if pass_ != "fwd+bwd":
             raise ValueError(f"cross-entropy is measured forward+backward only, got pass_={pass_!r}")
         logits, target = self.logits, self.target
@@ -378,7 +534,15 @@ class CrossEntropyCase:
 
 class SwiGLUCase:
     """Inputs of one SwiGLU shape: gate (spread over the sigmoid's range) and up, both requiring
-    grad, and dy; float64 references of y, d(gate) and d(up)."""
+    grad, and dy; float64 references of y, d(gate) and d(up).
+
+    Args:
+        tokens: rows of gate and up.
+        intermediate: the intermediate size.
+        dtype: the inputs' dtype.
+        device: where the inputs live (None: this machine's device).
+        seed: the seed of the inputs.
+    """
 
     kernel = "swiglu"
     GATE_SCALE = 2.0
@@ -395,6 +559,7 @@ class SwiGLUCase:
 
     @property
     def width(self) -> int:
+        """The swept width: the intermediate size."""
         return self.intermediate
 
     def reset_inputs(self) -> None:
@@ -407,10 +572,23 @@ class SwiGLUCase:
         self.gate.grad = self.up.grad = None
 
     def bytes(self, pass_: str) -> tuple[int, int]:
+        """The bytes one call moves, for the bandwidth and its floor.
+
+        Args:
+            pass_: ``"fwd"`` or ``"fwd+bwd"``.
+
+        Returns:
+            the minimal bytes, twice (no floor below them).
+        """
         n = swiglu_bytes(self.tokens, self.intermediate, self.dtype.itemsize, pass_)
         return n, n
 
     def reference(self) -> dict[str, torch.Tensor]:
+        """The float64 references, computed once and kept.
+
+        Returns:
+            ``y``, ``d_gate``, ``d_up``.
+        """
         if self._ref is None:
             g64 = self.gate.detach().double().requires_grad_()
             u64 = self.up.detach().double().requires_grad_()
@@ -420,6 +598,16 @@ class SwiGLUCase:
         return self._ref
 
     def check(self, fn, params, pass_: str) -> Check:
+        """Run ``fn`` once (and its backward for ``"fwd+bwd"``) and compare with the float64 references.
+
+        Args:
+            fn: the implementation, ``fn(gate, up)``.
+            params: its parameters (gradients reset around the check).
+            pass_: ``"fwd"`` or ``"fwd+bwd"``.
+
+        Returns:
+            the ``Check``, judged against the dtype's bound.
+        """
         ref = self.reference()
         reset_grads([self.gate, self.up])
         with torch.enable_grad():
@@ -433,6 +621,17 @@ class SwiGLUCase:
         return _judge(errors, RELATIVE_ERROR_TOL[self.dtype])
 
     def step(self, fn, params, pass_: str):
+        """``(call, grad_to_none)``: one timed call, and the tensors whose ``.grad`` is reset between
+        calls.
+
+        Args:
+            fn: the implementation, ``fn(gate, up)``.
+            params: its parameters.
+            pass_: ``"fwd"`` or ``"fwd+bwd"``.
+
+        Returns:
+            ``(call, grad_to_none)``.
+        """
         gate, up, dy = self.gate, self.up, self.dy
         if pass_ == "fwd":
             return (lambda: fn(gate, up)), [gate, up]
@@ -447,7 +646,16 @@ class RoPECase:
     """Inputs of one RoPE shape, batch 1 × ``tokens`` positions: q [1, Hq, T, D] and k [1, Hkv, T,
     D] as Llama's attention makes them (transposed views of [1, T, heads, D], requiring grad), cos
     and sin in the activation dtype at random positions, and the two upstream gradients; float64
-    references of both outputs and both gradients."""
+    references of both outputs and both gradients.
+
+    Args:
+        tokens: positions.
+        head_dim: the head's size (even).
+        dtype: the inputs' dtype.
+        device: where the inputs live (None: this machine's device).
+        seed: the seed of the inputs.
+        heads: ``(q_heads, kv_heads)`` (None: ``ROPE_HEADS``).
+    """
 
     kernel = "rope"
 
@@ -473,9 +681,11 @@ class RoPECase:
 
     @property
     def width(self) -> int:
+        """The swept width: the head's size."""
         return self.head_dim
 
     def reset_inputs(self) -> None:
+        """Refill q, k and the two upstream gradients with the same values; clear q's and k's gradients."""
         g = _generator(self.device, self.seed)
         with torch.no_grad():
             for t in (self.q, self.k, self.dq, self.dk):
@@ -483,10 +693,23 @@ class RoPECase:
         self.q.grad = self.k.grad = None
 
     def bytes(self, pass_: str) -> tuple[int, int]:
+        """The bytes one call moves, for the bandwidth and its floor.
+
+        Args:
+            pass_: ``"fwd"`` or ``"fwd+bwd"``.
+
+        Returns:
+            the minimal bytes, twice (no floor below them).
+        """
         n = rope_bytes(self.tokens, self.head_dim, self.q_heads, self.kv_heads, self.dtype.itemsize, pass_)
         return n, n
 
     def reference(self) -> dict[str, torch.Tensor]:
+        """The float64 references, computed once and kept.
+
+        Returns:
+            ``q_embed``, ``k_embed``, ``dq``, ``dk``.
+        """
         if self._ref is None:
             q64 = self.q.detach().double().requires_grad_()
             k64 = self.k.detach().double().requires_grad_()
@@ -497,6 +720,16 @@ class RoPECase:
         return self._ref
 
     def check(self, fn, params, pass_: str) -> Check:
+        """Run ``fn`` once (and its backward for ``"fwd+bwd"``) and compare with the float64 references.
+
+        Args:
+            fn: the implementation, ``fn(q, k, cos, sin)`` returning both rotated.
+            params: its parameters (gradients reset around the check).
+            pass_: ``"fwd"`` or ``"fwd+bwd"``.
+
+        Returns:
+            the ``Check``, judged against the dtype's bound.
+        """
         ref = self.reference()
         reset_grads([self.q, self.k])
         with torch.enable_grad():
@@ -511,6 +744,17 @@ class RoPECase:
         return _judge(errors, RELATIVE_ERROR_TOL[self.dtype])
 
     def step(self, fn, params, pass_: str):
+        """``(call, grad_to_none)``: one timed call, and the tensors whose ``.grad`` is reset between
+        calls.
+
+        Args:
+            fn: the implementation, ``fn(q, k, cos, sin)`` returning both rotated.
+            params: its parameters.
+            pass_: ``"fwd"`` or ``"fwd+bwd"``.
+
+        Returns:
+            ``(call, grad_to_none)``.
+        """
         q, k, cos, sin, dq, dk = self.q, self.k, self.cos, self.sin, self.dq, self.dk
         if pass_ == "fwd":
             return (lambda: fn(q, k, cos, sin)), [q, k]
@@ -606,6 +850,18 @@ def measure_shape(case, chosen, passes, warmup: int = 25, rep: int = 50, rounds:
     kept in the row (``eager_ms_rounds``, ``device_ms_rounds``). Each round also times a copy of
     each pass's bytes (``same_bytes_copy_ms``); every row of the pass gets the median
     (``copy_same_bytes_ms``), the yardstick at this size.
+
+    Args:
+        case: the shape's inputs (a ``*Case``).
+        chosen: the ``Impl`` objects.
+        passes: the passes to check and time.
+        warmup: ``do_bench`` warm-up, ms.
+        rep: ``do_bench`` repetitions, ms.
+        rounds: timing rounds.
+        bar: a progress bar, advanced once per implementation and round (None: none).
+
+    Returns:
+        one row per implementation and pass.
     """
     rows, timed = [], {}  # timed: per implementation, its checked rows and what times them
     for impl in chosen:
@@ -647,7 +903,12 @@ def measure_shape(case, chosen, passes, warmup: int = 25, rep: int = 50, rounds:
 def add_rates(rows: list[dict], ceilings: dict | None) -> None:
     """Fill GB/s (from device time; minimal bytes), the fraction of the measured copy bandwidth, and
     the fraction of a copy of the row's own bytes (the copy's time over the row's: 1 is as fast as
-    PyTorch's copy of them), in place."""
+    PyTorch's copy of them), in place.
+
+    Args:
+        rows: the rows, changed in place.
+        ceilings: the GPU's ceilings (None: no fractions of the copy bandwidth).
+    """
     copy = ceilings.get("copy_gbps") if ceilings else None
     for row in rows:
         if row["device_ms"] is None:
@@ -664,7 +925,20 @@ def add_rates(rows: list[dict], ceilings: dict | None) -> None:
 def sweep_shapes(tokens, width: int, width_sweep=(),
                  width_sweep_tokens: int | None = None) -> list[tuple[int, int]]:
     """The (tokens, width) shapes of a token sweep at ``width`` plus a width sweep at
-    ``width_sweep_tokens``."""
+    ``width_sweep_tokens``.
+
+    Args:
+        tokens: token counts of the token sweep.
+        width: the width of the token sweep.
+        width_sweep: the widths of the width sweep (empty: none).
+        width_sweep_tokens: the token count of the width sweep.
+
+    Returns:
+        the shapes, the token sweep's first.
+
+    Raises:
+        ValueError: when a width sweep has no token count, or a size is not positive.
+    """
     shapes = [(int(t), int(width)) for t in tokens]
     if width_sweep:
         if width_sweep_tokens is None:
@@ -702,6 +976,31 @@ def run_benchmark(
     do_bench's, in ms; ``rounds`` how many times every implementation is timed, in turn, at each
     shape (``measure_shape``). On a GPU the copy and matmul ceilings are measured first unless
     ``ceilings`` is given. Returns the results dict that ``save_results`` writes as JSON.
+
+    Chapters 04, 07 and 11 show what it recorded.
+
+    Args:
+        kernel: one of ``KERNELS``.
+        tokens: token counts of the token sweep.
+        width: the hidden size or the vocabulary.
+        width_sweep: widths swept at ``width_sweep_tokens`` (empty: none).
+        width_sweep_tokens: the token count of the width sweep.
+        impls: implementation keys or ``Impl`` objects (None: all).
+        passes: the passes (None: the kernel's).
+        dtype: the inputs' dtype (one of ``RELATIVE_ERROR_TOL``'s).
+        warmup: ``do_bench`` warm-up, ms.
+        rep: ``do_bench`` repetitions, ms.
+        seed: the seed of the inputs.
+        ceilings: the GPU's ceilings (None: measured here on a GPU).
+        progress: show a progress bar.
+        rounds: timing rounds per shape.
+
+    Returns:
+        the results dict.
+
+    Raises:
+        TypeError: when ``dtype`` has no error bound.
+        ValueError: when ``kernel``, a pass, an implementation or a size is unknown or out of range.
     """
     check_kernel(kernel)
     if dtype not in RELATIVE_ERROR_TOL:
@@ -808,6 +1107,14 @@ def results_table(results: dict) -> Table:
     One section per shape and pass, one row per implementation under it; ``ours×`` is that row's
     time over ours' at the same shape and pass (above 1: ours is faster). ``print`` gives the same
     table as text.
+
+    Chapters 04 and 07 display it.
+
+    Args:
+        results: a sweep's results dict.
+
+    Returns:
+        the ``Table``.
     """
     ours = {basis: {(e["tokens"], e["width"], e["pass"]): e["ours_ms"] for e in speedups(results, basis)}
             for basis in ("device", "eager")}
@@ -849,7 +1156,18 @@ def _fmt(value, spec: str) -> str | None:
 
 
 def default_sizes(kernel: str, quick: bool = False) -> dict:
-    """The sweep's sizes for this mode: realistic on a GPU, tiny in the interpreter; ``quick`` trims them."""
+    """The sweep's sizes for this mode: realistic on a GPU, tiny in the interpreter; ``quick`` trims them.
+
+    Args:
+        kernel: one of ``KERNELS``.
+        quick: the quick sweep's sizes.
+
+    Returns:
+        the sizes (a copy).
+
+    Raises:
+        ValueError: when ``kernel`` is unknown.
+    """
     check_kernel(kernel)
     table = (GPU_QUICK_SIZES if quick else GPU_SIZES) if runtime.MODE == "gpu" else (
         CPU_QUICK_SIZES if quick else CPU_SIZES)
@@ -874,6 +1192,11 @@ def _all_impl_keys() -> tuple[str, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m kernels.bench.sweep``.
+
+    Returns:
+        the parser.
+    """
     keys = {k: ", ".join(i.key for i in v) for k, v in IMPLEMENTATIONS.items()}
     parser = argparse.ArgumentParser(
         prog="python -m kernels.bench.sweep",
@@ -963,7 +1286,15 @@ def _kernels_to_run(args) -> tuple[str, ...]:
 
 def check_args(parser: argparse.ArgumentParser, args) -> tuple[str, ...]:
     """Every check that needs more than one flag, and the output files, before any work; returns the
-    kernels to run."""
+    kernels to run.
+
+    Args:
+        parser: the parser (its ``error`` reports the problems and exits).
+        args: the parsed flags.
+
+    Returns:
+        the kernels to run.
+    """
     problems = []
     kernels_to_run = _kernels_to_run(args)
     if not kernels_to_run:
@@ -977,6 +1308,16 @@ def check_args(parser: argparse.ArgumentParser, args) -> tuple[str, ...]:
 
 
 def run_kernel_cli(kernel: str, args, ceilings: dict | None) -> dict:
+    """One kernel's sweep at the sizes and implementations the flags choose.
+
+    Args:
+        kernel: one of ``KERNELS``.
+        args: the parsed flags.
+        ceilings: the GPU's ceilings (None: none).
+
+    Returns:
+        the results dict, or ``{}`` when none of the chosen implementations is the kernel's.
+    """
     sizes = _sizes_from_args(kernel, args)
     passes = None
     if len(KERNEL_PASSES[kernel]) > 1 and args.passes:
@@ -994,6 +1335,14 @@ def run_kernel_cli(kernel: str, args, ceilings: dict | None) -> dict:
 
 
 def main(argv=None) -> int:
+    """Sweep the kernels from the command line, print the tables, write each kernel's JSON and PNG.
+
+    Args:
+        argv: the command line's arguments (None: ``sys.argv``'s).
+
+    Returns:
+        the exit status, 0 (a refused flag exits through ``argparse``).
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     kernels_to_run = check_args(parser, args)

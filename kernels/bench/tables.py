@@ -67,7 +67,11 @@ class Table:
         return "\n".join(out)
 
     def text(self) -> str:
-        """The table as aligned text, one line per row, for a terminal or a log."""
+        """The table as aligned text, one line per row, for a terminal or a log.
+
+        Returns:
+            the text, caption first and notes last.
+        """
         cells = [r for r in self.rows if not isinstance(r, Section)]
         widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(self.columns)]
 

@@ -36,6 +36,18 @@ def time_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100, grad_to_
     tensors whose ``.grad`` is reset before each call, so a backward pass writes its gradient
     instead of adding to an old one. Interpreter: the wall-clock median of ``cpu_reps`` calls after
     one warm-up call.
+
+    Chapter 02 introduces it; later chapters time with it.
+
+    Args:
+        fn: the call to time, without arguments.
+        warmup: GPU: milliseconds of warm-up.
+        rep: GPU: milliseconds of timed calls.
+        grad_to_none: tensors whose ``.grad`` is reset before each call.
+        cpu_reps: interpreter: timed calls.
+
+    Returns:
+        milliseconds.
     """
     if runtime.MODE == "gpu":
         import triton.testing
@@ -55,7 +67,17 @@ def time_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100, grad_to_
 
 
 def measure_copy_gbps(copy_bytes: int = 2 << 30) -> float:
-    """Device-to-device copy bandwidth of this GPU in GB/s (read + write): ``copy_bytes`` copied one way."""
+    """Device-to-device copy bandwidth of this GPU in GB/s (read + write): ``copy_bytes`` copied one way.
+
+    Args:
+        copy_bytes: bytes copied.
+
+    Returns:
+        GB/s.
+
+    Raises:
+        RuntimeError: in Triton's interpreter.
+    """
     if runtime.MODE != "gpu":
         raise RuntimeError("the ceilings can only be measured on a GPU; in the interpreter there is nothing to measure")
     return 2 * copy_bytes / (_copy_ms(copy_bytes, warmup=50, rep=200) * 1e-3) / 1e9
@@ -76,6 +98,18 @@ def measure_ceilings(copy_bytes: int = 2 << 30, matmul_n: int = 8192) -> dict:
     The copy moves ``copy_bytes`` one way (so 2 × copy_bytes of traffic); the matmul is
     ``matmul_n``³ on random bf16 data (zeros run faster than real data and would flatter the
     ceiling).
+
+    Chapter 00 measures them; chapters 04 and 07 read them.
+
+    Args:
+        copy_bytes: bytes copied one way.
+        matmul_n: the matmul's size.
+
+    Returns:
+        device, ``copy_gbps``, ``matmul_tflops``, the sizes and the versions.
+
+    Raises:
+        RuntimeError: in Triton's interpreter.
     """
     copy_gbps = measure_copy_gbps(copy_bytes)
     a = torch.randn(matmul_n, matmul_n, device="cuda", dtype=torch.bfloat16)
@@ -94,12 +128,28 @@ def measure_ceilings(copy_bytes: int = 2 << 30, matmul_n: int = 8192) -> dict:
 
 
 def gbps(n_bytes: float, ms: float) -> float:
-    """Achieved bandwidth in GB/s for ``n_bytes`` moved in ``ms`` milliseconds."""
+    """Achieved bandwidth in GB/s for ``n_bytes`` moved in ``ms`` milliseconds.
+
+    Args:
+        n_bytes: bytes moved.
+        ms: milliseconds.
+
+    Returns:
+        GB/s.
+    """
     return n_bytes / (ms * 1e-3) / 1e9
 
 
 def floor_ms(n_bytes: float, copy_gbps: float) -> float:
-    """The time ``n_bytes`` take at the measured copy bandwidth: no memory-bound kernel can beat it."""
+    """The time ``n_bytes`` take at the measured copy bandwidth: no memory-bound kernel can beat it.
+
+    Args:
+        n_bytes: bytes to move.
+        copy_gbps: the copy bandwidth, GB/s.
+
+    Returns:
+        milliseconds.
+    """
     return n_bytes / (copy_gbps * 1e9) * 1e3
 
 
@@ -110,14 +160,26 @@ def floor_ms(n_bytes: float, copy_gbps: float) -> float:
 
 def rotated(items: list, r: int) -> list:
     """``items`` in the order of timing round ``r``: rotated by ``r`` places, so that over the
-    rounds no item always runs first, or always right after the same neighbour."""
+    rounds no item always runs first, or always right after the same neighbour.
+
+    Args:
+        items: the items.
+        r: the round.
+
+    Returns:
+        a new list.
+    """
     k = r % len(items) if items else 0
     return items[k:] + items[:k]
 
 
 def reset_grads(tensors) -> None:
     """Set ``.grad`` of every tensor to None, so the next backward writes its gradient instead of
-    adding to one."""
+    adding to one.
+
+    Args:
+        tensors: the tensors (None: none).
+    """
     for t in tensors or ():
         t.grad = None
 
@@ -128,6 +190,14 @@ def capture_graph(fn: Callable[[], object], grad_to_none=(), warmup_calls: int =
     Warm-up calls run on a side stream first (they compile, autotune and allocate outside the
     capture); the gradients are reset so the captured backward writes fresh ones, which every replay
     then rewrites in place.
+
+    Args:
+        fn: the call to capture, without arguments.
+        grad_to_none: tensors whose ``.grad`` is reset before the capture.
+        warmup_calls: calls before the capture.
+
+    Returns:
+        the ``torch.cuda.CUDAGraph``.
     """
     current = torch.cuda.current_stream()
     side = torch.cuda.Stream()
@@ -151,6 +221,17 @@ def device_time_ms(fn: Callable[[], object], grad_to_none=(), warmup: int = 25, 
     In the interpreter there is no device: ``(None, reason)``. A capture that fails (a host
     synchronisation inside ``fn``, an operation CUDA graphs do not allow) is reported, not raised,
     so one peer cannot stop a sweep.
+
+    Chapter 04 times its kernels with it.
+
+    Args:
+        fn: the call to time, without arguments.
+        grad_to_none: tensors whose ``.grad`` is reset around the capture.
+        warmup: milliseconds of warm-up replays.
+        rep: milliseconds of timed replays.
+
+    Returns:
+        ``(ms, None)`` or ``(None, reason)``.
     """
     if runtime.MODE != "gpu":
         return None, "interpreter: no GPU, so no device time (eager_ms is CPU wall-clock)"
@@ -202,6 +283,13 @@ def peak_extra_mib(fn: Callable[[], object], grad_to_none=()) -> float | None:
 
     Gradients are reset first, so a gradient the call allocates (and leaves in ``.grad``) counts: a
     training step holds it too. Inputs already exist and do not count.
+
+    Args:
+        fn: the call to measure, without arguments.
+        grad_to_none: tensors whose ``.grad`` is reset first.
+
+    Returns:
+        MiB, or None.
     """
     if runtime.MODE != "gpu":
         return None

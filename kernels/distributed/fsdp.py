@@ -54,6 +54,7 @@ class DistEnv:
 
     @property
     def is_rank0(self) -> bool:
+        """True on rank 0, the rank that prints and writes."""
         return self.rank == 0
 
 

@@ -34,6 +34,7 @@ from .models import activation_bytes_per_token_layer, build_model, norm_bytes_pe
 
 @dataclass
 class Probe:
+    """One training step at ``seq_len`` tokens: whether it fitted, its peak and base, how it was chosen."""
     seq_len: int
     fits: bool
     peak: int | None = None  # bytes at the peak of forward + backward (GPU), when it fit

@@ -388,6 +388,7 @@ class LongStepSetup:
     undos: list
 
     def undo(self) -> None:
+        """Take every switch back off, last on first off (a second call does nothing)."""
         for undo in reversed(self.undos):
             undo()
         self.undos.clear()

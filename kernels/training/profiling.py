@@ -572,10 +572,12 @@ class StepProfile:
 
     @property
     def tokens_per_s(self) -> float:
+        """Tokens per second of the timed (plain) steps."""
         return self.tokens / (self.step_ms / 1e3)
 
     @property
     def trace_note(self) -> str:
+        """Where the Chrome trace was written and how to open it, or that none was."""
         return f"Trace: {display_path(self.trace_path)}\n{TRACE_NOTE}" if self.trace_path else "No trace was exported."
 
     def share(self, *families: str) -> float:

@@ -250,7 +250,7 @@ def run_comparison(quick: bool = False, size: dict | None = None, warmup: int = 
     plus the CUDA build, the lines of code and the targets). ``size`` overrides ``sizes(quick)``
     (same keys).
 
-    Chapter 13 shows the recorded comparison.
+    Chapter 13 runs it.
 
     Args:
         quick: the quick sweep's sizes.

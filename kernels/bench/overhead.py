@@ -344,7 +344,7 @@ def breakdown(kernel: str, calls: int | None = None) -> dict:
     """Our forward + backward of ``kernel`` on a tiny case, split into ``LAYERS`` (µs per call), and
     the operator dispatch that an eager call skips (``dispatch_skipped_us``).
 
-    Chapter 09 draws it.
+    Chapter 09 shows it, through ``run`` and ``plot``.
 
     Args:
         kernel: one of ``PASSES``'s kernels.

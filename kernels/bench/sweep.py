@@ -977,7 +977,7 @@ def run_benchmark(
     shape (``measure_shape``). On a GPU the copy and matmul ceilings are measured first unless
     ``ceilings`` is given. Returns the results dict that ``save_results`` writes as JSON.
 
-    Chapters 04, 07 and 11 show what it recorded.
+    Chapters 04, 07 and 11 run it.
 
     Args:
         kernel: one of ``KERNELS``.
@@ -1000,7 +1000,8 @@ def run_benchmark(
 
     Raises:
         TypeError: when ``dtype`` has no error bound.
-        ValueError: when ``kernel``, a pass, an implementation or a size is unknown or out of range.
+        ValueError: when ``kernel``, a pass, an implementation, a size or ``rounds`` is unknown or
+            out of range.
     """
     check_kernel(kernel)
     if dtype not in RELATIVE_ERROR_TOL:

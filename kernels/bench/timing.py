@@ -99,7 +99,7 @@ def measure_ceilings(copy_bytes: int = 2 << 30, matmul_n: int = 8192) -> dict:
     ``matmul_n``³ on random bf16 data (zeros run faster than real data and would flatter the
     ceiling).
 
-    Chapter 00 measures them; chapters 04 and 07 read them.
+    Chapters 00, 04 and 07 measure them with it.
 
     Args:
         copy_bytes: bytes copied one way.

@@ -122,8 +122,8 @@ def run_scaling(preset: str, gpus: list[int], seq_lens: list[int], *, variants=(
     Args:
         preset: the model preset.
         gpus: the GPU counts to compare.
-        seq_lens: the sequence lengths to try at each count (tried shortest first; longer ones are
-            skipped once one does not fit).
+        seq_lens: the sequence lengths to try at each count (shortest first; the longer ones are
+            skipped after one that does not fit or fails).
         variants: ``"baseline"``, ``"patched"`` or both.
         steps: optimizer steps per run.
         batch_per_gpu: rows per GPU per micro-batch.

@@ -328,7 +328,7 @@ class ProbePoint:
 
 @dataclass
 class ProbeRun:
-    """One variant's probes (``probe``): its name, the preset, its settings and a ``ProbePoint`` per length."""
+    """One variant's probes (``probe``): its name, preset, settings and a ``ProbePoint`` per length."""
     variant: str
     preset: str
     settings: dict
@@ -424,7 +424,7 @@ def prepare(preset: str, kernels="ours", tiled_mlp: bool = False, offload: bool 
         offload: offload the checkpoints to host memory.
         gradient_checkpointing: checkpoint each decoder layer.
         offload_options: keyword arguments for ``enable_checkpoint_offload``.
-        tile: the tiled MLP's rows per tile (None: chosen from the free memory at each step).
+        tile: the tiled MLP's rows per tile (None: the one ``tile_rows`` picks from the free memory).
         seed: the seed of the weights.
 
     Returns:

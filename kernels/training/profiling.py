@@ -336,7 +336,7 @@ def measure_step_memory(model, batch, optimizer, compute_loss=hf_loss) -> Memory
     Args:
         model: the model, on a CUDA device.
         batch: its inputs, on that device.
-        optimizer: the optimizer over the model's parameters (its states made by an earlier step).
+        optimizer: the optimizer over the model's parameters.
         compute_loss: ``compute_loss(model, batch)`` returns the loss.
 
     Returns:
@@ -814,7 +814,7 @@ class AmdahlEstimate:
     peak_bytes: int
 
     def summary(self) -> str:
-        """The bound in words: the targets' shares, the fastest step they allow, the loss's share of the peak.
+        """The bound in words: the targets' shares, the fastest step they allow, the loss's part of the peak.
 
         Returns:
             the text.

@@ -557,7 +557,11 @@ def run(preset: str, batch: int, seq: int, rank: int, alpha: float, warmup: int,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line's parser (``python -m kernels.bench.lora --help``)."""
+    """The command line's parser.
+
+    Returns:
+        The ``argparse`` parser of ``python -m kernels.bench.lora``.
+    """
     parser = argparse.ArgumentParser(prog="python -m kernels.bench.lora",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default=None, choices=tuple(PRESETS),

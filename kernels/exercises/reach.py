@@ -292,6 +292,20 @@ FORBIDDEN: dict[str, tuple[Forbid, ...]] = {
     "rstd_warp_per_row": CPP_RMS_NORM,
     "tiled_forward": TILED_MLP,
     "offload_hooks": OFFLOAD,
+    # Chapter 17: the fused add + RMSNorm forward kernel; the package's fused version in every form,
+    # its RMSNorm, PyTorch's and Hugging Face's, the check's reference and the solution's kernel.
+    "add_rms_norm_kernel": (
+        Forbid("kernels.add_rmsnorm:add_rms_norm", "the package's finished fused add + RMSNorm"),
+        Forbid("kernels.add_rmsnorm:add_rms_norm_forward", "the package's finished fused add + RMSNorm"),
+        Forbid("kernels.add_rmsnorm:add_rms_norm_fwd_kernel.run", "the package's finished fused kernel"),
+        Forbid("kernels.add_rmsnorm:AddRMSNormFunction.forward", "the package's finished fused add + RMSNorm"),
+        Forbid("torch._ops:ops.kernels.add_rms_norm_fwd", "the package's finished fused operator"),
+        Forbid("kernels.exercises.whole_step:add_rms_norm_reference",
+               "the float64 reference the check compares with"),
+        Forbid("kernels.exercises.solutions.add_rms_norm_kernel:add_rms_norm_kernel.run",
+               "the hidden solution's kernel"),
+        *RMS_NORM_FORWARD, *RMS_NORM_KERNELS[:3],
+    ),
 }
 
 

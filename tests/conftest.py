@@ -40,7 +40,7 @@ from kernels import runtime  # noqa: E402
 SEED_ENV = "KERNELS_TEST_SEED"
 HYPOTHESIS_PROFILE_ENV = "KERNELS_HYPOTHESIS_PROFILE"
 
-# hypothesis (tests/strategies.py): a few examples per test in the interpreter, where each kernel launch costs
+# hypothesis (tests/support/strategies.py): a few examples per test in the interpreter, where each kernel launch costs
 # milliseconds and CI has a time budget; many more on a GPU. No deadline: the first call of a kernel compiles it.
 _HYPOTHESIS_SLOW = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture]
 settings.register_profile("cpu", max_examples=12, deadline=None, suppress_health_check=_HYPOTHESIS_SLOW,

@@ -416,7 +416,7 @@ def _shorten(text: str, width: int = 160) -> str:
 def _named(problem: str) -> bool:
     """Whether ``problem`` is one of the precise diagnoses (not the catch-alls)."""
     catch_all = ("None of the usual mistakes reproduces it", "values differ from Hugging Face's",
-                 "differs from x + residual")
+                 "differs from x + residual", "holds NaN or infinity")
     return not any(text in problem for text in catch_all)
 
 
@@ -468,7 +468,8 @@ def check_add_rms_norm(fn: Callable, seed: int | None = None, verbose: bool = Tr
             same_bits.append(_same_bits(y, rms_norm_reference(h_right, w.cpu(), case.eps)))
         if (problem is not None and case.dtype == torch.bfloat16 and torch.float32 in worst
                 and y is not None and not _named(problem)):
-            detail = f"relative error of y {relative_error(_f64(y), _norm64(h_right, w, case.eps)):.1e}"
+            detail = (f"relative error of h {relative_error(_f64(h), _f64(h_right)):.1e}, of y "
+                      f"{relative_error(_f64(y), _norm64(h_right, w, case.eps)):.1e}")
             problem = f"on a {case}, " + hint("no_upcast", detail=detail)
         if problem is not None:
             return verdict(False, problem, verbose)

@@ -51,7 +51,7 @@ DEFAULT_VOCAB_SIZE = 2048
 DATASET_SEED = 0  # the dataset is fixed; the seed given to make_sft_batches shuffles it
 DEFAULT_EXAMPLES = 2000
 # The shortest row that holds any exchange of this dataset with the workbook's tokenizer: its
-# shortest prompt, the BOS and one response token (tests/test_data.py checks it). Command lines
+# shortest prompt, the BOS and one response token (tests/training/test_data.py checks it). Command lines
 # refuse shorter --seq-len before any work.
 MIN_SEQ_LEN = 21
 

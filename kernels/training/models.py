@@ -275,7 +275,7 @@ def norm_bytes_per_token(hidden: int, dtype: torch.dtype = torch.bfloat16) -> in
 def activation_bytes_per_token_layer(config: LlamaConfig, dtype: torch.dtype = torch.bfloat16) -> int:
     """Bytes one decoder layer saves for the backward pass per token, in Hugging Face's Llama (an estimate).
 
-    Counted from what autograd keeps (``tests/test_models.py`` checks it against the tensors a real
+    Counted from what autograd keeps (``tests/training/test_models.py`` checks it against the tensors a real
     step saves), with h the hidden size, q the query width (heads × head_dim) and ``size`` the bytes
     of ``dtype``:
 

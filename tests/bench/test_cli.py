@@ -17,7 +17,7 @@ from kernels import runtime
 from kernels.bench import cli
 from kernels.bench.results import RESULTS, device_slug
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SLUG = device_slug()
 CPU_ONLY = pytest.mark.skipif(runtime.MODE == "gpu", reason="CPU sizes; on a GPU these runs take minutes")
 
@@ -429,7 +429,8 @@ def test_every_default_run_writes_into_the_runs_folder_and_touches_no_tracked_fi
 
 
 def test_the_distributed_commands_default_to_the_runs_folder(monkeypatch, tmp_path):
-    # They start torchrun processes (tests/test_scaling.py and tests/test_distributed.py run them): here the policy.
+    # They start torchrun processes (tests/distributed/test_scaling.py and tests/distributed/test_distributed.py
+    # run them): here the policy.
     monkeypatch.setenv(cli.RUNS_ENV, str(tmp_path))
     from kernels.distributed.finetune import build_fsdp_parser
     from kernels.distributed.scaling import build_parser

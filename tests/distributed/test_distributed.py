@@ -19,7 +19,7 @@ from kernels.tolerances import RELATIVE_ERROR_TOL
 from kernels.training.loop import count_trained_labels, make_run_batches, train
 from kernels.training.models import build_model, llama_config
 
-WORKER = Path(__file__).with_name("fsdp_worker.py")
+WORKER = Path(__file__).resolve().parents[1] / "support" / "fsdp_worker.py"
 STEPS, SEQ_LEN, BATCH, GRAD_ACCUM, LR = 3, 64, 4, 2, 1e-3
 # Every kernel but the linear cross-entropy (the tiny model's logits are small): the sharded MLPs then run
 # SwiGLUDownFunction and the in-place SwiGLU backward on FSDP2's gathered weights.
@@ -103,16 +103,17 @@ def two_and_one(request, tmp_path_factory):
     """The 2-process FSDP2 run (torchrun, gloo; all-gathers two layers ahead; gradient checkpointing, whose
     recomputation in the backward must give the very values of the forward) and the 1-process run on the same
     global batches without checkpointing, float32, both stepped by ``ADAMW``."""
-    seed = seed_of_test(request.config, "tests/test_distributed.py::two_and_one")
+    seed = seed_of_test(request.config, "tests/distributed/test_distributed.py::two_and_one")
     out = tmp_path_factory.mktemp("fsdp") / "rank0.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--nnodes=1",
            "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(WORKER), "--out", str(out),
            "--seed", str(seed), "--steps", str(STEPS), "--seq-len", str(SEQ_LEN), "--batch-size", str(BATCH),
            "--grad-accum", str(GRAD_ACCUM), "--lr", str(LR), "--prefetch", "2", "--gradient-checkpointing",
            "--kernels", ",".join(KERNELS), "--adamw", ADAMW]
-    # The worker is a script, so Python looks for modules beside it (tests/), not in the working directory: put
-    # this checkout's root first on the path, so the workers import the kernels under test and not an installed copy.
-    root = str(Path(__file__).parents[1])
+    # The worker is a script, so Python looks for modules beside it (tests/support/), not in the working
+    # directory: put this checkout's root first on the path, so the workers import the kernels under test and not
+    # an installed copy.
+    root = str(Path(__file__).parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     # start_new_session: on a timeout the whole group (torchrun and its workers) is ended, not torchrun alone.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
@@ -218,9 +219,9 @@ def test_gpu_200_patched_steps_on_two_gpus_with_prefetch(tmp_path):
     200 steps of Hugging Face's model, then 200 of the patched one, on the same batches. The RMSNorm backward never
     waits on another program (its dW partials are summed by a second launch), so nothing can hang whatever NCCL
     occupies; a hang would hit the timeout. The patched losses must stay finite and track the baseline's: over the
-    first 20 steps within the bound the single-process bf16 comparison of 20 steps uses (0.05, tests/test_train.py);
-    later, two bf16 runs that round differently drift apart step by step, so the last 20 steps are compared by
-    their mean (a wrong gradient moves the whole curve, rounding only jitters it)."""
+    first 20 steps within the bound the single-process bf16 comparison of 20 steps uses (0.05,
+    tests/training/test_train.py); later, two bf16 runs that round differently drift apart step by step, so the last
+    20 steps are compared by their mean (a wrong gradient moves the whole curve, rounding only jitters it)."""
     import math
 
     from kernels.distributed.parallel import launch

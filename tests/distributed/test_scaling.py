@@ -32,8 +32,9 @@ matplotlib.use("Agg")
 def test_scaling_command_runs_one_and_two_processes(tmp_path, capsys):
     """``python -m kernels.distributed.scaling`` on the CPU: torchrun with 1 and 2 gloo processes, baseline and patched,
     each through ``python -m kernels.distributed.finetune``; JSON and plot written. At the same per-GPU batch the 1- and
-    2-process runs see different global batches, so their losses are not compared here (tests/test_distributed.py
-    does that at the same global batch); baseline and patched are, at each size."""
+    2-process runs see different global batches, so their losses are not compared here
+    (tests/distributed/test_distributed.py does that at the same global batch); baseline and patched are, at each
+    size."""
     assert main(["--preset", "tiny", "--gpus", "1,2", "--seq-lens", "48", "--steps", "2", "--out", str(tmp_path),
                  "--timeout", "240"]) == 0
     data = json.loads((tmp_path / "scaling" / "tiny.json").read_text())
@@ -47,7 +48,8 @@ def test_scaling_command_runs_one_and_two_processes(tmp_path, capsys):
     assert data["longest_fitting"] == {"baseline": {"1": 48, "2": 48}, "patched": {"1": 48, "2": 48}}
     for n in (1, 2):
         base, ours = (next(r for r in runs if r["gpus"] == n and r["variant"] == v) for v in ("baseline", "patched"))
-        # bf16, two implementations of the same model that round differently: the bound tests/test_train.py uses.
+        # bf16, two implementations of the same model that round differently: the bound
+        # tests/training/test_train.py uses.
         assert all(abs(a - b) < 0.05 for a, b in zip(base["losses"], ours["losses"])), (base["losses"], ours["losses"])
     axes = plot_scaling(data)
     assert axes[0].lines

@@ -18,7 +18,7 @@ from kernels.attention import attention_reference, flash_attention
 from kernels.exercises import solutions
 from kernels.exercises.attention import HINTS, MISTAKES, blockwise_attention, cases, check_attention_loop, diagnose
 
-NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "16_flash_attention.ipynb"
+NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "16_flash_attention.ipynb"
 
 RIGHT = '''
 def attention_loop(q, k, v, causal, block_n):

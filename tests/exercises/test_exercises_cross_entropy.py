@@ -30,7 +30,7 @@ from kernels.exercises.cross_entropy import (
 from kernels.exercises.solutions import load
 from kernels.reference import online_logsumexp
 
-NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 TRIPPED = "that is a finished answer to this exercise"
 
 

@@ -661,7 +661,7 @@ def test_a_shape_clash_on_the_gpu_is_recognised_too():
     ("03_rmsnorm_backward.ipynb", "rms_norm_bwd_kernel", "tile_report"),
 ])
 def test_the_package_kernel_is_printed_only_once_the_exercise_passes(notebook, kernel, report):
-    cells = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / notebook).read_text())["cells"]
+    cells = json.loads((Path(__file__).resolve().parents[2] / "notebooks" / notebook).read_text())["cells"]
     printing = [cell for cell in cells if f"kernels.rmsnorm.{kernel}.fn" in "".join(cell["source"])]
     assert len(printing) == 1
     source = "".join(printing[0]["source"])
@@ -879,7 +879,7 @@ def test_a_tile_kernel_wrapper_that_launches_the_package_kernel_is_refused():
 
 
 def notebook_cell(notebook: str, cell_id: str) -> str:
-    cells = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / notebook).read_text())["cells"]
+    cells = json.loads((Path(__file__).resolve().parents[2] / "notebooks" / notebook).read_text())["cells"]
     return "".join(next(cell for cell in cells if cell.get("id") == cell_id)["source"])
 
 
@@ -900,7 +900,7 @@ def test_the_stubs_as_shipped_fail_with_their_message(notebook, cell_id, name, c
 
 
 def test_the_dx_formula_is_shown_only_once_the_exercise_passes():
-    cells = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / "03_rmsnorm_backward.ipynb").read_text())
+    cells = json.loads((Path(__file__).resolve().parents[2] / "notebooks" / "03_rmsnorm_backward.ipynb").read_text())
     cells = cells["cells"]
     gate = next(i for i, cell in enumerate(cells) if cell.get("id") == "03-dx-formula")
     assert "if report or show_formula:" in "".join(cells[gate]["source"])

@@ -28,7 +28,7 @@ TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_l
 # The norms and the loss: what the tests of those two kernels patch (chapter 08's pair).
 NORM_AND_LOSS = ("rms_norm", "cross_entropy")
 # Every switch but the two memory switches of long sequences, which need checkpointing (tested at the end).
-# Our attention replaces the two SDPA mask switches when on (tests/test_attention_hf.py), and lora applies to PEFT
+# Our attention replaces the two SDPA mask switches when on (tests/hf/test_attention_hf.py), and lora applies to PEFT
 # models only: neither is among these.
 SPEED_SWITCHES = tuple(name for name in SWITCHES
                        if name not in ("tiled_mlp", "offload_checkpoints", "lora", "attention"))

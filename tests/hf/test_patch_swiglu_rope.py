@@ -46,7 +46,8 @@ def calls(monkeypatch):
 @pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
 def test_patched_model_matches_original(family, device, gen, calls, monkeypatch):
     # The counts below are the Python path's launches: on a GPU, RoPE's C++ node launches the same kernel without
-    # passing through launch (tests/test_host_path.py compares the two; the next test runs the model through it).
+    # passing through launch (tests/kernels/test_host_path.py compares the two; the next test runs the model
+    # through it).
     monkeypatch.setattr(host_path, "takes_rope", lambda *args: False)
     model = tiny_model(family, seed_from(gen))
     reference = copy.deepcopy(model)
@@ -70,7 +71,7 @@ def test_every_kernel_on_matches_original(device, gen, calls):
     reference = copy.deepcopy(model)
     batch = random_batch(gen)
     ref_loss, ref_grads = loss_and_grads(reference, batch)
-    # Every kernel that speeds a step up; the two memory switches need checkpointing (tests/test_patch.py).
+    # Every kernel that speeds a step up; the two memory switches need checkpointing (tests/hf/test_patch.py).
     patch_llama(model, **{name: True for name in SWITCHES if name not in ("tiled_mlp", "offload_checkpoints")})
     loss, grads = loss_and_grads(model, batch)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)

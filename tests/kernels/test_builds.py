@@ -2,9 +2,9 @@
 architectures a CUDA build compiles for, `python -m kernels.prebuild`, and the CUDA kernels' launch bounds against
 the blocks the host code launches.
 
-Nothing here compiles except `test_prebuild_on_this_machine` (the CPU extension, which tests/test_cuda_rmsnorm.py
-builds in the same session anyway) and the GPU-marked register check: the builds are PyTorch's `load`, replaced by
-a stand-in that writes the library file it would have written."""
+Nothing here compiles except `test_prebuild_on_this_machine` (the CPU extension, which
+tests/kernels/test_cuda_rmsnorm.py builds in the same session anyway) and the GPU-marked register check: the builds
+are PyTorch's `load`, replaced by a stand-in that writes the library file it would have written."""
 
 import os
 import re
@@ -20,7 +20,7 @@ from torch.utils import cpp_extension
 
 from kernels import cuda_rmsnorm, host_path, prebuild, runtime
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CUDA_SOURCE = ROOT / "kernels" / "csrc" / "rmsnorm_cuda.cu"
 
 

@@ -389,7 +389,7 @@ def test_unchecked_out_of_range_target_gives_nan_not_a_wrong_number(device, gen)
 def test_forward_config_in_the_interpreter():
     cfg = forward_config(37, 32003, runtime.INTERPRETER)
     assert cfg.block_v == 4096 and cfg.rows * cfg.block_v <= 1 << 18 and cfg.rows >= 37  # one program
-    # (GPU configurations, for several chips, are checked in tests/test_launch_config.py.)
+    # (GPU configurations, for several chips, are checked in tests/kernels/test_launch_config.py.)
 
 
 def test_loss_memory_bytes():

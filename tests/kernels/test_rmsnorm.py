@@ -173,7 +173,7 @@ def test_gpu_llama_shapes_bf16(rows, hidden, gen):
 @pytest.mark.gpu
 def test_gpu_every_element_written(gen, monkeypatch):
     # Poison: make torch.empty hand out NaN-filled memory, so any element a kernel forgets to write stays NaN. The
-    # Python path allocates through torch.empty; the C++ node (same kernels, same bits: tests/test_host_path.py)
+    # Python path allocates through torch.empty; the C++ node (same kernels, same bits: tests/kernels/test_host_path.py)
     # allocates in C++, which the poison cannot reach, so it is turned off here.
     monkeypatch.setattr(host_path, "takes_rms_norm", lambda *args: False)
     real_empty = torch.empty

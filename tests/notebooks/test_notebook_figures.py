@@ -21,7 +21,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-NOTEBOOK_DIR = Path(__file__).resolve().parents[1] / "notebooks"
+NOTEBOOK_DIR = Path(__file__).resolve().parents[2] / "notebooks"
 NOTEBOOKS = sorted(p.name for p in NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
 
 # A number: digits with optional thousands commas and decimals, not glued to a word, a dot or another number.

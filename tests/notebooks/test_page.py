@@ -14,7 +14,7 @@ from kernels.bench import sweep
 from kernels.bench.results import format_table, load_results
 from kernels.bench.tables import Section, html_table
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 CHAPTERS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]

@@ -15,7 +15,7 @@ import re
 import tokenize
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "kernels"
 LONG = 110
 MAX_LONG_SHARE = 0.03

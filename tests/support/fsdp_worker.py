@@ -1,4 +1,4 @@
-"""One rank of the 2-process FSDP2 check in ``tests/test_distributed.py`` (started by torchrun, not collected).
+"""One rank of the 2-process FSDP2 check in ``tests/distributed/test_distributed.py`` (torchrun starts it).
 
 Every rank trains the patched tiny model, float32, sharded with FSDP2, on the global batches the test gives, with
 the AdamW named by ``--adamw``; after the first step's backward it gathers every gradient from its DTensor shards.

@@ -12,7 +12,7 @@ import pytest
 from kernels import runtime
 from kernels.training.finetune import build_parser, main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_compare_on_the_command_line(tmp_path):

@@ -80,7 +80,7 @@ def test_packed_and_padded_give_the_same_per_example_losses(seed):
     with patch_llama(model, kernels=(), attention=True):
         packed = summed(pack_examples(examples, tokens_per_batch=160))
     # Batches of other shapes round the float32 matmuls differently; a leak across examples moves the loss by far
-    # more than this (tests/test_attention_hf.py shows the same examples attended across).
+    # more than this (tests/hf/test_attention_hf.py shows the same examples attended across).
     lengths = [len(ids) for ids, _ in examples]
     assert abs(packed - padded) <= 1e-4 * abs(padded), (packed, padded, lengths)
 

@@ -4,6 +4,7 @@
     python -m kernels.training.finetune --compare --fit      # also the longest sequence that fits, each way (GPU)
     python -m kernels.training.finetune                      # the patched run alone
     python -m kernels.training.finetune --lora 16 --compare  # Hugging Face + PEFT against patched + PEFT
+    python -m kernels.training.finetune --optimizer-in-backward  # AdamW stepped inside the backward
 
 Sharded across GPUs with FSDP2, the same flags run under torchrun from the distributed wing:
 ``torchrun --nproc-per-node 2 -m kernels.distributed.finetune --batch-size 2``.
@@ -111,6 +112,11 @@ def build_parser(writes: str = "finetune/<name>.json and .png") -> argparse.Argu
                         "default optimizer of Hugging Face's Trainer), or this package's triton (kernels.adamw)")
     p.add_argument("--patched-adamw", choices=ADAMW_IMPLEMENTATIONS, default=None,
                    help="the AdamW of the patched run, if not --adamw's (e.g. --adamw fused --patched-adamw triton)")
+    p.add_argument("--optimizer-in-backward", action="store_true",
+                   help="step the patched run's parameters inside its backward, each as soon as its gradient is "
+                        "final, and free the gradient (kernels.training.optim_in_backward; the Triton AdamW "
+                        "kernel, so --patched-adamw, if given, must be triton; the baseline of --compare keeps "
+                        "--adamw)")
     p.add_argument("--name", type=cli.file_name, default=None,
                    help="the results' name: finetune/NAME.json and .png under the results root (default: the "
                         "preset; <preset>_patched without --compare; under torchrun fsdp/NAME_<N>gpu.json); its "
@@ -141,6 +147,14 @@ def patch_options(args) -> dict:
     if args.kernels is None:
         return {}
     return {name: name in args.kernels for name in SWITCHES}
+
+
+def patched_adamw(args) -> str:
+    """The AdamW of the patched run: ``--patched-adamw``, else ``triton`` with
+    ``--optimizer-in-backward`` (its kernel), else ``--adamw``."""
+    if args.patched_adamw is not None:
+        return args.patched_adamw
+    return "triton" if args.optimizer_in_backward else args.adamw
 
 
 def _choose_preset(args) -> tuple[str, str]:
@@ -228,7 +242,8 @@ def _single_run(args, preset: str, lr: float) -> None:
     patch = patch_llama(model, **patch_options(args))
     run = train(model, batches, grad_accum=args.grad_accum, lr=lr, label="patched",
                 progress=not args.no_progress,
-                padding_mask=args.padding_mask, adamw=args.patched_adamw or args.adamw)
+                padding_mask=args.padding_mask, adamw=patched_adamw(args),
+                optimizer_in_backward=args.optimizer_in_backward)
     patch.undo()
     peak = f"{run.peak_memory / GiB:.2f} GiB" if run.peak_memory is not None else "n/a (CPU)"
     print(f"patched: {run.tokens_per_s:,.0f} tokens/s (all tokens; {run.real_tokens_per_s:,.0f} non-padding), "
@@ -255,7 +270,8 @@ def _settings(args, preset: str, lr: float) -> dict:
             "grad_accum": args.grad_accum, "lr": lr, "seed": args.seed, "dtype": "bfloat16",
             "warmup_steps": WARMUP_STEPS, "patch_options": patch_options(args),
             "gradient_checkpointing": args.gradient_checkpointing, "padding_mask": args.padding_mask,
-            "adamw": args.adamw, "patched_adamw": args.patched_adamw or args.adamw}
+            "adamw": args.adamw, "patched_adamw": patched_adamw(args),
+            "optimizer_in_backward": args.optimizer_in_backward}
 
 
 def results_name(args, preset: str) -> str:
@@ -302,6 +318,12 @@ def flag_problems(args) -> list[str]:
         problems.append(f"{', '.join(given)} only {tune} the fit search: add --fit, or leave {them} out")
     if args.lora_alpha is not None and args.lora is None:
         problems.append("--lora-alpha sets the LoRA adapters' alpha: add --lora RANK, or leave it out")
+    if args.optimizer_in_backward and patched_adamw(args) != "triton":
+        problems.append(f"--optimizer-in-backward runs the Triton AdamW kernel: --patched-adamw {args.patched_adamw} "
+                        "cannot be it; leave --patched-adamw out, or name triton")
+    if args.optimizer_in_backward and args.probe:
+        problems.append("--probe measures memory with its own steps, not the training loop's: leave out "
+                        "--optimizer-in-backward there")
     return problems
 
 
@@ -362,9 +384,10 @@ def _lora_compare(args, preset: str, lr: float) -> int:
         # the defaults and the fused adapters, unless --kernels
         options = patch_options(args) or {"lora": True}
         handle = patch_llama(wrapped, **options) if variant == "patched" else None
-        adamw = (args.patched_adamw or args.adamw) if variant == "patched" else args.adamw
+        adamw = patched_adamw(args) if variant == "patched" else args.adamw
         runs[variant] = train(wrapped, batches, grad_accum=args.grad_accum, lr=lr, label=f"{variant} + PEFT",
-                              progress=not args.no_progress, padding_mask=args.padding_mask, adamw=adamw)
+                              progress=not args.no_progress, padding_mask=args.padding_mask, adamw=adamw,
+                              optimizer_in_backward=args.optimizer_in_backward and variant == "patched")
         if handle is not None:
             handle.undo()
         del wrapped, model, handle
@@ -412,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
                                  patch_options=patch_options(args),
                                  gradient_checkpointing=args.gradient_checkpointing,
                                  padding_mask=args.padding_mask, adamw=args.adamw,
-                                 patched_adamw=args.patched_adamw)
+                                 patched_adamw=patched_adamw(args),
+                                 optimizer_in_backward=args.optimizer_in_backward)
     if args.fit:
         result.fit = _fit(args, preset)
     if args.slope:

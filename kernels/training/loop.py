@@ -3,8 +3,9 @@
 ``train(model, batches, ...)`` is the loop a reader would write: AdamW (``torch.optim.AdamW`` with
 its defaults, "foreach" on a GPU; ``adamw="fused"`` for its one-kernel implementation, the default
 optimizer of Hugging Face's Trainer; ``adamw="triton"`` for this package's
-``kernels.adamw.TritonAdamW``), the model's own loss (``model(**batch).loss``), gradient
-accumulation over ``grad_accum`` micro-batches, and per step a record of the loss, the time, the
+``kernels.adamw.TritonAdamW``; ``optimizer_in_backward=True`` for that kernel run inside the
+backward, ``kernels.training.optim_in_backward``), the model's own loss (``model(**batch).loss``),
+gradient accumulation over ``grad_accum`` micro-batches, and per step a record of the loss, the time, the
 tokens and the peak memory. Its step loop (``train_steps``) also runs every rank of a sharded run
 (``kernels.distributed.parallel.train_fsdp``), given the global label count of each step and a sum
 of the loss across ranks.
@@ -43,6 +44,7 @@ that fits is searched in ``kernels.training.fit``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import statistics
@@ -63,6 +65,7 @@ from kernels.reference import relative_error
 
 from .data import IGNORE_INDEX, get_tokenizer, make_sft_batches
 from .models import GiB, build_model, llama_config
+from .optim_in_backward import OptimizerInBackward
 
 WARMUP_STEPS = 3
 VARIANTS = ("baseline", "patched")
@@ -252,6 +255,7 @@ def train(
     after_backward: Callable[[int, torch.nn.Module], None] | None = None,
     padding_mask: bool = True,
     adamw: str = "foreach",
+    optimizer_in_backward: bool = False,
 ) -> RunResult:
     """Fine-tune ``model`` on ``batches`` (micro-batches, ``grad_accum`` per optimizer step); see
     the module docstring.
@@ -268,12 +272,17 @@ def train(
     ``after_backward(step, model)``, if given, is called once per step after the last backward and
     before ``optimizer.step()`` (tests read the gradients there; its time counts in the step's
     time).
+
+    ``optimizer_in_backward=True`` steps each parameter inside the step's last backward
+    (``kernels.training.optim_in_backward.OptimizerInBackward``, the Triton kernel of
+    ``adamw="triton"``, which ``adamw`` must then be); the other micro-batches accumulate. Their
+    gradients are gone by ``after_backward``'s call, so the two are not taken together.
     """
     check_train_args(batches, grad_accum, lr, warmup_steps)
     groups = step_groups(batches, grad_accum)
     return train_steps(model, groups, labels_per_step(groups), lr=lr, label=label, warmup_steps=warmup_steps,
                         progress=progress, after_backward=after_backward, padding_mask=padding_mask,
-                        adamw=adamw)
+                        adamw=adamw, optimizer_in_backward=optimizer_in_backward)
 
 
 def _own_loss(step_loss: torch.Tensor) -> torch.Tensor:
@@ -281,18 +290,23 @@ def _own_loss(step_loss: torch.Tensor) -> torch.Tensor:
     return step_loss
 
 
-def _forward_backward(model: torch.nn.Module, micro_batches: list[dict], num_items: int) -> torch.Tensor:
+def _forward_backward(model: torch.nn.Module, micro_batches: list[dict], num_items: int,
+                      optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
     """Forward and backward over one step's micro-batches, the gradients accumulating in ``.grad``;
     returns the sum of their losses. Each loss is a sum over labels divided by ``num_items``, so the
-    sum is a mean over them."""
+    sum is a mean over them. With an ``OptimizerInBackward`` as ``optimizer``, every backward but
+    the last runs inside its ``accumulating()``, and the last one updates the parameters."""
     step_loss = torch.zeros((), dtype=torch.float32, device=micro_batches[0]["input_ids"].device)
-    for batch in micro_batches:
+    in_backward = isinstance(optimizer, OptimizerInBackward)
+    for i, batch in enumerate(micro_batches):
         # Under CUDA graphs (torch.compile mode="reduce-overhead") each call is a new step whose
         # outputs may reuse the last call's memory; the loss is added to step_loss before the next
         # call. Elsewhere a no-op.
         torch.compiler.cudagraph_mark_step_begin()
         loss = model(**batch, num_items_in_batch=num_items).loss
-        loss.backward()
+        final = i == len(micro_batches) - 1
+        with optimizer.accumulating() if in_backward and not final else contextlib.nullcontext():
+            loss.backward()
         step_loss += loss.detach()  # in float32, whatever the loss's dtype
         del loss
     return step_loss
@@ -301,12 +315,30 @@ def _forward_backward(model: torch.nn.Module, micro_batches: list[dict], num_ite
 ADAMW_IMPLEMENTATIONS = ("foreach", "fused", "triton")
 
 
-def make_adamw(model: torch.nn.Module, lr: float, adamw: str = "foreach") -> torch.optim.Optimizer:
-    """AdamW over ``model``'s parameters with PyTorch's default hyperparameters:
-    ``torch.optim.AdamW`` as it is (``"foreach"``) or with ``fused=True``, or
-    ``kernels.adamw.TritonAdamW`` (``"triton"``)."""
+def make_adamw(model: torch.nn.Module, lr: float, adamw: str = "foreach",
+               in_backward: bool = False) -> torch.optim.Optimizer:
+    """AdamW over ``model``'s parameters with PyTorch's default hyperparameters.
+
+    Args:
+        model: the model whose parameters it steps.
+        lr: the learning rate.
+        adamw: ``"foreach"`` (``torch.optim.AdamW`` as it is), ``"fused"`` (with ``fused=True``) or
+            ``"triton"`` (``kernels.adamw.TritonAdamW``).
+        in_backward: the Triton kernel inside the backward instead
+            (``kernels.training.optim_in_backward.OptimizerInBackward``, chapter 17); ``adamw``
+            must be ``"triton"``. Its hooks stay on the parameters until its ``remove()``.
+
+    Returns:
+        The optimizer.
+    """
     if adamw not in ADAMW_IMPLEMENTATIONS:
         raise ValueError(f"adamw must be one of {ADAMW_IMPLEMENTATIONS}, got {adamw!r}")
+    if in_backward:
+        if adamw != "triton":
+            raise ValueError(f"the optimizer in the backward runs the Triton kernel: adamw must be 'triton' with it, "
+                             f"got {adamw!r}")
+        # Trainable parameters only: a frozen one's hook would never fire (a LoRA model's base).
+        return OptimizerInBackward([p for p in model.parameters() if p.requires_grad], lr=lr)
     if adamw == "triton":
         return TritonAdamW(model.parameters(), lr=lr)
     return torch.optim.AdamW(model.parameters(), lr=lr, **({"fused": True} if adamw == "fused" else {}))
@@ -315,6 +347,10 @@ def make_adamw(model: torch.nn.Module, lr: float, adamw: str = "foreach") -> tor
 def describe_optimizer(optimizer: torch.optim.Optimizer, lr: float) -> str:
     """What ran, for a run's record: e.g. ``torch.optim.AdamW(lr=0.0001, fused=True), defaults
     otherwise``."""
+    if isinstance(optimizer, OptimizerInBackward):
+        return (f"kernels.training.optim_in_backward.OptimizerInBackward(lr={lr:g}, side_stream="
+                f"{optimizer.side_stream}), torch.optim.AdamW's defaults otherwise; each parameter stepped in "
+                "the step's last backward")
     if isinstance(optimizer, TritonAdamW):
         return f"kernels.adamw.TritonAdamW(lr={lr:g}), torch.optim.AdamW's defaults otherwise"
     fused = ", fused=True" if optimizer.defaults.get("fused") else ""
@@ -337,11 +373,12 @@ def train_steps(
     desc: str | None = None,
     rate_name: str = "tok_s",
     adamw: str = "foreach",
+    optimizer_in_backward: bool = False,
 ) -> RunResult:
     """The step loop of ``train`` and of ``kernels.distributed.parallel.train_fsdp``. ``groups``
     holds each optimizer step's micro-batches (CPU copies); per step, a forward and backward of
     each, one AdamW step and a ``StepRecord``. ``lr``, ``label``, ``warmup_steps``, ``progress``,
-    ``after_backward`` and ``padding_mask`` are ``train``'s.
+    ``after_backward``, ``padding_mask``, ``adamw`` and ``optimizer_in_backward`` are ``train``'s.
 
     What differs between one process and several ranks comes in as two arguments:
 
@@ -355,6 +392,9 @@ def train_steps(
     ``device`` is where the micro-batches go (default: the model's first parameter's). ``desc`` and
     ``rate_name`` label the progress bar and its tokens/s (default: ``label`` and ``tok_s``).
     """
+    if optimizer_in_backward and after_backward is not None:
+        raise ValueError("after_backward reads the gradients after the last backward, and with "
+                         "optimizer_in_backward=True they are freed inside it: take one or the other")
     device = next(model.parameters()).device if device is None else device
     steps = len(groups)
     warmup = min(warmup_steps, steps - 1)
@@ -363,9 +403,23 @@ def train_steps(
     real = [sum(int(b["attention_mask"].sum()) for b in group) for group in groups]
     total = [sum(b["input_ids"].numel() for b in group) for group in groups]
 
-    optimizer = make_adamw(model, lr, adamw)
+    optimizer = make_adamw(model, lr, adamw, in_backward=optimizer_in_backward)
+    try:
+        return _step_loop(model, groups, label_counts, micro, real, total, optimizer, lr=lr, label=label,
+                          warmup=warmup, progress=progress, after_backward=after_backward, device=device,
+                          reduce_loss=reduce_loss, desc=desc, rate_name=rate_name)
+    finally:
+        if isinstance(optimizer, OptimizerInBackward):
+            optimizer.remove()  # the hooks would keep the optimizer, and its states, alive with the model
+
+
+def _step_loop(model, groups, label_counts, micro, real, total, optimizer, *, lr, label, warmup, progress,
+               after_backward, device, reduce_loss, desc, rate_name) -> RunResult:
+    """``train_steps``' loop over the steps, given the optimizer and the micro-batches on the device."""
+    steps = len(groups)
     what_ran = describe_model(model)
     what_ran["optimizer"] = describe_optimizer(optimizer, lr)
+    what_ran["optimizer_in_backward"] = isinstance(optimizer, OptimizerInBackward)
     what_ran["grad_accum"] = len(groups[0])
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -377,7 +431,7 @@ def train_steps(
     runtime.synchronize(device)
     for step in bar:
         start = time.perf_counter()
-        step_loss = _forward_backward(model, micro[step], label_counts[step])
+        step_loss = _forward_backward(model, micro[step], label_counts[step], optimizer)
         if after_backward is not None:
             after_backward(step, model)
         optimizer.step()
@@ -393,7 +447,6 @@ def train_steps(
         records.append(record)
         bar.set_postfix({"loss": f"{record.loss:.4f}", rate_name: f"{record.tokens_per_s:,.0f}"})
     bar.close()
-    del optimizer
     return RunResult(label, what_ran, records, warmup)
 
 
@@ -602,6 +655,7 @@ def compare(
     padding_mask: bool = True,
     adamw: str = "foreach",
     patched_adamw: str | None = None,
+    optimizer_in_backward: bool = False,
 ) -> Comparison:
     """Train the baseline, then the patched model, from the same initial weights on the same batches.
 
@@ -617,10 +671,14 @@ def compare(
     padding masks of both runs (``train``). ``adamw`` is ``train``'s, for both runs unless
     ``patched_adamw`` names another for the patched run (e.g. Hugging Face with ``"fused"``, the
     default of its Trainer, against the patched model with ``"triton"``: every kernel of this
-    package, the optimizer's too).
+    package, the optimizer's too). ``optimizer_in_backward=True`` steps the patched run's
+    parameters inside its backward (``train``'s; its AdamW must then be ``"triton"``).
     """
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
+    if optimizer_in_backward and (patched_adamw or adamw) != "triton":
+        raise ValueError("optimizer_in_backward runs the Triton kernel in the patched run: its AdamW must be "
+                         f"'triton', got {patched_adamw or adamw!r}")
     lr = default_lr(preset) if lr is None else lr
     batches = make_run_batches(preset, steps, seq_len, batch_size, grad_accum, seed, tokenizer)
     settings = {
@@ -629,7 +687,7 @@ def compare(
         "lr": lr, "seed": seed, "dtype": str(dtype).replace("torch.", ""), "warmup_steps": warmup_steps,
         "patch_options": dict(patch_options or {}), "compile": compile,
         "gradient_checkpointing": gradient_checkpointing, "padding_mask": padding_mask, "adamw": adamw,
-        "patched_adamw": patched_adamw or adamw,
+        "patched_adamw": patched_adamw or adamw, "optimizer_in_backward": optimizer_in_backward,
     }
     runs = {}
     for variant in VARIANTS:
@@ -642,7 +700,8 @@ def compare(
         variant_adamw = settings["patched_adamw"] if variant == "patched" else adamw
         runs[variant] = train(runner, batches, grad_accum=grad_accum, lr=lr, label=variant,
                               warmup_steps=warmup_steps, progress=progress, padding_mask=padding_mask,
-                              adamw=variant_adamw)
+                              adamw=variant_adamw,
+                              optimizer_in_backward=optimizer_in_backward and variant == "patched")
         del runner
         torch._dynamo.reset()  # the next model compiles afresh, not against this one's guards
         if handle is not None:

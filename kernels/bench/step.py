@@ -42,6 +42,7 @@ import gc
 import importlib.util
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -432,8 +433,9 @@ def run_setup(setup: Setup, preset: str, dtype: torch.dtype, steps_batches: list
     elif setup.patch is not None:
         patch_llama(model, **setup.patch)
     optimizer = make_optimizer(setup.optimizer, model, lr, in_backward)
-    net = torch.compile(model, backend=None if runtime.MODE == "gpu" else runtime.COMPILE_BACKEND) \
-        if compile else model
+    net = model
+    if compile:  # inductor on a GPU; in the interpreter a backend whose graphs run eagerly
+        net = torch.compile(model, **({} if runtime.MODE == "gpu" else {"backend": runtime.COMPILE_BACKEND}))
     updates_in_backward = setup.optimizer == "in_backward"
     grad_accum = len(steps_batches[0])
     counts = [sum(_labels(b) for b in group) if grad_accum > 1 else None for group in steps_batches]
@@ -493,7 +495,12 @@ def loss_check(rows: dict, dtype: torch.dtype) -> dict:
 
 
 def ceilings_here() -> dict | None:
-    """The copy and bf16 matmul ceilings measured now (GPU), or None in the interpreter."""
+    """The ceilings of this GPU, measured now.
+
+    Returns:
+        ``kernels.bench.timing.measure_ceilings``'s dict (copy GB/s, bf16 matmul TFLOP/s), or None
+        in the interpreter.
+    """
     if runtime.MODE != "gpu":
         return None
     return measure_ceilings()
@@ -548,7 +555,9 @@ def run(preset: str, batch: int, seq: int, grad_accum: int, warmup: int, steps: 
                                          seed, in_backward)
         except torch.OutOfMemoryError as err:
             rows[setup.name] = {"label": setup.label, "error": f"out of memory: {first_line(err)}"}
-            _free()
+        except Exception as err:  # noqa: BLE001  (one setup's failure is its row; the others still run)
+            rows[setup.name] = {"label": setup.label, "error": f"{type(err).__name__}: {first_line(err)}"}
+            log(f"    failed: {rows[setup.name]['error']}")
         if limit and "tokens_per_s" in rows[setup.name]:
             rows[setup.name]["fraction_of_limit"] = rows[setup.name]["tokens_per_s"] / limit
     settings = dict(preset=preset, batch=batch, seq=seq, grad_accum=grad_accum, warmup=warmup, steps=steps,
@@ -576,7 +585,14 @@ def _versions() -> dict:
 
 
 def format_table(result: dict):
-    """The run as a ``kernels.bench.tables.Table``: one row per setup (``print`` it or display it)."""
+    """The run as a table, one row per setup.
+
+    Args:
+        result: a results dict (``run`` or ``load_step_results``).
+
+    Returns:
+        A ``kernels.bench.tables.Table``: ``print`` it, or display it in a notebook.
+    """
     s = result["settings"]
     timed = result.get("mode") == "gpu"
     limit = result.get("limit_tokens_per_s")
@@ -682,11 +698,27 @@ def plot_step_breakdown(result: dict, ax=None):
 
 
 def default_name(preset: str, batch: int, seq: int, grad_accum: int, compile: bool) -> str:
-    """The results file's name: ``<preset>_b<batch>_s<seq>_ga<grad_accum>[_compile]``."""
+    """The results file's name when ``--name`` does not give one.
+
+    Args:
+        preset: the model's preset.
+        batch: rows per micro-batch.
+        seq: tokens per row.
+        grad_accum: micro-batches per optimizer step.
+        compile: the models were compiled.
+
+    Returns:
+        ``<preset>_b<batch>_s<seq>_ga<grad_accum>[_compile]``.
+    """
     return f"{preset}_b{batch}_s{seq}_ga{grad_accum}{'_compile' if compile else ''}"
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser.
+
+    Returns:
+        The ``argparse.ArgumentParser`` of ``python -m kernels.bench.step``.
+    """
     parser = argparse.ArgumentParser(prog="python -m kernels.bench.step", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default=None, choices=tuple(PRESETS),
                         help="llama-3.1-8b (GPU default), llama-3.2-1b, tiny (CPU default)")
@@ -707,7 +739,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None) -> int:
+def main(argv=None, in_backward: type | None = None) -> int:
+    """The command line (``python -m kernels.bench.step --help``).
+
+    Args:
+        argv: the arguments (default: ``sys.argv[1:]``).
+        in_backward: the optimizer-in-backward class for the in-backward setups, handed in by a
+            caller above the bench wing (see ``NO_IN_BACKWARD``); without it they are skipped.
+
+    Returns:
+        The exit status.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     preset = args.preset or runtime.pick("tiny", "llama-3.1-8b")
@@ -721,10 +763,14 @@ def main(argv=None) -> int:
         problems += cli.gpu_problems(f"--preset {preset}", "a full-size model's step in the interpreter "
                                      "would take hours; use --preset tiny")
     cli.check_outputs(parser, args, [path], problems)
-    result = run(preset, args.batch, seq, args.grad_accum, warmup, steps, args.setups, args.compile, args.lr)
+    result = run(preset, args.batch, seq, args.grad_accum, warmup, steps, args.setups, args.compile, args.lr,
+                 in_backward=in_backward)
     print(format_table(result))
     print("saved", cli.write_json(path, result))
-    return 0
+    failed = [name for name, row in result["rows"].items() if "error" in row]
+    if failed:
+        print(f"failed: {', '.join(failed)} (their errors are in the table and the file)", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -11,10 +11,12 @@ import torch
 from kernels import runtime
 from kernels.bench import step as bench
 from kernels.bench.cli import REPO
+from kernels.hf.patch import SWITCHES
 from kernels.hf.presets import llama_config
 from kernels.training.optim_in_backward import OptimizerInBackward
 
-SETUPS = ("hf", "ours", "ours_in_backward")
+# The add-norm comparison exists once patch_llama has the switch.
+SETUPS = ("hf", "ours", "ours_in_backward") + (("ours_in_backward_no_add_norm",) if "add_rms_norm" in SWITCHES else ())
 ROW_FIELDS = {"label", "optimizer", "tokens_per_s", "step_ms", "host_ms", "device_ms", "peak_gib", "losses",
               "steps", "profile"}
 
@@ -42,7 +44,7 @@ def test_every_field_and_the_same_losses(result):
     hf = result["rows"]["hf"]["losses"]
     assert hf[0] != hf[-1]
     check = result["loss_check"]
-    assert set(check["max_rel_diff"]) == {"ours", "ours_in_backward"}
+    assert set(check["max_rel_diff"]) == set(SETUPS) - {"hf"}
     assert check["tolerance"] == 1e-5 and check["ok"], check
 
 
@@ -163,3 +165,14 @@ def test_argument_mistakes_exit_2_with_a_message(argv, message, capsys, tmp_path
         bench.main(argv + (["--out", str(tmp_path)] if "--record" not in argv else []))
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_failing_setup_is_its_row_and_the_exit_status(tmp_path, monkeypatch, capsys):
+    def refuse(kind, model, lr, in_backward=None):
+        raise RuntimeError("no optimizer today")
+
+    monkeypatch.setattr(bench, "make_optimizer", refuse)
+    assert bench.main(["--setups", "ours", "--seq", "8", "--steps", "1", "--out", str(tmp_path)]) == 1
+    saved = json.loads((tmp_path / "step" / "tiny_b1_s8_ga1.json").read_text())
+    assert saved["rows"]["ours"]["error"] == "RuntimeError: no optimizer today"
+    assert "failed: ours" in capsys.readouterr().err

@@ -125,7 +125,9 @@ class OptimizerInBackward(torch.optim.Optimizer):
 
     The step's other calls, as a ``torch.optim.Optimizer`` loop makes them:
 
-    * ``step()`` does no arithmetic (the update ran in the backward). It closes the step: it raises
+    * ``step()`` does no arithmetic (the updates ran in the backward; only a parameter that the
+      step's final backward did not reach, its gradient accumulated earlier, is updated there). It
+      closes the step: it raises
       if no backward updated the parameters since the last ``step()``, if some parameter got no
       gradient, or if it is called inside ``accumulating()``. Calling it once per step is required:
       a second updating backward before it raises (a forgotten ``accumulating()`` would otherwise
@@ -163,9 +165,9 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self._accumulating = 0
         self._updated: set[int] = set()  # ids of the parameters updated since the last step()
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._callback_queued = False
+        self._joined_task = None  # the backward whose end will join the streams (its graph task id)
         # Parameters that got a gradient inside accumulating() this step: the final backward may not
-        # reach them, and then their gradient is final at its end.
+        # reach them, and then their gradient is final only once it has ended (step() updates them).
         self._pending: dict[int, tuple[torch.Tensor, int]] = {}
         flags = dict(FLAG_DEFAULTS, maximize=bool(maximize))
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **flags))
@@ -258,7 +260,9 @@ class OptimizerInBackward(torch.optim.Optimizer):
             state["step"] = torch.as_tensor(state["step"]).to("cpu", torch.float32)
         state["step"] += 1
         self._updated.add(id(p))
-        self._queue_join()
+        in_backward = torch._C._current_graph_task_id() != -1
+        if in_backward:
+            self._queue_join()
         if p.device.type == "cuda" and self.side_stream:
             side = self._side(p.device)
             side.wait_stream(torch.cuda.current_stream(p.device))  # the gradient's producer, and the zeroed moments
@@ -270,6 +274,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
         else:
             self._launch(p, grad, state, group)
         p.grad = None
+        if not in_backward:
+            self.synchronize_streams()
 
     def _launch(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
         if self.max_grad_norm_per_param is not None:
@@ -282,26 +288,24 @@ class OptimizerInBackward(torch.optim.Optimizer):
                  float(state["step"]), bool(group.get("maximize", False)))
 
     def _queue_join(self) -> None:
-        """Once per updating backward: its end (``_join``) runs after every hook of it."""
-        if not self._callback_queued:
-            self._callback_queued = True
+        """Once per updating backward: its end (``_join``) runs after every hook of it. Keyed by the
+        backward's graph task, so that a backward that raised (and never ran its callbacks) leaves
+        nothing stale behind."""
+        task = torch._C._current_graph_task_id()
+        if task != self._joined_task:
+            self._joined_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._join)
 
     def _join(self) -> None:
-        """The end of an updating backward: update the parameters whose gradients were accumulated
-        earlier in the step but that this backward did not reach (final now), then make the
-        caller's stream wait for the side streams. Autograd runs it on the caller's stream."""
-        for p, index in list(self._pending.values()):
-            if p.grad is not None and id(p) not in self._updated:
-                self._update(p, index)
-        self._pending.clear()
-        self._callback_queued = False
+        """The end of an updating backward: the caller's stream waits for the side streams.
+        Autograd runs its final callbacks on the caller's stream."""
+        self._joined_task = None
         self.synchronize_streams()
 
     def synchronize_streams(self) -> None:
         """Make the current stream of each device wait for the updates queued on its side stream
-        (no host wait). The end of every updating backward does it; call it after a backward run
-        where autograd's callbacks do not (``torch.autograd.grad`` runs no hooks, so none)."""
+        (no host wait). The end of every updating backward does it, and ``state_dict`` too: call it
+        before reading the parameters on another stream than the backward's caller."""
         for device, side in self._streams.items():
             torch.cuda.current_stream(device).wait_stream(side)
 
@@ -314,7 +318,10 @@ class OptimizerInBackward(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Close the step: the updates already ran in the backward; check that they all did.
+        """Close the step: the updates ran in the backward; check that every parameter got one.
+
+        A parameter whose gradient came only from micro-batches inside ``accumulating()`` (the
+        final backward did not reach it) is updated here, its gradient being final now.
 
         Args:
             closure: optional, as for any optimizer: called (with grad enabled) first, its backward
@@ -330,6 +337,13 @@ class OptimizerInBackward(torch.optim.Optimizer):
         if self._accumulating:
             raise RuntimeError(f"{_NAME}.step() inside accumulating(): the step's final backward runs outside it, "
                                "and step() after that")
+        if self._updated:
+            # The step's final backward ran: gradients accumulated earlier for parameters it did not
+            # reach are final too.
+            for p, index in list(self._pending.values()):
+                if p.grad is not None and id(p) not in self._updated:
+                    self._update(p, index)
+            self._pending.clear()
         params = self._params()
         missed = [p for p in params if id(p) not in self._updated]
         self._updated.clear()

@@ -93,11 +93,13 @@ SETUP_TABLE = (
     Setup("hf", "Hugging Face eager + fused AdamW", None, "fused"),
     Setup("ours", "patch_llama defaults + TritonAdamW", {}, "triton"),
     Setup("ours_in_backward", "patch_llama defaults + AdamW in the backward", {}, "in_backward"),
-    Setup("ours_in_backward_no_add_norm", "the same, add_rms_norm off", {"add_rms_norm": False},
-          "in_backward"),
+    Setup("ours_in_backward_no_add_norm", "patch_llama(add_rms_norm=False) + AdamW in the backward",
+          {"add_rms_norm": False}, "in_backward"),
     Setup("liger", "Liger (every Llama kernel) + fused AdamW", None, "fused", liger=True),
 )
 SETUPS = tuple(s.name for s in SETUP_TABLE)
+SHORT_LABELS = {"hf": "Hugging Face", "ours": "ours", "ours_in_backward": "ours,\nAdamW in\nbackward",
+                "ours_in_backward_no_add_norm": "ours, in\nbackward,\nno add-norm", "liger": "Liger"}
 BY_NAME = {s.name: s for s in SETUP_TABLE}
 
 
@@ -604,28 +606,31 @@ def format_table(result: dict):
         if row is None:
             continue
         if "error" in row:
-            rows.append((row["label"], row["error"], None, None, None, None, None, None, None))
+            rows.append((name, row["error"], None, None, None, None, None, None, None, None))
             continue
-        kernels = row["profile"]["kernel_ms"]
-        split = " / ".join(f"{kernels[c]:.0f}" for c in CATEGORIES)
+        profile = row["profile"]
+        split = " / ".join(f"{profile['kernel_ms'][c]:.0f}" for c in CATEGORIES)
         rows.append((
-            row["label"], f"{row['tokens_per_s']:,.0f}",
+            name, f"{row['tokens_per_s']:,.0f}",
             f"{row['tokens_per_s'] / hf:.3f}×" if hf else None,
             f"{row['fraction_of_limit']:.1%}" if timed and row.get("fraction_of_limit") else None,
             f"{row['host_ms']:.0f}", f"{row['device_ms']:.0f}" if row.get("device_ms") is not None else None,
-            split, f"{row['peak_gib']:.1f}" if row.get("peak_gib") is not None else None,
+            split, f"{profile['sum_ms'] - profile['busy_ms']:.1f}",
+            f"{row['peak_gib']:.1f}" if row.get("peak_gib") is not None else None,
             f"{check[name]:.1e}" if name in check else None,
         ))
     columns = ("setup", "tokens/s", "vs hf", "of limit", "host ms", "device ms",
-               "GEMM / optim / attn / rest ms", "peak GiB", "loss vs hf")
+               "GEMM / optim / attn / rest ms", "overlap ms", "peak GiB", "loss vs hf")
     caption = (f"Full fine-tuning step, {s['preset']}, batch {s['batch']} × {s['seq']}, gradient accumulation "
                f"{s['grad_accum']}{', compiled' if s['compile'] else ''} on {result['device']}")
     notes = []
     if limit:
         notes.append(f"limit: {result['flop']['per_token'] / 1e9:.2f} GFLOP per token at "
                      f"{result['ceilings']['matmul_tflops']:,.0f} TFLOP/s (measured now) = {limit:,.0f} tokens/s")
-    notes.append("host ms: until the step's last call returns; device ms: CUDA events around the step; "
-                 "the split: summed kernel time of one profiled step (overlapping kernels count in full)")
+    notes += [f"{name}: {result['rows'][name]['label']}" for name in SETUPS if name in result["rows"]]
+    notes += ["host ms: until the step's last call returns; device ms: CUDA events around the step",
+              "the split: summed kernel time of one profiled step (overlapping kernels count in full); "
+              "overlap ms: that sum less the time any kernel ran"]
     if result.get("loss_check"):
         notes.append(f"loss vs hf: largest relative difference over {result['loss_check']['steps']} steps "
                      f"(bound {result['loss_check']['tolerance']:g})")
@@ -685,7 +690,7 @@ def plot_step_breakdown(result: dict, ax=None):
     if result.get("limit_tokens_per_s"):
         ax.axhline(1e6 / result["limit_tokens_per_s"], color="crimson", linestyle="--",
                    label="matmul-bound limit")
-    ax.set_xticks(range(len(names)), [n.replace("_", "\n") for n in names], fontsize=8)
+    ax.set_xticks(range(len(names)), [SHORT_LABELS[n] for n in names], fontsize=8)
     ax.set_ylabel("ms per 1,000 tokens")
     ax.set_title(f"Where a step's time goes: {s['preset']}, {result['device']}")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)

@@ -176,3 +176,19 @@ def test_a_failing_setup_is_its_row_and_the_exit_status(tmp_path, monkeypatch, c
     saved = json.loads((tmp_path / "step" / "tiny_b1_s8_ga1.json").read_text())
     assert saved["rows"]["ours"]["error"] == "RuntimeError: no optimizer today"
     assert "failed: ours" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_every_part_of_the_step_is_timed_and_sorted():
+    # The tiny preset in bf16 on the GPU: CUDA events, kernels in every category, the limit from the ceiling.
+    result = bench.run("tiny", batch=2, seq=256, grad_accum=2, warmup=1, steps=2, setups=SETUPS,
+                       log=lambda *a, **k: None, in_backward=OptimizerInBackward)
+    assert result["ceilings"]["matmul_tflops"] > 0 and result["limit_tokens_per_s"] > 0
+    for name, row in result["rows"].items():
+        assert "error" not in row, row
+        assert 0 < row["device_ms"] and 0 < row["host_ms"] and row["peak_gib"] > 0, name
+        assert 0 < row["fraction_of_limit"] < 1, name
+        profile = row["profile"]
+        assert all(profile["kernel_ms"][c] > 0 for c in ("gemm", "optimizer", "attention", "rest")), (name, profile)
+        assert profile["busy_ms"] <= profile["sum_ms"] + 1e-6 and profile["busy_ms"] <= profile["span_ms"] + 1e-6
+    assert result["loss_check"]["ok"], result["loss_check"]

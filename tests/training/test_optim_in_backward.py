@@ -418,3 +418,65 @@ def test_gpu_side_stream_equals_inline_and_saves_a_set_of_gradients(seed, gen):
         saved = after_peak - peak
         # The in-backward peak still holds the activations and the few gradients alive at once.
         assert 0.6 * grad_bytes <= saved <= 1.1 * grad_bytes, (saved, grad_bytes, after_peak, peak)
+
+
+
+# --------------------------------------------------------------------------------------------------
+# The training loop and the command line
+# --------------------------------------------------------------------------------------------------
+
+
+def _micro_batches(gen, vocab, count):
+    ids = [torch.randint(0, vocab, (1, 20), generator=gen) for _ in range(count)]
+    return [dict(input_ids=i, attention_mask=torch.ones_like(i), labels=i.clone()) for i in ids]
+
+
+def test_train_with_accumulation_equals_triton_adamw_and_leaves_no_hooks(seed, gen):
+    from kernels.training.loop import train
+    from kernels.training.models import build_model, llama_config
+
+    config = llama_config("tiny", num_hidden_layers=1, vocab_size=256)
+    model = build_model(config, dtype=torch.float32, seed=seed)
+    twin = copy.deepcopy(model)
+    batches = _micro_batches(gen, config.vocab_size, 6)  # 2 steps of 3 micro-batches
+    ours = train(model, batches, grad_accum=3, lr=1e-3, adamw="triton", optimizer_in_backward=True,
+                 progress=False)
+    theirs = train(twin, batches, grad_accum=3, lr=1e-3, adamw="triton", progress=False)
+    assert ours.losses == pytest.approx(theirs.losses, rel=1e-5)
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p, q), name  # the same gradients summed, the same kernel
+    assert ours.what_ran["optimizer_in_backward"] and "OptimizerInBackward" in ours.what_ran["optimizer"]
+    model(**{k: v.to(DEVICE) for k, v in batches[0].items()}).loss.backward()
+    assert all(p.grad is not None for p in model.parameters()), "the run's hooks were removed at its end"
+
+
+def test_train_refuses_what_the_in_backward_step_cannot_do():
+    from kernels.training.loop import make_adamw, train
+
+    layer = torch.nn.Linear(3, 2).to(DEVICE)
+    with pytest.raises(ValueError, match="adamw must be 'triton'"):
+        make_adamw(layer, 1e-3, "fused", in_backward=True)
+    batch = dict(input_ids=torch.zeros(1, 4, dtype=torch.long), attention_mask=torch.ones(1, 4, dtype=torch.long),
+                 labels=torch.zeros(1, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="after_backward"):
+        train(layer, [batch], adamw="triton", optimizer_in_backward=True, after_backward=lambda step, m: None)
+    frozen = torch.nn.Linear(3, 2).to(DEVICE)
+    frozen.bias.requires_grad_(False)
+    assert [tuple(p.shape) for p in make_adamw(frozen, 1e-3, "triton", in_backward=True).param_groups[0]["params"]] \
+        == [(2, 3)]
+
+
+def test_command_line_flag(tmp_path, capsys):
+    import json
+
+    from kernels.training.finetune import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--preset", "tiny", "--optimizer-in-backward", "--patched-adamw", "fused", "--out", str(tmp_path)])
+    assert exit_info.value.code == 2 and "--optimizer-in-backward runs the Triton" in capsys.readouterr().err
+    assert main(["--preset", "tiny", "--steps", "2", "--seq-len", "48", "--batch-size", "1", "--grad-accum", "2",
+                 "--kernels", "cross_entropy", "--optimizer-in-backward", "--out", str(tmp_path), "--no-progress"]) == 0
+    data = json.loads((tmp_path / "finetune" / "tiny_patched.json").read_text())
+    assert data["settings"]["optimizer_in_backward"] is True and data["settings"]["patched_adamw"] == "triton"
+    assert data["patched"]["what_ran"]["optimizer_in_backward"] is True
+    assert len(data["patched"]["steps"]) == 2 and "peak_memory_bytes" in data["patched"]

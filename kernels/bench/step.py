@@ -399,6 +399,8 @@ def _profiled(step: Callable[[], torch.Tensor], device: torch.device) -> tuple[f
 
 
 def _free() -> None:
+    # A compiled setup's graphs hold its model; patched models and the in-backward hooks hold cycles.
+    torch.compiler.reset()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -427,7 +429,9 @@ def run_setup(setup: Setup, preset: str, dtype: torch.dtype, steps_batches: list
     """
     device = steps_batches[0][0]["input_ids"].device
     _free()
-    if device.type == "cuda":
+    left = None
+    if device.type == "cuda":  # what the previous setups left allocated, if anything (the batches)
+        left = torch.cuda.memory_allocated(device) / GIB
         torch.cuda.reset_peak_memory_stats(device)
     model = build_llama(preset, dtype, device, seed)
     if setup.liger:
@@ -453,6 +457,8 @@ def run_setup(setup: Setup, preset: str, dtype: torch.dtype, steps_batches: list
     bar.close()
     profiled_loss, profile = _profiled(step_fn(warmup + steps), device)
     peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
+    if updates_in_backward:
+        optimizer.remove()  # its hooks: the model is done with
     timed = records[warmup:]
     tokens = sum(b["input_ids"].numel() for b in steps_batches[0]) * steps
     wall = sum(r["wall_ms"] for r in timed)
@@ -461,7 +467,7 @@ def run_setup(setup: Setup, preset: str, dtype: torch.dtype, steps_batches: list
         "tokens_per_s": tokens / (wall / 1e3), "step_ms": wall / steps,
         "host_ms": sum(r["host_ms"] for r in timed) / steps,
         "device_ms": sum(r["device_ms"] for r in timed) / steps if device.type == "cuda" else None,
-        "peak_gib": peak, "losses": [r["loss"] for r in records] + [profiled_loss],
+        "peak_gib": peak, "allocated_before_gib": left, "losses": [r["loss"] for r in records] + [profiled_loss],
         "steps": records, "profile": profile,
     }
     return row  # the model and optimizer go with this frame; the next setup collects them first

@@ -10,7 +10,10 @@ from __future__ import annotations
 import copy
 
 import pytest
+import strategies
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kernels import runtime
 from kernels.adamw import TritonAdamW
@@ -69,6 +72,33 @@ def test_steps_equal_float64_adamw(gen, split, maximize):
         ref_opt.step()
     _check_updates(params, ref, start)
     assert all(float(opt.state[p]["step"]) == 4 for p in params)
+
+
+@given(shapes=st.lists(st.tuples(strategies.leading_dims(), strategies.sizes()), min_size=1, max_size=3),
+       dtype=strategies.kernel_dtypes(), seed=st.integers(0, 2**31 - 1))
+def test_any_shapes_and_dtypes_step_as_triton_adamw_does(shapes, dtype, seed):
+    """Odd, empty and 3-D parameters in every kernel dtype: the very values TritonAdamW gives for the
+    same gradients, and in float32 the float64 reference's."""
+    gen = torch.Generator().manual_seed(seed)
+    values = [torch.randn(*lead, last, generator=gen, dtype=torch.float64) for lead, last in shapes]
+    ours = [torch.nn.Parameter(v.to(DEVICE, dtype)) for v in values]
+    twins = [torch.nn.Parameter(v.to(DEVICE, dtype)) for v in values]
+    ref = [torch.nn.Parameter(p.detach().double()) for p in ours]
+    opt, twin_opt = OptimizerInBackward(ours, lr=1e-2), TritonAdamW(twins, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, foreach=False)
+    coefficients = [torch.randn(v.shape, generator=gen).to(DEVICE, dtype) for v in values]
+    for _ in range(2):
+        grads = [c + p.detach() for c, p in zip(coefficients, ours)]  # d/dp of Σ c·p + p²/2
+        sum(((c * p).sum() + p.square().sum() / 2) for c, p in zip(coefficients, ours)).backward()
+        opt.step()
+        for t, r, g in zip(twins, ref, grads):
+            t.grad, r.grad = g.clone(), g.double()
+        twin_opt.step()
+        ref_opt.step()
+    for p, t, r, v in zip(ours, twins, ref, values):
+        assert torch.equal(p, t)
+        if dtype == torch.float32 and p.numel():
+            assert relative_error(p.detach() - v.float(), r.detach() - v) < 10 * RELATIVE_ERROR_TOL[dtype]
 
 
 def test_accumulation_updates_on_the_last_micro_batch_only(gen):

@@ -468,13 +468,17 @@ def test_train_with_accumulation_equals_triton_adamw_and_leaves_no_hooks(seed, g
     config = llama_config("tiny", num_hidden_layers=1, vocab_size=256)
     model = build_model(config, dtype=torch.float32, seed=seed)
     twin = copy.deepcopy(model)
+    start = [p.detach().clone() for p in model.parameters()]
     batches = _micro_batches(gen, config.vocab_size, 6)  # 2 steps of 3 micro-batches
     ours = train(model, batches, grad_accum=3, lr=1e-3, adamw="triton", optimizer_in_backward=True,
                  progress=False)
     theirs = train(twin, batches, grad_accum=3, lr=1e-3, adamw="triton", progress=False)
     assert ours.losses == pytest.approx(theirs.losses, rel=1e-5)
-    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
-        assert torch.equal(p, q), name  # the same gradients summed, the same kernel
+    for (name, p), q, p0 in zip(model.named_parameters(), twin.parameters(), start):
+        if runtime.MODE == "gpu":  # attention's backward may sum in another order from run to run
+            assert relative_error(p.detach() - p0, q.detach() - p0) < RELATIVE_ERROR_TOL[torch.float32], name
+        else:
+            assert torch.equal(p, q), name  # the same gradients summed, the same kernel
     assert ours.what_ran["optimizer_in_backward"] and "OptimizerInBackward" in ours.what_ran["optimizer"]
     model(**{k: v.to(DEVICE) for k, v in batches[0].items()}).loss.backward()
     assert all(p.grad is not None for p in model.parameters()), "the run's hooks were removed at its end"

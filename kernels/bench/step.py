@@ -537,11 +537,16 @@ def run(preset: str, batch: int, seq: int, grad_accum: int, warmup: int, steps: 
 
     Returns:
         The results dict (see the module docstring).
+
+    Raises:
+        ValueError: a count that is not a positive int (``warmup``: not ≥ 0), an unknown setup or
+            preset; before any work.
     """
+    _check_run_args(batch=batch, seq=seq, grad_accum=grad_accum, steps=steps, warmup=warmup, setups=setups)
+    config = llama_config(preset)
     log(runtime.describe())
     device = runtime.device()
     dtype = torch.bfloat16 if runtime.MODE == "gpu" else torch.float32
-    config = llama_config(preset)
     ceilings = ceilings_here()  # first: its buffers are gone before any model is built
     flop = step_flop(config, batch, seq)
     limit = limit_tokens_per_s(config, batch, seq, ceilings["matmul_tflops"]) if ceilings else None
@@ -576,6 +581,17 @@ def run(preset: str, batch: int, seq: int, grad_accum: int, warmup: int, steps: 
             "projection_parameters": projection_parameters(config), "flop": flop,
             "limit_tokens_per_s": limit, "rows": rows, "skipped": skipped,
             "loss_check": loss_check(rows, dtype)}
+
+
+def _check_run_args(*, warmup, setups, **counts) -> None:
+    for name, value in counts.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+    unknown = [s for s in setups if s not in SETUPS] if not isinstance(setups, str) else [setups]
+    if unknown or not setups:
+        raise ValueError(f"setups must be names from {SETUPS}, got {setups!r}")
 
 
 def _versions() -> dict:

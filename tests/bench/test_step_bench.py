@@ -192,3 +192,19 @@ def test_on_a_gpu_every_part_of_the_step_is_timed_and_sorted():
         assert all(profile["kernel_ms"][c] > 0 for c in ("gemm", "optimizer", "attention", "rest")), (name, profile)
         assert profile["busy_ms"] <= profile["sum_ms"] + 1e-6 and profile["busy_ms"] <= profile["span_ms"] + 1e-6
     assert result["loss_check"]["ok"], result["loss_check"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"batch": 0}, "batch must be a positive int"),
+    ({"seq": 2.5}, "seq must be a positive int"),
+    ({"grad_accum": True}, "grad_accum must be a positive int"),
+    ({"warmup": -1}, "warmup must be an int >= 0"),
+    ({"setups": ("hf", "nope")}, "setups must be names"),
+    ({"setups": "hf"}, "setups must be names"),
+    ({"setups": ()}, "setups must be names"),
+    ({"preset": "llama-9"}, "preset must be one of"),
+])
+def test_run_refuses_bad_arguments_before_any_work(kwargs, message):
+    args = dict(preset="tiny", batch=1, seq=8, grad_accum=1, warmup=0, steps=1, setups=("hf",)) | kwargs
+    with pytest.raises(ValueError, match=message):
+        bench.run(**args, log=lambda *a, **k: None)

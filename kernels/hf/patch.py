@@ -112,6 +112,8 @@ from kernels.linear_cross_entropy import linear_cross_entropy as fused_linear_cr
 from kernels.rmsnorm import TritonRMSNorm
 from kernels.swiglu import TritonSwiGLUMLP, may_overwrite
 
+from .add_rmsnorm import describe as describe_fused_adds
+from .add_rmsnorm import find_decoder_layers, fuse_residual_adds
 from .attention import attention_choice, check_attention, use_flash_attention
 from .attention_mask import CAUSAL_CALL, check_sdpa, is_plain_causal_call, use_mask_function
 from .lora import check_lora, enable_lora_fusion, has_lora_layers, lora_can_follow
@@ -1056,6 +1058,9 @@ SWITCH_TABLE = (
     Switch("linear_cross_entropy", False, _check_linear_cross_entropy, _apply_linear_cross_entropy),
     Switch("swiglu", True, _check_mlps, _swapping("mlp_swaps", TritonSwiGLUMLP), _describe_mlps),
     Switch("rope", True, _check_rope, _apply_rope, _describe_rotary),
+    # The attention's residual add and post_attention_layernorm as one kernel (kernels.hf.add_rmsnorm).
+    Switch("add_rms_norm", True, find_decoder_layers, lambda s, found: _Undo(*fuse_residual_adds(found)),
+           lambda p: describe_fused_adds(p.model)),
     Switch("additive_mask", True, lambda m: _check_mask_function(m, "additive_mask"),
            lambda s, found: _apply_mask(s, additive=True), lambda p: p.mask or None),
     Switch("skip_causal_mask", True, lambda m: _check_mask_function(m, "skip_causal_mask"),
@@ -1146,7 +1151,7 @@ def patch_llama(
     cross_entropy: bool | None = None, linear_cross_entropy: bool | None = None, swiglu: bool | None = None,
     rope: bool | None = None, additive_mask: bool | None = None, skip_causal_mask: bool | None = None,
     tiled_mlp: bool | None = None, offload_checkpoints: bool | None = None, lora: bool | None = None,
-    attention: bool | None = None,
+    attention: bool | None = None, add_rms_norm: bool | None = None,
 ) -> LlamaPatch:
     """Put the workbook's kernels into a Hugging Face Llama (or Mistral, Qwen2, Qwen3), undoably.
 
@@ -1167,9 +1172,9 @@ def patch_llama(
             overwrites the logits and the output's ``logits`` is None; False keeps them (one more
             [tokens, vocab] buffer).
         rms_norm, cross_entropy, linear_cross_entropy, swiglu, rope, additive_mask, skip_causal_mask,
-        tiled_mlp, offload_checkpoints, lora, attention: one switch each, over ``kernels``: True
-            requires it, False leaves it off, None follows ``kernels`` (``patch_llama(model,
-            swiglu=False)``: the defaults but SwiGLU).
+        tiled_mlp, offload_checkpoints, lora, attention, add_rms_norm: one switch each, over
+            ``kernels``: True requires it, False leaves it off, None follows ``kernels``
+            (``patch_llama(model, swiglu=False)``: the defaults but SwiGLU).
 
     Returns:
         The ``LlamaPatch`` handle: ``kernels`` (the switches on), ``left_off`` (each left off, and
@@ -1188,7 +1193,8 @@ def patch_llama(
     keywords = dict(rms_norm=rms_norm, cross_entropy=cross_entropy, linear_cross_entropy=linear_cross_entropy,
                     swiglu=swiglu, rope=rope, additive_mask=additive_mask,
                     skip_causal_mask=skip_causal_mask, tiled_mlp=tiled_mlp,
-                    offload_checkpoints=offload_checkpoints, lora=lora, attention=attention)
+                    offload_checkpoints=offload_checkpoints, lora=lora, attention=attention,
+                    add_rms_norm=add_rms_norm)
     required = _selection(kernels, keywords, model)
     previous = model.__dict__.get("_kernels_patch")
     if previous is not None and previous.active:

@@ -383,7 +383,8 @@ def test_a_list_turns_on_exactly_those_kernels(device, gen):
 def test_a_keyword_overrides_the_selector(device, gen):
     model = tiny_model("llama", seed_from(gen))
     cases = [
-        (dict(swiglu=False), ("rms_norm", "cross_entropy", "rope", "additive_mask", "skip_causal_mask")),
+        (dict(swiglu=False), ("rms_norm", "cross_entropy", "rope", "add_rms_norm", "additive_mask",
+                              "skip_causal_mask")),
         (dict(linear_cross_entropy=True), SPEED_SWITCHES),  # the defaults and the loss without logits
         (dict(kernels=("rms_norm",), cross_entropy=True), NORM_AND_LOSS),
         (dict(kernels=NORM_AND_LOSS, cross_entropy=False), ("rms_norm",)),
@@ -419,7 +420,7 @@ def test_auto_leaves_off_what_does_not_apply_and_a_request_for_it_raises(device,
     batch = random_batch(gen, device=device)
     expected = three_ways(model, batch)
     patch = patch_llama(model)
-    assert patch.kernels == ("rms_norm", "cross_entropy", "rope")
+    assert patch.kernels == ("rms_norm", "cross_entropy", "rope", "add_rms_norm")
     assert set(patch.left_off) == {"swiglu", "additive_mask", "skip_causal_mask"}
     assert "hidden_act='gelu'" in patch.left_off["swiglu"] and "SDPA" in patch.left_off["skip_causal_mask"]
     assert_same_as(three_ways(model, batch), expected)
@@ -438,7 +439,8 @@ def test_auto_on_gemma_patches_the_loss_and_leaves_the_rest(device, gen):
     expected = three_ways(model, batch)
     with patch_llama(model) as patch:
         assert patch.kernels == ("cross_entropy", "additive_mask", "skip_causal_mask")
-        assert set(patch.left_off) == {"rms_norm", "swiglu", "rope"} and "1 + weight" in patch.left_off["rms_norm"]
+        assert set(patch.left_off) == {"rms_norm", "swiglu", "rope", "add_rms_norm"}
+        assert "1 + weight" in patch.left_off["rms_norm"]
         assert_same_as(three_ways(model, batch), expected)
 
 

@@ -321,10 +321,21 @@ def flag_problems(args) -> list[str]:
     if args.optimizer_in_backward and patched_adamw(args) != "triton":
         problems.append(f"--optimizer-in-backward runs the Triton AdamW kernel: --patched-adamw {args.patched_adamw} "
                         "cannot be it; leave --patched-adamw out, or name triton")
+    if args.optimizer_in_backward and _under_torchrun():
+        problems.append("--optimizer-in-backward steps whole parameters on one GPU; a sharded run's gradients are "
+                        "reduce-scattered after its hooks would fire: leave it out under torchrun (--adamw triton "
+                        "steps the shards)")
     if args.optimizer_in_backward and args.probe:
         problems.append("--probe measures memory with its own steps, not the training loop's: leave out "
                         "--optimizer-in-backward there")
     return problems
+
+
+def _under_torchrun() -> bool:
+    """Whether torchrun started this process (the distributed wing's command line shares these flags)."""
+    import torch.distributed
+
+    return torch.distributed.is_available() and torch.distributed.is_torchelastic_launched()
 
 
 def check_args(parser: argparse.ArgumentParser, args, preset: str) -> None:

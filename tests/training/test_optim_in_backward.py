@@ -514,3 +514,12 @@ def test_command_line_flag(tmp_path, capsys):
     assert data["settings"]["optimizer_in_backward"] is True and data["settings"]["patched_adamw"] == "triton"
     assert data["patched"]["what_ran"]["optimizer_in_backward"] is True
     assert len(data["patched"]["steps"]) == 2 and "peak_memory_bytes" in data["patched"]
+
+
+def test_command_line_flag_is_refused_under_torchrun(monkeypatch):
+    from kernels.training.finetune import build_parser, flag_problems
+
+    args = build_parser().parse_args(["--optimizer-in-backward"])
+    assert flag_problems(args) == []
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")  # what torchrun sets in every process it starts
+    assert any("under torchrun" in line for line in flag_problems(args))

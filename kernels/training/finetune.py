@@ -113,10 +113,10 @@ def build_parser(writes: str = "finetune/<name>.json and .png") -> argparse.Argu
     p.add_argument("--patched-adamw", choices=ADAMW_IMPLEMENTATIONS, default=None,
                    help="the AdamW of the patched run, if not --adamw's (e.g. --adamw fused --patched-adamw triton)")
     p.add_argument("--optimizer-in-backward", action="store_true",
-                   help="step the patched run's parameters inside its backward, each as soon as its gradient is "
-                        "final, and free the gradient (kernels.training.optim_in_backward; the Triton AdamW "
-                        "kernel, so --patched-adamw, if given, must be triton; the baseline of --compare keeps "
-                        "--adamw)")
+                   help="step the patched run's parameters inside its backward, each as soon as its "
+                        "gradient is final, and free the gradient (kernels.training.optim_in_backward; the "
+                        "Triton AdamW kernel, so --patched-adamw, if given, must be triton; the baseline of "
+                        "--compare keeps --adamw)")
     p.add_argument("--name", type=cli.file_name, default=None,
                    help="the results' name: finetune/NAME.json and .png under the results root (default: the "
                         "preset; <preset>_patched without --compare; under torchrun fsdp/NAME_<N>gpu.json); its "
@@ -319,12 +319,12 @@ def flag_problems(args) -> list[str]:
     if args.lora_alpha is not None and args.lora is None:
         problems.append("--lora-alpha sets the LoRA adapters' alpha: add --lora RANK, or leave it out")
     if args.optimizer_in_backward and patched_adamw(args) != "triton":
-        problems.append(f"--optimizer-in-backward runs the Triton AdamW kernel: --patched-adamw {args.patched_adamw} "
-                        "cannot be it; leave --patched-adamw out, or name triton")
+        problems.append("--optimizer-in-backward runs the Triton AdamW kernel: --patched-adamw "
+                        f"{args.patched_adamw} cannot be it; leave --patched-adamw out, or name triton")
     if args.optimizer_in_backward and _under_torchrun():
-        problems.append("--optimizer-in-backward steps whole parameters on one GPU; a sharded run's gradients are "
-                        "reduce-scattered after its hooks would fire: leave it out under torchrun (--adamw triton "
-                        "steps the shards)")
+        problems.append("--optimizer-in-backward steps whole parameters on one GPU; a sharded run's "
+                        "gradients are reduce-scattered after its hooks would fire: leave it out under "
+                        "torchrun (--adamw triton steps the shards)")
     if args.optimizer_in_backward and args.probe:
         problems.append("--probe measures memory with its own steps, not the training loop's: leave out "
                         "--optimizer-in-backward there")

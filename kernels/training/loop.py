@@ -5,8 +5,8 @@ its defaults, "foreach" on a GPU; ``adamw="fused"`` for its one-kernel implement
 optimizer of Hugging Face's Trainer; ``adamw="triton"`` for this package's
 ``kernels.adamw.TritonAdamW``; ``optimizer_in_backward=True`` for that kernel run inside the
 backward, ``kernels.training.optim_in_backward``), the model's own loss (``model(**batch).loss``),
-gradient accumulation over ``grad_accum`` micro-batches, and per step a record of the loss, the time, the
-tokens and the peak memory. Its step loop (``train_steps``) also runs every rank of a sharded run
+gradient accumulation over ``grad_accum`` micro-batches, and per step a record of the loss, the
+time, the tokens and the peak memory. Its step loop (``train_steps``) also runs every rank of a sharded run
 (``kernels.distributed.parallel.train_fsdp``), given the global label count of each step and a sum
 of the loss across ranks.
 
@@ -335,8 +335,8 @@ def make_adamw(model: torch.nn.Module, lr: float, adamw: str = "foreach",
         raise ValueError(f"adamw must be one of {ADAMW_IMPLEMENTATIONS}, got {adamw!r}")
     if in_backward:
         if adamw != "triton":
-            raise ValueError(f"the optimizer in the backward runs the Triton kernel: adamw must be 'triton' with it, "
-                             f"got {adamw!r}")
+            raise ValueError("the optimizer in the backward runs the Triton kernel: adamw must be 'triton' "
+                             f"with it, got {adamw!r}")
         # Trainable parameters only: a frozen one's hook would never fire (a LoRA model's base).
         return OptimizerInBackward([p for p in model.parameters() if p.requires_grad], lr=lr)
     if adamw == "triton":
@@ -348,9 +348,9 @@ def describe_optimizer(optimizer: torch.optim.Optimizer, lr: float) -> str:
     """What ran, for a run's record: e.g. ``torch.optim.AdamW(lr=0.0001, fused=True), defaults
     otherwise``."""
     if isinstance(optimizer, OptimizerInBackward):
-        return (f"kernels.training.optim_in_backward.OptimizerInBackward(lr={lr:g}, side_stream="
-                f"{optimizer.side_stream}), torch.optim.AdamW's defaults otherwise; each parameter stepped in "
-                "the step's last backward")
+        return (f"kernels.training.optim_in_backward.OptimizerInBackward(lr={lr:g}, "
+                f"side_stream={optimizer.side_stream}), torch.optim.AdamW's defaults otherwise; each "
+                "parameter stepped in the step's last backward")
     if isinstance(optimizer, TritonAdamW):
         return f"kernels.adamw.TritonAdamW(lr={lr:g}), torch.optim.AdamW's defaults otherwise"
     fused = ", fused=True" if optimizer.defaults.get("fused") else ""

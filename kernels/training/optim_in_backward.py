@@ -58,7 +58,7 @@ _CLIP_EPS = 1e-6
 
 def _check_hyperparameters(lr, betas, eps, weight_decay, where: str = _NAME) -> None:
     # `not x >= 0` refuses NaN, which compares false both ways.
-    if isinstance(lr, torch.Tensor) or isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr >= 0:
+    if isinstance(lr, (torch.Tensor, bool)) or not isinstance(lr, (int, float)) or not lr >= 0:
         raise ValueError(f"{where}: lr must be a non-negative number (not a tensor), got {lr!r}")
     if (not isinstance(betas, (tuple, list)) or len(betas) != 2
             or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)):
@@ -80,14 +80,15 @@ def _check_parameter(p: torch.Tensor) -> None:
     if torch.is_complex(p):
         raise TypeError(f"{_NAME} does not take complex parameters: use torch.optim.AdamW for them")
     if p.dtype not in ops.KERNEL_DTYPES:
-        raise TypeError(f"{_NAME} steps float32, bfloat16 and float16 parameters, got one of dtype {p.dtype}: cast "
-                        "the model to float32, or use torch.optim.AdamW")
+        raise TypeError(f"{_NAME} steps float32, bfloat16 and float16 parameters, got one of dtype "
+                        f"{p.dtype}: cast the model to float32, or use torch.optim.AdamW")
     if not p.is_contiguous():
-        raise ValueError(f"{_NAME} steps contiguous parameters (the kernel reads one flat array), got one of shape "
-                         f"{tuple(p.shape)} with strides {p.stride()}: make it contiguous, or use torch.optim.AdamW")
+        raise ValueError(f"{_NAME} steps contiguous parameters (the kernel reads one flat array), got one "
+                         f"of shape {tuple(p.shape)} with strides {p.stride()}: make it contiguous, or use "
+                         "torch.optim.AdamW")
     if not p.requires_grad:
-        raise ValueError(f"{_NAME} got a parameter of shape {tuple(p.shape)} that does not require grad: its hook "
-                         "would never fire; leave frozen parameters out")
+        raise ValueError(f"{_NAME} got a parameter of shape {tuple(p.shape)} that does not require grad: "
+                         "its hook would never fire; leave frozen parameters out")
 
 
 def _check_max_norm(value) -> None:
@@ -111,8 +112,8 @@ def _refuse_unknown(options: dict) -> None:
     if any("clip" in name or name == "max_grad_norm" for name in options):
         raise TypeError(f"{_NAME}: {_GLOBAL_CLIP}")
     names = ", ".join(sorted(options))
-    raise TypeError(f"{_NAME} does not take {names}: it takes params, lr, betas, eps, weight_decay and, by keyword, "
-                    "maximize, side_stream and max_grad_norm_per_param")
+    raise TypeError(f"{_NAME} does not take {names}: it takes params, lr, betas, eps, weight_decay and, "
+                    "by keyword, maximize, side_stream and max_grad_norm_per_param")
 
 
 class OptimizerInBackward(torch.optim.Optimizer):
@@ -151,9 +152,9 @@ class OptimizerInBackward(torch.optim.Optimizer):
             this value before its update (``clip_grad_norm_`` of that parameter alone).
     """
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, *, maximize: bool = False, side_stream: bool = True,
-                 max_grad_norm_per_param: float | None = None, **unknown):
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *, maximize: bool = False,
+                 side_stream: bool = True, max_grad_norm_per_param: float | None = None, **unknown):
         _refuse_unknown(unknown)
         _check_hyperparameters(lr, betas, eps, weight_decay)
         _check_max_norm(max_grad_norm_per_param)
@@ -170,7 +171,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
         # reach them, and then their gradient is final only once it has ended (step() updates them).
         self._pending: dict[int, tuple[torch.Tensor, int]] = {}
         flags = dict(FLAG_DEFAULTS, maximize=bool(maximize))
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **flags))
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **flags)
+        super().__init__(params, defaults)
 
     # ----------------------------------------------------------------------------------------------
     # Parameters and hooks
@@ -236,15 +238,18 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self._pending.pop(id(p), None)
         grad = p.grad
         if grad.is_sparse:
-            raise TypeError(f"{_NAME} does not take sparse gradients: use torch.optim.SparseAdam or a dense embedding")
+            raise TypeError(f"{_NAME} does not take sparse gradients: use torch.optim.SparseAdam or a dense "
+                            "embedding")
         if grad.requires_grad:
-            raise RuntimeError(f"{_NAME} cannot update inside a create_graph backward (double backward): the "
-                               "update would be recorded in the graph. Use kernels.adamw.TritonAdamW after it")
+            raise RuntimeError(f"{_NAME} cannot update inside a create_graph backward (double backward): "
+                               "the update would be recorded in the graph. Use kernels.adamw.TritonAdamW "
+                               "after it")
         if id(p) in self._updated:
             raise RuntimeError(
-                f"{_NAME}: a second backward would update a parameter already updated in this step. Run the "
-                "backwards of all micro-batches but the last inside `with opt.accumulating():`, call opt.step() "
-                "after each step's final backward, and do not backward twice through a graph (retain_graph)"
+                f"{_NAME}: a second backward would update a parameter already updated in this step. Run "
+                "the backwards of all micro-batches but the last inside `with opt.accumulating():`, call "
+                "opt.step() after each step's final backward, and do not backward twice through a graph "
+                "(retain_graph)"
             )
         check_flags(group, f"{_NAME} (a parameter group)")
         _check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
@@ -265,7 +270,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
             self._queue_join()
         if p.device.type == "cuda" and self.side_stream:
             side = self._side(p.device)
-            side.wait_stream(torch.cuda.current_stream(p.device))  # the gradient's producer, and the zeroed moments
+            # After the gradient's producer and the moments' zeroing.
+            side.wait_stream(torch.cuda.current_stream(p.device))
             with torch.cuda.stream(side):
                 self._launch(p, grad, state, group)
             # The gradient was made on the backward's stream: keep its memory from reuse there until
@@ -335,8 +341,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self._accumulating:
-            raise RuntimeError(f"{_NAME}.step() inside accumulating(): the step's final backward runs outside it, "
-                               "and step() after that")
+            raise RuntimeError(f"{_NAME}.step() inside accumulating(): the step's final backward runs "
+                               "outside it, and step() after that")
         if self._updated:
             # The step's final backward ran: gradients accumulated earlier for parameters it did not
             # reach are final too.
@@ -353,13 +359,14 @@ class OptimizerInBackward(torch.optim.Optimizer):
         if len(missed) == len(params):
             detail = (" Gradients were accumulated but the final backward ran inside accumulating()."
                       if pending else "")
-            raise RuntimeError(f"{_NAME}.step(): no backward updated the parameters since the last step(). The "
-                               f"update runs in the backward, outside accumulating().{detail}")
+            raise RuntimeError(f"{_NAME}.step(): no backward updated the parameters since the last step(). "
+                               f"The update runs in the backward, outside accumulating().{detail}")
         shapes = ", ".join(str(tuple(p.shape)) for p in missed[:4]) + (" ..." if len(missed) > 4 else "")
         raise RuntimeError(
-            f"{_NAME}.step(): {len(missed)} parameter(s) got no gradient in this step (shapes {shapes}), so were "
-            "not updated (no weight decay, no moment decay either). Freeze them (requires_grad_(False)) and leave "
-            "them out of the optimizer, or use kernels.adamw.TritonAdamW, which skips them"
+            f"{_NAME}.step(): {len(missed)} parameter(s) got no gradient in this step (shapes {shapes}), so "
+            "were not updated (no weight decay, no moment decay either). Freeze them "
+            "(requires_grad_(False)) and leave them out of the optimizer, or use kernels.adamw.TritonAdamW, "
+            "which skips them"
         )
 
     def state_dict(self) -> dict:

@@ -1,5 +1,7 @@
 """Chapter 17's exercise check: the solution passes, and each planted mistake is named, without raising."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -101,8 +103,13 @@ def planted_kernels_are_kernels(monkeypatch):
 
 
 def _words(key: str) -> str:
-    """The words of a diagnosis that a message must contain: from HINTS, where the wording lives."""
-    return HINTS[key].split("{")[0].split(":")[0][:60]
+    """The words of a diagnosis that a message must contain: the longest literal stretch of its
+    wording in HINTS (between the fields filled in), up to its first colon, at most 60 characters."""
+    longest = max(re.split(r"\{[^}]*\}", HINTS[key]), key=len)
+    head = longest.split(":")[0]
+    words = (head if len(head) >= 15 else longest)[:60]
+    assert len(words.strip()) >= 10, f"{key}: no words to look for"
+    return words
 
 
 def test_the_solution_passes(capsys):
@@ -228,3 +235,29 @@ def test_a_plain_function_passes_and_errors_are_reported_not_raised():
         raise RuntimeError("kernel exploded")
 
     assert "raised RuntimeError: kernel exploded" in check_add_rms_norm(raises, verbose=False).message
+
+
+# The chapter's exercise as the reader finds it: the placeholders of the stub.
+@triton.jit
+def _stub(X, R, W, Y, H, n_rows, n_cols, stride_x, stride_r, stride_y, stride_h, eps,
+          ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    h = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    y = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32) * x
+    tl.store(H + rows[:, None] * stride_h + cols[None, :], cast_to(h, H.dtype.element_ty), mask=mask)
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], cast_to(y, Y.dtype.element_ty), mask=mask)
+
+
+def test_the_chapters_stub():
+    assert "every value of h is 0" in check_add_rms_norm(_stub, verbose=False).message
+
+
+def test_every_diagnosis_is_its_own():
+    messages = {m: check_add_rms_norm(_Planted(m), seed=12, verbose=False).message
+                for m in MISTAKES if m != "right" and m not in INTERPRETER_ONLY}
+    for mistake, message in messages.items():
+        others = [key for key in messages if key != mistake and _words(key) in message]
+        assert not others, f"{mistake}'s message also reads as {others}: {message}"

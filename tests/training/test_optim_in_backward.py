@@ -377,21 +377,27 @@ def _tiny_llama_steps(model, optimizer_class, batches):
     return losses, {n: p.detach() - start[n] for n, p in model.named_parameters()}
 
 
-def test_tiny_llama_trains_as_with_triton_adamw_in_bf16(seed, gen):
-    """In bf16 (float32 runs through the loop in the test of ``train`` below)."""
-    dtype = torch.bfloat16
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied+checkpointed"])
+def test_tiny_llama_trains_as_with_triton_adamw_in_bf16(seed, gen, tied):
+    """In bf16 (float32 runs through the loop in the test of ``train`` below). Tied embeddings are
+    one parameter used by two modules (its hook fires once, after the LM head's and the
+    embedding's gradients are summed); checkpointing recomputes each layer in the backward, which
+    must see the weights before their update."""
+    from kernels.training.loop import enable_checkpointing
     from kernels.training.models import build_model, llama_config
 
     # The tiny preset with two layers and a smaller vocabulary: every kind of parameter, and few
     # launches in the interpreter.
-    config = llama_config("tiny", num_hidden_layers=2, vocab_size=512)
-    model = build_model(config, dtype=dtype, seed=seed)
+    config = llama_config("tiny", num_hidden_layers=2, vocab_size=512, tie_word_embeddings=tied)
+    model = build_model(config, dtype=torch.bfloat16, seed=seed)
+    if tied:
+        enable_checkpointing(model)
     batches = [torch.randint(0, config.vocab_size, (1, 24), generator=gen).to(DEVICE) for _ in range(2)]
     ours, ours_updates = _tiny_llama_steps(copy.deepcopy(model), OptimizerInBackward, batches)
     theirs, their_updates = _tiny_llama_steps(model, TritonAdamW, batches)
     assert ours == pytest.approx(theirs, rel=1e-2)
     for name, update in ours_updates.items():
-        assert relative_error(update, their_updates[name]) < RELATIVE_ERROR_TOL[dtype], name
+        assert relative_error(update, their_updates[name]) < RELATIVE_ERROR_TOL[torch.bfloat16], name
 
 
 # --------------------------------------------------------------------------------------------------

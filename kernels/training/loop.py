@@ -6,9 +6,9 @@ optimizer of Hugging Face's Trainer; ``adamw="triton"`` for this package's
 ``kernels.adamw.TritonAdamW``; ``optimizer_in_backward=True`` for that kernel run inside the
 backward, ``kernels.training.optim_in_backward``), the model's own loss (``model(**batch).loss``),
 gradient accumulation over ``grad_accum`` micro-batches, and per step a record of the loss, the
-time, the tokens and the peak memory. Its step loop (``train_steps``) also runs every rank of a sharded run
-(``kernels.distributed.parallel.train_fsdp``), given the global label count of each step and a sum
-of the loss across ranks.
+time, the tokens and the peak memory. Its step loop (``train_steps``) also runs every rank of a
+sharded run (``kernels.distributed.parallel.train_fsdp``), given the global label count of each
+step and a sum of the loss across ranks.
 
 Gradient accumulation follows Hugging Face's Trainer: every micro-batch's forward gets
 ``num_items_in_batch``, the number of labels the loss counts over *all* micro-batches of the step
@@ -95,6 +95,9 @@ def default_lr(preset: str) -> float:
 
 @dataclass
 class StepRecord:
+    """One optimizer step of a run: its loss, time, token counts and peak memory (the module
+    docstring says what each counts)."""
+
     step: int
     loss: float
     time_s: float
@@ -143,7 +146,8 @@ class RunResult:
 
     @property
     def step_time_s(self) -> float:
-        """Mean time per timed step (consistent with tokens/s; see ``median_step_time_s`` for the median)."""
+        """Mean time per timed step (consistent with tokens/s; ``median_step_time_s`` is the
+        median)."""
         timed = self._timed()
         return sum(r.time_s for r in timed) / len(timed)
 
@@ -157,6 +161,12 @@ class RunResult:
         return max(peaks) if peaks else None
 
     def to_dict(self) -> dict:
+        """The run as JSON-ready data, for a results file.
+
+        Returns:
+            ``label``, ``what_ran``, ``warmup_steps``, the run's rates, mean and median step time and
+            peak memory, and ``steps``: each ``StepRecord``'s fields with its two rates.
+        """
         return {
             "label": self.label,
             "what_ran": self.what_ran,
@@ -180,14 +190,33 @@ class RunResult:
 
 
 def count_trained_labels(batch: dict[str, torch.Tensor], ignore_index: int = IGNORE_INDEX) -> int:
-    """Labels a causal-LM loss counts in one batch: those that are not ignored after the shift
-    (``labels[..., 1:]``)."""
+    """Labels a causal-LM loss counts in one batch: those not ignored after the shift by one.
+
+    Chapter 12 (notebooks/12_multi_gpu.ipynb) sums these counts over ranks.
+
+    Args:
+        batch: a batch with ``labels`` ([batch, seq] or [seq]).
+        ignore_index: the label the loss skips.
+
+    Returns:
+        The number of ``labels[..., 1:]`` entries that are not ``ignore_index``, as a Python int.
+    """
     return int((batch["labels"][..., 1:] != ignore_index).sum())
 
 
 def describe_model(model: torch.nn.Module) -> dict:
-    """What will run: the norm modules by class, the loss function, dtype, device, attention
-    implementation."""
+    """What will run, for a run's record: the norm modules by class, the loss function, dtype,
+    device, attention implementation.
+
+    Args:
+        model: a Hugging Face causal LM, patched or not.
+
+    Returns:
+        A dict with ``model`` (its class name), ``norms`` (RMSNorm class name -> count), ``loss``
+        (the patched loss's repr, or a description of Hugging Face's own), ``dtype`` and ``device``
+        (of its first parameter), ``attention`` (``config._attn_implementation``) and
+        ``parameters`` (their total count).
+    """
     norms: dict[str, int] = {}
     for module in model.modules():
         name = type(module).__name__
@@ -216,8 +245,19 @@ def _micro_batches_on(batches, device, padding_mask: bool = True) -> list[dict[s
 
 
 def check_train_args(batches, grad_accum, lr, warmup_steps) -> None:
-    """The arguments every loop over micro-batches takes (this one and the sharded one), checked
-    with a message."""
+    """Check the arguments every loop over micro-batches takes (this one and the sharded one).
+
+    Args:
+        batches: a non-empty list (or tuple) of batch dicts, as ``make_sft_batches`` gives.
+        grad_accum: micro-batches per optimizer step; a positive int that divides ``len(batches)``.
+        lr: the learning rate, a positive number.
+        warmup_steps: steps left out of the timings, a non-negative int.
+
+    Raises:
+        TypeError: ``batches`` is empty, not a list or tuple, or holds something other than dicts.
+        ValueError: ``grad_accum``, ``lr`` or ``warmup_steps`` is out of range, or ``grad_accum``
+            does not divide ``len(batches)``.
+    """
     if not isinstance(batches,
                       (list, tuple)) or not batches or not all(isinstance(b, dict) for b in batches):
         raise TypeError(
@@ -234,12 +274,33 @@ def check_train_args(batches, grad_accum, lr, warmup_steps) -> None:
 
 
 def step_groups(batches: list[dict], grad_accum: int) -> list[list[dict]]:
-    """The micro-batches of each optimizer step: ``grad_accum`` consecutive ones per step."""
+    """The micro-batches of each optimizer step: ``grad_accum`` consecutive ones per step.
+
+    Chapter 12 (notebooks/12_multi_gpu.ipynb) splits a sharded run's batches with it.
+
+    Args:
+        batches: the micro-batches, in order.
+        grad_accum: micro-batches per step (``check_train_args`` checks it divides their number).
+
+    Returns:
+        One list of ``grad_accum`` micro-batches per step (a last shorter one if it does not divide).
+    """
     return [list(batches[s:s + grad_accum]) for s in range(0, len(batches), grad_accum)]
 
 
 def labels_per_step(groups: list[list[dict]]) -> list[int]:
-    """Per step, the labels the loss counts over the step's micro-batches (taken on the CPU copies)."""
+    """Per step, the labels the loss counts over the step's micro-batches (taken on the CPU copies).
+
+    Each micro-batch's loss divides its sum by its step's count (``num_items_in_batch``), so the
+    step's gradient is that of the mean over the whole step (chapter 12,
+    notebooks/12_multi_gpu.ipynb, sums the counts over ranks).
+
+    Args:
+        groups: each step's micro-batches, as ``step_groups`` gives.
+
+    Returns:
+        One ``count_trained_labels`` total per step.
+    """
     return [sum(count_trained_labels(b) for b in group) for group in groups]
 
 
@@ -257,8 +318,10 @@ def train(
     adamw: str = "foreach",
     optimizer_in_backward: bool = False,
 ) -> RunResult:
-    """Fine-tune ``model`` on ``batches`` (micro-batches, ``grad_accum`` per optimizer step); see
-    the module docstring.
+    """Fine-tune ``model`` on ``batches`` (micro-batches, ``grad_accum`` per optimizer step).
+
+    The loop chapter 08 (notebooks/08_training_loop.ipynb) writes and runs; the module docstring
+    says what a step does and records.
 
     ``adamw`` picks the AdamW implementation (``make_adamw``): ``"foreach"``
     (``torch.optim.AdamW``'s default on a GPU), ``"fused"`` (its one-kernel step, what Hugging
@@ -277,6 +340,30 @@ def train(
     (``kernels.training.optim_in_backward.OptimizerInBackward``, the Triton kernel of
     ``adamw="triton"``, which ``adamw`` must then be); the other micro-batches accumulate. Their
     gradients are gone by ``after_backward``'s call, so the two are not taken together.
+
+    Args:
+        model: a causal LM whose ``model(**batch, num_items_in_batch=n).loss`` is the loss.
+        batches: the micro-batches (CPU copies of ``input_ids``, ``attention_mask``, ``labels``),
+            moved to the model's device before the first step.
+        grad_accum: micro-batches per optimizer step.
+        lr: AdamW's learning rate.
+        label: the run's name, on its record and its progress bar.
+        warmup_steps: the first steps left out of tokens/s and time per step (at most all but one).
+        progress: show a progress bar.
+        after_backward: called as ``after_backward(step, model)`` before each optimizer step.
+        padding_mask: keep every batch's ``attention_mask`` (False: drop it where redundant).
+        adamw: ``"foreach"``, ``"fused"`` or ``"triton"``.
+        optimizer_in_backward: step each parameter inside the step's last backward (chapter 17,
+            notebooks/17_whole_step.ipynb).
+
+    Returns:
+        A ``RunResult``: what ran and one ``StepRecord`` per optimizer step.
+
+    Raises:
+        TypeError: ``batches`` is not a non-empty list of dicts (``check_train_args``).
+        ValueError: another argument ``check_train_args`` rejects, ``after_backward`` given with
+            ``optimizer_in_backward=True``, or ``adamw`` unknown (or not ``"triton"`` with
+            ``optimizer_in_backward=True``).
     """
     check_train_args(batches, grad_accum, lr, warmup_steps)
     groups = step_groups(batches, grad_accum)
@@ -330,6 +417,10 @@ def make_adamw(model: torch.nn.Module, lr: float, adamw: str = "foreach",
 
     Returns:
         The optimizer.
+
+    Raises:
+        ValueError: ``adamw`` is not one of ``ADAMW_IMPLEMENTATIONS``, or ``in_backward`` is set
+            and ``adamw`` is not ``"triton"``.
     """
     if adamw not in ADAMW_IMPLEMENTATIONS:
         raise ValueError(f"adamw must be one of {ADAMW_IMPLEMENTATIONS}, got {adamw!r}")
@@ -346,7 +437,15 @@ def make_adamw(model: torch.nn.Module, lr: float, adamw: str = "foreach",
 
 def describe_optimizer(optimizer: torch.optim.Optimizer, lr: float) -> str:
     """What ran, for a run's record: e.g. ``torch.optim.AdamW(lr=0.0001, fused=True), defaults
-    otherwise``."""
+    otherwise``.
+
+    Args:
+        optimizer: what ``make_adamw`` returned.
+        lr: its learning rate, as the description gives it.
+
+    Returns:
+        One line naming the optimizer's class and the settings that differ from AdamW's defaults.
+    """
     if isinstance(optimizer, OptimizerInBackward):
         return (f"kernels.training.optim_in_backward.OptimizerInBackward(lr={lr:g}, "
                 f"side_stream={optimizer.side_stream}), torch.optim.AdamW's defaults otherwise; each "
@@ -391,6 +490,24 @@ def train_steps(
 
     ``device`` is where the micro-batches go (default: the model's first parameter's). ``desc`` and
     ``rate_name`` label the progress bar and its tokens/s (default: ``label`` and ``tok_s``).
+
+    Args:
+        model: the model (or each rank's sharded model).
+        groups: each optimizer step's micro-batches, as ``step_groups`` gives.
+        label_counts: per step, the labels each micro-batch's loss divides by.
+        lr, label, warmup_steps, progress, after_backward, padding_mask, adamw,
+            optimizer_in_backward: ``train``'s.
+        device: where the micro-batches go.
+        reduce_loss: this process's step loss to the step's loss on record.
+        desc: the progress bar's title.
+        rate_name: the progress bar's name for tokens/s.
+
+    Returns:
+        A ``RunResult`` with one ``StepRecord`` per group.
+
+    Raises:
+        ValueError: ``after_backward`` is given with ``optimizer_in_backward=True``, or
+            ``make_adamw`` rejects ``adamw``.
     """
     if optimizer_in_backward and after_backward is not None:
         raise ValueError("after_backward reads the gradients after the last backward, and with "
@@ -483,6 +600,14 @@ class Comparison:
         return [p - b for b, p in zip(self.baseline.losses, self.patched.losses)]
 
     def summary(self) -> dict:
+        """The two runs' headline numbers side by side.
+
+        Returns:
+            tokens/s (all and non-padding), ``speedup``, step time, peak memory and final loss of
+            each run, the largest and the first step's loss difference, the warm-up steps left out;
+            ``memory_saved_bytes`` when both peaks are known, and the longest sequence that fits
+            and the memory per token when ``fit`` and ``slope`` hold them.
+        """
         b, p = self.baseline, self.patched
         out = {
             "tokens_per_s": {"baseline": b.tokens_per_s, "patched": p.tokens_per_s},
@@ -505,6 +630,15 @@ class Comparison:
         return out
 
     def table(self) -> str:
+        """``summary`` as a printed table, baseline and patched side by side (chapters 08 and 11,
+        notebooks/08_training_loop.ipynb).
+
+        Off the GPU the change column shows no speed ratios: the interpreter's times say nothing of
+        GPU speed.
+
+        Returns:
+            The table, with a closing line on the device, the preset and the warm-up steps.
+        """
         s = self.summary()
         b_mem, p_mem = s["peak_memory_bytes"]["baseline"], s["peak_memory_bytes"]["patched"]
 
@@ -549,6 +683,12 @@ class Comparison:
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
+        """The comparison as JSON-ready data, for ``save``.
+
+        Returns:
+            Device, mode, versions, settings, ``summary()``, both runs' ``to_dict()``, and the fit
+            and slope results when present.
+        """
         return {
             "device": self.device,
             "mode": self.mode,
@@ -562,7 +702,14 @@ class Comparison:
         }
 
     def plot(self, axes=None):
-        """Both loss curves on one plot, and the difference (patched − baseline) below it."""
+        """Both loss curves on one plot, and the difference (patched − baseline) below it.
+
+        Args:
+            axes: two matplotlib axes, top and bottom; None makes a new figure with them.
+
+        Returns:
+            The two axes.
+        """
         import matplotlib.pyplot as plt
 
         if axes is None:
@@ -586,7 +733,15 @@ class Comparison:
         """Write ``finetune/<name>.json`` and ``.png`` (the loss curves) under the results root
         ``out_dir``, over any earlier run of that name, each file complete or not at all; ``name``
         defaults to the preset. What the run was set up with is in the JSON's ``settings``
-        (``kernels.bench.results.find_run`` finds it by them)."""
+        (``kernels.bench.results.find_run`` finds it by them).
+
+        Args:
+            out_dir: the results root.
+            name: the files' base name; None for the preset's name.
+
+        Returns:
+            The paths of the JSON file and the PNG file.
+        """
         import matplotlib.pyplot as plt
 
         name = name or self.settings.get("preset")
@@ -604,8 +759,22 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 
 
 def compile_model(model: torch.nn.Module, mode: str = "default") -> torch.nn.Module:
-    """``torch.compile(model, mode=mode)``: inductor on a GPU; on the CPU ``backend="aot_eager"``
-    (``runtime.COMPILE_BACKEND``), whose graphs run eagerly, so Triton's interpreter runs the kernels."""
+    """``torch.compile(model, mode=mode)``: inductor on a GPU, ``runtime.COMPILE_BACKEND`` elsewhere.
+
+    Off the GPU the backend is ``"aot_eager"``, whose graphs run eagerly, so Triton's interpreter runs
+    the kernels (and ``mode`` is checked but not passed on). Chapter 09
+    (notebooks/09_pytorch_ops.ipynb) compiles the patched model.
+
+    Args:
+        model: the model to compile.
+        mode: one of ``COMPILE_MODES``.
+
+    Returns:
+        The compiled module (it shares ``model``'s parameters).
+
+    Raises:
+        ValueError: ``mode`` is not one of ``COMPILE_MODES``.
+    """
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}")
     if runtime.MODE != "gpu":
@@ -614,8 +783,16 @@ def compile_model(model: torch.nn.Module, mode: str = "default") -> torch.nn.Mod
 
 
 def enable_checkpointing(model: torch.nn.Module) -> None:
-    """Hugging Face's gradient checkpointing, non-reentrant (the variant PyTorch recommends; it
-    needs no input that requires a gradient, and it composes with torch.compile and FSDP2)."""
+    """Turn on Hugging Face's gradient checkpointing, non-reentrant, in place.
+
+    Non-reentrant is the variant PyTorch recommends: it needs no input that requires a gradient, and
+    it composes with torch.compile and FSDP2. Chapter 14 (notebooks/14_long_context.ipynb) starts
+    from it.
+
+    Args:
+        model: a Hugging Face model (``activation_checkpointing_enable`` or
+            ``gradient_checkpointing_enable``, whichever its transformers release has).
+    """
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):  # the name newer transformers releases use
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
@@ -629,7 +806,20 @@ def _fmt_len(n) -> str:
 
 def make_run_batches(preset: str, steps: int, seq_len: int, batch_size: int, grad_accum: int, seed: int = 0,
                      tokenizer=None) -> list[dict[str, torch.Tensor]]:
-    """``steps × grad_accum`` micro-batches of the workbook's SFT data, on the CPU (``train`` moves them)."""
+    """``steps × grad_accum`` micro-batches of the workbook's SFT data, on the CPU (``train`` moves them).
+
+    Args:
+        preset: the model preset, whose vocabulary bounds the token ids.
+        steps: optimizer steps.
+        seq_len: tokens per row.
+        batch_size: rows per micro-batch.
+        grad_accum: micro-batches per step.
+        seed: the draw of examples.
+        tokenizer: the tokenizer; None for ``get_tokenizer()``.
+
+    Returns:
+        The micro-batches, as ``make_sft_batches`` gives them.
+    """
     tokenizer = tokenizer or get_tokenizer()
     vocab = llama_config(preset).vocab_size
     return make_sft_batches(tokenizer, batch_size, seq_len, steps * grad_accum, seed, vocab_size=vocab)
@@ -673,6 +863,36 @@ def compare(
     default of its Trainer, against the patched model with ``"triton"``: every kernel of this
     package, the optimizer's too). ``optimizer_in_backward=True`` steps the patched run's
     parameters inside its backward (``train``'s; its AdamW must then be ``"triton"``).
+
+    Chapter 08 (notebooks/08_training_loop.ipynb) runs it; chapters 10 and 11 again with their kernels.
+
+    Args:
+        preset: the model preset (``kernels.training.models``).
+        steps: optimizer steps per run.
+        seq_len: tokens per row.
+        batch_size: rows per micro-batch.
+        grad_accum: micro-batches per optimizer step.
+        lr: the learning rate; None for ``default_lr(preset)``.
+        seed: the weights' and the data's seed.
+        dtype: the models' dtype.
+        device: where the models are built; None for ``runtime.device()``.
+        warmup_steps: steps left out of the timings.
+        progress: show progress bars.
+        tokenizer: the tokenizer; None for ``get_tokenizer()``.
+        patch_options: keyword arguments of ``patch_llama``.
+        compile: a ``compile_model`` mode for both models, or None for eager.
+        gradient_checkpointing: checkpoint every decoder layer in both models.
+        padding_mask: keep redundant padding masks (``train``'s).
+        adamw: both runs' AdamW (``train``'s).
+        patched_adamw: the patched run's AdamW, if not ``adamw``.
+        optimizer_in_backward: step the patched run's parameters inside its backward.
+
+    Returns:
+        A ``Comparison`` of the two runs, with the settings they ran with.
+
+    Raises:
+        ValueError: ``steps`` is not a positive int, or ``optimizer_in_backward`` is set and the
+            patched run's AdamW is not ``"triton"`` (and what ``train`` raises).
     """
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
@@ -722,7 +942,15 @@ PARAMETER_KINDS = ("embed_tokens", "q_proj", "k_proj", "v_proj", "o_proj", "gate
 
 
 def parameter_kind(name: str) -> str:
-    """The kind of a parameter from its name: ``model.layers.3.mlp.up_proj.weight`` -> ``up_proj``."""
+    """The kind of a parameter from its name: ``model.layers.3.mlp.up_proj.weight`` -> ``up_proj``.
+
+    Args:
+        name: a dotted parameter name, as ``named_parameters`` gives.
+
+    Returns:
+        The last part of ``name`` that is one of ``PARAMETER_KINDS``; failing that, the part before
+        the last (the module's name), or ``name`` itself if it has no dot.
+    """
     parts = name.split(".")
     for part in reversed(parts):
         if part in PARAMETER_KINDS:
@@ -740,7 +968,12 @@ class GradientCheck:
     errors: dict[str, dict[str, float]]  # parameter -> {"baseline", "patched", "patched_vs_baseline"}
 
     def by_kind(self) -> dict[str, dict[str, float]]:
-        """The largest error of each kind of parameter (over layers), for each comparison."""
+        """The largest error of each kind of parameter (over layers), for each comparison.
+
+        Returns:
+            Kind (``parameter_kind``) -> {comparison -> largest error, ``"count"`` -> parameters},
+            in the order the kinds first appear.
+        """
         out: dict[str, dict[str, float]] = {}
         for name, errs in self.errors.items():
             row = out.setdefault(parameter_kind(name), {k: 0.0 for k in errs} | {"count": 0})
@@ -750,9 +983,23 @@ class GradientCheck:
         return out
 
     def worst(self, which: str) -> float:
+        """The largest error of one comparison over every parameter.
+
+        Args:
+            which: ``"baseline"``, ``"patched"`` or ``"patched_vs_baseline"``.
+
+        Returns:
+            The largest relative error.
+        """
         return max(e[which] for e in self.errors.values())
 
     def table(self) -> str:
+        """``by_kind`` as a printed table, with the three losses below it (chapter 08,
+        notebooks/08_training_loop.ipynb).
+
+        Returns:
+            The table.
+        """
         lines = [f"{'parameter kind':<26}{'count':>6}{'HF bf16 vs fp32':>18}{'patched vs fp32':>18}"
                  f"{'patched vs HF':>16}"]
         for kind, row in self.by_kind().items():
@@ -765,7 +1012,14 @@ class GradientCheck:
         return "\n".join(lines)
 
     def plot(self, ax=None):
-        """Each parameter's error against float32: Hugging Face's (x) against the patched model's (y)."""
+        """Each parameter's error against float32: Hugging Face's (x) against the patched model's (y).
+
+        Args:
+            ax: a matplotlib axis; None makes a new figure with one.
+
+        Returns:
+            The axis.
+        """
         import matplotlib.pyplot as plt
 
         if ax is None:
@@ -796,7 +1050,19 @@ def gradient_check(preset_or_config="tiny", batch: dict | None = None, seed: int
     """One forward and backward pass on one batch, three ways, from the same weights: in float32
     (the reference), in bf16 as Hugging Face computes it, and in bf16 patched. The model is built
     once in float32 and its parameters are cast to bf16, so all three start from the same values (up
-    to the bf16 rounding of the weights)."""
+    to the bf16 rounding of the weights). The patched pass patches chapter 08's two kernels
+    (RMSNorm and cross-entropy); notebooks/08_training_loop.ipynb runs it, and later chapters again.
+
+    Args:
+        preset_or_config: a preset name or a ``LlamaConfig``, as ``build_model`` takes.
+        batch: one batch (``input_ids``, ``attention_mask``, ``labels``); None for one row of 128
+            tokens of the workbook's SFT data.
+        seed: the weights' (and the default batch's) seed.
+        device: where the model is built; None for ``runtime.device()``.
+
+    Returns:
+        A ``GradientCheck`` with the three losses and every parameter's three relative errors.
+    """
     model = build_model(preset_or_config, dtype=torch.float32, device=device, seed=seed)
     device = next(model.parameters()).device
     if batch is None:

@@ -1,4 +1,5 @@
-"""The training loop: baseline and patched learn identically, gradient accumulation, records, the fit search."""
+"""The training loop: baseline and patched learn identically, gradient accumulation, records, gradient
+checkpointing, the three AdamW implementations, compiled runs, the fit search."""
 
 import json
 
@@ -18,6 +19,7 @@ from kernels.training.loop import (
     compile_model,
     count_trained_labels,
     gradient_check,
+    make_adamw,
     parameter_kind,
     train,
 )
@@ -166,6 +168,35 @@ def test_parameter_kind():
     assert parameter_kind("model.layers.0.self_attn.q_norm.weight") == "q_norm"
     assert parameter_kind("model.norm.weight") == "norm"
     assert parameter_kind("lm_head.weight") == "lm_head"
+
+
+def test_compare_with_checkpointing_gives_the_same_losses(gen):
+    plain = compare("tiny", steps=2, seq_len=40, batch_size=1, warmup_steps=1, progress=False)
+    ckpt = compare("tiny", steps=2, seq_len=40, batch_size=1, warmup_steps=1, progress=False,
+                   gradient_checkpointing=True)
+    assert ckpt.settings["gradient_checkpointing"] is True
+    for a, b in ((plain.baseline, ckpt.baseline), (plain.patched, ckpt.patched)):
+        assert max(abs(x - y) for x, y in zip(a.losses, b.losses)) < 1e-3
+
+
+def test_every_adamw_takes_the_same_steps(gen, device):
+    weights = torch.randn(7, 33, generator=gen).to(device)
+    grads = [torch.randn(7, 33, generator=gen).to(device) for _ in range(3)]
+    finals = []
+    for adamw in ("foreach", "fused", "triton"):
+        layer = torch.nn.Linear(33, 7, bias=False, device=device)
+        with torch.no_grad():
+            layer.weight.copy_(weights)
+        optimizer = make_adamw(layer, 1e-2, adamw)
+        for g in grads:
+            layer.weight.grad = g.clone()
+            optimizer.step()
+        finals.append(layer.weight.detach().clone())
+    for other in finals[1:]:
+        torch.testing.assert_close(other, finals[0], rtol=1e-5, atol=1e-6)
+    assert not torch.equal(finals[0], weights)
+    with pytest.raises(ValueError, match="adamw must be one of"):
+        make_adamw(torch.nn.Linear(2, 2), 1e-3, "sgd")
 
 
 # ---------------------------------------------------------------------------------------------------------------

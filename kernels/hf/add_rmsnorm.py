@@ -35,7 +35,6 @@ FSDP2's per-layer units all take as the layer's output), so it stays Hugging Fac
 from __future__ import annotations
 
 import ast
-import functools
 import importlib
 import inspect
 import textwrap
@@ -81,7 +80,6 @@ _EXPECTED_PARAMETERS = (("self", inspect.Parameter.empty), ("hidden_states", ins
                         ("position_embeddings", None), ("kwargs", inspect.Parameter.empty))
 
 
-@functools.cache
 def supported_classes() -> tuple[dict[type, type], frozenset[type]]:
     """The decoder layer classes whose add the patch fuses, each with its family's RMSNorm class, and
     the norms of Llama's formula it reads the weight of, among those the installed transformers has.
@@ -89,14 +87,22 @@ def supported_classes() -> tuple[dict[type, type], frozenset[type]]:
     Returns:
         ``({layer class: its RMSNorm class}, {norm classes, TritonRMSNorm included})``.
     """
-    layers = {}
-    for module_path, layer_name, norm_name in FAMILIES:
-        try:
-            module = importlib.import_module(module_path)
-            layers[getattr(module, layer_name)] = getattr(module, norm_name)
-        except (ImportError, AttributeError):  # a transformers version without this family
-            continue
-    return layers, frozenset({TritonRMSNorm, *layers.values()})
+    global _SUPPORTED
+    # Found once, in a plain global rather than functools.cache: each fused forward reads it, and
+    # torch.compile traces a global but breaks its graph at a cached function.
+    if _SUPPORTED is None:
+        layers = {}
+        for module_path, layer_name, norm_name in FAMILIES:
+            try:
+                module = importlib.import_module(module_path)
+                layers[getattr(module, layer_name)] = getattr(module, norm_name)
+            except (ImportError, AttributeError):  # a transformers version without this family
+                continue
+        _SUPPORTED = layers, frozenset({TritonRMSNorm, *layers.values()})
+    return _SUPPORTED
+
+
+_SUPPORTED: tuple[dict[type, type], frozenset[type]] | None = None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -313,7 +319,10 @@ def fuse_residual_adds(layers: list[tuple[str, torch.nn.Module]]) -> tuple[Calla
         ``(undo, check)``: ``undo()`` deletes each instance-level forward; ``check()`` raises,
         changing nothing, where one was replaced since the patch.
     """
-    forward = _instance_forward(_FusedForwards({inspect.unwrap(type(layer).forward) for _, layer in layers}))
+    fused = _FusedForwards({inspect.unwrap(type(layer).forward) for _, layer in layers})
+    for _, layer in layers:
+        fused(type(layer))  # rebuilt now: under torch.compile a first call would break the graph there
+    forward = _instance_forward(fused)
     done = []
     for where, layer in layers:
         layer.forward = types.MethodType(forward, layer)

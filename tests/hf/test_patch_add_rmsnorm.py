@@ -9,6 +9,7 @@ from test_patch import TINY, assert_grads_close, loss_and_grads, random_batch, s
 
 import kernels.add_rmsnorm as kernel_module
 import kernels.hf.add_rmsnorm as hf_module
+from kernels import runtime
 from kernels.hf.patch import patch_llama
 from kernels.reference import relative_error
 from kernels.tolerances import RELATIVE_ERROR_TOL
@@ -90,6 +91,20 @@ def test_a_subclass_made_after_the_patch_checkpoints_once(device, gen, calls):
         layer._gradient_checkpointing_func = lambda *a, inner=inner, **k: (checkpoints.append(1), inner(*a, **k))[1]
     assert_matches(loss_and_grads(model, batch), expected)
     assert len(checkpoints) == LAYERS and calls == {"forward": 2 * LAYERS, "backward": LAYERS}
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_compiled_as_one_graph(device, gen, calls):
+    model = tiny_model("llama", seed_from(gen))
+    reference = copy.deepcopy(model)
+    batch = random_batch(gen, device=device)
+    expected = loss_and_grads(reference, batch)
+    patch_llama(model, **ONLY)
+    explained = torch._dynamo.explain(model)(**batch)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    torch._dynamo.reset()
+    loss, grads = loss_and_grads(torch.compile(model, backend=runtime.COMPILE_BACKEND), batch)
+    assert_matches((loss, {n.removeprefix("_orig_mod."): g for n, g in grads.items()}), expected)
 
 
 def test_bf16_logits_within_bf16_rounding(device, gen, calls):

@@ -17,6 +17,9 @@ the results root: the git-ignored runs folder, ``--out``, or with ``--record`` t
 the chapters read (``assets/results/``). A file of that name is replaced only with ``--force``; the
 flags a run ran with are the JSON's ``settings``, by which ``kernels.bench.results.find_run`` finds
 it. Every flag is checked before any work (``kernels.bench.cli``).
+
+Chapters 09 to 11 (notebooks/09_pytorch_ops.ipynb, 10_linear_cross_entropy.ipynb,
+11_swiglu_rope.ipynb) read the runs of ``--compare`` it recorded, and give the command for a GPU.
 """
 
 from __future__ import annotations
@@ -51,7 +54,16 @@ CPU_DEFAULTS = dict(steps=6, seq_len=256, batch_size=2, grad_accum=2)
 
 
 def build_parser(writes: str = "finetune/<name>.json and .png") -> argparse.ArgumentParser:
-    """The command line's parser; ``writes`` is what a run writes under the results root (its help text)."""
+    """The command line's parser, shared with ``kernels.distributed.finetune``.
+
+    Its defaults for steps and shapes are ``GPU_DEFAULTS`` on a GPU, ``CPU_DEFAULTS`` elsewhere.
+
+    Args:
+        writes: what a run writes under the results root, for the help text of the output flags.
+
+    Returns:
+        The parser.
+    """
     defaults = GPU_DEFAULTS if runtime.MODE == "gpu" else CPU_DEFAULTS
     p = argparse.ArgumentParser(
         prog="python -m kernels.training.finetune",
@@ -141,17 +153,31 @@ def _switches(text: str) -> tuple[str, ...]:
 
 
 def patch_options(args) -> dict:
-    """``patch_llama`` keywords from ``--kernels``: each switch on exactly when named. Without
-    ``--kernels``, none: patch_llama's default, ``kernels="auto"`` (every kernel of
-    ``DEFAULT_KERNELS`` that applies)."""
+    """``patch_llama`` keywords from ``--kernels``: each switch on exactly when named.
+
+    Args:
+        args: the parsed flags.
+
+    Returns:
+        Switch -> on, for every switch of ``SWITCHES``; without ``--kernels``, an empty dict:
+        patch_llama's default, ``kernels="auto"`` (every kernel of ``DEFAULT_KERNELS`` that
+        applies).
+    """
     if args.kernels is None:
         return {}
     return {name: name in args.kernels for name in SWITCHES}
 
 
 def patched_adamw(args) -> str:
-    """The AdamW of the patched run: ``--patched-adamw``, else ``triton`` with
-    ``--optimizer-in-backward`` (its kernel), else ``--adamw``."""
+    """The AdamW of the patched run.
+
+    Args:
+        args: the parsed flags.
+
+    Returns:
+        ``--patched-adamw``, else ``"triton"`` with ``--optimizer-in-backward`` (its kernel), else
+        ``--adamw``.
+    """
     if args.patched_adamw is not None:
         return args.patched_adamw
     return "triton" if args.optimizer_in_backward else args.adamw
@@ -186,7 +212,16 @@ def probe_longest(args, preset: str) -> int:
     memory switches ``tiled_mlp`` and ``offload_checkpoints`` among them), and the longest length
     that fits, with its arithmetic (``kernels.training.long_context``; with the offload, checkpoints
     may split between the GPU and the host). Gradient checkpointing is on: without it no long length
-    fits."""
+    fits. Off the GPU it prints where to look instead and measures nothing. Chapter 14
+    (notebooks/14_long_context.ipynb) teaches the probe.
+
+    Args:
+        args: the parsed flags (``--probe``, ``--kernels``, ``--no-progress``).
+        preset: the model preset.
+
+    Returns:
+        The exit status, 0.
+    """
     from .long_context import longest_that_fits, probe, probe_budgets
 
     if runtime.MODE != "gpu":
@@ -276,13 +311,29 @@ def _settings(args, preset: str, lr: float) -> dict:
 
 def results_name(args, preset: str) -> str:
     """The results' name: ``--name``, else the preset (``--compare``) or ``<preset>_patched`` (the
-    patched run alone)."""
+    patched run alone).
+
+    Args:
+        args: the parsed flags.
+        preset: the model preset.
+
+    Returns:
+        The base name of the results files.
+    """
     return args.name or (preset if args.compare else f"{preset}_patched")
 
 
 def lora_results_paths(args, preset: str) -> tuple:
     """``lora/<name>.json`` and ``.png`` of a ``--lora RANK --compare`` run (name: ``--name``, else
-    ``<preset>_r<RANK>``)."""
+    ``<preset>_r<RANK>``).
+
+    Args:
+        args: the parsed flags.
+        preset: the model preset.
+
+    Returns:
+        The JSON path and the PNG path, under the results root of ``--out``/``--record``.
+    """
     name = args.name or f"{preset}_r{args.lora}"
     root = cli.output_root(args)
     return results_file("lora", name, root), results_file("lora", name, root, suffix=".png")
@@ -294,14 +345,29 @@ FIT_DEFAULTS = dict(fit_lo=4096, fit_hi=65536, fit_probes=8)
 
 
 def fit_setting(args, name: str):
-    """``args.<name>`` of the fit search, or its default (``FIT_DEFAULTS``) where the flag was not given."""
+    """``args.<name>`` of the fit search, or its default (``FIT_DEFAULTS``) where the flag was not given.
+
+    Args:
+        args: the parsed flags.
+        name: ``"fit_lo"``, ``"fit_hi"`` or ``"fit_probes"``.
+
+    Returns:
+        The flag's value, or its default.
+    """
     value = getattr(args, name)
     return FIT_DEFAULTS[name] if value is None else value
 
 
 def flag_problems(args) -> list[str]:
     """What is wrong with a combination of flags, one line each (each flag alone was checked as it
-    was parsed)."""
+    was parsed). Shared with ``kernels.distributed.finetune``.
+
+    Args:
+        args: the parsed flags.
+
+    Returns:
+        One message per problem; empty when the flags go together.
+    """
     problems = []
     if args.seq_len < MIN_SEQ_LEN:
         problems.append(f"--seq-len {args.seq_len} is shorter than any exchange of the workbook's dataset: use at "
@@ -339,7 +405,17 @@ def _under_torchrun() -> bool:
 
 
 def check_args(parser: argparse.ArgumentParser, args, preset: str) -> None:
-    """Every check before any work: the flags together, and the results files (none for ``--probe``)."""
+    """Every check before any work: the flags together, and the results files (none for ``--probe``).
+
+    Args:
+        parser: the parser, for the usage line of the error.
+        args: the parsed flags.
+        preset: the preset the run will use (the default results name is its name).
+
+    Raises:
+        SystemExit: with status 2 and one line per problem, on any
+            (``kernels.bench.cli.check_outputs``).
+    """
     problems = flag_problems(args)
     if args.fsdp:
         problems.append("sharded runs start under torchrun from the distributed wing, with the same flags: "
@@ -417,6 +493,18 @@ def _lora_compare(args, preset: str, lr: float) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line: check every flag, then probe, compare (with or without LoRA) or train
+    the patched model alone, print the numbers and write the results.
+
+    Args:
+        argv: the arguments; None for ``sys.argv[1:]``.
+
+    Returns:
+        The exit status, 0.
+
+    Raises:
+        SystemExit: with status 2, on a bad flag or combination of flags, before any work.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     preset, why = _choose_preset(args)

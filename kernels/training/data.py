@@ -28,6 +28,10 @@ Tokenizer: a real one when given (a local directory or an id already in the Hugg
 never downloaded), otherwise a byte-level BPE tokenizer trained here on the generated text with the
 ``tokenizers`` library (under a second, deterministic, 2,048 ids at most, the vocabulary of the
 ``"tiny"`` model preset).
+
+Chapter 01 (notebooks/01_profile_baseline.ipynb) looks at these batches, token by token; chapter 16
+(notebooks/16_flash_attention.ipynb) packs independent examples of them (the second half of this
+file).
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ PAD, PROMPT, RESPONSE = 0, 1, 2
 
 @dataclass(frozen=True)
 class Example:
+    """One instruction/response pair; ``task`` is ``"arithmetic"``, ``"string"`` or ``"code"``."""
+
     task: str
     prompt: str
     response: str
@@ -212,7 +218,20 @@ GENERATORS: tuple[Callable[[random.Random], Example], ...] = (
 
 
 def make_examples(n: int = DEFAULT_EXAMPLES, seed: int = DATASET_SEED) -> list[Example]:
-    """``n`` instruction/response pairs drawn from ``seed``: the same arguments give the same list."""
+    """``n`` instruction/response pairs drawn from ``seed``: the same arguments give the same list.
+
+    Chapter 01 (notebooks/01_profile_baseline.ipynb) prints a few.
+
+    Args:
+        n: how many pairs.
+        seed: the draw; ``DATASET_SEED`` is the workbook's dataset.
+
+    Returns:
+        The ``Example``s, each from a generator of ``GENERATORS`` chosen at random.
+
+    Raises:
+        ValueError: ``n`` is not a positive int.
+    """
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive int, got {n!r}")
     rng = random.Random(seed)
@@ -220,6 +239,14 @@ def make_examples(n: int = DEFAULT_EXAMPLES, seed: int = DATASET_SEED) -> list[E
 
 
 def format_prompt(prompt: str) -> str:
+    """A prompt in the instruction template, up to where the response starts (no begin token).
+
+    Args:
+        prompt: the instruction.
+
+    Returns:
+        ``PROMPT_TEMPLATE`` filled with ``prompt``.
+    """
     return PROMPT_TEMPLATE.format(prompt=prompt)
 
 
@@ -231,8 +258,14 @@ def format_prompt(prompt: str) -> str:
 def train_default_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE) -> PreTrainedTokenizerFast:  # noqa: F821
     """Train a byte-level BPE tokenizer on the generated dataset (deterministic; well under a second).
 
-    Byte-level means any text can be encoded (unknown characters fall back to bytes) and decoding gives the text
-    back exactly. The special tokens are ``<|begin|>``, ``<|end|>`` and ``<|pad|>``.
+    Byte-level means any text can be encoded (unknown characters fall back to bytes) and decoding
+    gives the text back exactly. The special tokens are ``<|begin|>``, ``<|end|>`` and ``<|pad|>``.
+
+    Args:
+        vocab_size: the most ids it may have, special tokens and the 256 byte symbols included.
+
+    Returns:
+        A ``transformers.PreTrainedTokenizerFast`` with the special tokens of ``SPECIAL_TOKENS``.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -261,7 +294,18 @@ def get_tokenizer(name_or_path=None) -> PreTrainedTokenizerBase:
 
     ``name_or_path`` may be a directory holding a saved tokenizer or a hub id already in the Hugging
     Face cache (e.g. the Llama 3 tokenizer, whose 128,256 ids match the full-size presets); nothing
-    is downloaded.
+    is downloaded. Chapter 01 (notebooks/01_profile_baseline.ipynb) loads the workbook's own.
+
+    Args:
+        name_or_path: None for the workbook's own, or a directory or hub id (str or ``Path``).
+
+    Returns:
+        The tokenizer.
+
+    Raises:
+        TypeError: ``name_or_path`` is neither None, a str nor a ``Path``.
+        FileNotFoundError: no such tokenizer is found locally.
+        ValueError: the tokenizer has no end-of-sequence token.
     """
     if name_or_path is None:
         return _default_tokenizer()
@@ -373,6 +417,29 @@ def make_sft_batches(
     batches and successive batches hold different examples. ``vocab_size``, when given (the
     model's), is checked against every token id. ``with_roles=True`` adds ``roles`` (0 padding, 1
     prompt, 2 response) for inspection; leave it off for batches that go into ``model(**batch)``.
+    Chapter 01 (notebooks/01_profile_baseline.ipynb) builds and inspects them; chapter 08 trains on
+    them.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer with an end token (``get_tokenizer``); padding uses its
+            pad token, else its end token.
+        batch_size: rows per batch.
+        seq_len: tokens per row.
+        n_batches: how many batches.
+        seed: the order of the examples.
+        vocab_size: the model's vocabulary, checked against every id; None to skip the check.
+        n_examples: the size of the dataset drawn from.
+        with_roles: add each position's role.
+
+    Returns:
+        The batches (long tensors on the CPU); labels are the ids on responses and their end tokens,
+        -100 elsewhere, and ``attention_mask`` is 0 on padding.
+
+    Raises:
+        TypeError: ``tokenizer`` is not a Hugging Face tokenizer.
+        ValueError: a size is not a positive int, the tokenizer has no end token, ``seq_len`` is too
+            short for any prompt of the dataset (``MIN_SEQ_LEN``), or a token id is not below
+            ``vocab_size``.
     """
     sizes = (("batch_size", batch_size), ("seq_len", seq_len), ("n_batches", n_batches),
              ("n_examples", n_examples))
@@ -424,7 +491,15 @@ def make_sft_batches(
 
 def label_stats(batch: dict[str, torch.Tensor]) -> dict[str, float]:
     """Fractions of the batch's positions that are padding, masked prompt tokens, and trained (label
-    != -100)."""
+    != -100). Chapter 01 (notebooks/01_profile_baseline.ipynb) prints them.
+
+    Args:
+        batch: a batch with ``attention_mask`` and ``labels``.
+
+    Returns:
+        ``tokens`` (the positions, a count), then the fractions ``padding``, ``prompt (label -100)``
+        and ``trained (label = input id)``.
+    """
     mask = batch["attention_mask"].bool()
     trained = batch["labels"] != IGNORE_INDEX
     total = mask.numel()
@@ -438,7 +513,17 @@ def label_stats(batch: dict[str, torch.Tensor]) -> dict[str, float]:
 
 def render_row(tokenizer, batch: dict[str, torch.Tensor], row: int = 0, max_chars: int | None = 1500) -> str:
     """One row as text: masked tokens as they are, trained tokens inside «…», padding summarised at
-    the end."""
+    the end. Chapter 01 (notebooks/01_profile_baseline.ipynb) prints one.
+
+    Args:
+        tokenizer: the tokenizer that made the batch.
+        batch: a batch with ``input_ids``, ``labels`` and ``attention_mask``.
+        row: which row.
+        max_chars: cut the text after this many characters (saying how many more); None for all.
+
+    Returns:
+        The text, with a last line counting the padding tokens.
+    """
     ids = batch["input_ids"][row].tolist()
     trained = (batch["labels"][row] != IGNORE_INDEX).tolist()
     real = batch["attention_mask"][row].bool().tolist()
@@ -459,7 +544,18 @@ def render_row(tokenizer, batch: dict[str, torch.Tensor], row: int = 0, max_char
 
 
 def plot_label_mask(batch: dict[str, torch.Tensor], ax=None, max_rows: int = 16):
-    """Each row of the batch as a strip: padding, masked prompt tokens, trained response tokens."""
+    """Each row of the batch as a strip: padding, masked prompt tokens, trained response tokens.
+
+    Chapter 01 (notebooks/01_profile_baseline.ipynb) draws it.
+
+    Args:
+        batch: a batch with ``attention_mask`` and ``labels``.
+        ax: a matplotlib axis; None makes a new figure with one.
+        max_rows: draw at most this many rows, the first ones.
+
+    Returns:
+        The axis.
+    """
     import matplotlib.pyplot as plt
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
@@ -508,7 +604,22 @@ MIN_EXAMPLE_TOKENS = 32
 def example_lengths(n: int, max_len: int, seed: int = 0, median: int = PACKED_MEDIAN,
                     sigma: float = PACKED_SIGMA) -> list[int]:
     """``n`` example lengths drawn from the stated distribution: log-normal (``median``, ``sigma``),
-    clipped to [32, ``max_len``]."""
+    clipped to [32, ``max_len``]. Chapter 16 (notebooks/16_flash_attention.ipynb) draws them.
+
+    Args:
+        n: how many lengths.
+        max_len: the longest allowed, at least ``MIN_EXAMPLE_TOKENS``.
+        seed: the draw.
+        median: the distribution's median, in tokens.
+        sigma: the standard deviation of the length's logarithm.
+
+    Returns:
+        The lengths, in tokens.
+
+    Raises:
+        ValueError: ``n``, ``max_len`` or ``median`` is not a positive int, ``sigma`` is negative or
+            not finite, or ``max_len`` is below ``MIN_EXAMPLE_TOKENS``.
+    """
     _check_positive_int("n", n)
     _check_positive_int("max_len", max_len)
     _check_positive_int("median", median)
@@ -523,8 +634,22 @@ def example_lengths(n: int, max_len: int, seed: int = 0, median: int = PACKED_ME
 
 def make_sft_examples(tokenizer, n: int, max_len: int, seed: int = 0,
                       **length_kw) -> list[tuple[list[int], list[int]]]:
-    """``n`` independent examples ``(input_ids, labels)`` with lengths from ``example_lengths``: each one the
-    generated exchanges appended until its drawn length (labels -100 on prompts and the begin token)."""
+    """``n`` independent examples ``(input_ids, labels)`` with lengths from ``example_lengths``.
+
+    Each one is the generated exchanges appended until its drawn length (labels -100 on prompts and
+    the begin token); one whose exchanges stop short of it keeps what it holds. Chapter 16
+    (notebooks/16_flash_attention.ipynb) packs them.
+
+    Args:
+        tokenizer: the tokenizer (``get_tokenizer``).
+        n: how many examples.
+        max_len: the longest an example may be.
+        seed: the draw of lengths and the order of the exchanges.
+        length_kw: ``median`` and ``sigma`` of ``example_lengths``.
+
+    Returns:
+        The examples, each a pair of int lists of one length.
+    """
     lengths = example_lengths(n, max_len, seed, **length_kw)
     batch = make_sft_batches(tokenizer, n, max(lengths), 1, seed, with_roles=True)[0]
     examples = []
@@ -536,9 +661,20 @@ def make_sft_examples(tokenizer, n: int, max_len: int, seed: int = 0,
 
 
 def check_examples(examples) -> list[tuple[list[int], list[int]]]:
-    """``examples`` as a list of ``(input_ids, labels)`` pairs of int lists, or a
-    ``ValueError``/``TypeError`` naming the first that is not one: ids and labels of one length (a
-    label per token, or the two would be read out of step), at least one token, integers only."""
+    """``examples`` as a list of ``(input_ids, labels)`` pairs of int lists, or an error naming the
+    first that is not one: ids and labels of one length (a label per token, or the two would be
+    read out of step), at least one token, integers only.
+
+    Args:
+        examples: an iterable of pairs of int sequences (lists or tensors).
+
+    Returns:
+        The pairs, as lists of ints.
+
+    Raises:
+        TypeError: an example is not a pair, or holds something other than ints.
+        ValueError: an example has no tokens, or not one label per token.
+    """
     checked = []
     for i, example in enumerate(examples):
         try:
@@ -567,7 +703,23 @@ def pack_examples(examples, tokens_per_batch: int, pad_id: int = 0) -> list[dict
     batch when the next does not fit. The rest of a row is one padding document (labels -100, a
     document of its own, so no example attends to it). Keys: ``input_ids``, ``labels``,
     ``position_ids`` [1, tokens_per_batch], ``cu_seq_lens_q`` and ``cu_seq_lens_k`` (int32),
-    ``max_length_q``/``max_length_k`` (ints), as ``DataCollatorWithFlattening`` gives."""
+    ``max_length_q``/``max_length_k`` (ints), as ``DataCollatorWithFlattening`` gives. Chapter 16
+    (notebooks/16_flash_attention.ipynb) trains on them.
+
+    Args:
+        examples: ``(input_ids, labels)`` pairs, as ``check_examples`` takes.
+        tokens_per_batch: the length of every row.
+        pad_id: the id that fills the rest of a row.
+
+    Returns:
+        The batches; each example's first label is -100 (the previous example's last position must
+        not predict it).
+
+    Raises:
+        TypeError: an example ``check_examples`` rejects as not a pair of int sequences.
+        ValueError: ``tokens_per_batch`` is not a positive int, an example is longer than it, or
+            ``check_examples`` rejects one (empty, or not one label per token).
+    """
     _check_positive_int("tokens_per_batch", tokens_per_batch)
     examples = check_examples(examples)
     rows: list[list] = [[]]
@@ -608,7 +760,22 @@ def _packed_row(row, tokens_per_batch: int, pad_id: int) -> dict[str, torch.Tens
 def pad_examples(examples, batch_size: int, pad_id: int = 0) -> list[dict[str, torch.Tensor]]:
     """The same examples as padded batches, ``batch_size`` per batch, each padded on the right to
     its longest: ``input_ids``, ``attention_mask``, ``labels`` (-100 on padding and on each
-    example's first token, as packed)."""
+    example's first token, as packed). Chapter 16 (notebooks/16_flash_attention.ipynb) sets them
+    against the packed batches.
+
+    Args:
+        examples: ``(input_ids, labels)`` pairs, as ``check_examples`` takes.
+        batch_size: examples per batch (the last batch may hold fewer).
+        pad_id: the id of the padding.
+
+    Returns:
+        The batches, long tensors [examples in it, its longest example].
+
+    Raises:
+        TypeError: an example ``check_examples`` rejects as not a pair of int sequences.
+        ValueError: ``batch_size`` is not a positive int, or ``check_examples`` rejects an example
+            (empty, or not one label per token).
+    """
     _check_positive_int("batch_size", batch_size)
     examples = check_examples(examples)
     batches = []
@@ -628,7 +795,18 @@ def pad_examples(examples, batch_size: int, pad_id: int = 0) -> list[dict[str, t
 
 def useful_fraction(examples, batches) -> float:
     """The examples' tokens over all tokens the batches made of them hold (padding included): 1.0
-    means none."""
+    means none. Chapter 16 (notebooks/16_flash_attention.ipynb) compares packing with padding by it.
+
+    Args:
+        examples: the ``(input_ids, labels)`` pairs the batches were made of.
+        batches: the batches, packed or padded.
+
+    Returns:
+        The fraction of the batches' positions that hold an example's token.
+
+    Raises:
+        ValueError: the batches hold no tokens.
+    """
     total = sum(b["input_ids"].numel() for b in batches)
     if total == 0:
         raise ValueError("the batches hold no tokens: there is no fraction to take")

@@ -16,6 +16,9 @@ AdamW needs; ``pick_preset_for_gpu`` uses it to choose the largest preset that f
 
 ``transformers`` is imported inside the functions that need it so that ``import kernels`` stays
 fast.
+
+Chapter 01 (notebooks/01_profile_baseline.ipynb) builds its model here and counts the memory of a
+step; every later chapter builds its models with ``build_model``.
 """
 
 from __future__ import annotations
@@ -82,6 +85,16 @@ def init_weights_(model: torch.nn.Module, seed: int = 0, std: float | None = Non
     that forgot to multiply by the weight would still match a model whose weights are all ones. The
     values come from one generator on the parameters' device, so they are identical for the same
     seed on the same kind of device (the CPU's and CUDA's random streams differ from each other).
+    Biases, where a model has them, become zeros.
+
+    Args:
+        model: the model; its parameters are overwritten.
+        seed: the seed of each device's generator.
+        std: the matrices' standard deviation; None for the configuration's ``initializer_range``
+            (0.02 where the model has none).
+
+    Returns:
+        ``model`` itself.
     """
     if std is None:
         std = getattr(getattr(model, "config", None), "initializer_range", 0.02)
@@ -111,7 +124,23 @@ def build_model(
     The model is constructed directly on ``device`` (default: ``runtime.device()``) in ``dtype``, so
     an 8B model on a GPU never passes through slow fp32 initialisation on the CPU, then every weight
     is drawn by ``init_weights_`` from ``seed``. Attention runs through PyTorch's
-    ``scaled_dot_product_attention`` ("sdpa").
+    ``scaled_dot_product_attention`` ("sdpa"). The caller's random state is left as it was. Chapter
+    01 (notebooks/01_profile_baseline.ipynb) builds its first model with it.
+
+    Args:
+        preset_or_config: a preset name of ``PRESETS``, or a ``transformers.LlamaConfig`` (copied;
+            its attention set to "sdpa").
+        dtype: a floating dtype for the weights.
+        device: where the weights are made; None for ``runtime.device()``.
+        seed: the weights' seed.
+
+    Returns:
+        The model, in train mode, with the KV cache off.
+
+    Raises:
+        TypeError: ``preset_or_config`` is neither a str nor a ``LlamaConfig``, or ``dtype`` is not
+            a floating ``torch.dtype``.
+        ValueError: the preset name is unknown (``llama_config``).
     """
     from transformers import LlamaForCausalLM
 
@@ -133,8 +162,22 @@ def build_model(
 def load_pretrained(name_or_path, dtype: torch.dtype = torch.bfloat16, device=None) -> LlamaForCausalLM:
     """Real weights from a local directory or a model already in the Hugging Face cache; never downloads.
 
-    Returns the model in train mode with the KV cache off and attention through "sdpa", like
-    ``build_model``.
+    Chapter 01 (notebooks/01_profile_baseline.ipynb) shows how to use real weights.
+
+    Args:
+        name_or_path: a directory holding a saved model, or a hub id already in the cache (str or
+            ``Path``).
+        dtype: a floating dtype for the weights.
+        device: where the model goes; None for ``runtime.device()``.
+
+    Returns:
+        The model in train mode with the KV cache off and attention through "sdpa", like
+        ``build_model``.
+
+    Raises:
+        TypeError: ``dtype`` is not a floating ``torch.dtype``, or ``name_or_path`` is neither a str
+            nor a ``Path``.
+        FileNotFoundError: no such model is on disk (the message says how to get one).
     """
     from transformers import AutoModelForCausalLM
 
@@ -219,7 +262,11 @@ class MemoryBudget:
     notes: dict[str, str] = field(default_factory=dict)
 
     def high_points(self) -> dict[str, int]:
-        """Bytes alive at each moment of ``HIGH_POINTS``, from the parts."""
+        """Bytes alive at each moment of ``HIGH_POINTS``, from the parts.
+
+        Returns:
+            Moment -> the sum of the parts alive then.
+        """
         parts = self.parts()
         return {moment: sum(parts[name] for name in names) for moment, names in HIGH_POINTS.items()}
 
@@ -237,6 +284,11 @@ class MemoryBudget:
         return hf_loss_peak(self.logits, self.logits_fp32, self.log_softmax_fp32, self.logit_grads_fp32)
 
     def parts(self) -> dict[str, int]:
+        """Every part's bytes by name, in the order of the fields.
+
+        Returns:
+            Part name -> bytes, ``weights`` to ``logit_grads_fp32``.
+        """
         return {
             "weights": self.weights,
             "gradients": self.gradients,
@@ -251,7 +303,12 @@ class MemoryBudget:
 
     def table(self) -> str:
         """A plain-text table of every part, with the note that says how it was obtained, and the
-        high points."""
+        high points. Chapter 01 (notebooks/01_profile_baseline.ipynb) prints one computed and one
+        measured.
+
+        Returns:
+            The table, ending with the peak and whether it was measured or computed.
+        """
         lines = [f"{'part':<24}{'bytes':>14}  how"]
         for name, value in self.parts().items():
             lines.append(f"{name:<24}{_fmt_bytes(value):>14}  {self.notes.get(name, '')}")
@@ -267,17 +324,26 @@ class MemoryBudget:
 def norm_bytes_per_token(hidden: int, dtype: torch.dtype = torch.bfloat16) -> int:
     """Bytes one Hugging Face RMSNorm saves for the backward pass per token: its fp32 input (4·h),
     the fp32 1/rms (4), and the normalised values before and after the weight multiply in
-    ``dtype``."""
+    ``dtype``.
+
+    Args:
+        hidden: the hidden size h.
+        dtype: the model's dtype.
+
+    Returns:
+        The bytes, ``4·h + 4 + 2·size·h`` with ``size`` the bytes of ``dtype``.
+    """
     size = torch.empty((), dtype=dtype).element_size()
     return 4 * hidden + 4 + 2 * size * hidden
 
 
 def activation_bytes_per_token_layer(config: LlamaConfig, dtype: torch.dtype = torch.bfloat16) -> int:
-    """Bytes one decoder layer saves for the backward pass per token, in Hugging Face's Llama (an estimate).
+    """Bytes one decoder layer saves for the backward pass per token, in Hugging Face's Llama (an
+    estimate).
 
-    Counted from what autograd keeps (``tests/training/test_models.py`` checks it against the tensors a real
-    step saves), with h the hidden size, q the query width (heads × head_dim) and ``size`` the bytes
-    of ``dtype``:
+    Counted from what autograd keeps (``tests/training/test_models.py`` checks it against the tensors
+    a real step saves), with h the hidden size, q the query width (heads × head_dim) and ``size`` the
+    bytes of ``dtype``:
 
     * each of the 2 RMSNorms: its fp32 input (4·h bytes; the square and the normalising multiply
       share it), the fp32 1/rms (4 bytes), the normalised values in ``dtype`` before the weight
@@ -289,6 +355,13 @@ def activation_bytes_per_token_layer(config: LlamaConfig, dtype: torch.dtype = t
     * MLP (SwiGLU): gate, silu(gate), up and their product, in ``dtype``.
 
     The attention mask is not included: see ``full_finetune_memory``.
+
+    Args:
+        config: the model's configuration.
+        dtype: the model's dtype.
+
+    Returns:
+        The bytes per token of one layer.
     """
     h = config.hidden_size
     heads = config.num_attention_heads
@@ -321,6 +394,22 @@ def full_finetune_memory(
       two fp32 gradients of the logits;
     * activations: ``activation_bytes_per_token_layer`` × layers × tokens, plus the final norm and
       one attention mask [B, 1, S, S] per layer. This part is an estimate.
+
+    Chapter 01 (notebooks/01_profile_baseline.ipynb) counts its model's budget with it, before it
+    measures one.
+
+    Args:
+        config: the model's configuration.
+        batch_size: rows per step.
+        seq_len: tokens per row.
+        dtype: the dtype of the weights, gradients and optimizer states.
+
+    Returns:
+        A ``MemoryBudget`` with ``measured`` False and a note per part.
+
+    Raises:
+        ValueError: ``batch_size`` or ``seq_len`` is not a positive int.
+        TypeError: ``dtype`` is not a floating ``torch.dtype``.
     """
     for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -373,6 +462,20 @@ def pick_preset_for_gpu(seq_len: int = 2048, batch_size: int = 1, free_bytes: in
     of it is at most ``free_bytes`` (default: what ``torch.cuda.mem_get_info`` reports free now).
     The margin covers what the count leaves out: the allocator's fragmentation, the CUDA context's
     workspaces, the profiler. Without a GPU and without ``free_bytes`` the answer is ``"tiny"``.
+    Chapter 01 (notebooks/01_profile_baseline.ipynb) picks its preset with it.
+
+    Args:
+        seq_len: tokens per row of the step.
+        batch_size: rows per step.
+        free_bytes: the memory to fit in; None for the GPU's free memory now.
+        margin: the fraction of the peak kept free, in [0, 1).
+
+    Returns:
+        ``(preset, reason)``: the preset's name and one sentence saying why; ``"tiny"`` when nothing
+        fits, the reason saying so.
+
+    Raises:
+        ValueError: ``free_bytes`` is not a non-negative int, or ``margin`` is outside [0, 1).
     """
     if free_bytes is None:
         if not torch.cuda.is_available():

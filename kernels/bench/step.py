@@ -7,7 +7,10 @@ same batches, the previous one freed first:
 * ``hf``: Hugging Face's model as it is, ``torch.optim.AdamW(fused=True)``;
 * ``ours``: ``patch_llama``'s defaults, ``kernels.adamw.TritonAdamW``;
 * ``ours_in_backward``: ``patch_llama``'s defaults, AdamW applied inside the backward
-  (``OptimizerInBackward``: a post-accumulate-grad hook per parameter), no ``step()`` call;
+  (``OptimizerInBackward``: a post-accumulate-grad hook per parameter) on a side CUDA stream;
+  its ``step()`` only closes the step;
+* ``ours_in_backward_inline``: the same with each update on the backward's own stream
+  (``side_stream=False``): what the side stream adds or costs shows against it;
 * ``ours_in_backward_no_add_norm``: the same with the ``add_rms_norm`` switch off, so that its share
   shows (listed only once ``patch_llama`` has that switch);
 * ``liger``: Liger-Kernel on every Llama kernel (RoPE, SwiGLU, RMSNorm, fused linear
@@ -55,6 +58,7 @@ from kernels import runtime
 from kernels.adamw import TritonAdamW
 from kernels.hf.patch import SWITCHES, patch_llama
 from kernels.hf.presets import PRESETS, llama_config
+from kernels.optim_in_backward import OptimizerInBackward
 from kernels.tolerances import RELATIVE_ERROR_TOL
 
 from . import cli
@@ -78,7 +82,8 @@ class Setup:
 
     ``patch`` is None for Hugging Face's model as it is, else ``patch_llama``'s keyword arguments;
     ``optimizer`` is ``"fused"`` (``torch.optim.AdamW(fused=True)``), ``"triton"``
-    (``TritonAdamW``) or ``"in_backward"`` (``OptimizerInBackward``).
+    (``TritonAdamW``), ``"in_backward"`` (``OptimizerInBackward`` on a side stream) or
+    ``"in_backward_inline"`` (on the backward's stream).
     """
 
     name: str
@@ -93,14 +98,18 @@ SETUP_TABLE = (
     Setup("hf", "Hugging Face eager + fused AdamW", None, "fused"),
     Setup("ours", "patch_llama defaults + TritonAdamW", {}, "triton"),
     Setup("ours_in_backward", "patch_llama defaults + AdamW in the backward", {}, "in_backward"),
+    Setup("ours_in_backward_inline", "patch_llama defaults + AdamW in the backward, one stream", {},
+          "in_backward_inline"),
     Setup("ours_in_backward_no_add_norm", "patch_llama(add_rms_norm=False) + AdamW in the backward",
           {"add_rms_norm": False}, "in_backward"),
     Setup("liger", "Liger (every Llama kernel) + fused AdamW", None, "fused", liger=True),
 )
 SETUPS = tuple(s.name for s in SETUP_TABLE)
 SHORT_LABELS = {"hf": "Hugging Face", "ours": "ours", "ours_in_backward": "ours,\nAdamW in\nbackward",
+                "ours_in_backward_inline": "ours, in\nbackward,\none stream",
                 "ours_in_backward_no_add_norm": "ours, in\nbackward,\nno add-norm", "liger": "Liger"}
 BY_NAME = {s.name: s for s in SETUP_TABLE}
+IN_BACKWARD = ("in_backward", "in_backward_inline")  # the optimizers whose updates run in the backward
 
 
 # --------------------------------------------------------------------------------------------------
@@ -108,26 +117,17 @@ BY_NAME = {s.name: s for s in SETUP_TABLE}
 # --------------------------------------------------------------------------------------------------
 
 
-# ``OptimizerInBackward`` lives in the training wing, above this one: the bench wing may not import
-# it, so a caller hands it in (``run(..., in_backward=OptimizerInBackward)``).
-NO_IN_BACKWARD = ("no optimizer-in-backward class was handed in (run(..., in_backward=OptimizerInBackward); "
-                  "the bench wing may not import kernels.training)")
-
-
-def why_not(setup: Setup, in_backward: type | None = None) -> str | None:
+def why_not(setup: Setup) -> str | None:
     """Why ``setup`` cannot run in this process (a missing package or piece), or None if it can.
 
     Args:
         setup: an entry of ``SETUP_TABLE``.
-        in_backward: the optimizer-in-backward class the in-backward setups use, if any.
 
     Returns:
         The reason, or None.
     """
     if setup.liger and importlib.util.find_spec("liger_kernel") is None:
         return "liger_kernel is not installed (pip install liger-kernel)"
-    if setup.optimizer == "in_backward" and in_backward is None:
-        return NO_IN_BACKWARD
     if setup.patch and any(name not in SWITCHES for name in setup.patch):
         missing = [name for name in setup.patch if name not in SWITCHES]
         return f"patch_llama has no switch {', '.join(missing)}"
@@ -304,14 +304,14 @@ def _liger_patch(model) -> None:
                                 fused_linear_cross_entropy=True, model=model)
 
 
-def make_optimizer(kind: str, model: torch.nn.Module, lr: float, in_backward: type | None = None):
+def make_optimizer(kind: str, model: torch.nn.Module, lr: float):
     """The optimizer of a setup over ``model``'s parameters, torch.optim.AdamW's defaults otherwise.
 
     Args:
-        kind: ``"fused"``, ``"triton"`` or ``"in_backward"`` (see ``Setup``).
+        kind: ``"fused"``, ``"triton"``, ``"in_backward"`` or ``"in_backward_inline"`` (see
+            ``Setup``).
         model: the model whose parameters it trains.
         lr: the learning rate.
-        in_backward: the class for ``"in_backward"`` (``OptimizerInBackward``'s arguments).
 
     Returns:
         The optimizer (the in-backward one updates inside the backward; ``step()`` closes its step).
@@ -321,11 +321,9 @@ def make_optimizer(kind: str, model: torch.nn.Module, lr: float, in_backward: ty
         return torch.optim.AdamW(params, lr=lr, fused=params[0].device.type == "cuda")
     if kind == "triton":
         return TritonAdamW(params, lr=lr)
-    if kind == "in_backward":
-        if in_backward is None:
-            raise ValueError(NO_IN_BACKWARD)
-        return in_backward(params, lr=lr, side_stream=params[0].device.type == "cuda")
-    raise ValueError(f"kind must be 'fused', 'triton' or 'in_backward', got {kind!r}")
+    if kind in IN_BACKWARD:
+        return OptimizerInBackward(params, lr=lr, side_stream=kind == "in_backward")
+    raise ValueError(f"kind must be one of 'fused', 'triton', {', '.join(map(repr, IN_BACKWARD))}, got {kind!r}")
 
 
 def one_step(model, optimizer, updates_in_backward: bool, micro: list[dict],
@@ -407,8 +405,7 @@ def _free() -> None:
 
 
 def run_setup(setup: Setup, preset: str, dtype: torch.dtype, steps_batches: list[list[dict]],
-              warmup: int, steps: int, lr: float, compile: bool, seed: int = 0,
-              in_backward: type | None = None) -> dict:
+              warmup: int, steps: int, lr: float, compile: bool, seed: int = 0) -> dict:
     """Build a fresh model, patch it as ``setup`` says, run ``warmup`` + ``steps`` steps and one
     profiled step on ``steps_batches`` (each step's micro-batches), and return the setup's row.
 
@@ -422,7 +419,6 @@ def run_setup(setup: Setup, preset: str, dtype: torch.dtype, steps_batches: list
         lr: AdamW's learning rate.
         compile: ``torch.compile`` the model.
         seed: the weights' seed.
-        in_backward: the optimizer-in-backward class (for the setups that use it).
 
     Returns:
         The setup's row (see the module docstring).
@@ -438,11 +434,11 @@ def run_setup(setup: Setup, preset: str, dtype: torch.dtype, steps_batches: list
         _liger_patch(model)
     elif setup.patch is not None:
         patch_llama(model, **setup.patch)
-    optimizer = make_optimizer(setup.optimizer, model, lr, in_backward)
+    optimizer = make_optimizer(setup.optimizer, model, lr)
     net = model
     if compile:  # inductor on a GPU; in the interpreter a backend whose graphs run eagerly
         net = torch.compile(model, **({} if runtime.MODE == "gpu" else {"backend": runtime.COMPILE_BACKEND}))
-    updates_in_backward = setup.optimizer == "in_backward"
+    updates_in_backward = setup.optimizer in IN_BACKWARD
     grad_accum = len(steps_batches[0])
     counts = [sum(_labels(b) for b in group) if grad_accum > 1 else None for group in steps_batches]
 
@@ -515,8 +511,7 @@ def ceilings_here() -> dict | None:
 
 
 def run(preset: str, batch: int, seq: int, grad_accum: int, warmup: int, steps: int,
-        setups=SETUPS, compile: bool = False, lr: float = LR, seed: int = 0, log=print,
-        in_backward: type | None = None) -> dict:
+        setups=SETUPS, compile: bool = False, lr: float = LR, seed: int = 0, log=print) -> dict:
     """Measure the ceilings, then every setup of ``setups`` that can run here, in ``SETUPS``'
     order.
 
@@ -532,8 +527,6 @@ def run(preset: str, batch: int, seq: int, grad_accum: int, warmup: int, steps: 
         lr: AdamW's learning rate.
         seed: the weights' and batches' seed.
         log: where progress lines go.
-        in_backward: ``kernels.training.optim_in_backward.OptimizerInBackward`` (or a class with its
-            arguments) for the in-backward setups; without it they are skipped, with the reason.
 
     Returns:
         The results dict (see the module docstring).
@@ -557,7 +550,7 @@ def run(preset: str, batch: int, seq: int, grad_accum: int, warmup: int, steps: 
     for setup in SETUP_TABLE:
         if setup.name not in setups:
             continue
-        reason = why_not(setup, in_backward)
+        reason = why_not(setup)
         if reason is not None:
             skipped[setup.name] = reason
             log(f"  {setup.label}: skipped ({reason})")
@@ -565,7 +558,7 @@ def run(preset: str, batch: int, seq: int, grad_accum: int, warmup: int, steps: 
         log(f"  {setup.label} …", flush=True)
         try:
             rows[setup.name] = run_setup(setup, preset, dtype, steps_batches, warmup, steps, lr, compile,
-                                         seed, in_backward)
+                                         seed)
         except torch.OutOfMemoryError as err:
             rows[setup.name] = {"label": setup.label, "error": f"out of memory: {first_line(err)}"}
         except Exception as err:  # noqa: BLE001  (one setup's failure is its row; the others still run)
@@ -766,13 +759,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None, in_backward: type | None = None) -> int:
+def main(argv=None) -> int:
     """The command line (``python -m kernels.bench.step --help``).
 
     Args:
         argv: the arguments (default: ``sys.argv[1:]``).
-        in_backward: the optimizer-in-backward class for the in-backward setups, handed in by a
-            caller above the bench wing (see ``NO_IN_BACKWARD``); without it they are skipped.
 
     Returns:
         The exit status.
@@ -790,8 +781,7 @@ def main(argv=None, in_backward: type | None = None) -> int:
         problems += cli.gpu_problems(f"--preset {preset}", "a full-size model's step in the interpreter "
                                      "would take hours; use --preset tiny")
     cli.check_outputs(parser, args, [path], problems)
-    result = run(preset, args.batch, seq, args.grad_accum, warmup, steps, args.setups, args.compile, args.lr,
-                 in_backward=in_backward)
+    result = run(preset, args.batch, seq, args.grad_accum, warmup, steps, args.setups, args.compile, args.lr)
     print(format_table(result))
     print("saved", cli.write_json(path, result))
     failed = [name for name, row in result["rows"].items() if "error" in row]

@@ -126,7 +126,7 @@ def build_parser(writes: str = "finetune/<name>.json and .png") -> argparse.Argu
                    help="the AdamW of the patched run, if not --adamw's (e.g. --adamw fused --patched-adamw triton)")
     p.add_argument("--optimizer-in-backward", action="store_true",
                    help="step the patched run's parameters inside its backward, each as soon as its "
-                        "gradient is final, and free the gradient (kernels.training.optim_in_backward; the "
+                        "gradient is final, and free the gradient (kernels.optim_in_backward; the "
                         "Triton AdamW kernel, so --patched-adamw, if given, must be triton; the baseline of "
                         "--compare keeps --adamw)")
     p.add_argument("--name", type=cli.file_name, default=None,

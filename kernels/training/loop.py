@@ -4,7 +4,7 @@
 its defaults, "foreach" on a GPU; ``adamw="fused"`` for its one-kernel implementation, the default
 optimizer of Hugging Face's Trainer; ``adamw="triton"`` for this package's
 ``kernels.adamw.TritonAdamW``; ``optimizer_in_backward=True`` for that kernel run inside the
-backward, ``kernels.training.optim_in_backward``), the model's own loss (``model(**batch).loss``),
+backward, ``kernels.optim_in_backward``), the model's own loss (``model(**batch).loss``),
 gradient accumulation over ``grad_accum`` micro-batches, and per step a record of the loss, the
 time, the tokens and the peak memory. Its step loop (``train_steps``) also runs every rank of a
 sharded run (``kernels.distributed.parallel.train_fsdp``), given the global label count of each
@@ -61,11 +61,11 @@ from kernels.bench.cli import write_json_and_figure
 from kernels.bench.results import RESULTS, results_file
 from kernels.hf.padding_mask import drop_padding_mask
 from kernels.hf.patch import patch_llama
+from kernels.optim_in_backward import OptimizerInBackward
 from kernels.reference import relative_error
 
 from .data import IGNORE_INDEX, get_tokenizer, make_sft_batches
 from .models import GiB, build_model, llama_config
-from .optim_in_backward import OptimizerInBackward
 
 WARMUP_STEPS = 3
 VARIANTS = ("baseline", "patched")
@@ -337,7 +337,7 @@ def train(
     time).
 
     ``optimizer_in_backward=True`` steps each parameter inside the step's last backward
-    (``kernels.training.optim_in_backward.OptimizerInBackward``, the Triton kernel of
+    (``kernels.optim_in_backward.OptimizerInBackward``, the Triton kernel of
     ``adamw="triton"``, which ``adamw`` must then be); the other micro-batches accumulate. Their
     gradients are gone by ``after_backward``'s call, so the two are not taken together.
 
@@ -412,7 +412,7 @@ def make_adamw(model: torch.nn.Module, lr: float, adamw: str = "foreach",
         adamw: ``"foreach"`` (``torch.optim.AdamW`` as it is), ``"fused"`` (with ``fused=True``) or
             ``"triton"`` (``kernels.adamw.TritonAdamW``).
         in_backward: the Triton kernel inside the backward instead
-            (``kernels.training.optim_in_backward.OptimizerInBackward``, chapter 17); ``adamw``
+            (``kernels.optim_in_backward.OptimizerInBackward``, chapter 17); ``adamw``
             must be ``"triton"``. Its hooks stay on the parameters until its ``remove()``.
 
     Returns:
@@ -447,7 +447,7 @@ def describe_optimizer(optimizer: torch.optim.Optimizer, lr: float) -> str:
         One line naming the optimizer's class and the settings that differ from AdamW's defaults.
     """
     if isinstance(optimizer, OptimizerInBackward):
-        return (f"kernels.training.optim_in_backward.OptimizerInBackward(lr={lr:g}, "
+        return (f"kernels.optim_in_backward.OptimizerInBackward(lr={lr:g}, "
                 f"side_stream={optimizer.side_stream}), torch.optim.AdamW's defaults otherwise; each "
                 "parameter stepped in the step's last backward")
     if isinstance(optimizer, TritonAdamW):

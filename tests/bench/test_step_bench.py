@@ -13,10 +13,10 @@ from kernels.bench import step as bench
 from kernels.bench.cli import REPO
 from kernels.hf.patch import SWITCHES
 from kernels.hf.presets import llama_config
-from kernels.training.optim_in_backward import OptimizerInBackward
 
 # The add-norm comparison exists once patch_llama has the switch.
-SETUPS = ("hf", "ours", "ours_in_backward") + (("ours_in_backward_no_add_norm",) if "add_rms_norm" in SWITCHES else ())
+SETUPS = ("hf", "ours", "ours_in_backward", "ours_in_backward_inline") + (
+    ("ours_in_backward_no_add_norm",) if "add_rms_norm" in SWITCHES else ())
 ROW_FIELDS = {"label", "optimizer", "tokens_per_s", "step_ms", "host_ms", "device_ms", "peak_gib", "losses",
               "steps", "profile"}
 
@@ -25,7 +25,7 @@ ROW_FIELDS = {"label", "optimizer", "tokens_per_s", "step_ms", "host_ms", "devic
 def result():
     # One timed step and the profiled one per setup (two steps), 8 tokens: the interpreter's cost stays small.
     return bench.run("tiny", batch=1, seq=8, grad_accum=1, warmup=0, steps=1, setups=SETUPS,
-                     log=lambda *a, **k: None, in_backward=OptimizerInBackward)
+                     log=lambda *a, **k: None)
 
 
 def test_every_field_and_the_same_losses(result):
@@ -48,11 +48,14 @@ def test_every_field_and_the_same_losses(result):
     assert check["tolerance"] == 1e-5 and check["ok"], check
 
 
-def test_in_backward_gets_its_optimizer_or_is_skipped_with_the_reason():
-    assert bench.why_not(bench.BY_NAME["ours_in_backward"], OptimizerInBackward) is None
-    assert "in_backward=OptimizerInBackward" in bench.why_not(bench.BY_NAME["ours_in_backward"])
-    with pytest.raises(ValueError, match="in_backward"):
-        bench.make_optimizer("in_backward", torch.nn.Linear(2, 2), 1e-3)
+def test_the_in_backward_setups_differ_only_in_the_stream():
+    side = bench.make_optimizer("in_backward", torch.nn.Linear(2, 2), 1e-3)
+    inline = bench.make_optimizer("in_backward_inline", torch.nn.Linear(2, 2), 1e-3)
+    assert side.side_stream and not inline.side_stream
+    side.remove(), inline.remove()
+    assert bench.why_not(bench.BY_NAME["ours_in_backward_inline"]) is None
+    with pytest.raises(ValueError, match="kind must be one of"):
+        bench.make_optimizer("sgd", torch.nn.Linear(2, 2), 1e-3)
 
 
 def test_losses_that_differ_fail_the_check():
@@ -168,7 +171,7 @@ def test_argument_mistakes_exit_2_with_a_message(argv, message, capsys, tmp_path
 
 
 def test_a_failing_setup_is_its_row_and_the_exit_status(tmp_path, monkeypatch, capsys):
-    def refuse(kind, model, lr, in_backward=None):
+    def refuse(kind, model, lr):
         raise RuntimeError("no optimizer today")
 
     monkeypatch.setattr(bench, "make_optimizer", refuse)
@@ -182,7 +185,7 @@ def test_a_failing_setup_is_its_row_and_the_exit_status(tmp_path, monkeypatch, c
 def test_on_a_gpu_every_part_of_the_step_is_timed_and_sorted():
     # The tiny preset in bf16 on the GPU: CUDA events, kernels in every category, the limit from the ceiling.
     result = bench.run("tiny", batch=2, seq=256, grad_accum=2, warmup=1, steps=2, setups=SETUPS,
-                       log=lambda *a, **k: None, in_backward=OptimizerInBackward)
+                       log=lambda *a, **k: None)
     assert result["ceilings"]["matmul_tflops"] > 0 and result["limit_tokens_per_s"] > 0
     for name, row in result["rows"].items():
         assert "error" not in row, row

@@ -160,7 +160,8 @@ def test_the_checker_sees_cycles_and_reach_ins(tmp_path, monkeypatch):
 def test_the_top_level_holds_the_kernels_and_the_wings():
     top_modules = sorted(p.name for p in PACKAGE.glob("*.py"))
     packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
-    assert len(top_modules) <= 20, top_modules  # 16, + prebuild.py, lora.py and gemm.py (15), attention.py (16)
+    # 16, + prebuild.py, lora.py and gemm.py (15), attention.py (16), add_rmsnorm.py and optim_in_backward.py (17)
+    assert len(top_modules) <= 22, top_modules
     assert packages == WINGS
 
 

@@ -21,7 +21,6 @@ WINGS = ("kernels/bench", "kernels/training", "kernels/distributed")
 ALLOWED = frozenset({
     "kernels/bench/step.py",
     "kernels/bench/add_rmsnorm.py",
-    "kernels/training/optim_in_backward.py",
 })
 
 

@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 from kernels import runtime
 from kernels.adamw import TritonAdamW
+from kernels.optim_in_backward import OptimizerInBackward
 from kernels.reference import relative_error
 from kernels.tolerances import RELATIVE_ERROR_TOL
-from kernels.training.optim_in_backward import OptimizerInBackward
 
 DEVICE = runtime.device()
 

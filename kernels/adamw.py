@@ -146,17 +146,50 @@ adamw_step_op = ops.define(
 # --------------------------------------------------------------------------------------------------
 
 
-def _check_hyperparameters(lr, betas, eps, weight_decay) -> None:
+def check_hyperparameters(lr, betas, eps, weight_decay, where: str = "") -> None:
+    """Raise a ValueError naming the first of AdamW's hyperparameters that is out of range.
+
+    Args:
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` takes them.
+        where: the caller's name, put before the message when given.
+    """
+    prefix = f"{where}: " if where else ""
     # `not x >= 0` rather than `x < 0`: NaN compares false both ways, and torch.optim.AdamW refuses
     # it the same way.
-    if isinstance(lr, torch.Tensor) or not isinstance(lr, (int, float)) or not lr >= 0:
-        raise ValueError(f"lr must be a non-negative number (not a tensor), got {lr!r}")
-    if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
+    if isinstance(lr, (torch.Tensor, bool)) or not isinstance(lr, (int, float)) or not lr >= 0:
+        raise ValueError(f"{prefix}lr must be a non-negative number (not a tensor), got {lr!r}")
+    if (not isinstance(betas, (tuple, list)) or len(betas) != 2
+            or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)):
+        raise ValueError(f"{prefix}betas must be two numbers in [0, 1), got {betas!r}")
     if not isinstance(eps, (int, float)) or not eps >= 0:
-        raise ValueError(f"eps must be a non-negative number, got {eps!r}")
+        raise ValueError(f"{prefix}eps must be a non-negative number, got {eps!r}")
     if not isinstance(weight_decay, (int, float)) or not weight_decay >= 0:
-        raise ValueError(f"weight_decay must be a non-negative number, got {weight_decay!r}")
+        raise ValueError(f"{prefix}weight_decay must be a non-negative number, got {weight_decay!r}")
+
+
+def advance_state(p: torch.Tensor, state: dict) -> float:
+    """Count one more step in ``p``'s AdamW state, making the state first if it is empty.
+
+    The state is ``torch.optim.AdamW``'s (not capturable, not fused): the step count as a CPU float32
+    tensor, so that reading it never waits for the GPU, and the moments in the parameter's dtype.
+
+    Args:
+        p: the parameter.
+        state: its entry of the optimizer's ``state`` (filled in here when empty).
+
+    Returns:
+        The step's number, counting from 1 (for the bias corrections).
+    """
+    if not state:
+        state["step"] = torch.tensor(0.0)
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    elif not isinstance(state["step"], torch.Tensor) or state["step"].device.type != "cpu":
+        # A state dict saved by torch's fused AdamW keeps the count on the GPU: read there, every
+        # step would wait for the GPU. (An old one may hold a plain number.)
+        state["step"] = torch.as_tensor(state["step"]).to("cpu", torch.float32)
+    state["step"] += 1
+    return float(state["step"])
 
 
 # torch.optim.AdamW's flags beyond the hyperparameters, with their defaults (torch 2.11 to 2.13).
@@ -271,7 +304,7 @@ class TritonAdamW(torch.optim.Optimizer):
         flags = dict(amsgrad=amsgrad, maximize=maximize, foreach=foreach, capturable=capturable,
                      differentiable=differentiable, fused=fused, decoupled_weight_decay=True)
         check_flags(flags)
-        _check_hyperparameters(lr, betas, eps, weight_decay)
+        check_hyperparameters(lr, betas, eps, weight_decay)
         super().__init__(params,
                          dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **flags))
 
@@ -304,7 +337,7 @@ class TritonAdamW(torch.optim.Optimizer):
         # lr): read on every step.
         for group in self.param_groups:
             check_flags(group, "TritonAdamW.step")
-            _check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
             for p in group["params"]:
                 if p.grad is not None:
                     _check_parameter(p)
@@ -315,31 +348,19 @@ class TritonAdamW(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 state = self.state[p]
-                if not state:
-                    # As torch.optim.AdamW keeps it (not capturable, not fused): the step count as a
-                    # CPU float32 tensor, so reading it never waits for the GPU; the moments in the
-                    # parameter's dtype.
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                elif not isinstance(state["step"], torch.Tensor) or state["step"].device.type != "cpu":
-                    # A state dict saved by torch's fused AdamW keeps the count on the GPU: read
-                    # there, every step would wait for the GPU. (An old one may hold a plain
-                    # number.)
-                    state["step"] = torch.as_tensor(state["step"]).to("cpu", torch.float32)
-                state["step"] += 1
+                step = advance_state(p, state)
                 grad = _local(p.grad)
                 # A gradient set by hand may be a strided view: the kernel reads flat arrays, so
                 # read a dense copy.
                 grad = grad if grad.is_contiguous() else grad.contiguous()
                 ops.call(adamw_step_op, _local(p), grad, _local(state["exp_avg"]),
                          _local(state["exp_avg_sq"]), float(group["lr"]), float(beta1), float(beta2),
-                         float(group["eps"]), float(group["weight_decay"]), float(state["step"]), maximize)
+                         float(group["eps"]), float(group["weight_decay"]), step, maximize)
         return loss
 
 
 def _check_group(group: dict) -> None:
     check_flags(group, "TritonAdamW.add_param_group")
-    _check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+    check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
     for p in group["params"]:
         _check_parameter_dtype(p)

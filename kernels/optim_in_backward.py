@@ -49,24 +49,11 @@ import math
 import torch
 
 from kernels import ops
-from kernels.adamw import FLAG_DEFAULTS, adamw_step_op, check_flags
+from kernels.adamw import FLAG_DEFAULTS, adamw_step_op, advance_state, check_flags, check_hyperparameters
 
 _NAME = "OptimizerInBackward"
 # The clip's denominator is norm + this, as torch.nn.utils.clip_grad_norm_ computes it.
 _CLIP_EPS = 1e-6
-
-
-def _check_hyperparameters(lr, betas, eps, weight_decay, where: str = _NAME) -> None:
-    # `not x >= 0` refuses NaN, which compares false both ways.
-    if isinstance(lr, (torch.Tensor, bool)) or not isinstance(lr, (int, float)) or not lr >= 0:
-        raise ValueError(f"{where}: lr must be a non-negative number (not a tensor), got {lr!r}")
-    if (not isinstance(betas, (tuple, list)) or len(betas) != 2
-            or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)):
-        raise ValueError(f"{where}: betas must be two numbers in [0, 1), got {betas!r}")
-    if not isinstance(eps, (int, float)) or not eps >= 0:
-        raise ValueError(f"{where}: eps must be a non-negative number, got {eps!r}")
-    if not isinstance(weight_decay, (int, float)) or not weight_decay >= 0:
-        raise ValueError(f"{where}: weight_decay must be a non-negative number, got {weight_decay!r}")
 
 
 def _check_parameter(p: torch.Tensor) -> None:
@@ -156,7 +143,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, maximize: bool = False,
                  side_stream: bool = True, max_grad_norm_per_param: float | None = None, **unknown):
         _refuse_unknown(unknown)
-        _check_hyperparameters(lr, betas, eps, weight_decay)
+        check_hyperparameters(lr, betas, eps, weight_decay, _NAME)
         _check_max_norm(max_grad_norm_per_param)
         if not isinstance(side_stream, bool):
             raise TypeError(f"side_stream must be True or False, got {side_stream!r}")
@@ -192,7 +179,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         super().add_param_group({**param_group, "params": params})
         group = self.param_groups[-1]
         check_flags(group, f"{_NAME}.add_param_group")
-        _check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"], _NAME)
         # The group by its index, read at each update: load_state_dict replaces the group dicts, and
         # a scheduler edits the current ones.
         index = len(self.param_groups) - 1
@@ -252,18 +239,12 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 "(retain_graph)"
             )
         check_flags(group, f"{_NAME} (a parameter group)")
-        _check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"], _NAME)
         grad = grad if grad.is_contiguous() else grad.contiguous()
         state = self.state[p]
-        if not state:
-            state["step"] = torch.tensor(0.0)
-            # Allocated on the backward's stream, before the side stream's wait: zeroed before it reads.
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        elif not isinstance(state["step"], torch.Tensor) or state["step"].device.type != "cpu":
-            # A fused AdamW's state dict keeps the count on the GPU: read there, every update would wait.
-            state["step"] = torch.as_tensor(state["step"]).to("cpu", torch.float32)
-        state["step"] += 1
+        # A new state's moments are made on the backward's stream, before the side stream's wait:
+        # zeroed before the update reads them.
+        advance_state(p, state)
         self._updated.add(id(p))
         in_backward = torch._C._current_graph_task_id() != -1
         if in_backward:

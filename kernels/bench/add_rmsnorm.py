@@ -32,38 +32,28 @@ EPS = 1e-6
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def hf_add_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Hugging Face's decoder layer: the add, then ``LlamaRMSNorm``'s operations.
+def add_then(norm: Callable) -> Callable:
+    """The decoder layer's two steps unfused: PyTorch's add, then ``norm`` of the sum.
 
     Args:
-        x: the sublayer's output.
-        residual: the residual stream.
-        weight: the norm's weight.
+        norm: ``norm(h, weight, eps)``, e.g. ``rms_norm_reference`` (``LlamaRMSNorm``'s operations,
+            Hugging Face's layer) or the package's ``rms_norm``.
 
     Returns:
-        ``(y, h)``.
+        A function of ``(x, residual, weight)`` returning ``(y, h)``, as ``add_rms_norm`` does.
     """
-    h = residual + x
-    return rms_norm_reference(h, weight, EPS), h
+    def add_and_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor):
+        h = residual + x
+        return norm(h, weight, EPS), h
+
+    return add_and_norm
 
 
-def triton_norm_add(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """PyTorch's add, then the package's RMSNorm kernel (``TritonRMSNorm``'s function).
-
-    Args:
-        x: the sublayer's output.
-        residual: the residual stream.
-        weight: the norm's weight.
-
-    Returns:
-        ``(y, h)``.
-    """
-    h = residual + x
-    return rms_norm(h, weight, EPS), h
+hf_add_norm = add_then(rms_norm_reference)
 
 
 def fused(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fused kernel.
+    """The fused kernel, with the benchmark's eps.
 
     Args:
         x: the sublayer's output.
@@ -84,7 +74,7 @@ def implementations() -> dict[str, tuple[str, Callable]]:
     """
     return {
         "hf": ("Hugging Face: add + LlamaRMSNorm", hf_add_norm),
-        "triton_norm": ("add + TritonRMSNorm", triton_norm_add),
+        "triton_norm": ("add + TritonRMSNorm", add_then(rms_norm)),
         "compiled": (f"torch.compile(add + LlamaRMSNorm), {runtime.COMPILE_BACKEND}",
                      torch.compile(hf_add_norm, backend=runtime.COMPILE_BACKEND)),
         "fused": ("ours: add_rms_norm", fused),

@@ -6,20 +6,24 @@ sum: ``hidden_states = residual + hidden_states``, then ``self.post_attention_la
 each decoder layer computes both with ``kernels.add_rmsnorm.add_rms_norm``: one kernel reads the two
 tensors once and writes the sum and its norm, one kernel computes their gradients.
 
-How the layer gets it. transformers wraps the class's forward twice: ``deprecate_kwarg`` renames an
-old keyword, and ``GradientCheckpointingLayer`` puts the checkpoint around the call (it compares
-``type(self).forward`` with itself to find the outermost wrapper, so that FSDP2's subclass of the
-layer checkpoints once). The patch gives each layer an instance-level forward that runs that very
-chain of wrappers rebuilt around the fused function: each wrapper's code and closure as they are,
-the cell that held the function below it pointing at the rebuilt one. Checkpointing, the keyword's
-renaming and FSDP2's wrapper behave as before. ``undo()`` deletes the instance attribute.
+How the layer gets it. In transformers 5.24 the class's forward is wrapped twice:
+``deprecate_kwarg`` renames an old keyword, and ``GradientCheckpointingLayer`` puts the checkpoint
+around the call (it compares ``type(self).forward`` with itself to find the outermost wrapper, so
+that FSDP2's subclass of the layer checkpoints once); in 5.17 the forward is the plain function and
+the checkpoint sits in ``GradientCheckpointingLayer.__call__``. The patch gives each layer an
+instance-level forward that runs the class's chain of wrappers, whatever it is, rebuilt around the
+fused function: each wrapper's code and closure as they are, the cell that held the function below
+it pointing at the rebuilt one. Checkpointing, the keyword's renaming and FSDP2's wrapper behave as
+before. ``undo()`` deletes the instance attribute.
 
 What it checks before any change: every decoder layer is Llama's (or Mistral's, Qwen2's, Qwen3's,
-whose layers compute the same) and its class's forward is statement for statement the one the
-fused function reproduces (compared as syntax trees, so a transformers version that changes it is
-refused rather than guessed at); its ``post_attention_layernorm`` computes Llama's formula (that
-family's RMSNorm, or ``TritonRMSNorm`` where the ``rms_norm`` switch swapped it); its forward was
-not already replaced on the instance.
+whose layers compute the same) and its class's forward is statement for statement one that a fused
+function reproduces (compared as syntax trees with its parameters, so a transformers version that
+changes it is refused rather than guessed at): the forward of 5.24, whose cache argument is named
+``cache``, or that of 5.17, where it is ``past_key_values``; each gets the fused function with its
+own parameter names. Its ``post_attention_layernorm`` computes Llama's formula (that family's
+RMSNorm, or ``TritonRMSNorm`` where the ``rms_norm`` switch swapped it); its forward was not already
+replaced on the instance.
 
 Where a call cannot take the kernel (the sum's inputs in two dtypes, as under autocast, where
 PyTorch would promote the sum; a dtype the kernel does not take; hooks on the norm; a norm swapped
@@ -54,8 +58,9 @@ FAMILIES = tuple((f"transformers.models.{path}.modeling_{path}", f"{name}Decoder
                  for path, name in (("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2"),
                                     ("qwen3", "Qwen3")))
 
-# The body of LlamaDecoderLayer.forward that ``fused_decoder_forward`` reproduces, and its
-# parameters with their defaults: a class whose forward differs is refused.
+# The body of LlamaDecoderLayer.forward that the fused forwards reproduce, and its parameters with
+# their defaults: a class whose forward differs is refused. ``{cache}`` is the name of the cache
+# argument, which transformers renamed (``past_key_values`` in 5.17, ``cache`` in 5.24).
 _EXPECTED_BODY = """
 residual = hidden_states
 hidden_states = self.input_layernorm(hidden_states)
@@ -63,7 +68,7 @@ hidden_states, _ = self.self_attn(
     hidden_states=hidden_states,
     attention_mask=attention_mask,
     position_ids=position_ids,
-    cache=cache,
+    {cache}={cache},
     use_cache=use_cache,
     position_embeddings=position_embeddings,
     **kwargs,
@@ -75,9 +80,14 @@ hidden_states = self.mlp(hidden_states)
 hidden_states = residual + hidden_states
 return hidden_states
 """
-_EXPECTED_PARAMETERS = (("self", inspect.Parameter.empty), ("hidden_states", inspect.Parameter.empty),
-                        ("attention_mask", None), ("position_ids", None), ("cache", None), ("use_cache", False),
-                        ("position_embeddings", None), ("kwargs", inspect.Parameter.empty))
+
+
+def expected_parameters(cache: str) -> tuple[tuple[str, object], ...]:
+    """(name, default) of each parameter of the forward the patch reproduces, its cache argument
+    named ``cache``."""
+    return (("self", inspect.Parameter.empty), ("hidden_states", inspect.Parameter.empty), ("attention_mask", None),
+            ("position_ids", None), (cache, None), ("use_cache", False), ("position_embeddings", None),
+            ("kwargs", inspect.Parameter.empty))
 
 
 def supported_classes() -> tuple[dict[type, type], frozenset[type]]:
@@ -147,24 +157,41 @@ def add_then_norm(norm: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor
     return norm(h), h
 
 
-def fused_decoder_forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None,
-                          use_cache=False, position_embeddings=None, **kwargs):
-    """``LlamaDecoderLayer.forward`` with the attention's residual add fused into
-    ``post_attention_layernorm`` (the same arguments, the same calls, the same result)."""
+def fused_layer(self, hidden_states, attention_kwargs: dict):
+    """The decoder layer's computation with the attention's residual add fused into
+    ``post_attention_layernorm``: ``attention_kwargs`` are the keywords the layer passes its
+    attention, under the names of the transformers version."""
     residual = hidden_states
     hidden_states = self.input_layernorm(hidden_states)
-    hidden_states, _ = self.self_attn(
-        hidden_states=hidden_states,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        cache=cache,
-        use_cache=use_cache,
-        position_embeddings=position_embeddings,
-        **kwargs,
-    )
+    hidden_states, _ = self.self_attn(hidden_states=hidden_states, **attention_kwargs)
     hidden_states, residual = add_then_norm(self.post_attention_layernorm, hidden_states, residual)
     hidden_states = self.mlp(hidden_states)
     return residual + hidden_states
+
+
+def fused_decoder_forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None,
+                          use_cache=False, position_embeddings=None, **kwargs):
+    """``LlamaDecoderLayer.forward`` of transformers 5.24 (cache argument ``cache``) with the
+    attention's residual add fused into ``post_attention_layernorm``: the same arguments, the same
+    calls, the same result."""
+    return fused_layer(self, hidden_states, dict(
+        attention_mask=attention_mask, position_ids=position_ids, cache=cache, use_cache=use_cache,
+        position_embeddings=position_embeddings, **kwargs))
+
+
+def fused_decoder_forward_past_key_values(self, hidden_states, attention_mask=None, position_ids=None,
+                                          past_key_values=None, use_cache=False, position_embeddings=None,
+                                          **kwargs):
+    """``LlamaDecoderLayer.forward`` of transformers 5.17 (cache argument ``past_key_values``) with
+    the attention's residual add fused into ``post_attention_layernorm``."""
+    return fused_layer(self, hidden_states, dict(
+        attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
+        use_cache=use_cache, position_embeddings=position_embeddings, **kwargs))
+
+
+# The fused forward for each spelling of the cache argument: a layer gets the one whose parameters
+# are its own forward's, so callers' keywords reach it unchanged.
+FUSED_FORWARDS = {"cache": fused_decoder_forward, "past_key_values": fused_decoder_forward_past_key_values}
 
 
 def _body_dump(fn) -> list[str] | None:
@@ -180,25 +207,28 @@ def _body_dump(fn) -> list[str] | None:
     return [ast.dump(node) for node in body]
 
 
-def check_llama_forward(cls: type) -> types.FunctionType:
-    """The function under ``cls.forward``'s wrappers, after checking that it is the forward
-    ``fused_decoder_forward`` reproduces; a ValueError saying what differs otherwise.
+def check_llama_forward(cls: type) -> tuple[types.FunctionType, types.FunctionType]:
+    """The function under ``cls.forward``'s wrappers and the fused forward that replaces it, after
+    checking that it is the forward that one reproduces; a ValueError saying what differs otherwise.
 
     Args:
         cls: the decoder layer's class.
 
     Returns:
-        The innermost forward function (what the wrappers of ``cls.forward`` end in).
+        ``(inner, fused)``: the innermost forward function (what the wrappers of ``cls.forward`` end
+        in) and its entry of ``FUSED_FORWARDS``.
     """
     inner = inspect.unwrap(cls.forward)
     parameters = tuple((p.name, p.default) for p in inspect.signature(inner).parameters.values())
-    expected = [ast.dump(node) for node in ast.parse(_EXPECTED_BODY).body]
-    if parameters != _EXPECTED_PARAMETERS or _body_dump(inner) != expected:
-        raise ValueError(
-            f"{cls.__name__}.forward is not the forward this patch reproduces with the add fused (a transformers "
-            "version whose decoder layer computes something else, or that cannot be read): use add_rms_norm=False"
-        )
-    return inner
+    body = _body_dump(inner)
+    for cache, fused in FUSED_FORWARDS.items():
+        expected = [ast.dump(node) for node in ast.parse(_EXPECTED_BODY.format(cache=cache)).body]
+        if parameters == expected_parameters(cache) and body == expected:
+            return inner, fused
+    raise ValueError(
+        f"{cls.__name__}.forward is not the forward this patch reproduces with the add fused (a transformers "
+        "version whose decoder layer computes something else, or that cannot be read): use add_rms_norm=False"
+    )
 
 
 def rebuilt_around(fn, inner: types.FunctionType, replacement: types.FunctionType):
@@ -242,8 +272,8 @@ class _FusedForwards:
     """The fused forward of each class a patched layer has, rebuilt once per class: FSDP2 turns a
     layer into an instance of a subclass of its own, whose forward adds one wrapper."""
 
-    def __init__(self, checked: set[types.FunctionType]):
-        self.checked = checked  # the innermost forwards check_llama_forward accepted
+    def __init__(self, checked: dict[types.FunctionType, types.FunctionType]):
+        self.checked = checked  # the innermost forwards check_llama_forward accepted, each with its fused one
         self.by_class: dict[type, types.FunctionType] = {}
 
     def __call__(self, cls: type):
@@ -253,7 +283,7 @@ class _FusedForwards:
             try:
                 if inner not in self.checked:
                     raise ValueError(f"{cls.__name__}.forward ends in a function that was not checked")
-                forward = rebuilt_around(cls.forward, inner, fused_decoder_forward)
+                forward = rebuilt_around(cls.forward, inner, self.checked[inner])
             except ValueError:  # a subclass whose forward does not end in the checked one: left as it is
                 forward = cls.forward
             self.by_class[cls] = forward
@@ -319,7 +349,7 @@ def fuse_residual_adds(layers: list[tuple[str, torch.nn.Module]]) -> tuple[Calla
         ``(undo, check)``: ``undo()`` deletes each instance-level forward; ``check()`` raises,
         changing nothing, where one was replaced since the patch.
     """
-    fused = _FusedForwards({inspect.unwrap(type(layer).forward) for _, layer in layers})
+    fused = _FusedForwards(dict(check_llama_forward(type(layer)) for _, layer in layers))
     for _, layer in layers:
         fused(type(layer))  # rebuilt now: under torch.compile a first call would break the graph there
     forward = _instance_forward(fused)

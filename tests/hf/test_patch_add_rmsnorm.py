@@ -2,6 +2,8 @@
 gradient as Hugging Face's, with the other switches, gradient checkpointing and generate; undo; refusals."""
 
 import copy
+import importlib.util
+import inspect
 
 import pytest
 import torch
@@ -124,7 +126,8 @@ def test_bf16_logits_within_bf16_rounding(device, gen, calls):
 def test_generate_with_a_cache_gives_the_same_tokens(device, gen, calls):
     model = tiny_model("llama", seed_from(gen)).eval()
     prompt = torch.randint(0, TINY["vocab_size"], (1, 7), generator=gen).to(device)
-    options = dict(max_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0)
+    # min_new_tokens: six steps whatever the tokens (a greedy end-of-sequence token would stop it early)
+    options = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0)
     expected = model.generate(prompt, **options)
     with patch_llama(model):
         got = model.generate(prompt, **options)
@@ -166,6 +169,90 @@ def test_what_it_refuses_before_any_change(device, gen):
     assert hf_module.fused_layers(model) == [] and "_kernels_patch" not in model.__dict__
 
 
+# LlamaDecoderLayer.forward of transformers 5.17, verbatim; 5.24's differs in the cache argument's name (``cache``)
+# and a ``deprecate_kwarg`` decorator that maps the old name. The patch must fuse both and refuse anything else.
+FORWARD_5_17 = """
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        # Self Attention
+        hidden_states, _ = self.self_attn(
+            hidden_states=hidden_states,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        hidden_states = residual + hidden_states
+
+        # Fully Connected
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = self.mlp(hidden_states)
+        hidden_states = residual + hidden_states
+        return hidden_states
+"""
+FORWARD_5_24 = FORWARD_5_17.replace("past_key_values", "cache")
+
+
+def forward_from_source(text: str, tmp_path, name: str):
+    """The method ``text`` defines, loaded from a module file so that ``inspect.getsource`` reads it as the patch's
+    check does."""
+    path = tmp_path / f"{name}.py"
+    path.write_text("from __future__ import annotations\n\n\nclass Layer:\n" + text)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.Layer.forward
+
+
+@pytest.mark.parametrize("cache", ["past_key_values", "cache"])
+def test_each_transformers_spelling_of_the_forward_is_fused_with_its_own_parameters(cache, device, gen, calls,
+                                                                                   tmp_path, monkeypatch):
+    # The installed LlamaDecoderLayer given the forward of 5.17 (cache argument past_key_values) or of 5.24 (cache),
+    # whichever this transformers is: the model's own caller passes its cache under its own name, which the other
+    # spelling's forward hands on to the attention through **kwargs, unpatched and patched alike.
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer as layer_class
+
+    forward = forward_from_source(FORWARD_5_17 if cache == "past_key_values" else FORWARD_5_24, tmp_path, cache)
+    monkeypatch.setattr(layer_class, "forward", forward)
+    assert hf_module.check_llama_forward(layer_class) == (forward, hf_module.FUSED_FORWARDS[cache])
+    assert cache in inspect.signature(hf_module.FUSED_FORWARDS[cache]).parameters
+    model = tiny_model("llama", seed_from(gen))
+    reference = copy.deepcopy(model)
+    batch = random_batch(gen, device=device)
+    expected = loss_and_grads(reference, batch)
+    patch_llama(model, **ONLY)
+    assert hf_module.fused_layers(model) == [f"model.layers.{i}" for i in range(LAYERS)]
+    assert_matches(loss_and_grads(model, batch), expected)
+    assert calls == {"forward": LAYERS, "backward": LAYERS}
+
+
+@pytest.mark.parametrize("change", [
+    ("past_key_values=past_key_values,", "cache=past_key_values,"),  # 5.17's parameters, another keyword passed on
+    ("past_key_values: Cache | None = None,", "cache: Cache | None = None,"),  # 5.24's parameters, 5.17's call
+    ("use_cache: bool | None = False,", "use_cache: bool | None = True,"),  # a default changed
+    ("hidden_states = residual + hidden_states\n\n", "hidden_states = residual - hidden_states\n\n"),
+], ids=["keyword", "parameter", "default", "statement"])
+def test_a_near_miss_of_either_spelling_is_refused(change, tmp_path):
+    changed = FORWARD_5_17.replace(*change, 1)
+    assert changed != FORWARD_5_17
+    layer = type("LlamaLikeDecoderLayer", (torch.nn.Module,), {"forward": forward_from_source(changed, tmp_path, "m")})
+    with pytest.raises(ValueError, match="is not the forward this patch reproduces"):
+        hf_module.check_llama_forward(layer)
+
+
 def test_a_forward_that_differs_is_refused():
     class Changed(torch.nn.Module):
         def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
@@ -181,8 +268,8 @@ def test_calls_the_kernel_cannot_take_fall_back_to_hugging_face(device, gen):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     norm = LlamaRMSNorm(48).to(device)
-    with torch.no_grad():
-        norm.weight.uniform_(0.5, 1.5, generator=gen)
+    with torch.no_grad():  # drawn by the CPU generator, then moved: a CUDA weight cannot take it
+        norm.weight.copy_((0.5 + torch.rand(48, generator=gen)).to(device))
     x = torch.randn(3, 48, generator=gen).to(device)
     residual = torch.randn(3, 48, generator=gen).to(device, torch.bfloat16)
     # Two dtypes (autocast gives a bf16 attention output on a float32 stream): PyTorch promotes the sum.

@@ -193,6 +193,24 @@ def cases(draw):
                 r_layout=draw(strategies.layouts()), dy=draw(st.booleans()), dh=draw(st.booleans()))
 
 
+def cancelling_terms(x, r, w, dy, eps=1e-6):
+    """The norms of the terms that dx, dresidual and dweight are differences or sums of, in float64: what float32
+    can be exact to a fraction of, where those terms cancel.
+
+    dx = rstd · (g − ĥ · mean(g ⊙ ĥ)) subtracts two terms of size ‖rstd · g‖ that cancel almost exactly at hidden
+    size 1 (ĥ = ±1). dW = Σ_rows dy ⊙ ĥ adds terms of either sign: at hidden size 1 two rows whose sums have
+    opposite signs give dW ≈ dy₁ − dy₂, near 0 where the dy are equal, as torch.ones makes them (each ĥ is then
+    exact only to an ulp of 1, and so is PyTorch's own float32 autograd). Where nothing cancels these are about the
+    gradients' own norms. Returns {gradient name: norm of its terms}; empty without dy or values."""
+    h64 = x.double() + r.double()
+    if dy is None or h64.numel() == 0:
+        return {}
+    rstd = torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + eps)
+    dx_terms = (rstd * dy.double() * w.double()).norm().item()
+    dw_terms = (dy.double() * h64 * rstd).abs().reshape(-1, h64.shape[-1]).sum(0).norm().item()
+    return {"dx": dx_terms, "dresidual": dx_terms, "dweight": dw_terms}
+
+
 @given(case=cases())
 def test_property_any_shape_layout_and_gradient(case, device):
     gen = torch.Generator().manual_seed(0)
@@ -204,20 +222,47 @@ def test_property_any_shape_layout_and_gradient(case, device):
     xv, rv = strategies.laid_out(x, case["x_layout"]), strategies.laid_out(r, case["r_layout"])
     ours = run(xv, rv, w, dy, dh)
     ref = reference(x, r, w, dy, dh)
-    # dx = rstd · (g − ĥ · mean(g ⊙ ĥ)) subtracts two terms of size ‖rstd · g‖ that cancel almost exactly at
-    # hidden size 1 (ĥ = ±1): there the error is bounded relative to those terms, not to the tiny difference.
-    h64 = x.double() + r.double()
-    rstd = torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + 1e-6) if h64.numel() else h64
-    terms = (rstd * dy.double() * w.double()).norm().item() if dy is not None and h64.numel() else 0.0
+    scales = cancelling_terms(x, r, w, dy)
     for name, got, want in zip(("y", "h", "dx", "dresidual", "dweight"), ours, ref):
         if want is None or want.numel() == 0:
             continue
         if name == "dweight" and want.norm() == 0:
             assert got is None or not got.any()
             continue
-        scale = max(want.norm().item(), terms if name in ("dx", "dresidual") else 0.0)
+        scale = max(want.norm().item(), scales.get(name, 0.0))
         error = relative_error(got, want) * want.norm().item() / scale
         assert error < TOL[dtype], f"{name}: {error:.3g}"
+
+
+@pytest.mark.parametrize("hidden", [1, 2, 3])
+@pytest.mark.parametrize("rows", [1, 2, 17, 5000])
+def test_tiny_hidden_sizes_reduce_every_row_into_the_weight_gradient(hidden, rows, device, gen):
+    # Widths below any tile's minimum: BLOCK_N of 1 to 4, the dW sum's column block wider than the row, every
+    # program of the persistent grid (5000 rows: several row blocks each) writing a partial. Positive sums and a
+    # positive dy make every term of dW positive, so nothing cancels and the plain relative bound holds: a lost,
+    # doubled or misplaced partial is off by whole rows' terms.
+    x, r, w, dy, dh = make_inputs((rows, hidden), torch.float32, device, gen)
+    x, r, dy = x.abs() + 0.1, r.abs(), dy.abs() + 0.1
+    assert_close(run(x, r, w, dy, dh), reference(x, r, w, dy, dh), torch.float32)
+    # Without dh: at hidden size 1 dx is a near-total cancellation (cancelling_terms), dW is not.
+    y, h, _, _, dw = run(x, r, w, dy, None)
+    y64, h64, _, _, dw64 = reference(x, r, w, dy, None)
+    for got, want in ((y, y64), (h, h64), (dw, dw64)):
+        assert relative_error(got, want) < TOL[torch.float32]
+
+
+def test_weight_gradient_that_cancels_at_hidden_size_1(device):
+    # Two rows of one column whose sums have opposite signs, dy of ones: dW = ĥ₁ + ĥ₂ ≈ 1 − 1, a few 1e-7, from two
+    # values each exact to an ulp of 1 (6e-8). float32 cannot give it to 1e-5 relative, PyTorch's autograd neither;
+    # the bound is the terms' size, and a wrong sum (one row's term, or 2) still fails it by far.
+    x = torch.tensor([[0.9739494323730469], [-1.7577967643737793]], device=device)
+    r = torch.zeros_like(x)
+    w = torch.tensor([1.47005295753479], device=device)
+    dy = torch.ones_like(x)
+    _, _, _, _, dw = run(x, r, w, dy, None)
+    _, _, _, _, dw64 = reference(x, r, w, dy, None)
+    scale = cancelling_terms(x, r, w, dy)["dweight"]
+    assert abs(dw.item() - dw64.item()) / scale < TOL[torch.float32], (dw.item(), dw64.item())
 
 
 @pytest.mark.gpu

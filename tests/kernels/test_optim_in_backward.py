@@ -215,7 +215,7 @@ def test_shared_parameter_is_updated_once_with_the_summed_gradient(gen):
     calls = []
     w.register_post_accumulate_grad_hook(lambda p: calls.append(1))
     x = torch.randn(3, 5, generator=gen).to(DEVICE)
-    (grad,) = torch.autograd.grad(torch.tanh(x @ w) @ w.T, w, torch.ones(3, 5))
+    (grad,) = torch.autograd.grad(torch.tanh(x @ w) @ w.T, w, torch.ones(3, 5, device=DEVICE))
     start = w.detach().clone()
     (torch.tanh(x @ w) @ w.T).sum().backward()
     opt.step()

@@ -52,6 +52,8 @@ from kernels.ops import KERNEL_DTYPES
 from kernels.rmsnorm import TritonRMSNorm
 from kernels.runtime import INTERPRET
 
+from .wrappers import rebuilt_around
+
 # (modeling module, decoder layer class, its RMSNorm class) of the families whose decoder layer is
 # Llama's; those the installed transformers lacks are skipped.
 FAMILIES = tuple((f"transformers.models.{path}.modeling_{path}", f"{name}DecoderLayer", f"{name}RMSNorm")
@@ -231,43 +233,6 @@ def check_llama_forward(cls: type) -> tuple[types.FunctionType, types.FunctionTy
     )
 
 
-def rebuilt_around(fn, inner: types.FunctionType, replacement: types.FunctionType):
-    """``fn``'s chain of ``functools.wraps``-style wrappers down to ``inner``, rebuilt around
-    ``replacement``: the same code and closures, except the cell that held the next function down.
-
-    Args:
-        fn: the outermost function (a class's ``forward``).
-        inner: the function the chain ends in.
-        replacement: what takes its place.
-
-    Returns:
-        The rebuilt outermost function; ``replacement`` itself when ``fn`` is ``inner``.
-    """
-    if fn is inner:
-        return replacement
-    below = getattr(fn, "__wrapped__", None)
-    cells = fn.__closure__ or ()
-    holding = [i for i, cell in enumerate(cells) if _cell_holds(cell, below)] if below is not None else []
-    if len(holding) != 1:
-        raise ValueError(f"cannot fuse the add into {fn.__qualname__}: it is wrapped by a decorator that does not keep "
-                         "the function it wraps in its closure. Use add_rms_norm=False")
-    new_below = rebuilt_around(below, inner, replacement)
-    closure = tuple(types.CellType(new_below) if i == holding[0] else cell for i, cell in enumerate(cells))
-    rebuilt = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, closure)
-    rebuilt.__dict__.update(fn.__dict__)
-    rebuilt.__wrapped__ = new_below
-    rebuilt.__kwdefaults__ = fn.__kwdefaults__
-    rebuilt.__qualname__ = fn.__qualname__
-    return rebuilt
-
-
-def _cell_holds(cell, value) -> bool:
-    try:
-        return cell.cell_contents is value
-    except ValueError:  # an empty cell
-        return False
-
-
 class _FusedForwards:
     """The fused forward of each class a patched layer has, rebuilt once per class: FSDP2 turns a
     layer into an instance of a subclass of its own, whose forward adds one wrapper."""
@@ -283,7 +248,8 @@ class _FusedForwards:
             try:
                 if inner not in self.checked:
                     raise ValueError(f"{cls.__name__}.forward ends in a function that was not checked")
-                forward = rebuilt_around(cls.forward, inner, self.checked[inner])
+                forward = rebuilt_around(cls.forward, inner, self.checked[inner],
+                                         f"cannot fuse the add into {cls.__name__}.forward")
             except ValueError:  # a subclass whose forward does not end in the checked one: left as it is
                 forward = cls.forward
             self.by_class[cls] = forward

@@ -19,6 +19,8 @@ import torch
 
 from kernels.rope import apply_rotary
 
+from .wrappers import rebuilt_around
+
 _ROTARY_NAME = "apply_rotary_pos_emb"
 _ROTARY_PARAMETERS = ["q", "k", "cos", "sin", "unsqueeze_dim"]
 
@@ -81,40 +83,20 @@ def find_attention(model: torch.nn.Module,
 
 
 def _rebuilt_with_kernel_rotary(fn: types.FunctionType, where: str) -> types.FunctionType:
-    """``fn`` with ``apply_rotary_pos_emb`` resolved to ours. A decorator's wrapper
-    (``functools.wraps`` keeps the wrapped function as ``__wrapped__``, and the wrapper finds it in
-    a cell of its closure) is rebuilt around the rebuilt function, so what the decorator does (a
-    renamed keyword argument, a warning) still happens."""
-    inner = getattr(fn, "__wrapped__", None)
-    if inner is None:
-        namespace = dict(fn.__globals__)
-        namespace[_ROTARY_NAME] = apply_rotary
-        rebuilt = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
-    else:
-        cells = fn.__closure__ or ()
-        holding = [i for i, cell in enumerate(cells) if _cell_holds(cell, inner)]
-        if len(holding) != 1:
-            raise ValueError(
-                f"cannot patch the rotary embedding of {where}: {fn.__qualname__} is wrapped by a decorator that "
-                "does not keep the function it wraps in its closure, so it cannot be rebuilt around the patched "
-                "function. Use rope=False"
-            )
-        new_inner = _rebuilt_with_kernel_rotary(inner, where)
-        closure = tuple(types.CellType(new_inner) if i == holding[0] else cell for i,
-                        cell in enumerate(cells))
-        rebuilt = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, closure)
-        rebuilt.__dict__.update(fn.__dict__)
-        rebuilt.__wrapped__ = new_inner
-    rebuilt.__kwdefaults__ = fn.__kwdefaults__
-    rebuilt.__qualname__ = fn.__qualname__
-    return rebuilt
-
-
-def _cell_holds(cell, value) -> bool:
+    """``fn`` with ``apply_rotary_pos_emb`` resolved to ours in its innermost function; the
+    decorators' wrappers around it rebuilt (``kernels.hf.wrappers``), so what they do (a renamed
+    keyword argument, a warning) still happens."""
+    inner = inspect.unwrap(fn)
+    namespace = dict(inner.__globals__)
+    namespace[_ROTARY_NAME] = apply_rotary
+    replacement = types.FunctionType(inner.__code__, namespace, inner.__name__, inner.__defaults__,
+                                     inner.__closure__)
+    replacement.__kwdefaults__ = inner.__kwdefaults__
+    replacement.__qualname__ = inner.__qualname__
     try:
-        return cell.cell_contents is value
-    except ValueError:  # an empty cell
-        return False
+        return rebuilt_around(fn, inner, replacement, f"cannot patch the rotary embedding of {where}")
+    except ValueError as err:
+        raise ValueError(f"{err}. Use rope=False") from None
 
 
 @dataclass

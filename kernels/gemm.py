@@ -53,6 +53,19 @@ def gemm_epilogue_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
+    """One [BLOCK_M, BLOCK_N] tile of ``C = A @ B + scale · (U @ V) + BIAS``, stored once.
+
+    Args:
+        A, B, U, V, BIAS, C: pointers to ``a`` [M, K], ``b`` [K, N], ``u`` [M, R], ``v`` [R, N],
+            ``bias`` [N] and the output [M, N] (U, V, BIAS unread without their flags).
+        M, N, K, R: the sizes; scale: the low-rank term's factor.
+        stride_*: each tensor's strides, in elements.
+        HAS_LOWRANK, HAS_BIAS: whether the epilogue adds ``scale · U @ V``, ``BIAS``.
+        UPCAST: load the tiles as float32 before ``tl.dot`` (the interpreter's case).
+        PRECISION: ``tl.dot``'s ``input_precision``.
+        BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R: tile sizes (BLOCK_R ≥ R); GROUP_M: row-tiles per group
+            of the grouped tile order.
+    """
     # Grouped tile order: GROUP_M row-tiles share their columns of B while they are in the L2 cache.
     pid = tl.program_id(0)
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
@@ -96,6 +109,16 @@ def splitk_kernel(
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
+    """One split's float32 partial sum of ``aᵀ @ b`` for one [BLOCK_M, BLOCK_N] tile.
+
+    Args:
+        A, B, P: pointers to ``a`` [T, M], ``b`` [T, N] and the partials [splits, M, N] (float32,
+            last dimension contiguous).
+        T, M, N: the sizes; chunk: tokens per split (a multiple of BLOCK_T).
+        stride_*: the strides, in elements.
+        UPCAST: load the tiles as float32 before ``tl.dot``; PRECISION: its ``input_precision``.
+        BLOCK_M, BLOCK_N, BLOCK_T: tile sizes.
+    """
     # P[split, m, n] = Σ over this split's tokens t of A[t, m] · B[t, n]: aᵀ read as an [BLOCK_M,
     # BLOCK_T] tile.
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -126,6 +149,9 @@ def splitk_kernel(
 
 @dataclass(frozen=True)
 class GemmConfig:
+    """A launch configuration of ``gemm_epilogue_kernel``: its tile sizes, ``GROUP_M``, warps and
+    pipeline stages."""
+
     block_m: int
     block_n: int
     block_k: int
@@ -136,6 +162,9 @@ class GemmConfig:
 
 @dataclass(frozen=True)
 class SplitKConfig:
+    """A launch configuration of ``splitk_kernel``: tile sizes, the number of splits and their
+    length in tokens, warps and pipeline stages."""
+
     block_m: int
     block_n: int
     block_t: int
@@ -149,7 +178,15 @@ def gemm_config(m: int, n: int, k: int, props: runtime.DeviceProps | None = None
     """Tiles of the epilogue GEMM. In the interpreter, large tiles (few programs, NumPy does a tile
     at once). On a GPU, 128 × 128 × 64 with 8 warps when the shared memory holds the pipeline's
     stages (Hopper and Blackwell), a smaller tile otherwise: the common choice for bf16 GEMMs of
-    Llama's sizes."""
+    Llama's sizes.
+
+    Args:
+        m, n, k: the GEMM's sizes (unused: one tile fits Llama's shapes).
+        props: the device's properties; None reads the current device's.
+
+    Returns:
+        the ``GemmConfig``.
+    """
     props = props or runtime.device_props()
     if props.interpreter:
         return GemmConfig(64, 64, 64, 8, 4, 1)
@@ -162,7 +199,15 @@ def gemm_config(m: int, n: int, k: int, props: runtime.DeviceProps | None = None
 def splitk_config(t: int, m: int, n: int, props: runtime.DeviceProps | None = None) -> SplitKConfig:
     """Split-K for ``aᵀ @ b`` over ``t`` tokens: as many splits as it takes for about two programs
     per SM, each chunk at least a few tiles of tokens long (else the partial sums cost more than the
-    parallelism brings)."""
+    parallelism brings).
+
+    Args:
+        t: the tokens (the reduced length); m, n: the output's sizes.
+        props: the device's properties; None reads the current device's.
+
+    Returns:
+        the ``SplitKConfig`` (``splits`` is at least 1, ``splits · chunk`` covers ``t``).
+    """
     props = props or runtime.device_props()
     if props.interpreter:
         block_m, block_n, block_t, warps, stages = 32, 64, 64, 4, 1
@@ -220,7 +265,23 @@ def gemm_epilogue(a: torch.Tensor, b: torch.Tensor, u: torch.Tensor | None = Non
     ``a`` [M, K], ``b`` [K, N] (any strides: a transposed weight ``w.t()`` is read in place), ``u``
     [M, R] and ``v`` [R, N] both given or both None, ``bias`` [N] or None. The output is a new
     contiguous [M, N] tensor in ``a``'s dtype; ``b``, ``u``, ``v`` must have ``a``'s dtype too (cast
-    a small adapter first)."""
+    a small adapter first). Chapter 15 (notebooks/15_lora.ipynb) uses it for LoRA's forward.
+
+    Args:
+        a, b: the GEMM's operands, [M, K] and [K, N].
+        u, v: the low-rank pair, [M, R] and [R, N], or both None.
+        scale: the low-rank term's factor.
+        bias: [N] or None.
+        config: a launch configuration; None picks ``gemm_config``'s.
+
+    Returns:
+        the [M, N] product in ``a``'s dtype.
+
+    Raises:
+        TypeError: a non-tensor, a dtype other than float32/bfloat16/float16, or an operand whose
+            dtype or device differs from ``a``'s.
+        ValueError: an operand not 2-D, mismatched shapes, or only one of ``u``, ``v``.
+    """
     for name, t in (("a", a), ("b", b)):
         _check_2d(name, t)
     if (u is None) != (v is None):
@@ -266,7 +327,22 @@ def splitk_mm(a: torch.Tensor, b: torch.Tensor, scale: float = 1.0, out_dtype: t
               config: SplitKConfig | None = None) -> torch.Tensor:
     """``scale · aᵀ @ b`` for ``a`` [T, M] and ``b`` [T, N] (T long, M and N short), reduced over T
     in float32 by split-K, returned as a new [M, N] tensor of ``out_dtype``. ``a`` and ``b`` may
-    differ in dtype (each is read in its own and upcast in registers) but not in device."""
+    differ in dtype (the smaller is cast to the larger's dtype before the kernel) but not in device.
+    Chapter 15 (notebooks/15_lora.ipynb) uses it for the adapters' gradients.
+
+    Args:
+        a, b: [T, M] and [T, N].
+        scale: the product's factor.
+        out_dtype: the result's dtype (float32, bfloat16 or float16).
+        config: a launch configuration; None picks ``splitk_config``'s.
+
+    Returns:
+        the [M, N] tensor of ``out_dtype`` (zeros when T is 0).
+
+    Raises:
+        TypeError: a non-tensor or an unsupported dtype (of ``a``, ``b`` or ``out_dtype``).
+        ValueError: ``a`` or ``b`` not 2-D, different row counts, or different devices.
+    """
     _check_2d("a", a)
     _check_2d("b", b)
     if out_dtype not in KERNEL_DTYPES:

@@ -31,8 +31,12 @@ def _canonical(name: str) -> str:
 
 
 def other_distributions() -> list[tuple[str, str]]:
-    """(name, version) of each installed distribution besides this workbook's that ships a top-level
-    ``kernels``."""
+    """List the installed distributions besides this workbook's that ship a top-level ``kernels``.
+
+    Returns:
+        ``(name, version)`` for each, sorted by name; the version is ``"unknown version"`` where
+        the metadata lacks one. Empty when the name is ours alone.
+    """
     owners = importlib.metadata.packages_distributions().get("kernels", [])
     found = []
     for name in sorted(set(owners)):
@@ -46,7 +50,16 @@ def other_distributions() -> list[tuple[str, str]]:
 
 
 def problem(package_dir: Path = PACKAGE_DIR) -> str | None:
-    """What is wrong with the name ``kernels`` here, in words with the fix, or None when it is ours alone."""
+    """Say what is wrong with the name ``kernels`` here, in words with the fix.
+
+    Args:
+        package_dir: the folder this workbook's package lives in; ``import kernels`` must resolve
+            to its ``__init__.py``.
+
+    Returns:
+        The problem and its fix, or None when ``import kernels`` gives ``package_dir`` and no other
+        distribution installs a ``kernels`` package.
+    """
     spec = importlib.util.find_spec("kernels")
     origin = Path(spec.origin).resolve() if spec is not None and spec.origin else None
     others = ", ".join(f"{name} {version}" for name, version in other_distributions())
@@ -62,7 +75,14 @@ def problem(package_dir: Path = PACKAGE_DIR) -> str | None:
 
 
 def require_ours(package_dir: Path = PACKAGE_DIR) -> None:
-    """Stop with the problem and its fix (ImportError) unless ``import kernels`` is this workbook's alone."""
+    """Stop unless ``import kernels`` is this workbook's alone (chapter 00's first cell runs it).
+
+    Args:
+        package_dir: the folder this workbook's package lives in (see ``problem``).
+
+    Raises:
+        ImportError: with the problem and its fix, when ``problem`` finds one.
+    """
     message = problem(package_dir)
     if message is not None:
         raise ImportError(message)

@@ -54,7 +54,12 @@ STEPS = (
 
 
 def caches() -> list[str]:
-    """Where the compiled extensions and Triton's kernels are cached, one line each."""
+    """Say where the compiled extensions and Triton's kernels are cached (chapter 13 shows them).
+
+    Returns:
+        Two lines: the C++ extensions' folder (``TORCH_EXTENSIONS_DIR``) and Triton's cache
+        (``TRITON_CACHE_DIR``, else ``~/.triton/cache``).
+    """
     extensions = host_path.build_directory_for(cuda_rmsnorm.CPU_EXTENSION).parent
     triton = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
     return [f"C++ extensions: {extensions} (TORCH_EXTENSIONS_DIR)",
@@ -62,8 +67,17 @@ def caches() -> list[str]:
 
 
 def prebuild(steps=STEPS, out=None) -> int:
-    """Build each step that can be built here; print one line per step (to ``out``, else standard
-    output). Returns the number of failed builds."""
+    """Build each step that can be built here, printing one line per step: skipped, ready or FAILED.
+
+    A failed build is reported with the last line of its error, and the next step goes on.
+
+    Args:
+        steps: the ``Step``s to build, in order (default: the package's three extensions).
+        out: a text stream for the lines (default: standard output).
+
+    Returns:
+        The number of builds that failed (skipped steps do not count).
+    """
     out = out or sys.stdout
     failed = 0
     for step in steps:
@@ -84,6 +98,14 @@ def prebuild(steps=STEPS, out=None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``python -m kernels.prebuild``: print where this runs, build every step, print the caches.
+
+    Args:
+        argv: the command-line arguments (none are taken but ``--help``; default: ``sys.argv``).
+
+    Returns:
+        The exit status: 0 when every build attempted succeeded, 1 when one failed.
+    """
     parser = argparse.ArgumentParser(prog="python -m kernels.prebuild", description=__doc__.split("\n\n")[0])
     parser.parse_args(argv)
     print(runtime.describe(), flush=True)

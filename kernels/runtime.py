@@ -50,20 +50,38 @@ PROFILE: str = _decide_profile()
 
 
 def device() -> torch.device:
-    """The device tensors should live on: the GPU in gpu mode, the CPU in the interpreter."""
+    """Give the device tensors should live on (every chapter puts its tensors there).
+
+    Returns:
+        ``cuda`` in gpu mode, ``cpu`` in the interpreter.
+    """
     return torch.device("cuda") if MODE == "gpu" else torch.device("cpu")
 
 
 def synchronize(device: torch.device) -> None:
-    """Wait for the work queued on ``device`` (a CUDA device); nothing to wait for on the CPU. A
-    timer reads the clock after this, or it measures the launches, not the work."""
+    """Wait for the work queued on ``device``; nothing to wait for on the CPU.
+
+    A timer reads the clock after this, or it measures the launches, not the work.
+
+    Args:
+        device: the device whose queued work to wait for (a CUDA device; any other returns at once).
+    """
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def pick(tiny, full):
-    """Return ``tiny`` or ``full`` according to the size profile: the one switch every size in the
-    workbook uses."""
+    """Choose ``tiny`` or ``full`` by the size profile: the one switch every size in the workbook uses.
+
+    The chapters (00, 02 to 04, 08 to 11) size their inputs with it.
+
+    Args:
+        tiny: the value for the ``"tiny"`` profile (the interpreter's default).
+        full: the value for the ``"full"`` profile (a GPU's default).
+
+    Returns:
+        ``tiny`` when ``PROFILE`` is ``"tiny"``, else ``full``.
+    """
     return tiny if PROFILE == "tiny" else full
 
 
@@ -105,8 +123,14 @@ def _read_props(index: int) -> DeviceProps:
 
 
 def device_props(device: torch.device | None = None) -> DeviceProps:
-    """The ``DeviceProps`` of ``device`` (default: the current GPU), read once per device;
-    ``INTERPRETER`` there."""
+    """Read the ``DeviceProps`` of a GPU, once per device (chapter 12 reads them).
+
+    Args:
+        device: the CUDA device (default, or one without an index: the current GPU).
+
+    Returns:
+        Its ``DeviceProps``; ``INTERPRETER`` in the interpreter, whatever ``device`` is.
+    """
     if INTERPRET:
         return INTERPRETER
     index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
@@ -117,18 +141,32 @@ def device_props(device: torch.device | None = None) -> DeviceProps:
 
 
 def num_sms() -> int:
-    """Streaming multiprocessors of the current GPU (a nominal 4 in the interpreter, where it only
-    sizes grids)."""
+    """Count the streaming multiprocessors of the current GPU (chapter 03 sizes a grid by it).
+
+    Returns:
+        ``device_props().sm_count``: a nominal 4 in the interpreter, where it only sizes grids.
+    """
     return device_props().sm_count
 
 
 def device_name() -> str:
+    """Name what the kernels run on, for a chapter's printed header.
+
+    Returns:
+        The GPU's name in gpu mode, else the CPU's with "via the Triton interpreter".
+    """
     if MODE == "gpu":
         return torch.cuda.get_device_name()
     return f"CPU ({platform.processor() or platform.machine()}) via the Triton interpreter"
 
 
 def versions() -> dict[str, str]:
+    """Collect the versions a recorded result depends on (the chapters print them beside results).
+
+    Returns:
+        ``python``, ``torch``, ``triton`` and ``transformers`` (``"not installed"`` when absent),
+        each to its version string.
+    """
     import triton
 
     found = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__}
@@ -159,7 +197,12 @@ def describe() -> str:
 
 
 def timings_note() -> str:
-    """What a reader should make of timings taken in this mode."""
+    """Say what a reader should make of timings taken in this mode (every timing chapter prints it).
+
+    Returns:
+        One or two sentences: GPU times on this GPU, or a warning that the interpreter's wall-clock
+        times say nothing about GPU speed.
+    """
     if MODE == "gpu":
         return f"Timings are GPU times on {device_name()}."
     return (

@@ -85,7 +85,15 @@ _INTERPRETER_BLOCK = 1 << 16
 
 
 def block_for(n: int) -> tuple[int, int]:
-    """``(values per program, warps)`` of the kernel for a tensor of ``n`` values on this machine."""
+    """The kernel's launch configuration for a tensor of ``n`` values on this machine.
+
+    Args:
+        n: the tensor's number of values.
+
+    Returns:
+        ``(values per program, warps)``: a fixed block on a GPU; in the interpreter, one power of
+        two that covers ``n`` up to a cap, so that few programs run.
+    """
     if runtime.INTERPRET:
         return min(triton.next_power_of_2(max(n, 1)), _INTERPRETER_BLOCK), 4
     return _BLOCK, _WARPS
@@ -115,9 +123,23 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
                maximize: bool = False) -> None:
     """One AdamW step of one tensor, in place: ``param``, ``exp_avg`` and ``exp_avg_sq`` are overwritten.
 
-    ``step`` is the step's number counting from 1, for the bias corrections 1 − β1ᵗ and 1 − β2ᵗ. All
-    four tensors are contiguous, of one shape and on one device; each keeps its dtype. ``maximize``:
-    step along +grad.
+    The implementation of the ``kernels::adamw_step_`` operator (``adamw_step_op``), which chapter 09
+    lists among the package's operators. All four tensors are contiguous, of one shape and on one device;
+    each keeps its dtype. An empty tensor launches nothing.
+
+    Args:
+        param: the parameter, updated in place.
+        grad: its gradient.
+        exp_avg, exp_avg_sq: the first and second moments, updated in place.
+        lr, beta1, beta2, eps, weight_decay: AdamW's hyperparameters, as ``torch.optim.AdamW``
+            takes them (``weight_decay`` is decoupled and multiplied by ``lr``).
+        step: the step's number counting from 1, for the bias corrections 1 − β1ᵗ and 1 − β2ᵗ.
+        maximize: step along +grad.
+
+    Raises:
+        TypeError: a tensor's dtype is not float32, bfloat16 or float16.
+        ValueError: the tensors differ in shape or device, one is not contiguous, or (in gpu mode)
+            they are not CUDA tensors.
     """
     _check_tensors(param, grad, exp_avg, exp_avg_sq)
     n = param.numel()
@@ -214,9 +236,18 @@ _WHY = dict(
 
 
 def check_flags(group: dict, where: str = "TritonAdamW") -> None:
-    """Raise a TypeError naming the first flag of ``group`` (a parameter group, or the constructor's
-    arguments) whose value TritonAdamW does not compute. Host-side dict reads only: ``step()`` runs
-    it on every group, every step, since a group can be edited at any time."""
+    """Refuse the first of ``torch.optim.AdamW``'s flags whose value TritonAdamW does not compute.
+
+    Host-side dict reads only: ``step()`` runs it on every group, every step, since a group can be
+    edited at any time. A flag missing from ``group`` counts as its default.
+
+    Args:
+        group: a parameter group, or the constructor's arguments.
+        where: the caller's name, put before the message.
+
+    Raises:
+        TypeError: naming the flag, why it is not computed, and ``torch.optim.AdamW`` instead.
+    """
     for name, accepted in _ACCEPTED.items():
         value = group.get(name, FLAG_DEFAULTS[name])
         if bool(value) not in accepted:  # read as torch.optim.AdamW reads them: by truth value
@@ -310,14 +341,32 @@ class TritonAdamW(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         """``torch.optim.Optimizer.add_param_group``, then the group's flags, hyperparameters and
-        dtypes checked."""
+        dtypes checked.
+
+        Args:
+            param_group: a dict with ``params`` and any of the optimizer's options; the others are
+                filled in from the defaults.
+
+        Raises:
+            TypeError: the group sets a flag this optimizer does not compute, or holds a parameter
+                of a dtype the kernel does not take.
+            ValueError: a hyperparameter is out of range.
+        """
         super().add_param_group(param_group)
         _check_group(self.param_groups[-1])
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a state dict of TritonAdamW or ``torch.optim.AdamW``; refuse one whose groups set a
-        flag this optimizer does not compute (e.g. from ``torch.optim.AdamW(amsgrad=True)``),
-        leaving this optimizer as it was."""
+        """Load a state dict of TritonAdamW or ``torch.optim.AdamW``.
+
+        A flag missing from a loaded group (a state dict of an older torch) takes its default.
+
+        Args:
+            state_dict: what ``state_dict()`` of either optimizer returned.
+
+        Raises:
+            TypeError: a group sets a flag this optimizer does not compute (e.g. from
+                ``torch.optim.AdamW(amsgrad=True)``); this optimizer is left as it was.
+        """
         for group in state_dict.get("param_groups", ()):
             check_flags(group, "TritonAdamW.load_state_dict")
         super().load_state_dict(state_dict)
@@ -327,7 +376,24 @@ class TritonAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One AdamW step of every parameter that has a gradient; returns ``closure()``'s loss if given."""
+        """One AdamW step of every parameter that has a gradient.
+
+        Every group and parameter is checked before any tensor changes, so a refused one leaves the
+        model as it was.
+
+        Args:
+            closure: optional; recomputes and returns the loss, run with gradients enabled before
+                the step.
+
+        Returns:
+            ``closure()``'s loss, or None without a closure.
+
+        Raises:
+            TypeError: a group sets a flag this optimizer does not compute, or a parameter is
+                complex, sparse, of an unsupported dtype, or a DTensor whose gradient is placed
+                otherwise or is a partial sum.
+            ValueError: a hyperparameter is out of range, or a parameter is not contiguous.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():

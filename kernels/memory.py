@@ -29,8 +29,14 @@ def _itemsize(dtype: torch.dtype) -> int:
 def hf_loss_buffers(tokens: int, vocab: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
     """Bytes of each [tokens, vocab] tensor Hugging Face's loss creates (computed, not measured).
 
-    ``logits`` in ``dtype``; ``logits_fp32``, their float32 copy; ``log_softmax_fp32``, kept for
-    backward; ``logit_grads_fp32``, the two float32 gradients of the backward pass.
+    Args:
+        tokens: rows of the logits (batch × sequence).
+        vocab: the vocabulary size.
+        dtype: the logits' dtype, the model's.
+
+    Returns:
+        ``logits`` in ``dtype``; ``logits_fp32``, their float32 copy; ``log_softmax_fp32``, kept for
+        backward; ``logit_grads_fp32``, the two float32 gradients of the backward pass together.
     """
     n = tokens * vocab
     return {"logits": n * _itemsize(dtype), "logits_fp32": n * FP32, "log_softmax_fp32": n * FP32,
@@ -38,9 +44,18 @@ def hf_loss_buffers(tokens: int, vocab: int, dtype: torch.dtype = torch.bfloat16
 
 
 def hf_loss_peak(logits: int, logits_fp32: int, log_softmax_fp32: int, logit_grads_fp32: int) -> int:
-    """The most those buffers take at once: the forward's (logits, fp32 copy, log-softmax) or the
-    backward's (log-softmax, two fp32 gradients), whichever is larger. Takes ``hf_loss_buffers``'
-    entries as keywords."""
+    """The most bytes Hugging Face's loss buffers take at once (computed).
+
+    The forward's (logits, fp32 copy, log-softmax) or the backward's (log-softmax, two fp32
+    gradients), whichever is larger. Call it as ``hf_loss_peak(**hf_loss_buffers(...))``.
+
+    Args:
+        logits, logits_fp32, log_softmax_fp32, logit_grads_fp32: bytes of each buffer, the entries
+            of ``hf_loss_buffers``.
+
+    Returns:
+        The peak in bytes.
+    """
     return max(logits + logits_fp32 + log_softmax_fp32, log_softmax_fp32 + logit_grads_fp32)
 
 
@@ -51,6 +66,13 @@ def logits_bytes_per_token(vocab: int, dtype: torch.dtype = torch.bfloat16) -> d
     Hugging Face: ``hf_loss_peak`` of one token's buffers (2 + 4 + 4 bytes per logit in bf16 in the
     forward pass, 4 + 4 + 4 in the backward pass; the larger counts). Patched: the logits only,
     which then receive their own gradient (2 bytes per logit in bf16).
+
+    Args:
+        vocab: the vocabulary size.
+        dtype: the logits' dtype.
+
+    Returns:
+        ``{"baseline": bytes, "patched": bytes}`` per token.
     """
     return {"baseline": hf_loss_peak(**hf_loss_buffers(1, vocab, dtype)),
             "patched": vocab * _itemsize(dtype)}
@@ -58,7 +80,16 @@ def logits_bytes_per_token(vocab: int, dtype: torch.dtype = torch.bfloat16) -> d
 
 def loss_memory_bytes(n_tokens: int, vocab: int) -> dict[str, int]:
     """Sizes of the [tokens, V] tensors a language-model loss can create with bf16 logits, in bytes
-    (computed)."""
+    (computed). Chapters 05 to 07 tabulate them.
+
+    Args:
+        n_tokens: rows of the logits (batch × sequence).
+        vocab: the vocabulary size V.
+
+    Returns:
+        Each tensor's description mapped to its bytes: the bf16 logits, their fp32 upcast, the fp32
+        log-softmax kept for backward, one fp32 gradient of the logits and one bf16 gradient.
+    """
     hf = hf_loss_buffers(n_tokens, vocab, torch.bfloat16)
     return {
         "bf16 logits": hf["logits"],
@@ -70,7 +101,20 @@ def loss_memory_bytes(n_tokens: int, vocab: int) -> dict[str, int]:
 
 
 def peak_extra_bytes(fn) -> int:
-    """GPU only: peak memory allocated while ``fn()`` runs, beyond what was allocated before it."""
+    """GPU only: peak memory allocated while ``fn()`` runs, beyond what was allocated before it.
+
+    Chapter 06 measures the loss's memory with it.
+
+    Args:
+        fn: a callable taking no arguments; its result is discarded.
+
+    Returns:
+        The peak of ``torch.cuda.max_memory_allocated()`` during the call, less what was allocated
+        before it, in bytes.
+
+    Raises:
+        RuntimeError: outside gpu mode (no CUDA memory statistics to read).
+    """
     if runtime.MODE != "gpu":
         raise RuntimeError("peak memory is measured with torch.cuda statistics and needs a GPU")
     torch.cuda.synchronize()

@@ -47,19 +47,33 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def check_kernel_dtype(name: str, t: torch.Tensor, instead: str) -> None:
-    """A TypeError naming ``name`` unless ``t`` has one of ``KERNEL_DTYPES``; ``instead`` says what
-    to do then."""
+    """Refuse a tensor whose dtype no kernel takes.
+
+    Args:
+        name: the argument's name, for the message.
+        t: the tensor to check.
+        instead: what the caller should do then, appended to the message.
+
+    Raises:
+        TypeError: ``t``'s dtype is not one of ``KERNEL_DTYPES``.
+    """
     if t.dtype not in KERNEL_DTYPES:
         raise TypeError(f"{name} must be float32, bfloat16 or float16, got dtype {t.dtype}: the kernels compute in "
                         f"float32; {instead}")
 
 def define(schema: str, impl: Callable, fake: Callable) -> torch._ops.OpOverload:
-    """Register ``torch.ops.kernels.<name>`` from a schema such as ``"rms_norm_fwd(Tensor x, float
-    eps) -> Tensor"``.
+    """Register ``torch.ops.kernels.<name>`` and remember its implementation for ``call``.
 
-    ``impl`` runs on real tensors of any device (the Triton launch), ``fake`` returns empty outputs
-    of the right shape, dtype and device. Returns the operator's default overload, the cheapest
-    handle to call it through.
+    Chapter 09 teaches operator registration.
+
+    Args:
+        schema: the operator's schema, such as ``"rms_norm_fwd(Tensor x, float eps) -> Tensor"``;
+            ``Tensor(a!)`` marks an input the operator writes.
+        impl: runs on real tensors of any device (the Triton launch).
+        fake: returns empty outputs of the right shape, dtype and device.
+
+    Returns:
+        The operator's default overload, the cheapest handle to call it through.
     """
     name = schema.split("(", 1)[0]
     _LIBRARY.define(schema)
@@ -80,28 +94,56 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 def direct(*args) -> bool:
     """Whether a call with ``args`` may run an operator's implementation itself instead of through
-    the operator: not while ``torch.compile`` traces, not under a ``TorchDispatchMode`` (which would
-    miss the call), and only when every tensor among ``args`` is a plain tensor or parameter with
-    data (a meta tensor goes to the fake implementation through the operator)."""
+    the operator.
+
+    Not while ``torch.compile`` traces, not under a ``TorchDispatchMode`` (which would miss the
+    call), and only when every tensor among ``args`` is a plain tensor or parameter with data (a
+    meta tensor goes to the fake implementation through the operator). Chapter 09 uses it.
+
+    Args:
+        args: the operator's arguments; those that are not tensors are ignored.
+
+    Returns:
+        True when the implementation may be called directly.
+    """
     return (not torch.compiler.is_compiling() and not torch._C._len_torch_dispatch_stack()
             and all(type(a) in _PLAIN and not a.is_meta for a in args if isinstance(a, torch.Tensor)))
 
 
 def call(op: torch._ops.OpOverload, *args):
     """``op(*args)``: its implementation called directly when ``direct(*args)`` allows it, else the
-    operator."""
+    operator. Chapter 09 shows what it saves.
+
+    Args:
+        op: an operator returned by ``define``.
+        args: its arguments, positional, in the schema's order.
+
+    Returns:
+        What the operator returns (None for one that only writes its inputs).
+    """
     return (_IMPLS[op] if direct(*args) else op)(*args)
 
 
 def implementation(op: torch._ops.OpOverload) -> Callable:
     """The function registered as ``op``'s implementation: what ``call`` runs when ``direct`` allows
     it. A benchmark that times the layers of a call (``kernels.bench.overhead``) calls it on its
-    own."""
+    own.
+
+    Args:
+        op: an operator returned by ``define``.
+
+    Returns:
+        Its implementation, the ``impl`` given to ``define``.
+    """
     return _IMPLS[op]
 
 
 def registered() -> list[str]:
-    """Qualified names of the operators registered so far, e.g. ``["kernels::rms_norm_fwd", ...]``."""
+    """Qualified names of the operators registered so far; chapters 09 and 13 list them.
+
+    Returns:
+        The names, sorted, e.g. ``["kernels::rms_norm_fwd", ...]``.
+    """
     return sorted(
         f"{NAMESPACE}::{name}"
         for name in dir(getattr(torch.ops, NAMESPACE))

@@ -171,6 +171,12 @@ class OptimizerInBackward(torch.optim.Optimizer):
 
         Args:
             param_group: a dict with ``params`` and any of the hyperparameters.
+
+        Raises:
+            TypeError: a parameter is not a leaf tensor, is a DTensor, complex or of a dtype the
+                kernel does not take, or the group sets a flag the kernel does not compute.
+            ValueError: a parameter is not contiguous or does not require grad, or a hyperparameter
+                is out of range.
         """
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
@@ -316,6 +322,10 @@ class OptimizerInBackward(torch.optim.Optimizer):
 
         Returns:
             ``closure()``'s loss, or None.
+
+        Raises:
+            RuntimeError: called inside ``accumulating()``, or some parameter was not updated since
+                the last step (no updating backward ran, or a parameter got no gradient).
         """
         loss = None
         if closure is not None:
@@ -351,17 +361,23 @@ class OptimizerInBackward(torch.optim.Optimizer):
         )
 
     def state_dict(self) -> dict:
-        """``torch.optim.Optimizer.state_dict`` after the updates queued on the side streams."""
+        """``torch.optim.Optimizer.state_dict`` after the updates queued on the side streams.
+
+        Returns:
+            The state dict, loadable by this optimizer, ``TritonAdamW`` or ``torch.optim.AdamW``.
+        """
         self.synchronize_streams()
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a state dict of this optimizer, ``TritonAdamW`` or ``torch.optim.AdamW``; one whose
-        groups set a flag the kernel does not compute (e.g. ``amsgrad=True``) is refused, leaving
-        this optimizer as it was.
+        """Load a state dict of this optimizer, ``TritonAdamW`` or ``torch.optim.AdamW``.
 
         Args:
             state_dict: as ``state_dict()`` returns it.
+
+        Raises:
+            TypeError: a group sets a flag the kernel does not compute (e.g. ``amsgrad=True``); this
+                optimizer is left as it was.
         """
         for group in state_dict.get("param_groups", ()):
             check_flags(group, f"{_NAME}.load_state_dict")
@@ -372,7 +388,17 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 group.setdefault(name, default)
 
     def clip_grad_norm_(self, *args, **kwargs):
-        """Refused: see ``max_grad_norm_per_param``."""
+        """Refused: the gradients are freed before a global norm could be known.
+
+        Bound each gradient instead with ``max_grad_norm_per_param``, or keep the global clip with
+        ``TritonAdamW`` (chapter 17).
+
+        Args:
+            args, kwargs: whatever ``torch.nn.utils.clip_grad_norm_`` would take; ignored.
+
+        Raises:
+            RuntimeError: always, naming the alternatives.
+        """
         raise RuntimeError(f"{_NAME}: {_GLOBAL_CLIP}")
 
 

@@ -50,7 +50,14 @@ def add_rms_norm_fwd_kernel(
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """The forward pass: h = x + residual, y and one float32 rstd per row, ROWS rows per program
-    (``add_rms_norm_forward`` launches it)."""
+    (``add_rms_norm_forward`` launches it).
+
+    Args:
+        X, R, W: pointers to x and residual ([n_rows, n_cols], unit column stride) and the weight.
+        Y, H, RSTD: pointers to the outputs y and h (contiguous rows) and rstd [n_rows].
+        n_rows, n_cols: the sizes; stride_x, stride_r: the inputs' row strides; eps: the norm's.
+        ROWS: rows per program; BLOCK_N: columns of a tile (a power of two ≥ n_cols).
+    """
     # int64 row indices: row * stride overflows int32 once rows × hidden passes 2**31.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
@@ -85,7 +92,17 @@ def add_rms_norm_bwd_kernel(
     STAGES: tl.constexpr,
 ):
     """The backward pass: dx = the norm's backward of dy, plus dh; with COMPUTE_DW one row of
-    float32 dW partials per program (``add_rms_norm_backward`` launches it)."""
+    float32 dW partials per program (``add_rms_norm_backward`` launches it).
+
+    Args:
+        H, W, DY, DH, RSTD: pointers to the saved h, the weight, the two incoming gradients (dy of
+            y, dh of h) and the saved rstd.
+        DX, DW_PARTIAL: pointers to dx (contiguous rows) and the float32 partials [programs, n_cols].
+        n_rows, n_cols: the sizes; stride_h, stride_dy, stride_dh: the row strides.
+        ROWS, BLOCK_N: rows per block and columns of a tile.
+        HAS_DH: whether dh is added; COMPUTE_DW: whether the partials are written.
+        STAGES: software-pipeline stages of the loop over row blocks.
+    """
     # A persistent grid, as in rms_norm_bwd_kernel: program p takes row blocks p, p + P, ... and
     # keeps its part of dW in registers until one [P, hidden] float32 write at the end.
     pid = tl.program_id(0)
@@ -167,7 +184,16 @@ def backward_config(n_rows: int, n_cols: int, itemsize: int = 2,
 @functools.lru_cache(maxsize=512)
 def cached_backward_config(n_rows: int, n_cols: int, itemsize: int,
                            props: runtime.DeviceProps) -> BackwardConfig:
-    """``backward_config`` for given ``props``, cached: what the launches ask for on every call."""
+    """``backward_config`` for given ``props``, cached: what the launches ask for on every call.
+
+    Args:
+        n_rows, n_cols: h's rows and hidden size.
+        itemsize: bytes per element of h, dy and dh.
+        props: the device's properties (hashable: the cache's key).
+
+    Returns:
+        RMSNorm's ``BackwardConfig``, with fewer pipeline stages where dh's tile leaves no room.
+    """
     base = rmsnorm.cached_backward_config(n_rows, n_cols, itemsize, props)
     if props.interpreter or base.stages == 1:
         return base
@@ -190,6 +216,10 @@ def check_inputs(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) 
         x: what is added to the residual stream, [..., hidden].
         residual: the residual stream, x's shape and dtype, on x's device.
         weight: the norm's scale, ``(hidden,)``.
+
+    Raises:
+        TypeError: a non-tensor, an unsupported dtype, or a residual of another dtype than x's.
+        ValueError: mismatched shapes or devices, or a non-CUDA tensor in gpu mode.
     """
     check_tensors(x, weight)
     if not isinstance(residual, torch.Tensor):
@@ -212,7 +242,15 @@ def add_rms_norm_forward(x: torch.Tensor, residual: torch.Tensor, weight: torch.
     x's shape, h contiguous) and a float32 rstd per row.
 
     Rows of x and residual may have any row stride (``as_rows``); the weight is read with unit
-    stride (a strided one is copied first, ``hidden`` values)."""
+    stride (a strided one is copied first, ``hidden`` values). The inputs are not checked here
+    (``check_inputs`` does it).
+
+    Args:
+        x, residual: [..., hidden], of one shape and dtype.
+        weight: the norm's scale, ``(hidden,)``.
+        eps: added to the mean of squares.
+        config: a launch configuration; None picks ``forward_config``'s.
+    """
     weight = weight.contiguous()
     x_rows, r_rows = as_rows(x), as_rows(residual)
     n_rows, n_cols = x_rows.shape
@@ -233,7 +271,14 @@ def add_rms_norm_backward(dy: torch.Tensor, dh: torch.Tensor | None, h: torch.Te
                           rstd: torch.Tensor, compute_dw: bool = True, config: BackwardConfig | None = None):
     """Launch the backward kernels. Returns ``(dx, dw)``: dx (the gradient of both x and residual)
     contiguous in h's shape and dtype; dw in weight's shape and dtype (empty, shape [0], when
-    ``compute_dw`` is false). ``dh`` None: no gradient came back along the residual stream."""
+    ``compute_dw`` is false). ``dh`` None: no gradient came back along the residual stream.
+
+    Args:
+        dy: the gradient of y; dh: the gradient of h, or None.
+        h, weight, rstd: what the forward saved (h, the weight, the float32 rstd per row).
+        compute_dw: whether to compute the weight's gradient.
+        config: a launch configuration; None picks ``backward_config``'s.
+    """
     weight = weight.contiguous()
     h_rows, dy_rows = as_rows(h), as_rows(dy)
     dh_rows = as_rows(dh) if dh is not None else dy_rows  # dy_rows: a placeholder the kernel never reads
@@ -266,7 +311,11 @@ def add_rms_norm_backward(dy: torch.Tensor, dh: torch.Tensor | None, h: torch.Te
 
 def add_rms_norm_fwd_fake(x, residual, weight, eps):
     """The fake implementation of ``add_rms_norm_fwd``: ``(y, h, rstd)`` as empty tensors of the
-    right shapes and dtypes."""
+    right shapes and dtypes.
+
+    Args:
+        x, residual, weight, eps: the operator's arguments, as ``add_rms_norm_forward``'s.
+    """
     n_rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     y = torch.empty(x.shape, dtype=out_dtype(x.dtype, weight.dtype), device=x.device)
     h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -275,7 +324,12 @@ def add_rms_norm_fwd_fake(x, residual, weight, eps):
 
 def add_rms_norm_bwd_fake(dy, dh, h, weight, rstd, compute_dw):
     """The fake implementation of ``add_rms_norm_bwd``: ``(dx, dw)`` as empty tensors (dw empty,
-    shape [0], without ``compute_dw``)."""
+    shape [0], without ``compute_dw``).
+
+    Args:
+        dy, dh, h, weight, rstd, compute_dw: the operator's arguments, as
+            ``add_rms_norm_backward``'s.
+    """
     dx = torch.empty(h.shape, dtype=h.dtype, device=h.device)
     return dx, (torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if compute_dw
                 else weight.new_empty(0))
@@ -305,6 +359,12 @@ class AddRMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, residual, weight, eps):
+        """Run the forward operator and save h, the weight and rstd.
+
+        Args:
+            ctx: autograd's context.
+            x, residual, weight, eps: as ``add_rms_norm``'s.
+        """
         y, h, rstd = ops.call(add_rms_norm_fwd_op, x, residual, weight, eps)
         ctx.save_for_backward(h, weight, rstd)
         ctx.set_materialize_grads(False)
@@ -312,6 +372,12 @@ class AddRMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dh):
+        """The gradients of x, residual (one tensor, twice) and the weight.
+
+        Args:
+            ctx: autograd's context.
+            dy, dh: the gradients of y and h, each possibly None.
+        """
         h, weight, rstd = ctx.saved_tensors
         if dy is None:
             dx, dw = dh, None  # y unused: the add's gradient alone, passed on as autograd's add does
@@ -331,7 +397,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     casts of Hugging Face's ``hidden_states = residual + hidden_states`` followed by its norm.
     Both outputs are differentiable; the gradient of x and of residual is the norm's backward plus
     the gradient of h. Works under ``torch.compile``: the kernels are the operators
-    ``torch.ops.kernels.add_rms_norm_fwd``/``_bwd``. Chapter 17 derives it.
+    ``torch.ops.kernels.add_rms_norm_fwd``/``_bwd``. Chapter 17 (notebooks/17_whole_step.ipynb)
+    derives it.
 
     Args:
         x: the sublayer's output, [..., hidden], any leading dimensions, possibly a strided view.
@@ -342,6 +409,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     Returns:
         ``(y, h)``: ``weight * h / sqrt(mean(h²) + eps)`` (dtype of ``weight * h``) and ``h = x +
         residual`` (x's dtype), both of x's shape.
+
+    Raises:
+        TypeError, ValueError: from ``check_inputs``, naming the argument.
     """
     check_inputs(x, residual, weight)
     eps = float(eps)

@@ -86,7 +86,15 @@ return hidden_states
 
 def expected_parameters(cache: str) -> tuple[tuple[str, object], ...]:
     """(name, default) of each parameter of the forward the patch reproduces, its cache argument
-    named ``cache``."""
+    named ``cache``.
+
+    Args:
+        cache: the name of the cache argument: ``"cache"`` or ``"past_key_values"``.
+
+    Returns:
+        ``(name, default)`` pairs in the forward's order, ``inspect.Parameter.empty`` where there is
+        no default (``self``, ``hidden_states``, ``**kwargs``).
+    """
     return (("self", inspect.Parameter.empty), ("hidden_states", inspect.Parameter.empty), ("attention_mask", None),
             ("position_ids", None), (cache, None), ("use_cache", False), ("position_embeddings", None),
             ("kwargs", inspect.Parameter.empty))
@@ -162,7 +170,17 @@ def add_then_norm(norm: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor
 def fused_layer(self, hidden_states, attention_kwargs: dict):
     """The decoder layer's computation with the attention's residual add fused into
     ``post_attention_layernorm``: ``attention_kwargs`` are the keywords the layer passes its
-    attention, under the names of the transformers version."""
+    attention, under the names of the transformers version. Chapter 17
+    (``notebooks/17_whole_step.ipynb``) turns it on as ``add_rms_norm=True``.
+
+    Args:
+        self: the decoder layer.
+        hidden_states: the residual stream entering the layer.
+        attention_kwargs: the keywords for ``self.self_attn``, ``hidden_states`` aside.
+
+    Returns:
+        The residual stream leaving the layer.
+    """
     residual = hidden_states
     hidden_states = self.input_layernorm(hidden_states)
     hidden_states, _ = self.self_attn(hidden_states=hidden_states, **attention_kwargs)
@@ -175,7 +193,16 @@ def fused_decoder_forward(self, hidden_states, attention_mask=None, position_ids
                           use_cache=False, position_embeddings=None, **kwargs):
     """``LlamaDecoderLayer.forward`` of transformers 5.24 (cache argument ``cache``) with the
     attention's residual add fused into ``post_attention_layernorm``: the same arguments, the same
-    calls, the same result."""
+    calls, the same result.
+
+    Args:
+        self: the decoder layer.
+        hidden_states, attention_mask, position_ids, cache, use_cache, position_embeddings, **kwargs:
+            those of ``LlamaDecoderLayer.forward``, passed to the attention as it passes them.
+
+    Returns:
+        The residual stream leaving the layer, as ``LlamaDecoderLayer.forward`` returns it.
+    """
     return fused_layer(self, hidden_states, dict(
         attention_mask=attention_mask, position_ids=position_ids, cache=cache, use_cache=use_cache,
         position_embeddings=position_embeddings, **kwargs))
@@ -185,7 +212,16 @@ def fused_decoder_forward_past_key_values(self, hidden_states, attention_mask=No
                                           past_key_values=None, use_cache=False, position_embeddings=None,
                                           **kwargs):
     """``LlamaDecoderLayer.forward`` of transformers 5.17 (cache argument ``past_key_values``) with
-    the attention's residual add fused into ``post_attention_layernorm``."""
+    the attention's residual add fused into ``post_attention_layernorm``.
+
+    Args:
+        self: the decoder layer.
+        hidden_states, attention_mask, position_ids, past_key_values, use_cache, position_embeddings,
+        **kwargs: those of ``LlamaDecoderLayer.forward``, passed to the attention as it passes them.
+
+    Returns:
+        The residual stream leaving the layer, as ``LlamaDecoderLayer.forward`` returns it.
+    """
     return fused_layer(self, hidden_states, dict(
         attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
         use_cache=use_cache, position_embeddings=position_embeddings, **kwargs))

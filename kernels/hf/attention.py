@@ -76,7 +76,17 @@ def _sdpa_mask_arguments(args: tuple, kwargs: dict) -> dict:
 def packed_causal_mask(*args, **kwargs) -> torch.Tensor | None:
     """transformers' SDPA mask function (same arguments), returning None where the kernel needs no
     mask: no padding mask given, as many keys as queries from the same start, no sliding window.
-    Packed rows' boundaries come to the kernel through the position ids instead."""
+    Packed rows' boundaries come to the kernel through the position ids instead. Chapter 16
+    (``notebooks/16_flash_attention.ipynb``) registers it with the attention.
+
+    Args:
+        *args, **kwargs: those of transformers' ``sdpa_mask``, whichever of its signatures is
+            installed.
+
+    Returns:
+        None where the kernel needs no mask; otherwise what ``sdpa_mask`` returns (the call then
+        runs SDPA, ``kernel_applies``).
+    """
     from transformers.masking_utils import sdpa_mask
 
     a = _sdpa_mask_arguments(args, kwargs)
@@ -89,7 +99,17 @@ def packed_causal_mask(*args, **kwargs) -> torch.Tensor | None:
 
 def kernel_applies(query: torch.Tensor, key: torch.Tensor, attention_mask, dropout: float) -> bool:
     """Whether this call can run our kernel: no mask to apply, no dropout, self-attention over one
-    length, and a dtype and head size the kernel takes. Otherwise the call runs SDPA."""
+    length, and a dtype and head size the kernel takes. Otherwise the call runs SDPA.
+
+    Args:
+        query: [batch, heads, seq, head_dim].
+        key: [batch, kv_heads, kv_seq, head_dim].
+        attention_mask: the mask transformers passes (None where ``packed_causal_mask`` made none).
+        dropout: the attention dropout probability.
+
+    Returns:
+        True when the kernel can run this call.
+    """
     return (attention_mask is None and not dropout and query.shape[2] == key.shape[2] and query.shape[2] > 0
             and query.dtype in DTYPES and query.shape[-1] in HEAD_DIMS)
 
@@ -101,7 +121,26 @@ def flash_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                             is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """An attention function of transformers' registry: query [batch, heads, seq, head_dim], key and
     value with the KV heads (not repeated); returns ([batch, seq, heads, head_dim], None) as
-    ``sdpa_attention_forward`` does."""
+    ``sdpa_attention_forward`` does. Chapter 16 (``notebooks/16_flash_attention.ipynb``) patches it
+    in as ``attention=True``.
+
+    Args:
+        module: the attention module calling (its ``is_causal`` is read when ``is_causal`` is None).
+        query: [batch, heads, seq, head_dim].
+        key, value: [batch, kv_heads, seq, head_dim].
+        attention_mask: None for the kernel; a mask sends the call to SDPA.
+        dropout: the dropout probability; nonzero sends the call to SDPA.
+        scaling: the softmax scale (None: ``head_dim ** -0.5``).
+        is_causal: whether attention is causal (None: the module's ``is_causal``, else True).
+        **kwargs: passed to SDPA when it runs; the kernel reads ``position_ids`` (packed rows: each
+            document's positions restart at 0) and ``cu_seq_lens_q`` (document offsets of one row).
+
+    Returns:
+        ``(output, None)``, the output [batch, seq, heads, head_dim].
+
+    Raises:
+        ValueError: ``cu_seq_lens_q`` are not offsets of the single row (``check_offsets``).
+    """
     if not kernel_applies(query, key, attention_mask, dropout):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -131,7 +170,17 @@ def check_offsets(cu_seqlens, position_ids, query: torch.Tensor) -> None:
     row: an integer 1-D tensor rising from 0 to the sequence's length, and, where ``position_ids``
     are given, the same documents as their runs of consecutive positions. Reads both to the host
     once per offsets tensor (the same tensor reaches every layer); nothing while ``torch.compile``
-    traces."""
+    traces.
+
+    Args:
+        cu_seqlens: the ``cu_seq_lens_q`` transformers passes.
+        position_ids: the call's position ids, or None.
+        query: [batch, heads, seq, head_dim], whose batch must be 1.
+
+    Raises:
+        ValueError: the offsets are not a 1-D integer tensor rising from 0 to the length, the batch
+            is not 1, or the offsets and the position ids disagree on the documents.
+    """
     if torch.compiler.is_compiling():
         return
     last, version = _CHECKED
@@ -162,7 +211,14 @@ def check_offsets(cu_seqlens, position_ids, query: torch.Tensor) -> None:
 def check_attention(model: torch.nn.Module) -> None:
     """Raise (ValueError) unless ``patch_llama(model, attention=True)`` applies: SDPA attention in
     the config (the implementation it replaces), a head size the kernel takes, transformers'
-    attention and mask registries."""
+    attention and mask registries.
+
+    Args:
+        model: the model about to be patched.
+
+    Raises:
+        ValueError: any of those is missing.
+    """
     config = getattr(model, "config", None)
     current = getattr(config, "_attn_implementation", None)
     if current != "sdpa":
@@ -181,7 +237,19 @@ def check_attention(model: torch.nn.Module) -> None:
 
 def use_flash_attention(model: torch.nn.Module) -> Callable[[], None]:
     """Point ``model``'s attention at ``"kernels_flash_attention"``; returns the function that
-    points it back."""
+    points it back (``check_attention`` first). Chapter 16 (``notebooks/16_flash_attention.ipynb``)
+    patches with it.
+
+    Args:
+        model: a Hugging Face model with SDPA attention; its config is changed in place.
+
+    Returns:
+        The undo: it restores the previous attention implementation, and raises ``RuntimeError``
+        if the config's implementation was changed again in between.
+
+    Raises:
+        ValueError: ``check_attention`` refuses the model.
+    """
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -217,7 +285,16 @@ def attention_choice(device_name: str | None = None, results_dir: Path = RESULTS
     """``(use_ours, why)``: whether ``patch_llama``'s default turns our attention on for
     ``device_name`` (this GPU), from the recorded attention benchmark: on only where ours (dense,
     causal) was at least as fast as SDPA's flash and cuDNN kernels at every length measured. In the
-    interpreter, and on a GPU with no recorded run, it stays off."""
+    interpreter, and on a GPU with no recorded run, it stays off. Chapter 16
+    (``notebooks/16_flash_attention.ipynb``) reads its verdict.
+
+    Args:
+        device_name: the GPU's name as the benchmark records it (None: this process's GPU).
+        results_dir: the folder of recorded attention benchmarks (JSON files, newest name last).
+
+    Returns:
+        ``(use_ours, why)``: the verdict and a line saying which file decided it and how.
+    """
     if device_name is None:
         if runtime.MODE != "gpu":
             return False, "sdpa: Triton's interpreter (timings there mean nothing)"

@@ -73,7 +73,16 @@ CAUSAL_CALL = CausalCall()
 def is_plain_causal_call(args: tuple, kwargs: dict) -> bool:
     """Whether a causal LM's forward, called with ``args`` and ``kwargs``, sees one causal sequence
     per row: only the token ids (or embeddings) given, and no attention mask, position ids or cache,
-    by keyword or by position."""
+    by keyword or by position.
+
+    Args:
+        args: the forward's positional arguments.
+        kwargs: its keyword arguments.
+
+    Returns:
+        True when at most the first positional argument is given and none of ``attention_mask``,
+        ``position_ids``, ``past_key_values`` or ``cache_position`` is (or each is None).
+    """
     return len(args) <= 1 and all(kwargs.get(name) is None for name in _NOT_PLAIN_IF_GIVEN)
 
 
@@ -96,7 +105,16 @@ def _is_full_causal(arguments: dict) -> bool:
 def causal_skip_sdpa_mask(*args, **kwargs) -> torch.Tensor | None:
     """transformers' SDPA mask function (same arguments), returning None, so that SDPA runs with
     ``is_causal``, when the forward pass is plain causal (``CAUSAL_CALL.plain``) and the full causal
-    mask is asked for."""
+    mask is asked for. Chapters 09 and 11 (``notebooks/11_swiglu_rope.ipynb``) turn it on as
+    ``skip_causal_mask=True``.
+
+    Args:
+        *args, **kwargs: those of transformers' ``sdpa_mask``, whichever of its signatures is
+            installed.
+
+    Returns:
+        None where SDPA can run with ``is_causal``; otherwise what ``sdpa_mask`` returns.
+    """
     from transformers.masking_utils import sdpa_mask
 
     if CAUSAL_CALL.plain and _is_full_causal(_mask_arguments(args, kwargs)):
@@ -108,7 +126,17 @@ def additive_sdpa_mask(*args, dtype: torch.dtype = torch.float32, **kwargs) -> t
     """``causal_skip_sdpa_mask`` (same arguments), returning the boolean mask as an additive bias in
     ``dtype`` when ``dtype`` is half precision: 0 where attention is allowed, −inf where not (as
     SDPA converts it; not the dtype's lowest finite value, which would turn a fully masked row into
-    a uniform average)."""
+    a uniform average). Chapter 10 (``notebooks/10_linear_cross_entropy.ipynb``) turns it on as
+    ``additive_mask=True``.
+
+    Args:
+        *args, **kwargs: those of transformers' ``sdpa_mask``.
+        dtype: the model's activation dtype, which transformers passes to the mask function.
+
+    Returns:
+        None, the boolean mask (float32 and other full-precision dtypes, or a mask that is not
+        boolean), or the additive bias in ``dtype``, of the boolean mask's shape.
+    """
     mask = causal_skip_sdpa_mask(*args, **kwargs)
     if mask is None or mask.dtype != torch.bool or dtype not in HALF_DTYPES:
         return mask
@@ -130,7 +158,15 @@ def check_sdpa(model: torch.nn.Module, switch: str = "additive_mask") -> None:
     """Raise unless ``model`` uses SDPA attention (``config._attn_implementation == "sdpa"``,
     transformers' default where PyTorch provides it): eager, flash or flex attention build their
     masks differently. ``switch`` names the ``patch_llama`` keyword that needs it, for the
-    message."""
+    message.
+
+    Args:
+        model: the model about to be patched.
+        switch: the ``patch_llama`` keyword, named in the error.
+
+    Raises:
+        ValueError: the model's attention implementation is not ``"sdpa"``.
+    """
     current = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if current != "sdpa":
         raise ValueError(
@@ -141,7 +177,21 @@ def check_sdpa(model: torch.nn.Module, switch: str = "additive_mask") -> None:
 
 def use_mask_function(model: torch.nn.Module, additive: bool) -> Callable[[], None]:
     """Point ``model``'s attention at ``"sdpa_additive_mask"`` (``additive``) or
-    ``"sdpa_causal_skip"``; returns the function that points it back. ``check_sdpa`` first."""
+    ``"sdpa_causal_skip"``; returns the function that points it back. ``check_sdpa`` first.
+    Chapters 09 to 11 patch with it (``additive_mask``, ``skip_causal_mask``).
+
+    Args:
+        model: a Hugging Face model with SDPA attention; its config is changed in place.
+        additive: True for the additive bias (with the causal skip), False for the causal skip
+            alone.
+
+    Returns:
+        The undo: it restores the previous attention implementation, and raises ``RuntimeError``
+        if the config's implementation was changed again in between.
+
+    Raises:
+        ValueError: the model does not use SDPA attention (``check_sdpa``).
+    """
     check_sdpa(model, "additive_mask" if additive else "skip_causal_mask")
     config = model.config
     current = config._attn_implementation

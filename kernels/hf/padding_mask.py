@@ -34,7 +34,21 @@ IGNORE_INDEX = -100
 def mask_is_redundant(batch: dict[str, torch.Tensor], ignore_index: int = IGNORE_INDEX) -> bool:
     """True when ``batch["attention_mask"]`` changes nothing a causal model's loss sees: every row's
     zeros come after all its ones (right padding), and every padded position's label is
-    ``ignore_index``. A batch with no mask, or with no padding at all, is trivially so."""
+    ``ignore_index``. A batch with no mask, or with no padding at all, is trivially so.
+
+    Chapter 10 (``notebooks/10_linear_cross_entropy.ipynb``) checks its batches with it.
+
+    Args:
+        batch: a collated batch: ``input_ids``, and optionally ``attention_mask`` ([batch, seq]) and
+            ``labels`` (the same shape).
+        ignore_index: the label the loss skips.
+
+    Returns:
+        Whether the mask can be left out without changing the loss or any gradient.
+
+    Raises:
+        ValueError: ``attention_mask`` is not two-dimensional.
+    """
     mask = batch.get("attention_mask")
     if mask is None:
         return True
@@ -53,7 +67,21 @@ def drop_padding_mask(batch: dict[str, torch.Tensor], ignore_index: int = IGNORE
                                                                                                 torch.Tensor]:
     """``batch`` without its ``attention_mask`` when ``mask_is_redundant`` says it may go; otherwise
     ``batch`` itself, unchanged. Call it on the CPU copy of a batch: the check reads the whole mask
-    (on a GPU that would be a host synchronisation per batch)."""
+    (on a GPU that would be a host synchronisation per batch).
+
+    Chapter 10 (``notebooks/10_linear_cross_entropy.ipynb``) drops its batches' masks with it.
+
+    Args:
+        batch: a collated batch, as ``mask_is_redundant`` takes it.
+        ignore_index: the label the loss skips.
+
+    Returns:
+        A new dict without ``attention_mask``, or ``batch`` itself when the mask must stay (or there
+        is none).
+
+    Raises:
+        ValueError: ``attention_mask`` is not two-dimensional.
+    """
     if "attention_mask" not in batch or not mask_is_redundant(batch, ignore_index):
         return batch
     return {k: v for k, v in batch.items() if k != "attention_mask"}
@@ -65,8 +93,11 @@ class DropRedundantMask:
     data_collator=DropRedundantMask())``: the check runs in the data loader, on the CPU tensors the
     collator made, so it costs no host synchronisation.
 
-    ``collator``: the collator to wrap (default: transformers' ``default_data_collator``, which
-    stacks rows that are already padded)."""
+    Args:
+        collator: the collator to wrap (default: transformers' ``default_data_collator``, which
+            stacks rows that are already padded).
+        ignore_index: the label the loss skips, for ``drop_padding_mask``.
+    """
 
     def __init__(self, collator=None, ignore_index: int = IGNORE_INDEX):
         if collator is None:
@@ -82,5 +113,15 @@ def attention_mask_bytes(batch_size: int, seq_len: int, itemsize: int = 1) -> in
     """Bytes of the [batch, 1, seq, seq] mask Hugging Face builds from a padding mask (boolean: 1
     byte each). PyTorch's memory-efficient attention kernel, the one that accepts a mask, turns it
     into an additive mask of the activation dtype when it runs (2 bytes each in bf16): pass
-    ``itemsize=2`` for that copy."""
+    ``itemsize=2`` for that copy. Chapter 10 (``notebooks/10_linear_cross_entropy.ipynb``) sizes the
+    mask it saves with it.
+
+    Args:
+        batch_size: rows of the batch.
+        seq_len: the padded length of each row.
+        itemsize: bytes per mask element (1 for the boolean mask, 2 for its bf16 additive copy).
+
+    Returns:
+        ``batch_size * seq_len * seq_len * itemsize``.
+    """
     return batch_size * seq_len * seq_len * itemsize

@@ -638,7 +638,14 @@ class LlamaPatch:
         return {**self.refused, **{name: why for name, why in live.items() if why}}
 
     def summary(self) -> str:
-        """One line: what each switch replaced or left as it was, in the table's order."""
+        """One line: what each switch replaced or left as it was, in the table's order.
+
+        Chapter 08 (``notebooks/08_training_loop.ipynb``) prints it after each patch.
+
+        Returns:
+            The switches' descriptions joined by ``"; "``, ending in ``" [undone]"`` after
+            ``undo()``.
+        """
         parts = [part for s in SWITCH_TABLE if s.describe is not None and (part := s.describe(self))]
         return "; ".join(parts) + ("" if self.active else " [undone]")
 

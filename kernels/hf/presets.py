@@ -112,7 +112,21 @@ PRESETS: dict[str, Callable[..., LlamaConfig]] = {name: _preset_factory(name) fo
 
 def llama_config(preset: str = "tiny", **overrides) -> LlamaConfig:
     """The ``LlamaConfig`` of a preset, with any setting overridden, e.g. ``llama_config("tiny",
-    vocab_size=4096)``."""
+    vocab_size=4096)``.
+
+    Chapters 01, 08, 12, 14, 16 and 17 build their models from it
+    (``notebooks/01_profile_baseline.ipynb`` first).
+
+    Args:
+        preset: a name of ``PRESETS``: ``"tiny"``, ``"llama-3.2-1b"`` or ``"llama-3.1-8b"``.
+        **overrides: ``LlamaConfig`` settings that replace the preset's.
+
+    Returns:
+        A fresh ``LlamaConfig``.
+
+    Raises:
+        ValueError: ``preset`` is not a name of ``PRESETS``.
+    """
     if not isinstance(preset, str) or preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
     return PRESETS[preset](**overrides)
@@ -120,7 +134,17 @@ def llama_config(preset: str = "tiny", **overrides) -> LlamaConfig:
 
 def count_parameters(config: LlamaConfig) -> int:
     """Parameters of a ``LlamaForCausalLM`` with this configuration, counted from the shapes (tied
-    weights once)."""
+    weights once).
+
+    Chapters 01, 12 and 14 size models and memory with it (``notebooks/01_profile_baseline.ipynb``).
+
+    Args:
+        config: a ``LlamaConfig`` (attention and MLP biases, grouped-query heads and ``head_dim``
+            are read from it).
+
+    Returns:
+        The number of parameters, without building the model.
+    """
     h, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
     head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
     q_out = config.num_attention_heads * head_dim

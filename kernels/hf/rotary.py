@@ -60,7 +60,21 @@ def find_attention(model: torch.nn.Module,
     """(qualified name, module, the forward to give it) of every attention module of the
     ``accepted`` classes, whose rotary call is swapped, the forward rebuilt once per class; raises
     before any change (also for an attention class outside ``accepted`` that calls the rotary
-    function)."""
+    function). Chapter 11 (``notebooks/11_swiglu_rope.ipynb``) turns it on as ``rope=True``.
+
+    Args:
+        model: the model whose attention modules are looked for.
+        accepted: the attention classes whose forward the patch knows how to rebuild.
+
+    Returns:
+        One ``(where, module, forward)`` per attention module found, in ``named_modules`` order;
+        ``forward`` is the rebuilt function, not yet bound to the module.
+
+    Raises:
+        ValueError: a forward does not call the rotary function by name, the rotary function's
+            signature is not the kernel's, an instance's forward was already replaced, or an
+            attention class outside ``accepted`` calls the rotary function.
+    """
     forwards: dict[type, types.FunctionType] = {}
     found = []
     for where, module in model.named_modules():

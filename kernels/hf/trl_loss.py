@@ -30,9 +30,25 @@ from __future__ import annotations
 class ModelLossMixin:
     """Mixed into a ``transformers.Trainer`` subclass (first among the bases): the training loss is
     the model's own loss, as ``transformers.Trainer.compute_loss`` computes it, instead of the
-    subclass's."""
+    subclass's.
+
+    Chapter 10 (``notebooks/10_linear_cross_entropy.ipynb``) trains the patched loss under TRL with
+    it.
+    """
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The model's own loss on ``inputs``, by ``transformers.Trainer.compute_loss``.
+
+        Args:
+            model: the (patched) model the trainer trains.
+            inputs: the batch from the trainer's collator, with its ``labels``.
+            return_outputs: also return the model's outputs, as ``transformers.Trainer`` does.
+            num_items_in_batch: the tokens that count across gradient accumulation, passed on to the
+                model's loss.
+
+        Returns:
+            The loss, or ``(loss, outputs)`` with ``return_outputs``.
+        """
         from transformers import Trainer
 
         return Trainer.compute_loss(self, model, inputs, return_outputs=return_outputs,

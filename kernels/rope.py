@@ -209,6 +209,9 @@ _GPU_STEP_VALUES = 2048
 
 @dataclass(frozen=True)
 class Config:
+    """A launch configuration of the RoPE kernels: the grid, rows per program, the half-tile's
+    width, warps, and the heads of q and of k taken per step."""
+
     grid: tuple[int]  # programs, each a block of (batch, position) rows
     rows: int  # rows per program
     block_h: int  # head_dim / 2 rounded up to a power of two
@@ -220,7 +223,17 @@ class Config:
 def rope_config(n_rows: int, head_dim: int, n_q_heads: int, n_k_heads: int,
                 props: runtime.DeviceProps | None = None) -> Config:
     """Launch configuration of the RoPE kernel (both directions) for ``n_rows`` = batch × seq
-    positions of q with ``n_q_heads`` heads and k with ``n_k_heads``."""
+    positions of q with ``n_q_heads`` heads and k with ``n_k_heads``.
+
+    Args:
+        n_rows: batch × seq.
+        head_dim: the heads' width.
+        n_q_heads, n_k_heads: the heads of q and of k.
+        props: the device's properties; None reads the current device's.
+
+    Returns:
+        the ``Config`` (cached per arguments).
+    """
     return _rope_config(n_rows, head_dim, n_q_heads, n_k_heads, props or runtime.device_props())
 
 
@@ -303,7 +316,14 @@ def _check_inputs(q, k, cos, sin) -> None:
 @functools.lru_cache(maxsize=64)
 def out_dtype(x_dtype: torch.dtype, cos_dtype: torch.dtype) -> torch.dtype:
     """The dtype of ``x * cos + rotate_half(x) * sin`` in PyTorch: float32 cos and sin make a bf16
-    output float32."""
+    output float32.
+
+    Args:
+        x_dtype: the dtype of q (or k); cos_dtype: that of cos and sin.
+
+    Returns:
+        ``torch.promote_types(x_dtype, cos_dtype)``.
+    """
     return torch.promote_types(x_dtype, cos_dtype)
 
 
@@ -357,7 +377,17 @@ def launch(q, k, cos, sin, q_out, k_out, backward: bool, config: Config | None,
     """One launch over q and k into q_out and k_out (``backward``: the rotation by −θ), allocated by
     the caller: the dense kernel when every tensor's layout allows it (always, for a Llama) and
     ``strided`` is False, else the kernel that reads any strides. ``rope_forward`` and
-    ``rope_backward`` call it after allocating the outputs."""
+    ``rope_backward`` call it after allocating the outputs.
+
+    Args:
+        q, k: [batch, heads, seq, head_dim] and [batch, kv_heads, seq, head_dim], unit last stride
+            (in the backward, the gradients of the outputs).
+        cos, sin: [batch or 1, seq, head_dim], unit last stride.
+        q_out, k_out: the outputs, of q's and k's shapes.
+        backward: rotate by −θ instead of θ.
+        config: a launch configuration; None picks ``rope_config``'s.
+        strided: use the strided kernel even where the dense one could run.
+    """
     batch, n_q_heads, seq, head_dim = q.shape
     n_rows = batch * seq
     if n_rows == 0 or head_dim == 0:
@@ -389,7 +419,15 @@ def launch(q, k, cos, sin, q_out, k_out, backward: bool, config: Config | None,
 
 def rope_forward(q, k, cos, sin, config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the kernel forward: ``(q_embed, k_embed)`` in q's and k's layout, dtype ``out_dtype(q,
-    cos)``."""
+    cos)``. The inputs are not checked here (``apply_rotary`` does it).
+
+    Args:
+        q, k, cos, sin: as ``apply_rotary``'s with ``unsqueeze_dim=1``.
+        config: a launch configuration; None picks ``rope_config``'s.
+
+    Returns:
+        ``(q_embed, k_embed)``.
+    """
     q, k, cos, sin = (_unit_last(t) for t in (q, k, cos, sin))
     dtype = out_dtype(q.dtype, cos.dtype)
     q_out, k_out = _empty_like_layout(q, dtype), _empty_like_layout(k, dtype)
@@ -417,7 +455,15 @@ def rope_backward(dq_embed, dk_embed, cos, sin, dtype: torch.dtype, seq_major: b
                   config: Config | None = None):
     """Launch the kernel backward (rotation by −θ): ``(dq, dk)`` in ``dtype``, the dtype of q and k;
     laid out as [batch, seq, heads, D] memory seen as [batch, heads, seq, D] when ``seq_major`` (q
-    and k had that layout), else in the layout of dq_embed and dk_embed."""
+    and k had that layout), else in the layout of dq_embed and dk_embed.
+
+    Args:
+        dq_embed, dk_embed: the gradients of the forward's outputs.
+        cos, sin: the forward's.
+        dtype: the dtype of q and k, that of the gradients returned.
+        seq_major: lay the gradients out as [batch, seq, heads, D] memory.
+        config: a launch configuration; None picks ``rope_config``'s.
+    """
     dq_embed, dk_embed, cos, sin = (_unit_last(t) for t in (dq_embed, dk_embed, cos, sin))
     dq, dk = _grad_buffer(dq_embed, dtype, seq_major), _grad_buffer(dk_embed, dtype, seq_major)
     launch(dq_embed, dk_embed, cos, sin, dq, dk, True, config)
@@ -490,6 +536,12 @@ class RotaryFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, cos, sin):
+        """Run the forward operator; save cos and sin (and q, k when cos or sin need a gradient).
+
+        Args:
+            ctx: autograd's context.
+            q, k, cos, sin: as ``apply_rotary``'s with ``unsqueeze_dim=1``.
+        """
         q_embed, k_embed = ops.call(rope_fwd_op, q, k, cos, sin)
         trig_grad = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
         ctx.save_for_backward(cos, sin, *((q, k) if trig_grad else ()))
@@ -499,6 +551,12 @@ class RotaryFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dq_embed, dk_embed):
+        """The gradients of q and k (the rotation by −θ), and of cos and sin where asked.
+
+        Args:
+            ctx: autograd's context.
+            dq_embed, dk_embed: the gradients of the two outputs.
+        """
         cos, sin, *qk = ctx.saved_tensors
         # An output that did not reach the loss arrives as zeros (autograd materialises it): its
         # rotation is zeros.
@@ -520,7 +578,8 @@ def apply_rotary(
     q and k as [batch, seq, heads, head_dim] instead. Outputs have dtype ``promote_types(q.dtype,
     cos.dtype)``, as Hugging Face's broadcasting gives. Forward and backward are one Triton launch
     each (``torch.ops.kernels.rope_fwd``/``_bwd``); eagerly on a GPU, Llama's layouts go through a
-    C++ autograd node that launches the same kernel (``kernels.host_path``). Chapter 11 derives it.
+    C++ autograd node that launches the same kernel (``kernels.host_path``). Chapter 11
+    (notebooks/11_swiglu_rope.ipynb) derives it.
 
     Args:
         q: [batch, heads, seq, head_dim] (or [batch, seq, heads, head_dim] with ``unsqueeze_dim=2``).
@@ -531,6 +590,11 @@ def apply_rotary(
 
     Returns:
         ``(q_embed, k_embed)``, of q's and k's shapes.
+
+    Raises:
+        TypeError: a non-tensor, an unsupported dtype, q and k (or cos and sin) of different dtypes.
+        ValueError: ``unsqueeze_dim`` not 1 or 2, shapes that do not match, an odd head_dim,
+            tensors on several devices, or non-CUDA tensors in gpu mode.
     """
     if unsqueeze_dim not in (1, 2):
         raise ValueError(f"unsqueeze_dim must be 1 ([batch, heads, seq, D]) or 2 ([batch, seq, heads, D]), "

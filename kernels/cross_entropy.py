@@ -67,7 +67,20 @@ def cross_entropy_fwd_kernel(
     ROWS: tl.constexpr, BLOCK_V: tl.constexpr, COMPUTE_GRAD: tl.constexpr,
 ):
     """The forward pass: each row's loss and logsumexp and, with COMPUTE_GRAD, its gradient
-    (``launch_forward``)."""
+    (``launch_forward``). Chapter 06 builds it.
+
+    Args:
+        LOGITS, TARGET: pointers to the logits and the row's class indices (any integer dtype).
+        LOSS, LSE: pointers to the float32 per-row loss and logsumexp, written.
+        GRAD: pointer to the gradient, written with COMPUTE_GRAD (may be LOGITS itself).
+        SCALE: pointer to [gradient factor, divisor] (``gradient_scale``).
+        n_rows, n_cols: rows and logits per row.
+        inner_rows, stride_outer, stride_inner: the logits' row layout (``RowLayout``).
+        grad_stride_outer, grad_stride_inner: the gradient's, with the same ``inner_rows``.
+        ignore_index: the target value whose row counts for nothing.
+        ROWS, BLOCK_V: rows per program, logits per chunk of a row.
+        COMPUTE_GRAD: write the gradient; off, the sweep is compiled out.
+    """
     # Row r of the logits is element (r // inner_rows, r % inner_rows) of two strided levels; the
     # gradient buffer uses the same decomposition with its own strides.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -139,7 +152,15 @@ def cross_entropy_fwd_kernel(
 @triton.jit
 def reduce_loss_kernel(LOSS, SCALE, OUT, n_rows, BLOCK_R: tl.constexpr):
     """The reduced loss: the per-row losses summed and divided by SCALE[1], in one program
-    (``launch_forward``, and ``kernels.linear_cross_entropy``'s passes)."""
+    (``launch_forward``, and ``kernels.linear_cross_entropy``'s passes).
+
+    Args:
+        LOSS: pointer to the float32 per-row losses.
+        SCALE: pointer to [gradient factor, divisor].
+        OUT: pointer to the float32 scalar loss, written.
+        n_rows: number of per-row losses.
+        BLOCK_R: losses read per iteration.
+    """
     # One program sums the per-row losses in a fixed order (the same loss on every run) and divides
     # by SCALE[1]: n_valid for "mean" (0 when every target is ignored: 0 / 0 = NaN, as
     # F.cross_entropy), the normalizer, or 1. (Finishing inside the main kernel instead, with a
@@ -154,7 +175,18 @@ def reduce_loss_kernel(LOSS, SCALE, OUT, n_rows, BLOCK_R: tl.constexpr):
 @triton.jit
 def cross_entropy_setup_kernel(TARGET, NORMALIZER, SCALE, n_rows, ignore_index, normalizer_value,
                                MODE: tl.constexpr, BLOCK: tl.constexpr):
-    """SCALE = [gradient factor, divisor] of a reduction, in one program (``gradient_scale`` launches it)."""
+    """SCALE = [gradient factor, divisor] of a reduction, in one program (``gradient_scale`` launches it).
+
+    Args:
+        TARGET: pointer to the class indices (counted for MODE 0).
+        NORMALIZER: pointer to the divisor (MODE 1).
+        SCALE: pointer to the two float32 values, written.
+        n_rows: number of targets.
+        ignore_index: the target value that is not counted.
+        normalizer_value: the divisor as a number (MODE 2).
+        MODE: 0 mean, 1 tensor normalizer, 2 numeric normalizer, 3 no divisor.
+        BLOCK: targets counted per iteration.
+    """
     # One program writes SCALE = [gradient factor, divisor] on the device, so the host never needs
     # n_valid. MODE 0: mean (divisor = number of targets that are not ignored); 1: divisor read from
     # NORMALIZER (a tensor); 2: divisor = normalizer_value (a number); 3: no divisor.
@@ -187,7 +219,16 @@ def scale_grad_kernel(
     ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """The backward pass: the gradient the forward wrote, times grad_output, in place
-    (``scale_gradient_``)."""
+    (``scale_gradient_``).
+
+    Args:
+        GRAD: pointer to the gradient, read and written.
+        GRAD_OUT: pointer to grad_output, a scalar or one value per row.
+        n_rows, n_cols: rows and values per row of the gradient.
+        inner_rows, stride_outer, stride_inner: the gradient's row layout (``RowLayout``).
+        stride_go: grad_output's row stride (0 for a scalar).
+        ROWS, BLOCK_V: rows per program, values per chunk of a row.
+    """
     # grad *= grad_output, in place. grad_output is a scalar (stride_go = 0: every row reads the
     # same element) or one value per row (reduction="none"). Programs whose factors are all exactly
     # 1.0 return without touching the gradient: the common case (loss.backward() on an unscaled
@@ -225,8 +266,15 @@ class CrossEntropyConfig:
 
 
 def forward_config(n_rows: int, n_cols: int, props: runtime.DeviceProps | None = None) -> CrossEntropyConfig:
-    """Launch configuration of the forward kernel for ``n_rows`` rows of ``n_cols`` logits on
-    ``props`` (default: this machine's device)."""
+    """Launch configuration of the forward kernel; chapter 06 reads how it is chosen.
+
+    Args:
+        n_rows, n_cols: rows of the logits and logits per row.
+        props: the device's properties (default: this machine's device).
+
+    Returns:
+        The configuration: on a GPU one row per program, in the interpreter few large tiles.
+    """
     return _forward_config(n_rows, n_cols, props or runtime.device_props())
 
 
@@ -247,7 +295,15 @@ def _forward_config(n_rows: int, n_cols: int, props: runtime.DeviceProps) -> Cro
 
 def backward_config(n_rows: int, n_cols: int,
                     props: runtime.DeviceProps | None = None) -> CrossEntropyConfig:
-    """Launch configuration of the backward scaling kernel on ``props`` (default: this machine's device)."""
+    """Launch configuration of the backward scaling kernel.
+
+    Args:
+        n_rows, n_cols: rows of the gradient and values per row.
+        props: the device's properties (default: this machine's device).
+
+    Returns:
+        The configuration: one row per program on a GPU, the forward's in the interpreter.
+    """
     return _backward_config(n_rows, n_cols, props or runtime.device_props())
 
 
@@ -267,9 +323,19 @@ def _backward_config(n_rows: int, n_cols: int, props: runtime.DeviceProps) -> Cr
 
 
 def check_scores(name: str, scores) -> None:
-    """The tensor of scores a loss reads (logits, or a linear layer's input): a float32/bf16/fp16
-    tensor, on the device the kernels run on (or on the meta device, where only shapes are
-    computed)."""
+    """Check the tensor of scores a loss reads (logits, or a linear layer's input).
+
+    It must be a float32/bf16/fp16 tensor, on the device the kernels run on (or on the meta device,
+    where only shapes are computed).
+
+    Args:
+        name: the argument's name, for the messages.
+        scores: the object to check.
+
+    Raises:
+        TypeError: not a tensor, or not of a dtype the kernels take.
+        ValueError: in gpu mode, a tensor that is neither on a CUDA device nor on meta.
+    """
     if not isinstance(scores, torch.Tensor):
         raise TypeError(f"{name} must be a tensor, got {type(scores).__name__}")
     if not scores.is_floating_point():
@@ -281,9 +347,25 @@ def check_scores(name: str, scores) -> None:
 
 
 def check_loss_args(target, rows_of: str, lead: tuple, device, ignore_index, reduction, normalizer) -> None:
-    """Checks shared by the losses: ``target`` holds one integer class per row of ``rows_of``
-    (leading shape ``lead``, on ``device``), and the reduction, ``ignore_index`` and ``normalizer``
-    are ones the kernels know."""
+    """Checks shared by the losses (this module's and ``kernels.linear_cross_entropy``'s).
+
+    ``target`` must hold one integer class per row of the scores, and the reduction,
+    ``ignore_index`` and ``normalizer`` must be ones the kernels know.
+
+    Args:
+        target: the class indices; shape ``lead``, or 1-D with one entry per row.
+        rows_of: what the rows belong to, e.g. ``"logits (4, 7, 32)"``, for the messages (its first
+            word names the tensor).
+        lead: the scores' leading shape.
+        device: the scores' device, which ``target`` must share.
+        ignore_index, reduction, normalizer: as ``cross_entropy`` takes them.
+
+    Raises:
+        TypeError: ``target`` is not a tensor of one of ``TARGET_DTYPES``, ``ignore_index`` is not
+            an int, or ``normalizer`` is neither a real number nor a one-element real tensor.
+        ValueError: a wrong shape or device, an ``ignore_index`` beyond int64, an unknown
+            reduction, a ``normalizer`` without ``reduction="sum"``, or one that requires grad.
+    """
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"target must be a tensor, got {type(target).__name__}")
     if target.dtype not in TARGET_DTYPES:
@@ -331,8 +413,15 @@ OFF_OPTIONS = {"weight": None, "label_smoothing": 0.0, "size_average": None, "re
 
 
 def check_options_off(module: torch.nn.Module, names=tuple(OFF_OPTIONS)) -> None:
-    """Raise a ValueError naming the first option of ``names`` (see ``OFF_OPTIONS``) set on ``module`` to
-    anything but its off value."""
+    """Refuse an ``nn.CrossEntropyLoss`` option that the kernels do not implement.
+
+    Args:
+        module: the loss module, whose attributes are read (a missing one counts as off).
+        names: the options to check, keys of ``OFF_OPTIONS``.
+
+    Raises:
+        ValueError: naming the first option set to anything but its off value.
+    """
     for name in names:
         value, off = getattr(module, name, OFF_OPTIONS[name]), OFF_OPTIONS[name]
         is_off = value is None if off is None else (
@@ -346,7 +435,14 @@ def check_options_off(module: torch.nn.Module, names=tuple(OFF_OPTIONS)) -> None
 
 def check_flags(**flags) -> None:
     """Each keyword must be a bool: a string such as "False" is truthy, and would turn a switch on
-    silently."""
+    silently.
+
+    Args:
+        flags: the switches, by name.
+
+    Raises:
+        TypeError: naming the first one that is not True or False.
+    """
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {value!r}")
@@ -366,17 +462,34 @@ def _check_inputs(logits, target, ignore_index, reduction, normalizer) -> None:
 def has_data(t: torch.Tensor) -> bool:
     """Whether ``t`` holds values that can be read: not a meta tensor, not a FakeTensor (shapes
     only). Decided from metadata alone, outside ``torch.compile`` (which traces with fake tensors
-    and keeps what a real call does)."""
+    and keeps what a real call does).
+
+    Args:
+        t: the tensor.
+
+    Returns:
+        True for a tensor with data, and always while ``torch.compile`` traces.
+    """
     if torch.compiler.is_compiling():
         return True
     return t.device.type != "meta" and not torch._subclasses.fake_tensor.is_fake(t)
 
 
 def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int) -> None:
-    """Raise a ValueError naming the first target outside [0, ``n_classes``) that is not
-    ``ignore_index``: what ``check_targets=True`` asks of the losses of this module and of
-    ``kernels.linear_cross_entropy``. Targets without values (meta, FakeTensor) have nothing to
-    check."""
+    """Refuse a target outside [0, ``n_classes``) that is not ``ignore_index``.
+
+    What ``check_targets=True`` asks of the losses of this module and of
+    ``kernels.linear_cross_entropy``: one device-to-host synchronisation. Targets without values
+    (meta, FakeTensor) have nothing to check.
+
+    Args:
+        target: the class indices.
+        n_classes: the vocabulary size V.
+        ignore_index: the target value that is allowed outside the range.
+
+    Raises:
+        ValueError: naming the first such target and its position.
+    """
     # One device-to-host transfer: the price of a clear error for a bad label. Callers under CUDA
     # graphs or torch.compile pass check_targets=False; the kernel then makes such rows NaN instead
     # of reading out of bounds.
@@ -472,8 +585,16 @@ def _rows_in_place(t: torch.Tensor, for_writing: bool) -> RowLayout | None:
 
 
 def row_layout(t: torch.Tensor, for_writing: bool) -> RowLayout:
-    """The rows of ``t`` in place when possible, else those of a contiguous copy (``layout.tensor``). With
-    ``for_writing`` (a gradient written over ``t``), rows that overlap in memory count as not addressable."""
+    """The rows of ``t`` in place when possible, else those of a contiguous copy (``layout.tensor``).
+
+    Args:
+        t: a [..., V] tensor.
+        for_writing: a gradient will be written over ``t``: rows that overlap in memory then count
+            as not addressable.
+
+    Returns:
+        The kernels' row arguments for ``t`` or for its copy.
+    """
     return _rows_in_place(t, for_writing) or _rows_in_place(t.contiguous(), for_writing)
 
 
@@ -484,6 +605,14 @@ def gradient_scale(target_rows, ignore_index, reduction, normalizer, device) -> 
     mean → divisor n_valid, the number of targets that are not ignored; sum → the normalizer, if
     any; else 1. The forward kernel scales the gradient by the factor and ``reduce_loss_kernel``
     divides by the divisor, here and in ``kernels.linear_cross_entropy``.
+
+    Args:
+        target_rows: the class indices, 1-D and contiguous.
+        ignore_index, reduction, normalizer: as ``cross_entropy`` takes them (checked already).
+        device: where the kernels run.
+
+    Returns:
+        The two-element float32 tensor; the factor is 1 / divisor.
     """
     scale = torch.empty(2, dtype=torch.float32, device=device)
     norm_ptr, norm_value, mode = scale, 1.0, 3
@@ -503,9 +632,19 @@ def gradient_scale(target_rows, ignore_index, reduction, normalizer, device) -> 
 
 
 def launch_forward(layout, target_rows, loss_rows, lse, grad_layout, scale, out, ignore_index, cfg):
-    """The forward kernel over ``layout``'s rows into the caller's buffers (the gradient into
-    ``grad_layout``'s tensor, none when it is None), then, when ``out`` is given, the reduction of
-    the loss into it."""
+    """The forward kernel over ``layout``'s rows into the caller's buffers, then, when ``out`` is
+    given, the reduction of the loss into it.
+
+    Args:
+        layout: the logits' rows (``row_layout``); at least one row.
+        target_rows: the class indices, 1-D and contiguous.
+        loss_rows, lse: float32 buffers of one value per row, written.
+        grad_layout: where the gradient goes (may be ``layout`` itself), or None for no gradient.
+        scale: ``gradient_scale``'s tensor.
+        out: a float32 scalar for the reduced loss, or None ("none").
+        ignore_index: the target value that counts for nothing.
+        cfg: the launch configuration (``forward_config``).
+    """
     compute_grad = grad_layout is not None
     if not compute_grad:  # the pointers are never dereferenced: COMPUTE_GRAD compiles the gradient sweep out
         grad_layout = layout
@@ -530,13 +669,21 @@ def cross_entropy_forward(
     inplace: bool = False,
     config: CrossEntropyConfig | None = None,
 ):
-    """Run the forward kernel on already-checked inputs. Returns ``(loss, lse, grad)``.
+    """Run the forward kernel on already-checked inputs (chapters 06 and 10 call it).
 
-    ``loss`` is reduced as asked (float32); ``lse`` is the float32 logsumexp of every row, shape
-    ``[rows]``; ``grad`` is d(loss)/d(logits) in the shape and dtype of ``logits``, or ``None`` when
-    ``compute_grad`` is false. With ``inplace`` the gradient is written over the logits' memory and
-    ``grad`` is ``logits`` itself (or, when the logits had to be copied, see ``row_layout``, that
-    copy).
+    Args:
+        logits: [..., V] scores.
+        target: class indices, one per row.
+        ignore_index, reduction, normalizer: as ``cross_entropy`` takes them.
+        compute_grad: also compute d(loss)/d(logits).
+        inplace: write that gradient over the logits' memory.
+        config: a launch configuration, instead of ``forward_config``'s.
+
+    Returns:
+        ``(loss, lse, grad)``: ``loss`` reduced as asked (float32); ``lse`` the float32 logsumexp
+        of every row, shape ``[rows]``; ``grad`` d(loss)/d(logits) in the shape and dtype of
+        ``logits``, or None when ``compute_grad`` is false. With ``inplace``, ``grad`` is
+        ``logits`` itself (or, when the logits had to be copied, see ``row_layout``, that copy).
     """
     layout = row_layout(logits, for_writing=compute_grad and inplace)
     device = logits.device
@@ -570,9 +717,20 @@ def cross_entropy_forward(
 def scale_gradient_(grad: torch.Tensor, grad_output: torch.Tensor, config: CrossEntropyConfig | None = None):
     """Multiply ``grad`` ([..., V], written by the forward kernel) in place by ``grad_output`` and return it.
 
-    ``grad_output`` is a scalar (reductions "mean" and "sum") or one value per row ("none"). Rows
-    whose factor is exactly 1.0 are skipped on the device: no host sync, and no pass over the
+    Rows whose factor is exactly 1.0 are skipped on the device: no host sync, and no pass over the
     gradient in the common case.
+
+    Args:
+        grad: the gradient the forward kernel wrote.
+        grad_output: a scalar (reductions "mean" and "sum") or one value per row ("none").
+        config: a launch configuration, instead of ``backward_config``'s.
+
+    Returns:
+        ``grad`` itself, scaled.
+
+    Raises:
+        ValueError: ``grad``'s rows cannot be addressed in place, or ``grad_output`` is neither a
+            scalar nor one value per row.
     """
     if grad.numel() == 0:  # no rows (or no columns): nothing to scale
         return grad
@@ -605,7 +763,15 @@ def scale_gradient_(grad: torch.Tensor, grad_output: torch.Tensor, config: Cross
 
 
 def normalizer_arg(normalizer, normalizer_value):
-    """The normalizer an operator was given, as one argument again: the tensor, else the number (or None)."""
+    """The normalizer an operator was given, as one argument again (``split_normalizer`` splits it).
+
+    Args:
+        normalizer: the tensor normalizer, or None.
+        normalizer_value: the numeric one, or None.
+
+    Returns:
+        The tensor, else the number (or None).
+    """
     return normalizer if normalizer is not None else normalizer_value
 
 
@@ -683,6 +849,17 @@ class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, ignore_index, reduction, normalizer, normalizer_value,
                 inplace_backward):
+        """The loss, with its gradient computed and saved for ``backward``.
+
+        Args:
+            ctx: autograd's context.
+            logits, target, ignore_index, reduction: as ``cross_entropy`` takes them (checked).
+            normalizer, normalizer_value: the normalizer split by ``split_normalizer``.
+            inplace_backward: write the gradient over ``logits`` when their rows allow it.
+
+        Returns:
+            The float32 loss.
+        """
         # Rows the kernel cannot write in place (a strided last dimension, overlapping expanded
         # rows) are copied by the out-of-place operator, whose gradient goes into a new buffer: the
         # caller's logits stay untouched.
@@ -707,6 +884,18 @@ class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
+        """The saved gradient times ``grad_output``, scaled in place.
+
+        Args:
+            ctx: autograd's context.
+            grad_output: the loss's incoming gradient.
+
+        Returns:
+            The logits' gradient, and None for every other input.
+
+        Raises:
+            RuntimeError: a second backward through the same forward.
+        """
         if ctx.backward_done:
             raise RuntimeError(
                 "cross_entropy's gradient was computed in the forward pass and scaled in place by the first backward; "
@@ -725,6 +914,13 @@ def split_normalizer(normalizer, device: torch.device):
     Under ``torch.compile`` a number becomes a tensor: the compiler treats a Python float as a
     constant, so a count that changes every step (Hugging Face's ``num_items_in_batch``) would
     recompile the model at every step.
+
+    Args:
+        normalizer: None, a number or a one-element tensor.
+        device: where a number becomes a tensor under ``torch.compile``.
+
+    Returns:
+        ``(tensor or None, float or None)``, at most one of them set; a tensor is detached and 0-D.
     """
     if normalizer is None:
         return None, None
@@ -793,6 +989,12 @@ def cross_entropy(
 
     Returns:
         The float32 loss: a scalar, or ``logits.shape[:-1]`` for "none".
+
+    Raises:
+        TypeError: inputs that are not tensors, a dtype the kernels do not take, a switch that is
+            not a bool (see ``check_scores``, ``check_loss_args``, ``check_flags``).
+        ValueError: shapes or devices that do not match, an unknown reduction, a misused
+            normalizer, or, with ``check_targets``, a target out of range.
     """
     _check_inputs(logits, target, ignore_index, reduction, normalizer)
     check_flags(inplace_backward=inplace_backward, check_targets=check_targets)
@@ -818,6 +1020,9 @@ class TritonCrossEntropyLoss(torch.nn.Module):
     Args:
         ignore_index, reduction, inplace_backward, check_targets: as for ``cross_entropy``;
             ``forward(logits, target, normalizer=None)`` passes them on.
+
+    Raises:
+        ValueError: an unknown ``reduction`` (at construction).
     """
 
     # The off values of the options the kernels do not implement (``check_options_off`` reads them
@@ -835,6 +1040,20 @@ class TritonCrossEntropyLoss(torch.nn.Module):
         self.check_targets = check_targets
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor, normalizer=None) -> torch.Tensor:
+        """``cross_entropy`` with the module's settings.
+
+        Args:
+            logits: [..., V] scores (overwritten by their gradient with ``inplace_backward``).
+            target: class indices, ``logits.shape[:-1]``.
+            normalizer: with ``reduction="sum"`` only, divides the sum.
+
+        Returns:
+            The float32 loss: a scalar, or ``logits.shape[:-1]`` for "none".
+
+        Raises:
+            ValueError: an unimplemented option is set (``OFF_OPTIONS``), or as ``cross_entropy``.
+            TypeError: as ``cross_entropy``.
+        """
         check_options_off(self)
         return cross_entropy(
             logits, target, self.ignore_index, self.reduction, normalizer=normalizer,
@@ -842,5 +1061,10 @@ class TritonCrossEntropyLoss(torch.nn.Module):
         )
 
     def extra_repr(self) -> str:
+        """The module's settings, for its ``repr``.
+
+        Returns:
+            ``ignore_index``, ``reduction`` and ``inplace_backward`` as ``name=value`` pairs.
+        """
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
                 f"inplace_backward={self.inplace_backward}")

@@ -63,7 +63,13 @@ def swiglu_fwd_kernel(
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """The forward pass: ``silu(gate) * up`` into Y, one [ROWS, BLOCK_N] tile per program
-    (``swiglu_forward``)."""
+    (``swiglu_forward``).
+
+    Args:
+        GATE, UP, Y: pointers to gate, up and the output, rows of unit column stride.
+        n_rows, n_cols: the sizes; stride_gate, stride_up, stride_y: the row strides.
+        ROWS, BLOCK_N: the tile's rows and columns.
+    """
     rows, cols, ok = _tile(tl.program_id(0), tl.program_id(1), n_rows, n_cols, ROWS, BLOCK_N)
     g = tl.load(GATE + rows[:, None] * stride_gate + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     u = tl.load(UP + rows[:, None] * stride_up + cols[None, :], mask=ok, other=0.0).to(tl.float32)
@@ -78,7 +84,15 @@ def swiglu_bwd_kernel(
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """The backward pass: d(gate) and d(up) from dy, gate and up, one tile per program
-    (``launch_backward``)."""
+    (``launch_backward``). DGATE and DUP may be GATE and UP: each element is loaded before it is
+    stored, by the same program.
+
+    Args:
+        DY, GATE, UP: pointers to the inputs, rows of unit column stride.
+        DGATE, DUP: pointers to the gradients of gate and up.
+        n_rows, n_cols: the sizes; stride_*: each tensor's row stride.
+        ROWS, BLOCK_N: the tile's rows and columns.
+    """
     rows, cols, ok = _tile(tl.program_id(0), tl.program_id(1), n_rows, n_cols, ROWS, BLOCK_N)
     dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     g = tl.load(GATE + rows[:, None] * stride_gate + cols[None, :], mask=ok, other=0.0).to(tl.float32)
@@ -105,6 +119,9 @@ _INTERPRETER_MAX_TILE = 1 << 18
 
 @dataclass(frozen=True)
 class Config:
+    """A launch configuration of the SwiGLU kernels: the grid, the tile's rows and columns, and
+    warps."""
+
     grid: tuple[int, int]  # (row blocks, column blocks)
     rows: int  # rows per program
     block_n: int  # columns per program (a power of two)
@@ -130,7 +147,15 @@ def _elementwise_config(n_rows: int, n_cols: int, props: runtime.DeviceProps, ma
 
 
 def forward_config(n_rows: int, n_cols: int, props: runtime.DeviceProps | None = None) -> Config:
-    """Launch configuration of the forward kernel on ``props`` (default: this machine's device)."""
+    """Launch configuration of the forward kernel on ``props`` (default: this machine's device).
+
+    Args:
+        n_rows, n_cols: the rows the kernel reads and their width.
+        props: the device's properties.
+
+    Returns:
+        the ``Config`` (cached per arguments).
+    """
     return _forward_config(n_rows, n_cols, props or runtime.device_props())
 
 
@@ -140,7 +165,15 @@ def _forward_config(n_rows: int, n_cols: int, props: runtime.DeviceProps) -> Con
 
 
 def backward_config(n_rows: int, n_cols: int, props: runtime.DeviceProps | None = None) -> Config:
-    """Launch configuration of the backward kernel on ``props`` (default: this machine's device)."""
+    """Launch configuration of the backward kernel on ``props`` (default: this machine's device).
+
+    Args:
+        n_rows, n_cols: the rows the kernel reads and their width.
+        props: the device's properties.
+
+    Returns:
+        the ``Config`` (cached per arguments).
+    """
     return _backward_config(n_rows, n_cols, props or runtime.device_props())
 
 
@@ -195,7 +228,18 @@ def _dense_rows(numel: int, n_cols: int, config: Config | None) -> tuple[int, in
 
 
 def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, config: Config | None = None) -> torch.Tensor:
-    """Launch the forward kernel: ``silu(gate) * up``, a new contiguous tensor of gate's shape and dtype."""
+    """Launch the forward kernel: ``silu(gate) * up``, a new contiguous tensor of gate's shape and dtype.
+
+    The inputs are not checked here (``swiglu`` does it). An explicit ``config`` describes the
+    tensors' own rows (no recut into rows of ``_RECUT_COLS``).
+
+    Args:
+        gate, up: of one shape and dtype, last dimension contiguous.
+        config: a launch configuration; None picks ``forward_config``'s.
+
+    Returns:
+        ``silu(gate) * up``.
+    """
     if gate.is_contiguous() and up.is_contiguous():
         # The common case, passed as it is: a kernel argument is a pointer, so contiguous tensors of
         # any rank are already rows of any width that divides their size (here _RECUT_COLS), and no
@@ -221,7 +265,15 @@ def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, config: Config | None =
 def swiglu_backward(
     dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, config: Config | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the backward kernel. Returns ``(d_gate, d_up)``, contiguous, in gate's shape and dtype."""
+    """Launch the backward kernel. Returns ``(d_gate, d_up)``, contiguous, in gate's shape and dtype.
+
+    Args:
+        dy: the gradient of the output; gate, up: the forward's inputs.
+        config: a launch configuration; None picks ``backward_config``'s.
+
+    Returns:
+        ``(d_gate, d_up)``.
+    """
     if gate.is_contiguous() and up.is_contiguous() and dy.is_contiguous():
         d_gate, d_up = torch.empty_like(gate), torch.empty_like(up)
         n_rows, n_cols = _dense_rows(gate.numel(), gate.shape[-1], config)
@@ -243,7 +295,15 @@ def launch_backward(d, g, u, d_gate, d_up, n_rows: int, n_cols: int, strides: tu
                     config: Config | None = None) -> None:
     """The backward kernel on ``n_rows`` rows of ``n_cols``, each tensor's rows ``strides`` apart
     (dy, gate, up, d(gate), d(up)): d(gate) into ``d_gate``, d(up) into ``d_up`` (which may be ``g``
-    and ``u`` themselves)."""
+    and ``u`` themselves).
+
+    Args:
+        d, g, u: dy, gate and up.
+        d_gate, d_up: where the gradients go.
+        n_rows, n_cols: the rows read and their width.
+        strides: the row strides of dy, gate, up, d(gate) and d(up), in that order.
+        config: a launch configuration; None picks ``backward_config``'s.
+    """
     cfg = config or _backward_config(n_rows, n_cols, runtime.device_props(g.device))
     swiglu_bwd_kernel[cfg.grid](
         d, g, u, d_gate, d_up, n_rows, n_cols, *strides,
@@ -268,7 +328,14 @@ def may_overwrite(t: torch.Tensor) -> bool:
     """Whether a backward may write over ``t``: an intermediate result of autograd, never a leaf (a
     parameter, a caller's input) nor a view of one. A view's ``grad_fn`` is a view node even when
     its memory is a leaf's, so the tensor the view was cut from (``_base``) must be an intermediate
-    result too."""
+    result too.
+
+    Args:
+        t: the tensor.
+
+    Returns:
+        True when ``t`` and its base are outputs of autograd-recorded operations.
+    """
     base = t._base if t._base is not None else t
     return t.grad_fn is not None and not t.is_leaf and base.grad_fn is not None and not base.is_leaf
 
@@ -276,7 +343,14 @@ def may_overwrite(t: torch.Tensor) -> bool:
 def inplace_backward_allowed(gate: torch.Tensor, up: torch.Tensor) -> bool:
     """Whether ``swiglu(gate, up, inplace_backward=True)`` really writes its gradients over gate and
     up: in eager autograd on plain tensors, with gate and up intermediate results
-    (``may_overwrite``), dense, and in memory of their own."""
+    (``may_overwrite``), dense, and in memory of their own.
+
+    Args:
+        gate, up: ``swiglu``'s inputs.
+
+    Returns:
+        True when the in-place backward will be used.
+    """
     return (not torch.compiler.is_compiling() and _has_memory(gate,
                                                               up) and may_overwrite(gate) and may_overwrite(up)
             and _in_place_addressable(gate, up))
@@ -293,6 +367,13 @@ def swiglu_backward_(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> 
 
     Every element is loaded before it is stored, by the same program, so the kernel may overwrite
     its inputs. ``gate`` and ``up`` must pass ``_in_place_addressable``.
+
+    Args:
+        dy: the gradient of the output (any row stride).
+        gate, up: the forward's inputs, overwritten by their gradients.
+
+    Raises:
+        ValueError: gate or up not contiguous, or the two sharing a buffer.
     """
     if not _in_place_addressable(gate, up):
         raise ValueError("swiglu_bwd_ writes over gate and up: each must be contiguous and in memory of its own")
@@ -376,6 +457,14 @@ class SwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate, up, inplace_backward):
+        """Save gate and up, and run the forward operator.
+
+        Args:
+            ctx: autograd's context.
+            gate, up: as ``swiglu``'s.
+            inplace_backward: whether the backward may write over gate and up (already checked
+                with ``inplace_backward_allowed`` by ``swiglu``).
+        """
         ctx.save_for_backward(gate, up)
         # The caller decided (``swiglu``: intermediate results only); the layout is checked here
         # once more.
@@ -385,6 +474,12 @@ class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
+        """d(gate) and d(up), in place over the saved tensors when allowed.
+
+        Args:
+            ctx: autograd's context.
+            dy: the gradient of the output.
+        """
         gate, up = ctx.saved_tensors
         # A gradient that is itself a view of gate or up (a hand-written backward upstream) would be
         # read after it is overwritten: out of place then.
@@ -411,7 +506,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = Fal
     up after this backward: true of a Llama MLP's projection outputs. Anything that saved them for
     its own backward gets PyTorch's "modified by an inplace operation" error, not wrong gradients; a
     caller who keeps gate or up to read after the backward must not pass the flag. Chapter 11
-    derives it.
+    (notebooks/11_swiglu_rope.ipynb) derives it.
 
     Args:
         gate: the gate projection's output, [..., I].
@@ -420,6 +515,10 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = Fal
 
     Returns:
         ``silu(gate) * up``, of ``gate``'s shape and dtype.
+
+    Raises:
+        TypeError: a non-tensor, an unsupported dtype, or gate and up of different dtypes.
+        ValueError: a 0-d tensor, different shapes or devices, or non-CUDA tensors in gpu mode.
     """
     _check_inputs(gate, up)
     with_grad = torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)
@@ -449,6 +548,13 @@ class SwiGLUDownFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate, up, weight, bias):
+        """The product, then the linear layer; save gate, up and the weight (not the product).
+
+        Args:
+            ctx: autograd's context.
+            gate, up: the projections' outputs.
+            weight, bias: down_proj's parameters (bias may be None).
+        """
         out = torch.nn.functional.linear(_forward(gate, up), weight, bias)
         ctx.save_for_backward(gate, up, weight)
         return out
@@ -456,6 +562,13 @@ class SwiGLUDownFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_out):
+        """The gradients of gate and up (over the saved tensors), of the weight (from the product
+        recomputed) and of the bias.
+
+        Args:
+            ctx: autograd's context.
+            d_out: the gradient of the layer's output.
+        """
         gate, up, weight = ctx.saved_tensors
         d_rows = d_out.reshape(-1, d_out.shape[-1])
         d_weight = d_bias = d_gate = d_up = None
@@ -492,6 +605,8 @@ class TritonSwiGLUMLP(torch.nn.Module):
     product for its adapter's gradient. Under ``torch.compile`` it is ``down_proj(swiglu(gate,
     up))``.
 
+    Chapter 11 (notebooks/11_swiglu_rope.ipynb) builds it; chapters 14 and 17 use it.
+
     Args:
         gate_proj, up_proj, down_proj: the three projections, kept as given (``from_hf`` takes them
             from a Hugging Face MLP).
@@ -510,7 +625,18 @@ class TritonSwiGLUMLP(torch.nn.Module):
     @classmethod
     def from_hf(cls, mlp: torch.nn.Module) -> TritonSwiGLUMLP:
         """A TritonSwiGLUMLP over ``mlp``'s own projections (no copy). ``mlp`` must use the SiLU
-        activation."""
+        activation.
+
+        Args:
+            mlp: a Llama-style MLP with ``gate_proj``, ``up_proj`` and ``down_proj``.
+
+        Returns:
+            the new module, sharing ``mlp``'s projections.
+
+        Raises:
+            TypeError: a projection is missing.
+            ValueError: the activation (``config.hidden_act`` or ``act_fn``) is not SiLU.
+        """
         missing = [name for name in ("gate_proj", "up_proj", "down_proj") if not hasattr(mlp, name)]
         if missing:
             raise TypeError(f"{type(mlp).__name__} has no {', '.join(missing)}: not a Llama-style gated MLP")
@@ -538,6 +664,14 @@ class TritonSwiGLUMLP(torch.nn.Module):
                 and inplace_backward_allowed(gate, up))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``down_proj(silu(gate_proj(x)) * up_proj(x))``.
+
+        Args:
+            x: the MLP's input, [..., hidden].
+
+        Returns:
+            the MLP's output.
+        """
         gate, up = self.gate_proj(x), self.up_proj(x)
         # gate and up are this forward's own temporaries: their backward may overwrite them
         # (swiglu's docstring), and with a plain down_proj the product is not kept for its weight's

@@ -75,7 +75,11 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def lora_linear_class() -> type | None:
-    """PEFT's LoRA ``Linear`` class, or None when peft is not installed."""
+    """PEFT's LoRA ``Linear`` class, or None when peft is not installed.
+
+    Returns:
+        ``peft.tuners.lora.layer.Linear``, or None.
+    """
     try:
         from peft.tuners.lora.layer import Linear
     except ImportError:
@@ -229,7 +233,19 @@ def _forward_after_swiglu(self, gate, up):
 @dataclass
 class LoraFusion:
     """The LoRA layers given the fused forward, and the hook that finds those PEFT adds later;
-    ``undo()``."""
+    ``undo()``. Chapter 15 (``notebooks/15_lora.ipynb``) reads it as ``handle.lora``
+    (``patch_llama``'s handle).
+
+    Args:
+        model: the model patched (its decoder carries ``pre_hook``).
+        layers: the LoRA layers given the fused forward, in the order found.
+        left_off: qualified name of each such layer that runs PEFT's forward at the patch, and why.
+        hook: the handle of ``pre_hook`` on the decoder, removed by ``undo()``.
+        active: False once undone.
+        parents: ``(qualified name, module)`` of the modules holding linear layers, which
+            ``pre_hook`` looks into.
+        leaders: the first layer of each group of ``GROUPS`` on a shared input.
+    """
 
     model: torch.nn.Module
     layers: list[torch.nn.Module] = field(default_factory=list)
@@ -242,7 +258,10 @@ class LoraFusion:
     def fuse_new_layers(self) -> int:
         """Give the fused forward to every LoRA layer of the model that lacks it (a walk over every
         module); note the modules PEFT puts its layers into, for the cheap walk of ``pre_hook``.
-        Returns how many were new."""
+
+        Returns:
+            How many layers were given the fused forward by this call.
+        """
         cls = lora_linear_class()
         self.parents = []
         new = 0
@@ -277,10 +296,15 @@ class LoraFusion:
             self.left_off[where] = reason
 
     def pre_hook(self, module, args) -> None:
-        """The decoder's forward pre-hook: fuse the LoRA layers PEFT put, since, where a linear
-        layer was. Only the children of the modules that held a linear layer at the patch are looked
-        at (PEFT swaps a targeted ``nn.Linear`` in its parent): a few hundred attribute reads, not a
-        walk over thousands of modules. Returns None: the arguments stay."""
+        """The decoder's forward pre-hook: fuse the LoRA layers PEFT has put, since the patch, where
+        a linear layer was. Only the children of the modules that held a linear layer at the patch
+        are looked at (PEFT swaps a targeted ``nn.Linear`` in its parent): a few hundred attribute
+        reads, not a walk over thousands of modules. Returns None: the arguments stay.
+
+        Args:
+            module: the module the hook is on (unused).
+            args: its forward's positional arguments (unused, left as they are).
+        """
         cls = lora_linear_class()
         for where, parent in self.parents:
             new = False
@@ -292,7 +316,12 @@ class LoraFusion:
                 self._link(parent)
 
     def summary(self) -> str:
-        """"N LoRA layers fused" and, for each layer that stays PEFT's, why."""
+        """"N of M LoRA layers fused", the groups that run as one node, and for each layer left
+        to PEFT at the patch, why.
+
+        Returns:
+            One line, parts separated by ``"; "``.
+        """
         text = f"{len(self.layers) - len(self.left_off)} of {len(self.layers)} LoRA layers fused"
         # A group runs as one node only where every member is fused: a member left to PEFT runs
         # PEFT's forward.

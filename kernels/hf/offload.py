@@ -78,7 +78,17 @@ class HostMemoryError(MemoryError):
 def host_available_bytes(meminfo: Path | str = MEMINFO) -> int:
     """``MemAvailable`` of /proc/meminfo in bytes: what the kernel estimates can be allocated
     without swapping (free memory plus reclaimable caches). Where the file is missing, the free
-    physical pages."""
+    physical pages.
+
+    Args:
+        meminfo: the file to read (``/proc/meminfo``; tests pass their own).
+
+    Returns:
+        The available host memory, in bytes.
+
+    Raises:
+        ValueError: the file exists but has no ``MemAvailable`` line.
+    """
     path = Path(meminfo)
     if path.exists():
         for line in path.read_text().splitlines():
@@ -89,13 +99,30 @@ def host_available_bytes(meminfo: Path | str = MEMINFO) -> int:
 
 
 def host_budget_bytes(available: int, margin: float = HOST_MARGIN, floor: int = HOST_FLOOR_BYTES) -> int:
-    """The host bytes the pool may add: ``available`` less ``margin`` of it, and less at least ``floor``."""
+    """The host bytes the pool may add: ``available`` less ``margin`` of it, and less at least ``floor``.
+
+    Args:
+        available: the host's available bytes (``host_available_bytes``).
+        margin: the share of ``available`` left alone.
+        floor: the fewest bytes left alone.
+
+    Returns:
+        ``max(0, available - max(available * margin, floor))``.
+    """
     return max(0, available - max(int(available * margin), floor))
 
 
 def slab_bytes_for(nbytes: int, slab_bytes: int = SLAB_BYTES) -> int:
     """The slab size for checkpoints of ``nbytes``: ``slab_bytes``, or the smallest power of two holding a
-    smaller checkpoint whole."""
+    smaller checkpoint whole.
+
+    Args:
+        nbytes: the bytes of one checkpoint.
+        slab_bytes: the largest slab (a power of two).
+
+    Returns:
+        The slab size in bytes, a power of two.
+    """
     return min(slab_bytes, 1 << max(0, nbytes - 1).bit_length())
 
 
@@ -113,7 +140,11 @@ def _fmt(n: float) -> str:
 class HostSlabPool:
     """Host slabs (1-D uint8 tensors, pinned when ``pin``), by size, handed out and taken back;
     allocated only when none of that size is free. ``allocations`` counts every slab ever allocated,
-    ``held_bytes`` what the pool owns."""
+    ``held_bytes`` what the pool owns.
+
+    Args:
+        pin: allocate pinned (page-locked) slabs, for asynchronous copies from a CUDA device.
+    """
 
     def __init__(self, pin: bool):
         self.pin = pin
@@ -122,9 +153,26 @@ class HostSlabPool:
         self.held_bytes = 0
 
     def free_bytes(self, size: int) -> int:
+        """The bytes of the free slabs of one size.
+
+        Args:
+            size: the slab size in bytes.
+
+        Returns:
+            ``size`` times the number of free slabs of that size.
+        """
         return size * len(self.free.get(size, ()))
 
     def take(self, size: int, count: int) -> list[torch.Tensor]:
+        """Hand out ``count`` slabs of ``size`` bytes: free ones first, new ones for the rest.
+
+        Args:
+            size: the slab size in bytes.
+            count: how many slabs.
+
+        Returns:
+            ``count`` 1-D uint8 tensors of ``size`` elements, no longer free.
+        """
         free = self.free.setdefault(size, [])
         slabs = [free.pop() for _ in range(min(count, len(free)))]
         for _ in range(count - len(slabs)):
@@ -134,12 +182,21 @@ class HostSlabPool:
         return slabs
 
     def give(self, slabs: list[torch.Tensor]) -> None:
+        """Take slabs back: each becomes free under its own size.
+
+        Args:
+            slabs: slabs ``take`` handed out.
+        """
         for slab in slabs:
             self.free.setdefault(slab.numel(), []).append(slab)
 
     def trim(self, keep_size: int) -> None:
         """Free the unused slabs of every size but ``keep_size`` (a new sequence length needs other
-        slabs)."""
+        slabs).
+
+        Args:
+            keep_size: the slab size whose free slabs stay.
+        """
         for size in [s for s in self.free if s != keep_size]:
             self.held_bytes -= size * len(self.free.pop(size))
 
@@ -156,7 +213,13 @@ class HostSlabPool:
 
 
 class KeptCheckpoint:
-    """A checkpoint left on the GPU; the record tells the unpack hook which layer's backward is starting."""
+    """A checkpoint left on the GPU; the record tells the unpack hook which layer's backward is starting.
+
+    Args:
+        layer: the decoder layer's index.
+        tensor: the checkpoint (the layer's input), kept as it is.
+        forward: that forward's offloaded records by layer, for the prefetch below this layer.
+    """
 
     __slots__ = ("layer", "tensor", "forward")
 
@@ -167,7 +230,14 @@ class KeptCheckpoint:
 class OffloadedCheckpoint:
     """A checkpoint in host slabs: where it came from, its slabs, and its copy back to the GPU once
     issued. When autograd drops it (after its backward, or with a discarded graph), its slabs go
-    back to the pool."""
+    back to the pool.
+
+    Args:
+        layer: the decoder layer's index.
+        tensor: the checkpoint; its shape, dtype, device and size are kept, not the tensor.
+        slabs: the host slabs its bytes are copied into.
+        forward: that forward's offloaded records by layer (weak values), for the prefetch.
+    """
 
     __slots__ = ("layer", "shape", "dtype", "device", "nbytes", "slabs", "gpu", "fetched",
                  "forward", "__weakref__")
@@ -220,7 +290,14 @@ class _Plan:
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The layers Hugging Face's gradient checkpointing wraps (``GradientCheckpointingLayer``), in
-    model order."""
+    model order.
+
+    Args:
+        model: a Hugging Face model.
+
+    Returns:
+        Its ``GradientCheckpointingLayer`` modules, possibly none.
+    """
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
@@ -229,7 +306,15 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 def check_offloadable(model: torch.nn.Module) -> None:
     """Raise, changing nothing, unless ``enable_checkpoint_offload(model)`` can take this model:
     eager (not compiled), with decoder layers under non-reentrant gradient checkpointing
-    (``patch_llama`` checks this first)."""
+    (``patch_llama`` checks this first).
+
+    Args:
+        model: the model to offload.
+
+    Raises:
+        RuntimeError: the model is compiled.
+        ValueError: it has no decoder layer, gradient checkpointing is off, or it is reentrant.
+    """
     _check_model(model, decoder_layers(model))
 
 
@@ -254,7 +339,14 @@ def refuse_if_compiled(compiling: bool) -> None:
     """Raise when ``compiling``. Called with ``torch.compiler.is_compiling()`` from a hook: Dynamo
     evaluates that to True while tracing, and runs this function (excluded from tracing) eagerly, so
     the error reaches the caller. Raised inside traced code, Dynamo would treat it as a graph break
-    and quietly run the hook eagerly instead."""
+    and quietly run the hook eagerly instead.
+
+    Args:
+        compiling: ``torch.compiler.is_compiling()`` at the call site.
+
+    Raises:
+        RuntimeError: ``compiling`` is True.
+    """
     if compiling:
         raise RuntimeError("checkpoint offload does not run under torch.compile: its hooks run Python at every layer "
                            "and order copies on a side CUDA stream by hand, which a compiled graph does not replay. "
@@ -280,7 +372,22 @@ class CheckpointOffload:
 
     ``stats`` counts bytes and copies; ``log`` lists the last forward's and backward's events in
     order: ``("pack", layer, "host" | "gpu")``, ``("fetch", layer)`` when a copy back is issued,
-    ``("unpack", layer)``.
+    ``("unpack", layer)``. Chapter 14 (``notebooks/14_long_context.ipynb``) trains long sequences
+    with it.
+
+    Args:
+        model: a Hugging Face model with non-reentrant gradient checkpointing on, not compiled.
+        keep_on_gpu, gpu_fraction, host_margin, prefetch, slab_bytes, timeline: as above.
+        meminfo: the file ``MemAvailable`` is read from at each forward.
+
+    Raises:
+        TypeError: ``model`` is not a module.
+        ValueError: an option is out of range, or the model has no checkpointed decoder layers
+            (``check_offloadable``).
+        RuntimeError: the model is compiled; later, a forward under ``torch.compile``, or gradient
+            checkpointing enabled again over the offload's wrappers.
+        HostMemoryError: at a forward, the checkpoints to offload do not fit in host memory (the
+            message says how many tokens would).
     """
 
     def __init__(self, model: torch.nn.Module, *, keep_on_gpu: int | None = None, gpu_fraction: float = 0.5,
@@ -434,7 +541,14 @@ class CheckpointOffload:
 
     def pack(self, tensor: torch.Tensor):
         """autograd's pack hook: a layer's checkpoint input goes to the host or stays (as a record);
-        anything else is returned as it is."""
+        anything else is returned as it is.
+
+        Args:
+            tensor: a tensor autograd saves for the backward.
+
+        Returns:
+            ``tensor`` itself, a ``KeptCheckpoint`` or an ``OffloadedCheckpoint``.
+        """
         current = self.current
         if current is None or not self._is_layer_input(tensor, current[1]):
             return tensor
@@ -480,7 +594,14 @@ class CheckpointOffload:
 
     def unpack(self, packed):
         """autograd's unpack hook: the checkpoint on the GPU (waiting for its copy back), with the next ones'
-        copies issued."""
+        copies issued.
+
+        Args:
+            packed: what ``pack`` returned.
+
+        Returns:
+            The saved tensor, on its device.
+        """
         if isinstance(packed, torch.Tensor):
             return packed
         self.log.append(("unpack", packed.layer))
@@ -542,7 +663,11 @@ class CheckpointOffload:
         """The recorded intervals of the last step, ``{"stream", "what", "start_ms", "end_ms"}``
         relative to the first event; a layer's backward runs from its unpack to the next one.
         Synchronises the GPU: call it after the step, never inside one. Empty unless made with
-        ``timeline=True`` on a GPU."""
+        ``timeline=True`` on a GPU. Chapter 14 (``notebooks/14_long_context.ipynb``) draws it.
+
+        Returns:
+            The intervals, sorted by start.
+        """
         if not self.events:
             return []
         torch.cuda.synchronize(self.device)
@@ -587,6 +712,11 @@ class CheckpointOffload:
         self.undo()
 
     def summary(self) -> str:
+        """One line: the last forward's plan, the copies each way and the pool.
+
+        Returns:
+            The line, sizes in KiB, MiB or GiB.
+        """
         s = self.stats
         return (f"checkpoint offload over {len(self.layers)} layers: last forward kept {s.kept_on_gpu} on the GPU and "
                 f"offloaded {s.offloaded_layers}; {_fmt(s.bytes_offloaded)} copied to the host in "
@@ -597,7 +727,19 @@ class CheckpointOffload:
 def enable_checkpoint_offload(model: torch.nn.Module, **options) -> CheckpointOffload:
     """Offload ``model``'s gradient checkpoints to host memory; returns the handle (``undo()``,
     ``stats``). The options are ``CheckpointOffload``'s. Gradient checkpointing must be on,
-    non-reentrant."""
+    non-reentrant. Chapter 14 (``notebooks/14_long_context.ipynb``) trains with it;
+    ``patch_llama(..., offload_checkpoints=True)`` calls it.
+
+    Args:
+        model: as ``CheckpointOffload`` takes it.
+        **options: ``CheckpointOffload``'s keyword options.
+
+    Returns:
+        The attached ``CheckpointOffload``.
+
+    Raises:
+        TypeError, ValueError, RuntimeError: as ``CheckpointOffload`` raises them.
+    """
     return CheckpointOffload(model, **options)
 
 

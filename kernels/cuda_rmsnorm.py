@@ -63,8 +63,17 @@ CUDA_BUILD_SECONDS_PER_ARCH = 30
 
 @dataclass(frozen=True)
 class BuildInfo:
-    """One build of an extension: its name, the shared library, the seconds ``load`` took and whether the
-    compiler ran (False: PyTorch's cache already held a build of these very sources)."""
+    """One build of an extension, as ``build_cpu`` and ``build_cuda`` return it (chapter 13 prints it).
+
+    Attributes:
+        name: the extension's name (``CPU_EXTENSION`` or ``CUDA_EXTENSION``).
+        library: the path of the shared library loaded.
+        seconds: how long ``load`` took, compile included.
+        compiled: whether the compiler ran (False: PyTorch's cache already held a build of these
+            very sources).
+        arch_list: the CUDA architectures compiled for, in ``TORCH_CUDA_ARCH_LIST``'s spelling;
+            None for the C++ extension.
+    """
 
     name: str
     library: str
@@ -74,11 +83,22 @@ class BuildInfo:
     arch_list: str | None = None
 
     def describe(self) -> str:
+        """Say in one line what the build did.
+
+        Returns:
+            The name, compiled or taken from the cache, the architectures, the seconds and the
+            library's path.
+        """
         how = "compiled" if self.compiled else "taken from PyTorch's build cache"
         archs = f" for {arch_names(self.arch_list)}" if self.arch_list else ""
         return f"{self.name}: {how}{archs} in {self.seconds:.2f} s ({self.library})"
 
     def to_json(self) -> dict:
+        """Give the build's fields for a results file.
+
+        Returns:
+            The dataclass's fields by name (``dataclasses.asdict``).
+        """
         return asdict(self)
 
 
@@ -93,7 +113,12 @@ _BUILDS: dict[str, BuildInfo] = {}
 
 
 def cuda_build_unavailable() -> str | None:
-    """Why the CUDA extension cannot be built and run here, or None when it can."""
+    """Say why the CUDA extension cannot be built and run here (chapter 13 checks it first).
+
+    Returns:
+        The reason (no GPU, a PyTorch without CUDA, no nvcc, no C++ compiler or no ninja), or None
+        when it can be built.
+    """
     from torch.utils.cpp_extension import CUDA_HOME
 
     if not torch.cuda.is_available():
@@ -119,9 +144,15 @@ def _library_mtime(name: str, build_directory: str | None) -> float | None:
 
 
 def cuda_build_arch_list() -> tuple[str, str]:
-    """The architectures the CUDA extension compiles for, and why: ``TORCH_CUDA_ARCH_LIST`` when
-    set, else the compute capability of each GPU of this machine
-    (``kernels.host_path.cuda_arch_list``)."""
+    """Choose the architectures the CUDA extension compiles for.
+
+    ``TORCH_CUDA_ARCH_LIST`` when set, else the compute capability of each GPU of this machine
+    (``kernels.host_path.cuda_arch_list`` decides).
+
+    Returns:
+        ``(arch_list, source)``: the list in ``TORCH_CUDA_ARCH_LIST``'s spelling, and where it came
+        from, in words.
+    """
     capabilities = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
     return cuda_arch_list(os.environ.get("TORCH_CUDA_ARCH_LIST"), capabilities)
 
@@ -146,9 +177,19 @@ def build_cpu(verbose: bool = False, build_directory: str | None = None) -> Buil
     """Build (or take from the cache) and load the C++ CPU extension; register its fake implementation.
 
     Registers ``torch.ops.kernels_cpp.rms_norm_fwd``. Once per process: later calls return the first
-    call's ``BuildInfo`` (a library's operators can be registered only once). ``build_directory``
-    replaces PyTorch's extensions cache (an empty folder forces a fresh compile, to time it). Raises
-    ``RuntimeError`` saying what is missing when no C++ compiler or no ninja is found.
+    call's ``BuildInfo`` and ignore their arguments (a library's operators can be registered only
+    once). Chapter 13 builds it.
+
+    Args:
+        verbose: show the compiler's output.
+        build_directory: a folder replacing PyTorch's extensions cache (an empty folder forces a
+            fresh compile, to time it).
+
+    Returns:
+        The ``BuildInfo`` of this process's build.
+
+    Raises:
+        RuntimeError: saying what is missing when no C++ compiler or no ninja is found.
     """
     if CPU_EXTENSION not in _BUILDS:
         reason = cpu_build_unavailable()
@@ -166,8 +207,18 @@ def build_cuda(verbose: bool = False, build_directory: str | None = None) -> Bui
 
     Registers ``torch.ops.kernels_cuda.rms_norm_fwd`` and ``rms_norm_bwd``, compiled for this
     machine's GPUs only (``cuda_build_arch_list``: ``TORCH_CUDA_ARCH_LIST`` overrides). Once per
-    process; ``build_directory`` as in ``build_cpu``. Raises ``RuntimeError`` saying what is missing
-    when there is no GPU, no nvcc, no C++ compiler or no ninja.
+    process, as ``build_cpu``. Chapter 13 builds it.
+
+    Args:
+        verbose: show the compilers' output.
+        build_directory: as in ``build_cpu``.
+
+    Returns:
+        The ``BuildInfo`` of this process's build.
+
+    Raises:
+        RuntimeError: saying what is missing when there is no GPU, no nvcc, no C++ compiler or no
+            ninja.
     """
     if CUDA_EXTENSION not in _BUILDS:
         reason = cuda_build_unavailable()
@@ -188,7 +239,11 @@ def build_cuda(verbose: bool = False, build_directory: str | None = None) -> Bui
 
 
 def builds() -> dict[str, BuildInfo]:
-    """The extensions built (or loaded from the cache) in this process so far."""
+    """List the extensions built (or loaded from the cache) in this process so far.
+
+    Returns:
+        A copy of the ``BuildInfo``s by extension name.
+    """
     return dict(_BUILDS)
 
 
@@ -200,16 +255,34 @@ def builds() -> dict[str, BuildInfo]:
 class CUDARMSNormFunction(torch.autograd.Function):
     """autograd over the CUDA operators, exactly as ``kernels.rmsnorm.RMSNormFunction`` over the
     Triton ones: the forward saves x (no copy), the weight and one float32 rstd per row; dW only
-    when the weight needs it."""
+    when the weight needs it. ``rms_norm_cuda`` applies it (chapter 13)."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
+        """Run ``kernels_cuda::rms_norm_fwd`` and save what the backward needs.
+
+        Args:
+            ctx: autograd's context.
+            x, weight, eps: as ``rms_norm_cuda`` takes them, already checked.
+
+        Returns:
+            The normalised output.
+        """
         y, rstd = torch.ops.kernels_cuda.rms_norm_fwd.default(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
         return y
 
     @staticmethod
     def backward(ctx, dy):
+        """Run ``kernels_cuda::rms_norm_bwd``; the dW reduction only when the weight needs a gradient.
+
+        Args:
+            ctx: autograd's context, holding x, the weight and rstd.
+            dy: the gradient of the output.
+
+        Returns:
+            ``(dx, dw, None)``: dw is None when the weight needs no gradient; eps has none.
+        """
         x, weight, rstd = ctx.saved_tensors
         compute_dw = ctx.needs_input_grad[1]
         dx, dw = torch.ops.kernels_cuda.rms_norm_bwd.default(dy, x, weight, rstd, compute_dw)
@@ -217,9 +290,24 @@ class CUDARMSNormFunction(torch.autograd.Function):
 
 
 def rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """RMSNorm over the last dimension of ``x`` by the CUDA C++ kernels (built on first use): what
-    ``kernels.rms_norm`` computes, for CUDA tensors of float32, bfloat16 or float16 (a float32
-    weight may go with a 16-bit ``x``). Differentiable in ``x`` and ``weight``."""
+    """RMSNorm over the last dimension of ``x`` by the CUDA C++ kernels (built on first use; chapter 13).
+
+    What ``kernels.rms_norm`` computes, for CUDA tensors of float32, bfloat16 or float16 (a float32
+    weight may go with a 16-bit ``x``). Differentiable in ``x`` and ``weight``.
+
+    Args:
+        x: the input, ``[..., hidden]``, on a CUDA device.
+        weight: the scale, ``(x.shape[-1],)``, on ``x``'s device.
+        eps: added to the mean of squares before the square root.
+
+    Returns:
+        ``weight * x / sqrt(mean(x²) + eps)``, of ``x``'s shape and ``weight * x``'s dtype.
+
+    Raises:
+        TypeError: for a non-tensor or an unsupported dtype (``kernels.rmsnorm.check_tensors``).
+        ValueError: for mismatched shapes or devices, or tensors not on a CUDA device.
+        RuntimeError: when the extension cannot be built here (``build_cuda``).
+    """
     check_tensors(x, weight)
     if x.device.type != "cuda":
         raise ValueError(f"rms_norm_cuda needs CUDA tensors, got x on {x.device}")
@@ -230,9 +318,24 @@ def rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> t
 
 
 def rms_norm_cpp(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """RMSNorm forward over the last dimension of ``x`` by the C++ CPU extension (built on first
-    use). CPU tensors of float32, bfloat16 or float16, on any machine; forward only (no autograd:
-    the extension exists to show the mechanics)."""
+    """RMSNorm forward over the last dimension of ``x`` by the C++ CPU extension (built on first use).
+
+    CPU tensors of float32, bfloat16 or float16, on any machine; forward only (no autograd: the
+    extension exists to show chapter 13's mechanics on a machine without a GPU).
+
+    Args:
+        x: the input, ``[..., hidden]``, on the CPU.
+        weight: the scale, ``(x.shape[-1],)``, on the CPU.
+        eps: added to the mean of squares before the square root.
+
+    Returns:
+        ``weight * x / sqrt(mean(x²) + eps)``, of ``x``'s shape and ``weight * x``'s dtype.
+
+    Raises:
+        TypeError: for a non-tensor or an unsupported dtype (``kernels.rmsnorm.check_tensors``).
+        ValueError: for mismatched shapes or devices, or tensors not on the CPU.
+        RuntimeError: when the extension cannot be built here (``build_cpu``).
+    """
     check_tensors(x, weight)
     if x.device.type != "cpu":
         raise ValueError(f"rms_norm_cpp runs on the CPU, got x on {x.device}")
@@ -241,7 +344,12 @@ def rms_norm_cpp(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> to
 
 
 def default_device_note() -> str:
-    """Which of the two extensions this machine can run, in a sentence."""
+    """Say which of the two extensions this machine can run (chapter 13 prints it).
+
+    Returns:
+        A sentence: the CUDA extension is available on this GPU, or why not and that the C++ CPU
+        extension shows the same path.
+    """
     reason = cuda_build_unavailable()
     if reason is None:
         return f"CUDA extension available on {runtime.device_name()}"

@@ -131,9 +131,17 @@ _families_given: dict[type, SwiGLUFamily | RopeFamily | RMSNormFamily] = {}
 
 
 def register_family(family: SwiGLUFamily | RopeFamily | RMSNormFamily) -> None:
-    """Hand the host path what it launches and falls back to for one kernel family. Each family's
-    module calls this once, when it is imported; a later call for the same family replaces the
-    earlier one."""
+    """Hand the host path what it launches and falls back to for one kernel family.
+
+    Each family's module calls this once, when it is imported; a later call for the same family
+    replaces the earlier one.
+
+    Args:
+        family: a ``SwiGLUFamily``, ``RopeFamily`` or ``RMSNormFamily``.
+
+    Raises:
+        TypeError: for anything else.
+    """
     if not isinstance(family, _FAMILIES):
         raise TypeError(f"family must be a SwiGLUFamily, RopeFamily or RMSNormFamily, got {type(family).__name__}")
     _families_given[type(family)] = family
@@ -169,7 +177,15 @@ def _make_ninja_findable() -> bool:
 
 
 def cpu_build_unavailable() -> str | None:
-    """Why a C++ extension (this one, or the CPU part of any) cannot be built here, or None when it can."""
+    """Say why a C++ extension (this one, or the CPU part of any) cannot be built here.
+
+    Puts the ``ninja`` of pip's package on ``PATH`` when only that is missing (see
+    ``_make_ninja_findable``). ``python -m kernels.prebuild`` asks it first, and chapter 13 through
+    ``kernels.cuda_rmsnorm``.
+
+    Returns:
+        The reason (no C++ compiler, or no ninja) with its fix, or None when it can be built.
+    """
     from torch.utils.cpp_extension import get_cxx_compiler
 
     compiler = get_cxx_compiler()
@@ -193,15 +209,23 @@ _STAMP = "kernels-build.key"  # in the build folder: the key of the sources and 
 
 
 def cuda_arch_list(env_value: str | None, capabilities: Iterable[tuple[int, int]]) -> tuple[str, str]:
-    """The architectures a CUDA build compiles for, as ``TORCH_CUDA_ARCH_LIST`` spells them, and
-    where they came from.
+    """Choose the architectures a CUDA build compiles for, and say where they came from.
 
-    ``env_value`` (the ``TORCH_CUDA_ARCH_LIST`` environment variable) wins when it is set to
-    anything but empty or ``native``; otherwise the build is for the GPUs of this machine, from
-    their compute capabilities (``(9, 0)`` -> ``"9.0"``), each once, in order. One architecture
-    compiles in a fraction of the time of the six or more that a container's
-    ``TORCH_CUDA_ARCH_LIST`` may name, and runs on exactly this GPU. Raises ``ValueError`` when
-    neither is given (no GPU and no variable: nothing to build for).
+    ``env_value`` wins when it is set to anything but empty or ``native``; otherwise the build is
+    for the GPUs of this machine, from their compute capabilities (``(9, 0)`` -> ``"9.0"``), each
+    once, in order. One architecture compiles in a fraction of the time of the six or more that a
+    container's ``TORCH_CUDA_ARCH_LIST`` may name, and runs on exactly this GPU.
+
+    Args:
+        env_value: the ``TORCH_CUDA_ARCH_LIST`` environment variable, or None when unset.
+        capabilities: ``(major, minor)`` of each GPU of this machine.
+
+    Returns:
+        ``(arch_list, source)``: the list as ``TORCH_CUDA_ARCH_LIST`` spells it, and
+        ``"TORCH_CUDA_ARCH_LIST"`` or ``"this machine's GPU"``.
+
+    Raises:
+        ValueError: when neither is given (no GPU and no variable: nothing to build for).
     """
     wanted = (env_value or "").strip()
     if wanted and wanted != "native":
@@ -214,14 +238,26 @@ def cuda_arch_list(env_value: str | None, capabilities: Iterable[tuple[int, int]
 
 
 def split_arch_list(arch_list: str) -> list[str]:
-    """The entries of a ``TORCH_CUDA_ARCH_LIST`` (separated by semicolons, spaces or commas, as
-    PyTorch accepts)."""
+    """Split a ``TORCH_CUDA_ARCH_LIST`` into its entries.
+
+    Args:
+        arch_list: entries separated by semicolons, spaces or commas, as PyTorch accepts.
+
+    Returns:
+        The non-empty entries, in order (``"9.0;10.0+PTX"`` -> ``["9.0", "10.0+PTX"]``).
+    """
     return [arch for arch in arch_list.replace(",", ";").replace(" ", ";").split(";") if arch]
 
 
 def arch_names(arch_list: str) -> str:
-    """``"9.0;10.3+PTX"`` -> ``"sm_90, sm_103 (+PTX)"``: the architectures of a
-    ``TORCH_CUDA_ARCH_LIST``, as nvcc names them."""
+    """Name the architectures of a ``TORCH_CUDA_ARCH_LIST`` as nvcc does, for messages.
+
+    Args:
+        arch_list: a ``TORCH_CUDA_ARCH_LIST`` value (see ``split_arch_list``).
+
+    Returns:
+        e.g. ``"9.0;10.3+PTX"`` -> ``"sm_90, sm_103 (+PTX)"``.
+    """
     names = []
     for arch in split_arch_list(arch_list):
         base, ptx, _ = arch.partition("+PTX")
@@ -231,8 +267,13 @@ def arch_names(arch_list: str) -> str:
 
 @contextmanager
 def arch_list_set(arch_list: str | None):
-    """``TORCH_CUDA_ARCH_LIST`` set to ``arch_list`` for the duration (PyTorch's build reads it),
-    then restored."""
+    """Set ``TORCH_CUDA_ARCH_LIST`` for the duration of a ``with`` block (PyTorch's build reads it).
+
+    The variable's earlier value (or its absence) is restored on leaving, also on an error.
+
+    Args:
+        arch_list: the value to set; None leaves the variable as it is.
+    """
     before = os.environ.get("TORCH_CUDA_ARCH_LIST")
     if arch_list is not None:
         os.environ["TORCH_CUDA_ARCH_LIST"] = arch_list
@@ -246,9 +287,16 @@ def arch_list_set(arch_list: str | None):
 
 
 def build_directory_for(name: str, build_directory: str | None = None) -> Path:
-    """The folder PyTorch builds extension ``name`` in: ``build_directory``, or its extensions
-    directory's (``TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions/<python and CUDA
-    version>``) folder of that name."""
+    """Find the folder PyTorch builds extension ``name`` in.
+
+    Args:
+        name: the extension's name.
+        build_directory: a folder chosen by the caller, returned as it is.
+
+    Returns:
+        ``build_directory``, or else the folder ``name`` in PyTorch's extensions directory
+        (``TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions/<python and CUDA version>``).
+    """
     if build_directory is not None:
         return Path(build_directory)
     from torch.utils.cpp_extension import _get_build_directory
@@ -257,9 +305,17 @@ def build_directory_for(name: str, build_directory: str | None = None) -> Path:
 
 
 def build_key(sources: Iterable[Path], options: dict) -> str:
-    """What a build's result depends on, as one hash: the sources' bytes, the build options (flags,
-    architectures) and PyTorch's version. The same key means PyTorch's cache holds the build;
-    another means it compiles again."""
+    """Hash what a build's result depends on: the sources, the build options and PyTorch's version.
+
+    The same key means PyTorch's cache holds the build; another means it compiles again.
+
+    Args:
+        sources: the source files, whose bytes are read.
+        options: the build options (flags, architectures), compared through their ``repr``.
+
+    Returns:
+        The SHA-256 hex digest.
+    """
     digest = hashlib.sha256(torch.__version__.encode())
     for source in sources:
         digest.update(Path(source).read_bytes())
@@ -268,10 +324,21 @@ def build_key(sources: Iterable[Path], options: dict) -> str:
 
 
 def build_state(name: str, folder: Path, key: str, sources: Iterable[Path] = ()) -> str | None:
-    """Why a build of ``name`` in ``folder`` would compile ("not built yet", "its sources or flags
-    changed"), or None when the folder holds a library built from exactly this key (the cache is
-    warm). A library without a key (built before keys were kept) counts as warm when it is newer
-    than every source."""
+    """Say why a build of ``name`` in ``folder`` would compile, or None when the cache is warm.
+
+    A library without a key (built before keys were kept) counts as warm when it is newer than
+    every source.
+
+    Args:
+        name: the extension's name (its library is ``<name>*.so`` in ``folder``).
+        folder: the build folder (``build_directory_for``).
+        key: the ``build_key`` of the build about to run.
+        sources: the source files, for a library built without a key.
+
+    Returns:
+        "not built yet here", or that the sources, flags or PyTorch changed; None when the folder
+        holds a library built from exactly this key.
+    """
     stamp = folder / _STAMP
     libraries = list(folder.glob(f"{name}*.so"))
     if not libraries:
@@ -285,12 +352,25 @@ def build_state(name: str, folder: Path, key: str, sources: Iterable[Path] = ())
 
 
 def announce_build(line: str) -> None:
-    """Print the line that announces a build (to stderr, where a notebook shows it under the cell)."""
+    """Print the line that announces a build (to stderr, where a notebook shows it under the cell).
+
+    Chapters 03 and 17 show such a line in their outputs.
+
+    Args:
+        line: the announcement, as ``load_announced`` writes it.
+    """
     print(line, file=sys.stderr, flush=True)
 
 
 def home_relative(path: Path) -> str:
-    """``path`` with the home folder written ``~``: what a message shows, the same on every machine."""
+    """Write ``path`` with the home folder as ``~``: what a message shows, the same on every machine.
+
+    Args:
+        path: a path, inside the home folder or not.
+
+    Returns:
+        ``~/...`` for a path inside the home folder, else ``path`` as it is.
+    """
     try:
         return str(Path("~") / Path(path).resolve().relative_to(Path.home().resolve()))
     except ValueError:
@@ -300,11 +380,25 @@ def home_relative(path: Path) -> str:
 def load_announced(name: str, sources: list[Path], what: str, seconds: str,
                    build_directory: str | None = None,
                    arch_list: str | None = None, **options):
-    """``torch.utils.cpp_extension.load`` of ``sources`` as extension ``name``, announced by one
-    line when it will compile: ``kernels: compiling <what> (<sources>): <why>; <seconds>, then
-    cached in <folder>``. Nothing is printed when the cache is warm. ``arch_list`` is the
-    ``TORCH_CUDA_ARCH_LIST`` of a CUDA build (None for C++ only); ``options`` go to ``load``.
-    Returns what ``load`` returns."""
+    """``torch.utils.cpp_extension.load`` of ``sources`` as extension ``name``, announced when it compiles.
+
+    The line reads ``kernels: compiling <what> (<sources>): <why>; <seconds>, then cached in
+    <folder>``; nothing is printed when the cache is warm. After the load the folder's key file
+    records what it now holds (``build_key``).
+
+    Args:
+        name: the extension's name.
+        sources: its source files.
+        what: what is compiled, in words, for the line.
+        seconds: about how long it takes, in words, for the line.
+        build_directory: a folder replacing PyTorch's extensions cache (``build_directory_for``).
+        arch_list: the ``TORCH_CUDA_ARCH_LIST`` of a CUDA build, set for the build's duration
+            (None for C++ only).
+        **options: passed on to ``load`` (flags, ``verbose``, ``is_python_module``, ...).
+
+    Returns:
+        What ``load`` returns: the module, or the library's path for ``is_python_module=False``.
+    """
     from torch.utils.cpp_extension import load
 
     folder = build_directory_for(name, build_directory)
@@ -329,7 +423,12 @@ def load_announced(name: str, sources: list[Path], what: str, seconds: str,
 
 
 def unavailable() -> str | None:
-    """Why the C++ host path cannot be used here (before any build is tried), or None."""
+    """Say why the C++ host path cannot be used here, before any build is tried.
+
+    Returns:
+        The reason (turned off by ``KERNELS_HOST_PATH=0``, no GPU, a CUDA driver too old, or no
+        C++ compiler or ninja), or None when the path can be built.
+    """
     if os.environ.get("KERNELS_HOST_PATH", "1") == "0":
         return "turned off (KERNELS_HOST_PATH=0)"
     if runtime.MODE != "gpu":
@@ -361,14 +460,30 @@ def extension():
 
 
 def status() -> dict:
-    """Whether the path is built, why not, how long the build took, and how many kernel variants it holds."""
+    """Report whether the path is built, why not, how long the build took, and its kernel variants.
+
+    Returns:
+        ``built`` (bool), ``reason`` (why not, or None), ``build_seconds`` (None before a build)
+        and ``variants`` (how many kernel variants the C++ table holds).
+    """
     ext = _state["ext"]
     return {"built": ext is not None, "reason": _state["reason"], "build_seconds": _state["seconds"],
             "variants": ext.n_variants() if ext is not None else 0}
 
 
 def takes(gate: torch.Tensor, up: torch.Tensor, inplace_backward: bool) -> bool:
-    """Whether ``swiglu(gate, up)`` runs through the C++ node (inputs already checked by ``swiglu``)."""
+    """Tell whether ``swiglu(gate, up)`` runs through the C++ node (inputs already checked by ``swiglu``).
+
+    Builds the extension on the first call that could take the path.
+
+    Args:
+        gate, up: ``swiglu``'s inputs.
+        inplace_backward: ``swiglu``'s flag; the C++ node does not take it.
+
+    Returns:
+        True for eager, contiguous CUDA inputs without ``inplace_backward`` whose size divides into
+        rows of the family's width (a 32-bit count of them), once the extension is built.
+    """
     # ops.direct first: under torch.compile it is False, and nothing after it adds guards on sizes
     # to the graph.
     return (ops.direct(gate, up) and not inplace_backward and gate.is_cuda and gate.is_contiguous()
@@ -377,35 +492,76 @@ def takes(gate: torch.Tensor, up: torch.Tensor, inplace_backward: bool) -> bool:
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, with_grad: bool) -> torch.Tensor:
-    """``silu(gate) * up`` through the C++ node (``with_grad``: recorded for autograd) or its
-    forward alone."""
+    """``silu(gate) * up`` through the C++ node; call only where ``takes`` said True.
+
+    Args:
+        gate, up: ``swiglu``'s inputs.
+        with_grad: record the node for autograd; False runs the forward alone.
+
+    Returns:
+        The activation, of ``gate``'s shape.
+    """
     return _state["ext"].swiglu(gate, up, with_grad)
 
 
 def takes_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    """Whether ``apply_rotary(q, k, cos, sin)`` runs through the C++ node (inputs already checked).
+    """Tell whether ``apply_rotary(q, k, cos, sin)`` runs through the C++ node (inputs already checked).
+
     Layouts the dense kernel does not read are found in C++ and handed back to the Python path
-    there."""
+    there. Builds the extension on the first call that could take the path.
+
+    Args:
+        q, k, cos, sin: ``apply_rotary``'s inputs.
+
+    Returns:
+        True for eager CUDA inputs with a non-empty head dimension, cos and sin that need no
+        gradient, and 32-bit row counts, once the extension is built.
+    """
     return (ops.direct(q, k, cos,
                        sin) and q.is_cuda and q.size(3) > 0 and not (cos.requires_grad or sin.requires_grad)
             and q.size(0) * q.size(2) <= _MAX_INT and extension() is not None)
 
 
 def rope(q, k, cos, sin, with_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q_embed, k_embed)`` through the C++ node (``with_grad``: recorded for autograd) or its
-    forward alone."""
+    """Rotate q and k through the C++ node; call only where ``takes_rope`` said True.
+
+    Args:
+        q, k, cos, sin: ``apply_rotary``'s inputs.
+        with_grad: record the node for autograd; False runs the forward alone.
+
+    Returns:
+        ``(q_embed, k_embed)``.
+    """
     return _state["ext"].rope(q, k, cos, sin, with_grad)
 
 
 def takes_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``rms_norm(x, weight)`` runs through the C++ node (inputs already checked by ``rms_norm``)."""
+    """Tell whether ``rms_norm(x, weight)`` runs through the C++ node (inputs checked by ``rms_norm``).
+
+    Builds the extension on the first call that could take the path.
+
+    Args:
+        x, weight: ``rms_norm``'s inputs.
+
+    Returns:
+        True for eager, contiguous, non-empty CUDA inputs with a 32-bit row count, once the
+        extension is built.
+    """
     return (ops.direct(x,
                        weight) and x.is_cuda and x.is_contiguous() and weight.is_contiguous() and x.numel() > 0
             and x.numel() // x.size(-1) <= _MAX_INT and extension() is not None)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, with_grad: bool) -> torch.Tensor:
-    """RMSNorm through the C++ node (``with_grad``: recorded for autograd) or its forward alone."""
+    """RMSNorm through the C++ node; call only where ``takes_rms_norm`` said True.
+
+    Args:
+        x, weight, eps: ``rms_norm``'s inputs.
+        with_grad: record the node for autograd; False runs the forward alone.
+
+    Returns:
+        The normalised output, as ``kernels.rms_norm`` gives it.
+    """
     return _state["ext"].rms_norm(x, weight, eps, with_grad)
 
 
@@ -446,7 +602,14 @@ def _build():
 
 
 def param_sizes(function: int) -> list[int]:
-    """The byte size of each parameter of a loaded kernel (``cuFuncGetParamInfo``), in order."""
+    """Read the byte size of each parameter of a loaded kernel (``cuFuncGetParamInfo``).
+
+    Args:
+        function: the kernel's ``CUfunction`` handle, as an integer.
+
+    Returns:
+        The sizes in bytes, in parameter order.
+    """
     get = _driver_function("cuFuncGetParamInfo")
     offset, size, sizes = ctypes.c_size_t(), ctypes.c_size_t(), []
     while get(ctypes.c_void_p(function), ctypes.c_size_t(len(sizes)), ctypes.byref(offset),
@@ -456,17 +619,36 @@ def param_sizes(function: int) -> list[int]:
 
 
 def expected_sizes(n_pointers: int, ints: list[int], n_floats: int = 0) -> list[int]:
-    """The parameters the C++ launch passes before any scratch pointers: the tensors' pointers, then
-    each integer as a 32-bit value, except those equal to 1, which Triton makes constants of the
-    variant, then each float as 32 bits (a kernel's floats must come after its integers: sizes alone
-    cannot tell the two apart)."""
+    """List the parameter sizes the C++ launch passes before any scratch pointers.
+
+    The tensors' pointers, then each integer as a 32-bit value, except those equal to 1, which
+    Triton makes constants of the variant, then each float as 32 bits (a kernel's floats must come
+    after its integers: sizes alone cannot tell the two apart).
+
+    Args:
+        n_pointers: how many tensor pointers lead.
+        ints: the integer arguments' values.
+        n_floats: how many float arguments follow.
+
+    Returns:
+        The sizes in bytes, to compare with ``param_sizes``.
+    """
     return [8] * n_pointers + [4 for v in ints if v != 1] + [4] * n_floats
 
 
 def scratch_count(sizes: list[int], expected: list[int], metadata) -> int | None:
-    """How many trailing scratch pointers a kernel with parameter ``sizes`` takes after
-    ``expected``, when the C++ launch can pass them as null (Triton allotted no scratch memory, one
-    CTA, no cluster); None when it cannot."""
+    """Count the trailing scratch pointers a kernel takes after the parameters the C++ launch passes.
+
+    Args:
+        sizes: the kernel's parameter sizes (``param_sizes``).
+        expected: what the C++ launch passes (``expected_sizes``).
+        metadata: the compiled kernel's metadata (scratch sizes, CTAs, cluster).
+
+    Returns:
+        The number of scratch pointers (at most 2) when the launch can pass them as null (Triton
+        allotted no scratch memory, one CTA, no cluster); None when ``sizes`` does not start with
+        ``expected`` or it cannot.
+    """
     extra = sizes[len(expected):]
     if sizes[:len(expected)] != expected or len(extra) > 2 or any(s != 8 for s in extra):
         return None

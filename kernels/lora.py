@@ -62,7 +62,19 @@ SKINNY = ("cublas", "splitk")
 
 
 def lora_scale(alpha: float, rank: int, use_rslora: bool = False) -> float:
-    """PEFT's scaling: ``alpha / rank``, or ``alpha / sqrt(rank)`` for rsLoRA (rank-stabilised LoRA)."""
+    """PEFT's scaling: ``alpha / rank``, or ``alpha / sqrt(rank)`` for rsLoRA (rank-stabilised LoRA).
+
+    Args:
+        alpha: PEFT's ``lora_alpha``.
+        rank: the adapter's rank r, a positive int.
+        use_rslora: divide by √r instead of r.
+
+    Returns:
+        the scale s of ``s · B·A``.
+
+    Raises:
+        ValueError: ``rank`` not a positive int.
+    """
     if not isinstance(rank, int) or rank < 1:
         raise ValueError(f"rank must be a positive int, got {rank!r}")
     return alpha / math.sqrt(rank) if use_rslora else alpha / rank
@@ -74,7 +86,17 @@ def lora_scale(alpha: float, rank: int, use_rslora: bool = False) -> float:
 
 
 def check_lora_inputs(x, weight, bias, lora_a, lora_b, scale, epilogue, skinny) -> None:
-    """A clear error (TypeError or ValueError) unless ``lora_linear`` computes this call."""
+    """A clear error (TypeError or ValueError) unless ``lora_linear`` computes this call.
+
+    Args:
+        x, weight, bias, lora_a, lora_b, scale, epilogue, skinny: ``lora_linear``'s arguments.
+
+    Raises:
+        TypeError: a non-tensor, an unsupported dtype, a weight or bias not in x's dtype, or a
+            scale that is not a finite number.
+        ValueError: shapes that do not fit, tensors on several devices, or an unknown
+            ``epilogue`` or ``skinny``.
+    """
     for name, t in (("x", x), ("weight", weight), ("lora_a", lora_a), ("lora_b", lora_b)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
@@ -132,8 +154,17 @@ def _merged(weight, a, b, scale: float) -> torch.Tensor:
 
 
 def lora_forward(x2, weight, bias, lora_a, lora_b, scale: float, epilogue: str = "cublas"):
-    """(y, xa) for 2-D ``x2`` [tokens, in]: ``y = x2·Wᵀ + b + s·xa·Bᵀ`` and ``xa = x2·Aᵀ`` (kept for
-    the backward)."""
+    """(y, xa) for 2-D ``x2`` [tokens, in]: ``y = x2·Wᵀ + b + s·xa·Bᵀ`` and ``xa = x2·Aᵀ``.
+
+    ``xa`` is kept for the backward. The inputs are not checked here (``lora_linear`` does it).
+
+    Args:
+        x2: [tokens, in].
+        weight, bias: the base layer, [out, in] and [out] or None, in x2's dtype.
+        lora_a, lora_b: [r, in] and [out, r], cast to x2's dtype for the GEMMs.
+        scale: the adapter's scale s.
+        epilogue: how the low-rank product joins the base GEMM (one of ``EPILOGUES``).
+    """
     a = lora_a.to(x2.dtype)
     b = lora_b.to(x2.dtype)
     xa = x2 @ a.t()
@@ -163,8 +194,9 @@ def _cublas_output(x2, weight, bias, xa, b, scale: float, epilogue: str) -> torc
 
 
 def _cublas_input_grad(dys, weights, dxa, a, epilogue: str) -> torch.Tensor:
-    """``dxa·A + Σ dy_i·W_i`` as one tensor accumulated by cuBLAS's β = 1 epilogue: the low-rank term first
-    (``"cublas_lowrank_first"``) or last (``"cublas"``). One layer, or the layers of a group (A stacked)."""
+    """``dxa·A + Σ dy_i·W_i`` as one tensor accumulated by cuBLAS's β = 1 epilogue: the low-rank
+    term first (``"cublas_lowrank_first"``) or last (``"cublas"``). One layer, or the layers of a
+    group (A stacked)."""
     if epilogue == "cublas_lowrank_first":
         dx = dxa @ a
         for dy, w in zip(dys, weights):
@@ -183,7 +215,14 @@ _MM_OUT_DTYPE = [True]
 def skinny_mm(a: torch.Tensor, b: torch.Tensor, scale: float, out_dtype: torch.dtype,
               skinny: str = "cublas"):
     """``scale · aᵀ · b`` reduced over the tokens (the rows of both), accumulated in float32, in
-    ``out_dtype``."""
+    ``out_dtype``.
+
+    Args:
+        a, b: [tokens, M] and [tokens, N].
+        scale: the product's factor.
+        out_dtype: the result's dtype.
+        skinny: ``"cublas"`` (torch.mm) or ``"splitk"`` (``kernels.gemm.splitk_mm``).
+    """
     if skinny == "splitk":
         return splitk_mm(a, b, scale, out_dtype)
     if a.dtype == out_dtype and b.dtype == out_dtype:
@@ -201,7 +240,15 @@ def skinny_mm(a: torch.Tensor, b: torch.Tensor, scale: float, out_dtype: torch.d
 
 def lora_backward(dy2, x2, weight, lora_a, lora_b, xa, scale: float, need_dx: bool = True,
                   epilogue: str = "cublas", skinny: str = "cublas"):
-    """(dx, dA, dB) for 2-D ``dy2`` [tokens, out]; ``dx`` is an empty tensor when ``need_dx`` is False."""
+    """(dx, dA, dB) for 2-D ``dy2`` [tokens, out]; ``dx`` is an empty tensor when ``need_dx`` is False.
+
+    Args:
+        dy2: the output's gradient, [tokens, out].
+        x2, weight, lora_a, lora_b, xa: the forward's input, base weight, adapters and ``xa``.
+        scale: the adapter's scale s.
+        need_dx: whether to compute dx.
+        epilogue: how dx's low-rank term joins the base GEMM; skinny: how dA and dB are reduced.
+    """
     a = lora_a.to(x2.dtype)
     b = lora_b.to(x2.dtype)
     dxa = dy2 @ b
@@ -252,6 +299,12 @@ class LoRALinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, lora_a, lora_b, scale, epilogue, skinny):
+        """Run the forward operator on x's rows; save x, W, A, B and xa.
+
+        Args:
+            ctx: autograd's context.
+            x, weight, bias, lora_a, lora_b, scale, epilogue, skinny: as ``lora_linear``'s.
+        """
         x2 = x.reshape(-1, x.shape[-1])
         y, xa = ops.call(lora_fwd_op, x2, weight, bias, lora_a, lora_b, scale, epilogue)
         ctx.save_for_backward(x2, weight, lora_a, lora_b, xa)
@@ -265,6 +318,12 @@ class LoRALinearFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
+        """The gradients of x, A and B (and of W and the bias where they require them).
+
+        Args:
+            ctx: autograd's context.
+            dy: the output's gradient.
+        """
         x2, weight, lora_a, lora_b, xa = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
         need_dx, need_w, need_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
@@ -293,6 +352,13 @@ class SwiGLULoRADownFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate, up, weight, bias, lora_a, lora_b, scale, epilogue, skinny):
+        """The product, then the LoRA layer; save gate, up, W, A, B and xa (not the product).
+
+        Args:
+            ctx: autograd's context.
+            gate, up, weight, bias, lora_a, lora_b, scale, epilogue, skinny: as
+                ``swiglu_lora_down``'s.
+        """
         h = swiglu_forward(gate, up)
         y, xa = ops.call(lora_fwd_op, h.reshape(-1, h.shape[-1]), weight, bias, lora_a, lora_b,
                          scale, epilogue)
@@ -305,6 +371,13 @@ class SwiGLULoRADownFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
+        """The gradients of gate and up (over them where allowed), A, B, and W and the bias where
+        they require them; the product is recomputed.
+
+        Args:
+            ctx: autograd's context.
+            dy: the output's gradient.
+        """
         gate, up, weight, lora_a, lora_b, xa = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
         h2 = swiglu_forward(gate, up).reshape(-1, gate.shape[-1])
@@ -337,7 +410,22 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ``"triton"``: inside a Triton GEMM's tile; ``"merged"``: into a temporary weight W + s·B·A;
     ``"auto"``: merged where that moves fewer bytes), ``skinny`` how dA and dB are reduced over the
     tokens (``"cublas"`` or ``"splitk"``). Gradients: x, A and B always when they require them; W
-    and the bias only if they do (a frozen base layer costs no dW GEMM).
+    and the bias only if they do (a frozen base layer costs no dW GEMM). Chapter 15 (notebooks/15_lora.ipynb)
+    derives it.
+
+    Args:
+        x: [..., in].
+        weight, bias: the base layer, [out, in] and [out] (or None), in x's dtype.
+        lora_a, lora_b: the adapter, [r, in] and [out, r].
+        scale: the adapter's scale (``lora_scale``).
+        epilogue: one of ``EPILOGUES``.
+        skinny: one of ``SKINNY``.
+
+    Returns:
+        [..., out] in x's dtype.
+
+    Raises:
+        TypeError, ValueError: from ``check_lora_inputs``, naming the argument.
     """
     check_lora_inputs(x, weight, bias, lora_a, lora_b, scale, epilogue, skinny)
     y = LoRALinearFunction.apply(x, weight, bias, lora_a, lora_b, float(scale), epilogue, skinny)
@@ -349,7 +437,21 @@ def swiglu_lora_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
                      skinny: str = "cublas") -> torch.Tensor:
     """``lora_linear(silu(gate) * up, weight, bias, lora_a, lora_b, scale)`` as one node that keeps
     gate and up, not their product (``SwiGLULoRADownFunction``): gate and up [..., intermediate] of
-    one shape and dtype, the layer as ``lora_linear`` takes it. Returns [..., out]."""
+    one shape and dtype, the layer as ``lora_linear`` takes it. Returns [..., out].
+
+    Args:
+        gate, up: [..., intermediate], of one shape, dtype and device.
+        weight, bias, lora_a, lora_b, scale, epilogue, skinny: the down projection, as
+            ``lora_linear`` takes them.
+
+    Returns:
+        [..., out].
+
+    Raises:
+        TypeError: a non-tensor gate or up, or as ``check_lora_inputs``.
+        ValueError: gate and up of different shapes, dtypes or devices, or as
+            ``check_lora_inputs``.
+    """
     for name, t in (("gate", gate), ("up", up)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
@@ -363,7 +465,11 @@ def swiglu_lora_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
 
 def lora_linear_reference(x, weight, bias, lora_a, lora_b, scale):
     """PEFT's computation in plain PyTorch: the base layer, then the adapter's two linears, scaled
-    and added."""
+    and added.
+
+    Args:
+        x, weight, bias, lora_a, lora_b, scale: as ``lora_linear``'s.
+    """
     return F.linear(x, weight, bias) + F.linear(F.linear(x, lora_a), lora_b) * scale
 
 
@@ -391,7 +497,13 @@ def _stacked(lora_as, dtype: torch.dtype) -> torch.Tensor:
 
 def group_forward(x2, weights, biases, lora_as, lora_bs, scales, epilogue):
     """(outputs, xa) for 2-D ``x2`` [tokens, in]: one ``y_i`` [tokens, out_i] per layer and ``xa``
-    [tokens, Σr]."""
+    [tokens, Σr].
+
+    Args:
+        x2: [tokens, in].
+        weights, biases, lora_as, lora_bs, scales: one of each per layer.
+        epilogue: one of ``GROUP_EPILOGUES``.
+    """
     xa = x2 @ _stacked(lora_as, x2.dtype).t()
     outputs = []
     for (lo, hi), w, bias, b, s in zip(_bounds(lora_as), weights, biases, lora_bs, scales):
@@ -401,7 +513,14 @@ def group_forward(x2, weights, biases, lora_as, lora_bs, scales, epilogue):
 
 def group_backward(dys, x2, weights, lora_as, lora_bs, xa, scales, need_dx, epilogue, skinny):
     """(dx, [dA_i], [dB_i]) for the 2-D output gradients ``dys``; ``dx`` is None when ``need_dx`` is
-    False."""
+    False.
+
+    Args:
+        dys: one [tokens, out_i] gradient per layer.
+        x2, weights, lora_as, lora_bs, xa, scales: the forward's input, layers and ``xa``.
+        need_dx: whether to compute dx.
+        epilogue: one of ``GROUP_EPILOGUES``; skinny: how dA and dB are reduced.
+    """
     bounds = _bounds(lora_as)
     dxas, d_bs = [], []
     for (lo, hi), dy, b, s in zip(bounds, dys, lora_bs, scales):
@@ -418,7 +537,16 @@ def group_backward(dys, x2, weights, lora_as, lora_bs, xa, scales, need_dx, epil
 
 def check_group(x, weights, biases, lora_as, lora_bs, scales, epilogue, skinny) -> None:
     """A clear error unless the layers can be one group node on ``x``: each layer one ``lora_linear`` could
-    compute on ``x``, adapters of one dtype, a grouped epilogue."""
+    compute on ``x``, adapters of one dtype, a grouped epilogue.
+
+    Args:
+        x, weights, biases, lora_as, lora_bs, scales, epilogue, skinny: ``lora_group``'s.
+
+    Raises:
+        TypeError: adapters of several dtypes, or as ``check_lora_inputs``.
+        ValueError: no layer, lists of different lengths, an epilogue not in ``GROUP_EPILOGUES``,
+            or as ``check_lora_inputs``.
+    """
     n = len(weights)
     if n < 1 or not (len(biases) == len(lora_as) == len(lora_bs) == len(scales) == n):
         raise ValueError(f"one weight, bias (or None), lora_a, lora_b and scale per layer, got {n}, {len(biases)}, "
@@ -434,7 +562,14 @@ def check_group(x, weights, biases, lora_as, lora_bs, scales, epilogue, skinny) 
 
 def adapters_share_dtype(lora_as, lora_bs) -> bool:
     """Whether every A and B of a group has one dtype, as the stacked [A_1; A_2; ...] and its
-    gradient need."""
+    gradient need.
+
+    Args:
+        lora_as, lora_bs: the group's adapters.
+
+    Returns:
+        True when all of them have one dtype.
+    """
     return len({t.dtype for t in (*lora_as, *lora_bs)}) == 1
 
 
@@ -445,6 +580,13 @@ class LoRAGroupFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, epilogue, skinny, scales, *params):
+        """Every layer's output on x's rows; save x, xa, the weights and the adapters.
+
+        Args:
+            ctx: autograd's context.
+            x, epilogue, skinny, scales: as ``lora_group``'s.
+            params: four per layer: weight, bias (or None), A, B.
+        """
         weights, biases, lora_as, lora_bs = (list(params[i::4]) for i in range(4))
         x2 = x.reshape(-1, x.shape[-1])
         outputs, xa = group_forward(x2, weights, biases, lora_as, lora_bs, scales, epilogue)
@@ -456,6 +598,12 @@ class LoRAGroupFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *dys):
+        """The gradients of x, each A and B, and weights and biases where they require them.
+
+        Args:
+            ctx: autograd's context.
+            dys: one output gradient per layer.
+        """
         x2, xa, *rest = ctx.saved_tensors
         n = ctx.n
         weights, lora_as, lora_bs = rest[:n], rest[n:2 * n], rest[2 * n:]
@@ -477,7 +625,22 @@ def lora_group(x: torch.Tensor, weights, biases, lora_as, lora_bs, scales, *, ep
     """``[lora_linear(x, w_i, b_i, A_i, B_i, s_i) for each layer]`` as one fused node: x [..., in],
     one weight [out_i, in] and bias (or None) in x's dtype per layer, adapters A_i [r_i, in] and B_i
     [out_i, r_i] of one dtype, scales s_i. Returns one [..., out_i] tensor per layer; gradients as
-    ``kernels.lora.lora_linear`` gives them."""
+    ``kernels.lora.lora_linear`` gives them. Chapter 15 (notebooks/15_lora.ipynb) uses it.
+
+    Args:
+        x: [..., in].
+        weights, biases: one base layer per entry, in x's dtype (a bias may be None).
+        lora_as, lora_bs: one adapter per layer, all of one dtype.
+        scales: one scale per layer.
+        epilogue: one of ``GROUP_EPILOGUES``.
+        skinny: one of ``SKINNY``.
+
+    Returns:
+        one [..., out_i] tensor per layer.
+
+    Raises:
+        TypeError, ValueError: from ``check_group``, naming the problem.
+    """
     scales = tuple(float(s) for s in scales)
     check_group(x, weights, biases, lora_as, lora_bs, scales, epilogue, skinny)
     params = [t for layer in zip(weights, biases, lora_as, lora_bs) for t in layer]

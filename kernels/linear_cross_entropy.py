@@ -193,7 +193,18 @@ def _width_within(n_rows: int, vocab: int, itemsize: int, slice_bytes: int) -> i
 
 def slice_width(n_rows: int, vocab: int, itemsize: int, props: runtime.DeviceProps | None = None) -> int:
     """Columns of W per slice ("recompute") so that a [n_rows, width] slice of logits stays within
-    the budget: a multiple of 256 (whole tensor-core tiles), at least 256, at most ``vocab``."""
+    the budget. Chapter 10 prints it.
+
+    Args:
+        n_rows: tokens.
+        vocab: rows of W, the vocabulary size.
+        itemsize: bytes per logit (the model's dtype).
+        props: the device's properties (default: this machine's device), which set the budget.
+
+    Returns:
+        The width: a multiple of 256 (whole tensor-core tiles), at least 256, at most ``vocab``
+        (which may be less than 256).
+    """
     props = props or runtime.device_props()
     return _width_within(n_rows, vocab, itemsize, _slice_bytes(props))
 
@@ -220,20 +231,35 @@ class RecomputeLayout:
     # Cached: the passes ask for them once per slice.
     @functools.cached_property
     def slices(self) -> list[tuple[int, int]]:
+        """(start, stop) of each slice of the vocabulary, in order.
+
+        Returns:
+            The slices, each ``width`` columns but the last.
+        """
         return _slices(self.vocab, self.width)
 
     @functools.cached_property
     def kept_start(self) -> int:
-        """The first column of the kept slices (``vocab`` when none is kept)."""
+        """The first column of the kept slices.
+
+        Returns:
+            That column, or ``vocab`` when none is kept.
+        """
         return _kept_start(self.slices, self.keep, self.vocab)
 
     @property
     def buffer_numel(self) -> int:
+        """Elements of the buffer of logits: the kept slices side by side, and at least one slice."""
         return self.n_rows * max(min(self.width, self.vocab), self.vocab - self.kept_start)
 
     @functools.cached_property
     def grad_offsets(self) -> list[int]:
-        """Where each of the first ``in_grad`` slices' logits starts in the flat d_weight buffer."""
+        """Where each of the first ``in_grad`` slices' logits starts in the flat d_weight buffer.
+
+        Returns:
+            One element offset per slice: past the slice's own rows of d_weight and past the
+            slice before it.
+        """
         return _grad_offsets(self.n_rows, self.hidden, self.slices[:self.in_grad])
 
 
@@ -272,7 +298,18 @@ def recompute_layout(n_rows: int, hidden: int, vocab: int, itemsize: int, slice_
     """Slices of at most ``slice_bytes`` of logits each, and as many of the last ones kept as fit in
     ``budget_bytes`` beside the float32 d_hidden and logsumexp (possibly all, possibly none). With
     ``grad_buffer`` (d_weight is wanted, in the logits' dtype) the first slices are kept in
-    d_weight's memory as well, as many as fit there."""
+    d_weight's memory as well, as many as fit there. Chapter 10 reads its plans at Llama 3's shape.
+
+    Args:
+        n_rows, hidden, vocab: tokens, H and V.
+        itemsize: bytes per logit (the model's dtype).
+        slice_bytes: the most bytes of logits in one slice.
+        budget_bytes: what the kept slices, d_hidden and the logsumexp may take together.
+        grad_buffer: also keep the first slices in d_weight's memory.
+
+    Returns:
+        The layout; no slices at all when ``n_rows`` is 0.
+    """
     width = _width_within(n_rows, vocab, itemsize, slice_bytes)
     slices = _slices(vocab, width) if n_rows else []
     room = budget_bytes - n_rows * (hidden + 1) * 4
@@ -290,8 +327,18 @@ def plan_recompute(n_rows: int, hidden: int, vocab: int, itemsize: int,
                    props: runtime.DeviceProps | None = None,
                    keep_logits: bool = True, grad_buffer: bool = False) -> RecomputeLayout:
     """The layout "recompute" runs with on ``props``: the GPU's budgets or the interpreter's small
-    ones, and slices kept in d_weight's memory when ``grad_buffer`` (the weight needs its gradient);
-    nothing kept when ``keep_logits`` is False."""
+    ones.
+
+    Args:
+        n_rows, hidden, vocab: tokens, H and V.
+        itemsize: bytes per logit (the model's dtype).
+        props: the device's properties (default: this machine's device).
+        keep_logits: keep slices for the backward pass; False keeps none (and none in d_weight).
+        grad_buffer: the weight needs its gradient: keep the first slices in d_weight's memory.
+
+    Returns:
+        The layout (``recompute_layout`` with the device's budgets).
+    """
     props = props or runtime.device_props()
     budget = INTERPRETER_RECOMPUTE_BYTES if props.interpreter else GPU_RECOMPUTE_BYTES
     if not keep_logits:
@@ -301,7 +348,17 @@ def plan_recompute(n_rows: int, hidden: int, vocab: int, itemsize: int,
 
 
 def chunk_rows(n_rows: int, vocab: int, itemsize: int, props: runtime.DeviceProps | None = None) -> int:
-    """Tokens per chunk ("chunked") so that a [chunk, vocab] block of logits stays within the same budget."""
+    """Tokens per chunk ("chunked") so that a [chunk, vocab] block of logits stays within the same budget.
+
+    Args:
+        n_rows: tokens.
+        vocab: the vocabulary size.
+        itemsize: bytes per logit.
+        props: the device's properties (default: this machine's device).
+
+    Returns:
+        The chunk, between 1 and ``n_rows`` (1 when ``n_rows`` is 0).
+    """
     props = props or runtime.device_props()
     return max(1, min(n_rows, _slice_bytes(props) // max(vocab * itemsize, 1)))
 
@@ -320,6 +377,18 @@ def linear_loss_extra_bytes(tokens: int, hidden: int, vocab: int, itemsize: int 
       float32 logsumexp per token;
     * ``recompute``: the same with the slices kept for the backward pass within ``budget_bytes``
       (``recompute_layout``), what the package runs.
+
+    Chapter 10 and ``kernels.training.long_context`` tabulate it.
+
+    Args:
+        tokens, hidden, vocab: the head's shape.
+        itemsize: bytes per element of the model's dtype (2: bf16, else float32 for Hugging Face's
+            loss).
+        buffer_bytes: the most bytes of logits in one slice or chunk.
+        budget_bytes: "recompute"'s budget.
+
+    Returns:
+        The five entries above, in bytes.
     """
     logits = tokens * vocab * itemsize
     buffer = min(logits, buffer_bytes)
@@ -337,7 +406,15 @@ def linear_loss_extra_bytes(tokens: int, hidden: int, vocab: int, itemsize: int 
 
 @functools.lru_cache(maxsize=512)
 def slice_config(n_rows: int, width: int, props: runtime.DeviceProps) -> SliceConfig:
-    """Launch configuration of both slice kernels for a [n_rows, width] slice on ``props``."""
+    """Launch configuration of both slice kernels for a [n_rows, width] slice.
+
+    Args:
+        n_rows, width: the slice's shape.
+        props: the device's properties.
+
+    Returns:
+        One row per program on a GPU; few large tiles in the interpreter.
+    """
     if props.interpreter:  # few programs with big tiles: each program costs milliseconds of Python
         block_v = min(triton.next_power_of_2(width), 4096)
         rows = min(triton.next_power_of_2(max(n_rows, 1)), max(1, _INTERPRETER_MAX_TILE // block_v))
@@ -457,7 +534,23 @@ def logsumexp_pass(hidden, weight, target, ignore_index: int, width: int, keep: 
     logsumexp, both float32 [rows], from one matmul per slice of ``width`` rows of W; the buffer
     holding the last ``keep`` slices' logits for the backward pass (empty when ``keep`` is 0); and
     d_weight's memory, allocated here, holding the first ``in_grad`` slices' logits (empty when
-    ``in_grad`` is 0). ``hidden`` is [rows, H], ``target`` [rows]."""
+    ``in_grad`` is 0).
+
+    Args:
+        hidden: [rows, H].
+        weight: [V, H].
+        target: [rows] class indices, contiguous.
+        ignore_index: the target value whose row counts for nothing.
+        width: columns of W per slice.
+        keep: how many of the last slices to keep.
+        in_grad: how many of the first slices to keep in d_weight's memory.
+
+    Returns:
+        ``(loss_rows, lse, kept, grad_buffer)``, as above.
+
+    Raises:
+        ValueError: ``in_grad`` slices do not fit in d_weight's memory.
+    """
     n_rows, vocab = hidden.shape[0], weight.shape[0]
     device = hidden.device
     loss = torch.empty(n_rows, dtype=torch.float32, device=device)
@@ -496,7 +589,24 @@ def gradient_pass(hidden, weight, target, lse, scale, grad_output, ignore_index:
     gradient; then d_weight[slice] = G_sliceᵀ @ hidden (one matmul over every token: float32
     accumulation, one rounding) and d_hidden += G_slice @ W[slice] (float32). The slices kept in
     ``grad_buffer`` go first, in order, then those in ``kept``, then the recomputed ones (through
-    ``kept``'s front). Both buffers are used up: ``grad_buffer`` becomes d_weight.
+    ``kept``'s front). Both buffers are used up: ``grad_buffer`` becomes d_weight. Chapter 10
+    walks it.
+
+    Args:
+        hidden, weight, target, lse: the forward pass's inputs and its logsumexp.
+        scale: ``gradient_scale``'s [factor, divisor].
+        grad_output: the loss's incoming gradient, a scalar or one value per row.
+        ignore_index, width: as for ``logsumexp_pass``.
+        need_hidden, need_weight: which gradients to compute.
+        kept, keep: the forward pass's buffer and how many slices it holds.
+        grad_buffer, in_grad: the forward pass's d_weight and how many slices it holds.
+
+    Returns:
+        ``(d_hidden, d_weight)`` in the inputs' dtypes; an empty tensor for one not needed.
+
+    Raises:
+        ValueError: ``kept`` or ``grad_buffer`` is not what the forward pass made for ``keep``
+            and ``in_grad``.
     """
     n_rows, vocab = hidden.shape[0], weight.shape[0]
     device = hidden.device
@@ -559,9 +669,22 @@ def _reduce(loss_rows: torch.Tensor, scale: torch.Tensor, reduction: str) -> tor
 
 def chunked_forward(hidden, weight, target, ignore_index: int, reduction: str, normalizer, need_hidden: bool,
                     need_weight: bool, chunk: int):
-    """The "chunked" plan, all in the forward pass: ``(loss, d_hidden, d_weight)`` with the
-    gradients for a loss scaled by 1 (the caller multiplies by grad_output). ``reduction`` is "mean"
-    or "sum"."""
+    """The "chunked" plan, all in the forward pass.
+
+    Args:
+        hidden: [rows, H].
+        weight: [V, H].
+        target: [rows] class indices, contiguous.
+        ignore_index: the target value whose row counts for nothing.
+        reduction: "mean" or "sum".
+        normalizer: with "sum", divides it.
+        need_hidden, need_weight: which gradients to compute.
+        chunk: tokens per chunk (``chunk_rows``).
+
+    Returns:
+        ``(loss, d_hidden, d_weight)``: the float32 loss, and the gradients of that loss (the
+        caller multiplies by grad_output); an empty tensor for a gradient not needed.
+    """
     n_rows = hidden.shape[0]
     device = hidden.device
     # The divisor of the whole batch, on the device: each chunk's sum is divided by it, so chunks
@@ -687,6 +810,17 @@ class RecomputeFunction(torch.autograd.Function):
     def forward(ctx, hidden, weight, target, ignore_index, reduction, normalizer, normalizer_value,
                 width, keep,
                 in_grad):
+        """The loss, keeping what the backward pass needs.
+
+        Args:
+            ctx: autograd's context.
+            hidden, weight, target, ignore_index, reduction: flattened and checked.
+            normalizer, normalizer_value: the normalizer split by ``split_normalizer``.
+            width, keep, in_grad: the layout (``plan_recompute``).
+
+        Returns:
+            The float32 loss.
+        """
         loss, lse, scale, kept, grad_buffer = linear_cross_entropy_fwd_op(
             hidden, weight, target, ignore_index, reduction, normalizer, normalizer_value, width,
             keep, in_grad)
@@ -697,6 +831,15 @@ class RecomputeFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
+        """The gradients by ``gradient_pass``.
+
+        Args:
+            ctx: autograd's context.
+            grad_output: the loss's incoming gradient.
+
+        Returns:
+            d_hidden and d_weight (None where not needed), then None for every other input.
+        """
         hidden, weight, target, lse, scale, kept, grad_buffer = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         d_hidden, d_weight = linear_cross_entropy_bwd_op(grad_output, hidden, weight, target, lse,
@@ -715,6 +858,17 @@ class ChunkedFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, target, ignore_index, reduction, normalizer, normalizer_value, chunk):
+        """The loss, with both gradients computed and saved.
+
+        Args:
+            ctx: autograd's context.
+            hidden, weight, target, ignore_index, reduction: flattened and checked.
+            normalizer, normalizer_value: the normalizer split by ``split_normalizer``.
+            chunk: tokens per chunk (``chunk_rows``).
+
+        Returns:
+            The float32 loss.
+        """
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         loss, d_hidden, d_weight = linear_cross_entropy_chunked_op(
             hidden, weight, target, ignore_index, reduction, normalizer, normalizer_value,
@@ -728,6 +882,15 @@ class ChunkedFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
+        """The saved gradients times ``grad_output``.
+
+        Args:
+            ctx: autograd's context.
+            grad_output: the loss's incoming gradient, a scalar.
+
+        Returns:
+            d_hidden and d_weight (None where not needed), then None for every other input.
+        """
         d_hidden, d_weight = ctx.saved_tensors
         need_hidden, need_weight = ctx.need
         return (d_hidden * grad_output if need_hidden else None,
@@ -736,9 +899,19 @@ class ChunkedFunction(torch.autograd.Function):
 
 
 def choose_strategy(weight_needs_grad: bool, reduction: str) -> str:
-    """What ``strategy="auto"`` picks: "chunked" for a frozen weight (2 matmuls to "recompute"'s 3,
-    no float32 dW buffer), "recompute" otherwise, and always for ``reduction="none"`` (per-row
-    factors reach dW only there)."""
+    """What ``strategy="auto"`` picks (chapter 10 compares the two).
+
+    "chunked" for a frozen weight (2 matmuls to "recompute"'s 3, no float32 dW buffer),
+    "recompute" otherwise, and always for ``reduction="none"`` (the chunked plan's backward
+    multiplies by a scalar grad_output only).
+
+    Args:
+        weight_needs_grad: whether the weight's gradient is wanted.
+        reduction: "mean", "sum" or "none".
+
+    Returns:
+        "chunked" or "recompute".
+    """
     return "chunked" if not weight_needs_grad and reduction != "none" else "recompute"
 
 
@@ -785,6 +958,12 @@ def linear_cross_entropy(
 
     Returns:
         The float32 loss: a scalar, or one value per token for "none".
+
+    Raises:
+        TypeError: inputs that are not tensors, dtypes the kernels do not take or that differ, a
+            switch that is not a bool.
+        ValueError: shapes or devices that do not match, an unknown reduction or strategy, a
+            misused normalizer, or, with ``check_targets``, a target out of range.
     """
     _check_inputs(hidden, weight, target, ignore_index, reduction, normalizer, strategy)
     check_flags(check_targets=check_targets, keep_logits=keep_logits)
@@ -829,6 +1008,9 @@ class TritonLinearCrossEntropyLoss(torch.nn.Module):
         ignore_index, reduction, strategy, check_targets, keep_logits: as for
             ``linear_cross_entropy``; ``forward(hidden, weight, target, normalizer=None)`` passes
             them on.
+
+    Raises:
+        ValueError: an unknown ``strategy`` (at construction).
     """
 
     # off (``check_options_off`` reads them at every call)
@@ -845,6 +1027,21 @@ class TritonLinearCrossEntropyLoss(torch.nn.Module):
         self.keep_logits = keep_logits
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, normalizer=None):
+        """``linear_cross_entropy`` with the module's settings.
+
+        Args:
+            hidden: [..., H] hidden states.
+            weight: [V, H], the LM head's weight.
+            target: one class index per token.
+            normalizer: with ``reduction="sum"`` only, divides the sum.
+
+        Returns:
+            The float32 loss: a scalar, or one value per token for "none".
+
+        Raises:
+            ValueError: an unimplemented option is set, or as ``linear_cross_entropy``.
+            TypeError: as ``linear_cross_entropy``.
+        """
         check_options_off(self, ("label_smoothing", "size_average", "reduce"))
         return linear_cross_entropy(hidden, weight, target, self.ignore_index, self.reduction,
                                     normalizer=normalizer,
@@ -852,4 +1049,9 @@ class TritonLinearCrossEntropyLoss(torch.nn.Module):
                                     keep_logits=self.keep_logits)
 
     def extra_repr(self) -> str:
+        """The module's settings, for its ``repr``.
+
+        Returns:
+            ``ignore_index``, ``reduction`` and ``strategy`` as ``name=value`` pairs.
+        """
         return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, strategy={self.strategy!r}"

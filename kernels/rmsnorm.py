@@ -43,8 +43,18 @@ def rms_norm_fwd_kernel(
     n_rows, n_cols, stride_x, stride_y, eps,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """The forward pass: y and one float32 rstd per row, ROWS rows per program (``rms_norm_forward``
-    launches it)."""
+    """The forward pass: y and one float32 rstd per row, ROWS rows per program (chapter 02).
+
+    ``rms_norm_forward`` launches it, one program per ROWS rows.
+
+    Args:
+        X, W, Y, RSTD: pointers to x [n_rows, n_cols] (any row stride), the weight [n_cols], y and
+            the float32 rstd [n_rows].
+        n_rows, n_cols: the rows and their width.
+        stride_x, stride_y: the row strides of x and y (unit stride along a row).
+        eps: added to the mean of squares.
+        ROWS, BLOCK_N: the tile, rows by ``n_cols`` rounded up to a power of two.
+    """
     # Each program normalises ROWS consecutive rows, held as one [ROWS, BLOCK_N] tile.
     # int64 row indices: row * stride overflows int32 once rows × hidden passes 2**31.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -73,8 +83,19 @@ def rms_norm_bwd_kernel(
     n_rows, n_cols, stride_x, stride_dy, stride_dx,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, COMPUTE_DW: tl.constexpr, STAGES: tl.constexpr,
 ):
-    """The backward pass: dx, and with COMPUTE_DW one row of float32 dW partials per program
-    (``rms_norm_backward`` launches it)."""
+    """The backward pass: dx, and with COMPUTE_DW one row of float32 dW partials per program.
+
+    ``rms_norm_backward`` launches it on a persistent grid (chapter 03 derives it).
+
+    Args:
+        X, W, DY, RSTD: pointers to x [n_rows, n_cols], the weight, dy and the forward's rstd.
+        DX, DW_PARTIAL: pointers to dx and to the [programs, n_cols] float32 partials of dW.
+        n_rows, n_cols: the rows and their width.
+        stride_x, stride_dy, stride_dx: the row strides (unit stride along a row).
+        ROWS, BLOCK_N: the tile of one loop iteration.
+        COMPUTE_DW: write the dW partials (False: a frozen weight, DW_PARTIAL unused).
+        STAGES: the software-pipelining depth of the row loop.
+    """
     # A persistent grid: program p handles row blocks p, p + P, p + 2P, ... and accumulates its part
     # of dW in registers, so dW costs one [P, hidden] float32 write at the end instead of a [rows,
     # hidden] buffer.
@@ -115,8 +136,15 @@ def rms_norm_bwd_kernel(
 
 @triton.jit
 def rms_norm_dw_kernel(PARTIAL, DW, n_partials, n_cols, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-    """dW from the backward kernel's partials (``rms_norm_backward`` launches it after
-    ``rms_norm_bwd_kernel``)."""
+    """dW from the backward kernel's partials, summed in a fixed order (chapter 03).
+
+    ``rms_norm_backward`` launches it after ``rms_norm_bwd_kernel``.
+
+    Args:
+        PARTIAL, DW: pointers to the [n_partials, n_cols] float32 partials and to dW [n_cols].
+        n_partials, n_cols: the partials' shape.
+        BLOCK_P, BLOCK_C: partials per load, and columns per program.
+    """
     # dW = the column sums of the [P, hidden] float32 partials. Each program owns BLOCK_C columns
     # and adds the P partials in the same order on every run, so dW is deterministic (no float
     # atomics).
@@ -141,6 +169,8 @@ _INTERPRETER_MAX_TILE = 1 << 18
 
 @dataclass(frozen=True)
 class ForwardConfig:
+    """The forward kernel's launch configuration, as ``forward_config`` chooses it (chapter 02)."""
+
     grid: tuple[int]  # programs
     rows: int  # rows per program
     block_n: int  # the hidden size rounded up to a power of two: one row of the tile
@@ -149,6 +179,8 @@ class ForwardConfig:
 
 @dataclass(frozen=True)
 class BackwardConfig:
+    """The backward kernels' launch configuration, as ``backward_config`` chooses it (chapter 03)."""
+
     grid: tuple[int]  # the persistent grid: one program per SM at most
     rows: int  # rows per loop iteration of a program
     block_n: int
@@ -160,14 +192,26 @@ class BackwardConfig:
 
 
 def tile_width(n_cols: int) -> int:
-    """The width of the kernels' tiles for rows of ``n_cols``: ``n_cols`` rounded up to a power of
-    two, as the sides of a Triton tile must be."""
+    """The width of the kernels' tiles for rows of ``n_cols``.
+
+    Args:
+        n_cols: the row width (the hidden size).
+
+    Returns:
+        ``n_cols`` rounded up to a power of two, as the sides of a Triton tile must be.
+    """
     return triton.next_power_of_2(n_cols)
 
 
 def tile_elements(props: runtime.DeviceProps) -> int:
-    """How many values one program's tile may hold on ``props``: a program takes as many rows as fit
-    in it."""
+    """How many values one program's tile may hold on ``props``: a program takes as many rows as fit.
+
+    Args:
+        props: the device's properties (its registers per SM decide).
+
+    Returns:
+        ``regs_per_sm // 8``, at least 1024.
+    """
     # A program of 8 warps keeps its tile in float32 registers. With two programs resident per SM
     # and two live tiles (x and dy in the backward), regs_per_sm / 8 values per tile leaves half of
     # each program's registers for addresses and temporaries: 8,192 on every NVIDIA GPU since Volta
@@ -177,13 +221,29 @@ def tile_elements(props: runtime.DeviceProps) -> int:
 
 
 def forward_config(n_rows: int, n_cols: int, props: runtime.DeviceProps | None = None) -> ForwardConfig:
-    """Launch configuration of the forward kernel on ``props`` (default: this machine's device)."""
+    """Launch configuration of the forward kernel on ``props`` (chapter 02 explains it).
+
+    Args:
+        n_rows, n_cols: the rows of x and their width.
+        props: the device's properties (default: this machine's device).
+
+    Returns:
+        The ``ForwardConfig``: grid, rows per program, tile width and warps.
+    """
     return cached_forward_config(n_rows, n_cols, props or runtime.device_props())
 
 
 @functools.lru_cache(maxsize=512)
 def cached_forward_config(n_rows: int, n_cols: int, props: runtime.DeviceProps) -> ForwardConfig:
-    """``forward_config`` for given ``props``, cached: what the launches ask for on every call."""
+    """``forward_config`` for given ``props``, cached: what the launches ask for on every call.
+
+    Args:
+        n_rows, n_cols: the rows of x and their width.
+        props: the device's properties.
+
+    Returns:
+        The ``ForwardConfig`` (the same object for the same arguments).
+    """
     block_n = tile_width(n_cols)
     if props.interpreter:
         rows = min(triton.next_power_of_2(max(n_rows, 1)), max(1, _INTERPRETER_MAX_TILE // block_n))
@@ -194,7 +254,16 @@ def cached_forward_config(n_rows: int, n_cols: int, props: runtime.DeviceProps) 
 
 
 def dw_tiles(n_cols: int, programs: int, props: runtime.DeviceProps) -> tuple[tuple[int], int, int]:
-    """Grid and tile of the dW sum: about one program per SM, each summing all partials of its columns."""
+    """Grid and tile of the dW sum: about one program per SM, each summing all partials of its columns.
+
+    Args:
+        n_cols: the hidden size.
+        programs: how many partials the backward kernel writes (its grid).
+        props: the device's properties.
+
+    Returns:
+        ``(grid, block_p, block_c)``: the dW kernel's grid, partials per load, columns per program.
+    """
     if props.interpreter:
         block_c = min(tile_width(n_cols), 4096)
         return (triton.cdiv(n_cols, block_c),), triton.next_power_of_2(programs), block_c
@@ -206,16 +275,33 @@ def dw_tiles(n_cols: int, programs: int, props: runtime.DeviceProps) -> tuple[tu
 def backward_config(
     n_rows: int, n_cols: int, itemsize: int = 2, props: runtime.DeviceProps | None = None
 ) -> BackwardConfig:
-    """Launch configuration of the backward kernels on ``props`` (default: this machine's device).
-    ``itemsize``: bytes per element of x and dy, which sets how many pipeline stages fit in shared
-    memory."""
+    """Launch configuration of the backward kernels on ``props`` (chapters 03, 12 and 13 read it).
+
+    Args:
+        n_rows, n_cols: the rows of x and their width.
+        itemsize: bytes per element of x and dy, which sets how many pipeline stages fit in shared
+            memory.
+        props: the device's properties (default: this machine's device).
+
+    Returns:
+        The ``BackwardConfig``: the persistent grid, its tile, warps and stages, and the dW sum's
+        grid and tile.
+    """
     return cached_backward_config(n_rows, n_cols, itemsize, props or runtime.device_props())
 
 
 @functools.lru_cache(maxsize=512)
 def cached_backward_config(n_rows: int, n_cols: int, itemsize: int,
                            props: runtime.DeviceProps) -> BackwardConfig:
-    """``backward_config`` for given ``props``, cached: what the launches ask for on every call."""
+    """``backward_config`` for given ``props``, cached: what the launches ask for on every call.
+
+    Args:
+        n_rows, n_cols, itemsize: as ``backward_config`` takes them.
+        props: the device's properties.
+
+    Returns:
+        The ``BackwardConfig`` (the same object for the same arguments).
+    """
     block_n = tile_width(n_cols)
     if props.interpreter:
         rows = min(triton.next_power_of_2(max(n_rows, 1)), max(1, _INTERPRETER_MAX_TILE // block_n))
@@ -242,8 +328,20 @@ def cached_backward_config(n_rows: int, n_cols: int, itemsize: int,
 
 
 def check_tensors(x: torch.Tensor, weight: torch.Tensor) -> None:
-    """Types, dtypes, shapes and one device for x and weight, whatever that device is: the checks
-    every RMSNorm entry point makes, the C++ ones of ``kernels.cuda_rmsnorm`` too."""
+    """Check types, dtypes, shapes and one device for x and weight, whatever that device is.
+
+    The checks every RMSNorm entry point makes, the C++ ones of ``kernels.cuda_rmsnorm`` too.
+
+    Args:
+        x: the input, ``[..., hidden]``.
+        weight: the scale, ``(hidden,)``.
+
+    Raises:
+        TypeError: when either is not a tensor, or not of a dtype the kernels take (float32,
+            bfloat16, float16).
+        ValueError: when x is a scalar, the weight's shape is not ``(x.shape[-1],)``, or the two
+            are on different devices.
+    """
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise TypeError(f"x and weight must be tensors, got {type(x).__name__} and {type(weight).__name__}")
     for name, t in (("x", x), ("weight", weight)):
@@ -271,10 +369,18 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 
 def as_rows(t: torch.Tensor) -> torch.Tensor:
-    """View ``t`` as [rows, hidden] with unit stride along hidden; copies only when no such view
-    exists. Rows as the row kernels read them, with any row stride (``kernels.swiglu`` reads its
-    strided inputs so too). The row count is explicit: with a hidden size of 0, ``-1`` would not say
-    how many empty rows there are."""
+    """View ``t`` as [rows, hidden] with unit stride along hidden; copies only when no such view exists.
+
+    Rows as the row kernels read them, with any row stride (``kernels.swiglu`` reads its strided
+    inputs so too; chapter 12 uses it). The row count is explicit: with a hidden size of 0, ``-1``
+    would not say how many empty rows there are.
+
+    Args:
+        t: a tensor of at least one dimension.
+
+    Returns:
+        ``[prod(t.shape[:-1]), t.shape[-1]]``: a view of ``t`` where one exists, else a copy.
+    """
     if t.stride(-1) != 1:
         t = t.contiguous()
     shape = (math.prod(t.shape[:-1]), t.shape[-1])
@@ -286,18 +392,37 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=64)
 def out_dtype(x_dtype: torch.dtype, w_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of ``weight * x_hat.to(x.dtype)`` in PyTorch, that of RMSNorm's output: a float32
-    weight makes a bfloat16 model's output float32."""
+    """The dtype of ``weight * x_hat.to(x.dtype)`` in PyTorch, that of RMSNorm's output.
+
+    A float32 weight makes a bfloat16 model's output float32.
+
+    Args:
+        x_dtype, w_dtype: the dtypes of x and the weight.
+
+    Returns:
+        ``torch.promote_types(x_dtype, w_dtype)``.
+    """
     return torch.promote_types(x_dtype, w_dtype)
 
 
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
                      config: ForwardConfig | None = None):
-    """Launch the forward kernel. Returns ``(y, rstd)``: the output (x's shape) and a float32 rstd per row.
+    """Launch the forward kernel: the implementation of ``torch.ops.kernels.rms_norm_fwd`` (chapter 02).
 
     The kernels read the weight with unit stride: a strided or expanded weight (``w[::2]``, a
     Parameter cut from a larger buffer) is copied first, ``hidden`` values. Rows of x may have any
-    row stride (``as_rows``)."""
+    row stride (``as_rows``). Inputs are not checked here (``rms_norm`` does).
+
+    Args:
+        x: the input, ``[..., hidden]``.
+        weight: the scale, ``(hidden,)``.
+        eps: added to the mean of squares.
+        config: a launch configuration to use instead of ``cached_forward_config``'s.
+
+    Returns:
+        ``(y, rstd)``: the output (x's shape, ``out_dtype``) and a float32 rstd per row (empty
+        when the hidden size is 0).
+    """
     weight = weight.contiguous()
     x_rows = as_rows(x)
     n_rows, n_cols = x_rows.shape
@@ -318,9 +443,20 @@ def rms_norm_backward(
     dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, compute_dw: bool = True,
     config: BackwardConfig | None = None,
 ):
-    """Launch the backward kernels. Returns ``(dx, dw)``: dx in x's shape, dw in weight's shape and
-    dtype, contiguous (empty, shape [0], when ``compute_dw`` is false: a frozen weight skips the dW
-    reduction entirely)."""
+    """Launch the backward kernels: the implementation of ``torch.ops.kernels.rms_norm_bwd`` (chapter 03).
+
+    Args:
+        dy: the gradient of the output, of x's shape.
+        x: the forward's input.
+        weight: the forward's weight.
+        rstd: the forward's float32 rstd, one per row.
+        compute_dw: reduce dW too; False (a frozen weight) skips the dW reduction entirely.
+        config: a launch configuration to use instead of ``cached_backward_config``'s.
+
+    Returns:
+        ``(dx, dw)``: dx in x's shape and dtype; dw in weight's shape and dtype, contiguous (zeros
+        when x has no rows), or empty, shape [0], when ``compute_dw`` is false.
+    """
     weight = weight.contiguous()  # as in the forward: the kernels read it with unit stride
     x_rows = as_rows(x)
     dy_rows = as_rows(dy)
@@ -350,18 +486,32 @@ def rms_norm_backward(
 
 
 def rms_norm_fwd_fake(x, weight, eps):
-    """The fake implementation of ``rms_norm_fwd``: ``(y, rstd)`` as empty tensors of the right
-    shapes and dtypes. ``kernels.cuda_rmsnorm`` registers it for its C++ operators of the same
-    schema."""
+    """The fake implementation of ``rms_norm_fwd``: what ``torch.compile`` traces with (chapter 09).
+
+    ``kernels.cuda_rmsnorm`` registers it for its C++ operators of the same schema.
+
+    Args:
+        x, weight, eps: as ``rms_norm_forward`` takes them.
+
+    Returns:
+        ``(y, rstd)`` as empty tensors of the right shapes and dtypes.
+    """
     n_rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     y = torch.empty(x.shape, dtype=out_dtype(x.dtype, weight.dtype), device=x.device)
     return y, torch.empty(n_rows, dtype=torch.float32, device=x.device)
 
 
 def rms_norm_bwd_fake(dy, x, weight, rstd, compute_dw):
-    """The fake implementation of ``rms_norm_bwd``: ``(dx, dw)`` as empty tensors (dw empty, shape
-    [0], without ``compute_dw``). ``kernels.cuda_rmsnorm`` registers it for its C++ operator of the
-    same schema."""
+    """The fake implementation of ``rms_norm_bwd``: what ``torch.compile`` traces with.
+
+    ``kernels.cuda_rmsnorm`` registers it for its C++ operator of the same schema.
+
+    Args:
+        dy, x, weight, rstd, compute_dw: as ``rms_norm_backward`` takes them.
+
+    Returns:
+        ``(dx, dw)`` as empty tensors (dw empty, shape [0], without ``compute_dw``).
+    """
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     return dx, (torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if compute_dw
                 else weight.new_empty(0))
@@ -400,16 +550,35 @@ class RMSNormFunction(torch.autograd.Function):
     """autograd glue around the two operators: the forward saves x (no copy), the weight and one
     float32 rstd per row; the backward computes dW only when the weight needs a gradient. A plain
     eager call runs the operators' implementations directly (``ops.call``): the dispatcher's trip
-    costs host time and is needed only by tracers."""
+    costs host time and is needed only by tracers. Chapter 03 builds it; chapter 09 makes its
+    passes operators."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
+        """Run ``rms_norm_fwd`` and save what the backward needs.
+
+        Args:
+            ctx: autograd's context.
+            x, weight, eps: as ``rms_norm`` takes them, already checked.
+
+        Returns:
+            The normalised output.
+        """
         y, rstd = ops.call(rms_norm_fwd_op, x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
         return y
 
     @staticmethod
     def backward(ctx, dy):
+        """Run ``rms_norm_bwd``; the dW reduction only when the weight needs a gradient.
+
+        Args:
+            ctx: autograd's context, holding x, the weight and rstd.
+            dy: the gradient of the output.
+
+        Returns:
+            ``(dx, dw, None)``: dw is None when the weight needs no gradient; eps has none.
+        """
         x, weight, rstd = ctx.saved_tensors
         compute_dw = ctx.needs_input_grad[1]
         dx, dw = ops.call(rms_norm_bwd_op, dy, x, weight, rstd, compute_dw)
@@ -446,12 +615,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
 
 
 def check_llama_formula(module: torch.nn.Module, eps: float) -> None:
-    """Raise a TypeError unless ``module`` computes ``LlamaRMSNorm``'s weight · (x / sqrt(mean(x²) + eps)).
+    """Refuse ``module`` unless it computes ``LlamaRMSNorm``'s weight · (x / sqrt(mean(x²) + eps)).
 
     Checked by running a float32 CPU copy of it with a random weight on two random rows: one shifted
     off zero (a LayerNorm subtracts the mean), one of magnitude sqrt(eps) (where an eps other than
     ``eps`` shows). The module itself is not touched, and its weight is not copied (a fresh one
-    stands in), so a weight on the meta device or sharded by FSDP2 is no obstacle."""
+    stands in), so a weight on the meta device or sharded by FSDP2 is no obstacle.
+
+    Args:
+        module: a norm module with a 1-D ``weight`` (``TritonRMSNorm.from_hf`` calls this).
+        eps: the epsilon it is expected to use.
+
+    Raises:
+        TypeError: for a LayerNorm or GroupNorm, a norm with a bias, a copy that cannot be run, or
+            one whose output differs from the formula (Gemma's 1 + weight, another eps).
+    """
     name = type(module).__name__
     if isinstance(module, (torch.nn.LayerNorm, torch.nn.GroupNorm)):
         raise TypeError(f"{name} subtracts the mean: it is not an RMSNorm, and TritonRMSNorm cannot replace it")
@@ -503,12 +681,24 @@ class TritonRMSNorm(torch.nn.Module):
     @classmethod
     def from_hf(cls, module: torch.nn.Module) -> "TritonRMSNorm":
         """A TritonRMSNorm that shares ``module``'s weight Parameter (no copy: optimisers and tying
-        still see it).
+        still see it). Chapter 03 introduces it; chapters 04 and 08 swap a model's norms with it.
 
         ``module`` must compute what ``LlamaRMSNorm`` computes, weight · (x / rms(x)), with its
-        ``variance_epsilon`` (or ``eps``): a TypeError names any other kind (a LayerNorm, a norm
-        with a bias, Gemma's (1 + weight)), never a silent conversion to the wrong formula.
-        ``check_llama_formula`` runs a copy of it to make sure."""
+        ``variance_epsilon`` (or ``eps``): any other kind is refused, never silently converted to
+        the wrong formula. ``check_llama_formula`` runs a copy of it to make sure (not needed when
+        ``module`` is already a TritonRMSNorm).
+
+        Args:
+            module: the norm to replace, e.g. a ``LlamaRMSNorm``.
+
+        Returns:
+            The new module, with ``module``'s weight and eps.
+
+        Raises:
+            TypeError: when ``module`` has no 1-D weight Parameter or no number ``variance_epsilon``
+                or ``eps``, or does not compute the formula (a LayerNorm, a norm with a bias,
+                Gemma's (1 + weight)).
+        """
         weight = getattr(module, "weight", None)
         if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1:
             raise TypeError(f"{type(module).__name__} has no 1-D weight Parameter to share")
@@ -524,7 +714,20 @@ class TritonRMSNorm(torch.nn.Module):
         return new
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Normalise ``hidden_states`` with ``rms_norm``.
+
+        Args:
+            hidden_states: ``[..., hidden_size]``.
+
+        Returns:
+            The normalised states, of the input's shape and ``weight * hidden_states``'s dtype.
+        """
         return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
     def extra_repr(self) -> str:
+        """What ``print(module)`` shows inside the parentheses.
+
+        Returns:
+            The hidden size and eps, e.g. ``"4096, eps=1e-06"``.
+        """
         return f"{self.weight.shape[0]}, eps={self.variance_epsilon}"

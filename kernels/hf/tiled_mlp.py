@@ -73,14 +73,31 @@ CPU_TILE_BYTES = 32 << 20
 def tile_bytes_per_row(hidden: int, intermediate: int, dtype: torch.dtype) -> int:
     """Bytes one row of a tile keeps alive at the tile's peak: gate, up and a third [rows,
     intermediate] tensor (the product y in the forward, dy in the backward) and one [rows, hidden]
-    output row, in ``dtype``."""
+    output row, in ``dtype``. Chapter 14 (``notebooks/14_long_context.ipynb``) sizes its tiles with
+    it.
+
+    Args:
+        hidden: the model's hidden size.
+        intermediate: the MLP's intermediate size.
+        dtype: the activations' dtype.
+
+    Returns:
+        ``(3 * intermediate + hidden)`` elements of ``dtype``, in bytes.
+    """
     size = torch.empty((), dtype=dtype).element_size()
     return (3 * intermediate + hidden) * size
 
 
 def free_device_bytes(device: torch.device | None = None) -> int:
     """GPU memory a new allocation can get without a cudaMalloc failing: what the driver reports
-    free plus what PyTorch's caching allocator holds but does not use."""
+    free plus what PyTorch's caching allocator holds but does not use.
+
+    Args:
+        device: the CUDA device (None: the current one).
+
+    Returns:
+        The bytes free to a new allocation.
+    """
     free, _ = torch.cuda.mem_get_info(device)
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
@@ -93,7 +110,21 @@ def tile_rows(n_rows: int, hidden: int, intermediate: int, dtype: torch.dtype,
     for a short input).
 
     ``free_bytes`` defaults to the free GPU memory (``free_device_bytes``); without a GPU the budget
-    is ``CPU_TILE_BYTES`` instead of a fraction of free memory.
+    is ``CPU_TILE_BYTES`` instead of a fraction of free memory. Chapter 14
+    (``notebooks/14_long_context.ipynb``) computes its tiles with it.
+
+    Args:
+        n_rows: the rows (tokens) of the input.
+        hidden: the model's hidden size.
+        intermediate: the MLP's intermediate size.
+        dtype: the activations' dtype.
+        free_bytes: the free memory to take a share of (None: read it, or ``CPU_TILE_BYTES``).
+
+    Returns:
+        Rows per tile, a positive multiple of ``ALIGN``.
+
+    Raises:
+        ValueError: a size is not a positive int, or ``free_bytes`` not a non-negative int.
     """
     for name, value in (("n_rows", n_rows), ("hidden", hidden), ("intermediate", intermediate)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -111,7 +142,16 @@ def tile_rows(n_rows: int, hidden: int, intermediate: int, dtype: torch.dtype,
 
 def tile_bounds(n_rows: int, rows_per_tile: int) -> list[tuple[int, int]]:
     """``(start, stop)`` of each tile over ``n_rows`` rows: consecutive, not overlapping, the last
-    one partial when ``rows_per_tile`` does not divide ``n_rows``."""
+    one partial when ``rows_per_tile`` does not divide ``n_rows``. Chapter 14
+    (``notebooks/14_long_context.ipynb``) cuts its tiles with it.
+
+    Args:
+        n_rows: the rows to cover.
+        rows_per_tile: rows per tile (positive).
+
+    Returns:
+        The tiles' bounds in order; empty for ``n_rows == 0``.
+    """
     return [(start, min(start + rows_per_tile, n_rows)) for start in range(0, n_rows, rows_per_tile)]
 
 
@@ -147,7 +187,12 @@ def _mlp_tile(x_t: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> tu
 def recomputing() -> bool:
     """True while autograd executes a backward pass. A decoder layer's forward that runs then is
     gradient checkpointing recomputing it (reentrant or not): the only caller that runs a forward
-    inside a backward."""
+    inside a backward. Chapter 14 (``notebooks/14_long_context.ipynb``) explains the recompute it
+    lets the tiled MLP skip.
+
+    Returns:
+        Whether autograd is executing a backward pass (a graph task is current).
+    """
     return torch._C._current_graph_task_id() != -1
 
 
@@ -188,10 +233,35 @@ class TiledSwiGLUFunction(torch.autograd.Function):
     weights only (see the module docstring for the passes). ``grad_dtype`` is the dtype the weight
     gradients accumulate in (None: the weights' own). ``skip_output``: save what the backward needs
     and return NaN instead of computing the output (for a checkpoint's recompute, which reads only
-    what is saved)."""
+    what is saved).
+
+    Its ``forward`` arguments, after ``ctx``: ``x`` [..., hidden]; ``w_gate``, ``w_up``
+    [intermediate, hidden] and ``w_down`` [hidden, intermediate], in x's dtype and on its device;
+    ``rows`` per tile; ``grad_dtype``; ``skip_output``. Its ``backward`` returns the gradients of x
+    and the three weights (None where not needed) and None for the rest.
+    """
 
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, rows: int, grad_dtype, skip_output: bool = False):
+        """The MLP's output, tile by tile; only x and the weights are saved.
+
+        Args:
+            ctx: autograd's context.
+            x: [..., hidden].
+            w_gate, w_up: [intermediate, hidden]; w_down: [hidden, intermediate], in x's dtype and
+                on its device.
+            rows: rows per tile.
+            grad_dtype: the weight gradients' accumulation dtype (None: the weights' own).
+            skip_output: save only, and return a tensor of NaN of x's shape.
+
+        Returns:
+            The output, of x's shape and dtype.
+
+        Raises:
+            ValueError: ``rows`` is not a positive int, or a weight's shape or device does not
+                match x.
+            TypeError: x is not floating point, or a weight's dtype differs from x's.
+        """
         _check_inputs(x, w_gate, w_up, w_down, rows)
         ctx.save_for_backward(x, w_gate, w_up, w_down)
         ctx.rows, ctx.grad_dtype = rows, grad_dtype
@@ -209,6 +279,16 @@ class TiledSwiGLUFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_out):
+        """Gradients tile by tile, gate and up recomputed from the saved x.
+
+        Args:
+            ctx: autograd's context, with x and the weights saved.
+            d_out: the output's gradient, of x's shape.
+
+        Returns:
+            ``(dx, d_w_gate, d_w_up, d_w_down, None, None, None)``, None for an input that needs
+            no gradient; the weight gradients in the weights' dtype.
+        """
         x, w_gate, w_up, w_down = ctx.saved_tensors
         need_x, need_gate, need_up, need_down = ctx.needs_input_grad[:4]
         flat = x.reshape(-1, x.shape[-1])
@@ -246,7 +326,21 @@ def tiled_swiglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, 
                      grad_dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
     """Llama's MLP without biases, ``(silu(x·W_gateᵀ) · x·W_upᵀ)·W_downᵀ``, over tiles of ``rows``
     rows (default: ``tile_rows`` of x's row count and the free memory). x is [..., hidden]; the
-    weights are the projections' ``weight`` tensors, in x's dtype and on its device."""
+    weights are the projections' ``weight`` tensors, in x's dtype and on its device.
+    Chapter 14 (``notebooks/14_long_context.ipynb``) teaches the tiling.
+
+    Args:
+        x: [..., hidden], floating point.
+        w_gate, w_up: [intermediate, hidden]; w_down: [hidden, intermediate].
+        rows: rows per tile (None: ``tile_rows``).
+        grad_dtype: the weight gradients' accumulation dtype (None: the weights' own).
+
+    Returns:
+        The MLP's output, of x's shape and dtype, differentiable in x and the weights.
+
+    Raises:
+        ValueError, TypeError: as ``TiledSwiGLUFunction.forward`` raises them.
+    """
     if rows is None:
         rows = tile_rows(max(1, x.numel() // x.shape[-1]), x.shape[-1], w_gate.shape[0], x.dtype)
     return TiledSwiGLUFunction.apply(x, w_gate, w_up, w_down, rows, grad_dtype)
@@ -265,7 +359,16 @@ def _is_plain_linear(module: torch.nn.Module) -> bool:
 def check_tileable(mlp: torch.nn.Module, where: str = "the MLP") -> None:
     """Raise unless ``mlp`` is a gated SiLU MLP of plain ``nn.Linear`` projections without bias:
     ``gate_proj``, ``up_proj``, ``down_proj`` and ``hidden_act`` (or ``act_fn``) SiLU, or a
-    ``TritonSwiGLUMLP``."""
+    ``TritonSwiGLUMLP``.
+
+    Args:
+        mlp: the MLP module to check.
+        where: its name, for the messages.
+
+    Raises:
+        TypeError: a projection is missing, has a bias, or is not a plain hook-free ``nn.Linear``.
+        ValueError: the activation is not SiLU.
+    """
     name = type(mlp).__name__
     missing = [p for p in ("gate_proj", "up_proj", "down_proj") if not isinstance(getattr(mlp, p, None),
                                                                                    torch.nn.Module)]
@@ -300,6 +403,11 @@ class TiledSwiGLUMLP(torch.nn.Module):
     accumulation dtype (float32; None for the weights' own). ``skip_recompute``: when the forward
     runs inside a backward pass (a checkpoint recomputing the layer), save x and return NaN without
     computing the output (see the module docstring); False computes it anyway.
+    Chapter 14 (``notebooks/14_long_context.ipynb``) trains long sequences with it.
+
+    Args:
+        gate_proj, up_proj, down_proj: the projections, plain ``nn.Linear`` without bias.
+        tile_rows, grad_dtype, skip_recompute: as above.
     """
 
     def __init__(self, gate_proj: torch.nn.Module, up_proj: torch.nn.Module, down_proj: torch.nn.Module,
@@ -316,12 +424,32 @@ class TiledSwiGLUMLP(torch.nn.Module):
     def from_hf(cls, mlp: torch.nn.Module, tile_rows: int | None = None,
                 grad_dtype: torch.dtype | None = torch.float32) -> TiledSwiGLUMLP:
         """A TiledSwiGLUMLP over ``mlp``'s own projections (no copy); refuses what
-        ``check_tileable`` refuses."""
+        ``check_tileable`` refuses.
+
+        Args:
+            mlp: a Llama-style MLP (or a ``TritonSwiGLUMLP``).
+            tile_rows: rows per tile, or None to choose them.
+            grad_dtype: the weight gradients' accumulation dtype (None: the weights' own).
+
+        Returns:
+            The new module, sharing ``mlp``'s projections.
+
+        Raises:
+            TypeError, ValueError: as ``check_tileable`` raises them.
+        """
         check_tileable(mlp)
         return cls(mlp.gate_proj, mlp.up_proj, mlp.down_proj, tile_rows, grad_dtype)
 
     def rows_for(self, x: torch.Tensor) -> int:
-        """Rows per tile for an input like ``x``."""
+        """Rows per tile for an input like ``x``: ``tile_rows``, or the choice made for its row
+        count.
+
+        Args:
+            x: [..., hidden].
+
+        Returns:
+            Rows per tile.
+        """
         if self.tile_rows is not None:
             return self.tile_rows
         n_rows = max(1, x.numel() // x.shape[-1])
@@ -331,12 +459,25 @@ class TiledSwiGLUMLP(torch.nn.Module):
 
     @torch.compiler.disable(reason="the tiled MLP is a Python loop of tiles: it runs eagerly")
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP's output over tiles; NaN during a checkpoint's recompute (``skip_recompute``).
+
+        Args:
+            x: [..., hidden], in the projections' dtype.
+
+        Returns:
+            The output, of x's shape.
+        """
         skip = self.skip_recompute and torch.is_grad_enabled() and recomputing()
         return TiledSwiGLUFunction.apply(x, self.gate_proj.weight, self.up_proj.weight,
                                          self.down_proj.weight,
                                          self.rows_for(x), self.grad_dtype, skip)
 
     def extra_repr(self) -> str:
+        """The settings, for the module's ``repr``.
+
+        Returns:
+            ``tile_rows``, ``grad_dtype`` and ``skip_recompute``, comma-separated.
+        """
         return (f"tile_rows={self.tile_rows if self.tile_rows is not None else 'auto'}, grad_dtype={self.grad_dtype}, "
                 f"skip_recompute={self.skip_recompute}")
 
@@ -350,6 +491,7 @@ class TiledMLPHandle:
     active: bool = True
 
     def undo(self) -> None:
+        """Put every original MLP back, the last swapped first. A second call does nothing."""
         if not self.active:
             return
         for _, parent, original, _ in reversed(self.swaps):
@@ -366,9 +508,15 @@ class TiledMLPHandle:
 
     @property
     def modules(self) -> list[TiledSwiGLUMLP]:
+        """The tiled MLPs swapped in, in model order."""
         return [tiled for *_, tiled in self.swaps]
 
     def summary(self) -> str:
+        """One line: how many decoder layers have the tiled MLP.
+
+        Returns:
+            The line, ending in ``" (undone)"`` after ``undo()``.
+        """
         return f"tiled MLP in {len(self.swaps)} decoder layers" + ("" if self.active else " (undone)")
 
 
@@ -391,7 +539,21 @@ def apply_tiled_mlp(model: torch.nn.Module, tile_rows: int | None = None,
     projections; return the handle that undoes it. Every MLP is checked first: one that is not
     gate/up/down with SiLU, or whose projections are not plain bias-free ``nn.Linear`` layers, is
     refused before anything changes. A ``TritonSwiGLUMLP`` (``patch_llama(..., swiglu=True)``) is
-    accepted and replaced too; undo this swap before undoing that patch."""
+    accepted and replaced too; undo this swap before undoing that patch. Chapter 14
+    (``notebooks/14_long_context.ipynb``) applies it.
+
+    Args:
+        model: a Hugging Face model (or any module whose decoder layers have an ``mlp`` child).
+        tile_rows: rows per tile, or None to choose them per row count.
+        grad_dtype: the weight gradients' accumulation dtype (None: the weights' own).
+
+    Returns:
+        The ``TiledMLPHandle``: ``undo()``, ``modules``, ``summary()``.
+
+    Raises:
+        TypeError: ``model`` is not a module, or an MLP's projections are not plain ``nn.Linear``.
+        ValueError: no decoder layer has an ``mlp``, or an MLP's activation is not SiLU.
+    """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     found = _decoder_mlps(model)

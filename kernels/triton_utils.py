@@ -16,6 +16,17 @@ if INTERPRET:
 
     @triton.jit
     def cast_to(x, dtype: tl.constexpr):
+        """``x`` converted to ``dtype``, bfloat16 rounded to nearest-even on the bit pattern.
+
+        Chapter 02 stores the RMSNorm output with it.
+
+        Args:
+            x: a tensor of values (float32, or any float dtype).
+            dtype: the dtype to store in, e.g. ``Y.dtype.element_ty``.
+
+        Returns:
+            ``x`` in ``dtype``, the bits a GPU's ``.to(dtype)`` gives.
+        """
         if dtype == tl.bfloat16:
             bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
             # Add half an ulp of bfloat16 (minus one when the kept part is even: ties go to even),
@@ -30,4 +41,15 @@ else:
 
     @triton.jit
     def cast_to(x, dtype: tl.constexpr):
+        """``x`` converted to ``dtype``, rounded to nearest-even (a plain ``.to``).
+
+        Chapter 02 stores the RMSNorm output with it.
+
+        Args:
+            x: a tensor of values (float32, or any float dtype).
+            dtype: the dtype to store in, e.g. ``Y.dtype.element_ty``.
+
+        Returns:
+            ``x`` in ``dtype``.
+        """
         return x.to(dtype)

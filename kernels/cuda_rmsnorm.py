@@ -297,7 +297,7 @@ def rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> t
 
     Args:
         x: the input, ``[..., hidden]``, on a CUDA device.
-        weight: the scale, ``(x.shape[-1],)``, on ``x``'s device.
+        weight: the scale, ``(x.shape[-1],)``, on ``x``'s device, of ``x``'s dtype or float32.
         eps: added to the mean of squares before the square root.
 
     Returns:
@@ -306,7 +306,8 @@ def rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> t
     Raises:
         TypeError: for a non-tensor or an unsupported dtype (``kernels.rmsnorm.check_tensors``).
         ValueError: for mismatched shapes or devices, or tensors not on a CUDA device.
-        RuntimeError: when the extension cannot be built here (``build_cuda``).
+        RuntimeError: when the extension cannot be built here (``build_cuda``), or from the
+            operator for a weight of another dtype.
     """
     check_tensors(x, weight)
     if x.device.type != "cuda":
@@ -325,7 +326,7 @@ def rms_norm_cpp(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> to
 
     Args:
         x: the input, ``[..., hidden]``, on the CPU.
-        weight: the scale, ``(x.shape[-1],)``, on the CPU.
+        weight: the scale, ``(x.shape[-1],)``, on the CPU, of ``x``'s dtype or float32.
         eps: added to the mean of squares before the square root.
 
     Returns:
@@ -334,7 +335,8 @@ def rms_norm_cpp(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> to
     Raises:
         TypeError: for a non-tensor or an unsupported dtype (``kernels.rmsnorm.check_tensors``).
         ValueError: for mismatched shapes or devices, or tensors not on the CPU.
-        RuntimeError: when the extension cannot be built here (``build_cpu``).
+        RuntimeError: when the extension cannot be built here (``build_cpu``), or from the
+            operator for a weight of another dtype.
     """
     check_tensors(x, weight)
     if x.device.type != "cpu":

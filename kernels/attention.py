@@ -466,6 +466,8 @@ def _bwd_dq_kernel(
 
 @dataclass(frozen=True)
 class BlockConfig:
+    """One kernel's tile: query rows and keys per tile, warps and pipeline stages."""
+
     block_m: int  # query rows per tile
     block_n: int  # keys per tile
     num_warps: int
@@ -474,6 +476,9 @@ class BlockConfig:
 
 @dataclass(frozen=True)
 class Config:
+    """The tiles of the forward and both backward kernels, the delta preprocess's rows per program,
+    and whether packed rows take the mask-free interior walk."""
+
     forward: BlockConfig
     dkdv: BlockConfig  # the backward's key-block kernel
     dq: BlockConfig  # the backward's query-block kernel
@@ -495,7 +500,18 @@ def attention_config(seq: int, head_dim: int, props: runtime.DeviceProps | None 
     """Block sizes of the forward and both backward kernels for a sequence of ``seq`` tokens and
     ``head_dim``, for inputs of ``element_size`` bytes (2: bf16 or fp16; 4: float32), of dense rows
     or of ``packed`` documents. A GPU whose shared memory cannot hold these tiles gets smaller ones
-    at launch (``shrinking``)."""
+    at launch (``shrinking``).
+
+    Args:
+        seq: tokens per sequence.
+        head_dim: the heads' width.
+        props: the device's properties; None reads the current device's.
+        element_size: bytes per element of q, k and v.
+        packed: documents packed along the sequence (``cu_seqlens`` or ``position_ids``).
+
+    Returns:
+        the ``Config`` (cached per arguments).
+    """
     return _attention_config(seq, head_dim, props or runtime.device_props(), element_size,
                              PACKED_INTERIOR, packed)
 
@@ -534,7 +550,14 @@ def check_config(config: Config) -> None:
     """Raise a ``ValueError`` for tiles the kernels compute wrong: the forward's and the dQ kernel's
     ``block_m`` must be a multiple of their ``block_n`` (their mask-free walk ends at the query
     block's first row, which must be a whole number of key blocks). The dK/dV kernel takes any
-    shape."""
+    shape.
+
+    Args:
+        config: the configuration to check.
+
+    Raises:
+        ValueError: the forward's or the dQ kernel's ``block_m`` not a multiple of its ``block_n``.
+    """
     for name, block in (("forward", config.forward), ("dq", config.dq)):
         if block.block_m % block.block_n:
             raise ValueError(f"config.{name} has block_m={block.block_m} and block_n={block.block_n}: the {name} "
@@ -546,7 +569,15 @@ def shrinking(block: BlockConfig, divisible: bool):
     then half the rows (down to 16 each), then one stage. A GPU with less shared memory per block
     than a tile needs (a consumer card has under half of Hopper's) refuses the launch; the launch
     then takes the next one. ``divisible`` keeps ``block_m`` a multiple of ``block_n``, as the query
-    kernels' mask-free walk needs."""
+    kernels' mask-free walk needs.
+
+    Args:
+        block: the tile asked for.
+        divisible: keep ``block_m`` a multiple of ``block_n``.
+
+    Yields:
+        ``BlockConfig``s, ``block`` first, down to 16 × 16 with one stage.
+    """
     m, n, warps, stages = block.block_m, block.block_n, block.num_warps, block.num_stages
     yield block
     while True:
@@ -598,7 +629,15 @@ def _launch(kernel, grid, block: BlockConfig, fit: bool, divisible: bool, key: t
 
 def segment_bounds(cu_seqlens: torch.Tensor, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's document start and end (int32, [1, seq] each) for documents ``cu_seqlens`` (no
-    host sync)."""
+    host sync).
+
+    Args:
+        cu_seqlens: int32 [n_docs + 1] document offsets, from 0 to ``seq``.
+        seq: the sequence's length.
+
+    Returns:
+        ``(start, end)``: each token's document's first and one-past-last position.
+    """
     # The boundaries searched are cu_seqlens itself, not a slice of it: Inductor (torch 2.11) cannot
     # lower a searchsorted over a slice of a tensor computed in the graph.
     pos = torch.arange(seq, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
@@ -610,7 +649,14 @@ def segment_bounds_from_positions(position_ids: torch.Tensor) -> tuple[torch.Ten
     """Each token's document start and end (int32, [batch, seq] each) where documents are the runs
     of consecutive position ids (0, 1, 2, 0, 1, ... : a new document wherever a position is not the
     previous one plus 1, as ``DataCollatorWithFlattening`` writes them). Tensor operations only: no
-    host sync, traceable."""
+    host sync, traceable.
+
+    Args:
+        position_ids: an integer [batch, seq] tensor.
+
+    Returns:
+        ``(start, end)``: each token's document's first and one-past-last position, contiguous.
+    """
     batch, seq = position_ids.shape
     idx = torch.arange(seq, device=position_ids.device).expand(batch, seq)
     new = torch.ones(batch, seq, dtype=torch.bool, device=position_ids.device)
@@ -681,7 +727,25 @@ def attention_forward(q, k, v, causal: bool, scale: float, seg_start=None, seg_e
                       config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward: ``(out, lse)``, out [batch, heads, seq, head_dim] (memory in [batch, seq,
     heads, head_dim] order, so Hugging Face's transpose back is free), lse float32 [batch, heads,
-    seq] in natural log. An explicit ``config`` is checked first (``check_config``)."""
+    seq] in natural log. An explicit ``config`` is checked first (``check_config``). The inputs are
+    not checked here (``flash_attention`` does it).
+
+    Args:
+        q, k, v: [batch, heads, seq, head_dim] and [batch, kv_heads, seq, head_dim] (twice).
+        causal: mask keys after each query.
+        scale: the factor of q kᵀ.
+        seg_start, seg_end: each token's document bounds (int32 [batch, seq]), or None for rows of
+            one document.
+        config: the tiles; None picks ``attention_config``'s, shrunk where this GPU needs it.
+
+    Returns:
+        ``(out, lse)``.
+
+    Raises:
+        ValueError: an explicit ``config`` that ``check_config`` refuses.
+        RuntimeError: no tile down to 16 × 16 fits this GPU's shared memory.
+        OutOfResources: an explicit ``config``'s tile that this GPU cannot hold (not shrunk).
+    """
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     batch, heads, seq, head_dim = q.shape
     out = torch.empty(batch, seq, heads, head_dim, dtype=q.dtype, device=q.device).transpose(1, 2)
@@ -705,8 +769,24 @@ def attention_forward(q, k, v, causal: bool, scale: float, seg_start=None, seg_e
 
 def attention_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float, seg_start=None, seg_end=None,
                        config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the backward: ``(dq, dk, dv)`` in the layouts of q, k and v (dense ones are kept). An explicit
-    ``config`` is checked first (``check_config``)."""
+    """Launch the backward: ``(dq, dk, dv)`` in the layouts of q, k and v (dense ones are kept).
+
+    An explicit ``config`` is checked first (``check_config``).
+
+    Args:
+        grad_out: the gradient of the output.
+        q, k, v, out, lse: the forward's inputs and outputs.
+        causal, scale, seg_start, seg_end: as the forward's.
+        config: the tiles; None picks ``attention_config``'s, shrunk where this GPU needs it.
+
+    Returns:
+        ``(dq, dk, dv)``.
+
+    Raises:
+        ValueError: an explicit ``config`` that ``check_config`` refuses.
+        RuntimeError: no tile down to 16 × 16 fits this GPU's shared memory.
+        OutOfResources: an explicit ``config``'s tile that this GPU cannot hold (not shrunk).
+    """
     q, k, v, grad_out = _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(grad_out)
     batch, heads, seq, head_dim = q.shape
     kv_heads = k.shape[1]
@@ -790,6 +870,13 @@ class FlashAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, scale: float, seg_start, seg_end):
+        """Run the forward operator; save q, k, v, the output, lse and the document bounds.
+
+        Args:
+            ctx: autograd's context.
+            q, k, v, causal, scale: as ``flash_attention``'s (scale resolved to a float).
+            seg_start, seg_end: each token's document bounds, or None.
+        """
         out, lse = ops.call(flash_attention_fwd, q, k, v, causal, scale, seg_start, seg_end)
         ctx.save_for_backward(q, k, v, out, lse, seg_start, seg_end)
         ctx.causal, ctx.scale = causal, scale
@@ -797,6 +884,12 @@ class FlashAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        """The gradients of q, k and v (which raise if differentiated again).
+
+        Args:
+            ctx: autograd's context.
+            grad_out: the gradient of the output.
+        """
         q, k, v, out, lse, seg_start, seg_end = ctx.saved_tensors
         dq, dk, dv = ops.call(flash_attention_bwd, grad_out, q, k, v, out, lse, ctx.causal, ctx.scale,
                               seg_start, seg_end)
@@ -837,7 +930,18 @@ def _check_tensor(name: str, t) -> None:
 
 def check_inputs(q, k, v, causal, scale, cu_seqlens) -> None:
     """Raise a ``TypeError``/``ValueError`` naming the argument for anything ``flash_attention``
-    does not take."""
+    does not take. ``cu_seqlens``'s values are not read here (``check_cu_seqlens``).
+
+    Args:
+        q, k, v, causal, scale, cu_seqlens: ``flash_attention``'s arguments.
+
+    Raises:
+        TypeError: a non-tensor, an unsupported or mixed dtype, a non-bool ``causal``, a
+            non-real ``scale``, or a ``cu_seqlens`` that is not a 1-D int32 tensor.
+        ValueError: shapes that do not fit, a head_dim not in ``HEAD_DIMS``, a scale out of
+            float32's range, several devices, or a ``cu_seqlens`` too short, on another device or
+            with a batch other than 1.
+    """
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
     if not (q.dtype == k.dtype == v.dtype):
@@ -891,7 +995,15 @@ def check_inputs(q, k, v, causal, scale, cu_seqlens) -> None:
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, seq: int) -> None:
     """The values of ``cu_seqlens``: 0 first, ``seq`` last, never decreasing. Reads them to the host
-    (a sync)."""
+    (a sync).
+
+    Args:
+        cu_seqlens: the document offsets.
+        seq: the sequence's length.
+
+    Raises:
+        ValueError: values that do not rise from 0 to ``seq``.
+    """
     values = cu_seqlens.tolist()
     if values[0] != 0 or values[-1] != seq or any(b < a for a, b in zip(values, values[1:])):
         shown = values if len(values) <= 12 else values[:6] + ["..."] + values[-6:]
@@ -943,7 +1055,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 
     ``position_ids`` (integer, [batch, seq]; instead of ``cu_seqlens``): documents are the runs of
     consecutive positions in each row, a new one wherever the positions restart
-    (``segment_bounds_from_positions``). Chapter 16 derives it.
+    (``segment_bounds_from_positions``). Chapter 16 (notebooks/16_flash_attention.ipynb)
+    derives it.
 
     Args:
         q: [batch, heads, seq, head_dim].
@@ -957,6 +1070,10 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 
     Returns:
         The attention output, of ``q``'s shape and dtype.
+
+    Raises:
+        TypeError, ValueError: from ``check_inputs`` and the checks of ``cu_seqlens``'s values and
+            of ``position_ids`` (not both may be given), naming the argument.
     """
     check_inputs(q, k, v, causal, scale, cu_seqlens)
     causal = bool(causal)  # a numpy bool: the operator's schema takes Python's
@@ -975,7 +1092,16 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 
 def document_mask(cu_seqlens: torch.Tensor, seq: int, causal: bool = True) -> torch.Tensor:
     """The boolean [seq, seq] mask ``flash_attention`` applies (True: the query row may attend to
-    the key column)."""
+    the key column). Chapter 16 (notebooks/16_flash_attention.ipynb) draws it.
+
+    Args:
+        cu_seqlens: int32 document offsets, or None for one document.
+        seq: the sequence's length.
+        causal: also mask keys after each query.
+
+    Returns:
+        the [seq, seq] boolean mask, on the CPU.
+    """
     if cu_seqlens is None:
         allowed = torch.ones(seq, seq, dtype=torch.bool)
     else:
@@ -988,8 +1114,19 @@ def document_mask(cu_seqlens: torch.Tensor, seq: int, causal: bool = True) -> to
 
 def attention_reference(q, k, v, causal: bool = True, scale: float | None = None,
                         cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-    """Plain PyTorch attention in the inputs' dtype (float64 for tests), K and V repeated for GQA, the mask
-    materialised: what ``flash_attention`` must equal."""
+    """Plain PyTorch attention in the inputs' dtype (float64 for tests), K and V repeated for GQA,
+    the mask materialised: what ``flash_attention`` must equal. Chapter 16
+    (notebooks/16_flash_attention.ipynb) checks the kernel against it.
+
+    Args:
+        q, k, v: as ``flash_attention``'s.
+        causal: mask keys after each query.
+        scale: the factor of q kᵀ, by default 1/sqrt(head_dim).
+        cu_seqlens: int32 document offsets, or None.
+
+    Returns:
+        the attention output, of ``q``'s shape and dtype.
+    """
     heads, kv_heads, seq, head_dim = q.shape[1], k.shape[1], q.shape[2], q.shape[3]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     k = k.repeat_interleave(heads // kv_heads, dim=1)

@@ -686,6 +686,9 @@ def running_max(x: torch.Tensor) -> torch.Tensor:
 
     Returns:
         The running maximum along dim 1, of ``x``'s shape and dtype.
+
+    Raises:
+        ValueError: ``x`` not 2-D.
     """
     if x.dim() != 2:
         raise ValueError(f"running_max takes a [batch, seq] tensor, got shape {tuple(x.shape)}")

@@ -1153,6 +1153,24 @@ def _check_switches(model: torch.nn.Module, required: dict[str, bool]) -> tuple[
     return found, refused, waiting
 
 
+def _checked_model(model, inplace_logits) -> torch.nn.Module:
+    """The model ``patch_llama`` patches (the one inside a PEFT or compiled wrapper), after the
+    arguments' types are checked."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (a Hugging Face model), got "
+                        f"{type(model).__name__}")
+    if not isinstance(inplace_logits, bool):
+        raise TypeError(f"inplace_logits must be True or False, got {inplace_logits!r}")
+    return _model_to_patch(model)
+
+
+def _refuse_repatch(model: torch.nn.Module) -> None:
+    previous = model.__dict__.get("_kernels_patch")
+    if previous is not None and previous.active:
+        raise RuntimeError("this model is already patched: call .undo() on the handle patch_llama returned "
+                           "first")
+
+
 def patch_llama(
     model: torch.nn.Module, kernels="auto", *, inplace_logits: bool = True, rms_norm: bool | None = None,
     cross_entropy: bool | None = None, linear_cross_entropy: bool | None = None, swiglu: bool | None = None,
@@ -1191,22 +1209,14 @@ def patch_llama(
         TypeError, ValueError: a required switch cannot apply, or, under ``"auto"``, none does.
         RuntimeError: the model is already patched.
     """
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module (a Hugging Face model), got "
-                        f"{type(model).__name__}")
-    model = _model_to_patch(model)
-    if not isinstance(inplace_logits, bool):
-        raise TypeError(f"inplace_logits must be True or False, got {inplace_logits!r}")
+    model = _checked_model(model, inplace_logits)
     keywords = dict(rms_norm=rms_norm, cross_entropy=cross_entropy, linear_cross_entropy=linear_cross_entropy,
                     swiglu=swiglu, rope=rope, additive_mask=additive_mask,
                     skip_causal_mask=skip_causal_mask, tiled_mlp=tiled_mlp,
                     offload_checkpoints=offload_checkpoints, lora=lora, attention=attention,
                     add_rms_norm=add_rms_norm)
     required = _selection(kernels, keywords, model)
-    previous = model.__dict__.get("_kernels_patch")
-    if previous is not None and previous.active:
-        raise RuntimeError("this model is already patched: call .undo() on the handle patch_llama returned "
-                           "first")
+    _refuse_repatch(model)
     found, refused, waiting = _check_switches(model, required)
     patch = LlamaPatch(model, tuple(n for n in SWITCHES if n in found and n not in waiting), refused)
     surgery = _Surgery(model, patch, inplace_logits, required, keywords, set(found))

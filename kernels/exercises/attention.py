@@ -121,7 +121,26 @@ MISTAKES = ("no_rescale", "no_rescale_acc", "no_rescale_l", "alpha_inverted", "n
 
 
 def blockwise_attention(q, k, v, causal: bool, block_n: int, *mistakes: str) -> torch.Tensor:
-    """The exercise's loop in plain PyTorch, with ``mistakes`` (names of ``MISTAKES``) made on purpose."""
+    """The exercise's loop in plain PyTorch, with ``mistakes`` (names of ``MISTAKES``) made on purpose.
+
+    The check recomputes the reader's output with each mistake in turn to name the one it reproduces
+    (chapter 16, notebooks/16_flash_attention.ipynb).
+
+    Args:
+        q: queries, [heads, seq, head_dim].
+        k, v: keys and values, [kv_heads, seq, head_dim]; heads is a multiple of kv_heads.
+        causal: hide key j from query i when j > i.
+        block_n: how many keys each step of the loop reads.
+        *mistakes: names from ``MISTAKES`` (and the stub's ``STUB``) to make on purpose; none gives
+            the right loop.
+
+    Returns:
+        the attention output, q's shape and dtype.
+
+    Raises:
+        IndexError: when a mistaken head mapping (``gqa_modulo``, ``gqa_kv_heads``) reads past the
+            last KV head.
+    """
     heads, seq, d = q.shape
     kv_heads = k.shape[0]
     scale = 1.0 if "no_scale" in mistakes else 1.0 / d if "scale_d" in mistakes else 1.0 / math.sqrt(d)
@@ -180,14 +199,25 @@ FREE = frozenset({"empty_like", "zeros_like", "ones_like", "full_like", "rand_li
 
 
 class KeyReads:
-    """The widest read of keys seen while the reader's function ran: the first operation that read more than
-    ``block_n`` keys at once, and how many it read."""
+    """The widest read of keys seen while the reader's function ran: the first operation that read
+    more than ``block_n`` keys at once, and how many it read (``widest``, None while there is none).
+
+    Args:
+        block_n: the most keys one operation may read at once.
+    """
 
     def __init__(self, block_n: int):
         self.block_n = block_n
         self.widest: tuple[str, int] | None = None
 
     def saw(self, op: str, keys: int) -> None:
+        """Record that operation ``op`` read ``keys`` keys; only the first read wider than
+        ``block_n`` is kept.
+
+        Args:
+            op: the operation's name, as the verdict quotes it.
+            keys: how many different key positions its operand spans.
+        """
         if keys > self.block_n and self.widest is None:
             self.widest = (op, keys)
 
@@ -255,7 +285,16 @@ def _rewrap(result, index, reads):
 
 def watch_keys(t: torch.Tensor, reads: KeyReads) -> torch.Tensor:
     """``t`` ([kv_heads, seq, d]) wrapped so that ``reads`` learns of every operation over more than
-    ``reads.block_n`` of its keys (dimension 1)."""
+    ``reads.block_n`` of its keys (dimension 1).
+
+    Args:
+        t: k or v, [kv_heads, seq, d].
+        reads: the record that the wrapped tensor reports its reads to.
+
+    Returns:
+        ``t``'s values as a tensor subclass: rearranging it (slices, views, transposes) keeps the
+        watch, any other operation records how many keys it spans and returns a plain tensor.
+    """
     index = torch.arange(t.shape[1]).view(1, -1, 1).expand(t.shape).contiguous()
     return _wrap(t, index, reads)
 
@@ -266,7 +305,15 @@ def _plain(t):
 
 def cases(gen: torch.Generator):
     """The check's inputs, in the order it runs them: ``((heads, kv_heads, seq, d, causal, block_n),
-    q, k, v)``, float64, drawn from ``gen``."""
+    q, k, v)``, float64, drawn from ``gen``.
+
+    Args:
+        gen: the random generator the inputs are drawn from.
+
+    Yields:
+        ``(case, q, k, v)``: the case's sizes and flags, then q [heads, seq, d] and k, v
+        [kv_heads, seq, d].
+    """
     # (heads, kv_heads, seq, d, causal, block_n). The first is causal with a length that is a
     # multiple of the block, so that a mask without the block's offset is named before the partial
     # last block makes it raise; 6/3 heads tell h // (heads // kv_heads) from h // kv_heads, which
@@ -294,8 +341,18 @@ def _same(out: torch.Tensor, wrong: torch.Tensor) -> bool:
 
 
 def diagnose(out, q, k, v, causal, block_n) -> str | None:
-    """The key of ``HINTS`` whose mistake (one of ``MISTAKES``, the stub, or the stub with some
-    TODOs done) the float64 recomputation of ``out`` reproduces, or None."""
+    """The hint whose mistake (one of ``MISTAKES``, the stub, or the stub with some TODOs done)
+    the float64 recomputation of ``out`` reproduces, or None.
+
+    Args:
+        out: the reader's output for this input.
+        q, k, v, causal, block_n: the input it was computed from, as ``blockwise_attention`` takes
+            them.
+
+    Returns:
+        the text of ``HINTS`` that names the mistake (for the partly done stub, with the open TODOs
+        filled in), or None when no known mistake reproduces ``out``.
+    """
     tries = [(STUB, "stub")] + [((mistake,), mistake) for mistake in MISTAKES]
     tries += [(open_, "stub_partly") for n in (3, 2) for open_ in itertools.combinations(STUB, n)]
     right = blockwise_attention(q, k, v, causal, block_n)
@@ -327,7 +384,20 @@ def _where(out: torch.Tensor, ref: torch.Tensor) -> tuple[str, int]:
 def check_attention_loop(fn: Callable, verbose: bool = True, seed: int = 0) -> Report:
     """Run ``fn(q, k, v, causal, block_n)`` on fresh float64 inputs, k and v watched; name the
     mistake when it reads more than ``block_n`` keys at once, calls a finished answer, or returns a
-    wrong output."""
+    wrong output (chapter 16, notebooks/16_flash_attention.ipynb).
+
+    Never raises for the reader's code: an error it raises is reported in the verdict.
+
+    Args:
+        fn: the reader's inner loop, ``fn(q, k, v, causal, block_n) -> out`` for one sequence (q
+            [heads, seq, d], k and v [kv_heads, seq, d], out q's shape and dtype).
+        verbose: print the verdict (✓ or ✗ and what is right or wrong).
+        seed: seed of the generator the inputs are drawn from.
+
+    Returns:
+        a ``Report``: ``passed``, and the verdict's message (the first mistake found, or what was
+        checked and the worst relative error).
+    """
     gen = torch.Generator().manual_seed(seed)
     worst, n = 0.0, 0
     for case, q, k, v in cases(gen):

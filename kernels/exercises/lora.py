@@ -103,6 +103,8 @@ TERM = {"dx": "dx's adapter term", "dA": "dA", "dB": "dB"}
 
 @dataclass(frozen=True)
 class Case:
+    """One set of sizes the backward is tried on: tokens, n_in → n_out, rank r and scale s."""
+
     tokens: int
     n_in: int
     n_out: int
@@ -240,9 +242,24 @@ def _is_stub(result, dy, w) -> bool:
 
 
 def check_lora_backward(fn: Callable, seed: int | None = None, verbose: bool = True) -> Report:
-    """Run ``fn(dy, x, weight, lora_a, lora_b, scale) -> (dx, d_lora_a, d_lora_b)`` on float32
-    inputs of odd sizes with the finished answers out of reach, compare each gradient with float64,
-    and name the mistake when one is wrong."""
+    """Check the reader's LoRA backward against float64 and name the mistake when one is wrong.
+
+    Runs ``fn`` on float32 inputs of the odd sizes of ``CASES``, with the finished answers out of
+    reach (``reach.FORBIDDEN["lora_backward"]``), and stops at the first case where a gradient is
+    wrong. Chapter: ``notebooks/15_lora.ipynb``.
+
+    Args:
+        fn: the reader's ``fn(dy, x, weight, lora_a, lora_b, scale) -> (dx, d_lora_a, d_lora_b)``,
+            with ``dy`` [tokens, n_out], ``x`` [tokens, n_in], ``weight`` [n_out, n_in], ``lora_a``
+            [r, n_in], ``lora_b`` [n_out, r] (float32 tensors) and ``scale`` a float.
+        seed: seed of the random inputs; None draws a fresh one.
+        verbose: print the verdict (False: only return it).
+
+    Returns:
+        The ``Report``: ``passed``, and a message that names the first mistake found (a term
+        missing, the scale, a sign, a wrong input, a shape, a dtype, low precision) on which case,
+        or, on a pass, the three formulas derived. It never raises because ``fn`` is wrong.
+    """
     gen = generator(seed)
     tol = RELATIVE_ERROR_TOL[torch.float32]
     for case in CASES:

@@ -84,7 +84,18 @@ HINTS = {
 
 
 def hint(key: str, **fields) -> str:
-    """The diagnosis ``HINTS[key]`` with its fields filled in."""
+    """The diagnosis ``HINTS[key]`` with its fields filled in.
+
+    Args:
+        key: a key of ``HINTS``.
+        **fields: the values of the fields in braces in that sentence.
+
+    Returns:
+        The sentence, as the check prints it.
+
+    Raises:
+        KeyError: ``key`` is not in ``HINTS``, or a field of its sentence is not given.
+    """
     return HINTS[key].format(**fields)
 
 
@@ -138,6 +149,15 @@ class Meta:
 
     @classmethod
     def of(cls, t: torch.Tensor, device: str | None = None) -> Meta:
+        """The shape, dtype, strides and device of ``t``.
+
+        Args:
+            t: a real or fake tensor.
+            device: the device type to record instead of ``t``'s (a case that pretends a GPU).
+
+        Returns:
+            A ``Meta`` of ``t``.
+        """
         return cls(tuple(t.shape), t.dtype, tuple(t.stride()), device or t.device.type)
 
 
@@ -222,11 +242,22 @@ def _compare(name: str, got: torch.Tensor, real: Meta, x: torch.Tensor) -> str |
 
 
 def check_rms_norm_fake(fake: Callable, verbose: bool = True) -> Report:
-    """Check ``fake(x, weight, eps) -> (y, rstd)``: fake outputs that match the real operator's, on
-    every case.
+    """Check the reader's fake RMSNorm forward: its outputs must describe the real operator's.
 
-    Prints the verdict (unless ``verbose=False``) and returns it: the first mismatch, on which
-    input, in words."""
+    Runs ``fake`` under ``FakeTensorMode`` on each input of ``CASES`` (Triton launches refused, the
+    package's fake and operator out of reach), compares each output's shape, dtype, strides and
+    device with those of ``torch.ops.kernels.rms_norm_fwd``'s real outputs, then runs
+    ``torch.library.opcheck`` with ``fake`` registered on a scratch operator. Chapter:
+    ``notebooks/09_pytorch_ops.ipynb``.
+
+    Args:
+        fake: the reader's ``fake(x, weight, eps) -> (y, rstd)``, called with fake tensors.
+        verbose: print the verdict (False: only return it).
+
+    Returns:
+        The ``Report``: ``passed``, and a message with the first mismatch, on which input, in words
+        (or what opcheck found). It never raises because ``fake`` is wrong or unfinished.
+    """
     device = runtime.device()
     g = torch.Generator().manual_seed(0)
     for case in CASES:

@@ -109,12 +109,34 @@ HINTS = {
 
 
 def hint(key: str, **fields) -> str:
-    """The diagnosis ``HINTS[key]`` with its fields filled in."""
+    """The diagnosis ``HINTS[key]`` with its fields filled in.
+
+    Args:
+        key: a key of ``HINTS``.
+        **fields: the values of the fields in braces in that sentence.
+
+    Returns:
+        The sentence, as the check prints it.
+
+    Raises:
+        KeyError: ``key`` is not in ``HINTS``, or a field of its sentence is not given.
+    """
     return HINTS[key].format(**fields)
 
 
 def amdahl_reference(share: float, factor: float) -> float:
-    """Amdahl's law: the step runs 1 / ((1 − share) + share / factor) times faster."""
+    """Amdahl's law: the step runs 1 / ((1 − share) + share / factor) times faster.
+
+    The formula the check compares the reader's ``amdahl_speedup`` with (out of the reader's reach
+    while it runs). Chapter: ``notebooks/01_profile_baseline.ipynb``.
+
+    Args:
+        share: the fraction of the step's time the sped-up part takes, in [0, 1).
+        factor: how many times faster that part becomes; ``math.inf`` for a part that costs nothing.
+
+    Returns:
+        How many times faster the whole step runs.
+    """
     return 1.0 / ((1.0 - share) + share / factor)
 
 
@@ -134,10 +156,27 @@ _SUSPECTS: dict[str, Callable[[float, float], float]] = {
 
 def check_amdahl(fn: Callable, prediction: dict | None = None, profile=None, by_names=None,
                  verbose: bool = True) -> Report:
-    """Check ``fn(share, factor) -> speed-up`` and, given the chapter's ``profile`` (a
-    ``StepProfile``), the reader's ``prediction``. ``by_names`` is the profile taken without
-    regions, if the chapter made one: a share read from it is recognised. Prints the verdict (unless
-    ``verbose=False``) and returns it."""
+    """Check the reader's Amdahl's law and, given the chapter's profile, the reader's prediction.
+
+    Runs ``fn`` on a grid of shares and factors and on ``factor = math.inf``, with the package's
+    Amdahl's law out of reach, and names the usual wrong formulas; then checks that the prediction
+    names a family a fused kernel can shrink, with its share read from the right row and column of
+    the family table. Chapter: ``notebooks/01_profile_baseline.ipynb``.
+
+    Args:
+        fn: the reader's ``amdahl_speedup(share, factor) -> speed-up``.
+        prediction: ``{"family": ..., "share": ..., "factor": ...}``; None checks ``fn`` alone.
+        profile: the chapter's ``StepProfile``, the table the share is read from; None checks ``fn``
+            alone.
+        by_names: the profile taken without regions, if the chapter made one: a share read from
+            it is recognised and named.
+        verbose: print the verdict (False: only return it).
+
+    Returns:
+        The ``Report``: ``passed``, and a message that names the first mistake, or, on a pass, the
+        speed-up the prediction gives and its limit at no cost. It never raises because ``fn`` or
+        the prediction is wrong.
+    """
     try:
         problem = _check_function(fn)
     except _Finished as called:

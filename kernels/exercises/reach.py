@@ -310,8 +310,17 @@ FORBIDDEN: dict[str, tuple[Forbid, ...]] = {
 
 
 def targets(exercise: str) -> tuple[Forbid, ...]:
-    """What ``exercise`` keeps out of reach (its row of ``FORBIDDEN`` and the hidden solutions); a
-    ValueError names the exercises there are."""
+    """What ``exercise`` keeps out of reach: its row of ``FORBIDDEN`` and the hidden solutions.
+
+    Args:
+        exercise: an exercise's name, a key of ``FORBIDDEN`` (``"lora_backward"``).
+
+    Returns:
+        Its ``Forbid`` entries, then those of ``SOLUTIONS``.
+
+    Raises:
+        ValueError: ``exercise`` is not in ``FORBIDDEN``; the message names the exercises there are.
+    """
     if exercise not in FORBIDDEN:
         raise ValueError(f"no exercise named {exercise!r} in FORBIDDEN; there are: "
                          f"{', '.join(sorted(FORBIDDEN))}")
@@ -319,7 +328,20 @@ def targets(exercise: str) -> tuple[Forbid, ...]:
 
 
 def resolve(target: str) -> tuple[Any, str, Any]:
-    """``(owner, attribute, value)`` for ``"module:attribute"`` or ``"module:Class.attribute"``."""
+    """Find the object a ``Forbid`` target names, and where it lives.
+
+    Args:
+        target: ``"module:attribute"`` or ``"module:Class.attribute"`` (any depth of dots after the
+            colon).
+
+    Returns:
+        ``(owner, attribute, value)``: the module or class that holds it, its name there, and the
+        object itself.
+
+    Raises:
+        ImportError: the module cannot be imported.
+        AttributeError: an attribute on the path does not exist.
+    """
     module_name, _, path = target.partition(":")
     owner: Any = importlib.import_module(module_name)
     *parents, attribute = path.split(".")
@@ -345,6 +367,17 @@ class Tripwire:
                 f"solution(\"{self.exercise}\") shows one answer once you have tried.")
 
     def wire(self, forbid: Forbid, original: Callable) -> Callable:
+        """A stand-in for ``original`` that records the call and raises instead of answering.
+
+        Args:
+            forbid: the finished answer ``original`` is (its ``when`` lets some calls through).
+            original: the function, method or kernel to stand in for.
+
+        Returns:
+            A function with ``original``'s name and signature that, when called (and ``forbid.when``
+            allows), appends the call to ``called`` and raises ``FinishedCodeCalled`` with
+            ``message``; calls ``forbid.when`` turns away go to ``original``.
+        """
         name = forbid.target.replace(":", ".")
 
         @functools.wraps(original)
@@ -384,8 +417,23 @@ def _namespaces(fn: Any) -> Iterator[dict]:
 
 @contextmanager
 def out_of_reach(exercise: str, fn: Any = None) -> Iterator[Tripwire]:
-    """Within the block, each finished answer to ``exercise`` is a tripwire, wherever ``fn`` (the
-    learner's function) could reach it by name; everything is restored on the way out."""
+    """Within the block, every finished answer to ``exercise`` that ``fn`` can reach is a tripwire.
+
+    The answers are replaced where they are defined, and under every name that holds them in
+    ``fn``'s globals, in the ``kernels`` modules, in ``__main__`` and in ``fn``'s closure;
+    everything is restored on the way out, even on an error.
+
+    Args:
+        exercise: a key of ``FORBIDDEN``.
+        fn: the learner's function (a partial or bound method is looked through); None wires only
+            the places the answers are defined and the modules' names.
+
+    Yields:
+        The ``Tripwire`` that records the calls made inside the block.
+
+    Raises:
+        ValueError: ``exercise`` is not in ``FORBIDDEN``.
+    """
     tripwire = Tripwire(exercise)
     undo: list[Callable[[], None]] = []
     try:
@@ -422,8 +470,18 @@ def _filled(cell) -> bool:
 
 
 def finished_answer(exercise: str, obj: Any) -> str | None:
-    """The verdict when ``obj`` (under any partial or bound method) is itself one of ``exercise``'s
-    finished answers, handed to the check as if it were the learner's; else None."""
+    """Say whether ``obj`` is one of ``exercise``'s finished answers, passed as the learner's.
+
+    Args:
+        exercise: a key of ``FORBIDDEN``.
+        obj: what the learner handed to the check (a partial or bound method is looked through).
+
+    Returns:
+        The verdict (the ``Tripwire`` message naming the answer) when it is one, else None.
+
+    Raises:
+        ValueError: ``exercise`` is not in ``FORBIDDEN``.
+    """
     base = _base(obj)
     for forbid in targets(exercise):
         if resolve(forbid.target)[2] is base:
@@ -432,13 +490,25 @@ def finished_answer(exercise: str, obj: Any) -> str | None:
 
 
 def call_learner(exercise: str, fn: Callable, *args, watch: Any = None, **kwargs):
-    """``fn(*args, **kwargs)`` with ``exercise``'s finished answers out of reach. Raises
-    ``FinishedCodeCalled`` (its message is the verdict) when ``fn`` is a finished answer or called
-    one, even if it caught the error; any other error of ``fn`` propagates as it is.
+    """Call ``fn(*args, **kwargs)`` with ``exercise``'s finished answers out of reach.
 
-    ``watch`` is the learner's own code when ``fn`` is the check's launcher of it (a Triton kernel's
-    Python function, ``kernel.fn``): the tripwire then replaces the names in ``watch``'s namespace;
-    by default, in ``fn``'s."""
+    Args:
+        exercise: a key of ``FORBIDDEN``.
+        fn: the learner's function, or the check's launcher of the learner's code.
+        *args, **kwargs: passed to ``fn``.
+        watch: the learner's own code when ``fn`` is the check's launcher of it (a Triton kernel's
+            Python function, ``kernel.fn``): the tripwire then replaces the names in ``watch``'s
+            namespace; None: in ``fn``'s.
+
+    Returns:
+        What ``fn`` returns.
+
+    Raises:
+        FinishedCodeCalled: ``fn`` (or ``watch``) is a finished answer, or called one, even if it
+            caught the error; its message is the verdict.
+        ValueError: ``exercise`` is not in ``FORBIDDEN``.
+        Exception: any other error of ``fn`` propagates as it is.
+    """
     code = fn if watch is None else watch
     message = finished_answer(exercise, code)
     if message:
@@ -448,10 +518,23 @@ def call_learner(exercise: str, fn: Callable, *args, watch: Any = None, **kwargs
 
 
 def run_watched(tripwire: Tripwire, fn: Callable, *args, **kwargs):
-    """``fn(*args, **kwargs)`` inside an ``out_of_reach`` block whose ``tripwire`` is given: raises
-    ``FinishedCodeCalled`` when ``fn`` called a finished answer, even if it caught the error or turned it
-    into another one; any other error of ``fn`` propagates as it is. For a check that wires more than
-    its row of ``FORBIDDEN`` into the same tripwire."""
+    """Call ``fn(*args, **kwargs)`` inside an ``out_of_reach`` block whose ``tripwire`` is given.
+
+    For a check that wires more than its row of ``FORBIDDEN`` into the same tripwire.
+
+    Args:
+        tripwire: the ``Tripwire`` the enclosing ``out_of_reach`` block yielded.
+        fn: the learner's function (or the check's launcher of it).
+        *args, **kwargs: passed to ``fn``.
+
+    Returns:
+        What ``fn`` returns.
+
+    Raises:
+        FinishedCodeCalled: ``fn`` called a finished answer, even if it caught the error or turned
+            it into another one.
+        Exception: any other error of ``fn`` propagates as it is.
+    """
     try:
         result = fn(*args, **kwargs)
     except FinishedCodeCalled:

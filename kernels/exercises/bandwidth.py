@@ -242,7 +242,20 @@ _FLOOR_CASES = ((671_088_640, 4000.0), (1_000_000, 3350.0), (12_345_678, 2039.5)
 
 def hint(key: str, kernel: str = "rmsnorm", **fields) -> str:
     """The diagnosis ``HINTS[key]`` with its fields filled in, the dimensions named as ``kernel``'s
-    chapter names them."""
+    chapter names them.
+
+    Args:
+        key: a key of ``HINTS``.
+        kernel: ``"rmsnorm"`` (rows M, columns N, chapter 04) or ``"cross_entropy"`` (N tokens, V
+            words, chapter 07); picks the names of ``DIMS``.
+        **fields: the hint's other fields (byte counts, shapes, the reader's answer).
+
+    Returns:
+        the hint's text.
+
+    Raises:
+        KeyError: when ``key`` or ``kernel`` is unknown, or a field the hint names is missing.
+    """
     rows, cols = DIMS[kernel]
     return HINTS[key].format(rows=rows, cols=cols, **fields)
 
@@ -268,7 +281,19 @@ def _listing(transfers: Iterable[Transfer]) -> str:
 def transfer_bytes(kernel: str, m: int, n: int, dtype: torch.dtype = torch.bfloat16) -> int:
     """The bytes ``kernel``'s forward + backward over [m, n] moves: every transfer of ``TRANSFERS``,
     each [m, n] tensor m·n elements and each [n] tensor n elements of ``dtype``, per-row scalars
-    left out. The package's answer to the exercise's ``minimal_bytes``."""
+    left out. The package's answer to the exercise's ``minimal_bytes`` (chapters 04 and 07).
+
+    Args:
+        kernel: ``"rmsnorm"`` (x [m, n], weight [n]) or ``"cross_entropy"`` (logits [m, n]).
+        m, n: rows and columns of the kernel's [rows, columns] tensors.
+        dtype: the tensors' element type.
+
+    Returns:
+        the byte count.
+
+    Raises:
+        ValueError: when ``kernel`` is not one of ``KERNELS``.
+    """
     _check_kernel(kernel)
     element, column = _count(TRANSFERS[kernel], dtype.itemsize)
     return element * m * n + column * n
@@ -476,7 +501,15 @@ def _bytes_passed(fn: Callable, kernel: str) -> str:
 
 def floor_reference_us(n_bytes: float, gbps: float) -> float:
     """The floor in µs: ``n_bytes`` at ``gbps`` GB/s (1e9 bytes per second),
-    ``kernels.bench.timing.floor_ms`` × 1e3."""
+    ``kernels.bench.timing.floor_ms`` × 1e3; the answer the reader's ``floor_us`` is held to.
+
+    Args:
+        n_bytes: the bytes moved.
+        gbps: the copy bandwidth, in GB/s.
+
+    Returns:
+        the time those bytes take at that bandwidth, in µs.
+    """
     return floor_ms(n_bytes, gbps) * 1e3
 
 
@@ -524,7 +557,27 @@ def check_floor(minimal_bytes: Callable, floor_us: Callable, kernel: str = "rmsn
                 verbose: bool = True) -> Report:
     """Check the reader's ``minimal_bytes(M, N, dtype)`` for ``kernel`` (``"rmsnorm"`` or
     ``"cross_entropy"``) and ``floor_us(n_bytes, gbps)``. Prints one verdict line for each (unless
-    ``verbose=False``) and returns the ``Report``, passed when both are right."""
+    ``verbose=False``) and returns the ``Report``, passed when both are right (chapters 04 and 07,
+    notebooks/04_rmsnorm_benchmark.ipynb and notebooks/07_cross_entropy_benchmark.ipynb).
+
+    Never raises for the reader's code: an error, a non-number, a stub's None or a call of a
+    finished answer is reported in its function's line.
+
+    Args:
+        minimal_bytes: the reader's ``minimal_bytes(M, N, dtype) -> int``, the fewest bytes the
+            kernel's forward + backward over [M, N] moves.
+        floor_us: the reader's ``floor_us(n_bytes, gbps) -> float``, the time in µs those bytes take
+            at ``gbps`` GB/s.
+        kernel: which kernel the bytes are counted for, ``"rmsnorm"`` or ``"cross_entropy"``.
+        verbose: print the two verdict lines (✓ or ✗ each).
+
+    Returns:
+        a ``Report``: ``passed`` when both functions are right, and the two lines as its message
+        (for a wrong answer, the mistake it reproduces).
+
+    Raises:
+        ValueError: when ``kernel`` is not one of ``KERNELS``.
+    """
     _check_kernel(kernel)
     lines, passed = [], True
     for name, check, fn, args in (("minimal_bytes", _check_bytes, minimal_bytes, (kernel,)),
@@ -570,7 +623,19 @@ def measurements(results: dict, label: str = "", impl: str = "ours",
     """The device times of ``impl`` in a results dict of ``kernels.bench.sweep`` (GPU runs only: an
     interpreter's wall-clock times say nothing about a GPU's floor), each with the copy bandwidth
     measured in that run; their source reads ``label`` (such as "committed run"), the device and the
-    date."""
+    date.
+
+    Args:
+        results: a results dict as ``kernels.bench.sweep`` writes it (``mode``, ``ceilings``,
+            ``rows``, ``device``, ``date``), or None.
+        label: the words that open each measurement's source.
+        impl: the implementation whose rows are taken.
+        pass_: the pass whose rows are taken (``"fwd+bwd"``).
+
+    Returns:
+        one ``Measurement`` per row of ``impl`` and ``pass_`` that ran; empty when ``results`` is
+        None, is not a GPU run or holds no copy bandwidth.
+    """
     if (results is None or results.get("mode") != "gpu"
             or not (results.get("ceilings") or {}).get("copy_gbps")):
         return []
@@ -599,7 +664,24 @@ def compare_floor(kernel: str, measured: Iterable[Measurement], minimal_bytes: C
     """The floor beside each measured device time: the package's count (``transfer_bytes``) at the
     copy bandwidth of the measurement's run, and, where the reader's ``minimal_bytes`` and
     ``floor_us`` give a number, theirs. Prints a table (unless ``verbose=False``) and returns its
-    rows."""
+    rows (chapters 04 and 07).
+
+    Args:
+        kernel: ``"rmsnorm"`` or ``"cross_entropy"``.
+        measured: the device times, as ``measurements`` returns them.
+        minimal_bytes, floor_us: the reader's functions, as ``check_floor`` takes them; None (either
+            one) leaves the column 'yours' empty.
+        verbose: print the table, and under it whether the reader's floor agrees with the package's
+            (or is beaten by a measured time, which shows it is wrong).
+
+    Returns:
+        one dict per measurement: ``m``, ``n``, ``bytes``, ``copy_gbps``, ``floor_us``,
+        ``yours_us`` (None where the reader's functions give no number), ``device_us``,
+        ``floor_over_device`` and ``source``.
+
+    Raises:
+        ValueError: when ``kernel`` is not one of ``KERNELS``.
+    """
     _check_kernel(kernel)
     rows = []
     for meas in measured:

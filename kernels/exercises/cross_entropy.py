@@ -241,7 +241,16 @@ def check_online_update(fn: Callable, verbose: bool = True) -> bool:
     Runs it on four single steps (a chunk that raises the max, one below it, the first chunk, large
     logits), then step by step through whole passes over a row, in chunks of 5 and of 1, with the
     package's online softmax out of reach. Prints the verdict (unless ``verbose=False``) and returns
-    True when the update is right.
+    True when the update is right (chapter 05, notebooks/05_online_softmax.ipynb).
+
+    Args:
+        fn: the reader's ``online_update(m, s, chunk) -> (m_new, s_new)``: the running maximum m
+            and the running sum s of e^(x − m) brought up to date with one more chunk.
+        verbose: print the verdict: ✓ and what was checked, or ✗ and the first case that is wrong
+            with what was expected.
+
+    Returns:
+        True when every case is right, False otherwise.
     """
     # An update that keeps state between calls gets every later case wrong in some way: name that first.
     problem = _same_answer_twice(fn)
@@ -278,7 +287,14 @@ class Launch:
         return not package or self.module.startswith("kernels.exercises.solutions.")
 
     def writes_to(self, tensor: torch.Tensor) -> bool:
-        """Whether one of the tensors it was given lives in ``tensor``'s memory."""
+        """Whether one of the tensors it was given lives in ``tensor``'s memory.
+
+        Args:
+            tensor: the tensor that should have been written.
+
+        Returns:
+            True when a tensor of the launch shares ``tensor``'s storage.
+        """
         storage = tensor.untyped_storage().data_ptr()
         return any(t.untyped_storage().data_ptr() == storage for t in self.tensors)
 
@@ -287,7 +303,11 @@ class Launch:
 def launches() -> Iterator[list[Launch] | None]:
     """Within the block, every Triton kernel launch is recorded into the list it yields (None where
     this Triton keeps its launch method elsewhere: then nothing can be recorded, and the checks do
-    without)."""
+    without).
+
+    Yields:
+        the list the block's launches are appended to, as ``Launch`` records, or None.
+    """
     classes = []
     for module_name, class_name in _LAUNCHERS:
         try:
@@ -484,7 +504,20 @@ def check_ce_gradient(fn: Callable, device=None, verbose: bool = True) -> bool:
     package's kernel may give it the logsumexp, ``compute_grad=False``, but not the gradient), and a
     gradient that no kernel of the reader's wrote is refused. The inputs live on ``device``
     (default: where the kernels run, ``runtime.device()``). Prints the verdict (unless
-    ``verbose=False``) and returns True when the gradient is right.
+    ``verbose=False``) and returns True when the gradient is right (chapter 06,
+    notebooks/06_cross_entropy_kernel.ipynb).
+
+    Never raises for the reader's code: an error it raises, the stub's NotImplementedError or a
+    call of a finished answer is reported in the verdict.
+
+    Args:
+        fn: the reader's ``fn(logits, target, ignore_index) -> grad``, logits [N, V], target [N]
+            int64 with some rows equal to ``ignore_index``, grad the logits' shape.
+        device: where the inputs are made; None for ``runtime.device()``.
+        verbose: print the verdict: ✓, or ✗ and the mistake the gradient shows.
+
+    Returns:
+        True when the gradient is right and a kernel of the reader's wrote it, False otherwise.
     """
     device = device or runtime.device()
     logits, target, ignore_index = _gradient_case(device)
@@ -768,7 +801,22 @@ def check_inplace_gradient(fn: Callable, device=None, verbose: bool = True,
     starts past element 2**31, where int32 row offsets wrap around: in Triton's interpreter (on the
     CPU) that view lives in a mapped address range with almost no memory behind it; on a GPU it
     needs 9 GiB free. ``high_rows`` forces that case (True) or skips it (False); by default it runs
-    wherever it fits. Prints the verdict (unless ``verbose=False``) and returns True when right.
+    wherever it fits. Prints the verdict (unless ``verbose=False``) and returns True when right
+    (chapter 06, notebooks/06_cross_entropy_kernel.ipynb).
+
+    Args:
+        fn: the reader's ``fn(logits, target, lse, ignore_index)``, which writes the gradient into
+            ``logits`` (2-D, rows possibly strided) given the targets [N] and each row's
+            logsumexp ``lse`` [N]; what it returns only serves to name a gradient written into a
+            copy instead of ``logits``.
+        device: where the inputs are made; None for ``runtime.device()``.
+        verbose: print the verdict: ✓ and what was checked (and whether the int64 row offsets
+            were), or ✗ and the mistake the gradient shows.
+        high_rows: run the case past element 2**31 (True), skip it (False), or run it where it fits
+            (None).
+
+    Returns:
+        True when every case is right, False otherwise.
     """
     device = torch.device(device or runtime.device())
     for dtype in (torch.float32, torch.bfloat16):

@@ -224,7 +224,18 @@ HINTS = {
 
 
 def hint(key: str, **fields) -> str:
-    """The diagnosis ``HINTS[key]`` with its fields filled in."""
+    """The diagnosis ``HINTS[key]`` with its fields filled in.
+
+    Args:
+        key: a key of ``HINTS``.
+        **fields: the values of the fields in braces in that sentence.
+
+    Returns:
+        The sentence, as the check prints it.
+
+    Raises:
+        KeyError: ``key`` is not in ``HINTS``, or a field of its sentence is not given.
+    """
     return HINTS[key].format(**fields)
 
 
@@ -286,6 +297,7 @@ class TileCase:
 
     @property
     def row_stride(self) -> int:
+        """x's row stride, the first of ``strides``."""
         return self.strides[0]
 
     @property
@@ -357,8 +369,19 @@ def check_rms_norm_forward(fn: Callable, seed: int | None = None, verbose: bool 
 
     ``y`` must have ``x``'s shape and dtype and match Hugging Face's ``LlamaRMSNorm``: within
     float32 precision of the float64 result, and for bfloat16 the same bits (normalise in float32,
-    round to bfloat16, then multiply by the weight). Prints the verdict (unless ``verbose=False``)
-    and returns it.
+    round to bfloat16, then multiply by the weight). Chapter:
+    ``notebooks/02_rmsnorm_forward.ipynb``.
+
+    Args:
+        fn: the reader's ``fn(x, weight, eps) -> y``, called on float32 and bfloat16 inputs of
+            several widths, a row of tiny values and a strided view.
+        seed: seed of the random inputs; None draws fresh ones on every call.
+        verbose: print the verdict (False: only return it).
+
+    Returns:
+        The ``Report``: ``passed``, and a message that names the first mistake, on which input and
+        in which row, or, on a pass, the largest relative errors. It never raises because ``fn`` is
+        wrong or unfinished.
     """
     gen = generator(seed)
     worst = {}
@@ -388,7 +411,18 @@ def check_rms_norm_backward(fn: Callable, seed: int | None = None, verbose: bool
     """Check ``fn(dy, x, weight, rstd) -> dx``, the input gradient of RMSNorm for a 2-D ``x``.
 
     ``rstd`` is the float32 ``1 / sqrt(mean(x²) + eps)`` per row that the forward pass saved; ``dx``
-    must have ``x``'s shape and dtype. Prints the verdict (unless ``verbose=False``) and returns it.
+    must have ``x``'s shape and dtype. Chapter: ``notebooks/03_rmsnorm_backward.ipynb``.
+
+    Args:
+        fn: the reader's ``fn(dy, x, weight, rstd) -> dx``, called on float32 and bfloat16 inputs
+            of several widths, and on views of wider buffers (x's and dy's row strides differ).
+        seed: seed of the random inputs; None draws fresh ones on every call.
+        verbose: print the verdict (False: only return it).
+
+    Returns:
+        The ``Report``: ``passed``, and a message that names the first mistake, on which input and
+        in which row, or, on a pass, the largest relative errors. It never raises because ``fn`` is
+        wrong or unfinished.
     """
     gen = generator(seed)
     worst = {}
@@ -421,8 +455,19 @@ def check_rms_norm_tile(kernel, seed: int | None = None, verbose: bool = True) -
     The check launches it itself, ``cdiv(n_rows, ROWS)`` programs, as ``kernel[grid](X, W, Y,
     n_rows, n_cols, stride_x, stride_y, eps, ROWS=TILE_ROWS, BLOCK_N=next_power_of_2(n_cols))`` on
     tensors inside larger buffers, so it sees every element the kernel writes, inside the tensor or
-    not. ``Y`` must match Hugging Face's ``LlamaRMSNorm`` as in ``check_rms_norm_forward``. Prints
-    the verdict (unless ``verbose=False``) and returns it.
+    not. ``Y`` must match Hugging Face's ``LlamaRMSNorm`` as in ``check_rms_norm_forward``. Ends
+    with a launch on rows past element 2**31 of their buffer (int64 row offsets), where this machine
+    can map one. Chapter: ``notebooks/02_rmsnorm_forward.ipynb``.
+
+    Args:
+        kernel: the reader's ``@triton.jit`` kernel, with the parameters above.
+        seed: seed of the random inputs; None draws fresh ones on every call.
+        verbose: print the verdict (False: only return it).
+
+    Returns:
+        The ``Report``: ``passed``, and a message that names the first mistake (a wrong value, a
+        write outside the tensor, an offset that wraps), on which input and where, or, on a pass,
+        the largest relative errors. It never raises because ``kernel`` is wrong or unfinished.
     """
     gen = generator(seed)
     worst, same_bits = {}, []
@@ -543,11 +588,22 @@ def _high_rows_problem(out: torch.Tensor, ref: torch.Tensor, case: TileCase, nam
 
 
 def mapped_buffer(elements: int, dtype: torch.dtype, device) -> torch.Tensor | None:
-    """A 1-D buffer of ``elements`` for checks that need offsets past 2**31 but touch only a few of
-    them, or None where it cannot be had. On a GPU it is real memory (None unless that and 1 GiB
-    more are free). On the CPU, where Triton's interpreter runs kernels, it is an anonymous private
-    mapping, reserved without memory behind it where the system allows: a page becomes memory once
-    something writes to it, and reads as zeros until then."""
+    """A 1-D buffer for checks that need offsets past 2**31 but touch only a few of its elements.
+
+    On a GPU it is real memory (None unless that and 2**30 bytes more are free). On the CPU, where
+    Triton's interpreter runs kernels, it is an anonymous private mapping, reserved without memory
+    behind it where the system allows: a page becomes memory once something writes to it, and
+    reads as zeros until then.
+
+    Args:
+        elements: its length, in elements.
+        dtype: its dtype.
+        device: where it lives (a ``torch.device`` or its name).
+
+    Returns:
+        The buffer, or None where it cannot be had (too little free GPU memory, no such mapping on
+        this system, a device other than CUDA or the CPU).
+    """
     device = torch.device(device)
     nbytes = elements * torch.empty((), dtype=dtype).element_size()
     if device.type == "cuda":
@@ -575,8 +631,20 @@ def check_rms_norm_backward_tile(kernel, seed: int | None = None, verbose: bool 
     BLOCK_N=next_power_of_2(n_cols))``; program ``pid`` handles the tiles ``pid, pid + P, ...`` and
     writes its float32 sums of ``dy ⊙ x̂`` (x̂ rounded to x's dtype, as the forward used it) as row
     ``pid`` of the ``[P, n_cols]`` float32 ``DW_PARTIALS``; the check adds the rows up. Inputs and
-    outputs sit inside larger buffers, so the check sees every element the kernel writes. Prints the
-    verdict (unless ``verbose=False``) and returns it.
+    outputs sit inside larger buffers, so the check sees every element the kernel writes. Ends with
+    a launch on rows past element 2**31 of their buffer, where this machine can map one. Chapter:
+    ``notebooks/03_rmsnorm_backward.ipynb``.
+
+    Args:
+        kernel: the reader's ``@triton.jit`` kernel, with the parameters above.
+        seed: seed of the random inputs; None draws fresh ones on every call.
+        verbose: print the verdict (False: only return it).
+
+    Returns:
+        The ``Report``: ``passed``, and a message that names the first mistake (in dx, in dW's
+        partial sums, a write outside the tensors, an offset that wraps), on which input and where,
+        or, on a pass, the largest relative errors of dx and dW. It never raises because ``kernel``
+        is wrong or unfinished.
     """
     gen = generator(seed)
     worst = {"dx": {}, "dW": 0.0}
@@ -632,8 +700,14 @@ def check_rms_norm_backward_tile(kernel, seed: int | None = None, verbose: bool 
 
 
 def generator(seed: int | None) -> torch.Generator:
-    """The CPU generator a check draws its inputs from: seeded with ``seed``, or fresh on every call
-    when None."""
+    """The CPU generator a check draws its inputs from.
+
+    Args:
+        seed: the seed; None seeds it afresh on every call.
+
+    Returns:
+        A ``torch.Generator`` on the CPU.
+    """
     gen = torch.Generator()
     if seed is None:
         gen.seed()  # fresh inputs on every call: a function must be right for any input, not for one
@@ -767,15 +841,30 @@ def _shorten(text: str, width: int = 160) -> str:
 
 
 def last_line(error: Exception) -> str:
-    """The last non-empty line of ``error``'s message (at most 300 characters): what a check tells
-    the reader of an exception their function raised."""
+    """The last non-empty line of ``error``'s message: what a check tells of an exception raised.
+
+    Args:
+        error: the exception the reader's code raised.
+
+    Returns:
+        That line, cut to 300 characters (``repr(error)`` when the message is empty).
+    """
     lines = [line for line in str(error).strip().splitlines() if line.strip()]
     text = lines[-1] if lines else repr(error)
     return text if len(text) <= 300 else text[:297] + "..."
 
 
 def verdict(passed: bool, message: str, verbose: bool) -> Report:
-    """A check's ``Report``: ``message`` marked ✓ or ✗, printed when ``verbose``."""
+    """A check's ``Report``: ``message`` marked ✓ or ✗, printed when ``verbose``.
+
+    Args:
+        passed: whether the check passed.
+        message: the verdict in words, without the mark.
+        verbose: print the marked message.
+
+    Returns:
+        The ``Report``, its message marked.
+    """
     report = Report(passed, ("✓ " if passed else "✗ ") + message)
     if verbose:
         print(report.message)
@@ -1022,9 +1111,19 @@ def _check_dw(partials, x, w, dy, rstd, case: TileCase, fp32_passed: bool) -> tu
 
 
 def bad_elements(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Elements of ``out`` (any dtype and device) that are not close to ``ref`` (float64, on the
-    CPU) within the element tolerances of ``dtype``; where ``ref`` is NaN nothing is compared.
-    Shared by the exercises' checks."""
+    """The elements of ``out`` that are not close to ``ref`` within ``dtype``'s element tolerances.
+
+    The absolute part of the tolerance scales with the largest finite ``|ref|``; where ``ref`` is
+    not finite nothing is compared. Shared by the exercises' checks.
+
+    Args:
+        out: the output to judge (any dtype and device).
+        ref: the reference, float64 on the CPU, of ``out``'s shape.
+        dtype: the dtype whose tolerances apply (a key of ``ELEMENT_TOL``).
+
+    Returns:
+        A boolean tensor of ``out``'s shape: True where the element is not finite or too far.
+    """
     rtol, atol = ELEMENT_TOL[dtype]
     out = _f64(out)
     compared = torch.isfinite(ref)

@@ -149,7 +149,18 @@ HINTS = {
 
 
 def hint(key: str, **fields) -> str:
-    """The diagnosis ``HINTS[key]`` with its fields filled in."""
+    """The diagnosis ``HINTS[key]`` with its fields filled in.
+
+    Args:
+        key: a key of ``HINTS``.
+        **fields: the values of the fields in braces in that sentence.
+
+    Returns:
+        The sentence, as the check prints it.
+
+    Raises:
+        KeyError: ``key`` is not in ``HINTS``, or a field of its sentence is not given.
+    """
     return HINTS[key].format(**fields)
 
 
@@ -477,15 +488,26 @@ def _bf16_bits(outs: dict, inputs: dict, fp32_passed: bool) -> str | None:
 
 
 def check_swiglu_backward_tile(kernel, seed: int | None = None, verbose: bool = True) -> Report:
-    """Check a Triton kernel for the SwiGLU backward, one [ROWS, BLOCK_N] tile per program of a 2-D grid.
+    """Check a Triton kernel for the SwiGLU backward, one [ROWS, BLOCK_N] tile per program.
 
     The check launches it itself, ``(cdiv(n_rows, ROWS), cdiv(n_cols, BLOCK_N))`` programs, as
     ``kernel[grid](DY, GATE, UP, DGATE, DUP, n_rows, n_cols, stride_dy, stride_gate, stride_up,
     stride_out, ROWS=SWIGLU_ROWS, BLOCK_N=SWIGLU_BLOCK_N)``, on tensors inside larger buffers (DGATE
     and DUP share the row stride ``stride_out``), so it sees every element the kernel writes. With y
     = silu(gate)·up, the kernel must store ``d_gate = dy·up·σ(g)·(1 + g·(1 − σ(g)))`` in DGATE and
-    ``d_up = dy·silu(g)`` in DUP, computed in float32 and rounded once. Prints the verdict (unless
-    ``verbose=False``) and returns it.
+    ``d_up = dy·silu(g)`` in DUP, computed in float32 and rounded once. Chapter:
+    ``notebooks/11_swiglu_rope.ipynb``.
+
+    Args:
+        kernel: the reader's ``@triton.jit`` kernel, with the parameters above (something else is
+            refused with a verdict that says so).
+        seed: seed of the random inputs; None draws fresh ones on every call.
+        verbose: print the verdict (False: only return it).
+
+    Returns:
+        The ``Report``: ``passed``, and a message that names the first mistake (a wrong value, a
+        write outside the outputs, the precision), on which input and where, or, on a pass, the
+        largest relative errors. It never raises because ``kernel`` is wrong or unfinished.
     """
     refused = finished_answer(SWIGLU_EXERCISE, kernel)
     if refused is None and not _is_kernel(kernel):
@@ -539,6 +561,8 @@ def check_swiglu_backward_tile(kernel, seed: int | None = None, verbose: bool = 
 
 @dataclass(frozen=True)
 class RopeCase:
+    """One input of the RoPE backward: dy's dtype, shape and layout, and cos and sin's halves."""
+
     dtype: torch.dtype
     batch: int
     heads: int
@@ -566,9 +590,23 @@ ROPE_CASES = (
 
 
 def launch_rope_one(kernel, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_dtype: torch.dtype):
-    """Launch a chapter-11-style RoPE kernel over every (batch, head) of ``x`` [batch, heads, seq,
-    D]: one program per (batch, head), all positions as the rows of a [BLOCK_T, BLOCK_H] tile of one
-    half of the head."""
+    """Launch a chapter-11-style RoPE kernel over every (batch, head) of ``x``.
+
+    One program per (batch, head), all positions as the rows of a [BLOCK_T, BLOCK_H] tile of one
+    half of the head, as ``kernel[(batch * heads,)](X, COS, SIN, OUT, heads, seq, D // 2, x's
+    strides of batch, head and position, the same three of OUT, COS's strides of batch and
+    position, BLOCK_T=next_power_of_2(seq), BLOCK_H=next_power_of_2(D // 2))``. Chapter:
+    ``notebooks/11_swiglu_rope.ipynb``.
+
+    Args:
+        kernel: a ``@triton.jit`` kernel with the parameters above.
+        x: [batch, heads, seq, D], any strides along its first three dimensions.
+        cos, sin: [batch, seq, D] (made contiguous before the launch).
+        out_dtype: the dtype of the output.
+
+    Returns:
+        The output, of ``x``'s shape and memory layout, in ``out_dtype``.
+    """
     batch, heads, seq, dim = x.shape
     cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty_like(x, dtype=out_dtype)  # keeps x's memory layout, as PyTorch's elementwise ops do
@@ -708,7 +746,18 @@ def check_rope_backward(fn: Callable, seed: int | None = None, verbose: bool = T
     ``fn`` is either a function ``fn(dy, cos, sin) -> dx`` or a Triton kernel written like chapter
     11's, which the check launches with ``launch_rope_one``. ``dy`` is [batch, heads, seq, head_dim]
     (possibly Llama's transposed view), ``cos`` and ``sin`` are [batch, seq, head_dim]; dx must have
-    dy's shape and dtype. Prints the verdict (unless ``verbose=False``) and returns it.
+    dy's shape and dtype. Chapter: ``notebooks/11_swiglu_rope.ipynb``.
+
+    Args:
+        fn: the reader's ``fn(dy, cos, sin) -> dx``, or their ``@triton.jit`` kernel (launched
+            with ``launch_rope_one``).
+        seed: seed of the random inputs; None draws fresh ones on every call.
+        verbose: print the verdict (False: only return it).
+
+    Returns:
+        The ``Report``: ``passed``, and a message that names the first mistake, on which input and
+        where, or, on a pass, the largest relative errors and the two halves' formulas. It never
+        raises because ``fn`` is wrong or unfinished.
     """
     refused = finished_answer(ROPE_EXERCISE, fn)
     if refused is not None:

@@ -248,12 +248,24 @@ def _loss_and_grads(model, batch):
 
 
 def check_manual_patch(fn: Callable, verbose: bool = True, seed: int = 0) -> bool:
-    """Check ``fn(model)``: it must replace, inside ``model`` (a Hugging Face ``LlamaForCausalLM``), every
-    ``LlamaRMSNorm`` by a ``kernels.TritonRMSNorm`` that holds the same weight Parameter and the same eps.
+    """Check the reader's hand-made patch that puts ``kernels.TritonRMSNorm`` into a Llama.
 
-    Runs on a tiny float32 Llama (``build_model("tiny", dtype=torch.float32)``) on
-    ``runtime.device()``. Prints the verdict (unless ``verbose=False``) and returns True when the
-    patch is right and every gradient matches.
+    ``fn(model)`` must replace, inside ``model`` (a Hugging Face ``LlamaForCausalLM``), every
+    ``LlamaRMSNorm`` by a ``kernels.TritonRMSNorm`` that holds the same weight Parameter and the
+    same eps. Runs on a tiny float32 Llama (``build_model("tiny", dtype=torch.float32)``) on
+    ``runtime.device()``, with ``patch_llama`` and ``TritonRMSNorm.from_hf`` out of reach, then
+    compares the loss and every gradient with an untouched copy. Chapter:
+    ``notebooks/08_training_loop.ipynb``.
+
+    Args:
+        fn: the reader's ``fn(model)``, which patches ``model`` in place (what it returns is
+            looked at too).
+        verbose: print the verdict, what is wrong in words or what is right (False: only return).
+        seed: seed of the tiny model's weights and of the batch.
+
+    Returns:
+        True when the patch is right and the loss and every gradient match; False otherwise. It
+        never raises because ``fn`` is wrong or unfinished.
     """
     device = runtime.device()
     model = build_model("tiny", dtype=torch.float32, device=device, seed=seed)

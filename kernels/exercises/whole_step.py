@@ -123,7 +123,18 @@ HINTS = {
 
 
 def hint(key: str, **fields) -> str:
-    """The diagnosis ``HINTS[key]`` with its fields filled in."""
+    """The diagnosis ``HINTS[key]`` with its fields filled in.
+
+    Args:
+        key: a key of ``HINTS``.
+        **fields: the values of the fields in braces in that sentence.
+
+    Returns:
+        The sentence, as the check prints it.
+
+    Raises:
+        KeyError: ``key`` is not in ``HINTS``, or a field of its sentence is not given.
+    """
     return HINTS[key].format(**fields)
 
 
@@ -151,6 +162,7 @@ class AddCase:
 
     @property
     def block(self) -> int:
+        """BLOCK_N: the width's next power of two."""
         return triton.next_power_of_2(self.cols)
 
 
@@ -166,8 +178,20 @@ CASES = (
 
 def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The float64 answer the check compares with: ``(y, h)``, with h the sum as stored in x's
-    dtype (Hugging Face's add) and y the norm of that h, in float64."""
+    """The float64 answer the check compares with: ``(y, h)``.
+
+    h is the sum as stored in x's dtype (Hugging Face's add), y the RMSNorm of that h times the
+    weight, in float64. Out of the reader's reach while the check runs. Chapter:
+    ``notebooks/17_whole_step.ipynb``.
+
+    Args:
+        x, residual: [rows, cols] tensors of one dtype (any device and strides).
+        weight: [cols].
+        eps: the epsilon added to the mean of squares.
+
+    Returns:
+        ``(y, h)``, both float64 on the CPU, of ``x``'s shape.
+    """
     h = (_f64(x) + _f64(residual)).to(x.dtype)
     return _norm64(h, weight, eps), _f64(h)
 
@@ -423,6 +447,8 @@ def _named(problem: str) -> bool:
 def check_add_rms_norm(fn: Callable, seed: int | None = None, verbose: bool = True) -> Report:
     """Check the fused residual add + RMSNorm forward: ``h = x + residual``, ``y = rms_norm(h) ·
     weight``, h and y in x's dtype, as Hugging Face computes them.
+
+    Chapter: ``notebooks/17_whole_step.ipynb``.
 
     Args:
         fn: the reader's Triton kernel, launched by the check as ``kernel[grid](X, R, W, Y, H,

@@ -106,12 +106,25 @@ OFFSETS_NOT_CHECKED = ("int64 row offsets NOT checked (this machine would not ma
 
 
 def diagnosis(key: str, **fields) -> str:
-    """The sentence ``DIAGNOSES[key]`` with its fields filled in."""
+    """The sentence ``DIAGNOSES[key]`` with its fields filled in.
+
+    Args:
+        key: a key of ``DIAGNOSES``.
+        **fields: the sentence's fields (an error, a row, a count).
+
+    Returns:
+        the sentence.
+
+    Raises:
+        KeyError: when ``key`` is unknown or a field the sentence names is missing.
+    """
     return DIAGNOSES[key].format(**fields)
 
 
 @dataclass(frozen=True)
 class Case:
+    """One input ``check_rms_norm_rows`` runs the reader's row loop on: x [rows, cols] and eps."""
+
     rows: int
     cols: int
     eps: float = 1e-6
@@ -143,7 +156,16 @@ CASES = (
 def compile_rows_function(source: str):
     """Compile ``source`` (C++ defining ``extern "C" void rms_norm_rows(...)``) and return
     ``(function, None)``, or ``(None, what went wrong)``. Each distinct source is built once, under
-    a name derived from its hash."""
+    a name derived from its hash.
+
+    Args:
+        source: the reader's C++ source; ``PRELUDE`` (``<cmath>``, ``<cstdint>``) is put before it.
+
+    Returns:
+        ``(function, None)``, the ``ctypes`` function with its argument types set, or ``(None,
+        text)``: the first compiler error, a missing ``rms_norm_rows``, or why no C++ build is
+        possible here.
+    """
     from kernels.cuda_rmsnorm import cpu_build_unavailable
 
     reason = cpu_build_unavailable()
@@ -199,7 +221,14 @@ def _poisoned(n: int) -> torch.Tensor:
 
 
 def untouched(values: torch.Tensor) -> torch.Tensor:
-    """Where ``values`` (float32) still hold the poison they were filled with: never written."""
+    """Where ``values`` (float32) still hold the poison they were filled with: never written.
+
+    Args:
+        values: an output buffer filled with the poison NaN (``POISON_BITS``) before the call.
+
+    Returns:
+        a bool tensor of ``values``' shape, True where the poison is still there.
+    """
     return values.contiguous().view(torch.int32) == POISON_BITS
 
 
@@ -209,6 +238,12 @@ def run_rows_function(fn, x: torch.Tensor, w: torch.Tensor, eps: float):
     Returns ``(y, rstd, buffer)``. All start poisoned (``untouched`` finds what the function did not
     write). ``y`` is the front of ``buffer``, a larger block: what the function writes past y's end
     lands there instead of on memory it does not own, and the check can see it.
+
+    Args:
+        fn: the compiled function, as ``compile_rows_function`` returns it.
+        x: the input, float32 [rows, cols], rows possibly further apart than cols.
+        w: the weight, float32 [cols].
+        eps: the epsilon added to mean(x²).
     """
     rows, cols = x.shape
     guard = rows * max(x.stride(0), cols) + cols  # room for a row loop that steps x's stride through y
@@ -286,7 +321,17 @@ def check_rms_norm_rows(source: str, seed: int | None = None, verbose: bool = Tr
     """Compile the reader's C++ ``source`` of ``rms_norm_rows`` and check it on every case against float64.
 
     Prints the verdict (unless ``verbose=False``) and returns it as a ``Report``; never raises
-    because the source is wrong or does not compile.
+    because the source is wrong or does not compile (chapter 13, notebooks/13_cuda_cpp.ipynb).
+
+    Args:
+        source: the reader's C++ source, as a string, defining ``extern "C" void
+            rms_norm_rows(x, x_row_stride, w, y, rstd, rows, cols, eps)`` over float32 pointers.
+        seed: seed of the random inputs; None draws fresh ones.
+        verbose: print the verdict: ✓ with the worst relative error and whether int64 row offsets
+            were checked, or ✗ and the first mistake found.
+
+    Returns:
+        a ``Report``: ``passed``, and the verdict's message.
     """
     if not isinstance(source, str):
         return verdict(False, diagnosis("source_type", got=type(source).__name__), verbose)
@@ -433,6 +478,7 @@ class CudaReport:
 
     @property
     def passed(self) -> bool:
+        """Whether the kernel ran on a GPU and was right."""
         return self.outcome == "passed"
 
     def __bool__(self) -> bool:
@@ -440,7 +486,18 @@ class CudaReport:
 
 
 def warp_diagnosis(key: str, **fields) -> str:
-    """The sentence ``WARP_DIAGNOSES[key]`` with its fields filled in."""
+    """The sentence ``WARP_DIAGNOSES[key]`` with its fields filled in.
+
+    Args:
+        key: a key of ``WARP_DIAGNOSES``.
+        **fields: the sentence's fields.
+
+    Returns:
+        the sentence.
+
+    Raises:
+        KeyError: when ``key`` is unknown or a field the sentence names is missing.
+    """
     return WARP_DIAGNOSES[key].format(**fields)
 
 
@@ -454,6 +511,9 @@ def _cuda_verdict(outcome: str, message: str, verbose: bool) -> CudaReport:
 
 @dataclass(frozen=True)
 class WarpCase:
+    """One input ``check_rstd_warp_per_row`` runs the reader's kernel on: x [rows, cols], the
+    threads of a block, and eps."""
+
     rows: int
     cols: int
     threads: int
@@ -497,7 +557,16 @@ def _without_comments(source: str) -> str:
 
 
 def read_warp_source(source: str) -> str | None:
-    """The first usual mistake the source shows by reading alone, worded; None when it reads right."""
+    """The first usual mistake the source shows by reading alone, worded; None when it reads right.
+
+    Args:
+        source: the reader's CUDA source of ``rstd_warp_per_row``.
+
+    Returns:
+        the sentence of ``WARP_DIAGNOSES`` for the first mistake read (an empty body, a 32-bit
+        offset from a product with cols, the old shuffles, no shuffle, a partial mask, an
+        atomicAdd, no vector load), or None.
+    """
     code = _without_comments(source)
     body = code[code.find("{") + 1: code.rfind("}")] if "{" in code else ""
     if not body.strip():
@@ -530,7 +599,11 @@ _PTX_PRELUDE = "#include <cstdint>\n"
 
 
 def nvcc_path() -> str | None:
-    """nvcc on PATH (or under CUDA_HOME), else None."""
+    """nvcc on PATH (or under CUDA_HOME or CUDA_PATH), else None.
+
+    Returns:
+        the path of nvcc, or None when none is found.
+    """
     import os
     import shutil
 
@@ -544,7 +617,16 @@ def nvcc_path() -> str | None:
 
 def compile_to_ptx(source: str, arch: str = PTX_ARCH) -> tuple[str | None, str | None]:
     """``(ptx, None)`` from ``nvcc --ptx``, or ``(None, what went wrong)``; each distinct source is
-    compiled once (the PTX is kept under the system's temporary folder, named by the source's hash)."""
+    compiled once (the PTX is kept under the system's temporary folder, named by the source's hash).
+
+    Args:
+        source: the reader's CUDA source.
+        arch: the GPU architecture nvcc compiles for.
+
+    Returns:
+        ``(ptx, None)``, or ``(None, text)``: ``"no nvcc"`` when there is none, else the first
+        compile error worded as ``WARP_DIAGNOSES["compile"]``.
+    """
     import subprocess
     import tempfile
 
@@ -601,7 +683,19 @@ def _warp_inputs(case: WarpCase, gen: torch.Generator) -> torch.Tensor:
 def run_on_gpu_process(source: str, inputs: list[torch.Tensor]) -> dict:
     """Build and run the reader's kernel on every case in a fresh Python process; returns
     ``{"error": text}`` for a build that failed, or ``{"results": [(rstd_with_guard, error_text),
-    …], "device": name}``."""
+    …], "device": name}``.
+
+    A process of its own, so that a kernel that crashes takes its CUDA context with it, not this
+    one's. Needs a CUDA GPU and a CUDA build.
+
+    Args:
+        source: the reader's CUDA source of ``rstd_warp_per_row``.
+        inputs: one float32 x per case of ``WARP_CASES``, in order.
+
+    Returns:
+        the answer dict above; the results stop at the first case whose launch failed (its rstd
+        None, its error text set), and rstd is followed by ``ROWS_GUARD`` poisoned values.
+    """
     import os
     import subprocess
     import sys
@@ -703,7 +797,18 @@ def check_rstd_warp_per_row(source: str, seed: int | None = None, verbose: bool 
     The outcome is "passed" only when the kernel ran on a GPU and was right; without a GPU it is
     "compiled, not run" (nvcc found) or "not compiled, not run", each said in words, or "failed"
     with the first mistake found by compiling or reading. Prints the verdict (unless
-    ``verbose=False``); never raises because the source is wrong.
+    ``verbose=False``); never raises because the source is wrong (chapter 13,
+    notebooks/13_cuda_cpp.ipynb).
+
+    Args:
+        source: the reader's CUDA source, as a string, of ``__global__ void rstd_warp_per_row(x,
+            rstd, rows, cols, eps)``, one warp per row.
+        seed: seed of the random inputs on a GPU; None draws fresh ones.
+        verbose: print the verdict, marked ✓ (passed), ✗ (failed) or ○ (not run).
+
+    Returns:
+        a ``CudaReport``: its ``outcome`` (one of ``OUTCOMES``) and the message; true only when
+        passed.
     """
     if not isinstance(source, str):
         return _cuda_verdict("failed", f"the check takes the kernel's CUDA source as a string, got "

@@ -359,6 +359,7 @@ class Tripwire:
 
     @property
     def message(self) -> str | None:
+        """The verdict that names the first finished answer called, or None when none was."""
         if not self.called:
             return None
         name, what = self.called[0]

@@ -213,6 +213,7 @@ class SwigluCase:
 
     @property
     def grid(self) -> tuple[int, int]:
+        """The launch grid: (tiles of SWIGLU_ROWS rows, blocks of SWIGLU_BLOCK_N columns)."""
         return triton.cdiv(self.rows, SWIGLU_ROWS), triton.cdiv(self.cols, SWIGLU_BLOCK_N)
 
 

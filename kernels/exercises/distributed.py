@@ -80,7 +80,18 @@ DIAGNOSES = {
 
 
 def diagnosis(key: str, **fields) -> str:
-    """The sentence ``DIAGNOSES[key]`` with its fields filled in."""
+    """The sentence ``DIAGNOSES[key]`` with its fields filled in.
+
+    Args:
+        key: a key of ``DIAGNOSES``.
+        **fields: the sentence's fields (a rank, a step, counts).
+
+    Returns:
+        the sentence.
+
+    Raises:
+        KeyError: when ``key`` is unknown or a field the sentence names is missing.
+    """
     return DIAGNOSES[key].format(**fields)
 
 
@@ -133,7 +144,16 @@ def make_rank_batches(case: Case, gen: torch.Generator) -> list[list[list[dict]]
     """``ranks[r][s]``: the micro-batches of rank r at step s. Each micro-batch is padded to a
     length of its own (up to ``seq_len``), as a collator that pads to the longest row does; rank r's
     rows end with about r/4 of that length in padding, so the ranks' counts differ; about every
-    other row starts with a trained label."""
+    other row starts with a trained label.
+
+    Args:
+        case: the set-up: how many ranks, steps, micro-batches per step, rows and tokens.
+        gen: the random generator the tokens, lengths and label spans are drawn from.
+
+    Returns:
+        ``ranks[r][s]``, a list of ``case.accum`` micro-batches, each a dict of ``input_ids``,
+        ``attention_mask`` and ``labels`` (int64, [rows, length]).
+    """
     ranks = []
     for r in range(case.ranks):
         steps = []
@@ -197,8 +217,15 @@ def _answers(ranks, count, step, combine) -> list[list[float]]:
 
 
 def expected_counts(ranks) -> list[int]:
-    """Per step, the global count every rank passes to the loss: the training loop's own per-step counts
-    (``labels_per_step``) of every rank, summed over the ranks."""
+    """Per step, the global count every rank passes to the loss: the training loop's own per-step
+    counts (``labels_per_step``) of every rank, summed over the ranks.
+
+    Args:
+        ranks: ``ranks[r][s]``, rank r's micro-batches at step s, as ``make_rank_batches`` makes them.
+
+    Returns:
+        one count per step, the same for every rank.
+    """
     return [sum(counts) for counts in zip(*(labels_per_step(steps) for steps in ranks))]
 
 
@@ -210,14 +237,29 @@ def _suspects(ranks) -> dict[tuple[str, str, str], list[list[float]]]:
 
 
 def mistakes_of(choices: tuple[str, ...]) -> list[str]:
-    """The diagnoses (keys of ``DIAGNOSES``) of a combination of choices; none for the right one."""
+    """The diagnoses (keys of ``DIAGNOSES``) of a combination of choices; none for the right one.
+
+    Args:
+        choices: a counting, a step and a combining choice, by name (keys of ``_COUNTS``,
+            ``_STEPS`` and ``_COMBINE``).
+
+    Returns:
+        the mistakes the names stand for, variants (after "/") dropped and "+" split apart.
+    """
     return [part for name in choices if name != "right" for part in name.split("/")[0].split("+")]
 
 
 def tells_mistakes_apart(ranks) -> bool:
     """Whether, on these batches, combinations of different mistakes always give different answers
     (else one could pass for another). Variants of the same mistakes (an average rounded down or
-    not) may coincide."""
+    not) may coincide.
+
+    Args:
+        ranks: ``ranks[r][s]``, as ``make_rank_batches`` makes them.
+
+    Returns:
+        True when no two different sets of mistakes give the same answers.
+    """
     named: dict[tuple, frozenset] = {}
     for choices, answers in _suspects(ranks).items():
         key, mistakes = tuple(map(tuple, answers)), frozenset(mistakes_of(choices))
@@ -228,7 +270,15 @@ def tells_mistakes_apart(ranks) -> bool:
 
 def make_cases(gen: torch.Generator, tries: int = 50):
     """Batches for every case on which the mistakes can be told apart (random ones rarely fail; a
-    few tries do)."""
+    few tries do).
+
+    Args:
+        gen: the random generator the batches are drawn from.
+        tries: how many batches to draw for a case before keeping the last one as it is.
+
+    Returns:
+        ``(case, ranks)`` for each case of ``CASES``.
+    """
     made = []
     for case in CASES:
         for _ in range(tries):
@@ -316,7 +366,19 @@ def check_global_label_count(fn: Callable, seed: int | None = None, verbose: boo
     ``ranks[r][s]`` being rank r's micro-batches of step s) against the sum over ranks and
     micro-batches of ``kernels.training.loop.count_trained_labels``, on every case. Prints the
     verdict (unless ``verbose=False``) and returns it; never raises because ``fn`` is wrong or
-    unfinished."""
+    unfinished (chapter 12, notebooks/12_multi_gpu.ipynb).
+
+    Args:
+        fn: the reader's ``global_label_count(ranks, rank) -> list``: ``ranks[r][s]`` lists rank r's
+            micro-batches at step s (dicts of ``input_ids``, ``attention_mask`` and ``labels``,
+            [rows, seq_len], labels -100 where not trained); the answer holds one count per step.
+        seed: seed of the random batches; None draws fresh ones.
+        verbose: print the verdict: ✓ with an example of a right count, or ✗ with the set-up and
+            the mistake recognised.
+
+    Returns:
+        a ``Report``: ``passed``, and the verdict's message.
+    """
     gen = torch.Generator()
     gen.manual_seed(seed) if seed is not None else gen.seed()  # fresh batches unless a seed replays some
     example = None
@@ -454,7 +516,18 @@ class _Collective:
 
 
 def diagnosis_collective(key: str, **fields) -> str:
-    """The sentence ``COLLECTIVE_DIAGNOSES[key]`` with its fields filled in."""
+    """The sentence ``COLLECTIVE_DIAGNOSES[key]`` with its fields filled in.
+
+    Args:
+        key: a key of ``COLLECTIVE_DIAGNOSES``.
+        **fields: the sentence's fields.
+
+    Returns:
+        the sentence.
+
+    Raises:
+        KeyError: when ``key`` is unknown or a field the sentence names is missing.
+    """
     return COLLECTIVE_DIAGNOSES[key].format(**fields)
 
 
@@ -495,7 +568,21 @@ def check_global_label_count_collective(fn: Callable, seed: int | None = None,
     """Check ``fn(steps, all_reduce) -> list``, run once per rank on that rank's step groups with a
     summing ``all_reduce`` shared by the ranks (see the notes above ``COLLECTIVE_DIAGNOSES``).
     Prints the verdict (unless ``verbose=False``) and returns it; never raises because ``fn`` is
-    wrong or unfinished."""
+    wrong or unfinished (chapter 12, notebooks/12_multi_gpu.ipynb).
+
+    Args:
+        fn: the reader's ``global_label_count(steps, all_reduce) -> list``: ``steps[s]`` lists the
+            rank's own micro-batches at step s, and ``all_reduce(tensor)`` sums ``tensor`` in place
+            over the ranks, as ``torch.distributed.all_reduce`` does; the answer holds one count
+            per step.
+        seed: seed of the random batches; None draws fresh ones.
+        verbose: print the verdict: ✓, or ✗ with the set-up and the mistake recognised (in the
+            count, or in the use of the collective: a hang, not a tensor, different shapes, several
+            calls, none).
+
+    Returns:
+        a ``Report``: ``passed``, and the verdict's message.
+    """
     refused = finished_answer(COLLECTIVE_EXERCISE, fn)
     if refused is not None:
         return verdict(False, refused, verbose)

@@ -90,12 +90,37 @@ _TOL = {torch.float32: (1e-5, 1e-7), torch.bfloat16: (2.0**-7, 1e-6)}
 
 
 def diagnosis(key: str, **fields) -> str:
-    """The sentence ``DIAGNOSES[key]`` with its fields filled in."""
+    """The sentence ``DIAGNOSES[key]`` with its fields filled in.
+
+    Args:
+        key: a key of ``DIAGNOSES``.
+        **fields: the sentence's fields.
+
+    Returns:
+        the sentence.
+
+    Raises:
+        KeyError: when ``key`` is unknown or a field the sentence names is missing.
+    """
     return DIAGNOSES[key].format(**fields)
 
 
 def reference_slice_gradient(logits, lse, target, col_start, scale, ignore_index=-100):
-    """The right answer, in float64."""
+    """The right answer, in float64: ``(softmax − onehot) · scale`` over the slice's columns, zero on
+    ignored rows.
+
+    Args:
+        logits: the slice, [tokens, width]: columns ``col_start`` … ``col_start + width − 1`` of the
+            vocabulary.
+        lse: each row's logsumexp over the whole vocabulary, [tokens].
+        target: each row's target word (anywhere in the vocabulary), [tokens].
+        col_start: the vocabulary column of the slice's first column.
+        scale: the factor of the gradient (1 / the count of labels for a mean loss).
+        ignore_index: the target of rows that do not count.
+
+    Returns:
+        the slice's gradient, float64 [tokens, width].
+    """
     x = logits.to(torch.float64)
     p = torch.exp(x - lse.to(torch.float64)[:, None])
     cols = torch.arange(col_start, col_start + x.shape[1], device=x.device)
@@ -230,7 +255,21 @@ def _diagnose(fn: Callable, case: Case, exercise: str = "slice_gradient", code=N
 def check_slice_gradient(fn: Callable, verbose: bool = True) -> bool:
     """Run ``fn(logits, lse, target, col_start, scale, ignore_index)`` on every slice of the check;
     print what is wrong (or that all is right, unless ``verbose=False``) and return whether it
-    passed."""
+    passed (chapter 10, notebooks/10_linear_cross_entropy.ipynb).
+
+    Never raises for the reader's code: an error it raises, or a call of a finished answer, is
+    reported in the verdict.
+
+    Args:
+        fn: the reader's ``slice_gradient(logits, lse, target, col_start, scale, ignore_index) ->
+            grad``, arguments as ``reference_slice_gradient`` takes them (logits float32 or
+            bfloat16), grad the slice's shape.
+        verbose: print the verdict: ✓ and what was checked, or ✗ with the mistake recognised and
+            the slice it showed on.
+
+    Returns:
+        True when every slice is right, False otherwise.
+    """
     for case in _cases():
         problem = _diagnose(fn, case)
         if problem:
@@ -280,13 +319,39 @@ KERNEL_DIAGNOSES = {
 
 
 def kernel_diagnosis(key: str, **fields) -> str:
-    """The sentence ``KERNEL_DIAGNOSES[key]`` with its fields filled in."""
+    """The sentence ``KERNEL_DIAGNOSES[key]`` with its fields filled in.
+
+    Args:
+        key: a key of ``KERNEL_DIAGNOSES``.
+        **fields: the sentence's fields.
+
+    Returns:
+        the sentence.
+
+    Raises:
+        KeyError: when ``key`` is unknown or a field the sentence names is missing.
+    """
     return KERNEL_DIAGNOSES[key].format(**fields)
 
 
 def launch_slice_gradient(kernel, logits, lse, target, col_start, scale, ignore_index=-100, grad=None):
-    """Launch ``kernel`` over the slice ``logits`` ([tokens, width], any row stride, unit column stride) into
-    ``grad`` (float32, default a new [tokens, width] tensor); returns ``grad``."""
+    """Launch ``kernel`` over the slice ``logits`` ([tokens, width], any row stride, unit column
+    stride) into ``grad`` (float32, default a new [tokens, width] tensor); returns ``grad``.
+
+    The grid has one program per ``KERNEL_ROWS`` rows × ``KERNEL_BLOCK_N`` columns; the kernel is
+    given ``(logits, lse, target, grad, tokens, width, col_start, scale, ignore_index,
+    stride_logits, stride_grad, ROWS=, BLOCK_N=)``.
+
+    Args:
+        kernel: the reader's ``@triton.jit`` kernel.
+        logits, lse, target, col_start, scale, ignore_index: the slice and what its gradient needs,
+            as ``reference_slice_gradient`` takes them.
+        grad: where the gradient is written (rows may be further apart than width); None allocates
+            it.
+
+    Returns:
+        ``grad``.
+    """
     tokens, width = logits.shape
     if grad is None:
         grad = torch.empty(tokens, width, dtype=torch.float32, device=logits.device)
@@ -357,7 +422,18 @@ def check_slice_gradient_kernel(kernel, verbose: bool = True) -> bool:
     """Check the reader's ``slice_gradient_kernel`` (see the notes above ``KERNEL_DIAGNOSES``):
     where it writes, the stride it reads, then the arithmetic on every slice of
     ``check_slice_gradient``. Prints the verdict (unless ``verbose=False``) and returns whether it
-    passed; never raises because the kernel is wrong."""
+    passed; never raises because the kernel is wrong (chapter 10,
+    notebooks/10_linear_cross_entropy.ipynb).
+
+    Args:
+        kernel: the reader's ``@triton.jit`` ``slice_gradient_kernel``, launched as
+            ``launch_slice_gradient`` launches it.
+        verbose: print the verdict: ✓, or ✗ with where it wrote or did not, the stride it read, or
+            the arithmetic's mistake.
+
+    Returns:
+        True when the kernel is right, False otherwise.
+    """
     message = finished_answer(EXERCISE_KERNEL, kernel)
     if message is None and not isinstance(kernel, triton.runtime.jit.KernelInterface):
         message = kernel_diagnosis("not_kernel", got=type(kernel).__name__)

@@ -41,6 +41,9 @@ from .rmsnorm import Report
 
 @dataclass(frozen=True)
 class TileCase:
+    """One input of ``check_tiled_forward``: x [batch, seq, hidden] of ``dtype``, cut into tiles of
+    ``tile_rows`` tokens."""
+
     dtype: torch.dtype
     batch: int
     seq: int
@@ -49,6 +52,7 @@ class TileCase:
 
     @property
     def tokens(self) -> int:
+        """How many rows x has once flattened: batch × seq."""
         return self.batch * self.seq
 
     def __str__(self) -> str:
@@ -75,7 +79,14 @@ class TracedMLP:
     """``mlp_tile`` for the reader's function: Llama's MLP (float32 arithmetic, rounded to x's dtype
     once) on a block of rows, recording for each call the rows of x it received (by value: x's rows
     are all different), its width and its row count. A block whose last dimension is not the hidden
-    size is recorded and refused."""
+    size is recorded and refused (``ValueError``, and ``TypeError`` for a block that is not a
+    tensor).
+
+    Args:
+        x: the input the reader's function is given, [batch, seq, hidden]; its rows are what calls
+            are traced by, and its last dimension the hidden size.
+        gen: the random generator the MLP's weights are drawn from.
+    """
 
     def __init__(self, x: torch.Tensor, gen: torch.Generator):
         self.hidden = x.shape[-1]
@@ -88,6 +99,14 @@ class TracedMLP:
         self.calls: list[dict] = []
 
     def mlp(self, block: torch.Tensor) -> torch.Tensor:
+        """Llama's MLP on ``block``, untraced: float32 on the CPU, rounded once to block's dtype.
+
+        Args:
+            block: rows of the hidden size, [..., hidden].
+
+        Returns:
+            block's shape, dtype and device.
+        """
         h = block.float().cpu()
         y = torch.nn.functional.silu(h @ self.w_gate.t()) * (h @ self.w_up.t())
         return (y @ self.w_down.t()).to(block.dtype).to(block.device)
@@ -106,6 +125,11 @@ class TracedMLP:
         return self.mlp(block)
 
     def reference(self) -> torch.Tensor:
+        """The MLP on every row of x at once, untraced: the answer the tile loop must give.
+
+        Returns:
+            [tokens, hidden], x's dtype and device.
+        """
         return self.mlp(self.rows)
 
 
@@ -209,7 +233,23 @@ def _verdict(passed: bool, message: str, verbose: bool) -> Report:
 
 def check_tiled_forward(fn: Callable, seed: int | None = None, verbose: bool = True) -> Report:
     """Check ``fn(x, mlp_tile, tile_rows) -> out``, the tile loop of a tiled MLP forward (see the
-    module docstring). Prints the verdict (unless ``verbose=False``) and returns it."""
+    module docstring). Prints the verdict (unless ``verbose=False``) and returns it (chapter 14,
+    notebooks/14_long_context.ipynb).
+
+    Never raises for the reader's code: an error it raises, or a call of a finished answer, is
+    reported in the verdict.
+
+    Args:
+        fn: the reader's ``tiled_forward(x, mlp_tile, tile_rows) -> out``: x [batch, seq, hidden],
+            ``mlp_tile`` the MLP on a [n, hidden] block of rows, out like x.
+        seed: seed of the random inputs and weights; None draws fresh ones.
+        verbose: print the verdict: ✓, or ✗ with the input and the mistake recognised (a dropped,
+            overlapping or oversized tile, skipped rows, the hidden axis tiled, rows written to the
+            wrong place, the output's shape or dtype).
+
+    Returns:
+        a ``Report``: ``passed``, and the verdict's message.
+    """
     gen = torch.Generator()
     if seed is None:
         gen.seed()  # fresh inputs every call: a loop must be right for any length, not one
@@ -326,7 +366,18 @@ OFFLOAD_HINTS = {
 
 
 def offload_hint(key: str, **fields) -> str:
-    """The diagnosis ``OFFLOAD_HINTS[key]`` with its fields filled in."""
+    """The diagnosis ``OFFLOAD_HINTS[key]`` with its fields filled in.
+
+    Args:
+        key: a key of ``OFFLOAD_HINTS``.
+        **fields: the diagnosis's fields.
+
+    Returns:
+        the diagnosis's text.
+
+    Raises:
+        KeyError: when ``key`` is unknown or a field the diagnosis names is missing.
+    """
     return OFFLOAD_HINTS[key].format(**fields)
 
 
@@ -771,7 +822,20 @@ def check_offload_hooks(pack: Callable, unpack: Callable, seed: int | None = Non
     tensor`` (see the notes above ``OFFLOAD_HINTS``). Without a GPU, the streams are recording
     stand-ins: the order of the copies, waits and marks is checked, and the verdict says that the
     asynchrony and the pinning were not. Prints the verdict (unless ``verbose=False``) and returns
-    it."""
+    it (chapter 14, notebooks/14_long_context.ipynb).
+
+    Args:
+        pack: the reader's ``offload_pack(tensor, side) -> packed``, which starts the copy of a
+            checkpoint to host memory on the side stream ``side``.
+        unpack: the reader's ``offload_unpack(packed, side) -> tensor``, which brings it back to
+            the device for the compute stream.
+        seed: seed of the random inputs; None draws fresh ones.
+        verbose: print the verdict: ✓ and what was (and, without a GPU, was not) checked, or ✗ and
+            the missing wait, mark or flag, or the gradient that differs.
+
+    Returns:
+        a ``Report``: ``passed``, and the verdict's message.
+    """
     gen = torch.Generator()
     if seed is None:
         gen.seed()

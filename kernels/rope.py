@@ -271,17 +271,14 @@ def _rope_config(n_rows: int, head_dim: int, n_q_heads: int, n_k_heads: int,
 # --------------------------------------------------------------------------------------------------
 
 
-# The dtypes the kernel stores; its arithmetic is float32 whatever these are. float64 is refused, as
-# by every kernel of the package: a float32 answer in a float64 tensor would look more precise than
-# it is.
-
-
 def _check_inputs(q, k, cos, sin) -> None:
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+# The kernels store these dtypes and compute in float32; float64 is refused, as by every
+# kernel of the package: a float32 answer in a float64 tensor would look more precise than it is.
         ops.check_kernel_dtype(name, t, "cast to float32, or use Hugging Face's apply_rotary_pos_emb")
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(

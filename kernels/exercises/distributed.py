@@ -338,8 +338,7 @@ def _check_case(fn, case: Case, ranks, exercise: str | None = "global_label_coun
             raise _Refused(str(called)) from None
         except NotImplementedError:
             return diagnosis("stub")
-        # noqa: BLE001  (any failure of the reader's code is reported, not raised)
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001  (any failure of the reader's code is reported, not raised)
             return diagnosis("raised", error=f"{type(error).__name__}: {last_line(error)}", rank=rank)
         values, problem = _numbers(out, rank, case)
         if problem is not None:

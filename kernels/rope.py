@@ -277,8 +277,8 @@ def _check_inputs(q, k, cos, sin) -> None:
             raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
-# The kernels store these dtypes and compute in float32; float64 is refused, as by every
-# kernel of the package: a float32 answer in a float64 tensor would look more precise than it is.
+        # The kernels store these dtypes and compute in float32; float64 is refused, as by every
+        # kernel of the package: a float32 answer in a float64 tensor would look more precise than it is.
         ops.check_kernel_dtype(name, t, "cast to float32, or use Hugging Face's apply_rotary_pos_emb")
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(

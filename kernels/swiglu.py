@@ -193,8 +193,8 @@ def _check_inputs(gate: torch.Tensor, up: torch.Tensor) -> None:
             raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
-# The kernels store these dtypes and compute in float32; float64 is refused, as by every
-# kernel of the package: a float32 answer in a float64 tensor would look more precise than it is.
+        # The kernels store these dtypes and compute in float32; float64 is refused, as by every
+        # kernel of the package: a float32 answer in a float64 tensor would look more precise than it is.
         ops.check_kernel_dtype(name, t, "cast to float32, or use torch.nn.functional.silu(gate) * up")
         if t.dim() == 0:
             raise ValueError(f"{name} must have at least one dimension (the intermediate size), got a scalar")

@@ -27,6 +27,7 @@ from kernels.reference import relative_error, rms_norm_reference
 from kernels.tolerances import RELATIVE_ERROR_TOL
 
 from .rmsnorm import Report, mapped_buffer, verdict
+from .sentences import sentence_lookup
 
 FUNCTION = "rms_norm_rows"
 
@@ -105,20 +106,7 @@ OFFSETS_NOT_CHECKED = ("int64 row offsets NOT checked (this machine would not ma
                        "addresses a row past element 2³² needs)")
 
 
-def diagnosis(key: str, **fields) -> str:
-    """The sentence ``DIAGNOSES[key]`` with its fields filled in.
-
-    Args:
-        key: a key of ``DIAGNOSES``.
-        **fields: the sentence's fields (an error, a row, a count).
-
-    Returns:
-        the sentence.
-
-    Raises:
-        KeyError: when ``key`` is unknown or a field the sentence names is missing.
-    """
-    return DIAGNOSES[key].format(**fields)
+diagnosis = sentence_lookup(DIAGNOSES)
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from kernels.training.loop import count_trained_labels, labels_per_step
 
 from .reach import FinishedCodeCalled, call_learner, finished_answer, out_of_reach
 from .rmsnorm import Report, last_line, verdict
+from .sentences import sentence_lookup
 
 # Every verdict, worded once. The mistakes of a wrong answer are joined with "; and ".
 DIAGNOSES = {
@@ -79,20 +80,7 @@ DIAGNOSES = {
 }
 
 
-def diagnosis(key: str, **fields) -> str:
-    """The sentence ``DIAGNOSES[key]`` with its fields filled in.
-
-    Args:
-        key: a key of ``DIAGNOSES``.
-        **fields: the sentence's fields (a rank, a step, counts).
-
-    Returns:
-        the sentence.
-
-    Raises:
-        KeyError: when ``key`` is unknown or a field the sentence names is missing.
-    """
-    return DIAGNOSES[key].format(**fields)
+diagnosis = sentence_lookup(DIAGNOSES)
 
 
 @dataclass(frozen=True)

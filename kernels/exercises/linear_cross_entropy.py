@@ -31,6 +31,7 @@ import triton
 from kernels import runtime
 
 from .reach import FinishedCodeCalled, call_learner, finished_answer
+from .sentences import sentence_lookup
 
 _OK = "✓ "
 _WRONG = "✗ "
@@ -89,20 +90,7 @@ DIAGNOSES = {
 _TOL = {torch.float32: (1e-5, 1e-7), torch.bfloat16: (2.0**-7, 1e-6)}
 
 
-def diagnosis(key: str, **fields) -> str:
-    """The sentence ``DIAGNOSES[key]`` with its fields filled in.
-
-    Args:
-        key: a key of ``DIAGNOSES``.
-        **fields: the sentence's fields.
-
-    Returns:
-        the sentence.
-
-    Raises:
-        KeyError: when ``key`` is unknown or a field the sentence names is missing.
-    """
-    return DIAGNOSES[key].format(**fields)
+diagnosis = sentence_lookup(DIAGNOSES)
 
 
 def reference_slice_gradient(logits, lse, target, col_start, scale, ignore_index=-100):

@@ -35,6 +35,7 @@ from kernels.rmsnorm import rms_norm_fwd_op
 
 from .reach import FinishedCodeCalled, call_learner
 from .rmsnorm import Report, verdict
+from .sentences import sentence_lookup
 
 EXERCISE = "rms_norm_fake"
 
@@ -83,20 +84,7 @@ HINTS = {
 }
 
 
-def hint(key: str, **fields) -> str:
-    """The diagnosis ``HINTS[key]`` with its fields filled in.
-
-    Args:
-        key: a key of ``HINTS``.
-        **fields: the values of the fields in braces in that sentence.
-
-    Returns:
-        The sentence, as the check prints it.
-
-    Raises:
-        KeyError: ``key`` is not in ``HINTS``, or a field of its sentence is not given.
-    """
-    return HINTS[key].format(**fields)
+hint = sentence_lookup(HINTS)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from kernels.training.profiling import FAMILIES, FAMILY_TITLES
 
 from .reach import FinishedCodeCalled, call_learner
 from .rmsnorm import Report, last_line, verdict
+from .sentences import sentence_lookup
 
 # The grid the function is tried on: shares of a step's time and how many times faster that part becomes.
 SHARES = (0.05, 0.25, 0.5, 0.9)
@@ -108,20 +109,7 @@ HINTS = {
 }
 
 
-def hint(key: str, **fields) -> str:
-    """The diagnosis ``HINTS[key]`` with its fields filled in.
-
-    Args:
-        key: a key of ``HINTS``.
-        **fields: the values of the fields in braces in that sentence.
-
-    Returns:
-        The sentence, as the check prints it.
-
-    Raises:
-        KeyError: ``key`` is not in ``HINTS``, or a field of its sentence is not given.
-    """
-    return HINTS[key].format(**fields)
+hint = sentence_lookup(HINTS)
 
 
 def amdahl_reference(share: float, factor: float) -> float:

@@ -41,6 +41,8 @@ from kernels.exercises.reach import FinishedCodeCalled, call_learner, out_of_rea
 from kernels.reference import relative_error, rms_norm_reference
 from kernels.tolerances import ELEMENT_TOL, RELATIVE_ERROR_TOL
 
+from .sentences import sentence_lookup
+
 # A bfloat16 forward output must equal Hugging Face's bit for bit except in at most this fraction of
 # values. The right cast order gives (almost) no differences; multiplying by the weight before
 # rounding changes about a fifth.
@@ -223,20 +225,7 @@ HINTS = {
 }
 
 
-def hint(key: str, **fields) -> str:
-    """The diagnosis ``HINTS[key]`` with its fields filled in.
-
-    Args:
-        key: a key of ``HINTS``.
-        **fields: the values of the fields in braces in that sentence.
-
-    Returns:
-        The sentence, as the check prints it.
-
-    Raises:
-        KeyError: ``key`` is not in ``HINTS``, or a field of its sentence is not given.
-    """
-    return HINTS[key].format(**fields)
+hint = sentence_lookup(HINTS)
 
 
 @dataclass(frozen=True)

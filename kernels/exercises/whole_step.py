@@ -36,6 +36,7 @@ from kernels.tolerances import RELATIVE_ERROR_TOL
 
 from .reach import FinishedCodeCalled, call_learner, finished_answer, out_of_reach
 from .rmsnorm import Report, bad_elements, generator, last_line, verdict
+from .sentences import sentence_lookup
 
 EXERCISE = "add_rms_norm_kernel"
 TILE_ROWS = 4
@@ -122,20 +123,7 @@ HINTS = {
 }
 
 
-def hint(key: str, **fields) -> str:
-    """The diagnosis ``HINTS[key]`` with its fields filled in.
-
-    Args:
-        key: a key of ``HINTS``.
-        **fields: the values of the fields in braces in that sentence.
-
-    Returns:
-        The sentence, as the check prints it.
-
-    Raises:
-        KeyError: ``key`` is not in ``HINTS``, or a field of its sentence is not given.
-    """
-    return HINTS[key].format(**fields)
+hint = sentence_lookup(HINTS)
 
 
 @dataclass(frozen=True)

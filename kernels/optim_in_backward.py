@@ -152,6 +152,9 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self._handles: list = []
         self._accumulating = 0
         self._updated: set[int] = set()  # ids of the parameters updated since the last step()
+        # Groups whose flags and hyperparameters were checked since the last step(): once per group
+        # and step, not in every parameter's hook (a scheduler edits them between steps).
+        self._checked_groups: set[int] = set()
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._joined_task = None  # the backward whose end will join the streams (its graph task id)
         # Parameters that got a gradient inside accumulating() this step: the final backward may not
@@ -244,8 +247,10 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 "opt.step() after each step's final backward, and do not backward twice through a graph "
                 "(retain_graph)"
             )
-        check_flags(group, f"{_NAME} (a parameter group)")
-        check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"], _NAME)
+        if index not in self._checked_groups:
+            check_flags(group, f"{_NAME} (a parameter group)")
+            check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"], _NAME)
+            self._checked_groups.add(index)
         grad = grad if grad.is_contiguous() else grad.contiguous()
         state = self.state[p]
         # A new state's moments are made on the backward's stream, before the side stream's wait:
@@ -344,6 +349,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         params = self._params()
         missed = [p for p in params if id(p) not in self._updated]
         self._updated.clear()
+        self._checked_groups.clear()
         if not missed:
             return loss
         pending = [p for p in missed if p.grad is not None]
@@ -383,6 +389,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
             check_flags(group, f"{_NAME}.load_state_dict")
         self.synchronize_streams()
         super().load_state_dict(state_dict)
+        self._checked_groups.clear()
         for group in self.param_groups:
             for name, default in FLAG_DEFAULTS.items():
                 group.setdefault(name, default)

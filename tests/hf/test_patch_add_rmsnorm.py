@@ -7,6 +7,7 @@ import inspect
 
 import pytest
 import torch
+from spies import count_calls
 from test_patch import TINY, assert_grads_close, loss_and_grads, random_batch, seed_from, tiny_model
 
 import kernels.add_rmsnorm as kernel_module
@@ -25,17 +26,8 @@ def calls(monkeypatch):
     """How many fused forwards the layers ran, and how many fused backward launches."""
     counts = {"forward": 0, "backward": 0}
 
-    def spy(module, name, key):
-        original = getattr(module, name)
-
-        def counted(*args, **kwargs):
-            counts[key] += 1
-            return original(*args, **kwargs)
-
-        monkeypatch.setattr(module, name, counted)
-
-    spy(hf_module, "add_rms_norm", "forward")
-    spy(kernel_module, "cached_backward_config", "backward")
+    count_calls(monkeypatch, counts, hf_module, "add_rms_norm", "forward")
+    count_calls(monkeypatch, counts, kernel_module, "cached_backward_config", "backward")
     return counts
 
 

@@ -8,6 +8,7 @@ import inspect
 
 import pytest
 import torch
+from spies import count_calls
 from test_patch import assert_grads_close, loss_and_grads, random_batch, seed_from, tiny_model
 
 from kernels import host_path, runtime
@@ -28,18 +29,9 @@ def calls(monkeypatch):
     """Counts of RoPE launches and SwiGLU forward/backward launches (spies on the host functions they go through)."""
     counts = {"rope": 0, "swiglu_fwd": 0, "swiglu_bwd": 0}
 
-    def spy(module, name, key):
-        original = getattr(module, name)
-
-        def counted(*args, **kwargs):
-            counts[key] += 1
-            return original(*args, **kwargs)
-
-        monkeypatch.setattr(module, name, counted)
-
-    spy(rope_module, "launch", "rope")
-    spy(swiglu_module, "_forward_config", "swiglu_fwd")
-    spy(swiglu_module, "_backward_config", "swiglu_bwd")
+    count_calls(monkeypatch, counts, rope_module, "launch", "rope")
+    count_calls(monkeypatch, counts, swiglu_module, "_forward_config", "swiglu_fwd")
+    count_calls(monkeypatch, counts, swiglu_module, "_backward_config", "swiglu_bwd")
     return counts
 
 

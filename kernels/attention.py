@@ -54,13 +54,14 @@ import torch
 import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import ops, runtime
 
 # Which version of the kernels this is: the benchmark records it, so a recorded timing says which
 # code it timed. assets/notes/attention.md lists each version, what changed and what was measured of
 # it.
-VERSION = 5
+VERSION = 6
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x · log2 e): the kernels work in base 2, exp2 is the hardware's
 HEAD_DIMS = (16, 32, 64, 128)  # tl.dot needs 16 ≤ head_dim; 16 and 32 keep the interpreter's sizes small
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -78,6 +79,22 @@ def _tile(ptr, rows, n_rows, stride_row, cols, UPCAST: tl.constexpr):
                 mask=(rows < n_rows)[:, None], other=0.0)
     if UPCAST:
         x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _rows(desc, ptr, b, h, start, n, stride_row, cols, BLOCK: tl.constexpr, D: tl.constexpr,
+          DESC: tl.constexpr, UPCAST: tl.constexpr):
+    # The [BLOCK, D] tile of rows start, start + 1, ... of (batch b, head h), rows past n read as 0:
+    # through the TMA (desc: a tensor descriptor over [batch, heads, seq, d]; one instruction copies
+    # the whole tile into shared memory, and the copy engine, not the threads, computes the
+    # addresses and zero-fills past the end) or through pointers (ptr: this head's first row).
+    if DESC:
+        x = desc.load([b, h, start, 0]).reshape([BLOCK, D])
+        if UPCAST:
+            x = x.to(tl.float32)
+    else:
+        x = _tile(ptr, start + tl.arange(0, BLOCK), n, stride_row, cols, UPCAST)
     return x
 
 
@@ -185,27 +202,45 @@ def _interior_queries(n0, n, lo, SEG, SEG_END, BLOCK_M: tl.constexpr, BLOCK_N: t
 
 
 @triton.jit
-def _fwd_blocks(q, k_base, v_base, rows, start, end, n, sk_s, sv_s, cols_d, SEG, qk_scale, m_i, l_i, acc,
-                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, PACKED: tl.constexpr,
-                UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def _fwd_step(q, k_desc, v_desc, k_base, v_base, b, hk, rows, n0, n, sk_s, sv_s, cols_d, SEG, qk_scale, m_i, l_i,
+              acc, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+              PACKED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, DESC: tl.constexpr):
+    # One key block [n0, n0 + BLOCK_N) of the online softmax.
+    cols = n0 + tl.arange(0, BLOCK_N)
+    k = _rows(k_desc, k_base, b, hk, n0, n, sk_s, cols_d, BLOCK_N, D, DESC, UPCAST)
+    v = _rows(v_desc, v_base, b, hk, n0, n, sv_s, cols_d, BLOCK_N, D, DESC, UPCAST)
+    s = _scores(q, k, rows[:, None], cols[None, :], n, SEG, qk_scale, CAUSAL, PACKED, PRECISION, MASKED)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_ref = m_new
+    # a row that has seen no key yet has m = -inf, and exp2(-inf - (-inf)) is NaN: measure from 0
+    if MASKED:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)  # rescale what was summed under the old maximum
+    p = tl.exp2(s - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _fwd_blocks(q, k_desc, v_desc, k_base, v_base, b, hk, rows, start, end, n, sk_s, sv_s, cols_d, SEG,
+                qk_scale, m_i, l_i, acc,
+                D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                PACKED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, DESC: tl.constexpr,
+                WS: tl.constexpr):
     # The online softmax over key blocks start, start + BLOCK_N, ... < end: the forward's inner
-    # loop.
-    for n0 in range(start, end, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
-        k = _tile(k_base, cols, n, sk_s, cols_d, UPCAST)
-        v = _tile(v_base, cols, n, sv_s, cols_d, UPCAST)
-        s = _scores(q, k, rows[:, None], cols[None, :], n, SEG, qk_scale, CAUSAL, PACKED, PRECISION, MASKED)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_ref = m_new
-        # a row that has seen no key yet has m = -inf, and exp2(-inf - (-inf)) is NaN: measure from
-        # 0
-        if MASKED:
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_ref)  # rescale what was summed under the old maximum
-        p = tl.exp2(s - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    # loop. WS: Triton splits the loop between warps that only issue the loads and warps that only
+    # compute (warp specialisation), instead of every warp doing both in turn.
+    if WS:
+        for n0 in tl.range(start, end, BLOCK_N, warp_specialize=True):
+            m_i, l_i, acc = _fwd_step(q, k_desc, v_desc, k_base, v_base, b, hk, rows, n0, n, sk_s, sv_s, cols_d,
+                                      SEG, qk_scale, m_i, l_i, acc, D, BLOCK_N, MASKED, CAUSAL, PACKED, UPCAST,
+                                      PRECISION, DESC)
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            m_i, l_i, acc = _fwd_step(q, k_desc, v_desc, k_base, v_base, b, hk, rows, n0, n, sk_s, sv_s, cols_d,
+                                      SEG, qk_scale, m_i, l_i, acc, D, BLOCK_N, MASKED, CAUSAL, PACKED, UPCAST,
+                                      PRECISION, DESC)
     return m_i, l_i, acc
 
 
@@ -216,7 +251,8 @@ def _fwd_kernel(
     n, qk_scale, n_heads,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, PACKED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    INTERIOR: tl.constexpr = False,
+    INTERIOR: tl.constexpr = False, DESC: tl.constexpr = False, WS: tl.constexpr = False,
+    q_desc=None, k_desc=None, v_desc=None,  # tensor descriptors, read when DESC
 ):
     # One program: BLOCK_M query rows of one (batch, head). qk_scale = scale · log2 e (exp2 below).
     m0 = tl.program_id(0) * BLOCK_M
@@ -228,9 +264,11 @@ def _fwd_kernel(
     SEG_END += b * n
     rows = m0 + tl.arange(0, BLOCK_M)
     cols_d = tl.arange(0, D)
-    q = _tile(Q + b * sq_b + h * sq_h, rows, n, sq_s, cols_d, UPCAST)
+    q = _rows(q_desc, Q + b * sq_b + h * sq_h, b.to(tl.int32), h.to(tl.int32), m0, n, sq_s, cols_d, BLOCK_M, D,
+              DESC, UPCAST)
     k_base = K + b * sk_b + hk * sk_h
     v_base = V + b * sv_b + hk * sv_h
+    b32, hk32 = b.to(tl.int32), hk.to(tl.int32)  # a descriptor's coordinates are 32-bit
 
     # -inf, not a finite stand-in: any finite start would zero a row whose scaled scores all lie
     # below it.
@@ -240,18 +278,18 @@ def _fwd_kernel(
     lo, hi = _key_range(m0, n, SEG, SEG_END, BLOCK_M, BLOCK_N, CAUSAL, PACKED)
     if PACKED and INTERIOR:  # masked [lo, a), whole [a, z), masked [z, hi)
         a, z = _interior_keys(m0, n, lo, SEG, SEG_END, BLOCK_M, BLOCK_N, CAUSAL)
-        m_i, l_i, acc = _fwd_blocks(q, k_base, v_base, rows, lo, a, n, sk_s, sv_s, cols_d, SEG,
-                                    qk_scale, m_i, l_i,
-                                    acc, BLOCK_N, True, CAUSAL, PACKED, UPCAST, PRECISION)
+        m_i, l_i, acc = _fwd_blocks(q, k_desc, v_desc, k_base, v_base, b32, hk32, rows, lo, a, n, sk_s, sv_s,
+                                    cols_d, SEG, qk_scale, m_i, l_i, acc,
+                                    D, BLOCK_N, True, CAUSAL, PACKED, UPCAST, PRECISION, DESC, WS)
     else:  # whole [lo, z), masked [z, hi)
         a = lo
         z = _unmasked_end(m0, n, lo, BLOCK_N, CAUSAL, PACKED)
-    m_i, l_i, acc = _fwd_blocks(q, k_base, v_base, rows, a, z, n, sk_s, sv_s, cols_d, SEG, qk_scale,
-                                m_i, l_i,
-                                acc, BLOCK_N, False, CAUSAL, PACKED, UPCAST, PRECISION)
-    m_i, l_i, acc = _fwd_blocks(q, k_base, v_base, rows, z, hi, n, sk_s, sv_s, cols_d, SEG,
-                                qk_scale, m_i, l_i,
-                                acc, BLOCK_N, True, CAUSAL, PACKED, UPCAST, PRECISION)
+    m_i, l_i, acc = _fwd_blocks(q, k_desc, v_desc, k_base, v_base, b32, hk32, rows, a, z, n, sk_s, sv_s, cols_d,
+                                SEG, qk_scale, m_i, l_i, acc,
+                                D, BLOCK_N, False, CAUSAL, PACKED, UPCAST, PRECISION, DESC, WS)
+    m_i, l_i, acc = _fwd_blocks(q, k_desc, v_desc, k_base, v_base, b32, hk32, rows, z, hi, n, sk_s, sv_s, cols_d,
+                                SEG, qk_scale, m_i, l_i, acc,
+                                D, BLOCK_N, True, CAUSAL, PACKED, UPCAST, PRECISION, DESC, WS)
 
     # Rows past n only: every real row sees at least its own key, and l = 0 there means its scores
     # overflowed float32 to -inf, which leaves NaN (0 / 0) as SDPA's softmax does, not a row of
@@ -292,15 +330,15 @@ def _scores(a, b, rows, cols, n, SEG, qk_scale, CAUSAL: tl.constexpr, PACKED: tl
 
 
 @triton.jit
-def _dq_blocks(q, do, k_base, v_base, rows, start, end, n, sk_s, sv_s, cols_d, lse2, delta, SEG,
-               qk_scale, dq,
-               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, PACKED: tl.constexpr,
-               UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def _dq_blocks(q, do, k_desc, v_desc, k_base, v_base, b, hk, rows, start, end, n, sk_s, sv_s, cols_d, lse2, delta,
+               SEG, qk_scale, dq,
+               D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+               PACKED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, DESC: tl.constexpr):
     # dQ += dS · K over key blocks start, start + BLOCK_N, ... < end: the dQ kernel's inner loop.
     for n0 in range(start, end, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
-        k = _tile(k_base, cols, n, sk_s, cols_d, UPCAST)
-        v = _tile(v_base, cols, n, sv_s, cols_d, UPCAST)
+        k = _rows(k_desc, k_base, b, hk, n0, n, sk_s, cols_d, BLOCK_N, D, DESC, UPCAST)
+        v = _rows(v_desc, v_base, b, hk, n0, n, sv_s, cols_d, BLOCK_N, D, DESC, UPCAST)
         s = _scores(q, k, rows[:, None], cols[None, :], n, SEG, qk_scale, CAUSAL, PACKED, PRECISION, MASKED)
         p = tl.exp2(s - lse2[:, None])  # recomputed from the saved log-sum-exp (lse2: base 2)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
@@ -326,10 +364,11 @@ def _masked_query_end(n0, lo, hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, 
 
 
 @triton.jit
-def _dkdv_blocks(q_base, do_base, sq_h, sd_h, k, v, cols, start, end, n, sq_s, sd_s, cols_d, LSE,
-                 DELTA, bh, SEG,
-                 qk_scale, dk, dv, HEADS: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
-                 CAUSAL: tl.constexpr, PACKED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def _dkdv_blocks(q_desc, do_desc, b, h, q_base, do_base, sq_h, sd_h, k, v, cols, start, end, n, sq_s, sd_s, cols_d,
+                 LSE, DELTA, bh, SEG,
+                 qk_scale, dk, dv, HEADS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, PACKED: tl.constexpr, UPCAST: tl.constexpr,
+                 PRECISION: tl.constexpr, DESC: tl.constexpr):
     # dV += Pᵀ · dO and dK += dSᵀ · Q over query blocks start, start + BLOCK_M, ... < end of HEADS
     # consecutive query heads (from q_base, do_base and bh on): the dK/dV kernel's inner loop, one
     # loop over (head, query block). The tiles are keys × queries (sᵀ = k · qᵀ), so that pᵀ and dSᵀ
@@ -343,8 +382,8 @@ def _dkdv_blocks(q_base, do_base, sq_h, sd_h, k, v, cols, start, end, n, sq_s, s
             g = it // steps
             m0 = start + (it - g * steps) * BLOCK_M
         rows = m0 + tl.arange(0, BLOCK_M)
-        q = _tile(q_base + g * sq_h, rows, n, sq_s, cols_d, UPCAST)
-        do = _tile(do_base + g * sd_h, rows, n, sd_s, cols_d, UPCAST)
+        q = _rows(q_desc, q_base + g * sq_h, b, h + g, m0, n, sq_s, cols_d, BLOCK_M, D, DESC, UPCAST)
+        do = _rows(do_desc, do_base + g * sd_h, b, h + g, m0, n, sd_s, cols_d, BLOCK_M, D, DESC, UPCAST)
         lse2 = tl.load(LSE + (bh + g) * n + rows, mask=rows < n, other=0.0) * 1.4426950408889634
         delta = tl.load(DELTA + (bh + g) * n + rows, mask=rows < n, other=0.0)
         st = _scores(k, q, rows[None, :], cols[:, None], n, SEG, qk_scale, CAUSAL, PACKED, PRECISION, MASKED)
@@ -364,7 +403,8 @@ def _bwd_dkdv_kernel(
     n, qk_scale, scale, n_kv_heads,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, PACKED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    INTERIOR: tl.constexpr = False, HEADS: tl.constexpr = 1,
+    INTERIOR: tl.constexpr = False, HEADS: tl.constexpr = 1, DESC: tl.constexpr = False,
+    q_desc=None, k_desc=None, v_desc=None, do_desc=None,  # tensor descriptors, read when DESC
 ):
     # One program: BLOCK_N keys of one (batch, KV head); dK and dV summed over every query head of
     # the group and every query block that sees them. The blocks on the diagonal (causal) or in
@@ -377,8 +417,9 @@ def _bwd_dkdv_kernel(
     SEG_END += b * n
     cols = n0 + tl.arange(0, BLOCK_N)
     cols_d = tl.arange(0, D)
-    k = _tile(K + b * sk_b + hk * sk_h, cols, n, sk_s, cols_d, UPCAST)
-    v = _tile(V + b * sv_b + hk * sv_h, cols, n, sv_s, cols_d, UPCAST)
+    b32, hk32 = b.to(tl.int32), hk.to(tl.int32)  # a descriptor's coordinates are 32-bit
+    k = _rows(k_desc, K + b * sk_b + hk * sk_h, b32, hk32, n0, n, sk_s, cols_d, BLOCK_N, D, DESC, UPCAST)
+    v = _rows(v_desc, V + b * sv_b + hk * sv_h, b32, hk32, n0, n, sv_s, cols_d, BLOCK_N, D, DESC, UPCAST)
     dk = tl.zeros([BLOCK_N, D], tl.float32)
     dv = tl.zeros([BLOCK_N, D], tl.float32)
     lo, hi = _query_range(n0, n, SEG, SEG_END, BLOCK_M, BLOCK_N, CAUSAL, PACKED)
@@ -394,18 +435,17 @@ def _bwd_dkdv_kernel(
         bh = b * (n_kv_heads * GROUP) + h
         q_base = Q + b * sq_b + h * sq_h
         do_base = DO + b * sd_b + h * sd_h
-        dk, dv = _dkdv_blocks(q_base, do_base, sq_h, sd_h, k, v, cols, lo, a, n, sq_s, sd_s, cols_d,
-                              LSE, DELTA, bh,
-                              SEG, qk_scale, dk, dv, HEADS, BLOCK_M, True, CAUSAL, PACKED, UPCAST, PRECISION)
-        dk, dv = _dkdv_blocks(q_base, do_base, sq_h, sd_h, k, v, cols, a, z, n, sq_s, sd_s, cols_d,
-                              LSE, DELTA, bh,
-                              SEG, qk_scale, dk, dv, HEADS, BLOCK_M, False, CAUSAL, PACKED, UPCAST,
-                              PRECISION)
+        h32 = h.to(tl.int32)
+        dk, dv = _dkdv_blocks(q_desc, do_desc, b32, h32, q_base, do_base, sq_h, sd_h, k, v, cols, lo, a, n, sq_s, sd_s,
+                              cols_d, LSE, DELTA, bh, SEG, qk_scale, dk, dv,
+                              HEADS, D, BLOCK_M, True, CAUSAL, PACKED, UPCAST, PRECISION, DESC)
+        dk, dv = _dkdv_blocks(q_desc, do_desc, b32, h32, q_base, do_base, sq_h, sd_h, k, v, cols, a, z, n, sq_s, sd_s,
+                              cols_d, LSE, DELTA, bh, SEG, qk_scale, dk, dv,
+                              HEADS, D, BLOCK_M, False, CAUSAL, PACKED, UPCAST, PRECISION, DESC)
         if PACKED and INTERIOR:
-            dk, dv = _dkdv_blocks(q_base, do_base, sq_h, sd_h, k, v, cols, z, hi, n, sq_s, sd_s,
-                                  cols_d, LSE, DELTA,
-                                  bh, SEG, qk_scale, dk, dv, HEADS, BLOCK_M, True, CAUSAL, PACKED, UPCAST,
-                                  PRECISION)
+            dk, dv = _dkdv_blocks(q_desc, do_desc, b32, h32, q_base, do_base, sq_h, sd_h, k, v, cols, z, hi, n, sq_s,
+                                  sd_s, cols_d, LSE, DELTA, bh, SEG, qk_scale, dk, dv,
+                                  HEADS, D, BLOCK_M, True, CAUSAL, PACKED, UPCAST, PRECISION, DESC)
     ok = (cols < n)[:, None]
     tl.store(DK + b * sdk_b + hk * sdk_h + cols[:, None].to(tl.int64) * sdk_s + cols_d[None, :],
              (dk * scale).to(DK.dtype.element_ty), mask=ok)
@@ -420,7 +460,8 @@ def _bwd_dq_kernel(
     n, qk_scale, scale, n_heads,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, PACKED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    INTERIOR: tl.constexpr = False,
+    INTERIOR: tl.constexpr = False, DESC: tl.constexpr = False,
+    q_desc=None, k_desc=None, v_desc=None, do_desc=None,  # tensor descriptors, read when DESC
 ):
     # One program: BLOCK_M query rows of one (batch, head), dQ summed over the key blocks they see
     # (the forward's walk).
@@ -433,8 +474,9 @@ def _bwd_dq_kernel(
     SEG_END += b * n
     rows = m0 + tl.arange(0, BLOCK_M)
     cols_d = tl.arange(0, D)
-    q = _tile(Q + b * sq_b + h * sq_h, rows, n, sq_s, cols_d, UPCAST)
-    do = _tile(DO + b * sd_b + h * sd_h, rows, n, sd_s, cols_d, UPCAST)
+    b32, h32, hk32 = b.to(tl.int32), h.to(tl.int32), hk.to(tl.int32)  # a descriptor's coordinates are 32-bit
+    q = _rows(q_desc, Q + b * sq_b + h * sq_h, b32, h32, m0, n, sq_s, cols_d, BLOCK_M, D, DESC, UPCAST)
+    do = _rows(do_desc, DO + b * sd_b + h * sd_h, b32, h32, m0, n, sd_s, cols_d, BLOCK_M, D, DESC, UPCAST)
     lse2 = tl.load(LSE + bh * n + rows, mask=rows < n, other=0.0) * 1.4426950408889634
     delta = tl.load(DELTA + bh * n + rows, mask=rows < n, other=0.0)
     k_base = K + b * sk_b + hk * sk_h
@@ -443,20 +485,105 @@ def _bwd_dq_kernel(
     lo, hi = _key_range(m0, n, SEG, SEG_END, BLOCK_M, BLOCK_N, CAUSAL, PACKED)
     if PACKED and INTERIOR:  # masked [lo, a), whole [a, full), masked [full, hi)
         a, full = _interior_keys(m0, n, lo, SEG, SEG_END, BLOCK_M, BLOCK_N, CAUSAL)
-        dq = _dq_blocks(q, do, k_base, v_base, rows, lo, a, n, sk_s, sv_s, cols_d, lse2, delta, SEG,
-                        qk_scale, dq,
-                        BLOCK_N, True, CAUSAL, PACKED, UPCAST, PRECISION)
+        dq = _dq_blocks(q, do, k_desc, v_desc, k_base, v_base, b32, hk32, rows, lo, a, n, sk_s, sv_s, cols_d, lse2,
+                        delta, SEG, qk_scale, dq, D, BLOCK_N, True, CAUSAL, PACKED, UPCAST, PRECISION, DESC)
     else:  # whole [lo, full), masked [full, hi)
         a = lo
         full = _unmasked_end(m0, n, lo, BLOCK_N, CAUSAL, PACKED)
-    dq = _dq_blocks(q, do, k_base, v_base, rows, a, full, n, sk_s, sv_s, cols_d, lse2, delta, SEG,
-                    qk_scale, dq,
-                    BLOCK_N, False, CAUSAL, PACKED, UPCAST, PRECISION)
-    dq = _dq_blocks(q, do, k_base, v_base, rows, full, hi, n, sk_s, sv_s, cols_d, lse2, delta, SEG,
-                    qk_scale, dq,
-                    BLOCK_N, True, CAUSAL, PACKED, UPCAST, PRECISION)
+    dq = _dq_blocks(q, do, k_desc, v_desc, k_base, v_base, b32, hk32, rows, a, full, n, sk_s, sv_s, cols_d, lse2,
+                    delta, SEG, qk_scale, dq, D, BLOCK_N, False, CAUSAL, PACKED, UPCAST, PRECISION, DESC)
+    dq = _dq_blocks(q, do, k_desc, v_desc, k_base, v_base, b32, hk32, rows, full, hi, n, sk_s, sv_s, cols_d, lse2,
+                    delta, SEG, qk_scale, dq, D, BLOCK_N, True, CAUSAL, PACKED, UPCAST, PRECISION, DESC)
     tl.store(DQ + b * sdq_b + h * sdq_h + rows[:, None].to(tl.int64) * sdq_s + cols_d[None, :],
              (dq * scale).to(DQ.dtype.element_ty), mask=(rows < n)[:, None])
+
+
+@triton.jit
+def _onepass_blocks(q_desc, do_desc, dq_desc, q_base, do_base, dq_base, b, h, k, v, cols, start, end, n, sq_s,
+                    sd_s, sdq_s, cols_d, LSE, DELTA, bh, SEG, qk_scale, scale, dk, dv,
+                    D: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                    PACKED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, DESC: tl.constexpr,
+                    TMA_REDUCE: tl.constexpr):
+    # The one-pass backward's inner loop over query blocks start, start + BLOCK_M, ... < end: the
+    # dK/dV walk's four products, and a fifth, this key block's share of dQ = scale · dS · K, added
+    # into the float32 dQ of those query rows. Other key blocks add theirs to the same rows, in no
+    # fixed order: dQ is summed in float32 and its last bits may differ from run to run.
+    for m0 in range(start, end, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        q = _rows(q_desc, q_base, b, h, m0, n, sq_s, cols_d, BLOCK_M, D, DESC, UPCAST)
+        do = _rows(do_desc, do_base, b, h, m0, n, sd_s, cols_d, BLOCK_M, D, DESC, UPCAST)
+        lse2 = tl.load(LSE + bh * n + rows, mask=rows < n, other=0.0) * 1.4426950408889634
+        delta = tl.load(DELTA + bh * n + rows, mask=rows < n, other=0.0)
+        st = _scores(k, q, rows[None, :], cols[:, None], n, SEG, qk_scale, CAUSAL, PACKED, PRECISION, MASKED)
+        pt = tl.exp2(st - lse2[None, :])
+        dv += tl.dot(pt.to(do.dtype), do, input_precision=PRECISION)
+        dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        dst = (pt * (dpt - delta[None, :])).to(q.dtype)
+        dk += tl.dot(dst, q, input_precision=PRECISION)
+        dq = tl.dot(tl.trans(dst), k, input_precision=PRECISION) * scale
+        if TMA_REDUCE:  # the copy engine adds the tile into memory (cp.reduce.async.bulk): no thread waits
+            dq_desc.atomic_add([b, h, m0, 0], dq.reshape([1, 1, BLOCK_M, D]))
+        else:
+            tl.atomic_add(dq_base + rows[:, None].to(tl.int64) * sdq_s + cols_d[None, :], dq,
+                          mask=(rows < n)[:, None], sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
+def _bwd_onepass_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, DK, DV, SEG, SEG_END,
+    sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sd_b, sd_h, sd_s, sdq_b, sdq_h, sdq_s,
+    sdk_b, sdk_h, sdk_s, sdv_b, sdv_h, sdv_s,
+    n, qk_scale, scale, n_kv_heads,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, PACKED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    INTERIOR: tl.constexpr = False, DESC: tl.constexpr = False, TMA_REDUCE: tl.constexpr = False,
+    q_desc=None, k_desc=None, v_desc=None, do_desc=None, dq_desc=None,  # read when DESC (dq_desc: TMA_REDUCE)
+):
+    # One program: BLOCK_N keys of one (batch, KV head), as in _bwd_dkdv_kernel, which also adds
+    # each query block's dQ share as it goes: five products per tile instead of the two kernels'
+    # seven (the dQ kernel recomputes q·kᵀ and dO·vᵀ). DQ is float32 and starts at zero.
+    n0 = tl.program_id(0) * BLOCK_N
+    bhk = tl.program_id(1).to(tl.int64)
+    b = bhk // n_kv_heads
+    hk = bhk % n_kv_heads
+    b32 = b.to(tl.int32)
+    SEG += b * n
+    SEG_END += b * n
+    cols = n0 + tl.arange(0, BLOCK_N)
+    cols_d = tl.arange(0, D)
+    k = _rows(k_desc, K + b * sk_b + hk * sk_h, b32, hk.to(tl.int32), n0, n, sk_s, cols_d, BLOCK_N, D, DESC, UPCAST)
+    v = _rows(v_desc, V + b * sv_b + hk * sv_h, b32, hk.to(tl.int32), n0, n, sv_s, cols_d, BLOCK_N, D, DESC, UPCAST)
+    dk = tl.zeros([BLOCK_N, D], tl.float32)
+    dv = tl.zeros([BLOCK_N, D], tl.float32)
+    lo, hi = _query_range(n0, n, SEG, SEG_END, BLOCK_M, BLOCK_N, CAUSAL, PACKED)
+    if PACKED and INTERIOR:  # masked [lo, a), whole [a, z), masked [z, hi)
+        a, z = _interior_queries(n0, n, lo, SEG, SEG_END, BLOCK_M, BLOCK_N, CAUSAL)
+    else:  # masked [lo, a), whole [a, hi)
+        a = _masked_query_end(n0, lo, hi, BLOCK_M, BLOCK_N, CAUSAL, PACKED)
+        z = hi
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        bh = b * (n_kv_heads * GROUP) + h
+        h32 = h.to(tl.int32)
+        q_base = Q + b * sq_b + h * sq_h
+        do_base = DO + b * sd_b + h * sd_h
+        dq_base = DQ + b * sdq_b + h * sdq_h
+        dk, dv = _onepass_blocks(q_desc, do_desc, dq_desc, q_base, do_base, dq_base, b32, h32, k, v, cols, lo, a,
+                                 n, sq_s, sd_s, sdq_s, cols_d, LSE, DELTA, bh, SEG, qk_scale, scale, dk, dv,
+                                 D, BLOCK_M, True, CAUSAL, PACKED, UPCAST, PRECISION, DESC, TMA_REDUCE)
+        dk, dv = _onepass_blocks(q_desc, do_desc, dq_desc, q_base, do_base, dq_base, b32, h32, k, v, cols, a, z,
+                                 n, sq_s, sd_s, sdq_s, cols_d, LSE, DELTA, bh, SEG, qk_scale, scale, dk, dv,
+                                 D, BLOCK_M, False, CAUSAL, PACKED, UPCAST, PRECISION, DESC, TMA_REDUCE)
+        if PACKED and INTERIOR:
+            dk, dv = _onepass_blocks(q_desc, do_desc, dq_desc, q_base, do_base, dq_base, b32, h32, k, v, cols, z,
+                                     hi, n, sq_s, sd_s, sdq_s, cols_d, LSE, DELTA, bh, SEG, qk_scale, scale, dk,
+                                     dv, D, BLOCK_M, True, CAUSAL, PACKED, UPCAST, PRECISION, DESC, TMA_REDUCE)
+    ok = (cols < n)[:, None]
+    tl.store(DK + b * sdk_b + hk * sdk_h + cols[:, None].to(tl.int64) * sdk_s + cols_d[None, :],
+             (dk * scale).to(DK.dtype.element_ty), mask=ok)
+    tl.store(DV + b * sdv_b + hk * sdv_h + cols[:, None].to(tl.int64) * sdv_s + cols_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=ok)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -485,6 +612,13 @@ class Config:
     delta_rows: int  # rows per program of the rowsum(dO ∘ O) preprocess
     # packed: walk the blocks wholly inside one document without the mask (PACKED_INTERIOR)
     interior: bool = False
+    # The one-pass backward's tile (_bwd_onepass_kernel: dQ added into float32 as the dK/dV walk
+    # goes); None runs the two kernels above (dkdv, dq), which need no atomics.
+    onepass: BlockConfig | None = None
+    # Hopper's machinery, each where it measured faster (assets/notes/attention.md, version 6):
+    tma: bool = False  # tiles loaded through tensor descriptors (the TMA) in the forward and one pass
+    tma_reduce: bool = False  # the one pass adds dQ with the TMA's bulk reduction, not atomics
+    warp_specialize: bool = False  # the forward's key loop split between loading and computing warps
 
 
 _INTERPRETER_BLOCK = 128  # the interpreter pays per program, not per element: big tiles keep launches few
@@ -493,6 +627,11 @@ _INTERPRETER_BLOCK = 128  # the interpreter pays per program, not per element: b
 # document without the mask, as they do the blocks before the diagonal of a dense row. The tests run
 # both ways; the timings of both walks are in assets/notes/attention.md ("The interior walk").
 PACKED_INTERIOR = True
+
+# Whether GPUs with the TMA (compute capability 9.0 and up) load the forward's and the backward's
+# tiles through tensor descriptors (on since version 6; assets/notes/attention.md). The benchmark
+# times both.
+USE_TMA = True
 
 
 def attention_config(seq: int, head_dim: int, props: runtime.DeviceProps | None = None,
@@ -513,12 +652,12 @@ def attention_config(seq: int, head_dim: int, props: runtime.DeviceProps | None 
         the ``Config`` (cached per arguments).
     """
     return _attention_config(seq, head_dim, props or runtime.device_props(), element_size,
-                             PACKED_INTERIOR, packed)
+                             PACKED_INTERIOR, packed, USE_TMA)
 
 
 @functools.lru_cache(maxsize=256)
 def _attention_config(seq: int, head_dim: int, props: runtime.DeviceProps, element_size: int,
-                      interior: bool, packed: bool = False) -> Config:
+                      interior: bool, packed: bool = False, use_tma: bool = True) -> Config:
     if props.interpreter:
         block = min(_INTERPRETER_BLOCK, max(16, triton.next_power_of_2(max(seq, 1))))
         one = BlockConfig(block, block, 4, 1)
@@ -533,6 +672,10 @@ def _attention_config(seq: int, head_dim: int, props: runtime.DeviceProps, eleme
     # blocks per query block, and the forward runs fastest there at 64 × 64 with 4 warps and 2
     # stages (the same sweep with --documents 1024, "Tiles for packed rows"); the backward's tiles
     # stay the fastest there.
+    #
+    # On Hopper (version 6) every kernel loads its tiles through tensor descriptors, the same tiles
+    # measured fastest with them (the sweep with its TMA rows). The one-pass backward and warp
+    # specialisation stay off: both measured slower there (assets/notes/attention.md, version 6).
     wide = head_dim > 64
     if element_size > 2:
         forward = dkdv = dq = BlockConfig(64, 64, 4, 2)
@@ -541,7 +684,8 @@ def _attention_config(seq: int, head_dim: int, props: runtime.DeviceProps, eleme
                                                                                 8 if wide else 4, 3)
         dkdv = BlockConfig(64, 64, 4, 2)
         dq = BlockConfig(64, 64, 4, 2)
-    config = Config(forward, dkdv, dq, 64, interior)
+    tma = use_tma and props.capability >= (9, 0)
+    config = Config(forward, dkdv, dq, 64, interior, tma=tma)
     check_config(config)
     return config
 
@@ -556,12 +700,15 @@ def check_config(config: Config) -> None:
         config: the configuration to check.
 
     Raises:
-        ValueError: the forward's or the dQ kernel's ``block_m`` not a multiple of its ``block_n``.
+        ValueError: the forward's or the dQ kernel's ``block_m`` not a multiple of its ``block_n``,
+            or ``tma_reduce`` without a one-pass tile.
     """
     for name, block in (("forward", config.forward), ("dq", config.dq)):
         if block.block_m % block.block_n:
             raise ValueError(f"config.{name} has block_m={block.block_m} and block_n={block.block_n}: the {name} "
                              "kernel needs block_m a multiple of block_n")
+    if config.tma_reduce and config.onepass is None:
+        raise ValueError("config.tma_reduce adds the one-pass backward's dQ: it needs config.onepass, a tile")
 
 
 def shrinking(block: BlockConfig, divisible: bool):
@@ -600,18 +747,20 @@ def shrinking(block: BlockConfig, divisible: bool):
 _FITTED: dict[tuple, BlockConfig] = {}
 
 
-def _launch(kernel, grid, block: BlockConfig, fit: bool, divisible: bool, key: tuple, *args, **meta) -> None:
+def _launch(kernel, grid, block: BlockConfig, fit: bool, divisible: bool, key: tuple, *args, descriptors=None,
+            **meta) -> None:
     """``kernel[grid(tile)](*args)`` with ``block``'s tile, or where ``fit`` is set and this GPU's
     shared memory cannot hold it, with the first of ``shrinking(block)`` that it can (remembered per
     ``key``). An explicit configuration is launched as given: a tile sweep must see its own tile
-    fail, not a smaller one run."""
+    fail, not a smaller one run. ``descriptors(tile)``, when given, names the tensor descriptors of
+    that tile (a descriptor's box is the tile's shape)."""
     key = (kernel.fn.__name__, block, *key)
     tiles = shrinking(_FITTED.get(key, block), divisible) if fit else iter([block])
     error = None
     for tile in tiles:
         try:
             kernel[grid(tile)](*args, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, num_warps=tile.num_warps,
-                               num_stages=tile.num_stages, **meta)
+                               num_stages=tile.num_stages, **(descriptors(tile) if descriptors else {}), **meta)
         except OutOfResources as exc:  # raised before the kernel runs: nothing was written
             if not fit:
                 raise
@@ -726,6 +875,33 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
+def tma_ready(*tensors: torch.Tensor) -> bool:
+    """Whether the TMA can read and write these [batch, heads, seq, head_dim] tensors through
+    tensor descriptors: in Triton's interpreter (which emulates the loads), or on a GPU of compute
+    capability 9.0 or newer (Hopper's copy engine) with each tensor's address and every stride but
+    the last (which must be 1) a multiple of 16 bytes. Where not, the kernels load through pointers.
+
+    Args:
+        tensors: the tensors the kernel would read or write through descriptors.
+
+    Returns:
+        True where every tensor qualifies.
+    """
+    if not runtime.INTERPRET and (not tensors or torch.cuda.get_device_capability(tensors[0].device)[0] < 9):
+        return False
+    for t in tensors:
+        size = t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(st * size % 16 for st in t.stride()[:-1]):
+            return False
+    return True
+
+
+def _descriptor(t: torch.Tensor, rows: int):
+    # A tensor descriptor over [batch, heads, seq, head_dim] whose box is one head's [rows, head_dim]
+    # tile; reads past seq come back as zeros, writes there are dropped.
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, t.shape[-1]])
+
+
 def attention_forward(q, k, v, causal: bool, scale: float, seg_start=None, seg_end=None,
                       config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward: ``(out, lse)``, out [batch, heads, seq, head_dim] (memory in [batch, seq,
@@ -761,12 +937,20 @@ def attention_forward(q, k, v, causal: bool, scale: float, seg_start=None, seg_e
                                      seg_start is not None)
     seg, seg_e, packed = _seg_args(seg_start, seg_end, q)
     interior = packed and cfg.interior
+    desc = cfg.tma and tma_ready(q, k, v)
+
+    def descriptors(tile: BlockConfig) -> dict:
+        if not desc:
+            return {}
+        return dict(q_desc=_descriptor(q, tile.block_m), k_desc=_descriptor(k, tile.block_n),
+                    v_desc=_descriptor(v, tile.block_n))
+
     _launch(_fwd_kernel, lambda c: (triton.cdiv(seq, c.block_m), batch * heads), cfg.forward, config is None,
-            True, (q.device, head_dim, q.dtype, causal, packed, interior),
+            True, (q.device, head_dim, q.dtype, causal, packed, interior, desc, cfg.warp_specialize),
             q, k, v, out, lse, seg, seg_e, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
-            seq, scale * LOG2E, heads,
+            seq, scale * LOG2E, heads, descriptors=descriptors,
             GROUP=heads // k.shape[1], D=head_dim, CAUSAL=causal, PACKED=packed, UPCAST=runtime.INTERPRET,
-            PRECISION=_precision(q.dtype), INTERIOR=interior)
+            PRECISION=_precision(q.dtype), INTERIOR=interior, DESC=desc, WS=cfg.warp_specialize)
     return out, lse
 
 
@@ -815,17 +999,61 @@ def attention_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float, 
     # group fills the pipeline once instead of once per head; dense rows' long walks run faster one
     # head at a time, where the longer loop's index arithmetic costs more than the fills it saves
     # (assets/notes/attention.md, version 5).
+    # The one pass sums dQ with atomics in no fixed order: under torch.use_deterministic_algorithms
+    # the two kernels run instead.
+    if cfg.onepass is not None and not torch.are_deterministic_algorithms_enabled():
+        return _onepass_backward(grad_out, q, k, v, lse, delta, dk, dv, seg, seg_e, scale, cfg, fit, key, common)
     group_heads = heads // kv_heads if packed else 1
+    desc = cfg.tma and tma_ready(q, k, v, grad_out)
+    key = (*key, desc)
+
+    def descriptors(tile: BlockConfig) -> dict:
+        if not desc:
+            return {}
+        return dict(q_desc=_descriptor(q, tile.block_m), do_desc=_descriptor(grad_out, tile.block_m),
+                    k_desc=_descriptor(k, tile.block_n), v_desc=_descriptor(v, tile.block_n))
+
     _launch(_bwd_dkdv_kernel, lambda c: (triton.cdiv(seq, c.block_n), batch * kv_heads), cfg.dkdv,
             fit, False, key,
             q, k, v, grad_out, lse, delta, dk, dv, seg, seg_e,
             *_strides(q), *_strides(k), *_strides(v), *_strides(grad_out), *_strides(dk), *_strides(dv),
-            seq, scale * LOG2E, scale, kv_heads, HEADS=group_heads, **common)
+            seq, scale * LOG2E, scale, kv_heads, descriptors=descriptors, HEADS=group_heads, DESC=desc, **common)
     _launch(_bwd_dq_kernel, lambda c: (triton.cdiv(seq, c.block_m), batch * heads), cfg.dq, fit, True, key,
             q, k, v, grad_out, lse, delta, dq, seg, seg_e,
             *_strides(q), *_strides(k), *_strides(v), *_strides(grad_out), *_strides(dq),
-            seq, scale * LOG2E, scale, heads, **common)
+            seq, scale * LOG2E, scale, heads, descriptors=descriptors, DESC=desc, **common)
     return dq, dk, dv
+
+
+def _onepass_backward(grad_out, q, k, v, lse, delta, dk, dv, seg, seg_e, scale, cfg: Config, fit: bool, key: tuple,
+                      common: dict):
+    # The one-pass backward: dK and dV per key block, dQ summed into float32 (zeros first) by every
+    # key block that sees its rows, then rounded to q's dtype in q's layout.
+    batch, heads, seq, head_dim = q.shape
+    kv_heads = k.shape[1]
+    dq32 = torch.zeros_like(q, dtype=torch.float32)  # q's layout (zeros_like keeps a dense tensor's strides)
+    desc = cfg.tma and tma_ready(q, k, v, grad_out, dq32)
+    reduce = cfg.tma_reduce and tma_ready(dq32)
+    if cfg.tma_reduce and runtime.INTERPRET:
+        raise ValueError("config.tma_reduce: Triton's interpreter has no TMA reduction; the one-pass backward "
+                         "adds dQ with atomics there (tma_reduce=False)")
+
+    def descriptors(tile: BlockConfig) -> dict:
+        named = {}
+        if desc:
+            named.update(q_desc=_descriptor(q, tile.block_m), do_desc=_descriptor(grad_out, tile.block_m),
+                         k_desc=_descriptor(k, tile.block_n), v_desc=_descriptor(v, tile.block_n))
+        if reduce:
+            named["dq_desc"] = _descriptor(dq32, tile.block_m)
+        return named
+
+    _launch(_bwd_onepass_kernel, lambda c: (triton.cdiv(seq, c.block_n), batch * kv_heads), cfg.onepass, fit,
+            False, (*key, desc, reduce),
+            q, k, v, grad_out, lse, delta, dq32, dk, dv, seg, seg_e,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(grad_out), *_strides(dq32), *_strides(dk),
+            *_strides(dv), seq, scale * LOG2E, scale, kv_heads, descriptors=descriptors,
+            DESC=desc, TMA_REDUCE=reduce, **common)
+    return dq32.to(q.dtype, memory_format=torch.preserve_format), dk, dv
 
 
 # --------------------------------------------------------------------------------------------------

@@ -100,6 +100,7 @@ class DeviceProps:
     sm_count: int  # streaming multiprocessors: the size of a persistent grid
     shared_mem_per_block: int  # bytes one program may use (the opt-in maximum): bounds software pipelining
     regs_per_sm: int  # 32-bit registers per SM: bounds how many values a program can keep in flight
+    capability: tuple[int, int] = (0, 0)  # compute capability: (9, 0) and up have Hopper's TMA
 
 
 # In the interpreter the numbers only shape grids: four "SMs" keep persistent grids small, and
@@ -119,6 +120,7 @@ def _read_props(index: int) -> DeviceProps:
         # has.
         shared_mem_per_block=getattr(p, "shared_memory_per_block_optin", 96 * 1024),
         regs_per_sm=getattr(p, "regs_per_multiprocessor", 65536),
+        capability=(p.major, p.minor),
     )
 
 

@@ -162,19 +162,39 @@ def dense_peers() -> dict[str, Callable]:
                 "sdpa_math": lambda *s: _sdpa(SDPBackend.MATH)}
     from torch.nn.attention import SDPBackend
 
+    # ours_pointers: the same kernels loading through pointers, not the TMA (version 5's loads)
     return {"ours": lambda *s: lambda q, k, v: flash_attention(q, k, v, causal=True),
+            "ours_pointers": _ours(USE_TMA=False),
             "sdpa_flash": lambda *s: _sdpa(SDPBackend.FLASH_ATTENTION),
             "sdpa_cudnn": lambda *s: _sdpa(SDPBackend.CUDNN_ATTENTION),
             "flex": _flex(_causal)}
 
 
 @contextlib.contextmanager
-def _packed_interior(on: bool):
-    saved, attention.PACKED_INTERIOR = attention.PACKED_INTERIOR, on
+def _setting(name: str, value: bool):
+    # One of kernels.attention's switches (PACKED_INTERIOR, USE_TMA) set for the timed call only.
+    saved = getattr(attention, name)
+    setattr(attention, name, value)
     try:
         yield
     finally:
-        attention.PACKED_INTERIOR = saved
+        setattr(attention, name, saved)
+
+
+def _ours(**settings) -> Callable:
+    # A factory of ours under the given switches; position ids when "doc" is given.
+    doc = settings.pop("doc", None)
+
+    def make(batch, heads, seq):
+        positions = document_positions(batch, seq, doc) if doc else None
+
+        def call(q, k, v):
+            with contextlib.ExitStack() as stack:
+                for name, value in settings.items():
+                    stack.enter_context(_setting(name, value))
+                return flash_attention(q, k, v, causal=True, position_ids=positions)
+        return call
+    return make
 
 
 def document_positions(batch: int, seq: int, doc: int, device=None) -> torch.Tensor:
@@ -202,19 +222,11 @@ def document_peers(doc: int) -> dict[str, Callable]:
     Returns:
         the factories: ours packed and masked (with FlexAttention's document mask on a GPU).
     """
-    def ours(interior):
-        def make(batch, heads, seq):
-            positions = document_positions(batch, seq, doc)
-
-            def call(q, k, v):
-                with _packed_interior(interior):
-                    return flash_attention(q, k, v, causal=True, position_ids=positions)
-            return call
-        return make
-    # ours_packed with the package's setting (attention.PACKED_INTERIOR); ours_masked with every
-    # block of a packed row masked, the walk of version 2
-    peers = {"ours_packed": ours(attention.PACKED_INTERIOR), "ours_masked": ours(False)}
+    # ours_packed with the package's settings; ours_masked with every block of a packed row masked,
+    # the walk of version 2; ours_packed_pointers loading through pointers, not the TMA
+    peers = {"ours_packed": _ours(doc=doc), "ours_masked": _ours(doc=doc, PACKED_INTERIOR=False)}
     if runtime.MODE == "gpu":
+        peers["ours_packed_pointers"] = _ours(doc=doc, USE_TMA=False)
         peers["flex_documents"] = _flex(_documents(doc))
     return peers
 
@@ -341,11 +353,13 @@ def ratios(result: dict) -> list[dict]:
     for row, docs in zip(result["rows"], result["documents"]):
         ms, dms = row["ms"], docs["ms"]
         entry = {"seq": row["seq"]}
-        for peer in ("sdpa_flash", "sdpa_cudnn", "flex", "sdpa_math"):
+        for peer in ("ours_pointers", "sdpa_flash", "sdpa_cudnn", "flex", "sdpa_math"):
             if peer in ms and "ours" in ms:
                 entry[f"vs_{peer}"] = ms[peer] / ms["ours"]
         if "flex_documents" in dms and "ours_packed" in dms:
             entry["packed_vs_flex_documents"] = dms["flex_documents"] / dms["ours_packed"]
+        if "ours_packed_pointers" in dms and "ours_packed" in dms:
+            entry["packed_vs_packed_pointers"] = dms["ours_packed_pointers"] / dms["ours_packed"]
         if "flex_documents" in dms and "ours_masked" in dms:
             entry["masked_vs_flex_documents"] = dms["flex_documents"] / dms["ours_masked"]
         out.append(entry)
@@ -370,10 +384,10 @@ def format_table(result: dict) -> str:
         kind = "documents" if "ours_packed" in row["ms"] or "flex_documents" in row["ms"] else "dense"
         for name, ms in row["ms"].items():
             share = f" {row['of_matmul'][name]:6.1%} of matmul" if row["of_matmul"].get(name) else ""
-            lines.append(f"  seq {row['seq']:>7,} {kind:<9} {name:<15}{ms:10.2f} ms {row['tflops'][name]:7.1f} "
+            lines.append(f"  seq {row['seq']:>7,} {kind:<9} {name:<20}{ms:10.2f} ms {row['tflops'][name]:7.1f} "
                          f"TFLOP/s{share}")
         for name, why in row["missing"].items():
-            lines.append(f"  seq {row['seq']:>7,} {kind:<9} {name:<15} missing: {why}")
+            lines.append(f"  seq {row['seq']:>7,} {kind:<9} {name:<20} missing: {why}")
     for entry in ratios(result):
         parts = ", ".join(f"{k} {v:.2f}×" for k, v in entry.items() if k != "seq")
         lines.append(f"  seq {entry['seq']:>7,}: ours against peers (their time / ours): {parts}")

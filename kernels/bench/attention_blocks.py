@@ -56,41 +56,63 @@ GROUP = "attention_blocks"
 GPU_SHAPE = dict(batch=2, heads=32, kv_heads=8, seq=8192, head_dim=128)
 CPU_SHAPE = dict(batch=1, heads=2, kv_heads=1, seq=48, head_dim=16)
 
-# (block_m, block_n, num_warps, num_stages). The forward and dQ walks need block_m a multiple of
-# block_n (their mask-free part ends at the query block's first row). Candidates from
+# (block_m, block_n, num_warps, num_stages[, Hopper flags]). The forward and dQ walks need block_m a
+# multiple of block_n (their mask-free part ends at the query block's first row). Candidates from
 # FlashAttention-2's and Triton's tutorial shapes around the configured ones, and small two-stage
 # tiles for the short walks of packed documents; each list starts with what attention_config gives
-# at d = 128.
+# at d = 128 on Hopper. The flags switch on Hopper's machinery (Config.tma, tma_reduce, warp_specialize).
+# "onepass" is the one-pass backward (dQ added as the dK/dV walk goes): its tiles are keys × query
+# rows per step as for dK/dV.
+TMA = {"tma": True}
+TMA_WS = {"tma": True, "warp_specialize": True}
+REDUCE = {"tma": True, "tma_reduce": True}
 GPU_CANDIDATES = {
-    "forward": [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4),
-                (128, 64, 4, 3), (128, 32, 4, 3), (128, 32, 8, 4), (64, 64, 4, 3), (64, 64, 4, 4),
+    "forward": [(128, 128, 8, 3, TMA), (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 8, 2),
+                (128, 64, 8, 4), (128, 64, 4, 3), (128, 32, 4, 3), (128, 32, 8, 4), (64, 64, 4, 3), (64, 64, 4, 4),
                 (64, 32, 4, 4),
-                (64, 64, 4, 2), (64, 32, 4, 2)],
-    "dkdv": [(64, 64, 4, 2), (64, 64, 8, 2), (64, 64, 4, 3), (64, 128, 8, 2), (32, 128, 4, 3),
+                (64, 64, 4, 2), (64, 32, 4, 2),
+                (128, 128, 8, 2, TMA), (128, 64, 8, 3, TMA), (128, 128, 8, 3, TMA_WS),
+                (128, 128, 8, 2, TMA_WS), (128, 64, 4, 3, TMA_WS), (64, 64, 4, 2, TMA)],
+    "dkdv": [(64, 64, 4, 2, TMA), (64, 64, 4, 2), (64, 64, 4, 3, TMA), (64, 128, 8, 2, TMA), (64, 64, 8, 2),
+             (64, 64, 4, 3), (64, 128, 8, 2), (32, 128, 4, 3),
              (32, 128, 8, 3),
              (32, 64, 4, 3), (32, 64, 4, 4), (16, 128, 4, 3), (64, 32, 4, 3), (32, 32, 4, 2),
              (64, 32, 4, 2)],
-    "dq": [(64, 64, 4, 2), (64, 64, 8, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 32, 4, 3), (128, 32, 8, 3),
+    "dq": [(64, 64, 4, 2, TMA), (64, 64, 4, 2), (64, 64, 4, 3, TMA), (128, 64, 8, 2, TMA), (128, 128, 8, 2, TMA),
+           (64, 64, 8, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 32, 4, 3), (128, 32, 8, 3),
            (64, 32, 4, 3), (64, 32, 4, 4), (128, 128, 8, 2), (64, 32, 4, 2), (32, 32, 4, 2)],
+    "onepass": [(64, 128, 8, 2, REDUCE), (64, 128, 8, 2, TMA), (64, 128, 8, 2), (64, 128, 8, 3, REDUCE),
+                (64, 128, 4, 2, REDUCE), (32, 128, 8, 2, REDUCE), (32, 128, 4, 3, REDUCE), (64, 64, 4, 2, REDUCE),
+                (64, 64, 4, 3, REDUCE), (64, 64, 8, 2, REDUCE), (128, 128, 8, 2, REDUCE), (128, 64, 8, 2, REDUCE),
+                (32, 64, 4, 3, REDUCE)],
 }
 CPU_CANDIDATES = {
-    "forward": [(16, 16, 4, 1), (32, 16, 4, 1)],
-    "dkdv": [(16, 16, 4, 1), (16, 32, 4, 1), (32, 16, 4, 1)],
-    "dq": [(16, 16, 4, 1), (32, 16, 4, 1)],
+    "forward": [(16, 16, 4, 1), (32, 16, 4, 1), (16, 16, 4, 1, TMA)],
+    "dkdv": [(16, 16, 4, 1), (16, 32, 4, 1), (32, 16, 4, 1, TMA)],
+    "dq": [(16, 16, 4, 1), (32, 16, 4, 1, TMA)],
+    "onepass": [(16, 32, 4, 1), (16, 16, 4, 1, TMA)],
 }
-KERNELS = ("forward", "dkdv", "dq")
+KERNELS = ("forward", "dkdv", "dq", "onepass")
+FLAGS = ("tma", "tma_reduce", "warp_specialize")
 
 
-def candidates(kernel: str, props: runtime.DeviceProps | None = None) -> list[BlockConfig]:
-    """The tiles tried for ``kernel`` ("forward", "dkdv" or "dq"): the configured one first, then
-    the others.
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One tile to time, and the Hopper flags it runs with (``Config``'s fields of those names)."""
+
+    block: BlockConfig
+    flags: tuple[tuple[str, bool], ...] = ()
+
+
+def candidates(kernel: str, props: runtime.DeviceProps | None = None) -> list[Candidate]:
+    """The tiles tried for ``kernel`` (one of ``KERNELS``): the configured one first, then the others.
 
     Args:
-        kernel: ``"forward"``, ``"dkdv"`` or ``"dq"``.
+        kernel: ``"forward"``, ``"dkdv"``, ``"dq"`` or ``"onepass"``.
         props: the device's properties (None: this machine's).
 
     Returns:
-        the ``BlockConfig`` candidates.
+        the ``Candidate`` tiles, each with its flags.
 
     Raises:
         ValueError: when ``kernel`` is not one of ``KERNELS``.
@@ -98,7 +120,7 @@ def candidates(kernel: str, props: runtime.DeviceProps | None = None) -> list[Bl
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     table = CPU_CANDIDATES if (props or runtime.device_props()).interpreter else GPU_CANDIDATES
-    return [BlockConfig(*c) for c in table[kernel]]
+    return [Candidate(BlockConfig(*c[:4]), tuple(sorted(c[4].items())) if len(c) > 4 else ()) for c in table[kernel]]
 
 
 def base_config(shape: dict) -> Config:
@@ -114,15 +136,40 @@ def base_config(shape: dict) -> Config:
     """
     if runtime.MODE == "gpu":
         return attention_config(shape["seq"], shape["head_dim"], packed=bool(shape.get("documents")))
-    first = {k: candidates(k)[0] for k in KERNELS}
+    first = {k: candidates(k)[0].block for k in ("forward", "dkdv", "dq")}
     return Config(first["forward"], first["dkdv"], first["dq"], 16)
 
 
-def _with(config: Config, kernel: str, block: BlockConfig) -> Config:
-    return dataclasses.replace(config, **{kernel: block})
+def configured(config: Config, kernel: str, props: runtime.DeviceProps | None = None) -> Candidate:
+    """What ``config`` runs for ``kernel``, as a candidate.
+
+    Args:
+        config: the configuration.
+        kernel: one of ``KERNELS``.
+        props: the device's properties (None: this machine's), for the one pass's list.
+
+    Returns:
+        the ``Candidate`` (for "onepass" with no one-pass tile, the first of the list).
+    """
+    flags = {"forward": ("tma", "warp_specialize"), "onepass": ("tma", "tma_reduce")}.get(kernel, ("tma",))
+    block = getattr(config, kernel)
+    if block is None:
+        return candidates(kernel, props)[0]
+    return Candidate(block, tuple(sorted((f, getattr(config, f)) for f in flags if getattr(config, f))))
 
 
-def measure_kernel(kernel: str, shape: dict, config: Config, blocks: list[BlockConfig],
+def _with(config: Config, kernel: str, candidate: Candidate) -> Config:
+    # The flags a kernel does not read are reset, so that a row's flags are its own: the forward
+    # reads tma and warp_specialize, the one pass tma and tma_reduce, the two backward kernels tma (both).
+    own = {"forward": {"tma": False, "warp_specialize": False},
+           "onepass": {"tma": False, "tma_reduce": False}}.get(kernel, {"tma": False})
+    changes = {**own, **dict(candidate.flags), kernel: candidate.block}
+    if kernel in ("dkdv", "dq"):
+        changes["onepass"] = None  # the two-kernel backward
+    return dataclasses.replace(config, **changes)
+
+
+def measure_kernel(kernel: str, shape: dict, config: Config, blocks: list[Candidate],
                    scale: float) -> list[dict]:
     """One row per candidate tile of ``kernel``: checked against ``config``'s outputs, then timed
     (the forward alone, or the whole backward).
@@ -131,7 +178,7 @@ def measure_kernel(kernel: str, shape: dict, config: Config, blocks: list[BlockC
         kernel: ``"forward"``, ``"dkdv"`` or ``"dq"``.
         shape: the benchmark's shape.
         config: the configuration the other kernels keep, and the reference's.
-        blocks: the candidate tiles of ``kernel``.
+        blocks: the candidate tiles of ``kernel``, with their flags.
         scale: the softmax scale.
 
     Returns:
@@ -147,9 +194,13 @@ def measure_kernel(kernel: str, shape: dict, config: Config, blocks: list[BlockC
                                                                      *segments, config=config)
     tol = 2 * RELATIVE_ERROR_TOL[q.dtype]
     rows = []
-    for block in blocks:
-        row = {"kernel": kernel, "block": dataclasses.asdict(block)}
-        cfg = _with(config, kernel, block)
+    if kernel == "onepass":  # the backward it would replace, as configured, timed first
+        rows.append({"kernel": kernel, "block": None, "flags": {}, "baseline": True,
+                     "ms": time_ms(lambda: attention_backward(grad, q, k, v, out, lse, True, scale, *segments,
+                                                              config=config))})
+    for candidate in blocks:
+        row = {"kernel": kernel, "block": dataclasses.asdict(candidate.block), "flags": dict(candidate.flags)}
+        cfg = _with(config, kernel, candidate)
         if kernel == "forward":
             def call(cfg=cfg):
                 return attention_forward(q, k, v, True, scale, *segments, config=cfg)
@@ -195,7 +246,7 @@ def fastest(rows: list[dict]) -> dict | None:
     Returns:
         the row.
     """
-    timed = [r for r in rows if "ms" in r]
+    timed = [r for r in rows if "ms" in r and not r.get("baseline")]
     return min(timed, key=lambda r: r["ms"]) if timed else None
 
 
@@ -220,21 +271,25 @@ def run(shape: dict | None = None, kernels=KERNELS) -> dict:
               "packed_interior": attention.PACKED_INTERIOR},
               "configured": dataclasses.asdict(config), "rows": [], "best": {}}
     for kernel in kernels:
-        # first, whatever the list starts with (packed rows have their own)
-        configured = getattr(config, kernel)
-        blocks = [configured] + [b for b in candidates(kernel) if b != configured]
+        # first, whatever the configuration runs (packed rows have their own)
+        first = configured(config, kernel)
+        blocks = [first] + [c for c in candidates(kernel) if c != first]
         rows = measure_kernel(kernel, shape, config, blocks, scale)
         result["rows"] += rows
         best = fastest(rows)
         if best is not None:
             result["best"][kernel] = best
             if kernel == "dkdv":  # the dQ candidates are timed beside the fastest dK/dV
-                config = _with(config, "dkdv", BlockConfig(**best["block"]))
+                config = _with(config, "dkdv", Candidate(BlockConfig(**best["block"])))
     return result
 
 
-def _label(block: dict) -> str:
-    return f"{block['block_m']:>3}×{block['block_n']:<3} w{block['num_warps']} s{block['num_stages']}"
+def _label(row: dict) -> str:
+    block = row["block"]
+    if block is None:
+        return f"{'the backward as configured':<38}"
+    flags = " ".join(name for name, on in sorted(row.get("flags", {}).items()) if on)
+    return f"{block['block_m']:>3}×{block['block_n']:<3} w{block['num_warps']} s{block['num_stages']} {flags:<20}"
 
 
 def format_table(result: dict) -> str:
@@ -255,14 +310,17 @@ def format_table(result: dict) -> str:
         if not rows:
             continue
         first = rows[0].get("ms")
-        what = {"forward": "forward", "dkdv": "backward, dK/dV tiles", "dq": "backward, dQ tiles"}[kernel]
+        what = {"forward": "forward", "dkdv": "backward, dK/dV tiles", "dq": "backward, dQ tiles",
+                "onepass": "one-pass backward (dQ added as the dK/dV walk goes)"}[kernel]
         lines.append(f"  {what}:")
         for r in rows:
             if "ms" in r:
                 ratio = f"  {first / r['ms']:.2f}× the configured" if first else ""
-                lines.append(f"    {_label(r['block'])} {r['ms']:9.3f} ms{ratio}")
+                if kernel == "onepass" and first:
+                    ratio = f"  {first / r['ms']:.2f}× the backward as configured"
+                lines.append(f"    {_label(r)} {r['ms']:9.3f} ms{ratio}")
             else:
-                lines.append(f"    {_label(r['block'])}   failed: {r['failed']}")
+                lines.append(f"    {_label(r)}   failed: {r['failed']}")
     return "\n".join(lines)
 
 

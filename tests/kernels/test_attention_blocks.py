@@ -14,15 +14,16 @@ CPU_ONLY = pytest.mark.skipif(runtime.MODE == "gpu", reason="interpreter shapes;
 
 
 def test_each_list_starts_with_the_configured_tiles():
-    gpu = runtime.DeviceProps("H200", False, 132, 232448, 65536)
+    gpu = runtime.DeviceProps("H200", False, 132, 232448, 65536, capability=(9, 0))
     from kernels.attention import attention_config
 
     configured = attention_config(8192, 128, gpu)
     for kernel in sweep.KERNELS:
         blocks = sweep.candidates(kernel, gpu)
-        assert blocks[0] == getattr(configured, kernel) and len(set(blocks)) == len(blocks) > 3
-        if kernel != "dkdv":  # the forward and dQ walks need whole key blocks before the query block's first row
-            assert all(b.block_m % b.block_n == 0 for b in blocks), kernel
+        assert blocks[0] == sweep.configured(configured, kernel, gpu) and len(set(blocks)) == len(blocks) > 3
+        if kernel in ("forward", "dq"):  # their walks need whole key blocks before the query block's first row
+            assert all(c.block.block_m % c.block.block_n == 0 for c in blocks), kernel
+    assert dict(sweep.candidates("forward", gpu)[0].flags) == {"tma": True}  # Hopper's configuration
     with pytest.raises(ValueError, match="kernel must be one of"):
         sweep.candidates("delta")
 
@@ -32,9 +33,10 @@ def test_the_command_checks_times_and_names_the_fastest(tmp_path, capsys):
     assert sweep.main(["--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "attention_blocks" / "cpu-interpreter.json").read_text())
     for kernel in sweep.KERNELS:
-        rows = [r for r in result["rows"] if r["kernel"] == kernel]
+        rows = [r for r in result["rows"] if r["kernel"] == kernel and not r.get("baseline")]
         assert len(rows) == len(sweep.candidates(kernel)) and all(r["ms"] > 0 and r["error"] < 1e-5 for r in rows)
         assert result["best"][kernel]["ms"] == min(r["ms"] for r in rows)
+    assert [r["ms"] > 0 for r in result["rows"] if r.get("baseline")] == [True]  # the one pass's comparison
     assert "backward, dQ tiles" in capsys.readouterr().out
 
 
@@ -66,4 +68,4 @@ def test_a_wrong_or_broken_tile_is_recorded_and_never_timed(monkeypatch):
     assert "ms" not in wrong and "the forward kernel needs block_m a multiple of block_n" in wrong["failed"]
     assert "ms" not in broken and broken["failed"]
     assert "failed" in sweep.format_table(result)
-    assert BlockConfig(**good["block"]) == sweep.candidates("forward")[0]
+    assert BlockConfig(**good["block"]) == sweep.candidates("forward")[0].block

@@ -126,6 +126,7 @@ TOP_LEVEL_KEYS = {
     "attention": {"device", "device_slug", "mode", "versions", "matmul_tflops", "settings", "rows"},
     "attention_blocks": {"device", "device_slug", "mode", "kernel_version", "settings", "configured", "rows", "best"},
     "add_rmsnorm": {"device", "device_slug", "mode", "versions", "hidden", "dtype", "tokens", "copy_gbps", "rows"},
+    "fp8_gemm": {"device", "device_slug", "mode", "versions", "tokens", "shapes", "check_tolerance", "rows"},
 }
 SWEEP_KEYS = {"kernel", "device", "device_slug", "mode", "date", "settings"}
 

@@ -163,6 +163,7 @@ def fp8_matmul_kernel(
     A, B, SA, SB, C, M, N, K,
     stride_am, stride_ak, stride_bn, stride_bk, stride_sa, stride_sb, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    FAST_ACCUM: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of ``C = SA[:, None] · SB[None, :] · (A @ Bᵀ)``.
 
@@ -172,6 +173,7 @@ def fp8_matmul_kernel(
         C: pointer to the output [M, N].
         M, N, K: the sizes; stride_*: strides in elements.
         BLOCK_M, BLOCK_N, BLOCK_K: tile sizes; GROUP_M: row-tiles per group of the tile order.
+        FAST_ACCUM: let the tensor cores carry the sum across K-tiles (see ``Fp8GemmConfig``).
     """
     # Grouped tile order: GROUP_M row-tiles share their tiles of B while those are in the L2 cache.
     pid = tl.program_id(0)
@@ -193,7 +195,13 @@ def fp8_matmul_kernel(
         # want for their second operand.
         b = tl.load(B + rn[None, :] * stride_bn + ka[:, None] * stride_bk,
                     mask=(ka[:, None] < K) & (rn[None, :] < N), other=0.0)
-        acc = tl.dot(a, b, acc)  # FP8 × FP8 on the tensor cores, summed in float32
+        # FP8 × FP8 on the tensor cores. Hopper's accumulate FP8 products with fewer bits than
+        # float32: unless FAST_ACCUM, each K-tile's dot starts from zero there and is added to acc
+        # in float32 (what cuBLAS does unless asked for fast accumulation).
+        if FAST_ACCUM:
+            acc = tl.dot(a, b, acc)
+        else:
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
     # The epilogue: the two scales applied once to the finished float32 tile.
     sa = tl.load(SA + rm * stride_sa, mask=rm < M, other=0.0)
     sb = tl.load(SB + rn * stride_sb, mask=rn < N, other=0.0)
@@ -218,7 +226,9 @@ class QuantizeConfig:
 
 @dataclass(frozen=True)
 class Fp8GemmConfig:
-    """A launch configuration of ``fp8_matmul_kernel``: tile sizes, ``GROUP_M``, warps, stages."""
+    """A launch configuration of ``fp8_matmul_kernel``: tile sizes, ``GROUP_M``, warps, stages, and
+    ``fast_accum``: sum across K-tiles in the tensor cores' narrower accumulator (faster on Hopper,
+    less precise; like ``torch._scaled_mm(use_fast_accum=True)``) instead of in float32."""
 
     block_m: int
     block_n: int
@@ -226,6 +236,7 @@ class Fp8GemmConfig:
     group_m: int
     num_warps: int
     num_stages: int
+    fast_accum: bool = False
 
 
 def quantize_config(rows: int, cols: int, props: runtime.DeviceProps | None = None) -> QuantizeConfig:
@@ -392,11 +403,30 @@ def quantize_rows(x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn
 # --------------------------------------------------------------------------------------------------
 
 
-def _triton_can_run(device: torch.device) -> bool:
-    # Triton runs CPU tensors only in its interpreter, and FP8 only from sm_89 on.
+def triton_problem(device: torch.device) -> str | None:
+    """Why this file's Triton kernels cannot run on ``device``, or None where they can.
+
+    Triton runs CPU tensors only in its interpreter, and FP8 conversions and dots only on GPUs of
+    sm_89 and up.
+
+    Args:
+        device: the tensors' device.
+
+    Returns:
+        a sentence, or None.
+    """
     if device.type != "cuda":
-        return runtime.INTERPRET
-    return not runtime.INTERPRET and runtime.device_props(device).capability >= FP8_CAPABILITY
+        return None if runtime.INTERPRET else f"Triton runs {device} tensors only in its interpreter"
+    if runtime.INTERPRET:
+        return "Triton's interpreter runs CPU tensors, not CUDA ones"
+    capability = runtime.device_props(device).capability
+    if capability < FP8_CAPABILITY:
+        return f"compute capability {capability} has no FP8 tensor cores (sm_89 and up have)"
+    return None
+
+
+def _triton_can_run(device: torch.device) -> bool:
+    return triton_problem(device) is None
 
 
 def _check_matmul_inputs(a, a_scale, b, b_scale, out_dtype, backend) -> None:
@@ -508,9 +538,9 @@ def _cublas(a, a_scale, b, b_scale, out_dtype):
 
 
 def _triton(a, a_scale, b, b_scale, out_dtype):
-    if not _triton_can_run(a.device):
-        raise ValueError(f"backend='triton' cannot run here: FP8 tl.dot needs a GPU of sm_89 or later, or "
-                         f"Triton's interpreter on CPU tensors (got {a.device})")
+    problem = triton_problem(a.device)
+    if problem is not None:
+        raise ValueError(f"backend='triton' cannot run here: {problem}")
     m, k = a.shape
     n = b.shape[0]
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
@@ -520,7 +550,7 @@ def _triton(a, a_scale, b, b_scale, out_dtype):
         a, b, a_scale, b_scale, c, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         a_scale.stride(0), b_scale.stride(0), c.stride(0), c.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FAST_ACCUM=cfg.fast_accum, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return c
 

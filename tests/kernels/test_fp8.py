@@ -24,6 +24,7 @@ from kernels.fp8 import (
     quantize_config,
     quantize_rows,
     quantize_rows_reference,
+    triton_problem,
 )
 from kernels.reference import relative_error
 from kernels.runtime import DeviceProps
@@ -35,6 +36,10 @@ IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BACKENDS = ("triton", "cublas", "reference", "auto")
 MANTISSA_BITS = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
 MIN_EXPONENT = {torch.float8_e4m3fn: -6, torch.float8_e5m2: -14}
+# float32 output: float32's rounding in the interpreter. On a GPU the FP8 tensor cores sum each K-tile with fewer bits
+# than float32 before both backends add it into float32, which leaves more: still far below the error of order 1 of a
+# forgotten scale or a transposed operand.
+FP32_OUT_TOL = TOL[torch.float32] if kernels_runtime.INTERPRET else 2.0**-12
 LLAMA_8B_KN = [(4096, 14336), (14336, 4096), (4096, 4096), (4096, 1024), (4096, 128256)]
 
 
@@ -172,30 +177,51 @@ def _exact(a, a_scale, b, b_scale):
     return fp8_matmul_reference(a, a_scale, b, b_scale, torch.float64, compute_dtype=torch.float64)
 
 
+def _tol(out_dtype):
+    return FP32_OUT_TOL if out_dtype == torch.float32 else TOL[out_dtype]
+
+
+def _skip_unless_runs(backend, a, b, out_dtype):
+    problem = {"cublas": cublas_problem(a, b, out_dtype) if a.is_cuda else None,
+               "triton": triton_problem(a.device)}.get(backend)
+    if problem is not None:
+        pytest.skip(f"{backend} cannot run here: {problem}")
+
+
+def _runnable(backends, a, b, out_dtype):
+    return [be for be in backends
+            if be in ("reference", "auto")
+            or (be == "triton" and triton_problem(a.device) is None)
+            or (be == "cublas" and (not a.is_cuda or cublas_problem(a, b, out_dtype) is None))]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES)
 def test_matmul_matches_float64(backend, out_dtype, device, gen):
     m, n, k = (37, 45, 83) if backend != "cublas" or device.type == "cpu" else (37, 48, 96)
     a, a_scale, b, b_scale = _operands(gen, m, n, k, device)
+    _skip_unless_runs(backend, a, b, out_dtype)
     out = fp8_matmul(a, a_scale, b, b_scale, out_dtype, backend=backend)
     assert out.dtype == out_dtype and out.shape == (m, n)
-    assert relative_error(out, _exact(a, a_scale, b, b_scale)) < TOL[out_dtype]
+    assert relative_error(out, _exact(a, a_scale, b, b_scale)) < _tol(out_dtype)
 
 
 @pytest.mark.parametrize("backend", ("triton", "reference"))
 def test_matmul_e5m2_long_k_and_one_row(backend, device, gen):
     for m, n, k in ((1, 70, 300), (65, 1, 129), (3, 130, 16)):
         a, a_scale, b, b_scale = _operands(gen, m, n, k, device, torch.float8_e5m2)
+        _skip_unless_runs(backend, a, b, torch.float32)
         out = fp8_matmul(a, a_scale, b, b_scale, torch.float32, backend=backend)
-        assert relative_error(out, _exact(a, a_scale, b, b_scale)) < TOL[torch.float32]
+        assert relative_error(out, _exact(a, a_scale, b, b_scale)) < FP32_OUT_TOL
 
 
 def test_matmul_float32_output_is_exact_to_float32_rounding(device, gen):
     # The products of FP8 values are exact in float32: only the sum and the scaling round. An error this small
     # rules out a scale applied twice, or one of the two scales forgotten.
     a, a_scale, b, b_scale = _operands(gen, 20, 33, 200, device)
+    _skip_unless_runs("triton", a, b, torch.float32)
     out = fp8_matmul(a, a_scale, b, b_scale, torch.float32, backend="triton")
-    assert relative_error(out, _exact(a, a_scale, b, b_scale)) < 1e-6
+    assert relative_error(out, _exact(a, a_scale, b, b_scale)) < (1e-6 if kernels_runtime.INTERPRET else FP32_OUT_TOL)
 
 
 def test_matmul_views(device, gen):
@@ -205,13 +231,13 @@ def test_matmul_views(device, gen):
     b_strided = torch.empty(50, 128, dtype=b.dtype, device=device)
     b_strided[:, ::2] = b
     b_view = b_strided[:, ::2]
-    for backend in BACKENDS:
+    for backend in _runnable(BACKENDS, a, b_view, torch.float32):
         out = fp8_matmul(a_t, a_scale, b_view, b_scale, torch.float32, backend=backend)
-        assert relative_error(out, exact) < TOL[torch.float32], backend
+        assert relative_error(out, exact) < FP32_OUT_TOL, backend
     rows, cols = slice(3, 40, 4), slice(1, 50, 3)  # every 4th row of a, every 3rd of b, with their scales
-    for backend in BACKENDS:
+    for backend in _runnable(BACKENDS, a[rows], b[cols], torch.float32):
         out = fp8_matmul(a[rows], a_scale[rows], b[cols], b_scale[cols], torch.float32, backend=backend)
-        assert relative_error(out, exact[rows, cols]) < TOL[torch.float32], backend
+        assert relative_error(out, exact[rows, cols]) < FP32_OUT_TOL, backend
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -254,6 +280,7 @@ def test_interpreter_runs_fp8_dots_in_triton(gen):
     a, a_scale, b, b_scale = _operands(gen, 4, 32, 32, "cpu")
     assert choose_backend(a, b, torch.bfloat16) == "triton"
     assert "not a CUDA GPU" in cublas_problem(a, b, torch.bfloat16)
+    assert triton_problem(a.device) is None
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -285,6 +312,7 @@ def test_opcheck(device, gen):
     x = _rows(gen, 9, 40, torch.bfloat16, device)
     torch.library.opcheck(fp8.quantize_rows_op, (x, torch.float8_e4m3fn))
     a, a_scale, b, b_scale = _operands(gen, 9, 16, 32, device)
+    _skip_unless_runs("triton", a, b, torch.bfloat16)
     before = [t.clone() for t in (a, a_scale, b, b_scale)]
     # test_schema compares FP8 inputs with arithmetic PyTorch's CPU lacks for FP8; what it would check, that the
     # operator writes none of its inputs, is checked below on the bytes.
@@ -332,7 +360,7 @@ def test_gpu_triton_float32_and_fp16_outputs(out_dtype, gen):
         pytest.skip("no FP8 tensor cores below sm_89")
     a, a_scale, b, b_scale = _operands(gen, 300, 1000, 4100, "cuda")  # none a multiple of the tiles
     out = fp8_matmul(a, a_scale, b, b_scale, out_dtype, backend="triton")
-    assert relative_error(out, _exact(a, a_scale, b, b_scale), on_device=True) < TOL[out_dtype]
+    assert relative_error(out, _exact(a, a_scale, b, b_scale), on_device=True) < _tol(out_dtype)
 
 
 @pytest.mark.gpu

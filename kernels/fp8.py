@@ -2,7 +2,7 @@
 
 **Why scaling.** An 8-bit float keeps very few values: ``float8_e4m3fn`` (4 exponent bits, 3
 mantissa bits) spans ±448 with a relative step of 2⁻³ near each power of two, and nothing below
-2⁻⁹. A bf16 activation or weight stored in it as is would lose every value under about 0.002 and
+2⁻⁹. A bf16 activation or weight stored in it as is would lose every value under about 0.001 and
 saturate everything above 448. So each group of values is stored divided by a float32 *scale*:
 ``x ≈ q · scale`` with ``scale = amax(|group|) / 448``, so that the largest value of the group lands
 on the largest FP8 value and the group uses the format's whole range.
@@ -511,9 +511,9 @@ def cublas_problem(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> 
 
 def choose_backend(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> str:
     """The backend ``backend="auto"`` runs: cuBLAS where it can run the product, else Triton where
-    it can, else the float32 reference. cuBLAS first because it was the faster on the 8B shapes
-    until ``kernels.bench.fp8_gemm`` says otherwise (assets/notes/fp8.md): this is the one
-    place to change after measuring.
+    it can, else the float32 reference. cuBLAS first, until ``kernels.bench.fp8_gemm`` measures
+    ours against it at the 8B shapes (assets/notes/fp8.md): this is the one place to change after
+    measuring.
 
     Args:
         a: FP8 [M, K]; b: FP8 [N, K].
@@ -575,7 +575,8 @@ def fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale:
     ``a`` is the quantised activation with one scale per row, ``b`` the quantised weight in
     ``nn.Linear``'s [out, in] layout with one scale per output channel (``quantize_rows`` gives
     both). Backends: ``"triton"`` (this file's kernel, scales in its epilogue), ``"cublas"``
-    (``torch._scaled_mm``, row-wise scaling), ``"reference"`` (dequantised float32 operands, one
+    (``torch._scaled_mm``, row-wise scaling; on CPU tensors PyTorch's own CPU implementation of
+    it), ``"reference"`` (dequantised float32 operands, one
     torch matmul) and ``"auto"`` (``choose_backend``: chosen by the benchmark's measurements).
 
     Args:

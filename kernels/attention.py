@@ -632,6 +632,10 @@ PACKED_INTERIOR = True
 # tiles through tensor descriptors (on since version 6; assets/notes/attention.md). The benchmark
 # times both.
 USE_TMA = True
+# Packed rows take the pointer loads even there: their kernels ran faster with the TMA in the tile
+# sweep, but the whole packed call did not, measured end to end (assets/notes/attention.md,
+# version 6). The benchmark times both.
+PACKED_TMA = False
 
 
 def attention_config(seq: int, head_dim: int, props: runtime.DeviceProps | None = None,
@@ -652,7 +656,7 @@ def attention_config(seq: int, head_dim: int, props: runtime.DeviceProps | None 
         the ``Config`` (cached per arguments).
     """
     return _attention_config(seq, head_dim, props or runtime.device_props(), element_size,
-                             PACKED_INTERIOR, packed, USE_TMA)
+                             PACKED_INTERIOR, packed, USE_TMA and (PACKED_TMA or not packed))
 
 
 @functools.lru_cache(maxsize=256)
@@ -887,8 +891,11 @@ def tma_ready(*tensors: torch.Tensor) -> bool:
     Returns:
         True where every tensor qualifies.
     """
-    if not runtime.INTERPRET and (not tensors or torch.cuda.get_device_capability(tensors[0].device)[0] < 9):
-        return False
+    if not runtime.INTERPRET:
+        if not tensors or any(t.device.type != "cuda" for t in tensors):
+            return False
+        if torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+            return False
     for t in tensors:
         size = t.element_size()
         if t.stride(-1) != 1 or t.data_ptr() % 16 or any(st * size % 16 for st in t.stride()[:-1]):

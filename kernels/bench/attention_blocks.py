@@ -280,7 +280,8 @@ def run(shape: dict | None = None, kernels=KERNELS) -> dict:
         if best is not None:
             result["best"][kernel] = best
             if kernel == "dkdv":  # the dQ candidates are timed beside the fastest dK/dV
-                config = _with(config, "dkdv", Candidate(BlockConfig(**best["block"])))
+                config = _with(config, "dkdv", Candidate(BlockConfig(**best["block"]),
+                                                         tuple(sorted(best["flags"].items()))))
     return result
 
 

@@ -306,6 +306,11 @@ FORBIDDEN: dict[str, tuple[Forbid, ...]] = {
                "the hidden solution's kernel"),
         *RMS_NORM_FORWARD, *RMS_NORM_KERNELS[:3],
     ),
+    # Chapter 16: one head's tile as a tensor descriptor; the package's own descriptor function.
+    "tile_descriptor": (
+        Forbid("kernels.attention:_descriptor", "the package's finished descriptor of a head's tile"),
+        Forbid("kernels.exercises.solutions.tile_descriptor:tile_descriptor", "the hidden solution"),
+    ),
 }
 
 

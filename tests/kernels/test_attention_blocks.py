@@ -34,7 +34,11 @@ def test_the_command_checks_times_and_names_the_fastest(tmp_path, capsys):
     result = json.loads((tmp_path / "attention_blocks" / "cpu-interpreter.json").read_text())
     for kernel in sweep.KERNELS:
         rows = [r for r in result["rows"] if r["kernel"] == kernel and not r.get("baseline")]
-        assert len(rows) == len(sweep.candidates(kernel)) and all(r["ms"] > 0 and r["error"] < 1e-5 for r in rows)
+        listed = {(tuple(c.block.__dict__.values()), c.flags) for c in sweep.candidates(kernel)}
+        ran = {(tuple(r["block"].values()), tuple(sorted(r["flags"].items()))) for r in rows}
+        # every listed tile, and first the configured one (listed or not: dQ's inherits dK/dV's flags)
+        assert listed <= ran and len(rows) - len(listed) in (0, 1)
+        assert all(r["ms"] > 0 and r["error"] < 1e-5 for r in rows)
         assert result["best"][kernel]["ms"] == min(r["ms"] for r in rows)
     assert [r["ms"] > 0 for r in result["rows"] if r.get("baseline")] == [True]  # the one pass's comparison
     assert "backward, dQ tiles" in capsys.readouterr().out
@@ -69,3 +73,15 @@ def test_a_wrong_or_broken_tile_is_recorded_and_never_timed(monkeypatch):
     assert "ms" not in broken and broken["failed"]
     assert "failed" in sweep.format_table(result)
     assert BlockConfig(**good["block"]) == sweep.candidates("forward")[0].block
+
+
+@CPU_ONLY
+def test_the_dq_candidates_keep_the_fastest_dkdv_rows_flags(monkeypatch):
+    # dK/dV's fastest row is the one with the TMA: the dQ rows then run with it, and their first row (the
+    # configuration they are compared with) says so.
+    monkeypatch.setitem(sweep.CPU_CANDIDATES, "dkdv", [(16, 16, 4, 1), (16, 16, 4, 1, sweep.TMA)])
+    monkeypatch.setattr(sweep, "fastest", lambda rows: rows[-1])
+    result = sweep.run(kernels=("dkdv", "dq"))
+    first_dq = next(r for r in result["rows"] if r["kernel"] == "dq")
+    assert first_dq["flags"] == {"tma": True}
+

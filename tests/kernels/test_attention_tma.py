@@ -77,8 +77,10 @@ def test_tma_ready_refuses_what_the_copy_engine_cannot_read(device):
     assert not tma_ready(x[..., :16])  # rows 68 bytes apart: not a multiple of 16
     assert not tma_ready(x[..., 1:])  # starts 4 bytes past an aligned address
     assert not tma_ready(torch.zeros(2, 3, 16, 8, device=device).transpose(-1, -2))  # columns not adjacent
-    if runtime.MODE == "gpu" and torch.cuda.get_device_capability()[0] < 9:
-        assert not tma_ready(torch.zeros(2, 3, 8, 16, device=device))  # no TMA before Hopper
+    if runtime.MODE == "gpu":
+        assert not tma_ready(torch.zeros(2, 3, 8, 16))  # a CPU tensor: no copy engine
+        if torch.cuda.get_device_capability()[0] < 9:
+            assert not tma_ready(torch.zeros(2, 3, 8, 16, device=device))  # no TMA before Hopper
 
 
 @pytest.mark.parametrize("variant", ["tma-loads", "one-pass-tma-loads"])
@@ -99,9 +101,11 @@ def test_the_configuration_turns_the_tma_on_only_where_the_gpu_has_it(monkeypatc
     assert on.tma and on.onepass is None and not on.tma_reduce and not on.warp_specialize
     assert not attention_config(8192, 128, ampere).tma
     assert not attention_config(77, 16, runtime.INTERPRETER).tma
+    assert not attention_config(8192, 128, hopper, packed=True).tma  # packed rows: pointer loads
+    monkeypatch.setattr(attention_module, "PACKED_TMA", True)
     assert attention_config(8192, 128, hopper, packed=True).tma
     monkeypatch.setattr(attention_module, "USE_TMA", False)
-    assert not attention_config(8192, 128, hopper).tma
+    assert not attention_config(8192, 128, hopper).tma and not attention_config(8192, 128, hopper, packed=True).tma
 
 
 def test_tma_reduce_needs_a_one_pass_tile():
@@ -138,6 +142,7 @@ def test_deterministic_algorithms_run_the_two_kernels(device, gen):
 GPU_VARIANTS = {
     "configured": {},
     "pointer-loads": dict(tma=False),
+    "tma-loads": dict(tma=True),
     "one-pass-atomics": dict(onepass=BlockConfig(64, 128, 8, 2), tma=True),
     "one-pass-tma-reduce": dict(onepass=BlockConfig(64, 128, 8, 2), tma=True, tma_reduce=True),
 }

@@ -317,7 +317,9 @@ def row_scales_reference(x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_
     if x.shape[1] == 0:
         return torch.ones(x.shape[0], dtype=torch.float32, device=x.device)
     amax = torch.where(xf.isnan(), torch.inf, xf.abs()).amax(dim=1)
-    scale = (amax / FP8_MAX[fp8_dtype]).clamp_min(SCALE_FLOOR)
+    # A tensor divisor, not a Python number: PyTorch on a GPU divides by a number as a product with
+    # its reciprocal, which can differ from the division (the kernel's div_rn) in the last bit.
+    scale = (amax / torch.full_like(amax, FP8_MAX[fp8_dtype])).clamp_min(SCALE_FLOOR)
     scale = torch.where(amax == 0, 1.0, scale)
     return torch.where(amax == torch.inf, torch.nan, scale)
 
@@ -511,9 +513,9 @@ def cublas_problem(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> 
 
 def choose_backend(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> str:
     """The backend ``backend="auto"`` runs: cuBLAS where it can run the product, else Triton where
-    it can, else the float32 reference. cuBLAS first, until ``kernels.bench.fp8_gemm`` measures
-    ours against it at the 8B shapes (assets/notes/fp8.md): this is the one place to change after
-    measuring.
+    it can, else the float32 reference. cuBLAS first because it measured faster than ours at every
+    8B shape on Hopper (``kernels.bench.fp8_gemm``; assets/notes/fp8.md, "Measured"): this is the
+    one place to change when a measurement says otherwise.
 
     Args:
         a: FP8 [M, K]; b: FP8 [N, K].

@@ -359,7 +359,9 @@ def test_gpu_triton_float32_and_fp16_outputs(out_dtype, gen):
     if torch.cuda.get_device_capability() < fp8.FP8_CAPABILITY:
         pytest.skip("no FP8 tensor cores below sm_89")
     a, a_scale, b, b_scale = _operands(gen, 300, 1000, 4100, "cuda")  # none a multiple of the tiles
+    a_scale = a_scale / 64  # sums of 4,100 products stay inside float16's range (65,504)
     out = fp8_matmul(a, a_scale, b, b_scale, out_dtype, backend="triton")
+    assert out.isfinite().all()
     assert relative_error(out, _exact(a, a_scale, b, b_scale), on_device=True) < _tol(out_dtype)
 
 

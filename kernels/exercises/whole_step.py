@@ -10,9 +10,10 @@ program per ``TILE_ROWS`` rows, as ``kernel[grid](X, R, W, Y, H, n_rows, n_cols,
 stride_r, stride_y, stride_h, eps, ROWS=TILE_ROWS, BLOCK_N=next_power_of_2(n_cols))`` on tensors
 inside larger buffers (foreign values around the inputs, a sentinel around the outputs: a store
 past the last column or row changes memory the check owns); or a *function* ``fn(x, residual,
-weight, eps) -> (y, h)`` that launches it. The inputs are fresh random views with odd widths, a
-row whose mean square is below eps, a row large enough that float16 squares overflow, float32 and
-bfloat16.
+weight, eps) -> (y, h)`` that launches it. A function whose y and h no Triton kernel of the
+reader's was given to write (plain PyTorch, however right) gets no ✓: the exercise is the
+kernel. The inputs are fresh random views with odd widths, a row whose mean square is below eps,
+a row large enough that float16 squares overflow, float32 and bfloat16.
 
 The reader's code runs with the finished answers out of reach (``reach.FORBIDDEN
 ["add_rms_norm_kernel"]``: the package's fused add + RMSNorm and its operators, its RMSNorm,
@@ -34,6 +35,7 @@ from kernels import runtime
 from kernels.reference import relative_error, rms_norm_reference
 from kernels.tolerances import RELATIVE_ERROR_TOL
 
+from .cross_entropy import launches
 from .reach import FinishedCodeCalled, call_learner, finished_answer, out_of_reach
 from .rmsnorm import Report, bad_elements, generator, last_line, verdict
 from .sentences import sentence_lookup
@@ -50,6 +52,10 @@ FLOAT16_MAX = 65504.0
 # Every diagnosis, in one place. Fields in braces are filled in for the input at hand.
 HINTS = {
     "raised": "your function raised {error}",
+    "no_kernel": ("the values are right, but no kernel of yours wrote them: your function computed y "
+                  "and h without launching a Triton kernel of its own that is given y and h to store "
+                  "into. The exercise is the kernel: allocate y and h, launch yours, kernel[grid](x, "
+                  "residual, weight, y, h, ...), and return them"),
     "kernel_raised": "your kernel raised {error}",
     "tile_shapes": ("Triton could not combine two blocks of different shapes ({error}): the "
                     "offsets are rows[:, None] * stride + cols[None, :], a [ROWS, BLOCK_N] block, "
@@ -254,28 +260,45 @@ def _launch(kernel, case: AddCase, x, r, w):
     return outputs, None
 
 
+def _written_by_a_kernel(launched, y: torch.Tensor, h: torch.Tensor) -> bool:
+    """Whether a Triton kernel of the reader's was handed y's and h's memory (True where Triton's
+    launches cannot be recorded: then nothing is known)."""
+    if launched is None:
+        return True
+    mine = [launch for launch in launched if launch.readers]
+    return any(launch.writes_to(y) for launch in mine) and any(launch.writes_to(h) for launch in mine)
+
+
 def _call(fn, case: AddCase, x, r, w):
-    """Call the reader's function: ``((y, h), None)`` or ``(None, problem)``."""
+    """Call the reader's function: ``((y, h), None, by_kernel)`` or ``(None, problem, False)``;
+    ``by_kernel`` says whether a kernel of the reader's was handed y and h to write."""
+    pair, problem, launched = _call_recorded(fn, case, x, r, w)
+    return pair, problem, pair is not None and _written_by_a_kernel(launched, *pair)
+
+
+def _call_recorded(fn, case: AddCase, x, r, w):
     where = f"on a {case}, "
+    launched = None
     try:
-        out = call_learner(EXERCISE, fn, x, r, w, case.eps)
+        with launches() as launched:
+            out = call_learner(EXERCISE, fn, x, r, w, case.eps)
     except FinishedCodeCalled as called:
-        return None, str(called)
+        return None, str(called), launched
     except Exception as error:  # noqa: BLE001  (any failure of the reader's code is reported)
-        return None, where + hint("raised", error=f"{type(error).__name__}: {last_line(error)}")
+        return None, where + hint("raised", error=f"{type(error).__name__}: {last_line(error)}"), launched
     if not (isinstance(out, (tuple, list)) and len(out) == 2
             and all(isinstance(t, torch.Tensor) for t in out)):
-        return None, where + hint("not_a_pair", type=type(out).__name__)
+        return None, where + hint("not_a_pair", type=type(out).__name__), launched
     for name, t in zip(("y", "h"), out):
         if t.shape != x.shape:
-            return None, where + hint("shape", name=name, got=tuple(t.shape), expected=tuple(x.shape))
+            return None, where + hint("shape", name=name, got=tuple(t.shape), expected=tuple(x.shape)), launched
     y, h = (t.detach() for t in out)
     if h.dtype == torch.float32 and x.dtype != torch.float32:
-        return None, where + hint("h_float32", dtype=str(x.dtype).removeprefix("torch."))
+        return None, where + hint("h_float32", dtype=str(x.dtype).removeprefix("torch.")), launched
     for name, t in (("y", y), ("h", h)):
         if t.dtype != x.dtype:
-            return None, where + hint("dtype", name=name, got=t.dtype, expected=x.dtype)
-    return (y, h), None
+            return None, where + hint("dtype", name=name, got=t.dtype, expected=x.dtype), launched
+    return (y, h), None, launched
 
 
 def _outside(name: str, buffer, view, before, case: AddCase) -> str | None:
@@ -455,6 +478,8 @@ def check_add_rms_norm(fn: Callable, seed: int | None = None, verbose: bool = Tr
     gen = generator(seed)
     worst: dict[torch.dtype, float] = {}
     same_bits = []
+    # per input, for a function: whether a kernel of the reader's wrote y and h
+    by_kernels: list[bool] = []
     for case in CASES:
         x, r, w = _inputs(case, gen)
         y = h = None
@@ -465,7 +490,8 @@ def check_add_rms_norm(fn: Callable, seed: int | None = None, verbose: bool = Tr
                     problem = problem or _outside(name, *outputs[name], case)
                 y, h = outputs["y"][1], outputs["h"][1]
         else:
-            pair, problem = _call(fn, case, x, r, w)
+            pair, problem, by_kernel = _call(fn, case, x, r, w)
+            by_kernels.append(by_kernel)
             if problem is None:
                 y, h = pair
                 swapped = (_same_bits(y, (x.cpu().double() + r.cpu().double()).to(case.dtype))
@@ -489,6 +515,8 @@ def check_add_rms_norm(fn: Callable, seed: int | None = None, verbose: bool = Tr
             return verdict(False, problem, verbose)
         worst[case.dtype] = max(worst.get(case.dtype, 0.0),
                                 relative_error(_f64(y), _norm64(h_right, w, case.eps)))
+    if not all(by_kernels):
+        return verdict(False, hint("no_kernel"), verbose)
     errors = ", ".join(f"{str(d).removeprefix('torch.')} {e:.1e}" for d, e in worst.items())
     kernel = _is_kernel(fn)
     written = " and nothing written outside y and h" if kernel else ""

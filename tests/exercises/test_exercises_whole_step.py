@@ -228,8 +228,22 @@ def test_the_operator_is_out_of_reach():
     assert "add_rms_norm_fwd" in message and "finished" in message
 
 
-def test_a_plain_function_passes_and_errors_are_reported_not_raised():
-    assert check_add_rms_norm(plain, seed=11, verbose=False).passed
+def test_a_plain_pytorch_function_gets_no_tick_and_errors_are_reported_not_raised():
+    # Right values computed without a kernel of the reader's: refused, by name.
+    report = check_add_rms_norm(plain, seed=11, verbose=False)
+    assert not report.passed and _words("no_kernel") in report.message
+
+    kernel = solutions.load("add_rms_norm_kernel")
+
+    def launches_a_decoy(x, residual, weight, eps):  # a kernel of its own runs, but writes neither y nor h
+        decoy_y, decoy_h = torch.empty_like(x), torch.empty_like(x)
+        kernel[(triton.cdiv(x.shape[0], 4),)](x, residual, weight, decoy_y, decoy_h, x.shape[0], x.shape[1],
+                                              x.stride(0), residual.stride(0), decoy_y.stride(0), decoy_h.stride(0),
+                                              eps, ROWS=4, BLOCK_N=triton.next_power_of_2(x.shape[1]))
+        return plain(x, residual, weight, eps)
+
+    report = check_add_rms_norm(launches_a_decoy, seed=12, verbose=False)
+    assert not report.passed and _words("no_kernel") in report.message
 
     def raises(x, residual, weight, eps):
         raise RuntimeError("kernel exploded")
@@ -261,3 +275,17 @@ def test_every_diagnosis_is_its_own():
     for mistake, message in messages.items():
         others = [key for key in messages if key != mistake and _words(key) in message]
         assert not others, f"{mistake}'s message also reads as {others}: {message}"
+
+
+def test_a_function_that_launches_its_kernel_passes():
+    kernel = solutions.load("add_rms_norm_kernel")
+
+    def launcher(x, residual, weight, eps):
+        y, h = torch.empty_like(x), torch.empty_like(x)
+        kernel[(triton.cdiv(x.shape[0], 4),)](x, residual, weight, y, h, x.shape[0], x.shape[1], x.stride(0),
+                                              residual.stride(0), y.stride(0), h.stride(0), eps, ROWS=4,
+                                              BLOCK_N=triton.next_power_of_2(x.shape[1]))
+        return y, h
+
+    assert check_add_rms_norm(launcher, seed=13, verbose=False).passed
+

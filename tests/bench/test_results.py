@@ -127,6 +127,8 @@ TOP_LEVEL_KEYS = {
     "attention_blocks": {"device", "device_slug", "mode", "kernel_version", "settings", "configured", "rows", "best"},
     "add_rmsnorm": {"device", "device_slug", "mode", "versions", "hidden", "dtype", "tokens", "copy_gbps", "rows"},
     "fp8_gemm": {"device", "device_slug", "mode", "versions", "tokens", "shapes", "check_tolerance", "rows"},
+    "rmsnorm_fp8": {"device", "device_slug", "mode", "versions", "tokens", "hidden", "dtype", "fp8_dtype", "copy_gbps",
+                    "rows"},
 }
 SWEEP_KEYS = {"kernel", "device", "device_slug", "mode", "date", "settings"}
 

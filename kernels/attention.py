@@ -396,6 +396,24 @@ def _dkdv_blocks(q_desc, do_desc, b, h, q_base, do_base, sq_h, sd_h, k, v, cols,
 
 
 @triton.jit
+def _key_block(k_base, v_base, k_desc, v_desc, SEG, SEG_END, b, hk, n0, n, sk_s, sv_s, cols_d,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
+               PACKED: tl.constexpr, INTERIOR: tl.constexpr, DESC: tl.constexpr, UPCAST: tl.constexpr):
+    # What a backward program over the key block [n0, n0 + BLOCK_N) starts from: its k and v tiles
+    # and its walk over the query blocks, masked [lo, a), whole [a, z), masked [z, hi) (packed
+    # rows with the interior walk), else masked [lo, a), whole [a, hi) (z = hi).
+    k = _rows(k_desc, k_base, b, hk, n0, n, sk_s, cols_d, BLOCK_N, D, DESC, UPCAST)
+    v = _rows(v_desc, v_base, b, hk, n0, n, sv_s, cols_d, BLOCK_N, D, DESC, UPCAST)
+    lo, hi = _query_range(n0, n, SEG, SEG_END, BLOCK_M, BLOCK_N, CAUSAL, PACKED)
+    if PACKED and INTERIOR:
+        a, z = _interior_queries(n0, n, lo, SEG, SEG_END, BLOCK_M, BLOCK_N, CAUSAL)
+    else:
+        a = _masked_query_end(n0, lo, hi, BLOCK_M, BLOCK_N, CAUSAL, PACKED)
+        z = hi
+    return k, v, lo, a, z, hi
+
+
+@triton.jit
 def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, SEG, SEG_END,
     sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sd_b, sd_h, sd_s,
@@ -417,17 +435,12 @@ def _bwd_dkdv_kernel(
     SEG_END += b * n
     cols = n0 + tl.arange(0, BLOCK_N)
     cols_d = tl.arange(0, D)
-    b32, hk32 = b.to(tl.int32), hk.to(tl.int32)  # a descriptor's coordinates are 32-bit
-    k = _rows(k_desc, K + b * sk_b + hk * sk_h, b32, hk32, n0, n, sk_s, cols_d, BLOCK_N, D, DESC, UPCAST)
-    v = _rows(v_desc, V + b * sv_b + hk * sv_h, b32, hk32, n0, n, sv_s, cols_d, BLOCK_N, D, DESC, UPCAST)
+    b32 = b.to(tl.int32)  # a descriptor's coordinates are 32-bit
+    k, v, lo, a, z, hi = _key_block(K + b * sk_b + hk * sk_h, V + b * sv_b + hk * sv_h, k_desc, v_desc, SEG, SEG_END,
+                                    b32, hk.to(tl.int32), n0, n, sk_s, sv_s, cols_d, BLOCK_M, BLOCK_N, D, CAUSAL,
+                                    PACKED, INTERIOR, DESC, UPCAST)
     dk = tl.zeros([BLOCK_N, D], tl.float32)
     dv = tl.zeros([BLOCK_N, D], tl.float32)
-    lo, hi = _query_range(n0, n, SEG, SEG_END, BLOCK_M, BLOCK_N, CAUSAL, PACKED)
-    if PACKED and INTERIOR:  # masked [lo, a), whole [a, z), masked [z, hi)
-        a, z = _interior_queries(n0, n, lo, SEG, SEG_END, BLOCK_M, BLOCK_N, CAUSAL)
-    else:  # masked [lo, a), whole [a, hi)
-        a = _masked_query_end(n0, lo, hi, BLOCK_M, BLOCK_N, CAUSAL, PACKED)
-        z = hi
     # HEADS = GROUP: each range once, over every head of the group (one pipelined loop each); HEADS
     # = 1: each head's ranges in turn.
     for g in range(GROUP // HEADS):
@@ -552,16 +565,11 @@ def _bwd_onepass_kernel(
     SEG_END += b * n
     cols = n0 + tl.arange(0, BLOCK_N)
     cols_d = tl.arange(0, D)
-    k = _rows(k_desc, K + b * sk_b + hk * sk_h, b32, hk.to(tl.int32), n0, n, sk_s, cols_d, BLOCK_N, D, DESC, UPCAST)
-    v = _rows(v_desc, V + b * sv_b + hk * sv_h, b32, hk.to(tl.int32), n0, n, sv_s, cols_d, BLOCK_N, D, DESC, UPCAST)
+    k, v, lo, a, z, hi = _key_block(K + b * sk_b + hk * sk_h, V + b * sv_b + hk * sv_h, k_desc, v_desc, SEG, SEG_END,
+                                    b32, hk.to(tl.int32), n0, n, sk_s, sv_s, cols_d, BLOCK_M, BLOCK_N, D, CAUSAL,
+                                    PACKED, INTERIOR, DESC, UPCAST)
     dk = tl.zeros([BLOCK_N, D], tl.float32)
     dv = tl.zeros([BLOCK_N, D], tl.float32)
-    lo, hi = _query_range(n0, n, SEG, SEG_END, BLOCK_M, BLOCK_N, CAUSAL, PACKED)
-    if PACKED and INTERIOR:  # masked [lo, a), whole [a, z), masked [z, hi)
-        a, z = _interior_queries(n0, n, lo, SEG, SEG_END, BLOCK_M, BLOCK_N, CAUSAL)
-    else:  # masked [lo, a), whole [a, hi)
-        a = _masked_query_end(n0, lo, hi, BLOCK_M, BLOCK_N, CAUSAL, PACKED)
-        z = hi
     for g in range(GROUP):
         h = hk * GROUP + g
         bh = b * (n_kv_heads * GROUP) + h

@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 
 from . import ops, runtime
-from .triton_utils import cast_to
+from .triton_utils import cast_to, grouped_tile
 
 # The largest finite value of each format, its mantissa bits and its smallest normal exponent.
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
@@ -175,14 +175,7 @@ def fp8_matmul_kernel(
         BLOCK_M, BLOCK_N, BLOCK_K: tile sizes; GROUP_M: row-tiles per group of the tile order.
         FAST_ACCUM: let the tensor cores carry the sum across K-tiles (see ``Fp8GemmConfig``).
     """
-    # Grouped tile order: GROUP_M row-tiles share their tiles of B while those are in the L2 cache.
-    pid = tl.program_id(0)
-    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    group_m = min(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_m
-    pid_n = (pid % per_group) // group_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)

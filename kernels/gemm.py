@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from . import ops, runtime
-from .triton_utils import cast_to
+from .triton_utils import cast_to, grouped_tile
 
 KERNEL_DTYPES = ops.KERNEL_DTYPES
 
@@ -66,14 +66,7 @@ def gemm_epilogue_kernel(
         BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R: tile sizes (BLOCK_R ≥ R); GROUP_M: row-tiles per group
             of the grouped tile order.
     """
-    # Grouped tile order: GROUP_M row-tiles share their columns of B while they are in the L2 cache.
-    pid = tl.program_id(0)
-    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    group_m = min(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_m
-    pid_n = (pid % per_group) // group_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)

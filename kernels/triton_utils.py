@@ -53,3 +53,25 @@ else:
             ``x`` in ``dtype``.
         """
         return x.to(dtype)
+
+
+@triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """The output tile a GEMM's program ``pid`` computes, in grouped order: ``GROUP_M`` row-tiles
+    walk the column-tiles together, so that the tiles of B they share are still in the L2 cache
+    when the next row-tile of the group reads them (chapter 15's GEMM).
+
+    Args:
+        pid: the program's index.
+        M, N: the output's rows and columns.
+        BLOCK_M, BLOCK_N: the tile's rows and columns.
+        GROUP_M: row-tiles per group.
+
+    Returns:
+        ``(pid_m, pid_n)``: the tile's row-tile and column-tile.
+    """
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = min(tiles_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_m, (pid % per_group) // group_m

@@ -24,7 +24,7 @@ from kernels.adamw import TritonAdamW
 from kernels.hf.presets import PRESETS, llama_config
 
 from . import cli
-from .results import device_slug, results_file
+from .results import device_slug
 from .timing import floor_ms, measure_copy_gbps
 
 IMPLEMENTATIONS = {
@@ -197,6 +197,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _work(args) -> dict:
+    preset = args.preset or ("llama-3.1-8b" if runtime.MODE == "gpu" else "tiny")
+    return run(preset, args.reps or runtime.pick(2, 5))
+
+
 def main(argv=None) -> int:
     """Check and time the AdamW steps from the command line, print the table, write ``adamw/<gpu>.json``.
 
@@ -204,19 +209,9 @@ def main(argv=None) -> int:
         argv: the command line's arguments (None: ``sys.argv``'s).
 
     Returns:
-        the exit status, 0 (a refused flag exits through ``argparse``).
+        the exit status (``cli.run_command``).
     """
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    path = results_file("adamw", device_slug(), cli.output_root(args))
-    cli.check_outputs(parser, args, [] if args.no_save else [path])
-    preset = args.preset or ("llama-3.1-8b" if runtime.MODE == "gpu" else "tiny")
-    print(runtime.describe())
-    result = run(preset, args.reps or runtime.pick(2, 5))
-    print(format_table(result))
-    if not args.no_save:
-        print("saved", cli.write_json(path, result))
-    return 0
+    return cli.run_command(build_parser(), argv, "adamw", _work, format_table)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from kernels.rmsnorm import rms_norm
 from kernels.tolerances import RELATIVE_ERROR_TOL
 
 from . import cli
-from .results import device_slug, results_file
+from .results import device_slug
 from .timing import gbps, measure_copy_gbps, time_ms
 
 EPS = 1e-6
@@ -251,27 +251,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _work(args) -> dict:
+    tokens = args.tokens or runtime.pick((64,), (4096, 16384))
+    return run(tuple(tokens), args.hidden or runtime.pick(256, 4096), args.dtype)
+
+
 def main(argv=None) -> int:
-    """Check and time the implementations from the command line, print the table, write the JSON.
+    """Check and time the implementations from the command line, print the table, write
+    ``add_rmsnorm/<gpu>.json``.
 
     Args:
         argv: the command line's arguments (None: ``sys.argv``'s).
 
     Returns:
-        The exit status, 0 (a refused flag exits through ``argparse``).
+        the exit status (``cli.run_command``).
     """
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    path = results_file("add_rmsnorm", device_slug(), cli.output_root(args))
-    cli.check_outputs(parser, args, [] if args.no_save else [path])
-    tokens = args.tokens or runtime.pick((64,), (4096, 16384))
-    hidden = args.hidden or runtime.pick(256, 4096)
-    print(runtime.describe())
-    result = run(tuple(tokens), hidden, args.dtype)
-    print(format_table(result))
-    if not args.no_save:
-        print("saved", cli.write_json(path, result))
-    return 0
+    return cli.run_command(build_parser(), argv, "add_rmsnorm", _work, format_table)
 
 
 if __name__ == "__main__":

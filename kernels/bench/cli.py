@@ -34,7 +34,7 @@ from pathlib import Path
 
 from kernels import runtime
 
-from .results import RESULTS, results_file
+from .results import RESULTS, device_slug, results_file
 
 REPO = RESULTS.parents[1]
 RUNS_ENV = "KERNELS_RUNS_DIR"
@@ -426,6 +426,34 @@ def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace, tar
         for target in targets:
             where += file_problems(target, getattr(args, "force", False))
     fail(parser, found + where)
+
+
+def run_command(parser: argparse.ArgumentParser, argv, group: str, work: Callable[[argparse.Namespace], dict],
+                table: Callable[[dict], str]) -> int:
+    """The body of a benchmark's ``main``: parse ``argv``, check where the results go before any
+    work (``<root>/<group>/<gpu>.json``; none under ``--no-save``), print this machine, run
+    ``work(args)``, print ``table(result)`` and write the result.
+
+    Args:
+        parser: the command's parser (with ``add_output_arguments`` and ``--no-save``).
+        argv: the command line's arguments (None: ``sys.argv``'s).
+        group: the results group.
+        work: runs the benchmark from the parsed flags and returns its result.
+        table: the result as text.
+
+    Returns:
+        the exit status, 0 (a refused flag exits through ``argparse``).
+    """
+    args = parser.parse_args(argv)
+    path = results_file(group, device_slug(), output_root(args))
+    save = not getattr(args, "no_save", False)
+    check_outputs(parser, args, [path] if save else [])
+    print(runtime.describe())
+    result = work(args)
+    print(table(result))
+    if save:
+        print("saved", write_json(path, result))
+    return 0
 
 
 def fail(parser: argparse.ArgumentParser, problems: Iterable[str]) -> None:

@@ -24,7 +24,7 @@ from kernels.fp8 import fp8_matmul, fp8_matmul_reference, quantize_rows
 from kernels.reference import relative_error
 
 from . import cli
-from .results import device_slug, results_file
+from .results import device_slug
 from .timing import gbps, time_ms
 
 LLAMA_8B_SHAPES = ((4096, 14336), (14336, 4096), (4096, 4096), (4096, 1024), (4096, 128256))
@@ -238,27 +238,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _work(args) -> dict:
+    tokens = args.tokens or runtime.pick(64, 8192)
+    return run(tokens, tuple(args.shapes or runtime.pick(TINY_SHAPES, LLAMA_8B_SHAPES)))
+
+
 def main(argv=None) -> int:
-    """Check and time the GEMMs from the command line, print the table, write the JSON.
+    """Check and time the GEMMs from the command line, print the table, write ``fp8_gemm/<gpu>.json``.
 
     Args:
         argv: the command line's arguments (None: ``sys.argv``'s).
 
     Returns:
-        the exit status, 0 (a refused flag exits through ``argparse``).
+        the exit status (``cli.run_command``).
     """
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    path = results_file("fp8_gemm", device_slug(), cli.output_root(args))
-    cli.check_outputs(parser, args, [] if args.no_save else [path])
-    tokens = args.tokens or runtime.pick(64, 8192)
-    shapes = args.shapes or runtime.pick(TINY_SHAPES, LLAMA_8B_SHAPES)
-    print(runtime.describe())
-    result = run(tokens, tuple(shapes))
-    print(format_table(result))
-    if not args.no_save:
-        print("saved", cli.write_json(path, result))
-    return 0
+    return cli.run_command(build_parser(), argv, "fp8_gemm", _work, format_table)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from .rmsnorm import (
     out_dtype,
     rms_norm_dw_kernel,
 )
-from .triton_utils import cast_to
+from .triton_utils import cast_to, row_tile
 
 # --------------------------------------------------------------------------------------------------
 # Kernels
@@ -59,11 +59,7 @@ def add_rms_norm_fwd_kernel(
         ROWS: rows per program; BLOCK_N: columns of a tile (a power of two ≥ n_cols).
     """
     # int64 row indices: row * stride overflows int32 once rows × hidden passes 2**31.
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK_N)
-    row_ok = rows < n_rows
-    col_ok = cols < n_cols
-    ok = row_ok[:, None] & col_ok[None, :]
+    rows, cols, row_ok, col_ok, ok = row_tile(n_rows, n_cols, ROWS, BLOCK_N)
 
     x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=ok, other=0.0).to(tl.float32)

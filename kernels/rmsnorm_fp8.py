@@ -33,7 +33,7 @@ import triton.language as tl
 from . import ops, runtime
 from .fp8 import FP8_DTYPES, FP8_MAX, SCALE_FLOOR, fp8_bits, quantize_rows_reference, triton_problem
 from .rmsnorm import ForwardConfig, as_rows, cached_forward_config, check_tensors, out_dtype, rms_norm
-from .triton_utils import cast_to
+from .triton_utils import cast_to, row_tile
 
 # The widest row one program keeps in registers: Llama's largest hidden sizes (8,192 for 70B,
 # 16,384 for 405B) fit. Beyond it the row would spill out of the registers.
@@ -84,11 +84,7 @@ def rms_norm_fp8_kernel(
         FP8_MAX_VALUE, FLOOR, FP8, MBITS, EMIN: the format and the smallest scale (``fp8_bits``).
         ROWS, BLOCK_N: the tile, rows by ``n_cols`` rounded up to a power of two.
     """
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK_N)
-    row_ok = rows < n_rows
-    col_ok = cols < n_cols
-    ok = row_ok[:, None] & col_ok[None, :]
+    rows, cols, row_ok, col_ok, ok = row_tile(n_rows, n_cols, ROWS, BLOCK_N)
 
     # The norm, operation for operation as kernels.rmsnorm's forward computes it, so that the
     # rounded output is the same bits.

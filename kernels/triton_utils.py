@@ -75,3 +75,24 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
     first_m = (pid // per_group) * GROUP_M
     group_m = min(tiles_m - first_m, GROUP_M)
     return first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
+
+
+@triton.jit
+def row_tile(n_rows, n_cols, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The [ROWS, BLOCK_N] tile of whole rows that program ``program_id(0)`` of a row-wise kernel
+    (RMSNorm and its fused forms, chapter 02) takes, and which of its lanes are real.
+
+    Args:
+        n_rows, n_cols: the rows and their width.
+        ROWS, BLOCK_N: rows per program, and the width rounded up to a power of two.
+
+    Returns:
+        ``(rows, cols, row_ok, col_ok, ok)``: the row indices (int64, so that row × stride cannot
+        overflow int32 past 2**31 elements), the column indices, the rows and columns inside the
+        tensor, and their [ROWS, BLOCK_N] combination.
+    """
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    row_ok = rows < n_rows
+    col_ok = cols < n_cols
+    return rows, cols, row_ok, col_ok, row_ok[:, None] & col_ok[None, :]

@@ -429,7 +429,8 @@ def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace, tar
 
 
 def run_command(parser: argparse.ArgumentParser, argv, group: str, work: Callable[[argparse.Namespace], dict],
-                table: Callable[[dict], str]) -> int:
+                table: Callable[[dict], str],
+                problems: Callable[[argparse.Namespace], list[str]] | None = None) -> int:
     """The body of a benchmark's ``main``: parse ``argv``, check where the results go before any
     work (``<root>/<group>/<gpu>.json``; none under ``--no-save``), print this machine, run
     ``work(args)``, print ``table(result)`` and write the result.
@@ -440,6 +441,7 @@ def run_command(parser: argparse.ArgumentParser, argv, group: str, work: Callabl
         group: the results group.
         work: runs the benchmark from the parsed flags and returns its result.
         table: the result as text.
+        problems: the command's own checks of its flags (one line each), run with the outputs'.
 
     Returns:
         the exit status, 0 (a refused flag exits through ``argparse``).
@@ -447,7 +449,7 @@ def run_command(parser: argparse.ArgumentParser, argv, group: str, work: Callabl
     args = parser.parse_args(argv)
     path = results_file(group, device_slug(), output_root(args))
     save = not getattr(args, "no_save", False)
-    check_outputs(parser, args, [path] if save else [])
+    check_outputs(parser, args, [path] if save else [], problems(args) if problems else ())
     print(runtime.describe())
     result = work(args)
     print(table(result))

@@ -25,7 +25,7 @@ from kernels.rmsnorm import out_dtype, rms_norm
 from kernels.rmsnorm_fp8 import MAX_HIDDEN, rms_norm_fp8
 
 from . import cli
-from .results import device_slug, results_file
+from .results import device_slug
 from .timing import gbps, measure_copy_gbps, time_ms
 
 EPS = 1e-6
@@ -198,29 +198,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _hidden(args) -> int:
+    return args.hidden or runtime.pick(256, 4096)
+
+
+def _problems(args) -> list[str]:
+    hidden = _hidden(args)
+    if hidden > MAX_HIDDEN:
+        return [f"--hidden {hidden} is above {MAX_HIDDEN}, the widest row rms_norm_fp8 takes"]
+    return []
+
+
+def _work(args) -> dict:
+    return run(args.tokens or runtime.pick(64, 8192), _hidden(args), args.dtype, args.fp8)
+
+
 def main(argv=None) -> int:
-    """Check and time the three calls from the command line, print the table, write the JSON.
+    """Check and time the three calls from the command line, print the table, write
+    ``rmsnorm_fp8/<gpu>.json``.
 
     Args:
         argv: the command line's arguments (None: ``sys.argv``'s).
 
     Returns:
-        The exit status, 0 (a refused flag exits through ``argparse``).
+        the exit status (``cli.run_command``).
     """
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    hidden = args.hidden or runtime.pick(256, 4096)
-    if hidden > MAX_HIDDEN:
-        cli.fail(parser, [f"--hidden {hidden} is above {MAX_HIDDEN}, the widest row rms_norm_fp8 takes"])
-    path = results_file("rmsnorm_fp8", device_slug(), cli.output_root(args))
-    cli.check_outputs(parser, args, [] if args.no_save else [path])
-    tokens = args.tokens or runtime.pick(64, 8192)
-    print(runtime.describe())
-    result = run(tokens, hidden, args.dtype, args.fp8)
-    print(format_table(result))
-    if not args.no_save:
-        print("saved", cli.write_json(path, result))
-    return 0
+    return cli.run_command(build_parser(), argv, "rmsnorm_fp8", _work, format_table, _problems)
 
 
 if __name__ == "__main__":

@@ -57,10 +57,27 @@ import triton.language as tl
 from . import ops, runtime
 from .triton_utils import cast_to, grouped_tile
 
-# The largest finite value of each format, its mantissa bits and its smallest normal exponent.
+# The largest finite value of each format, its stored mantissa bits, its smallest normal exponent
+# and its Triton type.
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 _MANTISSA_BITS = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
 _MIN_EXPONENT = {torch.float8_e4m3fn: -6, torch.float8_e5m2: -14}
+_TRITON_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
+
+
+def fp8_format(fp8_dtype: torch.dtype) -> dict:
+    """What a kernel that writes FP8 codes through ``fp8_bits`` needs to know of the format.
+
+    Args:
+        fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+
+    Returns:
+        the kernel's keyword arguments ``FP8_MAX_VALUE`` (448 or 57,344), ``FP8`` (the Triton
+        type), ``MBITS`` (stored mantissa bits, 3 or 2) and ``EMIN`` (smallest normal exponent, -6
+        or -14).
+    """
+    return dict(FP8_MAX_VALUE=FP8_MAX[fp8_dtype], FP8=_TRITON_FP8[fp8_dtype], MBITS=_MANTISSA_BITS[fp8_dtype],
+                EMIN=_MIN_EXPONENT[fp8_dtype])
 FP8_DTYPES = tuple(FP8_MAX)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BACKENDS = ("auto", "triton", "cublas", "reference")
@@ -357,14 +374,11 @@ def _quantize_launch(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Ten
     grid = (triton.cdiv(rows, cfg.block_r),)
     quantize_rows_kernel[grid](
         x, q.view(torch.uint8), scale, rows, cols, x.stride(0), x.stride(1), q.stride(0),
-        FP8_MAX_VALUE=FP8_MAX[fp8_dtype], FLOOR=SCALE_FLOOR, FP8=_TRITON_FP8[fp8_dtype],
-        MBITS=_MANTISSA_BITS[fp8_dtype], EMIN=_MIN_EXPONENT[fp8_dtype],
+        FLOOR=SCALE_FLOOR, **fp8_format(fp8_dtype),
         BLOCK_R=cfg.block_r, BLOCK_C=cfg.block_c, num_warps=cfg.num_warps,
     )
     return q, scale
 
-
-_TRITON_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 
 
 def quantize_rows(x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from . import ops, runtime
-from .fp8 import FP8_DTYPES, FP8_MAX, SCALE_FLOOR, fp8_bits, quantize_rows_reference, triton_problem
+from .fp8 import FP8_DTYPES, SCALE_FLOOR, fp8_bits, fp8_format, quantize_rows_reference, triton_problem
 from .rmsnorm import ForwardConfig, as_rows, cached_forward_config, check_tensors, out_dtype, rms_norm
 from .triton_utils import cast_to, row_tile
 
@@ -39,25 +39,7 @@ from .triton_utils import cast_to, row_tile
 # 16,384 for 405B) fit. Beyond it the row would spill out of the registers.
 MAX_HIDDEN = 16384
 
-# The format's Triton type, mantissa bits and smallest normal exponent, as ``fp8_bits`` takes them.
-TRITON_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 TRITON_OUT = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
-def fp8_format(fp8_dtype: torch.dtype) -> dict:
-    """What the kernel needs to know of an FP8 format, read from ``torch.finfo``.
-
-    Args:
-        fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
-
-    Returns:
-        ``FP8_MAX_VALUE`` (448 or 57,344), ``FP8`` (the Triton type), ``MBITS`` (stored mantissa
-        bits, 3 or 2: finfo's eps is 2^-MBITS) and ``EMIN`` (smallest normal exponent, -6 or -14),
-        as keyword arguments of the kernel.
-    """
-    info = torch.finfo(fp8_dtype)
-    return dict(FP8_MAX_VALUE=FP8_MAX[fp8_dtype], FP8=TRITON_FP8[fp8_dtype], MBITS=-int(math.log2(info.eps)),
-                EMIN=int(math.log2(info.smallest_normal)))
 
 
 # --------------------------------------------------------------------------------------------------

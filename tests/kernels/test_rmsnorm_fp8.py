@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 
 from kernels import rmsnorm_fp8
 from kernels import runtime as kernels_runtime
-from kernels.fp8 import FP8_DTYPES, quantize_rows
+from kernels.fp8 import FP8_DTYPES, fp8_format, quantize_rows
 from kernels.reference import rms_norm_reference
 from kernels.rmsnorm import cached_forward_config, rms_norm
-from kernels.rmsnorm_fp8 import MAX_HIDDEN, fp8_format, rms_norm_fp8, rms_norm_fp8_config
+from kernels.rmsnorm_fp8 import MAX_HIDDEN, rms_norm_fp8, rms_norm_fp8_config
 from kernels.runtime import DeviceProps
 
 IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

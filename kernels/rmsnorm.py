@@ -28,7 +28,7 @@ import triton.language as tl
 
 from . import host_path, ops, runtime
 from .reference import relative_error, rms_norm_reference
-from .triton_utils import cast_to, row_tile
+from .triton_utils import cast_to
 
 # The storage dtypes of x and weight the kernels read (they compute in float32 whatever these are).
 
@@ -57,7 +57,11 @@ def rms_norm_fwd_kernel(
     """
     # Each program normalises ROWS consecutive rows, held as one [ROWS, BLOCK_N] tile.
     # int64 row indices: row * stride overflows int32 once rows × hidden passes 2**31.
-    rows, cols, row_ok, col_ok, ok = row_tile(n_rows, n_cols, ROWS, BLOCK_N)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    row_ok = rows < n_rows
+    col_ok = cols < n_cols
+    ok = row_ok[:, None] & col_ok[None, :]
 
     x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)

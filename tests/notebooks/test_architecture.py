@@ -163,7 +163,8 @@ def test_the_top_level_holds_the_kernels_and_the_wings():
     # 16, + prebuild.py, lora.py and gemm.py (15), attention.py (16), add_rmsnorm.py and optim_in_backward.py (17)
     # + fp8.py (18): FP8 is a kernel family of its own (the quantiser and the scaled GEMM)
     # + rmsnorm_fp8.py (18): the RMSNorm that stores its output in FP8, a kernel of its own
-    assert len(top_modules) <= 24, top_modules
+    # + fp8_linear.py (18): the frozen base linear stored in FP8, with its input-gradient GEMM
+    assert len(top_modules) <= 25, top_modules
     assert packages == WINGS
 
 

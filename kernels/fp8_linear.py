@@ -491,6 +491,10 @@ def convert_frozen_linears(model: nn.Module, fp8_dtype: torch.dtype = torch.floa
 
     Returns:
         how many linears were converted.
+
+    Raises:
+        RuntimeError: a linear to convert sits on a device where the FP8 kernels cannot run
+            (``require_fp8``); nothing is converted then.
     """
     if isinstance(skip, str):
         skip = (skip,)
@@ -501,6 +505,8 @@ def convert_frozen_linears(model: nn.Module, fp8_dtype: torch.dtype = torch.floa
             if type(child) is nn.Linear and not child.weight.requires_grad and not _matches(name, skip):
                 if child.bias is None or not child.bias.requires_grad:
                     targets.append((parent, child_name, child))
+    for device in {child.weight.device for _, _, child in targets}:
+        require_fp8(device)  # before anything is converted: the conversion cannot be undone
     for parent, child_name, child in targets:
         setattr(parent, child_name, Fp8Linear.from_linear(child, fp8_dtype))
     return len(targets)

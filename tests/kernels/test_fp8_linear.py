@@ -199,6 +199,23 @@ def test_a_gpu_without_fp8_is_named(monkeypatch):
         fp8_linear.require_fp8(torch.device("cpu"))
 
 
+def test_convert_refuses_a_device_without_fp8_before_converting(monkeypatch):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)).requires_grad_(False)
+    monkeypatch.setattr(fp8_linear, "triton_problem", lambda device: "compute capability (8, 0) has no FP8")
+    with pytest.raises(RuntimeError, match=r"compute capability \(8, 0\)"):
+        convert_frozen_linears(model)
+    assert all(type(m) is torch.nn.Linear for m in model)
+
+
+def test_empty_input(device, gen):
+    layer = Fp8Linear.from_linear(torch.nn.Linear(6, 4).to(device).requires_grad_(False))
+    x = torch.ones(0, 3, 6, device=device, requires_grad=True)
+    y = layer(x)
+    assert y.shape == (0, 3, 4)
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+
+
 def test_module_properties_repr_and_peft_lookups(device, gen):
     linear = torch.nn.Linear(20, 12, dtype=torch.bfloat16, device=device).requires_grad_(False)
     layer = Fp8Linear.from_linear(linear)

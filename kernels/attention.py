@@ -16,7 +16,15 @@ keeping the [seq, seq] matrix. With dP = dO vᵀ and the preprocess delta = rows
 
 Two kernels compute them without atomics: one program per key block accumulates dK and dV over every
 query block (and, for grouped-query attention, over every query head of its KV head); one program
-per query block accumulates dQ over every key block, as the forward does.
+per query block accumulates dQ over every key block, as the forward does. A one-pass backward
+(``Config.onepass``: the key-block program also adds its share of dQ into float32, with atomics or
+the TMA's bulk reduction) is built and measured; it is off, slower on Hopper for want of registers
+(assets/notes/attention.md, version 6).
+
+Hopper (compute capability 9.0 and up): the kernels load their tiles through tensor descriptors,
+one TMA copy per tile with the zeros past the end filled by the copy engine (``Config.tma``,
+``tma_ready``; chapter 16, section 8); elsewhere, and for tensors whose addresses or strides the
+copy engine cannot take, through pointers.
 
 Layout: SDPA's [batch, heads, seq, head_dim], read through strides (Llama's q, k and v are
 transposed views of [batch, seq, heads, head_dim] projections and are not copied). Grouped-query

@@ -311,6 +311,18 @@ FORBIDDEN: dict[str, tuple[Forbid, ...]] = {
         Forbid("kernels.attention:_descriptor", "the package's finished descriptor of a head's tile"),
         Forbid("kernels.exercises.solutions.tile_descriptor:tile_descriptor", "the hidden solution"),
     ),
+    # Chapter 18: one row quantised to FP8 with its own scale; the package's quantiser in every
+    # form (its kernel trips when launched, whoever launches it) and the references the check
+    # compares with.
+    "quantize_row_kernel": (
+        Forbid("kernels.fp8:quantize_rows", "the package's finished FP8 quantiser"),
+        Forbid("kernels.fp8:quantize_rows_kernel.run", "the package's finished FP8 quantiser kernel"),
+        Forbid("kernels.fp8:quantize_rows_reference", "the reference the check compares with"),
+        Forbid("kernels.fp8:row_scales_reference", "the scales the check compares with"),
+        Forbid("torch._ops:ops.kernels.quantize_rows", "the package's finished FP8 quantiser operator"),
+        Forbid("kernels.exercises.solutions.quantize_row_kernel:quantize_row_kernel.run",
+               "the hidden solution's kernel"),
+    ),
 }
 
 

@@ -133,15 +133,26 @@ else:
 
 
 @triton.jit
+def _column_scaled(x, CS, cols_here, cols, HAS_CS: tl.constexpr):
+    # x · cs[col] in float32: the scale of a weight's output channel moved onto the gradient that
+    # reduces over those channels (kernels.lora_fp8).
+    if HAS_CS:
+        x = x * tl.load(CS + cols_here, mask=cols_here < cols, other=0.0)[None, :]
+    return x
+
+
+@triton.jit
 def quantize_rows_kernel(
-    X, Q, S, rows, cols, stride_xr, stride_xc, stride_qr,
+    X, CS, Q, S, rows, cols, stride_xr, stride_xc, stride_qr,
     FP8_MAX_VALUE: tl.constexpr, FLOOR: tl.constexpr, FP8: tl.constexpr, MBITS: tl.constexpr,
-    EMIN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    EMIN: tl.constexpr, HAS_CS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """Quantise BLOCK_R rows of ``X``: their amax, their scales, then their FP8 codes.
+    """Quantise BLOCK_R rows of ``X`` (times ``CS`` column by column where ``HAS_CS``): their amax,
+    their scales, then their FP8 codes.
 
     Args:
         X: pointer to ``x`` [rows, cols] (any strides, loaded and upcast to float32).
+        CS: pointer to float32 column scales [cols] (contiguous), read only where ``HAS_CS``.
         Q: pointer to the codes [rows, cols], uint8 (the FP8 tensor's bytes), row stride ``stride_qr``.
         S: pointer to the float32 scales [rows].
         rows, cols: the sizes; stride_*: strides in elements.
@@ -158,7 +169,7 @@ def quantize_rows_kernel(
     for c0 in range(0, cols, BLOCK_C):
         mask = in_rows[:, None] & ((c0 + c) < cols)[None, :]
         x = tl.load(X + r[:, None] * stride_xr + (c0 + c)[None, :] * stride_xc, mask=mask, other=0.0)
-        x = x.to(tl.float32)
+        x = _column_scaled(x.to(tl.float32), CS, c0 + c, cols, HAS_CS)
         amax = tl.maximum(amax, tl.max(tl.where(x == x, tl.abs(x), float("inf")), axis=1))
     scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX_VALUE), FLOOR)
     scale = tl.where(amax == 0.0, 1.0, scale)
@@ -168,7 +179,8 @@ def quantize_rows_kernel(
     for c0 in range(0, cols, BLOCK_C):
         mask = in_rows[:, None] & ((c0 + c) < cols)[None, :]
         x = tl.load(X + r[:, None] * stride_xr + (c0 + c)[None, :] * stride_xc, mask=mask, other=0.0)
-        y = tl.math.div_rn(x.to(tl.float32), scale[:, None])
+        x = _column_scaled(x.to(tl.float32), CS, c0 + c, cols, HAS_CS)
+        y = tl.math.div_rn(x, scale[:, None])
         # Clamp with comparisons, which keep a NaN (min/max on a GPU return the other operand).
         y = tl.where(y > FP8_MAX_VALUE, FP8_MAX_VALUE, y)
         y = tl.where(y < -FP8_MAX_VALUE, -FP8_MAX_VALUE, y)
@@ -335,13 +347,15 @@ def row_scales_reference(x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_
 
 
 def quantize_rows_reference(x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn,
-                            scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            scale: torch.Tensor | None = None, col_scale: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_rows`` in PyTorch: the same scales and the same FP8 bits.
 
     Args:
         x: [rows, cols], float32, bfloat16 or float16, any strides.
         fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
         scale: float32 [rows] to use instead of ``row_scales_reference``'s.
+        col_scale: float32 [cols] multiplying x's columns (in float32) before anything else, or None.
 
     Returns:
         ``(q, scale)``: q contiguous [rows, cols] in ``fp8_dtype``, scale float32 [rows].
@@ -351,6 +365,9 @@ def quantize_rows_reference(x: torch.Tensor, fp8_dtype: torch.dtype = torch.floa
     """
     _check_quantize_input(x)
     _check_fp8_dtype("fp8_dtype", fp8_dtype)
+    _check_col_scale(x, col_scale)
+    if col_scale is not None:
+        x = x.float() * col_scale[None, :]
     if scale is None:
         scale = row_scales_reference(x, fp8_dtype)
     limit = FP8_MAX[fp8_dtype]
@@ -360,7 +377,20 @@ def quantize_rows_reference(x: torch.Tensor, fp8_dtype: torch.dtype = torch.floa
     return y.to(fp8_dtype).contiguous(), scale
 
 
-def _quantize_launch(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_col_scale(x: torch.Tensor, col_scale) -> None:
+    if col_scale is None:
+        return
+    if not isinstance(col_scale, torch.Tensor) or col_scale.dtype != torch.float32:
+        raise TypeError(f"col_scale must be a float32 tensor, got {getattr(col_scale, 'dtype', type(col_scale))}")
+    if col_scale.shape != (x.shape[1],):
+        raise ValueError(f"col_scale must have shape ({x.shape[1]},), one per column of x, got "
+                         f"{tuple(col_scale.shape)}")
+    if col_scale.device != x.device:
+        raise ValueError(f"col_scale must be on x's device {x.device}, got {col_scale.device}")
+
+
+def _quantize_launch(x: torch.Tensor, fp8_dtype: torch.dtype, col_scale: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = x.shape
     q = torch.empty((rows, cols), dtype=fp8_dtype, device=x.device)
     scale = torch.ones(rows, dtype=torch.float32, device=x.device)
@@ -369,20 +399,21 @@ def _quantize_launch(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Ten
     if not _triton_can_run(x.device):
         # no FP8 conversion in Triton below sm_89 (and no Triton on CPU tensors outside the
         # interpreter): PyTorch's, with the same bits
-        return quantize_rows_reference(x, fp8_dtype)
+        return quantize_rows_reference(x, fp8_dtype, col_scale=col_scale)
     cfg = quantize_config(rows, cols, runtime.device_props(x.device))
     grid = (triton.cdiv(rows, cfg.block_r),)
+    cs = scale if col_scale is None else col_scale.contiguous()  # any float32 pointer when unused
     quantize_rows_kernel[grid](
-        x, q.view(torch.uint8), scale, rows, cols, x.stride(0), x.stride(1), q.stride(0),
-        FLOOR=SCALE_FLOOR, **fp8_format(fp8_dtype),
+        x, cs, q.view(torch.uint8), scale, rows, cols, x.stride(0), x.stride(1), q.stride(0),
+        FLOOR=SCALE_FLOOR, **fp8_format(fp8_dtype), HAS_CS=col_scale is not None,
         BLOCK_R=cfg.block_r, BLOCK_C=cfg.block_c, num_warps=cfg.num_warps,
     )
     return q, scale
 
 
 
-def quantize_rows(x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+                  col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise each row of ``x`` to FP8 with its own float32 scale (chapter 18).
 
     ``scale[r] = amax(|x[r]|) / FP8_MAX`` (448 for e4m3fn, 57,344 for e5m2) and ``q[r] =
@@ -390,21 +421,26 @@ def quantize_rows(x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn
     row of zeros gets scale 1; a row holding an infinity or NaN gets scale NaN and NaN codes (the
     module's docstring says why). The Triton kernel stores the bits of ``quantize_rows_reference``;
     on a GPU below sm_89, and on CPU tensors outside the interpreter, that reference runs instead.
+    With ``col_scale``, the rows of ``x · col_scale[None, :]`` (computed in float32 as they are
+    read) are quantised: how a weight's per-output-channel scale joins the gradient that reduces
+    over those channels (``kernels.lora_fp8``).
 
     Args:
         x: [rows, cols], float32, bfloat16 or float16, any strides (a view is read in place).
         fp8_dtype: ``torch.float8_e4m3fn`` (default) or ``torch.float8_e5m2``.
+        col_scale: float32 [cols] on x's device, or None.
 
     Returns:
         ``(q, scale)``: q a new contiguous [rows, cols] tensor of ``fp8_dtype``, scale float32 [rows].
 
     Raises:
         TypeError: ``x`` not a tensor or of another dtype; ``fp8_dtype`` not an FP8 format.
-        ValueError: ``x`` not 2-D.
+        ValueError: ``x`` not 2-D, ``col_scale`` of another shape or device (TypeError: not float32).
     """
     _check_quantize_input(x)
     _check_fp8_dtype("fp8_dtype", fp8_dtype)
-    return ops.call(quantize_rows_op, x, fp8_dtype)
+    _check_col_scale(x, col_scale)
+    return ops.call(quantize_rows_op, x, fp8_dtype, col_scale)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -614,7 +650,7 @@ def fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale:
 # --------------------------------------------------------------------------------------------------
 
 
-def _quantize_fake(x, fp8_dtype):
+def _quantize_fake(x, fp8_dtype, col_scale=None):
     return (x.new_empty(x.shape, dtype=fp8_dtype), x.new_empty((x.shape[0],), dtype=torch.float32))
 
 
@@ -622,8 +658,9 @@ def _matmul_fake(a, a_scale, b, b_scale, out_dtype, backend):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
-quantize_rows_op = ops.define("quantize_rows(Tensor x, ScalarType fp8_dtype) -> (Tensor, Tensor)",
-                              _quantize_launch, _quantize_fake)
+quantize_rows_op = ops.define(
+    "quantize_rows(Tensor x, ScalarType fp8_dtype, Tensor? col_scale=None) -> (Tensor, Tensor)",
+    _quantize_launch, _quantize_fake)
 fp8_matmul_op = ops.define(
     "fp8_matmul(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, ScalarType out_dtype, str backend) -> Tensor",
     _matmul_launch, _matmul_fake)

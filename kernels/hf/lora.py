@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.fp8_linear import Fp8Linear
 from kernels.gemm import KERNEL_DTYPES
 from kernels.lora import (
     GROUP_EPILOGUES,
@@ -62,6 +63,7 @@ from kernels.lora import (
     SwiGLULoRADownFunction,
     adapters_share_dtype,
 )
+from kernels.lora_fp8 import Fp8LoRAFunction, Fp8SwiGLULoRADownFunction
 
 # How the fused layer computes its two halves (``kernels.lora``): the benchmark flips these to
 # compare. The low-rank product first, then the base GEMM onto it: the faster order at the 8B shape
@@ -72,6 +74,9 @@ SKINNY = "cublas"
 # those are.
 SHARED_INPUT = True
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# How a base stored in FP8 (``patch_llama(fp8_base=True)``) computes its input gradient: one of
+# ``kernels.lora_fp8.GRAD_INPUTS``.
+GRAD_INPUT = "fp8"
 
 
 def lora_linear_class() -> type | None:
@@ -116,8 +121,8 @@ def why_not_fused(layer: torch.nn.Module) -> str | None:
     if getattr(layer, "fan_in_fan_out", False):
         return "fan_in_fan_out=True (a transposed base weight) is not fused"
     base = layer.get_base_layer()
-    if type(base) is not torch.nn.Linear:
-        return f"the base layer is {type(base).__name__}, not a plain nn.Linear (e.g. quantised)"
+    if type(base) not in (torch.nn.Linear, Fp8Linear):
+        return f"the base layer is {type(base).__name__}, not a plain nn.Linear or Fp8Linear (e.g. quantised)"
     if base.weight.dtype not in KERNEL_DTYPES:
         return f"the base weight is {base.weight.dtype}"
     return None
@@ -170,15 +175,52 @@ def _fused_forward(self, x, *args, **kwargs):
         cast = _cast(x)
         with torch.autocast(x.device.type, enabled=False) if cast is not None else contextlib.nullcontext():
             y = _group_call(self, x, cast)
-            if y is None:
+            if y is None and _fp8_base(self):
+                y = _fp8_call((self,), x, cast)[0]
+            elif y is None:
                 y = LoRALinearFunction.apply(x if cast is None else x.to(cast), *_adapter(self, cast))
     return y.reshape(*x.shape[:-1], self.get_base_layer().out_features)
+
+
+def _fp8_base(layer: torch.nn.Module) -> bool:
+    # Whether the layer's frozen base is stored in FP8 (patch_llama(fp8_base=True)).
+    return type(layer.get_base_layer()) is Fp8Linear
+
+
+def _fp8_adapter(layer: torch.nn.Module, cast: torch.dtype | None = None) -> tuple[tuple, float]:
+    # ((codes, scales, bias, A, B), s) of a layer over an FP8 base, the bias and adapters cast to
+    # ``cast`` where given (differentiably, as _adapter does).
+    w, name = layer.get_base_layer().fp8_weight, layer.active_adapters[0]
+    tensors = (w.bias, layer.lora_A[name].weight, layer.lora_B[name].weight)
+    if cast is not None:
+        tensors = tuple(t if t is None else t.to(cast) for t in tensors)
+    return (w.q, w.scale, *tensors), float(layer.scaling[name])
+
+
+def _fp8_call(members, x: torch.Tensor, cast: torch.dtype | None = None) -> tuple | None:
+    """The outputs of LoRA layers over FP8 bases on one input, as one ``Fp8LoRAFunction`` node
+    (x quantised once for all of them); None where their adapters' dtypes differ."""
+    layers = [_fp8_adapter(m, cast) for m in members]
+    if not adapters_share_dtype([t[3] for t, _ in layers], [t[4] for t, _ in layers]):
+        return None
+    params = [t for tensors, _ in layers for t in tensors]
+    return Fp8LoRAFunction.apply(x if cast is None else x.to(cast), GRAD_INPUT, tuple(s for _, s in layers),
+                                 *params)
+
+
+def _versioned(layer: torch.nn.Module) -> tuple:
+    # The tensors whose version counters say a layer changed: its base (the FP8 codes, or the
+    # weight and bias) and its adapters.
+    if _fp8_base(layer):
+        name = layer.active_adapters[0]
+        return layer.get_base_layer().q_bits, layer.lora_A[name].weight, layer.lora_B[name].weight
+    return tuple(t for t in _adapter(layer)[:4] if t is not None)
 
 
 def _state(layer: torch.nn.Module, x: torch.Tensor) -> tuple:
     # What a sibling's output was computed from: the input's and parameters' version counters, and
     # the grad mode.
-    tensors = (x, *(t for t in _adapter(layer)[:4] if t is not None))
+    tensors = (x, *_versioned(layer))
     return (torch.is_grad_enabled(), *((id(t), t._version) for t in tensors))
 
 
@@ -202,6 +244,10 @@ def _group_call(first: torch.nn.Module, x: torch.Tensor,
             # A sibling's pre-hook may change its input or weights after the group ran.
             or any(m._forward_pre_hooks for m in siblings)):
         return None
+    fp8 = [_fp8_base(m) for m in (first, *siblings)]
+    if any(fp8):
+        outputs = _fp8_call((first, *siblings), x, cast) if all(fp8) else None
+        return None if outputs is None else _leave_pending(siblings, x, outputs)
     plain = [_adapter(m)[:4] for m in (first, *siblings)]
     tensors = [t for layer in plain for t in layer if t is not None]
     if not all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors):
@@ -212,6 +258,12 @@ def _group_call(first: torch.nn.Module, x: torch.Tensor,
         return None
     outputs = LoRAGroupFunction.apply(x if cast is None else x.to(cast), EPILOGUE, SKINNY,
                                       tuple(layer[4] for layer in layers), *params)
+    return _leave_pending(siblings, x, outputs)
+
+
+def _leave_pending(siblings, x: torch.Tensor, outputs) -> torch.Tensor:
+    # Each sibling's output left for its own call (with what it was computed from); the first's
+    # returned.
     for sibling, y in zip(siblings, outputs[1:]):
         sibling.__dict__["_lora_pending"] = (x, _state(sibling, x), y)
     return outputs[0]
@@ -224,6 +276,11 @@ def _forward_after_swiglu(self, gate, up):
     if not _plain_call(self, gate):
         return None
     cast = _cast(gate)
+    if _fp8_base(self):
+        with torch.autocast(gate.device.type, enabled=False) if cast is not None else contextlib.nullcontext():
+            (q, ws, bias, a, b), s = _fp8_adapter(self, cast)
+            gate, up = (gate, up) if cast is None else (gate.to(cast), up.to(cast))
+            return Fp8SwiGLULoRADownFunction.apply(gate, up, GRAD_INPUT, s, q, ws, bias, a, b)
     if cast is None:
         return SwiGLULoRADownFunction.apply(gate, up, *_adapter(self))
     with torch.autocast(gate.device.type, enabled=False):

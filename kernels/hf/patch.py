@@ -71,6 +71,11 @@ Chapter 08 derives the first two, chapters 09 to 16 the rest:
   gets any is left as it was. What stays PEFT's is named in ``handle.left_off["lora"]`` with the
   reason.
 
+* **The frozen base in FP8** (``fp8_base``, off by default, chapter 18). On a PEFT LoRA model,
+  each frozen linear but the LM head is stored in FP8 (``kernels.hf.fp8_base``), and the fused LoRA
+  layers run their base GEMMs in FP8 (``kernels.lora_fp8``). One-way: ``undo()`` leaves the FP8
+  base in place; reload the model for bf16.
+
 * **The padding mask** (``additive_mask``). Where a batch needs its mask, SDPA attention receives it
   as one additive bias in the model's dtype, built once per forward pass, instead of a boolean mask
   that every attention call copies into such a bias and keeps for its backward
@@ -116,6 +121,8 @@ from .add_rmsnorm import describe as describe_fused_adds
 from .add_rmsnorm import find_decoder_layers, fuse_residual_adds
 from .attention import attention_choice, check_attention, use_flash_attention
 from .attention_mask import CAUSAL_CALL, check_sdpa, is_plain_causal_call, use_mask_function
+from .fp8_base import check_fp8_base, convert_base
+from .fp8_base import describe as describe_fp8_base
 from .lora import check_lora, enable_lora_fusion, has_lora_layers, lora_can_follow
 from .offload import check_offloadable, enable_checkpoint_offload
 from .rotary import RotarySwap, find_attention
@@ -995,6 +1002,11 @@ def _apply_offload(s: _Surgery, found) -> Callable[[], None]:
     return s.handle.offload.undo
 
 
+def _apply_fp8_base(s: _Surgery) -> None:
+    # One-way (kernels.hf.fp8_base): nothing to undo.
+    convert_base(s.model)
+
+
 def _apply_lora(s: _Surgery, found) -> Callable[[], None]:
     s.handle.lora = enable_lora_fusion(s.model)
     return s.handle.lora.undo
@@ -1077,6 +1089,9 @@ SWITCH_TABLE = (
            supersedes=("swiglu",)),
     Switch("offload_checkpoints", False, check_offloadable, _apply_offload,
            lambda p: "checkpoints offloaded to host memory" if p.offload is not None else None),
+    # The frozen base of PEFT's LoRA layers in FP8 (kernels.hf.fp8_base), before lora: one-way, no undo.
+    Switch("fp8_base", False, check_fp8_base, lambda s, found: _apply_fp8_base(s),
+           lambda p: describe_fp8_base(p.model)),
     # After the MLP switches: the hook that fuses layers PEFT puts in later looks at the modules present now.
     Switch("lora", lora_can_follow, lambda m: (check_lora(m), has_lora_layers(m))[1], _apply_lora,
            lambda p: p.lora.summary() if "lora" in p.kernels else None, status=_lora_status),
@@ -1176,7 +1191,7 @@ def patch_llama(
     cross_entropy: bool | None = None, linear_cross_entropy: bool | None = None, swiglu: bool | None = None,
     rope: bool | None = None, additive_mask: bool | None = None, skip_causal_mask: bool | None = None,
     tiled_mlp: bool | None = None, offload_checkpoints: bool | None = None, lora: bool | None = None,
-    attention: bool | None = None, add_rms_norm: bool | None = None,
+    attention: bool | None = None, add_rms_norm: bool | None = None, fp8_base: bool | None = None,
 ) -> LlamaPatch:
     """Put the workbook's kernels into a Hugging Face Llama (or Mistral, Qwen2, Qwen3), undoably.
 
@@ -1197,7 +1212,7 @@ def patch_llama(
             overwrites the logits and the output's ``logits`` is None; False keeps them (one more
             [tokens, vocab] buffer).
         rms_norm, cross_entropy, linear_cross_entropy, swiglu, rope, additive_mask, skip_causal_mask,
-        tiled_mlp, offload_checkpoints, lora, attention, add_rms_norm: one switch each, over
+        tiled_mlp, offload_checkpoints, lora, attention, add_rms_norm, fp8_base: one switch each, over
             ``kernels``: True requires it, False leaves it off, None follows ``kernels``
             (``patch_llama(model, swiglu=False)``: the defaults but SwiGLU).
 
@@ -1214,7 +1229,7 @@ def patch_llama(
                     swiglu=swiglu, rope=rope, additive_mask=additive_mask,
                     skip_causal_mask=skip_causal_mask, tiled_mlp=tiled_mlp,
                     offload_checkpoints=offload_checkpoints, lora=lora, attention=attention,
-                    add_rms_norm=add_rms_norm)
+                    add_rms_norm=add_rms_norm, fp8_base=fp8_base)
     required = _selection(kernels, keywords, model)
     _refuse_repatch(model)
     found, refused, waiting = _check_switches(model, required)

@@ -31,7 +31,7 @@ NORM_AND_LOSS = ("rms_norm", "cross_entropy")
 # Our attention replaces the two SDPA mask switches when on (tests/hf/test_attention_hf.py), and lora applies to PEFT
 # models only: neither is among these.
 SPEED_SWITCHES = tuple(name for name in SWITCHES
-                       if name not in ("tiled_mlp", "offload_checkpoints", "lora", "attention"))
+                       if name not in ("tiled_mlp", "offload_checkpoints", "lora", "attention", "fp8_base"))
 
 # model family -> (module, config class, model class, norm class)
 FAMILIES = {

@@ -25,6 +25,9 @@ from kernels.runtime import DeviceProps
 from kernels.tolerances import RELATIVE_ERROR_TOL as TOL
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# A GPU's FP8 tensor cores sum each K-tile with fewer bits than float32 before the float32 accumulator
+# (tests/kernels/test_fp8.py, the same bound): float32 output is exact to float32 only in the interpreter.
+OUT_TOL = {**TOL, torch.float32: TOL[torch.float32] if kernels_runtime.INTERPRET else 2.0**-12}
 
 
 def _weight(gen, n, k, device, dtype=torch.bfloat16, bias=False, fp8_dtype=torch.float8_e4m3fn):
@@ -113,7 +116,7 @@ def test_forward_is_the_fp8_product(dtype, device, gen):
     xq, xs = quantize_rows_reference(x.reshape(-1, 48))
     w = layer.fp8_weight
     exact = fp8_matmul_reference(xq, xs, w.q, w.scale, torch.float64, torch.float64) + linear.bias.double()
-    assert relative_error(y.reshape(-1, 33), exact) <= TOL[dtype]
+    assert relative_error(y.reshape(-1, 33), exact) <= OUT_TOL[dtype]
     # and the FP8 product is near the unquantised layer (a forgotten scale would be off by orders of magnitude)
     assert relative_error(y, linear(x)) < 0.1
 

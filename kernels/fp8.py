@@ -646,6 +646,56 @@ def fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale:
 
 
 # --------------------------------------------------------------------------------------------------
+# The transposed codes
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def transpose_codes_kernel(X, Y, rows, cols, BLOCK: tl.constexpr):
+    """One [BLOCK, BLOCK] tile of ``Y = Xᵀ`` for one-byte codes: loaded along X's rows, stored
+    along Y's (``tl.trans`` moves it through shared memory), so both sides are coalesced.
+
+    Args:
+        X: pointer to x [rows, cols] (uint8, contiguous); Y: pointer to y [cols, rows].
+        rows, cols: x's sizes; BLOCK: the tile's side.
+    """
+    r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    c = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tile = tl.load(X + r[:, None] * cols + c[None, :], mask=(r[:, None] < rows) & (c[None, :] < cols))
+    tl.store(Y + c[:, None] * rows + r[None, :], tl.trans(tile), mask=(c[:, None] < cols) & (r[None, :] < rows))
+
+
+def transpose_codes(q: torch.Tensor) -> torch.Tensor:
+    """``q.t().contiguous()`` for a 2-D FP8 tensor, by a Triton kernel on devices it runs on.
+
+    cuBLAS's FP8 GEMM reads both operands along the reduced dimension, so a GEMM that reduces over
+    a weight's other dimension (the input gradient) needs the codes transposed. PyTorch's copy moves
+    one byte at a time through strided addresses; the kernel moves tiles.
+
+    Args:
+        q: [rows, cols] in an FP8 dtype, contiguous.
+
+    Returns:
+        a new contiguous [cols, rows] tensor of q's dtype.
+
+    Raises:
+        TypeError: q not an FP8 tensor; ValueError: not 2-D or not contiguous.
+    """
+    if not isinstance(q, torch.Tensor) or q.dtype not in FP8_DTYPES:
+        raise TypeError(f"q must be an FP8 tensor, got {getattr(q, 'dtype', type(q).__name__)}")
+    if q.dim() != 2 or not q.is_contiguous():
+        raise ValueError(f"q must be 2-D and contiguous, got shape {tuple(q.shape)}, strides {q.stride()}")
+    rows, cols = q.shape
+    if q.numel() == 0 or not _triton_can_run(q.device):
+        return q.t().contiguous()
+    out = torch.empty((cols, rows), dtype=q.dtype, device=q.device)
+    block = 64
+    transpose_codes_kernel[(triton.cdiv(rows, block), triton.cdiv(cols, block))](
+        q.view(torch.uint8), out.view(torch.uint8), rows, cols, BLOCK=block, num_warps=4)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
 # Operators
 # --------------------------------------------------------------------------------------------------
 

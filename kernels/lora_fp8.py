@@ -8,8 +8,9 @@ The fused LoRA layer of ``kernels.lora`` with its frozen weight ``W`` replaced b
   quantised once (``fp8.quantize_rows``) for every layer of the group; each base output ``y_i =
   fp8_matmul(xq, xs, q_i, ws_i)`` (both scales in the GEMM's epilogue), then ``y_i += s_i · xa_i ·
   B_iᵀ`` (cuBLAS's β = 1 accumulate).
-* **saved**: x (bf16, for dA, as the bf16 layer saves it), xa, the codes and scales (the module's
-  buffers: no new memory), the adapters.
+* **saved**: x (bf16, for dA, as the bf16 layer saves it; or ``SAVED_INPUTS``' ``"fp8"``: the
+  codes and row scales the forward already made, half the bytes, dA then over FP8-rounded x), xa,
+  the weights' codes and scales (the module's buffers: no new memory), the adapters.
 * **backward**: ``dxa_i = s_i · dy_i · B_i``, ``dB_i = s_i · dy_iᵀ · xa_i``, all ``dA_i`` in one GEMM
   ``dxaᵀ · x``, and ``dx = dxa · [A_1; A_2; …] + Σ dy_i · Ŵ_i``. Each ``dy_i · Ŵ_i`` reduces over
   the output channels, the dimension the weight's scale runs along; so the scale moves onto dy's
@@ -31,12 +32,15 @@ from __future__ import annotations
 import torch
 
 from . import ops
-from .fp8 import fp8_matmul, quantize_rows
+from .fp8 import fp8_matmul, quantize_rows, transpose_codes
 from .fp8_linear import Fp8Weight, fp8_weight_grad_input_op
 from .lora import skinny_mm
 from .swiglu import inplace_backward_allowed, swiglu_backward, swiglu_backward_, swiglu_forward
 
 GRAD_INPUTS = ("fp8", "bf16")
+# What the node keeps of x for dA: x itself ("bf16"), or the codes and row scales the forward's FP8
+# GEMM read ("fp8": half the bytes; dA then sums FP8-rounded x, as an FP8 weight-gradient GEMM would).
+SAVED_INPUTS = ("bf16", "fp8")
 PER_LAYER = 5  # tensors per layer in ``Fp8LoRAFunction.apply``: codes, scales, bias, A, B
 
 
@@ -65,14 +69,14 @@ def base_grad_input(dy2: torch.Tensor, q: torch.Tensor, ws: torch.Tensor, grad_i
         return ops.call(fp8_weight_grad_input_op, dy2, q, ws)
     dyq, dys = quantize_rows(dy2, q.dtype, col_scale=ws)
     # _scaled_mm wants the operand it reduces over K-major: the codes transposed, one byte each.
-    qt = q.t().contiguous()
+    qt = transpose_codes(q)
     ones = torch.ones(qt.shape[0], dtype=torch.float32, device=qt.device)
     return fp8_matmul(dyq, dys, qt, ones, out_dtype=dy2.dtype)
 
 
 def group_forward(x2, qs, wss, biases, lora_as, lora_bs, scales):
-    """(outputs, xa) of layers on one 2-D input ``x2`` [tokens, in]: x quantised once, one FP8 GEMM
-    and one low-rank accumulate per layer.
+    """(outputs, xa, xq, xs) of layers on one 2-D input ``x2`` [tokens, in]: x quantised once (xq,
+    xs), one FP8 GEMM and one low-rank accumulate per layer.
 
     Args:
         x2: [tokens, in] in bf16, fp16 or fp32.
@@ -81,7 +85,8 @@ def group_forward(x2, qs, wss, biases, lora_as, lora_bs, scales):
         scales: per layer, s_i.
 
     Returns:
-        ``([y_i [tokens, out_i]], xa [tokens, Σ r_i])``.
+        ``([y_i [tokens, out_i]], xa [tokens, Σ r_i], xq, xs)``: the outputs, the adapters' first
+        product, and x's codes and row scales.
     """
     xa = x2 @ torch.cat([a.to(x2.dtype) for a in lora_as]).t()
     xq, xs = quantize_rows(x2, qs[0].dtype)
@@ -91,7 +96,7 @@ def group_forward(x2, qs, wss, biases, lora_as, lora_bs, scales):
         if bias is not None:
             y += bias.to(y.dtype)
         outputs.append(y.addmm_(xa[:, lo:hi], b.to(x2.dtype).t(), alpha=s))
-    return outputs, xa
+    return outputs, xa, xq, xs
 
 
 def group_backward(dys, x2, qs, wss, lora_as, lora_bs, xa, scales, need_dx: bool, grad_input: str):
@@ -116,10 +121,14 @@ def group_backward(dys, x2, qs, wss, lora_as, lora_bs, xa, scales, need_dx: bool
     d_as = [d_a[lo:hi] for lo, hi in bounds]
     if not need_dx:
         return None, d_as, d_bs
-    dx = dxa @ torch.cat([a.to(x2.dtype) for a in lora_as])
+    dx = None
     for dy, q, ws in zip(dys, qs, wss):
-        dx += base_grad_input(dy, q, ws, grad_input)
-    return dx, d_as, d_bs
+        base = base_grad_input(dy, q, ws, grad_input)
+        dx = base if dx is None else dx.add_(base)
+    # The low-rank term joins the first FP8 GEMM's output in cuBLAS's β = 1 epilogue: no pass of
+    # its own (the FP8 GEMM cannot accumulate into a tensor, so each further layer of a group costs
+    # an add).
+    return dx.addmm_(dxa, torch.cat([a.to(x2.dtype) for a in lora_as])), d_as, d_bs
 
 
 def _layers(params) -> tuple[list, ...]:
@@ -128,24 +137,29 @@ def _layers(params) -> tuple[list, ...]:
 
 
 class Fp8LoRAFunction(torch.autograd.Function):
-    """LoRA layers over FP8 bases on one input as one node. ``apply(x, grad_input, scales, q_1, ws_1,
-    bias_1, A_1, B_1, q_2, …)``: five per layer (a bias may be None); returns one 2-D output
-    [tokens, out_i] per layer. Gradients flow to x, the As and the Bs; the base is frozen."""
+    """LoRA layers over FP8 bases on one input as one node. ``apply(x, grad_input, saved_input,
+    scales, q_1, ws_1, bias_1, A_1, B_1, q_2, …)``: five per layer (a bias may be None); returns one
+    2-D output [tokens, out_i] per layer. Gradients flow to x, the As and the Bs; the base is
+    frozen."""
 
     @staticmethod
-    def forward(ctx, x, grad_input, scales, *params):
-        """Every layer's output on x's rows; save x, xa, the codes, scales and adapters.
+    def forward(ctx, x, grad_input, saved_input, scales, *params):
+        """Every layer's output on x's rows; save x (or its codes and scales), xa, the codes,
+        scales and adapters.
 
         Args:
             ctx: autograd's context.
-            x: [..., in]; grad_input: one of ``GRAD_INPUTS``; scales: one s_i per layer.
+            x: [..., in]; grad_input: one of ``GRAD_INPUTS``; saved_input: one of
+            ``SAVED_INPUTS``; scales: one s_i per layer.
             params: five per layer: codes, scales, bias (or None), A, B.
         """
         qs, wss, biases, lora_as, lora_bs = _layers(params)
         x2 = x.reshape(-1, x.shape[-1])
-        outputs, xa = group_forward(x2, qs, wss, biases, lora_as, lora_bs, scales)
-        ctx.save_for_backward(x2, xa, *qs, *wss, *lora_as, *lora_bs)
+        outputs, xa, xq, xs = group_forward(x2, qs, wss, biases, lora_as, lora_bs, scales)
+        kept = (xq, xs) if saved_input == "fp8" else (x2,)
+        ctx.save_for_backward(xa, *qs, *wss, *lora_as, *lora_bs, *kept)
         ctx.n, ctx.scales, ctx.grad_input, ctx.x_shape = len(qs), scales, grad_input, x.shape
+        ctx.x_dtype = x.dtype
         return tuple(outputs)
 
     @staticmethod
@@ -157,18 +171,21 @@ class Fp8LoRAFunction(torch.autograd.Function):
             ctx: autograd's context.
             dys: one output gradient per layer.
         """
-        x2, xa, *rest = ctx.saved_tensors
+        xa, *rest = ctx.saved_tensors
         n = ctx.n
         qs, wss, lora_as, lora_bs = (rest[i * n:(i + 1) * n] for i in range(4))
+        kept = rest[4 * n:]
+        # x for dA: as saved, or dequantised from the forward's codes
+        x2 = kept[0] if len(kept) == 1 else (kept[0].float() * kept[1][:, None]).to(ctx.x_dtype)
         dys = [dy.reshape(-1, dy.shape[-1]) for dy in dys]
         dx, d_as, d_bs = group_backward(dys, x2, qs, wss, lora_as, lora_bs, xa, ctx.scales,
                                         ctx.needs_input_grad[0], ctx.grad_input)
-        needs = ctx.needs_input_grad[3:]
+        needs = ctx.needs_input_grad[4:]
         grads = []
         for i in range(n):
             need_a, need_b = needs[PER_LAYER * i + 3], needs[PER_LAYER * i + 4]
             grads += [None, None, None, d_as[i] if need_a else None, d_bs[i] if need_b else None]
-        return (None if dx is None else dx.reshape(ctx.x_shape), None, None, *grads)
+        return (None if dx is None else dx.reshape(ctx.x_shape), None, None, None, *grads)
 
 
 class Fp8SwiGLULoRADownFunction(torch.autograd.Function):
@@ -186,7 +203,7 @@ class Fp8SwiGLULoRADownFunction(torch.autograd.Function):
             q, ws, bias, lora_a, lora_b: the layer.
         """
         h2 = swiglu_forward(gate, up).reshape(-1, gate.shape[-1])
-        (y,), xa = group_forward(h2, [q], [ws], [bias], [lora_a], [lora_b], [scale])
+        (y,), xa, _, _ = group_forward(h2, [q], [ws], [bias], [lora_a], [lora_b], [scale])
         del h2
         ctx.save_for_backward(gate, up, q, ws, lora_a, lora_b, xa)
         ctx.scale, ctx.grad_input = scale, grad_input
@@ -217,7 +234,7 @@ class Fp8SwiGLULoRADownFunction(torch.autograd.Function):
 
 
 def fp8_lora_linear(x: torch.Tensor, weight: Fp8Weight, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                    scale: float, grad_input: str = "fp8") -> torch.Tensor:
+                    scale: float, grad_input: str = "fp8", saved_input: str = "bf16") -> torch.Tensor:
     """``x · Ŵᵀ + bias + s · (x · Aᵀ) · Bᵀ`` with the frozen weight in FP8, as one node (chapter 18).
 
     Args:
@@ -227,6 +244,7 @@ def fp8_lora_linear(x: torch.Tensor, weight: Fp8Weight, lora_a: torch.Tensor, lo
             them and to x.
         scale: s (PEFT's ``scaling``).
         grad_input: one of ``GRAD_INPUTS``.
+        saved_input: one of ``SAVED_INPUTS``.
 
     Returns:
         [..., out] in x's dtype.
@@ -236,17 +254,17 @@ def fp8_lora_linear(x: torch.Tensor, weight: Fp8Weight, lora_a: torch.Tensor, lo
         ValueError: shapes or devices that do not fit, an unknown ``grad_input``.
         RuntimeError: a device without the FP8 kernels (``fp8_linear.require_fp8``).
     """
-    check_fp8_lora(x, weight, lora_a, lora_b, grad_input)
-    (y,) = Fp8LoRAFunction.apply(x, grad_input, (float(scale),), weight.q, weight.scale, weight.bias,
+    check_fp8_lora(x, weight, lora_a, lora_b, grad_input, saved_input)
+    (y,) = Fp8LoRAFunction.apply(x, grad_input, saved_input, (float(scale),), weight.q, weight.scale, weight.bias,
                                  lora_a, lora_b)
     return y.reshape(*x.shape[:-1], weight.q.shape[0])
 
 
-def check_fp8_lora(x, weight, lora_a, lora_b, grad_input: str) -> None:
+def check_fp8_lora(x, weight, lora_a, lora_b, grad_input: str, saved_input: str = "bf16") -> None:
     """A clear error unless ``fp8_lora_linear`` can compute these arguments.
 
     Args:
-        x, weight, lora_a, lora_b, grad_input: ``fp8_lora_linear``'s.
+        x, weight, lora_a, lora_b, grad_input, saved_input: ``fp8_lora_linear``'s.
 
     Raises:
         TypeError, ValueError, RuntimeError: as ``fp8_lora_linear``.
@@ -263,6 +281,8 @@ def check_fp8_lora(x, weight, lora_a, lora_b, grad_input: str) -> None:
             raise ValueError(f"{name} must be on the weight's device {weight.q.device}, got {t.device}")
     if grad_input not in GRAD_INPUTS:
         raise ValueError(f"grad_input must be one of {GRAD_INPUTS}, got {grad_input!r}")
+    if saved_input not in SAVED_INPUTS:
+        raise ValueError(f"saved_input must be one of {SAVED_INPUTS}, got {saved_input!r}")
     out, k = weight.q.shape
     if x.dim() == 0 or x.shape[-1] != k:
         raise ValueError(f"x must be [..., {k}] (the weight is [{out}, {k}]), got shape {tuple(x.shape)}")

@@ -89,7 +89,8 @@ LABELS = {
 # --------------------------------------------------------------------------------------------------
 
 
-def build_llama(preset: str, dtype: torch.dtype, device: torch.device, seed: int = 0) -> torch.nn.Module:
+def build_llama(preset: str, dtype: torch.dtype, device: torch.device, seed: int = 0,
+                **overrides) -> torch.nn.Module:
     """A ``LlamaForCausalLM`` of ``preset`` built on ``device`` in ``dtype`` (random weights, SDPA,
     no cache).
 
@@ -98,13 +99,14 @@ def build_llama(preset: str, dtype: torch.dtype, device: torch.device, seed: int
         dtype: the weights' dtype.
         device: where the weights are made.
         seed: the random weights' seed.
+        **overrides: ``LlamaConfig`` settings that replace the preset's (``num_hidden_layers=4``).
 
     Returns:
         The model, in training mode.
     """
     from transformers import LlamaForCausalLM
 
-    config = llama_config(preset)
+    config = llama_config(preset, **overrides)
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()

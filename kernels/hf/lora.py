@@ -77,6 +77,8 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 # How a base stored in FP8 (``patch_llama(fp8_base=True)``) computes its input gradient: one of
 # ``kernels.lora_fp8.GRAD_INPUTS``.
 GRAD_INPUT = "fp8"
+# What such a node keeps of its input for dA (``kernels.lora_fp8.SAVED_INPUTS``).
+SAVED_INPUT = "bf16"
 
 
 def lora_linear_class() -> type | None:
@@ -204,8 +206,8 @@ def _fp8_call(members, x: torch.Tensor, cast: torch.dtype | None = None) -> tupl
     if not adapters_share_dtype([t[3] for t, _ in layers], [t[4] for t, _ in layers]):
         return None
     params = [t for tensors, _ in layers for t in tensors]
-    return Fp8LoRAFunction.apply(x if cast is None else x.to(cast), GRAD_INPUT, tuple(s for _, s in layers),
-                                 *params)
+    return Fp8LoRAFunction.apply(x if cast is None else x.to(cast), GRAD_INPUT, SAVED_INPUT,
+                                 tuple(s for _, s in layers), *params)
 
 
 def _versioned(layer: torch.nn.Module) -> tuple:

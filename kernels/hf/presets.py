@@ -4,8 +4,9 @@
   key/value heads), vocabulary 2,048 (the size of the tokenizer that ``kernels.training.data``
   trains), so the CPU gets through a step in well under a second on the code paths a real Llama
   takes;
-* ``"llama-3.2-1b"`` and ``"llama-3.1-8b"``: the published shapes of those models (vocabulary
-  128,256, rope theta 500,000, the llama3 RoPE frequency scaling, GQA 32/8).
+* ``"llama-3.2-1b"``, ``"llama-3.1-8b"`` and ``"llama-3.1-70b"``: the published shapes of those
+  models (vocabulary 128,256, rope theta 500,000, the llama3 RoPE frequency scaling, GQA 32/8 and
+  64/8 for 70B).
 
 They sit in the Hugging Face wing because they are transformers ``LlamaConfig`` objects and nothing
 more: the benchmarks read parameter shapes from them without building a model
@@ -79,6 +80,20 @@ _PRESET_ARGS: dict[str, dict] = {
         bos_token_id=128000,
         eos_token_id=128001,
     ),
+    "llama-3.1-70b": dict(
+        vocab_size=128256,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+        rope_scaling=dict(_LLAMA3_ROPE, factor=8.0),
+        bos_token_id=128000,
+        eos_token_id=128001,
+    ),
 }
 
 
@@ -118,7 +133,8 @@ def llama_config(preset: str = "tiny", **overrides) -> LlamaConfig:
     (``notebooks/01_profile_baseline.ipynb`` first).
 
     Args:
-        preset: a name of ``PRESETS``: ``"tiny"``, ``"llama-3.2-1b"`` or ``"llama-3.1-8b"``.
+        preset: a name of ``PRESETS``: ``"tiny"``, ``"llama-3.2-1b"``, ``"llama-3.1-8b"`` or
+            ``"llama-3.1-70b"``.
         **overrides: ``LlamaConfig`` settings that replace the preset's.
 
     Returns:

@@ -32,10 +32,11 @@ def _layer(gen, n, k, r, device, dtype=torch.bfloat16, adapter_dtype=torch.float
     return weight, a, bb
 
 
-def _expected(x, weight, a, b, s, dy, grad_input):
+def _expected(x, weight, a, b, s, dy, grad_input, saved_input="bf16"):
     """Float64 output and gradients of x, A, B, with the same FP8 roundings as the kernels (x's rows for the base
-    GEMM, dy's rows times the weight's scales for the FP8 input gradient)."""
+    GEMM, dy's rows times the weight's scales for the FP8 input gradient, x's codes for dA where they are saved)."""
     x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+    x_for_da = x2.to(F64) if saved_input == "bf16" else _dequant(*quantize_rows_reference(x2)).to(x.dtype).to(F64)
     w = _dequant(weight.q, weight.scale)
     af, bf = a.detach().to(x.dtype).to(F64), b.detach().to(x.dtype).to(F64)
     xa = x2.to(F64) @ af.T
@@ -49,7 +50,7 @@ def _expected(x, weight, a, b, s, dy, grad_input):
     else:
         dx = dy2.to(F64) @ w.to(x.dtype).to(F64)
     dx = dx + dxa @ af
-    return y, dx, dxa.T @ x2.to(F64), s * dy2.to(F64).T @ xa
+    return y, dx, dxa.T @ x_for_da, s * dy2.to(F64).T @ xa
 
 
 def test_column_scale_is_applied_before_the_row_scale(device, gen):
@@ -86,16 +87,17 @@ def test_base_grad_input_moves_the_weight_scale_onto_dy(grad_input, device, gen)
     assert relative_error(dx, dy.to(F64) @ _dequant(weight.q, weight.scale)) < 0.05
 
 
+@pytest.mark.parametrize("saved_input", ["bf16", "fp8"])
 @pytest.mark.parametrize("grad_input", ["fp8", "bf16"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_one_layer_against_float64(grad_input, bias, device, gen):
+def test_one_layer_against_float64(grad_input, saved_input, bias, device, gen):
     weight, a, b = _layer(gen, 48, 64, 8, device, bias=bias)
     x = torch.randn(2, 19, 64, generator=gen).to(device, torch.bfloat16).requires_grad_()
-    y = fp8_lora_linear(x, weight, a, b, 2.0, grad_input)
+    y = fp8_lora_linear(x, weight, a, b, 2.0, grad_input, saved_input)
     assert y.shape == (2, 19, 48) and y.dtype == torch.bfloat16
     dy = torch.randn(y.shape, generator=gen).to(device, torch.bfloat16)
     y.backward(dy)
-    ey, edx, eda, edb = _expected(x.detach(), weight, a, b, 2.0, dy, grad_input)
+    ey, edx, eda, edb = _expected(x.detach(), weight, a, b, 2.0, dy, grad_input, saved_input)
     assert relative_error(y.reshape(-1, 48), ey) <= TOL[torch.bfloat16]
     assert relative_error(x.grad.reshape(-1, 64), edx) <= TOL[torch.bfloat16]
     assert a.grad.dtype == torch.float32 and b.grad.dtype == torch.float32
@@ -112,7 +114,7 @@ def test_a_group_quantises_x_once_and_sums_the_input_gradients(device, gen, monk
     real = lora_fp8.quantize_rows
     monkeypatch.setattr(lora_fp8, "quantize_rows", lambda t, *args, **kw: calls.append(t.shape) or real(t, *args, **kw))
     params = [t for w, a, b in layers for t in (w.q, w.scale, w.bias, a, b)]
-    ys = Fp8LoRAFunction.apply(x, "fp8", (1.0, 2.0, 0.5), *params)
+    ys = Fp8LoRAFunction.apply(x, "fp8", "bf16", (1.0, 2.0, 0.5), *params)
     assert calls == [(23, 64)]  # x quantised once for the three layers
     dys = [torch.randn(y.shape, generator=gen).to(device, torch.bfloat16) for y in ys]
     torch.autograd.backward(ys, dys)
@@ -159,6 +161,8 @@ def test_refusals(device, gen):
         fp8_lora_linear(x, weight, a, b.detach().to(torch.bfloat16), 1.0)
     with pytest.raises(ValueError, match="grad_input must be one of"):
         fp8_lora_linear(x, weight, a, b, 1.0, "e5m2")
+    with pytest.raises(ValueError, match="saved_input must be one of"):
+        fp8_lora_linear(x, weight, a, b, 1.0, "fp8", "fp16")
     with pytest.raises(TypeError, match="x must be"):
         fp8_lora_linear(x.to(torch.int32), weight, a, b, 1.0)
 
@@ -169,7 +173,7 @@ def test_gpu_8b_group(grad_input, gen):
     layers = [_layer(gen, n, 4096, 16, "cuda") for n in (4096, 1024, 1024)]
     x = torch.randn(512, 4096, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
     params = [t for w, a, b in layers for t in (w.q, w.scale, w.bias, a, b)]
-    ys = Fp8LoRAFunction.apply(x, grad_input, (2.0, 2.0, 2.0), *params)
+    ys = Fp8LoRAFunction.apply(x, grad_input, "bf16", (2.0, 2.0, 2.0), *params)
     dys = [torch.randn(y.shape, generator=gen).to("cuda", torch.bfloat16) for y in ys]
     torch.autograd.backward(ys, dys)
     edx = torch.zeros(512, 4096, dtype=F64, device="cuda")
@@ -179,3 +183,33 @@ def test_gpu_8b_group(grad_input, gen):
         assert relative_error(y, ey) <= TOL[torch.bfloat16]
         assert relative_error(a.grad, eda) <= TOL[torch.bfloat16] and relative_error(b.grad, edb) <= TOL[torch.bfloat16]
     assert relative_error(x.grad, edx) <= TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (37, 70), (130, 65), (0, 5), (64, 128)])
+def test_transpose_codes(shape, device, gen):
+    from kernels.fp8 import transpose_codes
+
+    q = torch.randn(shape, generator=gen).to(device).to(torch.float8_e5m2)
+    t = transpose_codes(q)
+    assert t.shape == shape[::-1] and t.dtype == q.dtype and t.is_contiguous()
+    assert torch.equal(t.view(torch.uint8), q.t().contiguous().view(torch.uint8))
+
+
+def test_transpose_codes_refusals(device):
+    from kernels.fp8 import transpose_codes
+
+    with pytest.raises(TypeError, match="FP8 tensor"):
+        transpose_codes(torch.ones(3, 4, device=device))
+    with pytest.raises(ValueError, match="2-D and contiguous"):
+        transpose_codes(torch.ones(4, 3, device=device).to(torch.float8_e4m3fn).t())
+
+
+@pytest.mark.parametrize("saved_input", ["bf16", "fp8"])
+def test_what_the_node_keeps_of_x(saved_input, device, gen):
+    weight, a, b = _layer(gen, 32, 64, 4, device)
+    x = torch.randn(40, 64, generator=gen).to(device, torch.bfloat16).requires_grad_()
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append((t.dtype, tuple(t.shape))) or t, lambda t: t):
+        fp8_lora_linear(x, weight, a, b, 1.0, "fp8", saved_input)
+    assert ((torch.bfloat16, (40, 64)) in kept) == (saved_input == "bf16")
+    assert ((torch.float8_e4m3fn, (40, 64)) in kept) == (saved_input == "fp8")

@@ -34,6 +34,9 @@ EXPECTED = {
                          num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, params=1_235_814_400),
     "llama-3.1-8b": dict(num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                          num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, params=8_030_261_248),
+    # Llama-3.1-70B's published count: 70,553,706,496
+    "llama-3.1-70b": dict(num_hidden_layers=80, hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
+                          num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, params=70_553_706_496),
 }
 
 
@@ -54,7 +57,7 @@ def test_tiny_preset_takes_the_real_code_paths():
     config = llama_config("tiny")
     assert config.num_key_value_heads < config.num_attention_heads  # grouped-query attention
     assert config._attn_implementation == "sdpa" and not config.use_cache
-    assert set(PRESETS) == {"tiny", "llama-3.2-1b", "llama-3.1-8b"}
+    assert set(PRESETS) == {"tiny", "llama-3.2-1b", "llama-3.1-8b", "llama-3.1-70b"}
     assert all(callable(make) and make().hidden_size > 0 for make in PRESETS.values())
 
 

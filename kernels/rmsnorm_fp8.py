@@ -114,6 +114,26 @@ def code_disagreements(q: torch.Tensor, q_ref: torch.Tensor) -> tuple[int, int]:
     return int(differ.sum()), int(steps[differ].max())
 
 
+def scales_agree(scale: torch.Tensor, scale_ref: torch.Tensor, interpreter: bool) -> bool:
+    """Whether the fused kernel's row scales are the two kernels': equal (NaN where NaN) in the
+    interpreter; on a GPU within 2⁻²² of each other (a few float32 rounding steps: the two kernels'
+    sums of squares may round apart, the module docstring says why).
+
+    Args:
+        scale, scale_ref: float32 [rows].
+        interpreter: whether the kernels ran in Triton's interpreter.
+
+    Returns:
+        True where they agree.
+    """
+    if not torch.equal(scale.isnan(), scale_ref.isnan()):
+        return False
+    a, b = scale[~scale.isnan()], scale_ref[~scale_ref.isnan()]
+    if interpreter:
+        return torch.equal(a, b)
+    return bool(((a - b).abs() <= 2.0**-22 * b.abs()).all())
+
+
 def disagreement_allowed(count: int, steps: int, numel: int, interpreter: bool) -> bool:
     """Whether a fused result's codes are close enough to the two kernels' (the module docstring):
     equal in the interpreter; on a GPU at most one code in a million (one for a smaller tensor),

@@ -15,7 +15,14 @@ from kernels import runtime as kernels_runtime
 from kernels.fp8 import FP8_DTYPES, fp8_format, quantize_rows
 from kernels.reference import rms_norm_reference
 from kernels.rmsnorm import cached_forward_config, rms_norm
-from kernels.rmsnorm_fp8 import MAX_HIDDEN, code_disagreements, disagreement_allowed, rms_norm_fp8, rms_norm_fp8_config
+from kernels.rmsnorm_fp8 import (
+    MAX_HIDDEN,
+    code_disagreements,
+    disagreement_allowed,
+    rms_norm_fp8,
+    rms_norm_fp8_config,
+    scales_agree,
+)
 from kernels.runtime import DeviceProps
 
 IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -43,7 +50,7 @@ def _assert_same_as_two_kernels(x, w, fp8_dtype):
     q_ref, scale_ref = quantize_rows(rms_norm(x, w, EPS).reshape(-1, x.shape[-1]), fp8_dtype)
     assert q.dtype == fp8_dtype and q.shape == q_ref.shape and q.is_contiguous()
     assert scale.dtype == torch.float32 and scale.shape == scale_ref.shape
-    torch.testing.assert_close(scale, scale_ref, rtol=0, atol=0, equal_nan=True)
+    assert scales_agree(scale, scale_ref, kernels_runtime.INTERPRET), (scale, scale_ref)
     count, steps = code_disagreements(q, q_ref)
     assert disagreement_allowed(count, steps, q.numel(), kernels_runtime.INTERPRET), (count, steps)
     return q, scale
@@ -238,3 +245,14 @@ def test_code_disagreements_counts_steps():
     assert disagreement_allowed(1, 1, 10, interpreter=False) and not disagreement_allowed(1, 2, 10, interpreter=False)
     assert disagreement_allowed(33, 1, 33_554_432, interpreter=False)
     assert not disagreement_allowed(34, 1, 33_554_432, interpreter=False)
+
+
+def test_scales_agree():
+    a = torch.tensor([1.0, float("nan"), 3.0])
+    assert scales_agree(a, a.clone(), interpreter=True)
+    b = a.clone()
+    b[2] = torch.nextafter(b[2], torch.tensor(4.0))  # one float32 step apart
+    assert not scales_agree(a, b, interpreter=True) and scales_agree(a, b, interpreter=False)
+    b[2] = 3.0 * (1 + 2.0**-20)
+    assert not scales_agree(a, b, interpreter=False)
+    assert not scales_agree(a, torch.tensor([1.0, 2.0, 3.0]), interpreter=False)  # a NaN lost

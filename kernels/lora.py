@@ -480,8 +480,15 @@ def lora_linear_reference(x, weight, bias, lora_a, lora_b, scale):
 GROUP_EPILOGUES = ("cublas", "cublas_lowrank_first")
 
 
-def _bounds(lora_as) -> list[tuple[int, int]]:
-    # Each adapter's columns of the concatenated xa (and rows of the concatenated A).
+def adapter_columns(lora_as) -> list[tuple[int, int]]:
+    """Each adapter's columns of a group's concatenated xa (and rows of the concatenated A).
+
+    Args:
+        lora_as: the group's A matrices, [r_i, in] each.
+
+    Returns:
+        ``[(start, end), ...]``, one per adapter.
+    """
     bounds, lo = [], 0
     for a in lora_as:
         bounds.append((lo, lo + a.shape[0]))
@@ -506,9 +513,33 @@ def group_forward(x2, weights, biases, lora_as, lora_bs, scales, epilogue):
     """
     xa = x2 @ _stacked(lora_as, x2.dtype).t()
     outputs = []
-    for (lo, hi), w, bias, b, s in zip(_bounds(lora_as), weights, biases, lora_bs, scales):
+    for (lo, hi), w, bias, b, s in zip(adapter_columns(lora_as), weights, biases, lora_bs, scales):
         outputs.append(_cublas_output(x2, w, bias, xa[:, lo:hi], b.to(x2.dtype), s, epilogue))
     return outputs, xa
+
+
+def adapter_grads(dys, x2, lora_as, lora_bs, xa, scales, skinny: str = "cublas"):
+    """The adapters' side of a group's backward: ``dxa`` [tokens, Σr] (each layer's ``s_i·dy_i·B_i``),
+    every ``dA_i`` from one GEMM ``dxaᵀ · x`` and each ``dB_i = s_i·dy_iᵀ·xa_i``, in the adapters'
+    dtype. Shared by the bf16 group and the FP8-base group (``kernels.lora_fp8``).
+
+    Args:
+        dys: one [tokens, out_i] gradient per layer.
+        x2, lora_as, lora_bs, xa, scales: the forward's input, adapters, ``xa`` and scales.
+        skinny: how dA and dB are reduced (one of ``SKINNY``).
+
+    Returns:
+        ``(dxa, [dA_i], [dB_i])``.
+    """
+    bounds = adapter_columns(lora_as)
+    dxas, d_bs = [], []
+    for (lo, hi), dy, b, s in zip(bounds, dys, lora_bs, scales):
+        dxa = dy @ b.to(dy.dtype)
+        dxas.append(dxa.mul_(s))  # s·dy·B: the gradient of this layer's columns of xa
+        d_bs.append(skinny_mm(dy, xa[:, lo:hi], s, b.dtype, skinny))  # s·dyᵀ·xa_i
+    dxa = torch.cat(dxas, dim=1)
+    d_a = skinny_mm(dxa, x2, 1.0, lora_as[0].dtype, skinny)  # every dA_i in one GEMM: x read once
+    return dxa, [d_a[lo:hi] for lo, hi in bounds], d_bs
 
 
 def group_backward(dys, x2, weights, lora_as, lora_bs, xa, scales, need_dx, epilogue, skinny):
@@ -521,15 +552,7 @@ def group_backward(dys, x2, weights, lora_as, lora_bs, xa, scales, need_dx, epil
         need_dx: whether to compute dx.
         epilogue: one of ``GROUP_EPILOGUES``; skinny: how dA and dB are reduced.
     """
-    bounds = _bounds(lora_as)
-    dxas, d_bs = [], []
-    for (lo, hi), dy, b, s in zip(bounds, dys, lora_bs, scales):
-        dxa = dy @ b.to(dy.dtype)
-        dxas.append(dxa.mul_(s))  # s·dy·B: the gradient of this layer's columns of xa
-        d_bs.append(skinny_mm(dy, xa[:, lo:hi], s, b.dtype, skinny))  # s·dyᵀ·xa_i
-    dxa = torch.cat(dxas, dim=1)
-    d_a = skinny_mm(dxa, x2, 1.0, lora_as[0].dtype, skinny)  # every dA_i in one GEMM: x read once
-    d_as = [d_a[lo:hi] for lo, hi in bounds]
+    dxa, d_as, d_bs = adapter_grads(dys, x2, lora_as, lora_bs, xa, scales, skinny)
     if not need_dx:
         return None, d_as, d_bs
     return _cublas_input_grad(dys, weights, dxa, _stacked(lora_as, x2.dtype), epilogue), d_as, d_bs

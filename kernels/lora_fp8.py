@@ -34,7 +34,7 @@ import torch
 from . import ops
 from .fp8 import fp8_matmul, quantize_rows, transpose_codes
 from .fp8_linear import Fp8Weight, fp8_weight_grad_input_op
-from .lora import skinny_mm
+from .lora import adapter_columns, adapter_grads
 from .swiglu import inplace_backward_allowed, swiglu_backward, swiglu_backward_, swiglu_forward
 
 GRAD_INPUTS = ("fp8", "bf16")
@@ -42,15 +42,6 @@ GRAD_INPUTS = ("fp8", "bf16")
 # GEMM read ("fp8": half the bytes; dA then sums FP8-rounded x, as an FP8 weight-gradient GEMM would).
 SAVED_INPUTS = ("bf16", "fp8")
 PER_LAYER = 5  # tensors per layer in ``Fp8LoRAFunction.apply``: codes, scales, bias, A, B
-
-
-def _columns(lora_as) -> list[tuple[int, int]]:
-    # Each adapter's columns of the concatenated xa (and rows of the concatenated A).
-    bounds, lo = [], 0
-    for a in lora_as:
-        bounds.append((lo, lo + a.shape[0]))
-        lo += a.shape[0]
-    return bounds
 
 
 def base_grad_input(dy2: torch.Tensor, q: torch.Tensor, ws: torch.Tensor, grad_input: str = "fp8") -> torch.Tensor:
@@ -91,7 +82,7 @@ def group_forward(x2, qs, wss, biases, lora_as, lora_bs, scales):
     xa = x2 @ torch.cat([a.to(x2.dtype) for a in lora_as]).t()
     xq, xs = quantize_rows(x2, qs[0].dtype)
     outputs = []
-    for (lo, hi), q, ws, bias, b, s in zip(_columns(lora_as), qs, wss, biases, lora_bs, scales):
+    for (lo, hi), q, ws, bias, b, s in zip(adapter_columns(lora_as), qs, wss, biases, lora_bs, scales):
         y = fp8_matmul(xq, xs, q, ws, out_dtype=x2.dtype)
         if bias is not None:
             y += bias.to(y.dtype)
@@ -111,14 +102,7 @@ def group_backward(dys, x2, qs, wss, lora_as, lora_bs, xa, scales, need_dx: bool
     Returns:
         dx [tokens, in] (None without ``need_dx``), and each adapter's gradients in its own dtype.
     """
-    bounds = _columns(lora_as)
-    dxas, d_bs = [], []
-    for (lo, hi), dy, b, s in zip(bounds, dys, lora_bs, scales):
-        dxas.append((dy @ b.to(dy.dtype)).mul_(s))  # s·dy·B: the gradient of this layer's xa
-        d_bs.append(skinny_mm(dy, xa[:, lo:hi], s, b.dtype))  # s·dyᵀ·xa_i
-    dxa = torch.cat(dxas, dim=1)
-    d_a = skinny_mm(dxa, x2, 1.0, lora_as[0].dtype)  # every dA_i in one GEMM: x read once
-    d_as = [d_a[lo:hi] for lo, hi in bounds]
+    dxa, d_as, d_bs = adapter_grads(dys, x2, lora_as, lora_bs, xa, scales)
     if not need_dx:
         return None, d_as, d_bs
     dx = None

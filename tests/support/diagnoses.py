@@ -22,3 +22,13 @@ def says(wording: str, message: str) -> bool:
 def sentence(wording: str) -> str:
     """The words that tell a diagnosis apart: the longest stretch of its wording between fields."""
     return max(_FIELD.split(wording), key=len)
+
+
+def key_words(wording: str) -> str:
+    """The words a verdict must contain to carry this diagnosis: the longest stretch of its wording between
+    fields, up to its first colon (where that leaves 15 characters or more), at most 60 characters."""
+    longest = sentence(wording)
+    head = longest.split(":")[0]
+    words = (head if len(head) >= 15 else longest)[:60]
+    assert len(words.strip()) >= 10, f"{wording!r}: no words to look for"
+    return words

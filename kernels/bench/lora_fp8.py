@@ -13,12 +13,13 @@ other on the same batches (``kernels.bench.lora``'s steps: tokens/s, peak, first
 * **the same, x kept in FP8**: the FP8 input gradient, and each node keeping the codes of its input
   for dA rather than the bf16 input (``kernels.hf.lora.SAVED_INPUT = "fp8"``).
 
-``--mode accuracy``: a smaller model of the same widths (``--layers``, default 4) trained for
-``--train-steps`` (default 200) on a few repeated batches, from the same adapters, once with the
-bf16 base and once with the FP8 base (both patched): the two loss curves, the last losses' ratio,
-and the adapters' gradients of the first step against the bf16 ones; plus one layer's output error
-on inputs with outlier channels (a few channels a hundred times the others, as real activations
-have).
+``--mode accuracy``: a smaller model of the same widths (``--layers``, default 4; 2 on a CPU)
+trained for ``--train-steps`` (default 200; 6 on a CPU) on a few repeated batches, from the same
+adapters, once per entry of ``RUNS`` (the bf16 base; the FP8 base with the FP8 input gradient, with
+the bf16 one, and with x kept in FP8; all patched): the loss curves, the last losses against the
+bf16 run's, and the first step's adapter gradients against the bf16 run's (beside PEFT's own bf16
+layers'); plus one layer's output error on inputs with outlier channels (a few channels a hundred
+times the others, as real activations have).
 
 ``--mode 70b``: Llama-3.1-70B's shape (random weights) built on the meta device and materialised
 one decoder layer at a time straight into FP8 (the bf16 model, 131 GiB, never exists), PEFT LoRA on
@@ -491,9 +492,9 @@ def run(args: argparse.Namespace, log=print) -> dict:
     if args.mode == "step":
         body = run_step(preset, batch, seq, args.rank, args.alpha, warmup, steps, log=log, profile=args.profile)
     elif args.mode == "accuracy":
-        settings.update(layers=args.layers, train_steps=args.train_steps, lr=args.lr)
-        body = run_accuracy(preset, args.layers, batch, seq, args.rank, args.alpha, args.train_steps, args.lr,
-                            log=log)
+        layers, train_steps = args.layers or runtime.pick(2, 4), args.train_steps or runtime.pick(6, 200)
+        settings.update(layers=layers, train_steps=train_steps, lr=args.lr)
+        body = run_accuracy(preset, layers, batch, seq, args.rank, args.alpha, train_steps, args.lr, log=log)
     else:
         body = run_70b(preset, batch, seq, args.rank, args.alpha, warmup, steps, args.checkpointing, log=log)
     return {"group": GROUP, "mode": args.mode, "device": runtime.device_name(), "device_slug": device_slug(),
@@ -516,8 +517,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--alpha", type=cli.positive_float, default=32.0)
     parser.add_argument("--warmup", type=cli.non_negative_int, default=None)
     parser.add_argument("--steps", type=cli.positive_int, default=None, help="timed steps (default 5; CPU 1)")
-    parser.add_argument("--layers", type=cli.positive_int, default=4, help="decoder layers (accuracy mode)")
-    parser.add_argument("--train-steps", type=cli.positive_int, default=200, help="steps per run (accuracy mode)")
+    parser.add_argument("--layers", type=cli.positive_int, default=None,
+                        help="decoder layers (accuracy mode; default 4, CPU 2)")
+    parser.add_argument("--train-steps", type=cli.positive_int, default=None,
+                        help="steps per run (accuracy mode; default 200, CPU 6)")
     parser.add_argument("--lr", type=cli.positive_float, default=1e-3, help="AdamW's rate (accuracy mode)")
     parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing (70b mode)")
     parser.add_argument("--profile", action="store_true", help="each kernel's time in one step (step mode)")

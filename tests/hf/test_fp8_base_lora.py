@@ -161,3 +161,26 @@ def test_patch_fp8_base_refusals(device, gen):
     with pytest.raises(ValueError, match="requires grad"):
         patch_llama(lora, fp8_base=True)
     assert not any(isinstance(m, Fp8Linear) for m in lora.modules())  # refused before anything changed
+
+
+def test_fp8_base_under_gradient_checkpointing_and_generate(lora_and_batch):
+    """The real clients: Hugging Face's gradient checkpointing recomputes the FP8 nodes (the same loss and gradients
+    as without it), and generate runs the converted model in eval mode under no_grad."""
+    from kernels.hf.patch import patch_llama
+
+    lora, ids = lora_and_batch
+    handle = patch_llama(lora, fp8_base=True)
+    _, loss, grads = _step(lora, ids)
+    lora.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lora.enable_input_require_grads()
+    _, ckpt_loss, ckpt_grads = _step(lora, ids)
+    # the recomputed forward is the same computation (to the last bits a GPU's reduction order may move)
+    assert abs(ckpt_loss - loss) <= 2.0**-20 * loss
+    assert all(relative_error(ckpt_grads[n], grads[n]) <= 2.0**-20 for n in grads)
+    lora.base_model.model.gradient_checkpointing_disable()
+    lora.eval()
+    with torch.no_grad():
+        out = lora.generate(input_ids=ids[:1, :8], max_new_tokens=4, do_sample=False,
+                            pad_token_id=0, eos_token_id=None)
+    assert out.shape == (1, 12) and torch.equal(out[:, :8], ids[:1, :8])
+    handle.undo()

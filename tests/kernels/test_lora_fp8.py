@@ -4,6 +4,8 @@ down node, adapters in float32, the refusals; on a GPU, an 8B-like group."""
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kernels.fp8 import quantize_rows, quantize_rows_reference
 from kernels.fp8_linear import Fp8Weight
@@ -213,3 +215,30 @@ def test_what_the_node_keeps_of_x(saved_input, device, gen):
         fp8_lora_linear(x, weight, a, b, 1.0, "fp8", saved_input)
     assert ((torch.bfloat16, (40, 64)) in kept) == (saved_input == "bf16")
     assert ((torch.float8_e4m3fn, (40, 64)) in kept) == (saved_input == "fp8")
+
+
+@settings(max_examples=8, deadline=None)
+@given(tokens=st.integers(0, 20), n_in=st.integers(1, 40), n_out=st.integers(1, 40), rank=st.integers(1, 6),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), transposed=st.booleans(),
+       grad_input=st.sampled_from(["fp8", "bf16"]), saved_input=st.sampled_from(["bf16", "fp8"]),
+       seed=st.integers(0, 2**31))
+def test_any_shape_dtype_and_view(tokens, n_in, n_out, rank, dtype, transposed, grad_input, saved_input, seed):
+    """Odd sizes, no tokens, every input dtype, a transposed view of x: the float64 answer of the same roundings."""
+    from kernels import runtime
+
+    device = runtime.device()
+    gen = torch.Generator().manual_seed(seed)
+    weight, a, b = _layer(gen, n_out, n_in, rank, device, dtype=dtype)
+    base = torch.randn(n_in, tokens, generator=gen) if transposed else torch.randn(tokens, n_in, generator=gen)
+    x = (base.t() if transposed else base).to(device, dtype).requires_grad_()
+    y = fp8_lora_linear(x, weight, a, b, 1.5, grad_input, saved_input)
+    assert y.shape == (tokens, n_out) and y.dtype == dtype
+    dy = torch.randn(y.shape, generator=gen).to(device, dtype)
+    y.backward(dy)
+    assert x.grad.shape == x.shape and a.grad.shape == a.shape and b.grad.shape == b.shape
+    if tokens == 0:  # nothing to sum: the adapters' gradients are zeros, as PyTorch's would be
+        assert not a.grad.any() and not b.grad.any()
+        return
+    ey, edx, eda, edb = _expected(x.detach(), weight, a, b, 1.5, dy, grad_input, saved_input)
+    for got, want in ((y, ey), (x.grad, edx), (a.grad, eda), (b.grad, edb)):
+        assert relative_error(got, want) <= 2 * TOL[dtype]

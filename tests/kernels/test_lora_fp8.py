@@ -242,3 +242,22 @@ def test_any_shape_dtype_and_view(tokens, n_in, n_out, rank, dtype, transposed, 
     ey, edx, eda, edb = _expected(x.detach(), weight, a, b, 1.5, dy, grad_input, saved_input)
     for got, want in ((y, ey), (x.grad, edx), (a.grad, eda), (b.grad, edb)):
         assert relative_error(got, want) <= 2 * TOL[dtype]
+
+
+def test_under_torch_compile(device, gen, fresh_dynamo):
+    """torch.compile (aot_eager: the tracing, not Inductor's code) gives the eager node's output and gradients."""
+    weight, a, b = _layer(gen, 24, 48, 4, device)
+    x = torch.randn(2, 7, 48, generator=gen).to(device, torch.bfloat16).requires_grad_()
+    dy = torch.randn(2, 7, 24, generator=gen).to(device, torch.bfloat16)
+
+    def layer(x, a, b):
+        return fp8_lora_linear(x, weight, a, b, 2.0)
+
+    results = []
+    for fn in (layer, torch.compile(layer, backend="aot_eager")):
+        y = fn(x, a, b)
+        y.backward(dy)
+        results.append([y.detach(), x.grad, a.grad, b.grad])
+        x.grad = a.grad = b.grad = None
+    for eager, compiled in zip(*results):
+        assert torch.equal(eager, compiled)

@@ -38,12 +38,18 @@ module). On a model that never gets LoRA layers the hook finds none and changes 
 **Each call decides.** The fused path runs when the call is the plain case it computes, checked on
 attributes at each call (PEFT's state can change between steps): adapters enabled and not merged,
 exactly one active adapter, vanilla LoRA (no DoRA or other variant), dropout an identity (p = 0), no
-bias on ``lora_B``, ``fan_in_fan_out`` off, the base a plain ``nn.Linear``, no extra arguments, and
-the input in the base weight's dtype, or any dtype under autocast (the Trainer's and TRL's
-``bf16=True``): then the node computes in autocast's dtype, its operands cast as autocast casts
+bias on ``lora_B``, ``fan_in_fan_out`` off, the base a plain ``nn.Linear`` (or an ``Fp8Linear``, below),
+no extra arguments, and the input in the base weight's dtype, or any dtype under autocast (the
+Trainer's and TRL's ``bf16=True``): then the node computes in autocast's dtype, its operands cast as autocast casts
 PEFT's. Anything else runs PEFT's forward, unchanged. The layers found so far that stay on PEFT's
 path are listed, with the reason, in ``handle.left_off["lora"]`` (after the first forward for layers
 added after the patch).
+
+**A base stored in FP8** (``patch_llama(fp8_base=True)``, chapter 18): a layer whose base is a
+``kernels.fp8_linear.Fp8Linear`` runs ``kernels.lora_fp8``'s node instead, grouped on a shared input
+the same way, and down_proj over the SwiGLU as ``Fp8SwiGLULoRADownFunction``; ``GRAD_INPUT`` and
+``SAVED_INPUT`` choose its input gradient and what it keeps of x. A group mixing FP8 and bf16 bases
+runs layer by layer.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ import torch
 
 from . import ops
 from .fp8 import fp8_matmul, quantize_rows, transpose_codes
-from .fp8_linear import Fp8Weight, fp8_weight_grad_input_op
+from .fp8_linear import Fp8Weight, fp8_weight_grad_input_op, require_fp8
 from .lora import adapter_columns, adapter_grads
 from .swiglu import inplace_backward_allowed, swiglu_backward, swiglu_backward_, swiglu_forward
 
@@ -253,8 +253,6 @@ def check_fp8_lora(x, weight, lora_a, lora_b, grad_input: str, saved_input: str 
     Raises:
         TypeError, ValueError, RuntimeError: as ``fp8_lora_linear``.
     """
-    from .fp8_linear import require_fp8
-
     if not isinstance(weight, Fp8Weight):
         raise TypeError(f"weight must be an Fp8Weight (Fp8Weight.from_linear), got {type(weight).__name__}")
     for name, t in (("x", x), ("lora_a", lora_a), ("lora_b", lora_b)):

@@ -159,6 +159,24 @@ def lora_config(rank: int, alpha: float, use_rslora: bool = False):
                            use_rslora=use_rslora, task_type="CAUSAL_LM")
 
 
+def restore_adapters(net, initial: dict) -> list[torch.nn.Parameter]:
+    """Put every trained parameter of ``net`` back to its starting value, so that each setup of a
+    comparison starts from the same adapters.
+
+    Args:
+        net: the model.
+        initial: each trained parameter's starting value, keyed by the parameter.
+
+    Returns:
+        the trained parameters, in ``net.parameters()``' order.
+    """
+    trained = [p for p in net.parameters() if p.requires_grad]
+    with torch.no_grad():
+        for p in trained:
+            p.copy_(initial[p])
+    return trained
+
+
 def time_steps(model, batches: list[dict], warmup: int, steps: int, optimizer=None) -> dict:
     """Run ``warmup`` then ``steps`` training steps; tokens/s of the timed ones, the peak, the first loss.
 
@@ -258,10 +276,7 @@ def run_setups(preset: str, batch: int, seq: int, rank: int, alpha: float, warmu
         log(f"  {LABELS[name]} …", flush=True)
         optimizer = None
         if adapters:
-            trained = [p for p in net.parameters() if p.requires_grad]
-            with torch.no_grad():
-                for p in trained:
-                    p.copy_(initial[p])
+            trained = restore_adapters(net, initial)
             optimizer = torch.optim.AdamW(trained, lr=1e-4, fused=device.type == "cuda")
         try:
             rows[name] = time_steps(net, batches, warmup, steps, optimizer)

@@ -46,7 +46,7 @@ from kernels.hf.presets import llama_config
 from kernels.reference import relative_error
 
 from . import cli
-from .lora import GIB, build_llama, lora_config, make_batches, time_steps
+from .lora import GIB, build_llama, lora_config, make_batches, restore_adapters, time_steps
 from .progress import progress_bar
 from .results import device_slug, first_line, results_file
 
@@ -91,10 +91,7 @@ def _measure(rows: dict, name: str, net, batches, warmup: int, steps: int, initi
     """One setup's timed steps from the initial adapters with a fresh AdamW, into ``rows[name]``
     (with ``kernel_profile``'s table where ``profile``)."""
     log(f"  {LABELS[name]} …", flush=True)
-    trained = [p for p in net.parameters() if p.requires_grad]
-    with torch.no_grad():
-        for p in trained:
-            p.copy_(initial[p])
+    trained = restore_adapters(net, initial)
     optimizer = torch.optim.AdamW(trained, lr=1e-4, fused=batches[0]["input_ids"].is_cuda)
     try:
         rows[name] = time_steps(net, batches, warmup, steps, optimizer)
@@ -191,10 +188,7 @@ def speedups(rows: dict) -> dict:
 
 def _train(net, batches, train_steps: int, lr: float, initial: dict) -> list[float]:
     """``train_steps`` AdamW steps from the initial adapters; the losses."""
-    trained = [p for p in net.parameters() if p.requires_grad]
-    with torch.no_grad():
-        for p in trained:
-            p.copy_(initial[p])
+    trained = restore_adapters(net, initial)
     optimizer = torch.optim.AdamW(trained, lr=lr, fused=batches[0]["input_ids"].is_cuda)
     losses = []
     for i in progress_bar(range(train_steps), desc="steps"):
@@ -237,10 +231,8 @@ def layer_output_error(n_in: int, n_out: int, tokens: int, device, seed: int = 0
 
 def _first_grads(net, batch: dict, initial: dict) -> dict:
     """The adapters' gradients of one step from the initial adapters (float64, by name)."""
+    restore_adapters(net, initial)
     trained = {n: p for n, p in net.named_parameters() if p.requires_grad}
-    with torch.no_grad():
-        for p in trained.values():
-            p.copy_(initial[p])
     net(**batch).loss.backward()
     grads = {n: p.grad.double().clone() for n, p in trained.items()}
     net.zero_grad(set_to_none=True)

@@ -46,15 +46,14 @@ def check_fp8_base(model: torch.nn.Module) -> list[torch.nn.Module]:
                         "it with peft.get_peft_model first, then patch (PEFT does not place adapters on an FP8 "
                         "layer)")
     cls = lora_linear_class()
-    layers = [m for m in model.modules() if type(m) is cls]
-    for name, module in model.named_modules():
-        if type(module) is cls:
-            base = module.get_base_layer()
-            trained = [p for p in (getattr(base, "weight", None), getattr(base, "bias", None))
-                       if isinstance(p, torch.Tensor) and p.requires_grad]
-            if trained:
-                raise ValueError(f"fp8_base stores frozen weights only, and the base of {name} requires grad: freeze "
-                                 "it (PEFT freezes the base unless told otherwise) or leave fp8_base off")
+    named = [(name, m) for name, m in model.named_modules() if type(m) is cls]
+    for name, module in named:
+        base = module.get_base_layer()
+        if any(isinstance(p, torch.Tensor) and p.requires_grad
+               for p in (getattr(base, "weight", None), getattr(base, "bias", None))):
+            raise ValueError(f"fp8_base stores frozen weights only, and the base of {name} requires grad: freeze "
+                             "it (PEFT freezes the base unless told otherwise) or leave fp8_base off")
+    layers = [m for _, m in named]
     for device in {m.get_base_layer().weight.device for m in layers}:
         require_fp8(device)
     return layers

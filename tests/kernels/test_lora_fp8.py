@@ -261,3 +261,22 @@ def test_under_torch_compile(device, gen, fresh_dynamo):
         x.grad = a.grad = b.grad = None
     for eager, compiled in zip(*results):
         assert torch.equal(eager, compiled)
+
+
+@settings(max_examples=8, deadline=None)
+@given(rows=st.integers(0, 12), cols=st.integers(0, 70), transposed=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       fp8_dtype=st.sampled_from([torch.float8_e4m3fn, torch.float8_e5m2]), seed=st.integers(0, 2**31))
+def test_column_scale_any_shape_and_view(rows, cols, transposed, dtype, fp8_dtype, seed):
+    """quantize_rows with col_scale: the reference's bits for any size (empty too), dtype, format and a transposed x."""
+    from kernels import runtime
+
+    device = runtime.device()
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randn(cols, rows, generator=gen) if transposed else torch.randn(rows, cols, generator=gen)
+    x = (base.t() if transposed else base).to(device, dtype)
+    cs = torch.logspace(-2, 2, cols).to(device)
+    q, s = quantize_rows(x, fp8_dtype, col_scale=cs)
+    rq, rs = quantize_rows_reference(x, fp8_dtype, col_scale=cs)
+    assert q.shape == (rows, cols) and s.shape == (rows,)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
